@@ -1,0 +1,134 @@
+//! The catalog: the verified snapshots this agent can offer as a source.
+//!
+//! Owns the in-memory list of valid snapshot files (path, format, size, mtime,
+//! seq M), answers "latest snapshot of format F", publishes a change
+//! generation that tests and sessions can await, and keeps the
+//! `kvsync_snapshot_latest_*` gauges true. It does not look at the disk: the
+//! watcher decides what goes in.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+use std::time::SystemTime;
+
+use tokio::sync::watch;
+
+use crate::metrics::Metrics;
+use crate::snapshot::{Format, SnapshotInfo};
+
+/// One offered snapshot file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CatalogEntry {
+    pub path: PathBuf,
+    pub mtime: SystemTime,
+    pub info: SnapshotInfo,
+}
+
+impl CatalogEntry {
+    pub fn format(&self) -> Format {
+        self.info.format
+    }
+
+    /// Modification time in unix nanoseconds (part of the cache key).
+    pub fn mtime_ns(&self) -> i128 {
+        system_time_ns(self.mtime)
+    }
+}
+
+/// Unix nanoseconds of a `SystemTime` (negative before 1970).
+pub fn system_time_ns(t: SystemTime) -> i128 {
+    match t.duration_since(SystemTime::UNIX_EPOCH) {
+        Ok(d) => d.as_nanos() as i128,
+        Err(e) => -(e.duration().as_nanos() as i128),
+    }
+}
+
+/// Thread-safe set of offered snapshots.
+pub struct Catalog {
+    entries: RwLock<BTreeMap<PathBuf, Arc<CatalogEntry>>>,
+    generation: watch::Sender<u64>,
+    metrics: Arc<Metrics>,
+}
+
+impl Catalog {
+    pub fn new(metrics: Arc<Metrics>) -> Arc<Catalog> {
+        Arc::new(Catalog {
+            entries: RwLock::default(),
+            generation: watch::channel(0).0,
+            metrics,
+        })
+    }
+
+    /// Adds or replaces the entry for `entry.path`.
+    pub fn upsert(&self, entry: CatalogEntry) {
+        let changed = {
+            let mut map = self.entries.write().expect("catalog lock");
+            let old = map.insert(entry.path.clone(), Arc::new(entry.clone()));
+            old.as_deref() != Some(&entry)
+        };
+        if changed {
+            self.changed();
+        }
+    }
+
+    /// Removes the entry for `path`; returns whether one existed.
+    pub fn remove(&self, path: &Path) -> bool {
+        let removed = self.entries.write().expect("catalog lock").remove(path).is_some();
+        if removed {
+            self.changed();
+        }
+        removed
+    }
+
+    /// Removes every entry under `dir` (the directory went away).
+    pub fn remove_under(&self, dir: &Path) {
+        let before = {
+            let mut map = self.entries.write().expect("catalog lock");
+            let before = map.len();
+            map.retain(|p, _| !p.starts_with(dir));
+            before != map.len()
+        };
+        if before {
+            self.changed();
+        }
+    }
+
+    /// The entry for `path`, if offered.
+    pub fn get(&self, path: &Path) -> Option<Arc<CatalogEntry>> {
+        self.entries.read().expect("catalog lock").get(path).cloned()
+    }
+
+    /// The newest snapshot of `format`: highest seq, then newest mtime.
+    pub fn latest(&self, format: Format) -> Option<Arc<CatalogEntry>> {
+        self.entries
+            .read()
+            .expect("catalog lock")
+            .values()
+            .filter(|e| e.format() == format)
+            .max_by_key(|e| (e.info.seq, e.mtime))
+            .cloned()
+    }
+
+    /// Every offered snapshot, by path.
+    pub fn list(&self) -> Vec<Arc<CatalogEntry>> {
+        self.entries.read().expect("catalog lock").values().cloned().collect()
+    }
+
+    /// A receiver whose value changes whenever the catalog does.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.generation.subscribe()
+    }
+
+    fn changed(&self) {
+        for format in [Format::Kvr1, Format::RedisRdb] {
+            let (seq, bytes) = self
+                .latest(format)
+                .map(|e| (e.info.seq as i64, e.info.size as i64))
+                .unwrap_or((0, 0));
+            let label = [format.as_str()];
+            self.metrics.snapshot_latest_seq.with_label_values(&label).set(seq);
+            self.metrics.snapshot_latest_bytes.with_label_values(&label).set(bytes);
+        }
+        self.generation.send_modify(|g| *g += 1);
+    }
+}

@@ -1,0 +1,435 @@
+//! Agent configuration: the TOML schema, its defaults, and `validate()`.
+//!
+//! Owns parsing (serde, `deny_unknown_fields`, human sizes and durations) and
+//! the semantic checks that report every bad setting at once, each with its
+//! key. It does not open sockets or directories; callers do that with the
+//! values found here. CLI flags override the file in `cli`.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use bytesize::ByteSize;
+use serde::{Deserialize, Serialize};
+
+use crate::snapshot::Format;
+
+/// The whole agent configuration (one TOML file).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Name of this agent in logs, status and handoff records.
+    pub node_id: String,
+    /// Directory the local KV writes its snapshots to (source role) and where
+    /// received snapshots are installed (replica role).
+    pub snapshot_dir: PathBuf,
+    /// Format of the snapshots in `snapshot_dir`.
+    pub snapshot_format: Format,
+    pub grpc: GrpcConfig,
+    pub data: DataConfig,
+    pub transport: TransportConfig,
+    pub metrics: MetricsConfig,
+    pub handoff: HandoffConfig,
+    pub cache: CacheConfig,
+    pub watch: WatchConfig,
+    pub sync: SyncConfig,
+}
+
+/// Control plane (gRPC) settings.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GrpcConfig {
+    /// Address the gRPC server binds (`host:port`; port 0 picks a free port).
+    pub listen: String,
+}
+
+/// Data plane settings.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// Address of the TCP data listener (`host:port`).
+    pub tcp_listen: String,
+    /// Port of the RDMA CM listener.
+    pub rdma_port: u16,
+}
+
+/// Which data transport a sync uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TransportMode {
+    /// Never probe RDMA.
+    Tcp,
+    /// Require RDMA (fail unless `fallback_to_tcp`).
+    Rdma,
+    /// Probe; RDMA if usable, else TCP.
+    Auto,
+}
+
+/// Transport and BLK3 bulk-phase tuning.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TransportConfig {
+    pub mode: TransportMode,
+    /// RDMA Write chunk size in MiB (1..=32).
+    pub chunk_mb: u32,
+    /// RDMA Writes in flight, posted as one linked list (1..=1024).
+    pub pipeline: u32,
+    /// Signal every n-th Write (1..=pipeline).
+    pub signal_batch: u32,
+    /// With `mode = "rdma"`, retry a failed RDMA session over TCP.
+    pub fallback_to_tcp: bool,
+}
+
+/// Prometheus endpoint.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// Address serving `/metrics` (empty string disables the endpoint).
+    pub listen: String,
+}
+
+/// How a received snapshot is handed to the local KV.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HandoffMode {
+    /// Only the `.replmeta` record.
+    File,
+    /// Send a templated line to the KV's admin address, expect `+OK`.
+    Command,
+    /// Run a program with `KVSYNC_*` variables.
+    Exec,
+    /// Redis/Valkey restart with `replicaof`.
+    Redis,
+}
+
+/// Handoff settings.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HandoffConfig {
+    pub mode: HandoffMode,
+    /// `command` mode: the KV's admin address (`host:port`).
+    pub command_addr: String,
+    /// `command` mode: the line sent; `{seq}`, `{path}`, `{source}` are replaced.
+    pub command_template: String,
+    /// `exec` mode: program and arguments.
+    pub exec: Vec<String>,
+    /// Deadline for the KV to accept the handoff.
+    #[serde(with = "humantime_serde")]
+    pub timeout: Duration,
+}
+
+/// Shared snapshot cache (source side).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CacheConfig {
+    /// Most memory all loaded snapshot buffers may take together.
+    pub memory_budget: ByteSize,
+    /// How long a new session waits for budget before it is refused.
+    #[serde(with = "humantime_serde")]
+    pub acquire_timeout: Duration,
+}
+
+/// Snapshot directory watcher.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WatchConfig {
+    /// A file must be quiet this long before it is validated.
+    #[serde(with = "humantime_serde")]
+    pub debounce: Duration,
+    /// Full rescan interval (a safety net for missed events).
+    #[serde(with = "humantime_serde")]
+    pub rescan_interval: Duration,
+}
+
+/// Replica-side sync jobs.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SyncConfig {
+    /// Completed syncs kept in status.
+    pub keep_recent: usize,
+    /// Lifetime of a data-plane session token handed out by a source.
+    #[serde(with = "humantime_serde")]
+    pub session_token_ttl: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            node_id: default_node_id(),
+            snapshot_dir: PathBuf::from("/var/lib/kvstore/snapshots"),
+            snapshot_format: Format::Kvr1,
+            grpc: GrpcConfig::default(),
+            data: DataConfig::default(),
+            transport: TransportConfig::default(),
+            metrics: MetricsConfig::default(),
+            handoff: HandoffConfig::default(),
+            cache: CacheConfig::default(),
+            watch: WatchConfig::default(),
+            sync: SyncConfig::default(),
+        }
+    }
+}
+
+fn default_node_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "kvsync".to_string())
+}
+
+impl Default for GrpcConfig {
+    fn default() -> Self {
+        GrpcConfig { listen: "127.0.0.1:35101".into() }
+    }
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        DataConfig { tcp_listen: "127.0.0.1:35102".into(), rdma_port: 35201 }
+    }
+}
+
+impl Default for TransportConfig {
+    fn default() -> Self {
+        TransportConfig {
+            mode: TransportMode::Auto,
+            chunk_mb: 4,
+            pipeline: 32,
+            signal_batch: 8,
+            fallback_to_tcp: true,
+        }
+    }
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        MetricsConfig { listen: "127.0.0.1:9464".into() }
+    }
+}
+
+impl Default for HandoffConfig {
+    fn default() -> Self {
+        HandoffConfig {
+            mode: HandoffMode::File,
+            command_addr: String::new(),
+            command_template: "REPLMETA {seq} {path}".into(),
+            exec: Vec::new(),
+            timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        CacheConfig { memory_budget: ByteSize::gib(8), acquire_timeout: Duration::from_secs(60) }
+    }
+}
+
+impl Default for WatchConfig {
+    fn default() -> Self {
+        WatchConfig { debounce: Duration::from_millis(500), rescan_interval: Duration::from_secs(30) }
+    }
+}
+
+impl Default for SyncConfig {
+    fn default() -> Self {
+        SyncConfig { keep_recent: 32, session_token_ttl: Duration::from_secs(60) }
+    }
+}
+
+/// One bad setting: the dotted key and what is wrong with it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    pub key: String,
+    pub message: String,
+}
+
+impl std::fmt::Display for Problem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.key, self.message)
+    }
+}
+
+/// Why a configuration could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    /// The file is not valid TOML for this schema (unknown key, wrong type).
+    #[error("invalid config {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    /// Settings parsed but are not usable; every problem is listed.
+    #[error("invalid config: {}", .0.iter().map(|p| p.to_string()).collect::<Vec<_>>().join("; "))]
+    Invalid(Vec<Problem>),
+}
+
+impl Config {
+    /// Reads, parses and validates a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
+        let config = Config::parse(&text)
+            .map_err(|message| ConfigError::Parse { path: path.to_owned(), message })?;
+        config.validate().map_err(ConfigError::Invalid)?;
+        Ok(config)
+    }
+
+    /// Parses TOML text (no validation).
+    pub fn parse(text: &str) -> Result<Config, String> {
+        toml::from_str(text).map_err(|e| e.to_string())
+    }
+
+    /// Checks every setting and returns all problems found.
+    pub fn validate(&self) -> Result<(), Vec<Problem>> {
+        let mut problems = Vec::new();
+        let mut bad = |key: &str, message: String| {
+            problems.push(Problem { key: key.to_string(), message })
+        };
+        if self.node_id.trim().is_empty() {
+            bad("node_id", "must not be empty".into());
+        }
+        if !self.snapshot_dir.is_absolute() {
+            bad("snapshot_dir", format!("must be an absolute path, got {:?}", self.snapshot_dir));
+        }
+        if self.snapshot_format == Format::RedisRdb {
+            bad("snapshot_format", "\"redis-rdb\" is not supported by this build yet; use \"kvr1\"".into());
+        }
+        for (key, value, may_be_empty) in [
+            ("grpc.listen", &self.grpc.listen, false),
+            ("data.tcp_listen", &self.data.tcp_listen, false),
+            ("metrics.listen", &self.metrics.listen, true),
+        ] {
+            if !(may_be_empty && value.is_empty()) && value.parse::<SocketAddr>().is_err() {
+                bad(key, format!("expected ip:port, got {value:?}"));
+            }
+        }
+        if self.data.rdma_port == 0 {
+            bad("data.rdma_port", "must be a fixed port (1..=65535)".into());
+        }
+        let t = &self.transport;
+        if !(1..=32).contains(&t.chunk_mb) {
+            bad("transport.chunk_mb", format!("must be 1..=32, got {}", t.chunk_mb));
+        }
+        if !(1..=1024).contains(&t.pipeline) {
+            bad("transport.pipeline", format!("must be 1..=1024, got {}", t.pipeline));
+        }
+        if t.signal_batch == 0 || t.signal_batch > t.pipeline {
+            bad(
+                "transport.signal_batch",
+                format!("must be 1..=pipeline ({}), got {}", t.pipeline, t.signal_batch),
+            );
+        }
+        let h = &self.handoff;
+        match h.mode {
+            HandoffMode::Command if h.command_addr.parse::<SocketAddr>().is_err() => bad(
+                "handoff.command_addr",
+                format!("mode \"command\" needs the KV admin address ip:port, got {:?}", h.command_addr),
+            ),
+            HandoffMode::Exec if h.exec.is_empty() => {
+                bad("handoff.exec", "mode \"exec\" needs a program to run".into())
+            }
+            _ => {}
+        }
+        if h.mode == HandoffMode::Command && h.command_template.trim().is_empty() {
+            bad("handoff.command_template", "must not be empty".into());
+        }
+        if h.timeout.is_zero() {
+            bad("handoff.timeout", "must be greater than zero".into());
+        }
+        if self.cache.memory_budget.as_u64() == 0 {
+            bad("cache.memory_budget", "must be greater than zero".into());
+        }
+        if self.watch.debounce > Duration::from_secs(60) {
+            bad("watch.debounce", "must be at most 60s".into());
+        }
+        if self.watch.rescan_interval < Duration::from_secs(1) {
+            bad("watch.rescan_interval", "must be at least 1s".into());
+        }
+        if self.sync.session_token_ttl.is_zero() {
+            bad("sync.session_token_ttl", "must be greater than zero".into());
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(problems)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid() {
+        let mut c = Config::default();
+        c.node_id = "n".into();
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn reference_config_parses_and_validates() {
+        let text = include_str!("../deploy/kvsync.toml");
+        let c = Config::parse(text).unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.node_id, "primary-1");
+        assert_eq!(c.cache.memory_budget, ByteSize::gib(8));
+        assert_eq!(c.transport.mode, TransportMode::Auto);
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected() {
+        let err = Config::parse("[grpc]\nlisten = \"127.0.0.1:1\"\nlisen = 3\n").unwrap_err();
+        assert!(err.contains("lisen"), "{err}");
+        let err = Config::parse("nodeid = \"x\"").unwrap_err();
+        assert!(err.contains("nodeid"), "{err}");
+    }
+
+    #[test]
+    fn human_sizes_and_durations() {
+        let c = Config::parse(
+            "[cache]\nmemory_budget = \"256MiB\"\nacquire_timeout = \"2m 30s\"\n[watch]\ndebounce = \"250ms\"",
+        )
+        .unwrap();
+        assert_eq!(c.cache.memory_budget.as_u64(), 256 << 20);
+        assert_eq!(c.cache.acquire_timeout, Duration::from_secs(150));
+        assert_eq!(c.watch.debounce, Duration::from_millis(250));
+    }
+
+    #[test]
+    fn validate_reports_every_problem_with_its_key() {
+        let c = Config::parse(
+            r#"
+node_id = ""
+snapshot_dir = "relative/dir"
+[grpc]
+listen = "nowhere"
+[transport]
+chunk_mb = 64
+pipeline = 4
+signal_batch = 8
+[handoff]
+mode = "command"
+[cache]
+memory_budget = 0
+"#,
+        )
+        .unwrap();
+        let problems = c.validate().unwrap_err();
+        let keys: Vec<&str> = problems.iter().map(|p| p.key.as_str()).collect();
+        for key in [
+            "node_id",
+            "snapshot_dir",
+            "grpc.listen",
+            "transport.chunk_mb",
+            "transport.signal_batch",
+            "handoff.command_addr",
+            "cache.memory_budget",
+        ] {
+            assert!(keys.contains(&key), "{key} missing from {keys:?}");
+        }
+        assert_eq!(problems.len(), 7, "{problems:?}");
+    }
+}

@@ -1,0 +1,27 @@
+//! kvsync — a replication sidecar that moves full KV snapshots between hosts.
+//!
+//! An agent runs next to every KV server. On a source it watches the snapshot
+//! directory and serves snapshots from a shared in-memory cache; on a replica
+//! it pulls a snapshot, verifies its checksum, installs it durably and hands
+//! its sequence number M to the local KV. See `DESIGN.md` for the full flow.
+//!
+//! The modules follow that flow:
+//! - [`config`] — the TOML configuration and its validation.
+//! - [`snapshot`] — snapshot formats and their streaming verifiers.
+//! - [`catalog`] / [`watch`] — which snapshots this agent offers, and the
+//!   directory watcher that fills the catalog.
+//! - [`buf`] — page-aligned buffers for the data path.
+//! - [`cache`] — the shared, budgeted snapshot buffers on the source.
+//! - [`metrics`] — every Prometheus handle and the `/metrics` endpoint.
+//! - [`agent`] — wires the parts into a running agent.
+//! - [`cli`] — the `kvsync` command line.
+
+pub mod agent;
+pub mod buf;
+pub mod cache;
+pub mod catalog;
+pub mod cli;
+pub mod config;
+pub mod metrics;
+pub mod snapshot;
+pub mod watch;

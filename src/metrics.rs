@@ -1,0 +1,163 @@
+//! Prometheus metrics: every handle the agent exports, in one struct, and the
+//! `/metrics` HTTP endpoint.
+//!
+//! Names follow DESIGN.md §8: prefix `kvsync_`, base units, counters end in
+//! `_total`, only low-cardinality labels. Modules receive `Arc<Metrics>` and
+//! update the handles; nothing here knows when or why they change.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use prometheus::{
+    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
+    IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+};
+
+/// Histogram buckets for whole syncs and bulk phases: 10 ms up to one hour.
+const DURATION_BUCKETS: &[f64] = &[
+    0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0,
+    1800.0, 3600.0,
+];
+
+/// All metric handles of one agent.
+pub struct Metrics {
+    registry: Registry,
+    // Snapshot side.
+    pub snapshot_latest_seq: IntGaugeVec,
+    pub snapshot_latest_bytes: IntGaugeVec,
+    pub snapshots_rejected: IntCounterVec,
+    pub cache_bytes: IntGauge,
+    pub cache_entries: IntGauge,
+    pub cache_refs: IntGauge,
+    pub cache_loads: IntCounter,
+    pub cache_hits: IntCounter,
+    // Syncs.
+    pub fullsync_total: IntCounterVec,
+    pub fullsync_bytes: IntCounterVec,
+    pub fullsync_duration: HistogramVec,
+    pub bulk_duration: Histogram,
+    pub fullsync_in_progress: IntGaugeVec,
+    pub handoff_total: IntCounterVec,
+    pub data_auth_failures: IntCounter,
+    pub last_success: GaugeVec,
+    pub build_info: IntGaugeVec,
+    pub up_since: Gauge,
+}
+
+impl Metrics {
+    /// Creates and registers every metric.
+    pub fn new() -> Arc<Metrics> {
+        let registry = Registry::new();
+        macro_rules! reg {
+            ($m:expr) => {{
+                let m = $m.expect("valid metric definition");
+                registry.register(Box::new(m.clone())).expect("metric names are unique");
+                m
+            }};
+        }
+        let hist = |name: &str, help: &str| {
+            HistogramOpts::new(name, help).buckets(DURATION_BUCKETS.to_vec())
+        };
+        let m = Metrics {
+            snapshot_latest_seq: reg!(IntGaugeVec::new(
+                Opts::new("kvsync_snapshot_latest_seq", "Sequence number M of the latest valid snapshot"),
+                &["format"]
+            )),
+            snapshot_latest_bytes: reg!(IntGaugeVec::new(
+                Opts::new("kvsync_snapshot_latest_bytes", "Size of the latest valid snapshot"),
+                &["format"]
+            )),
+            snapshots_rejected: reg!(IntCounterVec::new(
+                Opts::new("kvsync_snapshots_rejected_total", "Snapshot files found invalid and not offered"),
+                &["reason"]
+            )),
+            cache_bytes: reg!(IntGauge::new("kvsync_snapshot_cache_bytes", "Bytes of loaded snapshot buffers")),
+            cache_entries: reg!(IntGauge::new("kvsync_snapshot_cache_entries", "Loaded snapshot buffers")),
+            cache_refs: reg!(IntGauge::new("kvsync_snapshot_cache_refs", "Sessions holding a snapshot buffer")),
+            cache_loads: reg!(IntCounter::new("kvsync_snapshot_cache_loads_total", "Snapshot files read into the cache")),
+            cache_hits: reg!(IntCounter::new("kvsync_snapshot_cache_hits_total", "Acquisitions served by an already loaded buffer")),
+            fullsync_total: reg!(IntCounterVec::new(
+                Opts::new("kvsync_fullsync_total", "Finished full syncs"),
+                &["role", "transport", "result"]
+            )),
+            fullsync_bytes: reg!(IntCounterVec::new(
+                Opts::new("kvsync_fullsync_bytes_total", "Snapshot bytes moved by full syncs"),
+                &["role", "transport"]
+            )),
+            fullsync_duration: reg!(HistogramVec::new(
+                hist("kvsync_fullsync_duration_seconds", "Duration of full syncs, negotiation to handoff"),
+                &["role", "transport"]
+            )),
+            bulk_duration: reg!(Histogram::with_opts(hist(
+                "kvsync_bulk_duration_seconds",
+                "Duration of the bulk phase of full syncs"
+            ))),
+            fullsync_in_progress: reg!(IntGaugeVec::new(
+                Opts::new("kvsync_fullsync_in_progress", "Full syncs running now"),
+                &["role"]
+            )),
+            handoff_total: reg!(IntCounterVec::new(
+                Opts::new("kvsync_handoff_total", "Handoffs to the local KV"),
+                &["mode", "result"]
+            )),
+            data_auth_failures: reg!(IntCounter::new(
+                "kvsync_data_auth_failures_total",
+                "Data-plane connections refused for a bad session token"
+            )),
+            last_success: reg!(GaugeVec::new(
+                Opts::new("kvsync_last_success_timestamp_seconds", "Unix time of the last successful full sync"),
+                &["role"]
+            )),
+            build_info: reg!(IntGaugeVec::new(
+                Opts::new("kvsync_build_info", "Build information (value is always 1)"),
+                &["version", "rdma"]
+            )),
+            up_since: reg!(Gauge::new("kvsync_start_time_seconds", "Unix time the agent started")),
+            registry,
+        };
+        m.build_info
+            .with_label_values(&[env!("CARGO_PKG_VERSION"), if cfg!(feature = "rdma") { "true" } else { "false" }])
+            .set(1);
+        m.up_since.set(unix_now());
+        Arc::new(m)
+    }
+
+    /// The registry in Prometheus text format.
+    pub fn render(&self) -> String {
+        let mut out = Vec::new();
+        TextEncoder::new().encode(&self.registry.gather(), &mut out).expect("text encoding cannot fail");
+        String::from_utf8(out).expect("prometheus text is utf-8")
+    }
+}
+
+/// Seconds since the unix epoch, as Prometheus wants timestamps.
+pub fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+/// Serves `/metrics` on an already bound listener until `shutdown` resolves.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    metrics: Arc<Metrics>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    use axum::{http::header, routing::get, Router};
+    let app = Router::new().route(
+        "/metrics",
+        get(move || {
+            let metrics = metrics.clone();
+            async move { ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], metrics.render()) }
+        }),
+    );
+    axum::serve(listener, app).with_graceful_shutdown(shutdown).await
+}
+
+/// Binds the metrics listener (port 0 allowed) and returns its address.
+pub async fn bind(addr: &str) -> std::io::Result<(tokio::net::TcpListener, SocketAddr)> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let local = listener.local_addr()?;
+    Ok((listener, local))
+}

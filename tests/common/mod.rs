@@ -1,0 +1,163 @@
+//! Helpers shared by the integration tests: real agent processes on port 0,
+//! waiting for events with deadlines (never sleeping for a state), scraping
+//! `/metrics` over HTTP.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// Default deadline for waits in tests.
+pub const DEADLINE: Duration = Duration::from_secs(30);
+
+/// Path of the built `kvsync` binary.
+pub fn kvsync_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_kvsync")
+}
+
+/// Polls `cond` until it returns `Some` or the deadline passes (then panics
+/// with `what`). Polling is paced at 10 ms; the deadline keeps a bug from
+/// hanging CI.
+pub fn wait_for<T>(what: &str, deadline: Duration, mut cond: impl FnMut() -> Option<T>) -> T {
+    let end = Instant::now() + deadline;
+    loop {
+        if let Some(v) = cond() {
+            return v;
+        }
+        if Instant::now() > end {
+            panic!("timed out after {deadline:?} waiting for {what}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Async version of [`wait_for`].
+pub async fn wait_for_async<T, F, Fut>(what: &str, deadline: Duration, mut cond: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let end = tokio::time::Instant::now() + deadline;
+    loop {
+        if let Some(v) = cond().await {
+            return v;
+        }
+        if tokio::time::Instant::now() > end {
+            panic!("timed out after {deadline:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A `kvsync agent` child process, killed on drop.
+pub struct AgentProcess {
+    pub child: Child,
+    /// The agent's ready line, split into `key=value` fields.
+    pub ready: Vec<(String, String)>,
+    pub stderr_log: PathBuf,
+}
+
+impl AgentProcess {
+    /// Starts `kvsync agent` with `args` and waits for its ready line.
+    pub fn start(args: &[&str], log_dir: &Path) -> AgentProcess {
+        let stderr_log = log_dir.join(format!("agent-{}.log", std::process::id() ^ rand_u32()));
+        let child = Command::new(kvsync_bin())
+            .arg("agent")
+            .args(args)
+            .env("KVSYNC_LOG", "info,kvsync=debug")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&stderr_log).expect("log file"))
+            .spawn()
+            .expect("spawn kvsync agent");
+        let mut agent = AgentProcess { child, ready: Vec::new(), stderr_log };
+        let stdout = agent.child.stdout.take().expect("stdout");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(stdout).lines();
+            while let Some(Ok(line)) = lines.next() {
+                if line.starts_with("kvsync agent ready") {
+                    let _ = tx.send(line);
+                }
+            }
+        });
+        match rx.recv_timeout(DEADLINE) {
+            Ok(line) => {
+                agent.ready = line
+                    .split_whitespace()
+                    .filter_map(|f| f.split_once('='))
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect();
+            }
+            Err(_) => panic!("agent did not become ready; log:\n{}", agent.log()),
+        }
+        agent
+    }
+
+    /// A field of the ready line (`grpc`, `data`, `metrics`, `node`).
+    pub fn addr(&self, key: &str) -> String {
+        self.ready
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.clone())
+            .unwrap_or_else(|| panic!("ready line has no {key}: {:?}", self.ready))
+    }
+
+    /// The agent's stderr so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.stderr_log).unwrap_or_default()
+    }
+
+    /// Scrapes `/metrics`.
+    pub fn metrics(&self) -> String {
+        http_get(&self.addr("metrics"), "/metrics")
+    }
+}
+
+impl Drop for AgentProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn rand_u32() -> u32 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    N.fetch_add(1, Ordering::Relaxed).wrapping_mul(2_654_435_761)
+}
+
+/// A plain HTTP/1.1 GET; returns the body. Panics on a non-200 answer.
+pub fn http_get(addr: &str, path: &str) -> String {
+    let mut s = TcpStream::connect(addr).expect("connect metrics");
+    s.set_read_timeout(Some(DEADLINE)).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    let (head, body) = resp.split_once("\r\n\r\n").expect("http response");
+    assert!(head.starts_with("HTTP/1.1 200"), "unexpected response: {head}");
+    body.to_string()
+}
+
+/// The value of a sample line `name{labels} value` in a Prometheus scrape
+/// (`name_and_labels` must match exactly up to the value).
+pub fn metric_value(scrape: &str, name_and_labels: &str) -> Option<f64> {
+    scrape.lines().find_map(|l| {
+        let (k, v) = l.rsplit_once(' ')?;
+        (k == name_and_labels).then(|| v.parse().ok())?
+    })
+}
+
+/// Writes a generated KVR1 snapshot with the CLI.
+pub fn gen_snapshot(out: &Path, size: u64, seq: u64) {
+    let status = Command::new(kvsync_bin())
+        .args(["gen-snapshot", "--format", "kvr1", "--size", &size.to_string(), "--seq", &seq.to_string()])
+        .arg(out)
+        .stdout(Stdio::null())
+        .status()
+        .expect("run gen-snapshot");
+    assert!(status.success(), "gen-snapshot failed");
+}
