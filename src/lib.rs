@@ -17,6 +17,7 @@
 //! - [`cli`] — the `kvsync` command line.
 
 pub mod agent;
+pub mod blk3;
 pub mod buf;
 pub mod cache;
 pub mod catalog;

@@ -1,0 +1,163 @@
+//! BLK3, the data-plane protocol, as sans-IO state machines (DESIGN.md §2).
+//!
+//! The [`Source`] and [`Replica`] machines take inputs — received tokens,
+//! completions, results of work they asked for — together with the current
+//! time as a `Duration` since the session began, and emit [`Command`]s: post a
+//! receive, send a token, post a chain of writes, stream the bulk, verify,
+//! done. They never touch sockets, verbs, files or clocks; the drivers in
+//! `transport` execute the commands. This module imports nothing from tokio,
+//! the network or the clock, so tests can drive every ordering and failure.
+
+pub mod plan;
+pub mod replica;
+pub mod source;
+pub mod token;
+
+#[cfg(test)]
+mod tests;
+
+use std::time::Duration;
+
+pub use plan::{size_scaled_timeout, BulkParams, WriteOp, WritePlanner};
+pub use replica::Replica;
+pub use source::Source;
+pub use token::{Kind, Token, TokenError};
+
+/// How the bulk phase moves bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BulkMode {
+    /// One-sided RDMA Writes into the memory the replica advertised.
+    Rdma(BulkParams),
+    /// A byte stream right after the source's MRINFO acceptance (TCP).
+    Stream,
+}
+
+/// Timeout for handshake steps that do not scale with the snapshot.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// What a machine asks its driver to do, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Command {
+    /// Post a receive buffer for the next token (expected to be `Kind`).
+    PostRecv(Kind),
+    /// Send a token.
+    Send(Token),
+    /// Source: make the snapshot ready for the bulk phase (register memory).
+    /// Answer with [`Input::SourceReady`].
+    PrepareSource,
+    /// Source, RDMA: post these writes as one linked chain into the remote
+    /// region. Answer each signalled one with [`Input::WriteCompleted`].
+    PostWrites { remote_addr: u64, rkey: u32, writes: Vec<WriteOp> },
+    /// Source, stream: send the `len` snapshot bytes. Answer with
+    /// [`Input::BulkSent`].
+    StreamBulk { len: u64 },
+    /// Replica: create the destination for `len` bytes (and register its
+    /// memory for RDMA). Answer with [`Input::ReceiveReady`].
+    PrepareReceive { len: u64 },
+    /// Replica, stream: read the `len` bulk bytes. Answer with
+    /// [`Input::BulkReceived`].
+    ReceiveBulk { len: u64 },
+    /// Replica: verify the received snapshot's checksum. Answer with
+    /// [`Input::Verified`].
+    Verify,
+    /// The session is over.
+    Done(Result<Outcome, Blk3Error>),
+}
+
+/// What the driver tells a machine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Input {
+    Received(Token),
+    SourceReady,
+    WriteCompleted { id: u64 },
+    BulkSent,
+    ReceiveReady { addr: u64, rkey: u32 },
+    BulkReceived,
+    /// Checksum result; `Err` carries the reason.
+    Verified(Result<(), String>),
+}
+
+/// How a session ended well.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Source: every byte written and acknowledged with RDOK.
+    Sent { len: u64 },
+    /// Replica: every byte received and verified, and M handed over.
+    Received { len: u64, seq: u64 },
+}
+
+/// Why a session failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Blk3Error {
+    /// The peer sent a token other than the one expected now.
+    #[error("protocol violation: expected {expected} while {state}, got {got}")]
+    Unexpected { state: &'static str, expected: Kind, got: Kind },
+    /// The driver reported an input that makes no sense in this state.
+    #[error("driver error: {input} while {state}")]
+    BadInput { state: &'static str, input: String },
+    /// MRINFO advertised a region whose length is not the announced length.
+    #[error("MRINFO length {mrinfo} differs from the announced snapshot length {announced}; refusing to write")]
+    MrinfoLength { announced: u64, mrinfo: u64 },
+    /// The source announced a length other than the one offered.
+    #[error("source announced {announced} bytes but offered {offered}")]
+    AnnouncedLength { offered: u64, announced: u64 },
+    /// The received bytes failed verification (the replica sent RDFL).
+    #[error("checksum verification failed: {0}")]
+    Checksum(String),
+    /// The peer ended the session with RDFL.
+    #[error("peer failed the session: {0}")]
+    PeerFailed(String),
+    /// A wait ran out of time.
+    #[error("timed out after {after:?} waiting for {waiting_for}")]
+    Timeout { waiting_for: &'static str, after: Duration },
+    /// A write completion arrived out of plan.
+    #[error(transparent)]
+    Completion(#[from] plan::UnexpectedCompletion),
+}
+
+/// Shared bookkeeping: the command queue, the deadline, the final result.
+#[derive(Debug, Default)]
+struct Core {
+    commands: std::collections::VecDeque<Command>,
+    /// What we wait for, the deadline, and the timeout length.
+    deadline: Option<(&'static str, Duration, Duration)>,
+    done: bool,
+}
+
+impl Core {
+    fn push(&mut self, c: Command) {
+        self.commands.push_back(c);
+    }
+
+    fn send(&mut self, t: Token) {
+        self.push(Command::Send(t));
+    }
+
+    fn wait(&mut self, what: &'static str, now: Duration, timeout: Duration) {
+        self.deadline = Some((what, now + timeout, timeout));
+    }
+
+    fn finish(&mut self, result: Result<Outcome, Blk3Error>) {
+        if !self.done {
+            self.done = true;
+            self.deadline = None;
+            self.push(Command::Done(result));
+        }
+    }
+
+    /// Ends with `err`, telling the peer why with RDFL first.
+    fn fail(&mut self, err: Blk3Error) {
+        if !self.done {
+            self.send(Token::Rdfl { reason: err.to_string() });
+            self.finish(Err(err));
+        }
+    }
+
+    fn on_timeout(&mut self, now: Duration) {
+        if let Some((what, at, after)) = self.deadline {
+            if now >= at {
+                self.fail(Blk3Error::Timeout { waiting_for: what, after });
+            }
+        }
+    }
+}
