@@ -1,5 +1,6 @@
 //! The running agent: binds the listeners and starts the long-running tasks
-//! (snapshot watcher, metrics endpoint) with one shutdown signal.
+//! (snapshot watcher, gRPC control plane, TCP data listener, metrics
+//! endpoint) with one shutdown signal.
 //!
 //! Owns start-up order and the "ready" announcement; each task's behaviour
 //! belongs to its own module.
@@ -15,7 +16,13 @@ use tracing::{info, warn};
 use crate::cache::SnapshotCache;
 use crate::catalog::Catalog;
 use crate::config::Config;
+use crate::control::orchestrator::OrchestratorService;
+use crate::control::pb;
+use crate::control::peer::PeerService;
 use crate::metrics::{self, Metrics};
+use crate::sync::source::{self as source_role, DataPlane, SessionTable};
+use crate::sync::SyncManager;
+use crate::transport::Faults;
 use crate::watch::DirWatcher;
 
 /// Why the agent could not start.
@@ -27,6 +34,12 @@ pub enum AgentError {
     /// The snapshot directory cannot be created.
     #[error("cannot create snapshot_dir {path}: {source}")]
     SnapshotDir { path: PathBuf, source: std::io::Error },
+    /// `KVSYNC_FAULTS` is malformed.
+    #[error("KVSYNC_FAULTS: {0}")]
+    Faults(String),
+    /// The gRPC reflection service could not be built.
+    #[error("grpc reflection: {0}")]
+    Reflection(String),
 }
 
 /// The shared parts of one agent.
@@ -35,11 +48,17 @@ pub struct Shared {
     pub metrics: Arc<Metrics>,
     pub catalog: Arc<Catalog>,
     pub cache: Arc<SnapshotCache>,
+    /// Sessions offered to replicas (source role).
+    pub sessions: Arc<SessionTable>,
+    /// Where the TCP data listener is bound.
+    pub data_tcp_addr: SocketAddr,
 }
 
 /// A started agent: its bound addresses and a handle to stop it.
 pub struct RunningAgent {
     pub shared: Arc<Shared>,
+    pub syncs: Arc<SyncManager>,
+    pub grpc_addr: SocketAddr,
     pub metrics_addr: Option<SocketAddr>,
     shutdown: CancellationToken,
     tasks: JoinSet<()>,
@@ -51,6 +70,27 @@ impl RunningAgent {
         if let Err(source) = std::fs::create_dir_all(&config.snapshot_dir) {
             return Err(AgentError::SnapshotDir { path: config.snapshot_dir.clone(), source });
         }
+        let faults = Faults::from_env().map_err(AgentError::Faults)?;
+        if faults.any() {
+            warn!(?faults, "FAULT INJECTION ACTIVE (KVSYNC_FAULTS): this agent corrupts or stalls transfers on purpose");
+        }
+        let swept = crate::install::sweep_stale(&config.snapshot_dir);
+        if swept > 0 {
+            info!(count = swept, "removed stale temp files of an earlier run");
+        }
+        let bind = |what: &'static str, addr: &str| {
+            let addr = addr.to_string();
+            async move {
+                let l = tokio::net::TcpListener::bind(&addr)
+                    .await
+                    .map_err(|source| AgentError::Bind { what, addr: addr.clone(), source })?;
+                let local = l.local_addr().map_err(|source| AgentError::Bind { what, addr, source })?;
+                Ok::<_, AgentError>((l, local))
+            }
+        };
+        let (grpc_listener, grpc_addr) = bind("grpc.listen", &config.grpc.listen).await?;
+        let (data_listener, data_tcp_addr) = bind("data.tcp_listen", &config.data.tcp_listen).await?;
+
         let metrics = Metrics::new();
         let catalog = Catalog::new(metrics.clone());
         let cache = SnapshotCache::new(
@@ -58,9 +98,11 @@ impl RunningAgent {
             config.cache.acquire_timeout,
             metrics.clone(),
         );
-        let shared = Arc::new(Shared { config, metrics, catalog, cache });
+        let sessions = Arc::new(SessionTable::default());
+        let shared = Arc::new(Shared { config, metrics, catalog, cache, sessions, data_tcp_addr });
         let shutdown = CancellationToken::new();
         let mut tasks = JoinSet::new();
+        let syncs = SyncManager::new(shared.config.clone(), shared.metrics.clone(), shutdown.clone());
 
         let metrics_addr = if shared.config.metrics.listen.is_empty() {
             None
@@ -88,20 +130,53 @@ impl RunningAgent {
         );
         tasks.spawn(watcher.run(shutdown.clone()));
 
+        // Data plane.
+        let plane = DataPlane { sessions: shared.sessions.clone(), metrics: shared.metrics.clone(), faults };
+        tasks.spawn(source_role::serve_tcp(data_listener, plane, shutdown.clone()));
+
+        // Control plane.
+        let (health, health_service) = tonic_health::server::health_reporter();
+        health.set_serving::<pb::orchestrator_server::OrchestratorServer<OrchestratorService>>().await;
+        health.set_serving::<pb::peer_server::PeerServer<PeerService>>().await;
+        let reflection = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .build_v1()
+            .map_err(|e| AgentError::Reflection(e.to_string()))?;
+        let orchestrator = OrchestratorService { shared: shared.clone(), syncs: syncs.clone() };
+        let peer = PeerService { shared: shared.clone(), data_addr: data_tcp_addr };
+        let router = tonic::transport::Server::builder()
+            .add_service(health_service)
+            .add_service(reflection)
+            .add_service(pb::orchestrator_server::OrchestratorServer::new(orchestrator))
+            .add_service(pb::peer_server::PeerServer::new(peer));
+        let stop = shutdown.clone();
+        tasks.spawn(async move {
+            let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc_listener);
+            if let Err(e) = router.serve_with_incoming_shutdown(incoming, stop.cancelled()).await {
+                warn!(error = %e, "grpc server stopped");
+            }
+        });
+
         info!(
             node_id = %shared.config.node_id,
             snapshot_dir = %shared.config.snapshot_dir.display(),
+            grpc = %grpc_addr,
+            data = %data_tcp_addr,
             metrics = ?metrics_addr,
             "agent started"
         );
-        Ok(RunningAgent { shared, metrics_addr, shutdown, tasks })
+        Ok(RunningAgent { shared, syncs, grpc_addr, metrics_addr, shutdown, tasks })
     }
 
     /// The line printed on stdout once every listener is up; tests and
     /// scripts read it to learn the bound ports.
     pub fn ready_line(&self) -> String {
         let metrics = self.metrics_addr.map(|a| a.to_string()).unwrap_or_else(|| "-".into());
-        format!("kvsync agent ready node={} metrics={metrics}", self.shared.config.node_id)
+        format!(
+            "kvsync agent ready node={} grpc={} data={} metrics={metrics}",
+            self.shared.config.node_id, self.grpc_addr, self.shared.data_tcp_addr
+        )
     }
 
     /// A token that stops the agent when cancelled.
@@ -112,6 +187,8 @@ impl RunningAgent {
     /// Stops every task and waits for them.
     pub async fn stop(mut self) {
         self.shutdown.cancel();
+        self.syncs.cancel_all();
+        self.shared.sessions.clear();
         while self.tasks.join_next().await.is_some() {}
     }
 

@@ -2,7 +2,10 @@
 //! help text) and the glue that runs each subcommand.
 //!
 //! Owns exit codes and what is printed for humans and for `--json`. The work
-//! itself is done by the library modules.
+//! itself is done by the library modules; the gRPC client commands and the
+//! demo live in [`client`].
+
+mod client;
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -37,6 +40,75 @@ pub enum Command {
     ///
     /// Exit status 0 when valid, 1 when corrupt or unreadable (reason on stderr).
     Verify(VerifyArgs),
+    /// Ask an agent to pull a full snapshot from a source agent.
+    ///
+    /// With --wait, follow the sync to its end; exit status 0 only when it
+    /// succeeded.
+    Sync(SyncArgs),
+    /// Show an agent's status: snapshots, running and recent syncs.
+    Status(StatusArgs),
+    /// List the snapshots an agent offers.
+    Snapshots(StatusArgs),
+    /// Cancel a running sync.
+    Cancel(CancelArgs),
+    /// Run a complete local demo: two agents, one generated snapshot, one
+    /// full sync with progress, then clean up.
+    Demo(DemoArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct SyncArgs {
+    /// gRPC address of the agent that receives the snapshot (host:port).
+    #[arg(long)]
+    pub agent: String,
+    /// gRPC address of the source agent (host:port).
+    #[arg(long)]
+    pub source: String,
+    /// Transport preference.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub transport: TransportArg,
+    /// Follow the sync until it ends.
+    #[arg(long)]
+    pub wait: bool,
+    /// Print a JSON summary instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum TransportArg {
+    Tcp,
+    Rdma,
+    Auto,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct StatusArgs {
+    /// gRPC address of the agent (host:port).
+    #[arg(long)]
+    pub agent: String,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct CancelArgs {
+    /// gRPC address of the agent running the sync (host:port).
+    #[arg(long)]
+    pub agent: String,
+    /// The sync id `kvsync sync` printed.
+    pub sync_id: String,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct DemoArgs {
+    /// Size of the generated snapshot.
+    #[arg(long, default_value = "256MiB")]
+    pub size: ByteSize,
+    /// Print a JSON summary instead of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -53,6 +125,12 @@ pub struct AgentArgs {
     /// Override `[metrics] listen` (empty disables the endpoint).
     #[arg(long)]
     pub metrics_listen: Option<String>,
+    /// Override `[grpc] listen`.
+    #[arg(long)]
+    pub grpc_listen: Option<String>,
+    /// Override `[data] tcp_listen`.
+    #[arg(long)]
+    pub data_listen: Option<String>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -92,11 +170,18 @@ pub struct VerifyArgs {
 /// Parses the command line and runs it.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging();
+    // Client commands and the demo keep the terminal for their own output.
+    let quiet = !matches!(cli.command, Command::Agent(_));
+    init_logging(if quiet { "warn" } else { "info" });
     let result = match cli.command {
         Command::Agent(args) => run_agent(args),
         Command::GenSnapshot(args) => gen_snapshot(args),
         Command::Verify(args) => return verify(args),
+        Command::Sync(args) => runtime().and_then(|rt| rt.block_on(client::sync(args))),
+        Command::Status(args) => runtime().and_then(|rt| rt.block_on(client::status(args))),
+        Command::Snapshots(args) => runtime().and_then(|rt| rt.block_on(client::snapshots(args))),
+        Command::Cancel(args) => runtime().and_then(|rt| rt.block_on(client::cancel(args))),
+        Command::Demo(args) => runtime().and_then(|rt| rt.block_on(client::demo(args))),
     };
     match result {
         Ok(code) => code,
@@ -107,9 +192,9 @@ pub fn main() -> ExitCode {
     }
 }
 
-fn init_logging() {
+fn init_logging(default: &str) {
     use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_env("KVSYNC_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let filter = EnvFilter::try_from_env("KVSYNC_LOG").unwrap_or_else(|_| EnvFilter::new(default));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -139,6 +224,12 @@ fn load_config(args: &AgentArgs) -> anyhow::Result<Config> {
     }
     if let Some(v) = &args.metrics_listen {
         config.metrics.listen = v.clone();
+    }
+    if let Some(v) = &args.grpc_listen {
+        config.grpc.listen = v.clone();
+    }
+    if let Some(v) = &args.data_listen {
+        config.data.tcp_listen = v.clone();
     }
     if let Err(problems) = config.validate() {
         let list: Vec<String> = problems.iter().map(|p| format!("  - {p}")).collect();

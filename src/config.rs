@@ -330,6 +330,9 @@ impl Config {
             HandoffMode::Exec if h.exec.is_empty() => {
                 bad("handoff.exec", "mode \"exec\" needs a program to run".into())
             }
+            HandoffMode::Redis => {
+                bad("handoff.mode", "\"redis\" is not supported by this build yet".into())
+            }
             _ => {}
         }
         if h.mode == HandoffMode::Command && h.command_template.trim().is_empty() {

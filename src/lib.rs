@@ -12,6 +12,12 @@
 //!   directory watcher that fills the catalog.
 //! - [`buf`] — page-aligned buffers for the data path.
 //! - [`cache`] — the shared, budgeted snapshot buffers on the source.
+//! - [`control`] — the gRPC control plane (orchestrator and peer services).
+//! - [`blk3`] — the BLK3 data-plane protocol as sans-IO state machines.
+//! - [`transport`] — drivers that run BLK3 over TCP (and RDMA).
+//! - [`sync`] — replica sync jobs and the source role's sessions.
+//! - [`install`] — staging, verifying and durably installing received snapshots.
+//! - [`handoff`] — handing the snapshot's sequence number to the local KV.
 //! - [`metrics`] — every Prometheus handle and the `/metrics` endpoint.
 //! - [`agent`] — wires the parts into a running agent.
 //! - [`cli`] — the `kvsync` command line.
@@ -23,6 +29,11 @@ pub mod cache;
 pub mod catalog;
 pub mod cli;
 pub mod config;
+pub mod control;
 pub mod metrics;
+pub mod handoff;
+pub mod install;
 pub mod snapshot;
+pub mod sync;
+pub mod transport;
 pub mod watch;

@@ -102,7 +102,7 @@ pub enum Blk3Error {
     #[error("source announced {announced} bytes but offered {offered}")]
     AnnouncedLength { offered: u64, announced: u64 },
     /// The received bytes failed verification (the replica sent RDFL).
-    #[error("checksum verification failed: {0}")]
+    #[error("{CHECKSUM_FAILED}: {0}")]
     Checksum(String),
     /// The peer ended the session with RDFL.
     #[error("peer failed the session: {0}")]
@@ -113,6 +113,49 @@ pub enum Blk3Error {
     /// A write completion arrived out of plan.
     #[error(transparent)]
     Completion(#[from] plan::UnexpectedCompletion),
+}
+
+/// The interface drivers use to run either machine.
+pub trait Machine {
+    /// The next command to execute, if any.
+    fn poll(&mut self) -> Option<Command>;
+    /// Feeds one input at time `now` (since the session began).
+    fn handle(&mut self, input: Input, now: Duration);
+    /// When `on_timeout` must be called next.
+    fn deadline(&self) -> Option<Duration>;
+    /// Fails the session if the current wait has expired.
+    fn on_timeout(&mut self, now: Duration);
+}
+
+macro_rules! impl_machine {
+    ($t:ty) => {
+        impl Machine for $t {
+            fn poll(&mut self) -> Option<Command> {
+                <$t>::poll(self)
+            }
+            fn handle(&mut self, input: Input, now: Duration) {
+                <$t>::handle(self, input, now)
+            }
+            fn deadline(&self) -> Option<Duration> {
+                <$t>::deadline(self)
+            }
+            fn on_timeout(&mut self, now: Duration) {
+                <$t>::on_timeout(self, now)
+            }
+        }
+    };
+}
+impl_machine!(Source);
+impl_machine!(Replica);
+
+/// How a replica's RDFL for failed verification begins.
+pub const CHECKSUM_FAILED: &str = "checksum verification failed";
+
+impl Blk3Error {
+    /// True when the peer reported failed checksum verification.
+    pub fn is_checksum_report(&self) -> bool {
+        matches!(self, Blk3Error::PeerFailed(r) if r.starts_with(CHECKSUM_FAILED))
+    }
 }
 
 /// Shared bookkeeping: the command queue, the deadline, the final result.

@@ -1,0 +1,318 @@
+//! The CLI's gRPC client commands (`sync`, `status`, `snapshots`, `cancel`)
+//! and `demo`, which runs two agents in this process and syncs between them.
+//!
+//! Owns how progress and results are shown: a progress bar with bytes, rate
+//! and ETA on a terminal, plain lines otherwise, and the JSON summaries.
+
+use std::io::IsTerminal;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use futures::StreamExt;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+use tonic::transport::Channel;
+
+use super::{DemoArgs, StatusArgs, SyncArgs, TransportArg};
+use crate::agent::RunningAgent;
+use crate::config::{Config, TransportMode};
+use crate::control::{self, is_terminal, pb, phase_name, transport_name};
+use crate::snapshot::kvr1::GenSpec;
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+type Client = pb::orchestrator_client::OrchestratorClient<Channel>;
+
+async fn client(agent: &str) -> anyhow::Result<Client> {
+    let channel = control::connect(agent, CONNECT_TIMEOUT)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot reach agent {agent}: {e}"))?;
+    Ok(Client::new(channel))
+}
+
+fn status_err(what: &str, s: tonic::Status) -> anyhow::Error {
+    anyhow::anyhow!("{what}: {} ({:?})", s.message(), s.code())
+}
+
+/// `kvsync sync`.
+pub async fn sync(args: SyncArgs) -> anyhow::Result<ExitCode> {
+    let mut c = client(&args.agent).await?;
+    let transport = match args.transport {
+        TransportArg::Auto => pb::TransportPreference::Auto,
+        TransportArg::Tcp => pb::TransportPreference::Tcp,
+        TransportArg::Rdma => pb::TransportPreference::Rdma,
+    };
+    let started = c
+        .start_full_sync(pb::StartFullSyncRequest { source: args.source.clone(), transport: transport as i32 })
+        .await
+        .map_err(|s| status_err("sync refused", s))?
+        .into_inner();
+    if !args.wait {
+        if args.json {
+            println!("{}", json!({ "sync_id": started.sync_id, "created": started.created }));
+        } else {
+            let note = if started.created { "started" } else { "already running" };
+            println!("sync {} {note}; follow it with `kvsync status --agent {}`", started.sync_id, args.agent);
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let last = follow(&mut c, &started.sync_id, !args.json).await?;
+    print_summary(&last, args.json);
+    Ok(exit_code(&last))
+}
+
+/// Follows a sync to its end, showing progress on stderr.
+async fn follow(c: &mut Client, id: &str, show: bool) -> anyhow::Result<pb::SyncProgress> {
+    let mut stream = c
+        .watch_sync(pb::WatchSyncRequest { sync_id: id.to_string() })
+        .await
+        .map_err(|s| status_err("cannot watch sync", s))?
+        .into_inner();
+    let tty = show && std::io::stderr().is_terminal();
+    let bar = tty.then(|| {
+        let b = ProgressBar::new(0);
+        b.set_style(
+            ProgressStyle::with_template(
+                "{msg:>12} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}",
+            )
+            .expect("valid template")
+            .progress_chars("=> "),
+        );
+        b
+    });
+    let mut last_phase = -1;
+    let mut last = None;
+    while let Some(item) = stream.next().await {
+        let p = item.map_err(|s| status_err("lost the sync's progress stream", s))?;
+        if let Some(b) = &bar {
+            b.set_length(p.bytes_total);
+            b.set_position(p.bytes_done);
+            b.set_message(phase_name(p.phase));
+        } else if show && p.phase != last_phase {
+            eprintln!("{}: {} ({} of {} bytes)", p.sync_id, phase_name(p.phase), p.bytes_done, p.bytes_total);
+        }
+        last_phase = p.phase;
+        let end = is_terminal(p.phase);
+        last = Some(p);
+        if end {
+            break;
+        }
+    }
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    last.context("the agent ended the progress stream before the sync finished")
+}
+
+fn exit_code(p: &pb::SyncProgress) -> ExitCode {
+    if p.phase == pb::Phase::Succeeded as i32 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+/// A sync's progress as JSON.
+pub fn progress_json(p: &pb::SyncProgress) -> serde_json::Value {
+    json!({
+        "sync_id": p.sync_id,
+        "source": p.source,
+        "status": phase_name(p.phase),
+        "result": p.result,
+        "bytes": p.bytes_done,
+        "bytes_total": p.bytes_total,
+        "seq": p.seq,
+        "format": p.format,
+        "transport": transport_name(p.transport),
+        "duration_ms": p.duration_ms,
+        "throughput_bps": p.throughput_bps,
+        "installed_path": p.installed_path,
+        "handoff": p.handoff,
+        "detail": p.detail,
+        "fallback_reason": p.fallback_reason,
+        "error": p.error,
+    })
+}
+
+fn print_summary(p: &pb::SyncProgress, as_json: bool) {
+    if as_json {
+        println!("{}", progress_json(p));
+        return;
+    }
+    let secs = p.duration_ms as f64 / 1000.0;
+    let mb_s = p.throughput_bps / 1e6;
+    if p.phase == pb::Phase::Succeeded as i32 {
+        println!(
+            "sync {} succeeded: {} bytes in {secs:.2} s ({mb_s:.0} MB/s bulk) over {}, seq {}",
+            p.sync_id,
+            p.bytes_done,
+            transport_name(p.transport),
+            p.seq
+        );
+        println!("installed: {}", p.installed_path);
+        println!("handoff:   {}", p.handoff);
+    } else {
+        eprintln!("sync {} {}: {}", p.sync_id, phase_name(p.phase), p.error);
+    }
+}
+
+/// `kvsync status`.
+pub async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
+    let mut c = client(&args.agent).await?;
+    let s = c
+        .get_status(pb::GetStatusRequest {})
+        .await
+        .map_err(|s| status_err("status", s))?
+        .into_inner();
+    if args.json {
+        let v = json!({
+            "node_id": s.node_id,
+            "version": s.version,
+            "latest_snapshots": s.latest_snapshots.iter().map(snapshot_json).collect::<Vec<_>>(),
+            "running": s.running.iter().map(progress_json).collect::<Vec<_>>(),
+            "recent": s.recent.iter().map(progress_json).collect::<Vec<_>>(),
+            "serving_sessions": s.serving_sessions,
+            "transports": s.transports,
+            "rdma_available": s.rdma_available,
+            "rdma_detail": s.rdma_detail,
+            "data_tcp_endpoint": s.data_tcp_endpoint,
+        });
+        println!("{v}");
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("agent {} (kvsync {})", s.node_id, s.version);
+    println!("transports: {}  (rdma: {})", s.transports.join(", "), s.rdma_detail);
+    println!("serving {} session(s) as a source; data endpoint {}", s.serving_sessions, s.data_tcp_endpoint);
+    println!("\nlatest snapshots:");
+    if s.latest_snapshots.is_empty() {
+        println!("  (none)");
+    }
+    for e in &s.latest_snapshots {
+        println!("  {:<10} seq {:<12} {:>14} bytes  {}", e.format, e.seq, e.size, e.path);
+    }
+    for (title, list) in [("running syncs", &s.running), ("recent syncs", &s.recent)] {
+        println!("\n{title}:");
+        if list.is_empty() {
+            println!("  (none)");
+        }
+        for p in list.iter() {
+            let what = if p.error.is_empty() { p.installed_path.clone() } else { p.error.clone() };
+            println!(
+                "  {}  {:<12} {:>14}/{:<14} {:<4} from {}  {}",
+                p.sync_id,
+                phase_name(p.phase),
+                p.bytes_done,
+                p.bytes_total,
+                transport_name(p.transport),
+                p.source,
+                what
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn snapshot_json(e: &pb::SnapshotEntry) -> serde_json::Value {
+    json!({ "path": e.path, "format": e.format, "size": e.size, "seq": e.seq, "mtime_unix_ms": e.mtime_unix_ms, "checksum": e.checksum })
+}
+
+/// `kvsync snapshots`.
+pub async fn snapshots(args: StatusArgs) -> anyhow::Result<ExitCode> {
+    let mut c = client(&args.agent).await?;
+    let list = c
+        .list_snapshots(pb::ListSnapshotsRequest {})
+        .await
+        .map_err(|s| status_err("list snapshots", s))?
+        .into_inner()
+        .snapshots;
+    if args.json {
+        println!("{}", serde_json::Value::from(list.iter().map(snapshot_json).collect::<Vec<_>>()));
+    } else {
+        for e in &list {
+            println!("{:<10} seq {:<12} {:>14} bytes  {}", e.format, e.seq, e.size, e.path);
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `kvsync cancel`.
+pub async fn cancel(args: super::CancelArgs) -> anyhow::Result<ExitCode> {
+    let mut c = client(&args.agent).await?;
+    let r = c
+        .cancel_sync(pb::CancelSyncRequest { sync_id: args.sync_id.clone() })
+        .await
+        .map_err(|s| status_err("cancel", s))?
+        .into_inner();
+    println!("{}", if r.cancelled { "cancelled" } else { "already finished" });
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `kvsync demo`: a source and a replica on loopback, one full sync.
+pub async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
+    let root = tempfile::Builder::new().prefix("kvsync-demo-").tempdir().context("temp dir")?;
+    let agent_config = |name: &str| {
+        let mut c = Config::default();
+        c.node_id = name.to_string();
+        c.snapshot_dir = root.path().join(name);
+        c.grpc.listen = "127.0.0.1:0".into();
+        c.data.tcp_listen = "127.0.0.1:0".into();
+        c.metrics.listen = String::new();
+        c.transport.mode = TransportMode::Tcp;
+        c
+    };
+    let source = RunningAgent::start(agent_config("source")).await?;
+    let replica = RunningAgent::start(agent_config("replica")).await?;
+    let show = !args.json;
+    if show {
+        eprintln!("source agent  grpc {}  data {}", source.grpc_addr, source.shared.data_tcp_addr);
+        eprintln!("replica agent grpc {}  data {}", replica.grpc_addr, replica.shared.data_tcp_addr);
+    }
+
+    let seq = 1_000_042;
+    let path = source.shared.config.snapshot_dir.join(format!("snapshot-{seq}.kvr1"));
+    let spec = GenSpec { size: args.size.as_u64(), seq, created_ms: 0, seed: seq };
+    spec.check()?;
+    if show {
+        eprintln!("generating a {} snapshot (seq {seq}) at {}", args.size, path.display());
+    }
+    let p = path.clone();
+    tokio::task::spawn_blocking(move || spec.write_file(&p)).await??;
+
+    // Wait until the source's watcher offers it.
+    let catalog = source.shared.catalog.clone();
+    let mut changes = catalog.subscribe();
+    tokio::time::timeout(Duration::from_secs(120), async {
+        while catalog.get(&path).is_none() {
+            changes.changed().await.expect("catalog lives");
+        }
+    })
+    .await
+    .context("the source agent did not pick up the generated snapshot")?;
+
+    let mut c = client(&replica.grpc_addr.to_string()).await?;
+    let started = c
+        .start_full_sync(pb::StartFullSyncRequest {
+            source: source.grpc_addr.to_string(),
+            transport: pb::TransportPreference::Tcp as i32,
+        })
+        .await
+        .map_err(|s| status_err("sync refused", s))?
+        .into_inner();
+    let last = follow(&mut c, &started.sync_id, show).await?;
+    print_summary(&last, args.json);
+    if show && !last.installed_path.is_empty() {
+        let record = format!("{}.replmeta", last.installed_path);
+        match std::fs::read_to_string(&record) {
+            Ok(text) => println!("\nhandoff record {record}:\n{}", text.trim_end()),
+            Err(e) => println!("no handoff record at {record}: {e}"),
+        }
+    }
+    replica.stop().await;
+    source.stop().await;
+    drop(root);
+    if last.phase != pb::Phase::Succeeded as i32 {
+        bail!("demo sync did not succeed: {}", last.error);
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,109 @@
+//! The agent-to-agent service, served by every agent in its source role:
+//! `OpenFullSync` turns a replica's request into a session offer (holding the
+//! snapshot in the cache from that moment) and `ReportResult` records how it
+//! ended. Which bytes move, and how, is the data plane's business.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tonic::{Request, Response, Status};
+use tracing::{info, warn};
+
+use super::{pb, ApiError};
+use crate::agent::Shared;
+use crate::sync::source::Offer;
+use crate::sync::{new_id, unix_ms};
+
+/// Longest accepted node id.
+const MAX_NODE_ID: usize = 256;
+
+pub struct PeerService {
+    pub shared: Arc<Shared>,
+    /// Where the TCP data listener is bound.
+    pub data_addr: SocketAddr,
+}
+
+impl PeerService {
+    async fn offer(&self, req: pb::OpenFullSyncRequest, local: Option<SocketAddr>) -> Result<pb::SyncOffer, ApiError> {
+        let shared = &self.shared;
+        let format = shared.config.snapshot_format;
+        if req.replica_node_id.len() > MAX_NODE_ID {
+            return Err(ApiError::InvalidArgument(format!("replica_node_id longer than {MAX_NODE_ID} bytes")));
+        }
+        if !req.format.is_empty() && req.format != format.as_str() {
+            return Err(ApiError::InvalidArgument(format!(
+                "this source serves {format} snapshots, the replica asked for {:?}",
+                req.format
+            )));
+        }
+        if !req.transports.is_empty() && !req.transports.contains(&(pb::Transport::Tcp as i32)) {
+            return Err(ApiError::FailedPrecondition("no transport in common: this source offers tcp".into()));
+        }
+        let entry = shared.catalog.latest(format).ok_or_else(|| {
+            ApiError::NoSnapshot(format!(
+                "no valid {format} snapshot in {} yet; save one on the primary first",
+                shared.config.snapshot_dir.display()
+            ))
+        })?;
+        let snapshot = shared.cache.acquire(&entry).await?;
+        let ttl = shared.config.sync.session_token_ttl;
+        let id = new_id();
+        let replica = if req.replica_node_id.is_empty() { "unnamed".to_string() } else { req.replica_node_id.clone() };
+        let offer = Offer { id: id.clone(), replica, entry: entry.clone(), snapshot, expires: Instant::now() + ttl };
+        let token = shared.sessions.insert(offer);
+        let endpoint = advertised(self.data_addr, local);
+        info!(session = %id, replica = %req.replica_node_id, path = %entry.path.display(), seq = entry.info.seq, %endpoint, "offered snapshot");
+        Ok(pb::SyncOffer {
+            session_id: id,
+            session_token: token.to_vec(),
+            token_expires_unix_ms: unix_ms() + ttl.as_millis() as u64,
+            format: format.as_str().into(),
+            snapshot_size: entry.info.size,
+            seq: entry.info.seq,
+            checksum: entry.info.checksum,
+            transport: pb::Transport::Tcp as i32,
+            data_endpoint: endpoint.to_string(),
+            source_node_id: shared.config.node_id.clone(),
+            snapshot_name: entry
+                .path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+        })
+    }
+}
+
+/// The data address a replica should dial: the listener's, or — when it is
+/// bound to a wildcard — the address the replica reached us on.
+fn advertised(data: SocketAddr, local: Option<SocketAddr>) -> SocketAddr {
+    match local {
+        Some(l) if data.ip().is_unspecified() => SocketAddr::new(l.ip(), data.port()),
+        _ => data,
+    }
+}
+
+#[tonic::async_trait]
+impl pb::peer_server::Peer for PeerService {
+    async fn open_full_sync(&self, request: Request<pb::OpenFullSyncRequest>) -> Result<Response<pb::SyncOffer>, Status> {
+        let local = request.local_addr();
+        let req = request.into_inner();
+        match self.offer(req, local).await {
+            Ok(offer) => Ok(Response::new(offer)),
+            Err(e) => {
+                warn!(error = %e, "offer refused");
+                Err(e.into())
+            }
+        }
+    }
+
+    async fn report_result(&self, request: Request<pb::ReportResultRequest>) -> Result<Response<pb::ReportResultResponse>, Status> {
+        let r = request.into_inner();
+        if r.ok {
+            info!(session = %r.session_id, "replica reports success");
+        } else {
+            warn!(session = %r.session_id, error = %r.error.chars().take(1024).collect::<String>(), "replica reports failure");
+        }
+        Ok(Response::new(pb::ReportResultResponse {}))
+    }
+}

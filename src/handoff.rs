@@ -1,0 +1,144 @@
+//! Handoff of an installed snapshot to the local KV (DESIGN.md §7).
+//!
+//! Always writes the atomic `<snapshot>.replmeta` record first; then, per
+//! `[handoff] mode`, sends a templated line to the KV's admin address and
+//! requires `+OK`, or runs a program with `KVSYNC_*` in its environment and
+//! requires exit status 0. Every step has the configured deadline. A failed
+//! handoff leaves the installed snapshot in place; the caller reports it.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+use crate::config::{HandoffConfig, HandoffMode};
+use crate::install::{self, InstallError};
+use crate::snapshot::SnapshotInfo;
+
+/// What the KV receives.
+#[derive(Debug, Clone)]
+pub struct HandoffRecord {
+    /// Installed snapshot.
+    pub path: PathBuf,
+    pub info: SnapshotInfo,
+    /// The source agent (its node id and address).
+    pub source: String,
+}
+
+impl HandoffRecord {
+    /// Path of the `.replmeta` record next to the snapshot.
+    pub fn replmeta_path(&self) -> PathBuf {
+        let mut p = self.path.clone().into_os_string();
+        p.push(".replmeta");
+        PathBuf::from(p)
+    }
+
+    /// The record's text: `REPLMETA <M>` first, then `key value` lines.
+    pub fn render(&self) -> String {
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis())
+            .unwrap_or(0);
+        format!(
+            "REPLMETA {}\nsnapshot {}\nsource {}\nformat {}\nsize {}\nchecksum {:#x}\ntime_unix_ms {}\n",
+            self.info.seq,
+            self.path.display(),
+            self.source,
+            self.info.format,
+            self.info.size,
+            self.info.checksum,
+            now_ms
+        )
+    }
+}
+
+/// Why the KV did not take the snapshot.
+#[derive(Debug, thiserror::Error)]
+pub enum HandoffError {
+    /// The `.replmeta` record could not be written.
+    #[error("cannot write the handoff record: {0}")]
+    Record(#[from] InstallError),
+    /// The KV admin address did not answer in time or refused the connection.
+    #[error("KV admin address {addr}: {source}")]
+    Connect { addr: String, source: std::io::Error },
+    /// The KV answered something other than `+OK`.
+    #[error("KV at {addr} refused the handoff: {reply:?}")]
+    Refused { addr: String, reply: String },
+    /// The handoff program failed.
+    #[error("handoff program {program:?} {status}")]
+    Program { program: String, status: String },
+    /// The mode is not available in this build.
+    #[error("handoff mode {0:?} is not supported by this build")]
+    Unsupported(&'static str),
+    /// No answer within the deadline.
+    #[error("handoff timed out after {0:?}")]
+    Timeout(Duration),
+}
+
+/// Writes the record, then hands off per `config`. Returns a short
+/// description of what was done.
+pub async fn hand_off(config: &HandoffConfig, record: &HandoffRecord) -> Result<String, HandoffError> {
+    install::write_atomic(&record.replmeta_path(), record.render().as_bytes())?;
+    let deadline = config.timeout;
+    let work = async {
+        match config.mode {
+            HandoffMode::File => Ok(format!("wrote {}", record.replmeta_path().display())),
+            HandoffMode::Command => send_command(config, record).await,
+            HandoffMode::Exec => run_program(config, record).await,
+            HandoffMode::Redis => Err(HandoffError::Unsupported("redis")),
+        }
+    };
+    tokio::time::timeout(deadline, work).await.map_err(|_| HandoffError::Timeout(deadline))?
+}
+
+/// Expands `{seq}`, `{path}`, `{source}` in a template.
+pub fn expand(template: &str, record: &HandoffRecord) -> String {
+    template
+        .replace("{seq}", &record.info.seq.to_string())
+        .replace("{path}", &record.path.display().to_string())
+        .replace("{source}", &record.source)
+}
+
+async fn send_command(config: &HandoffConfig, record: &HandoffRecord) -> Result<String, HandoffError> {
+    let addr = config.command_addr.clone();
+    let connect = |source| HandoffError::Connect { addr: addr.clone(), source };
+    let mut stream = tokio::net::TcpStream::connect(&addr).await.map_err(connect)?;
+    let line = expand(&config.command_template, record);
+    stream.write_all(format!("{line}\r\n").as_bytes()).await.map_err(connect)?;
+    let mut reply = String::new();
+    BufReader::new(&mut stream).read_line(&mut reply).await.map_err(connect)?;
+    let reply = reply.trim_end().to_string();
+    if reply == "+OK" {
+        Ok(format!("{addr} accepted {line:?}"))
+    } else {
+        Err(HandoffError::Refused { addr, reply })
+    }
+}
+
+async fn run_program(config: &HandoffConfig, record: &HandoffRecord) -> Result<String, HandoffError> {
+    let program = config.exec[0].clone();
+    let fail = |status: String| HandoffError::Program { program: program.clone(), status };
+    let output = tokio::process::Command::new(&program)
+        .args(&config.exec[1..])
+        .env("KVSYNC_SEQ", record.info.seq.to_string())
+        .env("KVSYNC_SNAPSHOT", &record.path)
+        .env("KVSYNC_SOURCE", &record.source)
+        .env("KVSYNC_FORMAT", record.info.format.as_str())
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .output()
+        .await
+        .map_err(|e| fail(format!("could not start: {e}")))?;
+    if output.status.success() {
+        Ok(format!("{program} exited 0"))
+    } else {
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        Err(fail(format!("{}: {}", output.status, stderr.trim())))
+    }
+}
+
+/// Reads the sequence number back from a `.replmeta` record.
+pub fn read_replmeta_seq(path: &Path) -> Option<u64> {
+    let text = std::fs::read_to_string(path).ok()?;
+    text.lines().next()?.strip_prefix("REPLMETA ")?.parse().ok()
+}

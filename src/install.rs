@@ -1,0 +1,267 @@
+//! Durable install of a received snapshot (replica side, DESIGN.md §5).
+//!
+//! Owns the temp file in the destination directory: created (and sized)
+//! before bytes arrive, fed in order while the snapshot's own checksum is
+//! computed on the same bytes, then fsync → rename into place → fsync of the
+//! directory. Until [`Staging::install`] succeeds, dropping the staging
+//! removes the temp file, so a failed or cancelled sync leaves the previous
+//! snapshot untouched and no debris. Stale temp files of a crashed agent are
+//! swept at start by [`sweep_stale`].
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use crate::snapshot::{Corruption, Format, SnapshotInfo, Verifier};
+
+/// Prefix of kvsync's temp files (hidden, so watchers skip them).
+pub const TEMP_PREFIX: &str = ".kvsync-recv-";
+/// Suffix of kvsync's temp files.
+pub const TEMP_SUFFIX: &str = ".partial";
+
+/// Why staging or installing failed.
+#[derive(Debug, thiserror::Error)]
+pub enum InstallError {
+    /// The destination directory cannot take a temp file.
+    #[error("snapshot_dir {dir} is not writable: {source}")]
+    NotWritable { dir: PathBuf, source: std::io::Error },
+    /// Writing, syncing or renaming failed.
+    #[error("{op} {path}: {source}")]
+    Io { op: &'static str, path: PathBuf, source: std::io::Error },
+    /// The received bytes are not the offered snapshot.
+    #[error("received snapshot is invalid: {0}")]
+    Corrupt(Corruption),
+    /// The snapshot verified but is not the one that was offered.
+    #[error("received snapshot differs from the offer: {0}")]
+    NotOffered(String),
+}
+
+/// A temp file receiving one snapshot.
+pub struct Staging {
+    dir: PathBuf,
+    path: PathBuf,
+    file: File,
+    format: Format,
+    verifier: Option<Verifier>,
+    len: u64,
+    written: u64,
+    installed: bool,
+}
+
+impl Staging {
+    /// Creates the temp file for sync `id` in `dir` (proves the directory
+    /// is writable before any byte moves).
+    pub fn create(dir: &Path, id: &str, format: Format) -> Result<Staging, InstallError> {
+        let path = dir.join(format!("{TEMP_PREFIX}{id}{TEMP_SUFFIX}"));
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .map_err(|source| InstallError::NotWritable { dir: dir.to_owned(), source })?;
+        Ok(Staging {
+            dir: dir.to_owned(),
+            path,
+            file,
+            format,
+            verifier: None,
+            len: 0,
+            written: 0,
+            installed: false,
+        })
+    }
+
+    /// Temp file path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Sizes the file for `len` bytes (reserving the disk space up front, so
+    /// a full disk fails here rather than mid-transfer where possible).
+    pub fn prepare(&mut self, len: u64) -> Result<(), InstallError> {
+        self.verifier = Some(Verifier::new(self.format, len).map_err(InstallError::Corrupt)?);
+        self.len = len;
+        if len > 0 {
+            // SAFETY: plain syscall on an owned fd.
+            let r = unsafe {
+                use std::os::fd::AsRawFd;
+                libc::posix_fallocate(self.file.as_raw_fd(), 0, len as libc::off_t)
+            };
+            match r {
+                0 => {}
+                libc::EOPNOTSUPP | libc::EINVAL => self.file.set_len(len).map_err(|e| self.io("size", e))?,
+                errno => return Err(self.io("reserve space for", std::io::Error::from_raw_os_error(errno))),
+            }
+        }
+        Ok(())
+    }
+
+    /// Appends the next received bytes (streaming receive), verifying them.
+    pub fn write(&mut self, bytes: &[u8]) -> Result<(), InstallError> {
+        self.file.write_all_at(bytes, self.written).map_err(|e| self.io("write", e))?;
+        self.written += bytes.len() as u64;
+        self.verifier
+            .as_mut()
+            .expect("prepare() before write()")
+            .update(bytes)
+            .map_err(InstallError::Corrupt)
+    }
+
+    /// Bytes written so far.
+    pub fn written(&self) -> u64 {
+        self.written
+    }
+
+    /// Finishes the checksum over everything written.
+    pub fn verify(&mut self) -> Result<SnapshotInfo, InstallError> {
+        let verifier = match self.verifier.take() {
+            Some(v) => v,
+            // Empty transfer: verify zero bytes.
+            None => Verifier::new(self.format, 0).map_err(InstallError::Corrupt)?,
+        };
+        verifier.finish().map_err(InstallError::Corrupt)
+    }
+
+    /// fsync → rename to `dir/name` → fsync dir. Returns the final path.
+    pub fn install(mut self, name: &str) -> Result<PathBuf, InstallError> {
+        self.file.sync_all().map_err(|e| self.io("fsync", e))?;
+        let dest = self.dir.join(name);
+        std::fs::rename(&self.path, &dest).map_err(|e| self.io("rename", e))?;
+        self.installed = true;
+        sync_dir(&self.dir)?;
+        Ok(dest)
+    }
+
+    fn io(&self, op: &'static str, source: std::io::Error) -> InstallError {
+        InstallError::Io { op, path: self.path.clone(), source }
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        if !self.installed {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// fsync a directory so a rename in it is durable.
+pub fn sync_dir(dir: &Path) -> Result<(), InstallError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|source| InstallError::Io { op: "fsync directory", path: dir.to_owned(), source })
+}
+
+/// Writes `contents` to `path` atomically and durably (temp, fsync, rename,
+/// fsync dir).
+pub fn write_atomic(path: &Path, contents: &[u8]) -> Result<(), InstallError> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let io = |op, source| InstallError::Io { op, path: path.to_owned(), source };
+    let mut tmp = tempfile::Builder::new()
+        .prefix(TEMP_PREFIX)
+        .suffix(TEMP_SUFFIX)
+        .tempfile_in(dir)
+        .map_err(|e| io("create temp for", e))?;
+    tmp.write_all(contents).map_err(|e| io("write", e))?;
+    tmp.as_file().sync_all().map_err(|e| io("fsync", e))?;
+    tmp.persist(path).map_err(|e| io("rename", e.error))?;
+    sync_dir(dir)
+}
+
+/// Removes temp files a previous (crashed) agent left in `dir`; returns how
+/// many.
+pub fn sweep_stale(dir: &Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    entries
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            let name = e.file_name();
+            let name = name.to_string_lossy();
+            name.starts_with(TEMP_PREFIX) && name.ends_with(TEMP_SUFFIX)
+        })
+        .filter(|e| std::fs::remove_file(e.path()).is_ok())
+        .count()
+}
+
+/// A safe file name for an installed snapshot: the source's base name when
+/// it is a plain name, else `snapshot-<seq>.<format>`.
+pub fn install_name(offered: &str, seq: u64, format: Format) -> String {
+    let plain = !offered.is_empty()
+        && offered.len() <= 255
+        && !offered.starts_with('.')
+        && !offered.contains(['/', '\\', '\0'])
+        && !crate::watch::is_ignored_name(offered);
+    if plain {
+        offered.to_string()
+    } else {
+        let ext = match format {
+            Format::Kvr1 => "kvr1",
+            Format::RedisRdb => "rdb",
+        };
+        format!("snapshot-{seq}.{ext}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn snapshot(size: u64, seq: u64) -> Vec<u8> {
+        let mut v = Vec::new();
+        crate::snapshot::kvr1::GenSpec { size, seq, created_ms: 0, seed: 1 }.write_to(&mut v).unwrap();
+        v
+    }
+
+    #[test]
+    fn staged_snapshot_installs_durably() {
+        let dir = tempfile::tempdir().unwrap();
+        let bytes = snapshot(100_000, 8);
+        let mut s = Staging::create(dir.path(), "abc", Format::Kvr1).unwrap();
+        let tmp = s.path().to_owned();
+        s.prepare(bytes.len() as u64).unwrap();
+        for c in bytes.chunks(7777) {
+            s.write(c).unwrap();
+        }
+        assert_eq!(s.verify().unwrap().seq, 8);
+        let dest = s.install("snap.kvr1").unwrap();
+        assert_eq!(std::fs::read(&dest).unwrap(), bytes);
+        assert!(!tmp.exists());
+    }
+
+    #[test]
+    fn dropped_staging_removes_its_temp_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = Staging::create(dir.path(), "x", Format::Kvr1).unwrap();
+        s.prepare(1000).unwrap();
+        s.write(&[1, 2, 3]).unwrap_err(); // bad magic, detected at once
+        let tmp = s.path().to_owned();
+        assert!(tmp.exists());
+        drop(s);
+        assert!(!tmp.exists());
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn unwritable_dir_is_reported() {
+        let err = Staging::create(Path::new("/proc/kvsync-nope"), "x", Format::Kvr1).err().unwrap();
+        assert!(err.to_string().contains("not writable"), "{err}");
+    }
+
+    #[test]
+    fn stale_temp_files_are_swept() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join(format!("{TEMP_PREFIX}old{TEMP_SUFFIX}")), b"x").unwrap();
+        std::fs::write(dir.path().join("keep.kvr1"), b"x").unwrap();
+        assert_eq!(sweep_stale(dir.path()), 1);
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn install_names_are_sanitised() {
+        assert_eq!(install_name("snap-5.kvr1", 5, Format::Kvr1), "snap-5.kvr1");
+        for bad in ["", "../etc/passwd", ".hidden", "a/b", "temp-1.rdb", "x.replmeta"] {
+            assert_eq!(install_name(bad, 5, Format::Kvr1), "snapshot-5.kvr1", "{bad}");
+        }
+    }
+}

@@ -1,0 +1,194 @@
+//! Sync jobs: what drives a full sync end to end, for each role.
+//!
+//! [`SyncManager`] owns the replica-side jobs of this agent: starting one
+//! (or returning the running one for the same source), their progress as a
+//! watchable [`pb::SyncProgress`], cancellation, and the list of recent
+//! finished syncs. The job itself lives in [`job`]; the source role (offers
+//! and the data listener) in [`source`].
+
+pub mod job;
+pub mod source;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Config;
+use crate::control::pb;
+use crate::metrics::Metrics;
+
+/// Why a sync request was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum SyncError {
+    /// The request is malformed.
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// No sync with this id.
+    #[error("no sync with id {0:?}")]
+    NotFound(String),
+    /// This agent cannot receive now (e.g. its snapshot_dir is not writable).
+    #[error("{0}")]
+    FailedPrecondition(String),
+    /// Too many syncs, or shutting down.
+    #[error("{0}")]
+    Busy(String),
+}
+
+struct Running {
+    source: String,
+    progress: watch::Receiver<pb::SyncProgress>,
+    cancel: CancellationToken,
+}
+
+#[derive(Default)]
+struct Jobs {
+    running: HashMap<String, Running>,
+    recent: VecDeque<pb::SyncProgress>,
+}
+
+/// The replica-side jobs of one agent.
+pub struct SyncManager {
+    config: Config,
+    metrics: Arc<Metrics>,
+    jobs: Mutex<Jobs>,
+    shutdown: CancellationToken,
+}
+
+/// Longest accepted source address.
+const MAX_ADDR_LEN: usize = 256;
+
+impl SyncManager {
+    pub fn new(config: Config, metrics: Arc<Metrics>, shutdown: CancellationToken) -> Arc<SyncManager> {
+        Arc::new(SyncManager { config, metrics, jobs: Mutex::default(), shutdown })
+    }
+
+    /// Starts pulling from `source` (a gRPC `host:port`), or returns the
+    /// sync already running from it. Returns (id, created).
+    pub fn start(
+        self: &Arc<Self>,
+        source: &str,
+        preference: pb::TransportPreference,
+    ) -> Result<(String, bool), SyncError> {
+        let source = source.trim();
+        if source.is_empty() || source.len() > MAX_ADDR_LEN || source.contains(['/', ' ']) || !source.contains(':') {
+            return Err(SyncError::InvalidArgument(format!(
+                "source must be the source agent's gRPC address host:port, got {source:?}"
+            )));
+        }
+        if self.shutdown.is_cancelled() {
+            return Err(SyncError::Busy("agent is shutting down".into()));
+        }
+        let mut jobs = self.jobs.lock().expect("jobs lock");
+        if let Some((id, _)) = jobs.running.iter().find(|(_, r)| r.source == source) {
+            return Ok((id.clone(), false));
+        }
+        // Refuse before anything moves when we could not install the result.
+        job::check_writable(&self.config.snapshot_dir)
+            .map_err(|e| SyncError::FailedPrecondition(e.to_string()))?;
+        let id = new_id();
+        let initial = pb::SyncProgress {
+            sync_id: id.clone(),
+            source: source.to_string(),
+            phase: pb::Phase::Negotiating as i32,
+            started_unix_ms: unix_ms(),
+            format: self.config.snapshot_format.as_str().into(),
+            ..Default::default()
+        };
+        let (tx, rx) = watch::channel(initial);
+        let cancel = self.shutdown.child_token();
+        jobs.running.insert(id.clone(), Running { source: source.to_string(), progress: rx, cancel: cancel.clone() });
+        drop(jobs);
+
+        let ctx = job::JobContext {
+            id: id.clone(),
+            source: source.to_string(),
+            preference,
+            config: self.config.clone(),
+            metrics: self.metrics.clone(),
+            progress: tx,
+            cancel,
+        };
+        let me = self.clone();
+        tokio::spawn(async move {
+            let id = ctx.id.clone();
+            let last = job::run(ctx).await;
+            me.finish(&id, last);
+        });
+        Ok((id, true))
+    }
+
+    fn finish(&self, id: &str, last: pb::SyncProgress) {
+        let mut jobs = self.jobs.lock().expect("jobs lock");
+        jobs.running.remove(id);
+        jobs.recent.push_front(last);
+        jobs.recent.truncate(self.config.sync.keep_recent.max(1));
+    }
+
+    /// A receiver of the sync's progress; for a finished sync it holds the
+    /// final state.
+    pub fn watch(&self, id: &str) -> Result<watch::Receiver<pb::SyncProgress>, SyncError> {
+        let jobs = self.jobs.lock().expect("jobs lock");
+        if let Some(r) = jobs.running.get(id) {
+            return Ok(r.progress.clone());
+        }
+        jobs.recent
+            .iter()
+            .find(|p| p.sync_id == id)
+            .map(|p| watch::channel(p.clone()).1)
+            .ok_or_else(|| SyncError::NotFound(id.to_string()))
+    }
+
+    /// Cancels a running sync; false when it already finished.
+    pub fn cancel(&self, id: &str) -> Result<bool, SyncError> {
+        let jobs = self.jobs.lock().expect("jobs lock");
+        if let Some(r) = jobs.running.get(id) {
+            r.cancel.cancel();
+            return Ok(true);
+        }
+        if jobs.recent.iter().any(|p| p.sync_id == id) {
+            return Ok(false);
+        }
+        Err(SyncError::NotFound(id.to_string()))
+    }
+
+    /// Progress of every running sync.
+    pub fn running(&self) -> Vec<pb::SyncProgress> {
+        let jobs = self.jobs.lock().expect("jobs lock");
+        jobs.running.values().map(|r| r.progress.borrow().clone()).collect()
+    }
+
+    /// Finished syncs, newest first.
+    pub fn recent(&self) -> Vec<pb::SyncProgress> {
+        self.jobs.lock().expect("jobs lock").recent.iter().cloned().collect()
+    }
+
+    /// Cancels every running sync (shutdown).
+    pub fn cancel_all(&self) {
+        for r in self.jobs.lock().expect("jobs lock").running.values() {
+            r.cancel.cancel();
+        }
+    }
+
+    /// Number of running syncs.
+    pub fn running_count(&self) -> usize {
+        self.jobs.lock().expect("jobs lock").running.len()
+    }
+}
+
+/// A short random id (hex).
+pub fn new_id() -> String {
+    use rand::RngCore;
+    let mut b = [0u8; 8];
+    rand::rng().fill_bytes(&mut b);
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Milliseconds since the unix epoch.
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}

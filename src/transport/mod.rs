@@ -1,0 +1,118 @@
+//! Data-plane transports: the drivers that execute BLK3 commands.
+//!
+//! Owns the generic driver loop ([`drive`]) that runs a sans-IO machine over
+//! an [`Executor`], the transport labels used in status and metrics, and the
+//! fault-injection hooks used by fault tests. Each submodule owns one
+//! transport; protocol decisions stay in `blk3`.
+
+pub mod tcp;
+
+use std::time::Duration;
+
+use crate::blk3::{Blk3Error, Command, Input, Machine, Outcome};
+
+/// Which transport moved a snapshot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TransportKind {
+    Tcp,
+    Rdma,
+}
+
+impl TransportKind {
+    /// Label for metrics and JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TransportKind::Tcp => "tcp",
+            TransportKind::Rdma => "rdma",
+        }
+    }
+}
+
+/// Carries out BLK3 commands on real (or emulated) I/O.
+pub trait Executor {
+    type Error;
+    /// Time since the session began.
+    fn now(&self) -> Duration;
+    /// Executes one command; an immediate result comes back as an input.
+    fn execute(&mut self, cmd: Command) -> Result<Option<Input>, Self::Error>;
+    /// Waits for the next input until `deadline` (`Ok(None)` when it passes).
+    fn next_input(&mut self, deadline: Option<Duration>) -> Result<Option<Input>, Self::Error>;
+}
+
+/// Runs `machine` over `io` until the session ends. The outer `Err` is an
+/// I/O failure of the executor; the inner result is the protocol's verdict.
+pub fn drive<M: Machine, E: Executor>(
+    machine: &mut M,
+    io: &mut E,
+) -> Result<Result<Outcome, Blk3Error>, E::Error> {
+    loop {
+        while let Some(cmd) = machine.poll() {
+            if let Command::Done(result) = cmd {
+                return Ok(result);
+            }
+            if let Some(input) = io.execute(cmd)? {
+                machine.handle(input, io.now());
+            }
+        }
+        match io.next_input(machine.deadline())? {
+            Some(input) => machine.handle(input, io.now()),
+            None => machine.on_timeout(io.now()),
+        }
+    }
+}
+
+/// Faults injected into the data plane for fault tests, from the
+/// `KVSYNC_FAULTS` environment variable (`corrupt_at=N,stall_after=N,cut_after=N`).
+/// Never set in production; the agent logs loudly when any is active.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Faults {
+    /// Source: flip one bit of the snapshot byte at this offset on the wire.
+    pub corrupt_at: Option<u64>,
+    /// Source: stop sending after this many bulk bytes (until the peer leaves).
+    pub stall_after: Option<u64>,
+    /// Source: drop the connection after this many bulk bytes.
+    pub cut_after: Option<u64>,
+}
+
+impl Faults {
+    /// Parses `KVSYNC_FAULTS`; an unset variable means no faults.
+    pub fn from_env() -> Result<Faults, String> {
+        match std::env::var("KVSYNC_FAULTS") {
+            Ok(spec) => Faults::parse(&spec),
+            Err(_) => Ok(Faults::default()),
+        }
+    }
+
+    pub fn parse(spec: &str) -> Result<Faults, String> {
+        let mut f = Faults::default();
+        for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (k, v) = part.split_once('=').ok_or_else(|| format!("fault {part:?} is not key=value"))?;
+            let n: u64 = v.parse().map_err(|_| format!("fault {k}: {v:?} is not a byte offset"))?;
+            match k {
+                "corrupt_at" => f.corrupt_at = Some(n),
+                "stall_after" => f.stall_after = Some(n),
+                "cut_after" => f.cut_after = Some(n),
+                _ => return Err(format!("unknown fault {k:?}")),
+            }
+        }
+        Ok(f)
+    }
+
+    pub fn any(&self) -> bool {
+        *self != Faults::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Faults;
+
+    #[test]
+    fn fault_specs_parse() {
+        assert_eq!(Faults::parse("").unwrap(), Faults::default());
+        let f = Faults::parse("corrupt_at=5, cut_after=10").unwrap();
+        assert_eq!((f.corrupt_at, f.cut_after, f.stall_after), (Some(5), Some(10), None));
+        assert!(Faults::parse("explode=1").is_err());
+        assert!(Faults::parse("cut_after=x").is_err());
+    }
+}

@@ -1,0 +1,393 @@
+//! BLK3 over TCP: the production fallback transport.
+//!
+//! Owns the blocking socket drivers for both roles. Tokens travel as frames
+//! (`u32` length + token); the replica's first frame is `SESS` with the
+//! one-time session token; the bulk phase is the raw snapshot bytes right
+//! after the source accepts MRINFO. The source writes straight from the
+//! shared in-memory snapshot (no file read, no extra copy in user space); the
+//! replica streams into its staging file while the checksum runs over the
+//! same bytes, never holding the whole snapshot in memory. Each session runs
+//! on its own blocking thread; cancelling shuts the socket down, which
+//! unblocks any read or write at once.
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::{drive, Executor, Faults};
+use crate::blk3::token::{SESSION_TOKEN_LEN, FRAME_HEADER_LEN, MAX_TOKEN_LEN};
+use crate::blk3::{size_scaled_timeout, Blk3Error, BulkMode, Command, Input, Outcome, Replica, Source, Token, TokenError};
+use crate::buf::AlignedBuf;
+use crate::install::{InstallError, Staging};
+
+/// Bytes per socket write/read in the bulk phase.
+const BULK_CHUNK: usize = 4 << 20;
+/// How long a new connection may take to prove its session.
+pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A TCP data-plane failure.
+#[derive(Debug, thiserror::Error)]
+pub enum TcpError {
+    /// A socket call failed.
+    #[error("{op}: {source}")]
+    Io { op: &'static str, source: std::io::Error },
+    /// The peer closed the connection.
+    #[error("peer closed the connection while {0}")]
+    Closed(&'static str),
+    /// The peer sent bytes that are not a token.
+    #[error("bad frame from peer: {0}")]
+    Frame(#[from] TokenError),
+    /// The session was cancelled locally.
+    #[error("cancelled")]
+    Cancelled,
+    /// The first frame was not a session proof.
+    #[error("expected a SESS frame first, got {0}")]
+    NoHello(String),
+    /// The driver was asked for something TCP does not do.
+    #[error("command {0} is not available over TCP")]
+    Unsupported(&'static str),
+}
+
+/// Stops a running session from another thread.
+#[derive(Clone)]
+pub struct CancelHandle {
+    stream: Arc<TcpStream>,
+    flag: Arc<AtomicBool>,
+}
+
+impl CancelHandle {
+    pub fn cancel(&self) {
+        self.flag.store(true, Ordering::SeqCst);
+        let _ = self.stream.shutdown(Shutdown::Both);
+    }
+}
+
+/// One data connection: framing, deadlines, cancellation.
+pub struct Link {
+    stream: TcpStream,
+    started: Instant,
+    buf: Vec<u8>,
+    cancelled: Arc<AtomicBool>,
+    canceller: Arc<TcpStream>,
+}
+
+impl Link {
+    pub fn new(stream: TcpStream) -> std::io::Result<Link> {
+        stream.set_nodelay(true)?;
+        let canceller = Arc::new(stream.try_clone()?);
+        Ok(Link {
+            stream,
+            started: Instant::now(),
+            buf: Vec::with_capacity(64),
+            cancelled: Arc::new(AtomicBool::new(false)),
+            canceller,
+        })
+    }
+
+    pub fn cancel_handle(&self) -> CancelHandle {
+        CancelHandle { stream: self.canceller.clone(), flag: self.cancelled.clone() }
+    }
+
+    fn now(&self) -> Duration {
+        self.started.elapsed()
+    }
+
+    fn err(&self, op: &'static str, source: std::io::Error) -> TcpError {
+        if self.cancelled.load(Ordering::SeqCst) {
+            TcpError::Cancelled
+        } else {
+            TcpError::Io { op, source }
+        }
+    }
+
+    /// Sends one token frame.
+    pub fn send(&mut self, t: &Token) -> Result<(), TcpError> {
+        let frame = t.encode_frame();
+        self.stream.write_all(&frame).map_err(|e| self.err("send token", e))
+    }
+
+    /// Reads one token frame; `Ok(None)` when `deadline` (session time)
+    /// passes first.
+    pub fn read_token(&mut self, deadline: Option<Duration>) -> Result<Option<Token>, TcpError> {
+        loop {
+            if let Some((t, used)) = Token::decode_frame(&self.buf)? {
+                self.buf.drain(..used);
+                return Ok(Some(t));
+            }
+            let timeout = match deadline {
+                Some(d) => match d.checked_sub(self.now()) {
+                    Some(left) if !left.is_zero() => Some(left),
+                    _ => return Ok(None),
+                },
+                None => None,
+            };
+            self.stream.set_read_timeout(timeout).map_err(|e| self.err("set timeout", e))?;
+            let mut chunk = [0u8; FRAME_HEADER_LEN + MAX_TOKEN_LEN];
+            match self.stream.read(&mut chunk) {
+                Ok(0) => {
+                    return Err(if self.cancelled.load(Ordering::SeqCst) {
+                        TcpError::Cancelled
+                    } else {
+                        TcpError::Closed("waiting for a token")
+                    })
+                }
+                Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
+                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.err("read token", e)),
+            }
+        }
+    }
+
+    /// Reads exactly `len` raw bulk bytes, handing them to `sink` in pieces.
+    fn read_bulk(&mut self, len: u64, mut sink: impl FnMut(&[u8])) -> Result<(), TcpError> {
+        let mut left = len;
+        // Bytes read past the last frame belong to the bulk.
+        if !self.buf.is_empty() {
+            let n = (self.buf.len() as u64).min(left) as usize;
+            sink(&self.buf[..n]);
+            self.buf.drain(..n);
+            left -= n as u64;
+        }
+        let mut chunk = AlignedBuf::zeroed(BULK_CHUNK);
+        self.stream
+            .set_read_timeout(Some(size_scaled_timeout(len)))
+            .map_err(|e| self.err("set timeout", e))?;
+        while left > 0 {
+            let want = (left as usize).min(BULK_CHUNK);
+            match self.stream.read(&mut chunk[..want]) {
+                Ok(0) => {
+                    return Err(if self.cancelled.load(Ordering::SeqCst) {
+                        TcpError::Cancelled
+                    } else {
+                        TcpError::Closed("receiving the snapshot")
+                    })
+                }
+                Ok(n) => {
+                    sink(&chunk[..n]);
+                    left -= n as u64;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.err("receive snapshot", e)),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Reads the replica's session proof (the first frame).
+pub fn read_hello(link: &mut Link) -> Result<[u8; SESSION_TOKEN_LEN], TcpError> {
+    match link.read_token(Some(HELLO_TIMEOUT))? {
+        Some(Token::Sess { token }) => Ok(token),
+        Some(other) => Err(TcpError::NoHello(other.kind().to_string())),
+        None => Err(TcpError::NoHello(format!("nothing within {HELLO_TIMEOUT:?}"))),
+    }
+}
+
+/// Refuses a connection with a reason the replica will show.
+pub fn refuse(link: &mut Link, reason: &str) {
+    let _ = link.send(&Token::Rdfl { reason: reason.to_string() });
+    let _ = link.stream.shutdown(Shutdown::Both);
+}
+
+/// Source-side executor: tokens plus the bulk stream from memory.
+struct SourceIo<'a> {
+    link: &'a mut Link,
+    snapshot: &'a [u8],
+    faults: &'a Faults,
+    progress: &'a AtomicU64,
+}
+
+impl Executor for SourceIo<'_> {
+    type Error = TcpError;
+
+    fn now(&self) -> Duration {
+        self.link.now()
+    }
+
+    fn execute(&mut self, cmd: Command) -> Result<Option<Input>, TcpError> {
+        match cmd {
+            Command::Send(t) => self.link.send(&t).map(|_| None),
+            Command::PostRecv(_) => Ok(None),
+            Command::PrepareSource => Ok(Some(Input::SourceReady)),
+            Command::StreamBulk { len } => {
+                self.stream_bulk(len)?;
+                Ok(Some(Input::BulkSent))
+            }
+            Command::PostWrites { .. } => Err(TcpError::Unsupported("PostWrites")),
+            Command::PrepareReceive { .. } | Command::ReceiveBulk { .. } | Command::Verify => {
+                Err(TcpError::Unsupported("replica command"))
+            }
+            Command::Done(_) => Ok(None),
+        }
+    }
+
+    fn next_input(&mut self, deadline: Option<Duration>) -> Result<Option<Input>, TcpError> {
+        Ok(self.link.read_token(deadline)?.map(Input::Received))
+    }
+}
+
+impl SourceIo<'_> {
+    fn stream_bulk(&mut self, len: u64) -> Result<(), TcpError> {
+        let bytes = &self.snapshot[..len as usize];
+        self.link
+            .stream
+            .set_write_timeout(Some(size_scaled_timeout(len)))
+            .map_err(|e| self.link.err("set timeout", e))?;
+        let mut sent = 0usize;
+        for chunk in bytes.chunks(BULK_CHUNK) {
+            let (start, end) = (sent as u64, (sent + chunk.len()) as u64);
+            let stop = [self.faults.stall_after, self.faults.cut_after].into_iter().flatten().min();
+            let piece = match stop {
+                Some(at) if at < end => &chunk[..at.saturating_sub(start) as usize],
+                _ => chunk,
+            };
+            match self.faults.corrupt_at {
+                Some(at) if (start..start + piece.len() as u64).contains(&at) => {
+                    let mut copy = piece.to_vec();
+                    copy[(at - start) as usize] ^= 0x01;
+                    self.write_all(&copy)?;
+                }
+                _ => self.write_all(piece)?,
+            }
+            sent += piece.len();
+            self.progress.store(sent as u64, Ordering::Relaxed);
+            if piece.len() < chunk.len() {
+                return self.injected_stop(sent as u64);
+            }
+        }
+        Ok(())
+    }
+
+    fn write_all(&mut self, bytes: &[u8]) -> Result<(), TcpError> {
+        self.link.stream.write_all(bytes).map_err(|e| self.link.err("send snapshot", e))
+    }
+
+    /// Applies `stall_after` / `cut_after` once `sent` bytes are out.
+    fn injected_stop(&mut self, sent: u64) -> Result<(), TcpError> {
+        if self.faults.cut_after.is_some_and(|c| c <= sent) {
+            tracing::warn!(sent, "fault injection: cutting the connection");
+            let _ = self.link.stream.shutdown(Shutdown::Both);
+            return Err(TcpError::Closed("fault injection cut the connection"));
+        }
+        tracing::warn!(sent, "fault injection: stalling until the peer leaves");
+        self.link.stream.set_read_timeout(None).map_err(|e| self.link.err("set timeout", e))?;
+        let mut sink = [0u8; 64];
+        while matches!(self.link.stream.read(&mut sink), Ok(n) if n > 0) {}
+        Err(TcpError::Closed("stalled by fault injection"))
+    }
+}
+
+/// Serves one authenticated session: runs the source machine, streaming
+/// `snapshot` (exactly the offered bytes). `progress` counts bytes sent.
+pub fn run_source(
+    link: &mut Link,
+    snapshot: &[u8],
+    seq: u64,
+    faults: &Faults,
+    progress: &AtomicU64,
+) -> Result<Result<Outcome, Blk3Error>, TcpError> {
+    let mut machine = Source::new(snapshot.len() as u64, seq, BulkMode::Stream);
+    machine.start(link.now());
+    let mut io = SourceIo { link, snapshot, faults, progress };
+    drive(&mut machine, &mut io)
+}
+
+/// Replica-side executor: tokens plus streaming into the staging file.
+struct ReplicaIo<'a> {
+    link: &'a mut Link,
+    staging: &'a mut Staging,
+    progress: &'a (dyn Fn(u64) + Sync),
+    /// First local failure while receiving (corrupt bytes, disk full): the
+    /// rest of the stream is drained and the failure reported at Verify.
+    failure: Option<InstallError>,
+    info: Option<crate::snapshot::SnapshotInfo>,
+}
+
+impl Executor for ReplicaIo<'_> {
+    type Error = TcpError;
+
+    fn now(&self) -> Duration {
+        self.link.now()
+    }
+
+    fn execute(&mut self, cmd: Command) -> Result<Option<Input>, TcpError> {
+        match cmd {
+            Command::Send(t) => self.link.send(&t).map(|_| None),
+            Command::PostRecv(_) => Ok(None),
+            Command::PrepareReceive { len } => {
+                if let Err(e) = self.staging.prepare(len) {
+                    self.failure = Some(e);
+                }
+                Ok(Some(Input::ReceiveReady { addr: 0, rkey: 0 }))
+            }
+            Command::ReceiveBulk { len } => {
+                let (staging, failure, progress) = (&mut *self.staging, &mut self.failure, self.progress);
+                let mut received = 0u64;
+                self.link.read_bulk(len, |bytes| {
+                    received += bytes.len() as u64;
+                    if failure.is_none() {
+                        if let Err(e) = staging.write(bytes) {
+                            *failure = Some(e);
+                        }
+                    }
+                    progress(received);
+                })?;
+                Ok(Some(Input::BulkReceived))
+            }
+            Command::Verify => {
+                let verdict = match self.failure.as_ref() {
+                    Some(e) => Err(e.to_string()),
+                    None => match self.staging.verify() {
+                        Ok(info) => {
+                            self.info = Some(info);
+                            Ok(())
+                        }
+                        Err(e) => {
+                            let reason = e.to_string();
+                            self.failure = Some(e);
+                            Err(reason)
+                        }
+                    },
+                };
+                Ok(Some(Input::Verified(verdict)))
+            }
+            Command::PrepareSource | Command::StreamBulk { .. } | Command::PostWrites { .. } => {
+                Err(TcpError::Unsupported("source command"))
+            }
+            Command::Done(_) => Ok(None),
+        }
+    }
+
+    fn next_input(&mut self, deadline: Option<Duration>) -> Result<Option<Input>, TcpError> {
+        Ok(self.link.read_token(deadline)?.map(Input::Received))
+    }
+}
+
+/// What a replica session produced.
+pub struct ReplicaRun {
+    /// Transport failure, or the protocol's verdict.
+    pub result: Result<Result<Outcome, Blk3Error>, TcpError>,
+    /// The verified snapshot (on success).
+    pub info: Option<crate::snapshot::SnapshotInfo>,
+    /// The local cause of a failed verification, if any.
+    pub failure: Option<InstallError>,
+}
+
+/// Runs a replica session on a connected link: proves the session with
+/// `token`, then receives `offered_len` bytes into `staging`.
+pub fn run_replica(
+    link: &mut Link,
+    token: [u8; SESSION_TOKEN_LEN],
+    offered_len: u64,
+    staging: &mut Staging,
+    progress: &(dyn Fn(u64) + Sync),
+) -> ReplicaRun {
+    let mut machine = Replica::new(offered_len, BulkMode::Stream);
+    machine.start(link.now());
+    let mut io = ReplicaIo { link, staging, progress, failure: None, info: None };
+    let result = io.link.send(&Token::Sess { token }).and_then(|_| drive(&mut machine, &mut io));
+    ReplicaRun { result, info: io.info, failure: io.failure }
+}
