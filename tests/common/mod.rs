@@ -63,11 +63,17 @@ pub struct AgentProcess {
 impl AgentProcess {
     /// Starts `kvsync agent` with `args` and waits for its ready line.
     pub fn start(args: &[&str], log_dir: &Path) -> AgentProcess {
+        AgentProcess::start_env(args, &[], log_dir)
+    }
+
+    /// Like [`AgentProcess::start`], with extra environment variables.
+    pub fn start_env(args: &[&str], env: &[(&str, &str)], log_dir: &Path) -> AgentProcess {
         let stderr_log = log_dir.join(format!("agent-{}.log", std::process::id() ^ rand_u32()));
         let child = Command::new(kvsync_bin())
             .arg("agent")
             .args(args)
             .env("KVSYNC_LOG", "info,kvsync=debug")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&stderr_log).expect("log file"))
