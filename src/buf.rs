@@ -2,16 +2,17 @@
 //!
 //! Owns the one `unsafe` allocation pattern the data path needs: memory that
 //! is page aligned (what memory registration wants, and what makes the
-//! kernel's copies fast) and, for snapshot images, filled straight from a file
-//! with `pread` without zeroing it first. Nothing here knows about snapshots.
+//! kernel's copies fast) and, for snapshot images, memory that is not zeroed
+//! first because a file is read straight into it. Nothing here knows about
+//! snapshots.
 
 use std::alloc::{self, Layout};
-use std::fs::File;
 use std::ops::{Deref, DerefMut};
-use std::os::fd::AsRawFd;
 
 /// Page size used for alignment.
 pub const PAGE: usize = 4096;
+/// Huge-page size: alignment of large buffers.
+const HUGE: usize = 2 << 20;
 
 /// A page-aligned, heap-allocated byte buffer whose bytes are always
 /// initialised.
@@ -41,37 +42,37 @@ impl AlignedBuf {
         AlignedBuf { ptr, len, layout }
     }
 
-    /// Reads `len` bytes of `file` from offset 0 with `pread`, into memory
-    /// that is never zeroed (the kernel writes every byte first).
-    pub fn read_file(file: &File, len: usize, chunk: usize) -> std::io::Result<AlignedBuf> {
-        let layout = Self::layout(len);
+    /// A buffer of `len` bytes whose contents are NOT initialised (no
+    /// memset of a multi-GB image). Large buffers are 2 MiB aligned and
+    /// advised as huge pages, which makes filling them much cheaper.
+    ///
+    /// # Safety
+    /// No byte may be read (through `Deref`, or `as_ptr`) before it was
+    /// written through `as_mut_ptr`.
+    pub unsafe fn uninit(len: usize) -> AlignedBuf {
+        let align = if len >= HUGE { HUGE } else { PAGE };
+        let layout = Layout::from_size_align(len.max(1), align).expect("buffer size fits a layout");
         // SAFETY: the layout has a non-zero size.
         let ptr = unsafe { alloc::alloc(layout) };
         if ptr.is_null() {
             alloc::handle_alloc_error(layout);
         }
-        // Owned from here on, so an error frees it; bytes are exposed only
-        // after every one of them was written.
-        let buf = AlignedBuf { ptr, len, layout };
-        let mut done = 0usize;
-        while done < len {
-            let want = (len - done).min(chunk);
-            // SAFETY: `ptr + done .. + want` lies inside the allocation.
-            let n = unsafe {
-                libc::pread(file.as_raw_fd(), ptr.add(done).cast(), want, done as libc::off_t)
-            };
-            match n {
-                n if n > 0 => done += n as usize,
-                0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-                _ => {
-                    let e = std::io::Error::last_os_error();
-                    if e.kind() != std::io::ErrorKind::Interrupted {
-                        return Err(e);
-                    }
-                }
-            }
+        if len >= HUGE {
+            // Advice only: failure just means 4 KiB pages.
+            // SAFETY: the range is our own allocation.
+            unsafe { libc::madvise(ptr.cast(), len, libc::MADV_HUGEPAGE) };
         }
-        Ok(buf)
+        AlignedBuf { ptr, len, layout }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for a zero-length buffer.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 
     /// Start address (for memory registration).
@@ -110,20 +111,16 @@ impl Drop for AlignedBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::Write;
 
     #[test]
-    fn aligned_zeroed_and_read() {
+    fn aligned_zeroed_and_uninit() {
         let b = AlignedBuf::zeroed(10_000);
         assert_eq!(b.as_ptr() as usize % PAGE, 0);
         assert!(b.iter().all(|&x| x == 0));
-
-        let mut f = tempfile::tempfile().unwrap();
-        let data: Vec<u8> = (0..100_000u32).map(|i| i as u8).collect();
-        f.write_all(&data).unwrap();
-        let b = AlignedBuf::read_file(&f, data.len(), 4096).unwrap();
-        assert_eq!(&b[..], &data[..]);
-        assert!(AlignedBuf::read_file(&f, data.len() + 1, 4096).is_err());
-        assert_eq!(AlignedBuf::read_file(&f, 0, 4096).unwrap().len(), 0);
+        // SAFETY: written before read.
+        let mut big = unsafe { AlignedBuf::uninit(3 << 20) };
+        assert_eq!(big.as_ptr() as usize % HUGE, 0);
+        unsafe { std::ptr::write_bytes(big.as_mut_ptr(), 7, big.len()) };
+        assert!(big.iter().all(|&x| x == 7));
     }
 }

@@ -2,31 +2,37 @@
 //!
 //! Owns loading a snapshot file into one page-aligned heap buffer and sharing
 //! it between every session that serves the same file. Entries are keyed by
-//! (path, size, mtime): the first acquirer reads the file with `pread`
-//! (no `mmap`, no memset), verifies the loaded bytes with the snapshot's own
-//! checksum, and concurrent acquirers wait for that one load. A replaced file
-//! is a new key, so holders of the old buffer keep reading consistent bytes.
-//! The last [`CacheRef`] dropped frees the memory. A memory budget makes new
-//! loads wait for space (up to `acquire_timeout`) or fail with a clear error.
+//! (path, size, mtime). The first acquirer opens the file (so a file deleted
+//! or replaced after the offer is still read as offered) and starts one
+//! background load with `pread` (no `mmap`, no memset); the load verifies the
+//! bytes with the snapshot's own checksum as it goes. Sessions do not wait
+//! for the whole load: they send each range as soon as it is loaded
+//! ([`CacheRef::wait_loaded`]) and wait for the final verdict
+//! ([`CacheRef::wait_complete`]) before declaring the transfer done, so
+//! loading and sending overlap. Concurrent acquirers share the load
+//! (refcount; "reusing snapshot buffer ref=N"); the last [`CacheRef`] dropped
+//! frees the memory; a replaced file is a new key, so holders of the old
+//! buffer keep reading consistent bytes. A memory budget makes new loads wait
+//! for space (up to `acquire_timeout`) or fail with a clear error.
 //! Registering the buffer with a NIC is the transports' job.
 
 use std::collections::HashMap;
-use std::ops::Deref;
+use std::os::fd::AsRawFd;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use tokio::sync::{Notify, OnceCell};
-use tracing::info;
+use tokio::sync::Notify;
+use tracing::{info, warn};
 
 use crate::buf::AlignedBuf;
 use crate::catalog::{system_time_ns, CatalogEntry};
 use crate::metrics::Metrics;
-use crate::snapshot::{Corruption, Format, Verifier};
+use crate::snapshot::{Corruption, Verifier};
 
-/// `pread` size while loading.
-const LOAD_CHUNK: usize = 8 << 20;
+/// `pread` size while loading (also the granularity readers wait on).
+const LOAD_CHUNK: usize = 4 << 20;
 
 /// Identity of a loaded snapshot file.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -60,14 +66,77 @@ pub enum CacheError {
     /// The loaded bytes do not verify.
     #[error("{path}: loaded bytes are not a valid snapshot: {corruption}")]
     Corrupt { path: PathBuf, corruption: Corruption },
+    /// The shared load failed (for every holder).
+    #[error(transparent)]
+    Load(Arc<CacheError>),
 }
 
-/// A loaded snapshot image: page aligned, immutable once shared.
-pub type SnapshotBuffer = AlignedBuf;
+/// How far the background load got.
+enum LoadState {
+    Loading,
+    Verified,
+    Failed(Arc<CacheError>),
+}
+
+/// A snapshot image being (or done being) loaded.
+pub struct Image {
+    buf: AlignedBuf,
+    /// Bytes `[0, loaded)` are written and never change again.
+    loaded: AtomicUsize,
+    state: Mutex<LoadState>,
+    progress: Condvar,
+}
+
+impl Image {
+    fn len(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// Blocks until `[0, end)` is loaded; returns that prefix.
+    fn wait_loaded(&self, end: usize) -> Result<&[u8], CacheError> {
+        let end = end.min(self.len());
+        let mut state = self.state.lock().expect("image lock");
+        loop {
+            if self.loaded.load(Ordering::Acquire) >= end {
+                // SAFETY: the loader wrote every byte below `loaded` before
+                // publishing it with Release, and never writes them again.
+                return Ok(unsafe { std::slice::from_raw_parts(self.buf.as_ptr(), end) });
+            }
+            if let LoadState::Failed(e) = &*state {
+                return Err(CacheError::Load(e.clone()));
+            }
+            state = self.progress.wait(state).expect("image lock");
+        }
+    }
+
+    /// Blocks until the load finished and verified.
+    fn wait_complete(&self) -> Result<&[u8], CacheError> {
+        let mut state = self.state.lock().expect("image lock");
+        loop {
+            match &*state {
+                LoadState::Verified => {
+                    // SAFETY: fully loaded, as above.
+                    return Ok(unsafe { std::slice::from_raw_parts(self.buf.as_ptr(), self.len()) });
+                }
+                LoadState::Failed(e) => return Err(CacheError::Load(e.clone())),
+                LoadState::Loading => state = self.progress.wait(state).expect("image lock"),
+            }
+        }
+    }
+
+    fn publish(&self, loaded: usize, end: Option<LoadState>) {
+        let mut state = self.state.lock().expect("image lock");
+        self.loaded.store(loaded, Ordering::Release);
+        if let Some(s) = end {
+            *state = s;
+        }
+        self.progress.notify_all();
+    }
+}
 
 struct Slot {
     refs: usize,
-    buffer: Arc<OnceCell<Arc<SnapshotBuffer>>>,
+    image: Arc<Image>,
 }
 
 #[derive(Default)]
@@ -103,29 +172,51 @@ impl SnapshotCache {
         self.released.notify_waiters();
     }
 
-    /// Returns a reference to the loaded snapshot, loading it if needed.
+    /// Returns a reference to the snapshot, starting its load if it is not
+    /// loaded or loading yet. Does not wait for the load.
     pub async fn acquire(self: &Arc<Self>, entry: &CatalogEntry) -> Result<CacheRef, CacheError> {
         let key = CacheKey::of(entry);
         let size = key.size;
         let started = tokio::time::Instant::now();
         let deadline = started + self.acquire_timeout;
-        let (cell, refs) = loop {
+        loop {
             let released = self.released.notified();
             {
                 let mut st = self.state.lock().expect("cache lock");
                 if let Some(slot) = st.slots.get_mut(&key) {
                     slot.refs += 1;
-                    break (slot.buffer.clone(), slot.refs);
+                    let (image, refs) = (slot.image.clone(), slot.refs);
+                    drop(st);
+                    self.publish();
+                    self.metrics.cache_hits.inc();
+                    info!(path = %entry.path.display(), "reusing snapshot buffer ref={refs}");
+                    return Ok(CacheRef { image, cache: self.clone(), key });
                 }
                 let budget = self.budget.load(Ordering::Relaxed);
                 if size > budget {
                     return Err(CacheError::TooLarge { size, budget });
                 }
                 if st.reserved + size <= budget {
-                    let cell = Arc::new(OnceCell::new());
-                    st.slots.insert(key.clone(), Slot { refs: 1, buffer: cell.clone() });
+                    // Open now: from here the inode is ours even if the file
+                    // is deleted or replaced before the load reads it.
+                    let file = open_checked(entry)?;
+                    // SAFETY: bytes are exposed only below the `loaded`
+                    // watermark, after the loader wrote them.
+                    let buf = unsafe { AlignedBuf::uninit(size as usize) };
+                    let image = Arc::new(Image {
+                        buf,
+                        loaded: AtomicUsize::new(0),
+                        state: Mutex::new(LoadState::Loading),
+                        progress: Condvar::new(),
+                    });
+                    st.slots.insert(key.clone(), Slot { refs: 1, image: image.clone() });
                     st.reserved += size;
-                    break (cell, 1);
+                    drop(st);
+                    self.publish();
+                    self.metrics.cache_loads.inc();
+                    let (img, e) = (image.clone(), entry.clone());
+                    tokio::task::spawn_blocking(move || load(&img, file, &e));
+                    return Ok(CacheRef { image, cache: self.clone(), key });
                 }
                 if tokio::time::Instant::now() >= deadline {
                     return Err(CacheError::OverBudget {
@@ -137,25 +228,7 @@ impl SnapshotCache {
                 }
             }
             let _ = tokio::time::timeout_at(deadline, released).await;
-        };
-        // From here on the reference is counted; dropping `guard` undoes it.
-        let guard = Held { cache: self.clone(), key };
-        self.publish();
-        let loaded_here = std::sync::atomic::AtomicBool::new(false);
-        let buffer = cell
-            .get_or_try_init(|| {
-                loaded_here.store(true, Ordering::Relaxed);
-                load(entry.clone())
-            })
-            .await?
-            .clone();
-        if loaded_here.into_inner() {
-            self.metrics.cache_loads.inc();
-        } else {
-            self.metrics.cache_hits.inc();
-            info!(path = %entry.path.display(), "reusing snapshot buffer ref={refs}");
         }
-        Ok(CacheRef { buffer, _held: guard })
     }
 
     /// Number of loaded or loading entries.
@@ -190,65 +263,119 @@ impl SnapshotCache {
     }
 }
 
-/// Counts one reference until dropped.
-struct Held {
+/// A session's hold on a snapshot image; the memory lives while any exists.
+pub struct CacheRef {
+    image: Arc<Image>,
     cache: Arc<SnapshotCache>,
     key: CacheKey,
 }
 
-impl Drop for Held {
+impl CacheRef {
+    /// Snapshot length.
+    pub fn len(&self) -> usize {
+        self.image.len()
+    }
+
+    /// True for an empty snapshot.
+    pub fn is_empty(&self) -> bool {
+        self.image.len() == 0
+    }
+
+    /// Start address of the image (for memory registration).
+    pub fn as_ptr(&self) -> *const u8 {
+        self.image.buf.as_ptr()
+    }
+
+    /// Blocks until `[0, end)` is loaded and returns it (sessions send each
+    /// range as soon as it is there).
+    pub fn wait_loaded(&self, end: usize) -> Result<&[u8], CacheError> {
+        self.image.wait_loaded(end)
+    }
+
+    /// Blocks until the whole image is loaded and verified.
+    pub fn wait_complete(&self) -> Result<&[u8], CacheError> {
+        self.image.wait_complete()
+    }
+
+    /// Async form of [`CacheRef::wait_complete`] (runs on a blocking thread).
+    pub async fn complete(&self) -> Result<(), CacheError> {
+        let image = self.image.clone();
+        tokio::task::spawn_blocking(move || image.wait_complete().map(drop))
+            .await
+            .expect("wait does not panic")
+    }
+}
+
+impl Drop for CacheRef {
     fn drop(&mut self) {
         self.cache.release(&self.key);
     }
 }
 
-/// A session's hold on a loaded snapshot; the memory lives while any exists.
-pub struct CacheRef {
-    buffer: Arc<SnapshotBuffer>,
-    _held: Held,
-}
-
-impl CacheRef {
-    pub fn buffer(&self) -> &Arc<SnapshotBuffer> {
-        &self.buffer
+/// Opens the entry's file and checks it is still the offered one.
+fn open_checked(entry: &CatalogEntry) -> Result<std::fs::File, CacheError> {
+    let path = &entry.path;
+    let io = |source| CacheError::Io { path: path.clone(), source };
+    let file = std::fs::File::open(path).map_err(io)?;
+    let meta = file.metadata().map_err(io)?;
+    let mtime_ns = meta.modified().map(system_time_ns).unwrap_or_default();
+    if meta.len() != entry.info.size || mtime_ns != entry.mtime_ns() {
+        return Err(CacheError::Changed { path: path.clone() });
     }
+    Ok(file)
 }
 
-impl Deref for CacheRef {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        &self.buffer
-    }
-}
-
-/// Reads the file into a new buffer and verifies it.
-async fn load(entry: CatalogEntry) -> Result<Arc<SnapshotBuffer>, CacheError> {
-    tokio::task::spawn_blocking(move || {
-        let path = entry.path.clone();
-        let io = |source| CacheError::Io { path: path.clone(), source };
-        let file = std::fs::File::open(&path).map_err(io)?;
-        let meta = file.metadata().map_err(io)?;
-        let mtime_ns = meta.modified().map(system_time_ns).unwrap_or_default();
-        if meta.len() != entry.info.size || mtime_ns != entry.mtime_ns() {
-            return Err(CacheError::Changed { path });
+/// Fills `image` from `file`, verifying as it goes, publishing progress.
+fn load(image: &Image, file: std::fs::File, entry: &CatalogEntry) {
+    let started = std::time::Instant::now();
+    match fill(image, &file, entry) {
+        Ok(()) => {
+            image.publish(image.len(), Some(LoadState::Verified));
+            info!(path = %entry.path.display(), bytes = image.len(), elapsed = ?started.elapsed(), "snapshot loaded into cache");
         }
-        let buffer = AlignedBuf::read_file(&file, entry.info.size as usize, LOAD_CHUNK).map_err(io)?;
-        let checksum = verify(entry.format(), &buffer)
+        Err(e) => {
+            warn!(error = %e, "snapshot load failed");
+            let loaded = image.loaded.load(Ordering::Relaxed);
+            image.publish(loaded, Some(LoadState::Failed(Arc::new(e))));
+        }
+    }
+}
+
+fn fill(image: &Image, file: &std::fs::File, entry: &CatalogEntry) -> Result<(), CacheError> {
+    let path = &entry.path;
+    let len = image.len();
+    let mut verifier = Verifier::new(entry.format(), len as u64)
+        .map_err(|corruption| CacheError::Corrupt { path: path.clone(), corruption })?;
+    let ptr = image.buf.as_ptr() as *mut u8;
+    let mut done = 0usize;
+    while done < len {
+        let want = (len - done).min(LOAD_CHUNK);
+        // SAFETY: `ptr + done .. + want` lies inside the allocation, above
+        // the published watermark, so no reader looks at it yet.
+        let n = unsafe { libc::pread(file.as_raw_fd(), ptr.add(done).cast(), want, done as libc::off_t) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(CacheError::Io { path: path.clone(), source: e });
+        }
+        if n == 0 {
+            return Err(CacheError::Changed { path: path.clone() });
+        }
+        let n = n as usize;
+        // SAFETY: just written by pread.
+        let chunk = unsafe { std::slice::from_raw_parts(ptr.add(done), n) };
+        verifier
+            .update(chunk)
             .map_err(|corruption| CacheError::Corrupt { path: path.clone(), corruption })?;
-        // Same size and mtime but other bytes: rewritten in place.
-        if checksum != entry.info.checksum {
-            return Err(CacheError::Changed { path });
-        }
-        info!(path = %path.display(), bytes = buffer.len(), "snapshot loaded into cache");
-        Ok(Arc::new(buffer))
-    })
-    .await
-    .expect("load task does not panic")
-}
-
-/// Verifies an in-memory snapshot image; returns its checksum.
-fn verify(format: Format, bytes: &[u8]) -> Result<u64, Corruption> {
-    let mut v = Verifier::new(format, bytes.len() as u64)?;
-    v.update(bytes)?;
-    v.finish().map(|info| info.checksum)
+        done += n;
+        image.publish(done, None);
+    }
+    let info = verifier.finish().map_err(|corruption| CacheError::Corrupt { path: path.clone(), corruption })?;
+    // Same size and mtime but other bytes: rewritten in place.
+    if info.checksum != entry.info.checksum {
+        return Err(CacheError::Changed { path: path.clone() });
+    }
+    Ok(())
 }

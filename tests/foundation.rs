@@ -266,17 +266,19 @@ async fn cache_eight_concurrent_acquirers_share_one_load() {
     for t in tasks {
         refs.push(t.await.unwrap());
     }
+    refs[0].complete().await.unwrap();
     assert_eq!(metrics.cache_loads.get(), 1, "exactly one load");
     assert_eq!(metrics.cache_hits.get(), 7);
     assert_eq!(metrics.cache_refs.get(), 8);
     assert_eq!(metrics.cache_entries.get(), 1);
     assert_eq!(metrics.cache_bytes.get(), 3 << 20);
-    let ptr = refs[0].buffer().as_ptr();
+    let ptr = refs[0].as_ptr();
     for r in &refs {
-        assert_eq!(r.buffer().as_ptr(), ptr, "one shared buffer");
-        assert_eq!(r.buffer().as_ptr() as usize % 4096, 0, "page aligned");
+        assert_eq!(r.as_ptr(), ptr, "one shared buffer");
+        assert_eq!(r.as_ptr() as usize % 4096, 0, "page aligned");
     }
-    assert_eq!(&refs[3][..], &bytes[..]);
+    assert_eq!(refs[3].wait_complete().unwrap(), &bytes[..]);
+    assert_eq!(refs[5].wait_loaded(1000).unwrap(), &bytes[..1000]);
     drop(refs);
     assert_eq!(cache.entries(), 0);
     assert_eq!(metrics.cache_bytes.get(), 0, "last release frees the buffer");
@@ -292,12 +294,16 @@ async fn cache_replaced_file_gets_new_entry_old_holder_keeps_old_bytes() {
     let cache = SnapshotCache::new(1 << 30, Duration::from_secs(5), metrics.clone());
     let old_entry = entry_for(&path);
     let holder = cache.acquire(&old_entry).await.unwrap();
+    // The file is replaced right after the acquisition: the holder opened
+    // it already and still gets the old bytes.
 
     let new = write_snapshot(&path, 120_000, 2);
     let new_entry = entry_for(&path);
     let fresh = cache.acquire(&new_entry).await.unwrap();
-    assert_eq!(&holder[..], &old[..], "holder reads the old snapshot");
-    assert_eq!(&fresh[..], &new[..], "new acquirer reads the new one");
+    fresh.complete().await.unwrap();
+    holder.complete().await.unwrap();
+    assert_eq!(holder.wait_complete().unwrap(), &old[..], "holder reads the old snapshot");
+    assert_eq!(fresh.wait_complete().unwrap(), &new[..], "new acquirer reads the new one");
     assert_eq!(cache.entries(), 2);
     assert_eq!(metrics.cache_loads.get(), 2);
 
@@ -348,6 +354,26 @@ async fn cache_budget_waits_then_fails_or_proceeds() {
     drop(held2);
     assert_eq!(waiter.await.unwrap().unwrap(), 600_000);
     drop(held);
+}
+
+#[tokio::test]
+async fn cache_load_failure_reaches_every_holder() {
+    let dir = tmpdir();
+    let path = dir.path().join("s.kvr1");
+    write_snapshot(&path, 200_000, 1);
+    let metrics = Metrics::new();
+    let cache = SnapshotCache::new(1 << 30, Duration::from_secs(5), metrics.clone());
+    // The catalog believed in other bytes (rewritten in place, same size and mtime).
+    let mut entry = entry_for(&path);
+    entry.info.checksum ^= 1;
+    let a = cache.acquire(&entry).await.unwrap();
+    let b = cache.acquire(&entry).await.unwrap();
+    for r in [&a, &b] {
+        let err = r.complete().await.unwrap_err();
+        assert!(err.to_string().contains("changed since it was offered"), "{err}");
+    }
+    drop((a, b));
+    assert_eq!(cache.entries(), 0);
 }
 
 // ---------------------------------------------------------------- agent

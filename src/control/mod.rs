@@ -78,7 +78,9 @@ impl From<CacheError> for ApiError {
         match e {
             CacheError::TooLarge { .. } | CacheError::OverBudget { .. } => ApiError::Busy(msg),
             CacheError::Changed { .. } => ApiError::Unavailable(format!("{msg}; retry")),
-            CacheError::Io { .. } | CacheError::Corrupt { .. } => ApiError::FailedPrecondition(msg),
+            CacheError::Io { .. } | CacheError::Corrupt { .. } | CacheError::Load(_) => {
+                ApiError::FailedPrecondition(msg)
+            }
         }
     }
 }

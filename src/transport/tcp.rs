@@ -20,6 +20,7 @@ use super::{drive, Executor, Faults};
 use crate::blk3::token::{SESSION_TOKEN_LEN, FRAME_HEADER_LEN, MAX_TOKEN_LEN};
 use crate::blk3::{size_scaled_timeout, Blk3Error, BulkMode, Command, Input, Outcome, Replica, Source, Token, TokenError};
 use crate::buf::AlignedBuf;
+use crate::cache::{CacheError, CacheRef};
 use crate::install::{InstallError, Staging};
 
 /// Bytes per socket write/read in the bulk phase.
@@ -45,6 +46,9 @@ pub enum TcpError {
     /// The first frame was not a session proof.
     #[error("expected a SESS frame first, got {0}")]
     NoHello(String),
+    /// The snapshot could not be loaded or did not verify on the source.
+    #[error("source snapshot: {0}")]
+    Snapshot(#[from] CacheError),
     /// The driver was asked for something TCP does not do.
     #[error("command {0} is not available over TCP")]
     Unsupported(&'static str),
@@ -195,7 +199,7 @@ pub fn refuse(link: &mut Link, reason: &str) {
 /// Source-side executor: tokens plus the bulk stream from memory.
 struct SourceIo<'a> {
     link: &'a mut Link,
-    snapshot: &'a [u8],
+    snapshot: &'a CacheRef,
     faults: &'a Faults,
     progress: &'a AtomicU64,
 }
@@ -230,14 +234,18 @@ impl Executor for SourceIo<'_> {
 }
 
 impl SourceIo<'_> {
+    /// Sends each range as soon as the cache has loaded it; reports the end
+    /// only once the whole image has verified.
     fn stream_bulk(&mut self, len: u64) -> Result<(), TcpError> {
-        let bytes = &self.snapshot[..len as usize];
+        let snapshot = self.snapshot;
         self.link
             .stream
             .set_write_timeout(Some(size_scaled_timeout(len)))
             .map_err(|e| self.link.err("set timeout", e))?;
         let mut sent = 0usize;
-        for chunk in bytes.chunks(BULK_CHUNK) {
+        while sent < len as usize {
+            let loaded = snapshot.wait_loaded((sent + BULK_CHUNK).min(len as usize))?;
+            let chunk = &loaded[sent..];
             let (start, end) = (sent as u64, (sent + chunk.len()) as u64);
             let stop = [self.faults.stall_after, self.faults.cut_after].into_iter().flatten().min();
             let piece = match stop {
@@ -258,6 +266,7 @@ impl SourceIo<'_> {
                 return self.injected_stop(sent as u64);
             }
         }
+        snapshot.wait_complete()?;
         Ok(())
     }
 
@@ -281,10 +290,10 @@ impl SourceIo<'_> {
 }
 
 /// Serves one authenticated session: runs the source machine, streaming
-/// `snapshot` (exactly the offered bytes). `progress` counts bytes sent.
+/// `snapshot` (exactly the offered bytes) as the cache loads it. `progress` counts bytes sent.
 pub fn run_source(
     link: &mut Link,
-    snapshot: &[u8],
+    snapshot: &CacheRef,
     seq: u64,
     faults: &Faults,
     progress: &AtomicU64,
