@@ -51,6 +51,11 @@ pub enum Command {
     Snapshots(StatusArgs),
     /// Cancel a running sync.
     Cancel(CancelArgs),
+    /// Show whether this host can use RDMA and what `auto` would choose.
+    ///
+    /// Lists verbs devices, their port states and whether they are soft
+    /// devices; exits 0 whether or not RDMA is available.
+    Probe(ProbeArgs),
     /// Run a complete local demo: two agents, one generated snapshot, one
     /// full sync with progress, then clean up.
     Demo(DemoArgs),
@@ -99,6 +104,13 @@ pub struct CancelArgs {
     pub agent: String,
     /// The sync id `kvsync sync` printed.
     pub sync_id: String,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ProbeArgs {
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -181,6 +193,7 @@ pub fn main() -> ExitCode {
         Command::Status(args) => runtime().and_then(|rt| rt.block_on(client::status(args))),
         Command::Snapshots(args) => runtime().and_then(|rt| rt.block_on(client::snapshots(args))),
         Command::Cancel(args) => runtime().and_then(|rt| rt.block_on(client::cancel(args))),
+        Command::Probe(args) => probe(args),
         Command::Demo(args) => runtime().and_then(|rt| rt.block_on(client::demo(args))),
     };
     match result {
@@ -276,6 +289,25 @@ fn gen_snapshot(args: GenArgs) -> anyhow::Result<ExitCode> {
     };
     let crc = spec.write_file(&args.out)?;
     println!("wrote {} ({} bytes, seq {}, crc32 {crc:#010x})", args.out.display(), spec.size, spec.seq);
+    Ok(ExitCode::SUCCESS)
+}
+
+fn probe(args: ProbeArgs) -> anyhow::Result<ExitCode> {
+    let p = crate::transport::probe::probe();
+    if args.json {
+        println!("{}", serde_json::to_string(&p)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("{}", p.reason);
+    for d in &p.devices {
+        let soft = if d.soft { " (soft)" } else { "" };
+        println!("  device {}{soft}", d.name);
+        for port in &d.ports {
+            println!("    port {}: {} ({})", port.port, port.state, port.link_layer);
+        }
+    }
+    let choice = if p.rdma_available { "rdma" } else { "tcp" };
+    println!("transport mode \"auto\" would use: {choice}");
     Ok(ExitCode::SUCCESS)
 }
 

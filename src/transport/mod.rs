@@ -5,6 +5,7 @@
 //! fault-injection hooks used by fault tests. Each submodule owns one
 //! transport; protocol decisions stay in `blk3`.
 
+pub mod probe;
 pub mod tcp;
 
 use std::time::Duration;

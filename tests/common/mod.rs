@@ -167,3 +167,47 @@ pub fn gen_snapshot(out: &Path, size: u64, seq: u64) {
         .expect("run gen-snapshot");
     assert!(status.success(), "gen-snapshot failed");
 }
+
+/// Output of a command run in the soft-RoCE VM.
+pub struct VmRun {
+    pub code: i32,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// Runs `cmd` inside the soft-RoCE VM (`scripts/rxe-vm.sh`) with `env` set
+/// there. Returns `None`
+/// (after printing why) where the VM cannot run here — not root, or the
+/// harness cannot install what it needs; under CI (`CI=true`) that is a
+/// failure instead, because CI must run the verbs tests.
+pub fn run_in_vm(cmd: &[&str], env: &[(&str, &str)], timeout_s: u32) -> Option<VmRun> {
+    let ci = std::env::var("CI").is_ok_and(|v| v == "true");
+    let skip = |why: String| {
+        if ci {
+            panic!("the soft-RoCE VM must run in CI, but: {why}");
+        }
+        // Written past the test harness's capture so it shows in the log.
+        let _ = writeln!(std::io::stderr(), "SKIPPED soft-RoCE VM test: {why}");
+        None
+    };
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return skip("the VM harness needs root".into());
+    }
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/rxe-vm.sh");
+    let mut c = Command::new("bash");
+    c.arg(script).arg("--timeout").arg(timeout_s.to_string());
+    for (name, value) in env {
+        c.arg("--env").arg(name).env(name, value);
+    }
+    let out = c.arg("--").args(cmd).stdin(Stdio::null()).output().expect("run rxe-vm.sh");
+    let run = VmRun {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    };
+    if run.code == 3 {
+        return skip(format!("the harness cannot run here: {}", run.stderr.trim()));
+    }
+    Some(run)
+}
