@@ -30,10 +30,17 @@ use crate::watch::DirWatcher;
 pub enum AgentError {
     /// A listener could not bind its address.
     #[error("cannot listen on {what} {addr}: {source}")]
-    Bind { what: &'static str, addr: String, source: std::io::Error },
+    Bind {
+        what: &'static str,
+        addr: String,
+        source: std::io::Error,
+    },
     /// The snapshot directory cannot be created.
     #[error("cannot create snapshot_dir {path}: {source}")]
-    SnapshotDir { path: PathBuf, source: std::io::Error },
+    SnapshotDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     /// `KVSYNC_FAULTS` is malformed.
     #[error("KVSYNC_FAULTS: {0}")]
     Faults(String),
@@ -68,7 +75,10 @@ impl RunningAgent {
     /// Binds every listener and starts every task.
     pub async fn start(config: Config) -> Result<RunningAgent, AgentError> {
         if let Err(source) = std::fs::create_dir_all(&config.snapshot_dir) {
-            return Err(AgentError::SnapshotDir { path: config.snapshot_dir.clone(), source });
+            return Err(AgentError::SnapshotDir {
+                path: config.snapshot_dir.clone(),
+                source,
+            });
         }
         let faults = Faults::from_env().map_err(AgentError::Faults)?;
         if faults.any() {
@@ -83,13 +93,20 @@ impl RunningAgent {
             async move {
                 let l = tokio::net::TcpListener::bind(&addr)
                     .await
-                    .map_err(|source| AgentError::Bind { what, addr: addr.clone(), source })?;
-                let local = l.local_addr().map_err(|source| AgentError::Bind { what, addr, source })?;
+                    .map_err(|source| AgentError::Bind {
+                        what,
+                        addr: addr.clone(),
+                        source,
+                    })?;
+                let local =
+                    l.local_addr()
+                        .map_err(|source| AgentError::Bind { what, addr, source })?;
                 Ok::<_, AgentError>((l, local))
             }
         };
         let (grpc_listener, grpc_addr) = bind("grpc.listen", &config.grpc.listen).await?;
-        let (data_listener, data_tcp_addr) = bind("data.tcp_listen", &config.data.tcp_listen).await?;
+        let (data_listener, data_tcp_addr) =
+            bind("data.tcp_listen", &config.data.tcp_listen).await?;
 
         let metrics = Metrics::new();
         let catalog = Catalog::new(metrics.clone());
@@ -99,22 +116,40 @@ impl RunningAgent {
             metrics.clone(),
         );
         let sessions = Arc::new(SessionTable::default());
-        let shared = Arc::new(Shared { config, metrics, catalog, cache, sessions, data_tcp_addr });
+        let shared = Arc::new(Shared {
+            config,
+            metrics,
+            catalog,
+            cache,
+            sessions,
+            data_tcp_addr,
+        });
         let shutdown = CancellationToken::new();
         let mut tasks = JoinSet::new();
-        let syncs = SyncManager::new(shared.config.clone(), shared.metrics.clone(), shutdown.clone());
+        let syncs = SyncManager::new(
+            shared.config.clone(),
+            shared.metrics.clone(),
+            shutdown.clone(),
+        );
 
         let metrics_addr = if shared.config.metrics.listen.is_empty() {
             None
         } else {
             let addr = &shared.config.metrics.listen;
-            let (listener, local) = metrics::bind(addr)
-                .await
-                .map_err(|source| AgentError::Bind { what: "metrics.listen", addr: addr.clone(), source })?;
+            let (listener, local) =
+                metrics::bind(addr)
+                    .await
+                    .map_err(|source| AgentError::Bind {
+                        what: "metrics.listen",
+                        addr: addr.clone(),
+                        source,
+                    })?;
             let stop = shutdown.clone();
             let m = shared.metrics.clone();
             tasks.spawn(async move {
-                if let Err(e) = metrics::serve(listener, m, async move { stop.cancelled().await }).await {
+                if let Err(e) =
+                    metrics::serve(listener, m, async move { stop.cancelled().await }).await
+                {
                     warn!(error = %e, "metrics endpoint stopped");
                 }
             });
@@ -131,29 +166,52 @@ impl RunningAgent {
         tasks.spawn(watcher.run(shutdown.clone()));
 
         // Data plane.
-        let plane = DataPlane { sessions: shared.sessions.clone(), metrics: shared.metrics.clone(), faults };
-        tasks.spawn(source_role::serve_tcp(data_listener, plane, shutdown.clone()));
+        let plane = DataPlane {
+            sessions: shared.sessions.clone(),
+            metrics: shared.metrics.clone(),
+            faults,
+        };
+        tasks.spawn(source_role::serve_tcp(
+            data_listener,
+            plane,
+            shutdown.clone(),
+        ));
 
         // Control plane.
         let (health, health_service) = tonic_health::server::health_reporter();
-        health.set_serving::<pb::orchestrator_server::OrchestratorServer<OrchestratorService>>().await;
-        health.set_serving::<pb::peer_server::PeerServer<PeerService>>().await;
+        health
+            .set_serving::<pb::orchestrator_server::OrchestratorServer<OrchestratorService>>()
+            .await;
+        health
+            .set_serving::<pb::peer_server::PeerServer<PeerService>>()
+            .await;
         let reflection = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
             .build_v1()
             .map_err(|e| AgentError::Reflection(e.to_string()))?;
-        let orchestrator = OrchestratorService { shared: shared.clone(), syncs: syncs.clone() };
-        let peer = PeerService { shared: shared.clone(), data_addr: data_tcp_addr };
+        let orchestrator = OrchestratorService {
+            shared: shared.clone(),
+            syncs: syncs.clone(),
+        };
+        let peer = PeerService {
+            shared: shared.clone(),
+            data_addr: data_tcp_addr,
+        };
         let router = tonic::transport::Server::builder()
             .add_service(health_service)
             .add_service(reflection)
-            .add_service(pb::orchestrator_server::OrchestratorServer::new(orchestrator))
+            .add_service(pb::orchestrator_server::OrchestratorServer::new(
+                orchestrator,
+            ))
             .add_service(pb::peer_server::PeerServer::new(peer));
         let stop = shutdown.clone();
         tasks.spawn(async move {
             let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc_listener);
-            if let Err(e) = router.serve_with_incoming_shutdown(incoming, stop.cancelled()).await {
+            if let Err(e) = router
+                .serve_with_incoming_shutdown(incoming, stop.cancelled())
+                .await
+            {
                 warn!(error = %e, "grpc server stopped");
             }
         });
@@ -166,13 +224,23 @@ impl RunningAgent {
             metrics = ?metrics_addr,
             "agent started"
         );
-        Ok(RunningAgent { shared, syncs, grpc_addr, metrics_addr, shutdown, tasks })
+        Ok(RunningAgent {
+            shared,
+            syncs,
+            grpc_addr,
+            metrics_addr,
+            shutdown,
+            tasks,
+        })
     }
 
     /// The line printed on stdout once every listener is up; tests and
     /// scripts read it to learn the bound ports.
     pub fn ready_line(&self) -> String {
-        let metrics = self.metrics_addr.map(|a| a.to_string()).unwrap_or_else(|| "-".into());
+        let metrics = self
+            .metrics_addr
+            .map(|a| a.to_string())
+            .unwrap_or_else(|| "-".into());
         format!(
             "kvsync agent ready node={} grpc={} data={} metrics={metrics}",
             self.shared.config.node_id, self.grpc_addr, self.shared.data_tcp_addr

@@ -44,7 +44,11 @@ pub struct CacheKey {
 
 impl CacheKey {
     pub fn of(entry: &CatalogEntry) -> CacheKey {
-        CacheKey { path: entry.path.clone(), size: entry.info.size, mtime_ns: entry.mtime_ns() }
+        CacheKey {
+            path: entry.path.clone(),
+            size: entry.info.size,
+            mtime_ns: entry.mtime_ns(),
+        }
     }
 }
 
@@ -56,16 +60,27 @@ pub enum CacheError {
     TooLarge { size: u64, budget: u64 },
     /// Other snapshots hold the budget and none was released in time.
     #[error("cache memory budget exhausted: {size} bytes needed, {in_use} of {budget} in use after waiting {waited:?}; retry later")]
-    OverBudget { size: u64, in_use: u64, budget: u64, waited: Duration },
+    OverBudget {
+        size: u64,
+        in_use: u64,
+        budget: u64,
+        waited: Duration,
+    },
     /// The file is no longer the one the catalog offered.
     #[error("{path}: snapshot file changed since it was offered")]
     Changed { path: PathBuf },
     /// The file could not be read.
     #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     /// The loaded bytes do not verify.
     #[error("{path}: loaded bytes are not a valid snapshot: {corruption}")]
-    Corrupt { path: PathBuf, corruption: Corruption },
+    Corrupt {
+        path: PathBuf,
+        corruption: Corruption,
+    },
     /// The shared load failed (for every holder).
     #[error(transparent)]
     Load(Arc<CacheError>),
@@ -116,7 +131,9 @@ impl Image {
             match &*state {
                 LoadState::Verified => {
                     // SAFETY: fully loaded, as above.
-                    return Ok(unsafe { std::slice::from_raw_parts(self.buf.as_ptr(), self.len()) });
+                    return Ok(unsafe {
+                        std::slice::from_raw_parts(self.buf.as_ptr(), self.len())
+                    });
                 }
                 LoadState::Failed(e) => return Err(CacheError::Load(e.clone())),
                 LoadState::Loading => state = self.progress.wait(state).expect("image lock"),
@@ -156,7 +173,11 @@ pub struct SnapshotCache {
 }
 
 impl SnapshotCache {
-    pub fn new(budget: u64, acquire_timeout: Duration, metrics: Arc<Metrics>) -> Arc<SnapshotCache> {
+    pub fn new(
+        budget: u64,
+        acquire_timeout: Duration,
+        metrics: Arc<Metrics>,
+    ) -> Arc<SnapshotCache> {
         Arc::new(SnapshotCache {
             state: Mutex::default(),
             released: Notify::new(),
@@ -190,7 +211,11 @@ impl SnapshotCache {
                     self.publish();
                     self.metrics.cache_hits.inc();
                     info!(path = %entry.path.display(), "reusing snapshot buffer ref={refs}");
-                    return Ok(CacheRef { image, cache: self.clone(), key });
+                    return Ok(CacheRef {
+                        image,
+                        cache: self.clone(),
+                        key,
+                    });
                 }
                 let budget = self.budget.load(Ordering::Relaxed);
                 if size > budget {
@@ -209,14 +234,24 @@ impl SnapshotCache {
                         state: Mutex::new(LoadState::Loading),
                         progress: Condvar::new(),
                     });
-                    st.slots.insert(key.clone(), Slot { refs: 1, image: image.clone() });
+                    st.slots.insert(
+                        key.clone(),
+                        Slot {
+                            refs: 1,
+                            image: image.clone(),
+                        },
+                    );
                     st.reserved += size;
                     drop(st);
                     self.publish();
                     self.metrics.cache_loads.inc();
                     let (img, e) = (image.clone(), entry.clone());
                     tokio::task::spawn_blocking(move || load(&img, file, &e));
-                    return Ok(CacheRef { image, cache: self.clone(), key });
+                    return Ok(CacheRef {
+                        image,
+                        cache: self.clone(),
+                        key,
+                    });
                 }
                 if tokio::time::Instant::now() >= deadline {
                     return Err(CacheError::OverBudget {
@@ -238,7 +273,13 @@ impl SnapshotCache {
 
     /// Total references held.
     pub fn refs(&self) -> usize {
-        self.state.lock().expect("cache lock").slots.values().map(|s| s.refs).sum()
+        self.state
+            .lock()
+            .expect("cache lock")
+            .slots
+            .values()
+            .map(|s| s.refs)
+            .sum()
     }
 
     fn release(&self, key: &CacheKey) {
@@ -259,7 +300,9 @@ impl SnapshotCache {
         let st = self.state.lock().expect("cache lock");
         self.metrics.cache_bytes.set(st.reserved as i64);
         self.metrics.cache_entries.set(st.slots.len() as i64);
-        self.metrics.cache_refs.set(st.slots.values().map(|s| s.refs as i64).sum());
+        self.metrics
+            .cache_refs
+            .set(st.slots.values().map(|s| s.refs as i64).sum());
     }
 }
 
@@ -315,7 +358,10 @@ impl Drop for CacheRef {
 /// Opens the entry's file and checks it is still the offered one.
 fn open_checked(entry: &CatalogEntry) -> Result<std::fs::File, CacheError> {
     let path = &entry.path;
-    let io = |source| CacheError::Io { path: path.clone(), source };
+    let io = |source| CacheError::Io {
+        path: path.clone(),
+        source,
+    };
     let file = std::fs::File::open(path).map_err(io)?;
     let meta = file.metadata().map_err(io)?;
     let mtime_ns = meta.modified().map(system_time_ns).unwrap_or_default();
@@ -344,21 +390,34 @@ fn load(image: &Image, file: std::fs::File, entry: &CatalogEntry) {
 fn fill(image: &Image, file: &std::fs::File, entry: &CatalogEntry) -> Result<(), CacheError> {
     let path = &entry.path;
     let len = image.len();
-    let mut verifier = Verifier::new(entry.format(), len as u64)
-        .map_err(|corruption| CacheError::Corrupt { path: path.clone(), corruption })?;
+    let mut verifier =
+        Verifier::new(entry.format(), len as u64).map_err(|corruption| CacheError::Corrupt {
+            path: path.clone(),
+            corruption,
+        })?;
     let ptr = image.buf.as_ptr() as *mut u8;
     let mut done = 0usize;
     while done < len {
         let want = (len - done).min(LOAD_CHUNK);
         // SAFETY: `ptr + done .. + want` lies inside the allocation, above
         // the published watermark, so no reader looks at it yet.
-        let n = unsafe { libc::pread(file.as_raw_fd(), ptr.add(done).cast(), want, done as libc::off_t) };
+        let n = unsafe {
+            libc::pread(
+                file.as_raw_fd(),
+                ptr.add(done).cast(),
+                want,
+                done as libc::off_t,
+            )
+        };
         if n < 0 {
             let e = std::io::Error::last_os_error();
             if e.kind() == std::io::ErrorKind::Interrupted {
                 continue;
             }
-            return Err(CacheError::Io { path: path.clone(), source: e });
+            return Err(CacheError::Io {
+                path: path.clone(),
+                source: e,
+            });
         }
         if n == 0 {
             return Err(CacheError::Changed { path: path.clone() });
@@ -368,11 +427,19 @@ fn fill(image: &Image, file: &std::fs::File, entry: &CatalogEntry) -> Result<(),
         let chunk = unsafe { std::slice::from_raw_parts(ptr.add(done), n) };
         verifier
             .update(chunk)
-            .map_err(|corruption| CacheError::Corrupt { path: path.clone(), corruption })?;
+            .map_err(|corruption| CacheError::Corrupt {
+                path: path.clone(),
+                corruption,
+            })?;
         done += n;
         image.publish(done, None);
     }
-    let info = verifier.finish().map_err(|corruption| CacheError::Corrupt { path: path.clone(), corruption })?;
+    let info = verifier
+        .finish()
+        .map_err(|corruption| CacheError::Corrupt {
+            path: path.clone(),
+            corruption,
+        })?;
     // Same size and mtime but other bytes: rewritten in place.
     if info.checksum != entry.info.checksum {
         return Err(CacheError::Changed { path: path.clone() });

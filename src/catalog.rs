@@ -73,7 +73,12 @@ impl Catalog {
 
     /// Removes the entry for `path`; returns whether one existed.
     pub fn remove(&self, path: &Path) -> bool {
-        let removed = self.entries.write().expect("catalog lock").remove(path).is_some();
+        let removed = self
+            .entries
+            .write()
+            .expect("catalog lock")
+            .remove(path)
+            .is_some();
         if removed {
             self.changed();
         }
@@ -95,7 +100,11 @@ impl Catalog {
 
     /// The entry for `path`, if offered.
     pub fn get(&self, path: &Path) -> Option<Arc<CatalogEntry>> {
-        self.entries.read().expect("catalog lock").get(path).cloned()
+        self.entries
+            .read()
+            .expect("catalog lock")
+            .get(path)
+            .cloned()
     }
 
     /// The newest snapshot of `format`: highest seq, then newest mtime.
@@ -111,7 +120,12 @@ impl Catalog {
 
     /// Every offered snapshot, by path.
     pub fn list(&self) -> Vec<Arc<CatalogEntry>> {
-        self.entries.read().expect("catalog lock").values().cloned().collect()
+        self.entries
+            .read()
+            .expect("catalog lock")
+            .values()
+            .cloned()
+            .collect()
     }
 
     /// A receiver whose value changes whenever the catalog does.
@@ -126,8 +140,14 @@ impl Catalog {
                 .map(|e| (e.info.seq as i64, e.info.size as i64))
                 .unwrap_or((0, 0));
             let label = [format.as_str()];
-            self.metrics.snapshot_latest_seq.with_label_values(&label).set(seq);
-            self.metrics.snapshot_latest_bytes.with_label_values(&label).set(bytes);
+            self.metrics
+                .snapshot_latest_seq
+                .with_label_values(&label)
+                .set(seq);
+            self.metrics
+                .snapshot_latest_bytes
+                .with_label_values(&label)
+                .set(bytes);
         }
         self.generation.send_modify(|g| *g += 1);
     }

@@ -216,7 +216,10 @@ fn init_logging(default: &str) {
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread().enable_all().build().context("cannot start the async runtime")
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")
 }
 
 /// Loads the config file (if any) and applies command-line overrides.
@@ -225,7 +228,8 @@ fn load_config(args: &AgentArgs) -> anyhow::Result<Config> {
         Some(path) => {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("cannot read config {}", path.display()))?;
-            Config::parse(&text).map_err(|m| anyhow::anyhow!("invalid config {}: {m}", path.display()))?
+            Config::parse(&text)
+                .map_err(|m| anyhow::anyhow!("invalid config {}: {m}", path.display()))?
         }
         None => Config::default(),
     };
@@ -246,7 +250,11 @@ fn load_config(args: &AgentArgs) -> anyhow::Result<Config> {
     }
     if let Err(problems) = config.validate() {
         let list: Vec<String> = problems.iter().map(|p| format!("  - {p}")).collect();
-        anyhow::bail!("invalid configuration ({} problems):\n{}", problems.len(), list.join("\n"));
+        anyhow::bail!(
+            "invalid configuration ({} problems):\n{}",
+            problems.len(),
+            list.join("\n")
+        );
     }
     Ok(config)
 }
@@ -288,7 +296,12 @@ fn gen_snapshot(args: GenArgs) -> anyhow::Result<ExitCode> {
         seed: args.seed.unwrap_or(args.seq),
     };
     let crc = spec.write_file(&args.out)?;
-    println!("wrote {} ({} bytes, seq {}, crc32 {crc:#010x})", args.out.display(), spec.size, spec.seq);
+    println!(
+        "wrote {} ({} bytes, seq {}, crc32 {crc:#010x})",
+        args.out.display(),
+        spec.size,
+        spec.seq
+    );
     Ok(ExitCode::SUCCESS)
 }
 
@@ -303,7 +316,10 @@ fn probe(args: ProbeArgs) -> anyhow::Result<ExitCode> {
         let soft = if d.soft { " (soft)" } else { "" };
         println!("  device {}{soft}", d.name);
         for port in &d.ports {
-            println!("    port {}: {} ({})", port.port, port.state, port.link_layer);
+            println!(
+                "    port {}: {} ({})",
+                port.port, port.state, port.link_layer
+            );
         }
     }
     let choice = if p.rdma_available { "rdma" } else { "tcp" };

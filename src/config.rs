@@ -180,13 +180,18 @@ fn default_node_id() -> String {
 
 impl Default for GrpcConfig {
     fn default() -> Self {
-        GrpcConfig { listen: "127.0.0.1:35101".into() }
+        GrpcConfig {
+            listen: "127.0.0.1:35101".into(),
+        }
     }
 }
 
 impl Default for DataConfig {
     fn default() -> Self {
-        DataConfig { tcp_listen: "127.0.0.1:35102".into(), rdma_port: 35201 }
+        DataConfig {
+            tcp_listen: "127.0.0.1:35102".into(),
+            rdma_port: 35201,
+        }
     }
 }
 
@@ -204,7 +209,9 @@ impl Default for TransportConfig {
 
 impl Default for MetricsConfig {
     fn default() -> Self {
-        MetricsConfig { listen: "127.0.0.1:9464".into() }
+        MetricsConfig {
+            listen: "127.0.0.1:9464".into(),
+        }
     }
 }
 
@@ -222,19 +229,28 @@ impl Default for HandoffConfig {
 
 impl Default for CacheConfig {
     fn default() -> Self {
-        CacheConfig { memory_budget: ByteSize::gib(8), acquire_timeout: Duration::from_secs(60) }
+        CacheConfig {
+            memory_budget: ByteSize::gib(8),
+            acquire_timeout: Duration::from_secs(60),
+        }
     }
 }
 
 impl Default for WatchConfig {
     fn default() -> Self {
-        WatchConfig { debounce: Duration::from_millis(500), rescan_interval: Duration::from_secs(30) }
+        WatchConfig {
+            debounce: Duration::from_millis(500),
+            rescan_interval: Duration::from_secs(30),
+        }
     }
 }
 
 impl Default for SyncConfig {
     fn default() -> Self {
-        SyncConfig { keep_recent: 32, session_token_ttl: Duration::from_secs(60) }
+        SyncConfig {
+            keep_recent: 32,
+            session_token_ttl: Duration::from_secs(60),
+        }
     }
 }
 
@@ -256,7 +272,10 @@ impl std::fmt::Display for Problem {
 pub enum ConfigError {
     /// The file could not be read.
     #[error("cannot read config {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     /// The file is not valid TOML for this schema (unknown key, wrong type).
     #[error("invalid config {path}: {message}")]
     Parse { path: PathBuf, message: String },
@@ -268,10 +287,14 @@ pub enum ConfigError {
 impl Config {
     /// Reads, parses and validates a config file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
-        let config = Config::parse(&text)
-            .map_err(|message| ConfigError::Parse { path: path.to_owned(), message })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let config = Config::parse(&text).map_err(|message| ConfigError::Parse {
+            path: path.to_owned(),
+            message,
+        })?;
         config.validate().map_err(ConfigError::Invalid)?;
         Ok(config)
     }
@@ -285,16 +308,25 @@ impl Config {
     pub fn validate(&self) -> Result<(), Vec<Problem>> {
         let mut problems = Vec::new();
         let mut bad = |key: &str, message: String| {
-            problems.push(Problem { key: key.to_string(), message })
+            problems.push(Problem {
+                key: key.to_string(),
+                message,
+            })
         };
         if self.node_id.trim().is_empty() {
             bad("node_id", "must not be empty".into());
         }
         if !self.snapshot_dir.is_absolute() {
-            bad("snapshot_dir", format!("must be an absolute path, got {:?}", self.snapshot_dir));
+            bad(
+                "snapshot_dir",
+                format!("must be an absolute path, got {:?}", self.snapshot_dir),
+            );
         }
         if self.snapshot_format == Format::RedisRdb {
-            bad("snapshot_format", "\"redis-rdb\" is not supported by this build yet; use \"kvr1\"".into());
+            bad(
+                "snapshot_format",
+                "\"redis-rdb\" is not supported by this build yet; use \"kvr1\"".into(),
+            );
         }
         for (key, value, may_be_empty) in [
             ("grpc.listen", &self.grpc.listen, false),
@@ -310,29 +342,43 @@ impl Config {
         }
         let t = &self.transport;
         if !(1..=32).contains(&t.chunk_mb) {
-            bad("transport.chunk_mb", format!("must be 1..=32, got {}", t.chunk_mb));
+            bad(
+                "transport.chunk_mb",
+                format!("must be 1..=32, got {}", t.chunk_mb),
+            );
         }
         if !(1..=1024).contains(&t.pipeline) {
-            bad("transport.pipeline", format!("must be 1..=1024, got {}", t.pipeline));
+            bad(
+                "transport.pipeline",
+                format!("must be 1..=1024, got {}", t.pipeline),
+            );
         }
         if t.signal_batch == 0 || t.signal_batch > t.pipeline {
             bad(
                 "transport.signal_batch",
-                format!("must be 1..=pipeline ({}), got {}", t.pipeline, t.signal_batch),
+                format!(
+                    "must be 1..=pipeline ({}), got {}",
+                    t.pipeline, t.signal_batch
+                ),
             );
         }
         let h = &self.handoff;
         match h.mode {
             HandoffMode::Command if h.command_addr.parse::<SocketAddr>().is_err() => bad(
                 "handoff.command_addr",
-                format!("mode \"command\" needs the KV admin address ip:port, got {:?}", h.command_addr),
+                format!(
+                    "mode \"command\" needs the KV admin address ip:port, got {:?}",
+                    h.command_addr
+                ),
             ),
-            HandoffMode::Exec if h.exec.is_empty() => {
-                bad("handoff.exec", "mode \"exec\" needs a program to run".into())
-            }
-            HandoffMode::Redis => {
-                bad("handoff.mode", "\"redis\" is not supported by this build yet".into())
-            }
+            HandoffMode::Exec if h.exec.is_empty() => bad(
+                "handoff.exec",
+                "mode \"exec\" needs a program to run".into(),
+            ),
+            HandoffMode::Redis => bad(
+                "handoff.mode",
+                "\"redis\" is not supported by this build yet".into(),
+            ),
             _ => {}
         }
         if h.mode == HandoffMode::Command && h.command_template.trim().is_empty() {

@@ -60,7 +60,10 @@ pub enum HandoffError {
     Record(#[from] InstallError),
     /// The KV admin address did not answer in time or refused the connection.
     #[error("KV admin address {addr}: {source}")]
-    Connect { addr: String, source: std::io::Error },
+    Connect {
+        addr: String,
+        source: std::io::Error,
+    },
     /// The KV answered something other than `+OK`.
     #[error("KV at {addr} refused the handoff: {reply:?}")]
     Refused { addr: String, reply: String },
@@ -77,7 +80,10 @@ pub enum HandoffError {
 
 /// Writes the record, then hands off per `config`. Returns a short
 /// description of what was done.
-pub async fn hand_off(config: &HandoffConfig, record: &HandoffRecord) -> Result<String, HandoffError> {
+pub async fn hand_off(
+    config: &HandoffConfig,
+    record: &HandoffRecord,
+) -> Result<String, HandoffError> {
     install::write_atomic(&record.replmeta_path(), record.render().as_bytes())?;
     let deadline = config.timeout;
     let work = async {
@@ -88,7 +94,9 @@ pub async fn hand_off(config: &HandoffConfig, record: &HandoffRecord) -> Result<
             HandoffMode::Redis => Err(HandoffError::Unsupported("redis")),
         }
     };
-    tokio::time::timeout(deadline, work).await.map_err(|_| HandoffError::Timeout(deadline))?
+    tokio::time::timeout(deadline, work)
+        .await
+        .map_err(|_| HandoffError::Timeout(deadline))?
 }
 
 /// Expands `{seq}`, `{path}`, `{source}` in a template.
@@ -99,14 +107,28 @@ pub fn expand(template: &str, record: &HandoffRecord) -> String {
         .replace("{source}", &record.source)
 }
 
-async fn send_command(config: &HandoffConfig, record: &HandoffRecord) -> Result<String, HandoffError> {
+async fn send_command(
+    config: &HandoffConfig,
+    record: &HandoffRecord,
+) -> Result<String, HandoffError> {
     let addr = config.command_addr.clone();
-    let connect = |source| HandoffError::Connect { addr: addr.clone(), source };
-    let mut stream = tokio::net::TcpStream::connect(&addr).await.map_err(connect)?;
+    let connect = |source| HandoffError::Connect {
+        addr: addr.clone(),
+        source,
+    };
+    let mut stream = tokio::net::TcpStream::connect(&addr)
+        .await
+        .map_err(connect)?;
     let line = expand(&config.command_template, record);
-    stream.write_all(format!("{line}\r\n").as_bytes()).await.map_err(connect)?;
+    stream
+        .write_all(format!("{line}\r\n").as_bytes())
+        .await
+        .map_err(connect)?;
     let mut reply = String::new();
-    BufReader::new(&mut stream).read_line(&mut reply).await.map_err(connect)?;
+    BufReader::new(&mut stream)
+        .read_line(&mut reply)
+        .await
+        .map_err(connect)?;
     let reply = reply.trim_end().to_string();
     if reply == "+OK" {
         Ok(format!("{addr} accepted {line:?}"))
@@ -115,9 +137,15 @@ async fn send_command(config: &HandoffConfig, record: &HandoffRecord) -> Result<
     }
 }
 
-async fn run_program(config: &HandoffConfig, record: &HandoffRecord) -> Result<String, HandoffError> {
+async fn run_program(
+    config: &HandoffConfig,
+    record: &HandoffRecord,
+) -> Result<String, HandoffError> {
     let program = config.exec[0].clone();
-    let fail = |status: String| HandoffError::Program { program: program.clone(), status };
+    let fail = |status: String| HandoffError::Program {
+        program: program.clone(),
+        status,
+    };
     let output = tokio::process::Command::new(&program)
         .args(&config.exec[1..])
         .env("KVSYNC_SEQ", record.info.seq.to_string())

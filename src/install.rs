@@ -25,10 +25,17 @@ pub const TEMP_SUFFIX: &str = ".partial";
 pub enum InstallError {
     /// The destination directory cannot take a temp file.
     #[error("snapshot_dir {dir} is not writable: {source}")]
-    NotWritable { dir: PathBuf, source: std::io::Error },
+    NotWritable {
+        dir: PathBuf,
+        source: std::io::Error,
+    },
     /// Writing, syncing or renaming failed.
     #[error("{op} {path}: {source}")]
-    Io { op: &'static str, path: PathBuf, source: std::io::Error },
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
     /// The received bytes are not the offered snapshot.
     #[error("received snapshot is invalid: {0}")]
     Corrupt(Corruption),
@@ -59,7 +66,10 @@ impl Staging {
             .write(true)
             .create_new(true)
             .open(&path)
-            .map_err(|source| InstallError::NotWritable { dir: dir.to_owned(), source })?;
+            .map_err(|source| InstallError::NotWritable {
+                dir: dir.to_owned(),
+                source,
+            })?;
         Ok(Staging {
             dir: dir.to_owned(),
             path,
@@ -90,8 +100,15 @@ impl Staging {
             };
             match r {
                 0 => {}
-                libc::EOPNOTSUPP | libc::EINVAL => self.file.set_len(len).map_err(|e| self.io("size", e))?,
-                errno => return Err(self.io("reserve space for", std::io::Error::from_raw_os_error(errno))),
+                libc::EOPNOTSUPP | libc::EINVAL => {
+                    self.file.set_len(len).map_err(|e| self.io("size", e))?
+                }
+                errno => {
+                    return Err(self.io(
+                        "reserve space for",
+                        std::io::Error::from_raw_os_error(errno),
+                    ))
+                }
             }
         }
         Ok(())
@@ -99,7 +116,9 @@ impl Staging {
 
     /// Appends the next received bytes (streaming receive), verifying them.
     pub fn write(&mut self, bytes: &[u8]) -> Result<(), InstallError> {
-        self.file.write_all_at(bytes, self.written).map_err(|e| self.io("write", e))?;
+        self.file
+            .write_all_at(bytes, self.written)
+            .map_err(|e| self.io("write", e))?;
         self.written += bytes.len() as u64;
         self.verifier
             .as_mut()
@@ -134,7 +153,11 @@ impl Staging {
     }
 
     fn io(&self, op: &'static str, source: std::io::Error) -> InstallError {
-        InstallError::Io { op, path: self.path.clone(), source }
+        InstallError::Io {
+            op,
+            path: self.path.clone(),
+            source,
+        }
     }
 }
 
@@ -150,14 +173,22 @@ impl Drop for Staging {
 pub fn sync_dir(dir: &Path) -> Result<(), InstallError> {
     File::open(dir)
         .and_then(|d| d.sync_all())
-        .map_err(|source| InstallError::Io { op: "fsync directory", path: dir.to_owned(), source })
+        .map_err(|source| InstallError::Io {
+            op: "fsync directory",
+            path: dir.to_owned(),
+            source,
+        })
 }
 
 /// Writes `contents` to `path` atomically and durably (temp, fsync, rename,
 /// fsync dir).
 pub fn write_atomic(path: &Path, contents: &[u8]) -> Result<(), InstallError> {
     let dir = path.parent().unwrap_or(Path::new("."));
-    let io = |op, source| InstallError::Io { op, path: path.to_owned(), source };
+    let io = |op, source| InstallError::Io {
+        op,
+        path: path.to_owned(),
+        source,
+    };
     let mut tmp = tempfile::Builder::new()
         .prefix(TEMP_PREFIX)
         .suffix(TEMP_SUFFIX)
@@ -172,7 +203,9 @@ pub fn write_atomic(path: &Path, contents: &[u8]) -> Result<(), InstallError> {
 /// Removes temp files a previous (crashed) agent left in `dir`; returns how
 /// many.
 pub fn sweep_stale(dir: &Path) -> usize {
-    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
     entries
         .filter_map(|e| e.ok())
         .filter(|e| {
@@ -209,7 +242,14 @@ mod tests {
 
     fn snapshot(size: u64, seq: u64) -> Vec<u8> {
         let mut v = Vec::new();
-        crate::snapshot::kvr1::GenSpec { size, seq, created_ms: 0, seed: 1 }.write_to(&mut v).unwrap();
+        crate::snapshot::kvr1::GenSpec {
+            size,
+            seq,
+            created_ms: 0,
+            seed: 1,
+        }
+        .write_to(&mut v)
+        .unwrap();
         v
     }
 
@@ -244,14 +284,20 @@ mod tests {
 
     #[test]
     fn unwritable_dir_is_reported() {
-        let err = Staging::create(Path::new("/proc/kvsync-nope"), "x", Format::Kvr1).err().unwrap();
+        let err = Staging::create(Path::new("/proc/kvsync-nope"), "x", Format::Kvr1)
+            .err()
+            .unwrap();
         assert!(err.to_string().contains("not writable"), "{err}");
     }
 
     #[test]
     fn stale_temp_files_are_swept() {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join(format!("{TEMP_PREFIX}old{TEMP_SUFFIX}")), b"x").unwrap();
+        std::fs::write(
+            dir.path().join(format!("{TEMP_PREFIX}old{TEMP_SUFFIX}")),
+            b"x",
+        )
+        .unwrap();
         std::fs::write(dir.path().join("keep.kvr1"), b"x").unwrap();
         assert_eq!(sweep_stale(dir.path()), 1);
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
@@ -260,8 +306,19 @@ mod tests {
     #[test]
     fn install_names_are_sanitised() {
         assert_eq!(install_name("snap-5.kvr1", 5, Format::Kvr1), "snap-5.kvr1");
-        for bad in ["", "../etc/passwd", ".hidden", "a/b", "temp-1.rdb", "x.replmeta"] {
-            assert_eq!(install_name(bad, 5, Format::Kvr1), "snapshot-5.kvr1", "{bad}");
+        for bad in [
+            "",
+            "../etc/passwd",
+            ".hidden",
+            "a/b",
+            "temp-1.rdb",
+            "x.replmeta",
+        ] {
+            assert_eq!(
+                install_name(bad, 5, Format::Kvr1),
+                "snapshot-5.kvr1",
+                "{bad}"
+            );
         }
     }
 }

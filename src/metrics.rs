@@ -51,7 +51,9 @@ impl Metrics {
         macro_rules! reg {
             ($m:expr) => {{
                 let m = $m.expect("valid metric definition");
-                registry.register(Box::new(m.clone())).expect("metric names are unique");
+                registry
+                    .register(Box::new(m.clone()))
+                    .expect("metric names are unique");
                 m
             }};
         }
@@ -60,32 +62,62 @@ impl Metrics {
         };
         let m = Metrics {
             snapshot_latest_seq: reg!(IntGaugeVec::new(
-                Opts::new("kvsync_snapshot_latest_seq", "Sequence number M of the latest valid snapshot"),
+                Opts::new(
+                    "kvsync_snapshot_latest_seq",
+                    "Sequence number M of the latest valid snapshot"
+                ),
                 &["format"]
             )),
             snapshot_latest_bytes: reg!(IntGaugeVec::new(
-                Opts::new("kvsync_snapshot_latest_bytes", "Size of the latest valid snapshot"),
+                Opts::new(
+                    "kvsync_snapshot_latest_bytes",
+                    "Size of the latest valid snapshot"
+                ),
                 &["format"]
             )),
             snapshots_rejected: reg!(IntCounterVec::new(
-                Opts::new("kvsync_snapshots_rejected_total", "Snapshot files found invalid and not offered"),
+                Opts::new(
+                    "kvsync_snapshots_rejected_total",
+                    "Snapshot files found invalid and not offered"
+                ),
                 &["reason"]
             )),
-            cache_bytes: reg!(IntGauge::new("kvsync_snapshot_cache_bytes", "Bytes of loaded snapshot buffers")),
-            cache_entries: reg!(IntGauge::new("kvsync_snapshot_cache_entries", "Loaded snapshot buffers")),
-            cache_refs: reg!(IntGauge::new("kvsync_snapshot_cache_refs", "Sessions holding a snapshot buffer")),
-            cache_loads: reg!(IntCounter::new("kvsync_snapshot_cache_loads_total", "Snapshot files read into the cache")),
-            cache_hits: reg!(IntCounter::new("kvsync_snapshot_cache_hits_total", "Acquisitions served by an already loaded buffer")),
+            cache_bytes: reg!(IntGauge::new(
+                "kvsync_snapshot_cache_bytes",
+                "Bytes of loaded snapshot buffers"
+            )),
+            cache_entries: reg!(IntGauge::new(
+                "kvsync_snapshot_cache_entries",
+                "Loaded snapshot buffers"
+            )),
+            cache_refs: reg!(IntGauge::new(
+                "kvsync_snapshot_cache_refs",
+                "Sessions holding a snapshot buffer"
+            )),
+            cache_loads: reg!(IntCounter::new(
+                "kvsync_snapshot_cache_loads_total",
+                "Snapshot files read into the cache"
+            )),
+            cache_hits: reg!(IntCounter::new(
+                "kvsync_snapshot_cache_hits_total",
+                "Acquisitions served by an already loaded buffer"
+            )),
             fullsync_total: reg!(IntCounterVec::new(
                 Opts::new("kvsync_fullsync_total", "Finished full syncs"),
                 &["role", "transport", "result"]
             )),
             fullsync_bytes: reg!(IntCounterVec::new(
-                Opts::new("kvsync_fullsync_bytes_total", "Snapshot bytes moved by full syncs"),
+                Opts::new(
+                    "kvsync_fullsync_bytes_total",
+                    "Snapshot bytes moved by full syncs"
+                ),
                 &["role", "transport"]
             )),
             fullsync_duration: reg!(HistogramVec::new(
-                hist("kvsync_fullsync_duration_seconds", "Duration of full syncs, negotiation to handoff"),
+                hist(
+                    "kvsync_fullsync_duration_seconds",
+                    "Duration of full syncs, negotiation to handoff"
+                ),
                 &["role", "transport"]
             )),
             bulk_duration: reg!(Histogram::with_opts(hist(
@@ -105,18 +137,31 @@ impl Metrics {
                 "Data-plane connections refused for a bad session token"
             )),
             last_success: reg!(GaugeVec::new(
-                Opts::new("kvsync_last_success_timestamp_seconds", "Unix time of the last successful full sync"),
+                Opts::new(
+                    "kvsync_last_success_timestamp_seconds",
+                    "Unix time of the last successful full sync"
+                ),
                 &["role"]
             )),
             build_info: reg!(IntGaugeVec::new(
                 Opts::new("kvsync_build_info", "Build information (value is always 1)"),
                 &["version", "rdma"]
             )),
-            up_since: reg!(Gauge::new("kvsync_start_time_seconds", "Unix time the agent started")),
+            up_since: reg!(Gauge::new(
+                "kvsync_start_time_seconds",
+                "Unix time the agent started"
+            )),
             registry,
         };
         m.build_info
-            .with_label_values(&[env!("CARGO_PKG_VERSION"), if cfg!(feature = "rdma") { "true" } else { "false" }])
+            .with_label_values(&[
+                env!("CARGO_PKG_VERSION"),
+                if cfg!(feature = "rdma") {
+                    "true"
+                } else {
+                    "false"
+                },
+            ])
             .set(1);
         m.up_since.set(unix_now());
         Arc::new(m)
@@ -125,7 +170,9 @@ impl Metrics {
     /// The registry in Prometheus text format.
     pub fn render(&self) -> String {
         let mut out = Vec::new();
-        TextEncoder::new().encode(&self.registry.gather(), &mut out).expect("text encoding cannot fail");
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut out)
+            .expect("text encoding cannot fail");
         String::from_utf8(out).expect("prometheus text is utf-8")
     }
 }
@@ -149,10 +196,17 @@ pub async fn serve(
         "/metrics",
         get(move || {
             let metrics = metrics.clone();
-            async move { ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], metrics.render()) }
+            async move {
+                (
+                    [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+                    metrics.render(),
+                )
+            }
         }),
     );
-    axum::serve(listener, app).with_graceful_shutdown(shutdown).await
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
 }
 
 /// Binds the metrics listener (port 0 allowed) and returns its address.

@@ -92,7 +92,11 @@ impl DirWatcher {
                 if !self.dir_present {
                     watcher = None;
                 }
-                let every = if watcher.is_some() { self.config.rescan_interval } else { retry };
+                let every = if watcher.is_some() {
+                    self.config.rescan_interval
+                } else {
+                    retry
+                };
                 next_rescan = Instant::now() + every;
             }
             self.process_due().await;
@@ -158,7 +162,11 @@ impl DirWatcher {
         let mut dir_gone = false;
         for path in event.paths {
             if path == self.dir {
-                dir_gone |= event.kind.is_remove() || matches!(event.kind, notify::EventKind::Modify(notify::event::ModifyKind::Name(_)));
+                dir_gone |= event.kind.is_remove()
+                    || matches!(
+                        event.kind,
+                        notify::EventKind::Modify(notify::event::ModifyKind::Name(_))
+                    );
                 continue;
             }
             if path.parent() == Some(self.dir.as_path()) {
@@ -194,8 +202,12 @@ impl DirWatcher {
                 return;
             }
         };
-        let gone: Vec<PathBuf> =
-            self.decided.keys().filter(|p| !files.contains_key(*p)).cloned().collect();
+        let gone: Vec<PathBuf> = self
+            .decided
+            .keys()
+            .filter(|p| !files.contains_key(*p))
+            .cloned()
+            .collect();
         for path in gone {
             self.forget(&path);
         }
@@ -230,7 +242,10 @@ impl DirWatcher {
             return;
         }
         let seen = match std::fs::metadata(&path) {
-            Ok(m) if m.is_file() => Seen { size: m.len(), mtime: m.modified().unwrap_or(SystemTime::UNIX_EPOCH) },
+            Ok(m) if m.is_file() => Seen {
+                size: m.len(),
+                mtime: m.modified().unwrap_or(SystemTime::UNIX_EPOCH),
+            },
             Ok(_) => return,
             Err(_) => return self.forget(&path),
         };
@@ -238,7 +253,9 @@ impl DirWatcher {
             return;
         }
         // Written to within the debounce window: look again later.
-        let age = SystemTime::now().duration_since(seen.mtime).unwrap_or_default();
+        let age = SystemTime::now()
+            .duration_since(seen.mtime)
+            .unwrap_or_default();
         if age < self.config.debounce {
             self.pending.insert(path, instant_ago(age));
             return;
@@ -249,9 +266,10 @@ impl DirWatcher {
             .await
             .expect("verify task does not panic");
         // The file may have changed while it was being read.
-        let after = std::fs::metadata(&path)
-            .ok()
-            .map(|m| Seen { size: m.len(), mtime: m.modified().unwrap_or(SystemTime::UNIX_EPOCH) });
+        let after = std::fs::metadata(&path).ok().map(|m| Seen {
+            size: m.len(),
+            mtime: m.modified().unwrap_or(SystemTime::UNIX_EPOCH),
+        });
         if after != Some(seen) {
             self.pending.insert(path, Instant::now());
             return;
@@ -260,11 +278,18 @@ impl DirWatcher {
         match verdict {
             Ok(info) => {
                 info!(path = %path.display(), seq = info.seq, size = info.size, format = %info.format, "snapshot offered");
-                self.catalog.upsert(CatalogEntry { path, mtime: seen.mtime, info });
+                self.catalog.upsert(CatalogEntry {
+                    path,
+                    mtime: seen.mtime,
+                    info,
+                });
             }
             Err(e) => {
                 warn!(error = %e, "snapshot rejected; not offered");
-                self.metrics.snapshots_rejected.with_label_values(&[e.reason()]).inc();
+                self.metrics
+                    .snapshots_rejected
+                    .with_label_values(&[e.reason()])
+                    .inc();
                 self.catalog.remove(&path);
             }
         }
@@ -298,7 +323,10 @@ fn list_files(dir: &Path) -> std::io::Result<HashMap<PathBuf, Seen>> {
         if meta.is_file() {
             out.insert(
                 entry.path(),
-                Seen { size: meta.len(), mtime: meta.modified().unwrap_or(SystemTime::UNIX_EPOCH) },
+                Seen {
+                    size: meta.len(),
+                    mtime: meta.modified().unwrap_or(SystemTime::UNIX_EPOCH),
+                },
             );
         }
     }
@@ -311,7 +339,14 @@ mod tests {
 
     #[test]
     fn temp_and_hidden_names_are_ignored() {
-        for name in [".x", "temp-123.rdb", "snap.tmp", "a.partial", "dump.rdb.replmeta", ".kvsync-gen-1.tmp"] {
+        for name in [
+            ".x",
+            "temp-123.rdb",
+            "snap.tmp",
+            "a.partial",
+            "dump.rdb.replmeta",
+            ".kvsync-gen-1.tmp",
+        ] {
             assert!(is_ignored_name(name), "{name}");
         }
         for name in ["snap-1.kvr1", "dump.rdb"] {

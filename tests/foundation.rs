@@ -22,7 +22,10 @@ fn tmpdir() -> tempfile::TempDir {
 }
 
 fn run(args: &[&str]) -> std::process::Output {
-    Command::new(kvsync_bin()).args(args).output().expect("run kvsync")
+    Command::new(kvsync_bin())
+        .args(args)
+        .output()
+        .expect("run kvsync")
 }
 
 // ---------------------------------------------------------------- CLI
@@ -30,9 +33,24 @@ fn run(args: &[&str]) -> std::process::Output {
 #[test]
 fn gen_snapshot_sizes_are_exact() {
     let dir = tmpdir();
-    for (arg, bytes) in [("36", 36u64), ("1000", 1000), ("1KiB", 1024), ("3MiB", 3 << 20), ("65539", 65539)] {
+    for (arg, bytes) in [
+        ("36", 36u64),
+        ("1000", 1000),
+        ("1KiB", 1024),
+        ("3MiB", 3 << 20),
+        ("65539", 65539),
+    ] {
         let out = dir.path().join(format!("s-{bytes}.kvr1"));
-        let o = run(&["gen-snapshot", "--format", "kvr1", "--size", arg, "--seq", "5", out.to_str().unwrap()]);
+        let o = run(&[
+            "gen-snapshot",
+            "--format",
+            "kvr1",
+            "--size",
+            arg,
+            "--seq",
+            "5",
+            out.to_str().unwrap(),
+        ]);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         assert_eq!(std::fs::metadata(&out).unwrap().len(), bytes, "size {arg}");
         let info = snapshot::verify_file(&out, None).unwrap();
@@ -52,7 +70,14 @@ fn gen_snapshot_refuses_inexpressible_sizes() {
     let dir = tmpdir();
     let out = dir.path().join("bad.kvr1");
     for size in ["20", "40"] {
-        let o = run(&["gen-snapshot", "--size", size, "--seq", "1", out.to_str().unwrap()]);
+        let o = run(&[
+            "gen-snapshot",
+            "--size",
+            size,
+            "--seq",
+            "1",
+            out.to_str().unwrap(),
+        ]);
         assert!(!o.status.success());
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(err.contains("cannot be expressed"), "{err}");
@@ -112,11 +137,25 @@ struct Watched {
 fn start_watcher(dir: &Path) -> Watched {
     let metrics = Metrics::new();
     let catalog = Catalog::new(metrics.clone());
-    let config = WatchConfig { debounce: Duration::from_millis(50), rescan_interval: Duration::from_secs(30) };
-    let w = DirWatcher::new(dir.to_owned(), Format::Kvr1, catalog.clone(), metrics.clone(), config);
+    let config = WatchConfig {
+        debounce: Duration::from_millis(50),
+        rescan_interval: Duration::from_secs(30),
+    };
+    let w = DirWatcher::new(
+        dir.to_owned(),
+        Format::Kvr1,
+        catalog.clone(),
+        metrics.clone(),
+        config,
+    );
     let stop = CancellationToken::new();
     let task = tokio::spawn(w.run(stop.clone()));
-    Watched { catalog, metrics, stop, task }
+    Watched {
+        catalog,
+        metrics,
+        stop,
+        task,
+    }
 }
 
 impl Watched {
@@ -131,11 +170,16 @@ impl Watched {
                 rx.changed().await.expect("catalog alive");
             }
         };
-        tokio::time::timeout(DEADLINE, check).await.unwrap_or_else(|_| panic!("timed out waiting for {what}"));
+        tokio::time::timeout(DEADLINE, check)
+            .await
+            .unwrap_or_else(|_| panic!("timed out waiting for {what}"));
     }
 
     fn rejected(&self, reason: &str) -> u64 {
-        self.metrics.snapshots_rejected.with_label_values(&[reason]).get()
+        self.metrics
+            .snapshots_rejected
+            .with_label_values(&[reason])
+            .get()
     }
 
     async fn stop(self) {
@@ -145,7 +189,12 @@ impl Watched {
 }
 
 fn gen_bytes(size: u64, seq: u64) -> Vec<u8> {
-    let spec = snapshot::kvr1::GenSpec { size, seq, created_ms: 0, seed: seq };
+    let spec = snapshot::kvr1::GenSpec {
+        size,
+        seq,
+        created_ms: 0,
+        seed: seq,
+    };
     let mut v = Vec::new();
     spec.write_to(&mut v).unwrap();
     v
@@ -157,21 +206,36 @@ async fn watcher_offers_snapshot_renamed_into_place() {
     // One snapshot already there at start (initial scan).
     std::fs::write(dir.path().join("old.kvr1"), gen_bytes(5000, 3)).unwrap();
     let w = start_watcher(dir.path());
-    w.until("initial scan", |c| c.latest(Format::Kvr1).map(|e| e.info.seq) == Some(3)).await;
+    w.until("initial scan", |c| {
+        c.latest(Format::Kvr1).map(|e| e.info.seq) == Some(3)
+    })
+    .await;
 
     let tmp = dir.path().join(".incoming.tmp");
     std::fs::write(&tmp, gen_bytes(70_000, 9)).unwrap();
     let path = dir.path().join("snap-9.kvr1");
     std::fs::rename(&tmp, &path).unwrap();
-    w.until("renamed snapshot", |c| c.latest(Format::Kvr1).map(|e| e.info.seq) == Some(9)).await;
+    w.until("renamed snapshot", |c| {
+        c.latest(Format::Kvr1).map(|e| e.info.seq) == Some(9)
+    })
+    .await;
     let e = w.catalog.get(&path).unwrap();
     assert_eq!(e.info.size, 70_000);
     assert_eq!(w.catalog.list().len(), 2);
     assert!(w.catalog.get(&tmp).is_none());
-    assert_eq!(w.metrics.snapshot_latest_seq.with_label_values(&["kvr1"]).get(), 9);
+    assert_eq!(
+        w.metrics
+            .snapshot_latest_seq
+            .with_label_values(&["kvr1"])
+            .get(),
+        9
+    );
 
     std::fs::remove_file(&path).unwrap();
-    w.until("removal", |c| c.latest(Format::Kvr1).map(|e| e.info.seq) == Some(3)).await;
+    w.until("removal", |c| {
+        c.latest(Format::Kvr1).map(|e| e.info.seq) == Some(3)
+    })
+    .await;
     w.stop().await;
 }
 
@@ -184,17 +248,27 @@ async fn watcher_never_offers_partial_and_counts_corrupt() {
     // A partially written file sits there: rejected once, never offered.
     let path = dir.path().join("snap-11.kvr1");
     std::fs::write(&path, &full[..120_000]).unwrap();
-    wait_for_async("partial file rejected", DEADLINE, || async { (w.rejected("truncated") == 1).then_some(()) }).await;
+    wait_for_async("partial file rejected", DEADLINE, || async {
+        (w.rejected("truncated") == 1).then_some(())
+    })
+    .await;
     assert!(w.catalog.get(&path).is_none());
 
     // The writer finishes: now it is offered.
     {
         use std::io::Write;
-        let mut f = std::fs::OpenOptions::new().append(true).open(&path).unwrap();
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
         f.write_all(&full[120_000..]).unwrap();
     }
     w.until("completed file", |c| c.get(&path).is_some()).await;
-    assert_eq!(w.rejected("truncated"), 1, "rejection logged and counted once");
+    assert_eq!(
+        w.rejected("truncated"),
+        1,
+        "rejection logged and counted once"
+    );
 
     // A corrupt file is rejected and counted, never offered.
     let mut bad = gen_bytes(50_000, 12);
@@ -225,7 +299,10 @@ async fn watcher_survives_directory_removed_and_recreated() {
     std::fs::create_dir(&dir).unwrap();
     std::fs::write(dir.join(".b.tmp"), gen_bytes(2000, 2)).unwrap();
     std::fs::rename(dir.join(".b.tmp"), dir.join("b.kvr1")).unwrap();
-    w.until("snapshot in recreated directory", |c| c.latest(Format::Kvr1).map(|e| e.info.seq) == Some(2)).await;
+    w.until("snapshot in recreated directory", |c| {
+        c.latest(Format::Kvr1).map(|e| e.info.seq) == Some(2)
+    })
+    .await;
     w.stop().await;
 }
 
@@ -234,7 +311,11 @@ async fn watcher_survives_directory_removed_and_recreated() {
 fn entry_for(path: &Path) -> CatalogEntry {
     let info = snapshot::verify_file(path, None).unwrap();
     let mtime = std::fs::metadata(path).unwrap().modified().unwrap();
-    CatalogEntry { path: path.to_owned(), mtime, info }
+    CatalogEntry {
+        path: path.to_owned(),
+        mtime,
+        info,
+    }
 }
 
 fn write_snapshot(path: &Path, size: u64, seq: u64) -> Vec<u8> {
@@ -281,7 +362,11 @@ async fn cache_eight_concurrent_acquirers_share_one_load() {
     assert_eq!(refs[5].wait_loaded(1000).unwrap(), &bytes[..1000]);
     drop(refs);
     assert_eq!(cache.entries(), 0);
-    assert_eq!(metrics.cache_bytes.get(), 0, "last release frees the buffer");
+    assert_eq!(
+        metrics.cache_bytes.get(),
+        0,
+        "last release frees the buffer"
+    );
     assert_eq!(metrics.cache_refs.get(), 0);
 }
 
@@ -302,8 +387,16 @@ async fn cache_replaced_file_gets_new_entry_old_holder_keeps_old_bytes() {
     let fresh = cache.acquire(&new_entry).await.unwrap();
     fresh.complete().await.unwrap();
     holder.complete().await.unwrap();
-    assert_eq!(holder.wait_complete().unwrap(), &old[..], "holder reads the old snapshot");
-    assert_eq!(fresh.wait_complete().unwrap(), &new[..], "new acquirer reads the new one");
+    assert_eq!(
+        holder.wait_complete().unwrap(),
+        &old[..],
+        "holder reads the old snapshot"
+    );
+    assert_eq!(
+        fresh.wait_complete().unwrap(),
+        &new[..],
+        "new acquirer reads the new one"
+    );
     assert_eq!(cache.entries(), 2);
     assert_eq!(metrics.cache_loads.get(), 2);
 
@@ -329,12 +422,19 @@ async fn cache_budget_waits_then_fails_or_proceeds() {
 
     // Larger than the whole budget: refused at once.
     let tiny = SnapshotCache::new(1000, Duration::from_secs(5), metrics.clone());
-    assert!(matches!(tiny.acquire(&entry_for(&a)).await, Err(CacheError::TooLarge { .. })));
+    assert!(matches!(
+        tiny.acquire(&entry_for(&a)).await,
+        Err(CacheError::TooLarge { .. })
+    ));
 
     // Room for one: the second waits, and fails when nothing is released.
     let cache = SnapshotCache::new(1_000_000, Duration::from_millis(200), metrics.clone());
     let held = cache.acquire(&entry_for(&a)).await.unwrap();
-    let err = cache.acquire(&entry_for(&b)).await.err().expect("over budget");
+    let err = cache
+        .acquire(&entry_for(&b))
+        .await
+        .err()
+        .expect("over budget");
     assert!(matches!(err, CacheError::OverBudget { .. }), "{err}");
     assert!(err.to_string().contains("retry later"));
     // The same snapshot is still shared within budget.
@@ -370,7 +470,10 @@ async fn cache_load_failure_reaches_every_holder() {
     let b = cache.acquire(&entry).await.unwrap();
     for r in [&a, &b] {
         let err = r.complete().await.unwrap_err();
-        assert!(err.to_string().contains("changed since it was offered"), "{err}");
+        assert!(
+            err.to_string().contains("changed since it was offered"),
+            "{err}"
+        );
     }
     drop((a, b));
     assert_eq!(cache.entries(), 0);
@@ -384,19 +487,37 @@ fn agent_serves_metrics_with_catalog_gauges() {
     let snaps = dir.path().join("snaps");
     std::fs::create_dir(&snaps).unwrap();
     gen_snapshot(&snaps.join("s1.kvr1"), 10_000, 41);
-    std::fs::write(snaps.join("junk.kvr1"), b"not a snapshot at all, definitely not").unwrap();
+    std::fs::write(
+        snaps.join("junk.kvr1"),
+        b"not a snapshot at all, definitely not",
+    )
+    .unwrap();
     let agent = AgentProcess::start(
-        &["--node-id", "t1", "--snapshot-dir", snaps.to_str().unwrap(), "--metrics-listen", "127.0.0.1:0"],
+        &[
+            "--node-id",
+            "t1",
+            "--snapshot-dir",
+            snaps.to_str().unwrap(),
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ],
         dir.path(),
     );
     let scrape = wait_for("latest seq gauge", DEADLINE, || {
         let s = agent.metrics();
         (metric_value(&s, "kvsync_snapshot_latest_seq{format=\"kvr1\"}") == Some(41.0)).then_some(s)
     });
-    assert_eq!(metric_value(&scrape, "kvsync_snapshot_latest_bytes{format=\"kvr1\"}"), Some(10_000.0));
+    assert_eq!(
+        metric_value(&scrape, "kvsync_snapshot_latest_bytes{format=\"kvr1\"}"),
+        Some(10_000.0)
+    );
     let scrape = wait_for("rejection counted", DEADLINE, || {
         let s = agent.metrics();
-        metric_value(&s, "kvsync_snapshots_rejected_total{reason=\"not_a_snapshot\"}").map(|_| s)
+        metric_value(
+            &s,
+            "kvsync_snapshots_rejected_total{reason=\"not_a_snapshot\"}",
+        )
+        .map(|_| s)
     });
     for name in [
         "kvsync_snapshot_cache_bytes",
@@ -406,7 +527,10 @@ fn agent_serves_metrics_with_catalog_gauges() {
         "kvsync_snapshot_cache_hits_total",
         "kvsync_build_info",
     ] {
-        assert!(scrape.lines().any(|l| l.starts_with(name)), "{name} missing from scrape:\n{scrape}");
+        assert!(
+            scrape.lines().any(|l| l.starts_with(name)),
+            "{name} missing from scrape:\n{scrape}"
+        );
     }
 }
 
@@ -414,7 +538,11 @@ fn agent_serves_metrics_with_catalog_gauges() {
 fn agent_reports_every_config_problem() {
     let dir = tmpdir();
     let cfg = dir.path().join("bad.toml");
-    std::fs::write(&cfg, "snapshot_dir = \"rel\"\n[transport]\nchunk_mb = 0\n[grpc]\nlisten = \"x\"\n").unwrap();
+    std::fs::write(
+        &cfg,
+        "snapshot_dir = \"rel\"\n[transport]\nchunk_mb = 0\n[grpc]\nlisten = \"x\"\n",
+    )
+    .unwrap();
     let o = run(&["agent", "--config", cfg.to_str().unwrap()]);
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);

@@ -48,19 +48,29 @@ impl Node {
     }
 
     async fn client(&self) -> OrchestratorClient<Channel> {
-        OrchestratorClient::connect(format!("http://{}", self.grpc())).await.expect("connect agent")
+        OrchestratorClient::connect(format!("http://{}", self.grpc()))
+            .await
+            .expect("connect agent")
     }
 
     /// Waits until the agent offers a snapshot with `seq`.
     async fn offered(&self, seq: u64) {
         let mut c = self.client().await;
-        wait_for_async(&format!("{} to offer seq {seq}", self.grpc()), DEADLINE, || {
-            let mut c = c.clone();
-            async move {
-                let list = c.list_snapshots(pb::ListSnapshotsRequest {}).await.unwrap().into_inner();
-                list.snapshots.iter().any(|s| s.seq == seq).then_some(())
-            }
-        })
+        wait_for_async(
+            &format!("{} to offer seq {seq}", self.grpc()),
+            DEADLINE,
+            || {
+                let mut c = c.clone();
+                async move {
+                    let list = c
+                        .list_snapshots(pb::ListSnapshotsRequest {})
+                        .await
+                        .unwrap()
+                        .into_inner();
+                    list.snapshots.iter().any(|s| s.seq == seq).then_some(())
+                }
+            },
+        )
         .await;
         let _ = &mut c;
     }
@@ -89,7 +99,10 @@ fn put_snapshot(dir: &Path, name: &str, size: u64, seq: u64) -> Vec<u8> {
 async fn start_sync(replica: &Node, source: &Node) -> String {
     let mut c = replica.client().await;
     let r = c
-        .start_full_sync(pb::StartFullSyncRequest { source: source.grpc(), transport: 0 })
+        .start_full_sync(pb::StartFullSyncRequest {
+            source: source.grpc(),
+            transport: 0,
+        })
         .await
         .expect("start sync")
         .into_inner();
@@ -99,7 +112,11 @@ async fn start_sync(replica: &Node, source: &Node) -> String {
 /// Follows a sync to its end.
 async fn wait_done(replica: &Node, id: &str) -> pb::SyncProgress {
     let mut c = replica.client().await;
-    let mut stream = c.watch_sync(pb::WatchSyncRequest { sync_id: id.into() }).await.unwrap().into_inner();
+    let mut stream = c
+        .watch_sync(pb::WatchSyncRequest { sync_id: id.into() })
+        .await
+        .unwrap()
+        .into_inner();
     let follow = async {
         let mut last = None;
         while let Some(p) = stream.next().await {
@@ -107,13 +124,19 @@ async fn wait_done(replica: &Node, id: &str) -> pb::SyncProgress {
         }
         last.expect("at least one progress update")
     };
-    tokio::time::timeout(DEADLINE * 2, follow).await.expect("sync finished in time")
+    tokio::time::timeout(DEADLINE * 2, follow)
+        .await
+        .expect("sync finished in time")
 }
 
 /// Waits until the sync reports at least `bytes` received.
 async fn wait_bytes(replica: &Node, id: &str, bytes: u64) {
     let mut c = replica.client().await;
-    let mut stream = c.watch_sync(pb::WatchSyncRequest { sync_id: id.into() }).await.unwrap().into_inner();
+    let mut stream = c
+        .watch_sync(pb::WatchSyncRequest { sync_id: id.into() })
+        .await
+        .unwrap()
+        .into_inner();
     tokio::time::timeout(DEADLINE, async {
         while let Some(p) = stream.next().await {
             if p.unwrap().bytes_done >= bytes {
@@ -129,7 +152,13 @@ async fn wait_bytes(replica: &Node, id: &str, bytes: u64) {
 async fn sync_ok(replica: &Node, source: &Node) -> pb::SyncProgress {
     let id = start_sync(replica, source).await;
     let p = wait_done(replica, &id).await;
-    assert_eq!(p.phase, pb::Phase::Succeeded as i32, "sync failed: {}\nreplica log:\n{}", p.error, replica.proc.log());
+    assert_eq!(
+        p.phase,
+        pb::Phase::Succeeded as i32,
+        "sync failed: {}\nreplica log:\n{}",
+        p.error,
+        replica.proc.log()
+    );
     p
 }
 
@@ -153,21 +182,57 @@ async fn syncs_small_odd_and_64mib_snapshots_byte_identical() {
         assert_eq!(p.transport, pb::Transport::Tcp as i32);
         let installed = replica.dir.join(&name);
         assert_eq!(p.installed_path, installed.display().to_string());
-        assert!(std::fs::read(&installed).unwrap() == bytes, "installed bytes differ for size {size}");
+        assert!(
+            std::fs::read(&installed).unwrap() == bytes,
+            "installed bytes differ for size {size}"
+        );
         assert_eq!(replmeta_seq(&p.installed_path), Some(seq));
-        assert!(replica.temp_files().is_empty(), "{:?}", replica.temp_files());
+        assert!(
+            replica.temp_files().is_empty(),
+            "{:?}",
+            replica.temp_files()
+        );
     }
     // The replica's own catalog now offers what it received (it can serve).
     replica.offered(102).await;
     let scrape = replica.proc.metrics();
-    assert_eq!(metric_value(&scrape, "kvsync_fullsync_total{result=\"ok\",role=\"replica\",transport=\"tcp\"}"), Some(3.0));
-    assert!(metric_value(&scrape, "kvsync_fullsync_bytes_total{role=\"replica\",transport=\"tcp\"}").unwrap() >= (64 << 20) as f64);
-    assert_eq!(metric_value(&scrape, "kvsync_handoff_total{mode=\"file\",result=\"ok\"}"), Some(3.0));
+    assert_eq!(
+        metric_value(
+            &scrape,
+            "kvsync_fullsync_total{result=\"ok\",role=\"replica\",transport=\"tcp\"}"
+        ),
+        Some(3.0)
+    );
+    assert!(
+        metric_value(
+            &scrape,
+            "kvsync_fullsync_bytes_total{role=\"replica\",transport=\"tcp\"}"
+        )
+        .unwrap()
+            >= (64 << 20) as f64
+    );
+    assert_eq!(
+        metric_value(&scrape, "kvsync_handoff_total{mode=\"file\",result=\"ok\"}"),
+        Some(3.0)
+    );
     assert!(scrape.contains("kvsync_fullsync_duration_seconds_bucket"));
     assert!(scrape.contains("kvsync_bulk_duration_seconds_count 3"));
-    assert!(metric_value(&scrape, "kvsync_last_success_timestamp_seconds{role=\"replica\"}").unwrap() > 0.0);
-    assert_eq!(source.metric("kvsync_fullsync_total{result=\"ok\",role=\"source\",transport=\"tcp\"}"), 3.0);
-    assert_eq!(source.metric("kvsync_fullsync_in_progress{role=\"source\"}"), 0.0);
+    assert!(
+        metric_value(
+            &scrape,
+            "kvsync_last_success_timestamp_seconds{role=\"replica\"}"
+        )
+        .unwrap()
+            > 0.0
+    );
+    assert_eq!(
+        source.metric("kvsync_fullsync_total{result=\"ok\",role=\"source\",transport=\"tcp\"}"),
+        3.0
+    );
+    assert_eq!(
+        source.metric("kvsync_fullsync_in_progress{role=\"source\"}"),
+        0.0
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -178,23 +243,37 @@ async fn four_replicas_share_one_cache_load() {
     source.offered(7).await;
     // An offer held open keeps the snapshot loaded, so the four pulls are
     // guaranteed to overlap it whatever the scheduling.
-    let mut peer = PeerClient::connect(format!("http://{}", source.grpc())).await.unwrap();
-    let held = peer.open_full_sync(pb::OpenFullSyncRequest::default()).await.unwrap().into_inner();
-    let replicas: Vec<Node> = (0..4).map(|i| Node::start(root.path(), &format!("r{i}"), "", &[])).collect();
+    let mut peer = PeerClient::connect(format!("http://{}", source.grpc()))
+        .await
+        .unwrap();
+    let held = peer
+        .open_full_sync(pb::OpenFullSyncRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    let replicas: Vec<Node> = (0..4)
+        .map(|i| Node::start(root.path(), &format!("r{i}"), "", &[]))
+        .collect();
     let ids = futures::future::join_all(replicas.iter().map(|r| start_sync(r, &source))).await;
     for (r, id) in replicas.iter().zip(&ids) {
         let p = wait_done(r, id).await;
         assert_eq!(p.phase, pb::Phase::Succeeded as i32, "{}", p.error);
         assert!(std::fs::read(r.dir.join("s.kvr1")).unwrap() == bytes);
     }
-    assert_eq!(source.metric("kvsync_snapshot_cache_loads_total"), 1.0, "one load for all pulls");
+    assert_eq!(
+        source.metric("kvsync_snapshot_cache_loads_total"),
+        1.0,
+        "one load for all pulls"
+    );
     assert_eq!(source.metric("kvsync_snapshot_cache_hits_total"), 4.0);
     assert!(source.proc.log().contains("reusing snapshot buffer ref="));
     // Use the held token and hang up: that session ends and releases too.
     let token: [u8; 32] = held.session_token.as_slice().try_into().unwrap();
     assert_eq!(present_token(&held.data_endpoint, token), Token::Srdy);
     // Every session released its reference: the buffer is freed.
-    wait_for("cache to empty", DEADLINE, || (source.metric("kvsync_snapshot_cache_entries") == 0.0).then_some(()));
+    wait_for("cache to empty", DEADLINE, || {
+        (source.metric("kvsync_snapshot_cache_entries") == 0.0).then_some(())
+    });
     assert_eq!(source.metric("kvsync_snapshot_cache_bytes"), 0.0);
 }
 
@@ -212,7 +291,10 @@ async fn command_and_exec_handoffs() {
         use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
         let (mut s, _) = kv.accept().await.unwrap();
         let mut line = String::new();
-        tokio::io::BufReader::new(&mut s).read_line(&mut line).await.unwrap();
+        tokio::io::BufReader::new(&mut s)
+            .read_line(&mut line)
+            .await
+            .unwrap();
         s.write_all(b"+OK\r\n").await.unwrap();
         line
     });
@@ -225,7 +307,10 @@ async fn command_and_exec_handoffs() {
     let p = sync_ok(&replica, &source).await;
     let line = got.await.unwrap();
     assert_eq!(line.trim_end(), format!("REPLMETA 55 {}", p.installed_path));
-    assert_eq!(replica.metric("kvsync_handoff_total{mode=\"command\",result=\"ok\"}"), 1.0);
+    assert_eq!(
+        replica.metric("kvsync_handoff_total{mode=\"command\",result=\"ok\"}"),
+        1.0
+    );
 
     // `exec`: a program sees KVSYNC_SEQ, KVSYNC_SNAPSHOT, KVSYNC_SOURCE.
     let out = root.path().join("exec-out");
@@ -240,7 +325,10 @@ async fn command_and_exec_handoffs() {
     );
     let p = sync_ok(&exec_replica, &source).await;
     let text = std::fs::read_to_string(&out).unwrap();
-    assert_eq!(text.trim(), format!("55 {} source@{}", p.installed_path, source.grpc()));
+    assert_eq!(
+        text.trim(),
+        format!("55 {} source@{}", p.installed_path, source.grpc())
+    );
     assert_eq!(replmeta_seq(&p.installed_path), Some(55));
 }
 
@@ -256,7 +344,10 @@ async fn handoff_failure_keeps_the_installed_snapshot() {
         use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
         let (mut s, _) = kv.accept().await.unwrap();
         let mut line = String::new();
-        tokio::io::BufReader::new(&mut s).read_line(&mut line).await.unwrap();
+        tokio::io::BufReader::new(&mut s)
+            .read_line(&mut line)
+            .await
+            .unwrap();
         s.write_all(b"-ERR not now\r\n").await.unwrap();
     });
     let replica = Node::start(
@@ -268,9 +359,19 @@ async fn handoff_failure_keeps_the_installed_snapshot() {
     let id = start_sync(&replica, &source).await;
     let p = wait_done(&replica, &id).await;
     assert_eq!(p.phase, pb::Phase::Failed as i32);
-    assert!(p.error.contains("handoff failed") && p.error.contains("-ERR not now"), "{}", p.error);
-    assert!(std::fs::read(replica.dir.join("s.kvr1")).unwrap() == bytes, "snapshot stays installed");
-    assert_eq!(replica.metric("kvsync_handoff_total{mode=\"command\",result=\"failed\"}"), 1.0);
+    assert!(
+        p.error.contains("handoff failed") && p.error.contains("-ERR not now"),
+        "{}",
+        p.error
+    );
+    assert!(
+        std::fs::read(replica.dir.join("s.kvr1")).unwrap() == bytes,
+        "snapshot stays installed"
+    );
+    assert_eq!(
+        replica.metric("kvsync_handoff_total{mode=\"command\",result=\"failed\"}"),
+        1.0
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -278,10 +379,16 @@ async fn source_unreachable_or_without_snapshot() {
     let root = tempfile::tempdir().unwrap();
     let replica = Node::start(root.path(), "replica", "", &[]);
     // Nothing listens on a port we bound and released.
-    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
     let mut c = replica.client().await;
     let id = c
-        .start_full_sync(pb::StartFullSyncRequest { source: dead.to_string(), transport: 0 })
+        .start_full_sync(pb::StartFullSyncRequest {
+            source: dead.to_string(),
+            transport: 0,
+        })
         .await
         .unwrap()
         .into_inner()
@@ -294,20 +401,46 @@ async fn source_unreachable_or_without_snapshot() {
     let id = start_sync(&replica, &empty_source).await;
     let p = wait_done(&replica, &id).await;
     assert_eq!(p.phase, pb::Phase::Failed as i32);
-    assert!(p.error.contains("FailedPrecondition") && p.error.contains("no valid kvr1 snapshot"), "{}", p.error);
+    assert!(
+        p.error.contains("FailedPrecondition") && p.error.contains("no valid kvr1 snapshot"),
+        "{}",
+        p.error
+    );
     assert!(replica.temp_files().is_empty());
 
     // The source refuses directly with FAILED_PRECONDITION.
-    let mut peer = PeerClient::connect(format!("http://{}", empty_source.grpc())).await.unwrap();
-    let err = peer.open_full_sync(pb::OpenFullSyncRequest::default()).await.unwrap_err();
+    let mut peer = PeerClient::connect(format!("http://{}", empty_source.grpc()))
+        .await
+        .unwrap();
+    let err = peer
+        .open_full_sync(pb::OpenFullSyncRequest::default())
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), tonic::Code::FailedPrecondition);
 
     // Bad arguments and unknown syncs map to their codes.
-    let err = c.start_full_sync(pb::StartFullSyncRequest { source: "no port".into(), transport: 0 }).await.unwrap_err();
+    let err = c
+        .start_full_sync(pb::StartFullSyncRequest {
+            source: "no port".into(),
+            transport: 0,
+        })
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), tonic::Code::InvalidArgument);
-    let err = c.watch_sync(pb::WatchSyncRequest { sync_id: "nope".into() }).await.err().unwrap();
+    let err = c
+        .watch_sync(pb::WatchSyncRequest {
+            sync_id: "nope".into(),
+        })
+        .await
+        .err()
+        .unwrap();
     assert_eq!(err.code(), tonic::Code::NotFound);
-    let err = c.cancel_sync(pb::CancelSyncRequest { sync_id: "nope".into() }).await.unwrap_err();
+    let err = c
+        .cancel_sync(pb::CancelSyncRequest {
+            sync_id: "nope".into(),
+        })
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), tonic::Code::NotFound);
 }
 
@@ -331,31 +464,59 @@ fn present_token(data: &str, token: [u8; 32]) -> Token {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_used_or_expired_session_tokens_are_refused() {
     let root = tempfile::tempdir().unwrap();
-    let source = Node::start(root.path(), "source", "[sync]\nsession_token_ttl = \"300ms\"\n", &[]);
+    let source = Node::start(
+        root.path(),
+        "source",
+        "[sync]\nsession_token_ttl = \"300ms\"\n",
+        &[],
+    );
     put_snapshot(&source.dir, "s.kvr1", 10_000, 3);
     source.offered(3).await;
 
     // Guessed token.
     let reply = present_token(&source.data(), [0x42; 32]);
-    assert!(matches!(&reply, Token::Rdfl { reason } if reason.contains("unknown, used or expired")), "{reply:?}");
+    assert!(
+        matches!(&reply, Token::Rdfl { reason } if reason.contains("unknown, used or expired")),
+        "{reply:?}"
+    );
     assert_eq!(source.metric("kvsync_data_auth_failures_total"), 1.0);
 
     // A real token works once: the first use gets SRDY, the second is refused.
-    let mut peer = PeerClient::connect(format!("http://{}", source.grpc())).await.unwrap();
-    let offer = peer.open_full_sync(pb::OpenFullSyncRequest::default()).await.unwrap().into_inner();
+    let mut peer = PeerClient::connect(format!("http://{}", source.grpc()))
+        .await
+        .unwrap();
+    let offer = peer
+        .open_full_sync(pb::OpenFullSyncRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
     let token: [u8; 32] = offer.session_token.as_slice().try_into().unwrap();
     assert_eq!(present_token(&offer.data_endpoint, token), Token::Srdy);
-    assert!(matches!(present_token(&offer.data_endpoint, token), Token::Rdfl { .. }));
+    assert!(matches!(
+        present_token(&offer.data_endpoint, token),
+        Token::Rdfl { .. }
+    ));
 
     // An expired token is refused.
-    let offer = peer.open_full_sync(pb::OpenFullSyncRequest::default()).await.unwrap().into_inner();
+    let offer = peer
+        .open_full_sync(pb::OpenFullSyncRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
     let expires = offer.token_expires_unix_ms;
-    wait_for("token expiry", DEADLINE, || (kvsync::sync::unix_ms() > expires + 50).then_some(()));
+    wait_for("token expiry", DEADLINE, || {
+        (kvsync::sync::unix_ms() > expires + 50).then_some(())
+    });
     let token: [u8; 32] = offer.session_token.as_slice().try_into().unwrap();
-    assert!(matches!(present_token(&offer.data_endpoint, token), Token::Rdfl { .. }));
+    assert!(matches!(
+        present_token(&offer.data_endpoint, token),
+        Token::Rdfl { .. }
+    ));
     assert_eq!(source.metric("kvsync_data_auth_failures_total"), 3.0);
     // Expired and abandoned offers release their cache references.
-    wait_for("cache to empty", DEADLINE, || (source.metric("kvsync_snapshot_cache_refs") == 0.0).then_some(()));
+    wait_for("cache to empty", DEADLINE, || {
+        (source.metric("kvsync_snapshot_cache_refs") == 0.0).then_some(())
+    });
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -370,18 +531,30 @@ async fn unwritable_snapshot_dir_is_refused_before_transfer() {
     std::fs::write(&replica.dir, b"not a directory").unwrap();
     let mut c = replica.client().await;
     let err = c
-        .start_full_sync(pb::StartFullSyncRequest { source: source.grpc(), transport: 0 })
+        .start_full_sync(pb::StartFullSyncRequest {
+            source: source.grpc(),
+            transport: 0,
+        })
         .await
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::FailedPrecondition);
     assert!(err.message().contains("not writable"), "{}", err.message());
-    assert_eq!(source.metric("kvsync_snapshot_cache_loads_total"), 0.0, "no transfer started");
+    assert_eq!(
+        source.metric("kvsync_snapshot_cache_loads_total"),
+        0.0,
+        "no transfer started"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn checksum_mismatch_installs_nothing_and_keeps_previous() {
     let root = tempfile::tempdir().unwrap();
-    let source = Node::start(root.path(), "source", "", &[("KVSYNC_FAULTS", "corrupt_at=5000000")]);
+    let source = Node::start(
+        root.path(),
+        "source",
+        "",
+        &[("KVSYNC_FAULTS", "corrupt_at=5000000")],
+    );
     put_snapshot(&source.dir, "s.kvr1", 8 << 20, 21);
     source.offered(21).await;
     let replica = Node::start(root.path(), "replica", "", &[]);
@@ -391,15 +564,24 @@ async fn checksum_mismatch_installs_nothing_and_keeps_previous() {
     assert_eq!(p.phase, pb::Phase::Failed as i32);
     assert_eq!(p.result, "checksum_mismatch");
     assert!(p.error.contains("checksum mismatch"), "{}", p.error);
-    assert!(std::fs::read(replica.dir.join("s.kvr1")).unwrap() == previous, "previous snapshot untouched");
+    assert!(
+        std::fs::read(replica.dir.join("s.kvr1")).unwrap() == previous,
+        "previous snapshot untouched"
+    );
     assert!(!replica.dir.join("s.kvr1.replmeta").exists());
-    assert!(replica.temp_files().is_empty(), "{:?}", replica.temp_files());
+    assert!(
+        replica.temp_files().is_empty(),
+        "{:?}",
+        replica.temp_files()
+    );
     assert_eq!(
         replica.metric("kvsync_fullsync_total{result=\"checksum_mismatch\",role=\"replica\",transport=\"tcp\"}"),
         1.0
     );
     wait_for("source to count the RDFL", DEADLINE, || {
-        (source.metric("kvsync_fullsync_total{result=\"checksum_mismatch\",role=\"source\",transport=\"tcp\"}") == 1.0)
+        (source.metric(
+            "kvsync_fullsync_total{result=\"checksum_mismatch\",role=\"source\",transport=\"tcp\"}",
+        ) == 1.0)
             .then_some(())
     });
 }
@@ -410,9 +592,14 @@ async fn offered_snapshot_is_delivered_even_if_deleted_or_replaced() {
     let source = Node::start(root.path(), "source", "", &[]);
     let original = put_snapshot(&source.dir, "s.kvr1", 3 << 20, 30);
     source.offered(30).await;
-    let mut peer = PeerClient::connect(format!("http://{}", source.grpc())).await.unwrap();
+    let mut peer = PeerClient::connect(format!("http://{}", source.grpc()))
+        .await
+        .unwrap();
     let offer = peer
-        .open_full_sync(pb::OpenFullSyncRequest { format: "kvr1".into(), ..Default::default() })
+        .open_full_sync(pb::OpenFullSyncRequest {
+            format: "kvr1".into(),
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner();
@@ -426,21 +613,34 @@ async fn offered_snapshot_is_delivered_even_if_deleted_or_replaced() {
     let size = offer.snapshot_size;
     let dest_path = dest.path().to_owned();
     let received = tokio::task::spawn_blocking(move || {
-        let mut staging = kvsync::install::Staging::create(&dest_path, "t", kvsync::snapshot::Format::Kvr1).unwrap();
-        let mut link = kvsync::transport::tcp::Link::new(std::net::TcpStream::connect(endpoint).unwrap()).unwrap();
-        let run = kvsync::transport::tcp::run_replica(&mut link, token, size, &mut staging, &|_| {});
+        let mut staging =
+            kvsync::install::Staging::create(&dest_path, "t", kvsync::snapshot::Format::Kvr1)
+                .unwrap();
+        let mut link =
+            kvsync::transport::tcp::Link::new(std::net::TcpStream::connect(endpoint).unwrap())
+                .unwrap();
+        let run =
+            kvsync::transport::tcp::run_replica(&mut link, token, size, &mut staging, &|_| {});
         assert!(matches!(run.result, Ok(Ok(_))), "session failed");
         staging.install("got.kvr1").unwrap()
     })
     .await
     .unwrap();
-    assert!(std::fs::read(received).unwrap() == original, "exactly the offered snapshot");
+    assert!(
+        std::fs::read(received).unwrap() == original,
+        "exactly the offered snapshot"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_mid_transfer_and_repeated_start() {
     let root = tempfile::tempdir().unwrap();
-    let source = Node::start(root.path(), "source", "", &[("KVSYNC_FAULTS", "stall_after=1048576")]);
+    let source = Node::start(
+        root.path(),
+        "source",
+        "",
+        &[("KVSYNC_FAULTS", "stall_after=1048576")],
+    );
     put_snapshot(&source.dir, "s.kvr1", 8 << 20, 40);
     source.offered(40).await;
     let replica = Node::start(root.path(), "replica", "", &[]);
@@ -451,19 +651,42 @@ async fn cancel_mid_transfer_and_repeated_start() {
     // Starting again from the same source returns the running sync.
     let mut c = replica.client().await;
     let again = c
-        .start_full_sync(pb::StartFullSyncRequest { source: source.grpc(), transport: 0 })
+        .start_full_sync(pb::StartFullSyncRequest {
+            source: source.grpc(),
+            transport: 0,
+        })
         .await
         .unwrap()
         .into_inner();
-    assert_eq!((again.sync_id.as_str(), again.created), (id.as_str(), false));
+    assert_eq!(
+        (again.sync_id.as_str(), again.created),
+        (id.as_str(), false)
+    );
 
-    assert!(c.cancel_sync(pb::CancelSyncRequest { sync_id: id.clone() }).await.unwrap().into_inner().cancelled);
+    assert!(
+        c.cancel_sync(pb::CancelSyncRequest {
+            sync_id: id.clone()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .cancelled
+    );
     let p = wait_done(&replica, &id).await;
     assert_eq!(p.phase, pb::Phase::Cancelled as i32, "{}", p.error);
     assert_eq!(p.result, "cancelled");
-    assert!(replica.temp_files().is_empty(), "{:?}", replica.temp_files());
+    assert!(
+        replica.temp_files().is_empty(),
+        "{:?}",
+        replica.temp_files()
+    );
     assert!(std::fs::read(replica.dir.join("s.kvr1")).unwrap() == previous);
-    assert_eq!(replica.metric("kvsync_fullsync_total{result=\"cancelled\",role=\"replica\",transport=\"tcp\"}"), 1.0);
+    assert_eq!(
+        replica.metric(
+            "kvsync_fullsync_total{result=\"cancelled\",role=\"replica\",transport=\"tcp\"}"
+        ),
+        1.0
+    );
     // The source notices the replica left and frees the session.
     wait_for("source to free the session", DEADLINE, || {
         (source.metric("kvsync_snapshot_cache_refs") == 0.0).then_some(())
@@ -473,7 +696,12 @@ async fn cancel_mid_transfer_and_repeated_start() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn source_disappearing_mid_transfer_fails_cleanly() {
     let root = tempfile::tempdir().unwrap();
-    let mut source = Node::start(root.path(), "source", "", &[("KVSYNC_FAULTS", "stall_after=2097152")]);
+    let mut source = Node::start(
+        root.path(),
+        "source",
+        "",
+        &[("KVSYNC_FAULTS", "stall_after=2097152")],
+    );
     put_snapshot(&source.dir, "s.kvr1", 8 << 20, 50);
     source.offered(50).await;
     let replica = Node::start(root.path(), "replica", "", &[]);
@@ -483,7 +711,11 @@ async fn source_disappearing_mid_transfer_fails_cleanly() {
     source.proc.child.wait().unwrap();
     let p = wait_done(&replica, &id).await;
     assert_eq!(p.phase, pb::Phase::Failed as i32);
-    assert!(p.error.contains("closed") || p.error.contains("reset"), "{}", p.error);
+    assert!(
+        p.error.contains("closed") || p.error.contains("reset"),
+        "{}",
+        p.error
+    );
     assert!(replica.temp_files().is_empty());
     assert!(!replica.dir.join("s.kvr1").exists());
 }
@@ -494,16 +726,28 @@ async fn health_and_status_are_served() {
     let node = Node::start(root.path(), "n", "", &[]);
     put_snapshot(&node.dir, "s.kvr1", 1000, 77);
     node.offered(77).await;
-    let channel = Channel::from_shared(format!("http://{}", node.grpc())).unwrap().connect().await.unwrap();
+    let channel = Channel::from_shared(format!("http://{}", node.grpc()))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
     let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
     let r = health
-        .check(tonic_health::pb::HealthCheckRequest { service: "kvsync.v1.Orchestrator".into() })
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: "kvsync.v1.Orchestrator".into(),
+        })
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(r.status, tonic_health::pb::health_check_response::ServingStatus::Serving as i32);
+    assert_eq!(
+        r.status,
+        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+    );
 
-    let out = std::process::Command::new(kvsync_bin()).args(["status", "--json", "--agent", &node.grpc()]).output().unwrap();
+    let out = std::process::Command::new(kvsync_bin())
+        .args(["status", "--json", "--agent", &node.grpc()])
+        .output()
+        .unwrap();
     assert!(out.status.success());
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["node_id"], "n");
@@ -520,10 +764,22 @@ fn cli_sync_wait_json_summary() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(source.offered(88));
     let out = std::process::Command::new(kvsync_bin())
-        .args(["sync", "--agent", &replica.grpc(), "--source", &source.grpc(), "--wait", "--json"])
+        .args([
+            "sync",
+            "--agent",
+            &replica.grpc(),
+            "--source",
+            &source.grpc(),
+            "--wait",
+            "--json",
+        ])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["status"], "succeeded");
     assert_eq!(v["bytes"], 2 << 20);
@@ -532,9 +788,19 @@ fn cli_sync_wait_json_summary() {
     assert!(v["duration_ms"].as_u64().is_some());
 
     // A failing sync exits non-zero with the reason.
-    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
     let out = std::process::Command::new(kvsync_bin())
-        .args(["sync", "--agent", &replica.grpc(), "--source", &dead.to_string(), "--wait"])
+        .args([
+            "sync",
+            "--agent",
+            &replica.grpc(),
+            "--source",
+            &dead.to_string(),
+            "--wait",
+        ])
         .output()
         .unwrap();
     assert!(!out.status.success());

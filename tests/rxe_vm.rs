@@ -33,21 +33,37 @@ echo "== done"
 "#;
 
 fn section<'a>(out: &'a str, name: &str) -> &'a str {
-    let start = out.find(&format!("== {name}\n")).unwrap_or_else(|| panic!("no section {name} in:\n{out}"));
+    let start = out
+        .find(&format!("== {name}\n"))
+        .unwrap_or_else(|| panic!("no section {name} in:\n{out}"));
     let rest = &out[start + name.len() + 4..];
     &rest[..rest.find("\n== ").map_or(rest.len(), |e| e + 1)]
 }
 
 #[test]
 fn soft_roce_vm_has_active_rxe0_and_real_verbs() {
-    let Some(run) = run_in_vm(&["bash", "-c", VM_SCRIPT], &[("KVSYNC_BIN", kvsync_bin())], 170) else { return };
-    assert_eq!(run.code, 0, "VM run failed (code {}):\n{}\n{}", run.code, run.stdout, run.stderr);
+    let Some(run) = run_in_vm(
+        &["bash", "-c", VM_SCRIPT],
+        &[("KVSYNC_BIN", kvsync_bin())],
+        170,
+    ) else {
+        return;
+    };
+    assert_eq!(
+        run.code, 0,
+        "VM run failed (code {}):\n{}\n{}",
+        run.code, run.stdout, run.stderr
+    );
     let out = &run.stdout;
 
     let devinfo = section(out, "devinfo");
-    assert!(devinfo.contains("rxe0") && devinfo.contains("PORT_ACTIVE"), "{devinfo}");
+    assert!(
+        devinfo.contains("rxe0") && devinfo.contains("PORT_ACTIVE"),
+        "{devinfo}"
+    );
 
-    let probe: serde_json::Value = serde_json::from_str(section(out, "probe").trim()).expect("probe JSON");
+    let probe: serde_json::Value =
+        serde_json::from_str(section(out, "probe").trim()).expect("probe JSON");
     assert_eq!(probe["rdma_available"], true, "{probe}");
     assert_eq!(probe["device"], "rxe0");
     assert_eq!(probe["devices"][0]["soft"], true);
@@ -59,14 +75,24 @@ fn soft_roce_vm_has_active_rxe0_and_real_verbs() {
         .lines()
         .find(|l| l.trim_start().starts_with("4194304"))
         .unwrap_or_else(|| panic!("no 4 MiB result line in:\n{bw}"));
-    let avg: f64 = line.split_whitespace().nth(3).and_then(|v| v.parse().ok()).expect("BW average");
+    let avg: f64 = line
+        .split_whitespace()
+        .nth(3)
+        .and_then(|v| v.parse().ok())
+        .expect("BW average");
     assert!(avg > 0.0, "{line}");
-    let _ = writeln!(std::io::stderr(), "soft-RoCE ib_write_bw -R 4 MiB: {avg:.1} MB/s average (inside the VM, emulated CPU)");
+    let _ = writeln!(
+        std::io::stderr(),
+        "soft-RoCE ib_write_bw -R 4 MiB: {avg:.1} MB/s average (inside the VM, emulated CPU)"
+    );
 }
 
 #[test]
 fn host_probe_finds_no_rdma() {
-    let out = std::process::Command::new(kvsync_bin()).args(["probe", "--json"]).output().unwrap();
+    let out = std::process::Command::new(kvsync_bin())
+        .args(["probe", "--json"])
+        .output()
+        .unwrap();
     assert!(out.status.success(), "probe exits 0 without RDMA");
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     if std::path::Path::new("/sys/class/infiniband").exists() {
@@ -75,6 +101,9 @@ fn host_probe_finds_no_rdma() {
     assert_eq!(v["rdma_available"], false);
     assert_eq!(v["devices"], serde_json::json!([]));
     assert!(v["reason"].as_str().unwrap().starts_with("no RDMA"));
-    let text = std::process::Command::new(kvsync_bin()).arg("probe").output().unwrap();
+    let text = std::process::Command::new(kvsync_bin())
+        .arg("probe")
+        .output()
+        .unwrap();
     assert!(String::from_utf8_lossy(&text.stdout).contains("would use: tcp"));
 }

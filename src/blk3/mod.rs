@@ -47,7 +47,11 @@ pub enum Command {
     PrepareSource,
     /// Source, RDMA: post these writes as one linked chain into the remote
     /// region. Answer each signalled one with [`Input::WriteCompleted`].
-    PostWrites { remote_addr: u64, rkey: u32, writes: Vec<WriteOp> },
+    PostWrites {
+        remote_addr: u64,
+        rkey: u32,
+        writes: Vec<WriteOp>,
+    },
     /// Source, stream: send the `len` snapshot bytes. Answer with
     /// [`Input::BulkSent`].
     StreamBulk { len: u64 },
@@ -69,9 +73,14 @@ pub enum Command {
 pub enum Input {
     Received(Token),
     SourceReady,
-    WriteCompleted { id: u64 },
+    WriteCompleted {
+        id: u64,
+    },
     BulkSent,
-    ReceiveReady { addr: u64, rkey: u32 },
+    ReceiveReady {
+        addr: u64,
+        rkey: u32,
+    },
     BulkReceived,
     /// Checksum result; `Err` carries the reason.
     Verified(Result<(), String>),
@@ -91,7 +100,11 @@ pub enum Outcome {
 pub enum Blk3Error {
     /// The peer sent a token other than the one expected now.
     #[error("protocol violation: expected {expected} while {state}, got {got}")]
-    Unexpected { state: &'static str, expected: Kind, got: Kind },
+    Unexpected {
+        state: &'static str,
+        expected: Kind,
+        got: Kind,
+    },
     /// The driver reported an input that makes no sense in this state.
     #[error("driver error: {input} while {state}")]
     BadInput { state: &'static str, input: String },
@@ -109,7 +122,10 @@ pub enum Blk3Error {
     PeerFailed(String),
     /// A wait ran out of time.
     #[error("timed out after {after:?} waiting for {waiting_for}")]
-    Timeout { waiting_for: &'static str, after: Duration },
+    Timeout {
+        waiting_for: &'static str,
+        after: Duration,
+    },
     /// A write completion arrived out of plan.
     #[error(transparent)]
     Completion(#[from] plan::UnexpectedCompletion),
@@ -131,16 +147,16 @@ macro_rules! impl_machine {
     ($t:ty) => {
         impl Machine for $t {
             fn poll(&mut self) -> Option<Command> {
-                <$t>::poll(self)
+                self.core.commands.pop_front()
             }
             fn handle(&mut self, input: Input, now: Duration) {
                 <$t>::handle(self, input, now)
             }
             fn deadline(&self) -> Option<Duration> {
-                <$t>::deadline(self)
+                self.core.deadline.map(|(_, at, _)| at)
             }
             fn on_timeout(&mut self, now: Duration) {
-                <$t>::on_timeout(self, now)
+                self.core.on_timeout(now)
             }
         }
     };
@@ -191,7 +207,9 @@ impl Core {
     /// Ends with `err`, telling the peer why with RDFL first.
     fn fail(&mut self, err: Blk3Error) {
         if !self.done {
-            self.send(Token::Rdfl { reason: err.to_string() });
+            self.send(Token::Rdfl {
+                reason: err.to_string(),
+            });
             self.finish(Err(err));
         }
     }
@@ -199,7 +217,10 @@ impl Core {
     fn on_timeout(&mut self, now: Duration) {
         if let Some((what, at, after)) = self.deadline {
             if now >= at {
-                self.fail(Blk3Error::Timeout { waiting_for: what, after });
+                self.fail(Blk3Error::Timeout {
+                    waiting_for: what,
+                    after,
+                });
             }
         }
     }

@@ -87,7 +87,13 @@ pub struct WritePlanner {
 
 impl WritePlanner {
     pub fn new(total: u64, params: BulkParams) -> WritePlanner {
-        WritePlanner { total, params, writes: total.div_ceil(params.chunk), next: 0, completed: 0 }
+        WritePlanner {
+            total,
+            params,
+            writes: total.div_ceil(params.chunk),
+            next: 0,
+            completed: 0,
+        }
     }
 
     /// Number of writes in the whole plan.
@@ -164,7 +170,9 @@ mod tests {
             }
             max_in_flight = max_in_flight.max(in_flight.len());
             // Complete through the first signalled write in flight.
-            let Some(pos) = in_flight.iter().position(|w| w.signaled) else { break };
+            let Some(pos) = in_flight.iter().position(|w| w.signaled) else {
+                break;
+            };
             let w = in_flight[pos];
             in_flight.drain(..=pos);
             p.complete(w.id).unwrap();
@@ -197,7 +205,10 @@ mod tests {
             assert_eq!(posted, total.div_ceil(params.chunk));
             assert!(max <= params.pipeline as usize);
         }
-        assert_eq!(WritePlanner::new(0, BulkParams::default()).total_writes(), 0);
+        assert_eq!(
+            WritePlanner::new(0, BulkParams::default()).total_writes(),
+            0
+        );
     }
 
     #[test]
@@ -213,8 +224,18 @@ mod tests {
     #[test]
     fn soft_caps_and_timeouts() {
         let big = BulkParams::new(32, 1024, 512);
-        assert_eq!(big.capped_for_soft(), BulkParams { chunk: 32 * MIB, pipeline: 64, signal_batch: 64 });
-        assert_eq!(BulkParams::default().capped_for_soft(), BulkParams::default());
+        assert_eq!(
+            big.capped_for_soft(),
+            BulkParams {
+                chunk: 32 * MIB,
+                pipeline: 64,
+                signal_batch: 64
+            }
+        );
+        assert_eq!(
+            BulkParams::default().capped_for_soft(),
+            BulkParams::default()
+        );
         assert_eq!(size_scaled_timeout(0), Duration::from_secs(300));
         assert_eq!(size_scaled_timeout(1 << 30), Duration::from_secs(364));
         assert_eq!(size_scaled_timeout(u64::MAX), Duration::from_secs(3600));

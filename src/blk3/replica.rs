@@ -61,13 +61,19 @@ pub struct Replica {
     offered_len: u64,
     len: u64,
     state: State,
-    core: Core,
+    pub(super) core: Core,
 }
 
 impl Replica {
     /// A session expecting a snapshot of `offered_len` bytes.
     pub fn new(offered_len: u64, mode: BulkMode) -> Replica {
-        Replica { mode, offered_len, len: 0, state: State::Idle, core: Core::default() }
+        Replica {
+            mode,
+            offered_len,
+            len: 0,
+            state: State::Idle,
+            core: Core::default(),
+        }
     }
 
     /// Posts the first receives. Call before the connection is established
@@ -79,21 +85,6 @@ impl Replica {
         self.core.push(Command::PostRecv(Kind::Bdon));
         self.state = State::WaitSrdy;
         self.core.wait("SRDY", now, HANDSHAKE_TIMEOUT);
-    }
-
-    pub fn poll(&mut self) -> Option<Command> {
-        self.core.commands.pop_front()
-    }
-
-    pub fn deadline(&self) -> Option<Duration> {
-        self.core.deadline.map(|(_, at, _)| at)
-    }
-
-    pub fn on_timeout(&mut self, now: Duration) {
-        self.core.on_timeout(now);
-        if self.core.done {
-            self.state = State::Done;
-        }
     }
 
     /// Feeds one input.
@@ -119,7 +110,10 @@ impl Replica {
             }
             (State::WaitBlk3, Input::Received(Token::Blk3 { len })) => {
                 if len != self.offered_len {
-                    return self.fail(Blk3Error::AnnouncedLength { offered: self.offered_len, announced: len });
+                    return self.fail(Blk3Error::AnnouncedLength {
+                        offered: self.offered_len,
+                        announced: len,
+                    });
                 }
                 self.len = len;
                 let scaled = size_scaled_timeout(len);
@@ -133,7 +127,11 @@ impl Replica {
                 }
             }
             (State::WaitMemory, Input::ReceiveReady { addr, rkey }) => {
-                self.core.send(Token::Mrin { addr, rkey, len: self.len });
+                self.core.send(Token::Mrin {
+                    addr,
+                    rkey,
+                    len: self.len,
+                });
                 match self.mode {
                     BulkMode::Rdma(_) => {
                         self.state = State::WaitBdon;
@@ -165,22 +163,30 @@ impl Replica {
                 self.fail(Blk3Error::Checksum(reason));
             }
             (State::WaitReplmeta, Input::Received(Token::Replmeta { seq })) => {
-                self.core.finish(Ok(Outcome::Received { len: self.len, seq }));
+                self.core
+                    .finish(Ok(Outcome::Received { len: self.len, seq }));
                 self.state = State::Done;
             }
             (state, Input::Received(t)) => {
-                let err = Blk3Error::Unexpected { state: state.name(), expected: state.expected(), got: t.kind() };
+                let err = Blk3Error::Unexpected {
+                    state: state.name(),
+                    expected: state.expected(),
+                    got: t.kind(),
+                };
                 self.fail(err);
             }
             (state, other) => {
-                let err = Blk3Error::BadInput { state: state.name(), input: format!("{other:?}") };
+                let err = Blk3Error::BadInput {
+                    state: state.name(),
+                    input: format!("{other:?}"),
+                };
                 self.fail(err);
             }
         }
     }
 
+    /// Ends the session (the state stays where it failed, for reporting).
     fn fail(&mut self, err: Blk3Error) {
         self.core.fail(err);
-        self.state = State::Done;
     }
 }

@@ -18,8 +18,15 @@ enum State {
     Idle,
     WaitCrea,
     WaitRdpr,
-    WaitMrin { region: Option<(u64, u32)>, ready: bool },
-    Writing { planner: WritePlanner, addr: u64, rkey: u32 },
+    WaitMrin {
+        region: Option<(u64, u32)>,
+        ready: bool,
+    },
+    Writing {
+        planner: WritePlanner,
+        addr: u64,
+        rkey: u32,
+    },
     Streaming,
     WaitRdok,
     Done,
@@ -56,13 +63,19 @@ pub struct Source {
     seq: u64,
     mode: BulkMode,
     state: State,
-    core: Core,
+    pub(super) core: Core,
 }
 
 impl Source {
     /// A session sending a snapshot of `len` bytes with sequence number `seq`.
     pub fn new(len: u64, seq: u64, mode: BulkMode) -> Source {
-        Source { len, seq, mode, state: State::Idle, core: Core::default() }
+        Source {
+            len,
+            seq,
+            mode,
+            state: State::Idle,
+            core: Core::default(),
+        }
     }
 
     /// Starts the session (the connection is up).
@@ -72,24 +85,6 @@ impl Source {
         self.core.send(Token::Srdy);
         self.state = State::WaitCrea;
         self.core.wait("CREA", now, HANDSHAKE_TIMEOUT);
-    }
-
-    /// The next command to execute, if any.
-    pub fn poll(&mut self) -> Option<Command> {
-        self.core.commands.pop_front()
-    }
-
-    /// When `on_timeout` must be called next.
-    pub fn deadline(&self) -> Option<Duration> {
-        self.core.deadline.map(|(_, at, _)| at)
-    }
-
-    /// Fails the session if the current wait has expired.
-    pub fn on_timeout(&mut self, now: Duration) {
-        self.core.on_timeout(now);
-        if self.core.done {
-            self.state = State::Done;
-        }
     }
 
     /// Bytes known to be in the replica's memory (RDMA) so far.
@@ -122,14 +117,20 @@ impl Source {
                 self.core.send(Token::Rdgo);
                 self.core.send(Token::Blk3 { len: self.len });
                 self.core.push(Command::PrepareSource);
-                self.state = State::WaitMrin { region: None, ready: false };
+                self.state = State::WaitMrin {
+                    region: None,
+                    ready: false,
+                };
                 self.core.wait("MRINFO", now, scaled);
             }
             (State::WaitMrin { region, .. }, Input::Received(Token::Mrin { addr, rkey, len }))
                 if self.len > 0 && region.is_none() =>
             {
                 if len != self.len {
-                    return self.fail(Blk3Error::MrinfoLength { announced: self.len, mrinfo: len });
+                    return self.fail(Blk3Error::MrinfoLength {
+                        announced: self.len,
+                        mrinfo: len,
+                    });
                 }
                 *region = Some((addr, rkey));
                 self.maybe_start_bulk(now);
@@ -138,7 +139,14 @@ impl Source {
                 *ready = true;
                 self.maybe_start_bulk(now);
             }
-            (State::Writing { planner, addr, rkey }, Input::WriteCompleted { id }) => {
+            (
+                State::Writing {
+                    planner,
+                    addr,
+                    rkey,
+                },
+                Input::WriteCompleted { id },
+            ) => {
                 if let Err(e) = planner.complete(id) {
                     return self.fail(e.into());
                 }
@@ -148,7 +156,11 @@ impl Source {
                 let writes = planner.next_chain();
                 if !writes.is_empty() {
                     let (remote_addr, rkey) = (*addr, *rkey);
-                    self.core.push(Command::PostWrites { remote_addr, rkey, writes });
+                    self.core.push(Command::PostWrites {
+                        remote_addr,
+                        rkey,
+                        writes,
+                    });
                 }
             }
             (State::Streaming, Input::BulkSent) => self.finish_bulk(now),
@@ -158,24 +170,33 @@ impl Source {
                 self.state = State::Done;
             }
             (state, Input::Received(t)) => {
-                let err = Blk3Error::Unexpected { state: state.name(), expected: state.expected(), got: t.kind() };
+                let err = Blk3Error::Unexpected {
+                    state: state.name(),
+                    expected: state.expected(),
+                    got: t.kind(),
+                };
                 self.fail(err);
             }
             (state, other) => {
-                let err = Blk3Error::BadInput { state: state.name(), input: format!("{other:?}") };
+                let err = Blk3Error::BadInput {
+                    state: state.name(),
+                    input: format!("{other:?}"),
+                };
                 self.fail(err);
             }
         }
     }
 
+    /// Ends the session (the state stays where it failed, for reporting).
     fn fail(&mut self, err: Blk3Error) {
         self.core.fail(err);
-        self.state = State::Done;
     }
 
     /// Starts the bulk phase once MRINFO (if any bytes) and the snapshot are ready.
     fn maybe_start_bulk(&mut self, now: Duration) {
-        let State::WaitMrin { region, ready } = &self.state else { return };
+        let State::WaitMrin { region, ready } = &self.state else {
+            return;
+        };
         if !*ready {
             return;
         }
@@ -188,8 +209,16 @@ impl Source {
             BulkMode::Rdma(params) => {
                 let mut planner = WritePlanner::new(self.len, params);
                 let writes = planner.next_chain();
-                self.core.push(Command::PostWrites { remote_addr: addr, rkey, writes });
-                self.state = State::Writing { planner, addr, rkey };
+                self.core.push(Command::PostWrites {
+                    remote_addr: addr,
+                    rkey,
+                    writes,
+                });
+                self.state = State::Writing {
+                    planner,
+                    addr,
+                    rkey,
+                };
                 self.core.wait("bulk write completions", now, scaled);
             }
             BulkMode::Stream => {

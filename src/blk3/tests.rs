@@ -39,7 +39,15 @@ struct Sim {
 
 impl Sim {
     fn new(mode: BulkMode, len: u64) -> Sim {
-        Sim { mode, len, offered: len, verify: Ok(()), tamper: Box::new(|_, t| Some(t)), stall_writes: false, skip_post: None }
+        Sim {
+            mode,
+            len,
+            offered: len,
+            verify: Ok(()),
+            tamper: Box::new(|_, t| Some(t)),
+            stall_writes: false,
+            skip_post: None,
+        }
     }
 }
 
@@ -55,7 +63,10 @@ struct Run {
 
 impl Run {
     fn rnr(&self) -> Vec<&Event> {
-        self.events.iter().filter(|e| matches!(e, Event::Rnr(..))).collect()
+        self.events
+            .iter()
+            .filter(|e| matches!(e, Event::Rnr(..)))
+            .collect()
     }
 
     fn position(&self, pred: impl Fn(&Event) -> bool) -> Option<usize> {
@@ -68,7 +79,9 @@ impl Run {
     }
 
     fn sent(&self, side: Side, kind: Kind) -> bool {
-        self.events.iter().any(|e| matches!(e, Event::Cmd(s, Command::Send(t)) if *s == side && t.kind() == kind))
+        self.events
+            .iter()
+            .any(|e| matches!(e, Event::Cmd(s, Command::Send(t)) if *s == side && t.kind() == kind))
     }
 }
 
@@ -107,17 +120,30 @@ fn simulate(mut sim: Sim) -> Run {
                     Command::Send(t) => {
                         let peer = 1 - i;
                         let from_src = side == Side::Src;
-                        let Some(t) = (sim.tamper)(from_src, t) else { continue };
+                        let Some(t) = (sim.tamper)(from_src, t) else {
+                            continue;
+                        };
                         if posted[peer].pop_front().is_none() {
                             events.push(Event::Rnr(side, t.kind()));
                             continue;
                         }
-                        events.push(Event::Deliver(if from_src { Side::Rep } else { Side::Src }, t.clone()));
+                        events.push(Event::Deliver(
+                            if from_src { Side::Rep } else { Side::Src },
+                            t.clone(),
+                        ));
                         inbox[peer].push_back(Input::Received(t));
                     }
                     Command::PrepareSource => inbox[i].push_back(Input::SourceReady),
-                    Command::PostWrites { remote_addr, rkey, writes } => {
-                        assert_eq!(Some((remote_addr, rkey)), region, "writes go to the advertised region");
+                    Command::PostWrites {
+                        remote_addr,
+                        rkey,
+                        writes,
+                    } => {
+                        assert_eq!(
+                            Some((remote_addr, rkey)),
+                            region,
+                            "writes go to the advertised region"
+                        );
                         pending_writes.extend(writes);
                     }
                     Command::StreamBulk { len } => {
@@ -130,7 +156,10 @@ fn simulate(mut sim: Sim) -> Run {
                             BulkMode::Stream => (0, 0),
                         };
                         region = Some(r);
-                        inbox[i].push_back(Input::ReceiveReady { addr: r.0, rkey: r.1 });
+                        inbox[i].push_back(Input::ReceiveReady {
+                            addr: r.0,
+                            rkey: r.1,
+                        });
                     }
                     Command::ReceiveBulk { .. } => inbox[i].push_back(Input::BulkReceived),
                     Command::Verify => inbox[i].push_back(Input::Verified(sim.verify.clone())),
@@ -173,7 +202,15 @@ fn simulate(mut sim: Sim) -> Run {
             rep.on_timeout(now);
         }
     }
-    Run { events, src: src_done, rep: rep_done, written, src_machine: src, rep_machine: rep, now }
+    Run {
+        events,
+        src: src_done,
+        rep: rep_done,
+        written,
+        src_machine: src,
+        rep_machine: rep,
+        now,
+    }
 }
 
 fn rdma(chunk_mb: u32, pipeline: u32, batch: u32) -> BulkMode {
@@ -208,7 +245,17 @@ fn token_order_follows_the_design() {
     use Side::*;
     assert_eq!(
         sends,
-        vec![(Src, Srdy), (Rep, Crea), (Rep, Rdpr), (Src, Rdgo), (Src, Blk3), (Rep, Mrin), (Src, Bdon), (Rep, Rdok), (Src, Replmeta)]
+        vec![
+            (Src, Srdy),
+            (Rep, Crea),
+            (Rep, Rdpr),
+            (Src, Rdgo),
+            (Src, Blk3),
+            (Rep, Mrin),
+            (Src, Bdon),
+            (Rep, Rdok),
+            (Src, Replmeta)
+        ]
     );
 }
 
@@ -222,7 +269,9 @@ fn receives_are_posted_before_the_messages_that_provoke_them() {
     for k in [Kind::Srdy, Kind::Rdgo, Kind::Blk3, Kind::Bdon] {
         assert!(post(Side::Rep, k) < crea, "{k} posted after CREA");
     }
-    let mrin = run.position(|e| matches!(e, Event::Cmd(Side::Rep, Command::Send(Token::Mrin { .. })))).unwrap();
+    let mrin = run
+        .position(|e| matches!(e, Event::Cmd(Side::Rep, Command::Send(Token::Mrin { .. }))))
+        .unwrap();
     assert!(post(Side::Rep, Kind::Bdon) < mrin);
     assert!(post(Side::Rep, Kind::Replmeta) < run.pos_cmd(Side::Rep, &Command::Verify));
     // Source: CREA/RDPR before SRDY, MRINFO before BLK3, RDOK before BDON.
@@ -231,7 +280,10 @@ fn receives_are_posted_before_the_messages_that_provoke_them() {
     assert!(post(Side::Src, Kind::Mrin) < send(Side::Src, Token::Blk3 { len: 3 << 20 }));
     assert!(post(Side::Src, Kind::Rdok) < send(Side::Src, Token::Bdon));
     // The header goes out before the snapshot is prepared (registered).
-    assert!(send(Side::Src, Token::Blk3 { len: 3 << 20 }) < run.pos_cmd(Side::Src, &Command::PrepareSource));
+    assert!(
+        send(Side::Src, Token::Blk3 { len: 3 << 20 })
+            < run.pos_cmd(Side::Src, &Command::PrepareSource)
+    );
 }
 
 #[test]
@@ -241,7 +293,10 @@ fn harness_detects_a_missing_receive() {
     let mut sim = Sim::new(BulkMode::Stream, 1000);
     sim.skip_post = Some((Side::Rep, Kind::Replmeta));
     let run = simulate(sim);
-    assert_eq!(run.rnr().first(), Some(&&Event::Rnr(Side::Src, Kind::Replmeta)));
+    assert_eq!(
+        run.rnr().first(),
+        Some(&&Event::Rnr(Side::Src, Kind::Replmeta))
+    );
 }
 
 #[test]
@@ -251,8 +306,17 @@ fn empty_snapshot_runs_the_whole_handshake() {
         assert!(run.rnr().is_empty(), "{:?}", run.rnr());
         assert_eq!(run.rep, Some(Ok(Outcome::Received { len: 0, seq: SEQ })));
         assert_eq!(run.src, Some(Ok(Outcome::Sent { len: 0 })));
-        assert!(!run.sent(Side::Rep, Kind::Mrin), "no MRINFO for an empty snapshot");
-        assert!(!run.events.iter().any(|e| matches!(e, Event::Cmd(_, Command::PostWrites { .. } | Command::PrepareReceive { .. }))));
+        assert!(
+            !run.sent(Side::Rep, Kind::Mrin),
+            "no MRINFO for an empty snapshot"
+        );
+        assert!(!run.events.iter().any(|e| matches!(
+            e,
+            Event::Cmd(
+                _,
+                Command::PostWrites { .. } | Command::PrepareReceive { .. }
+            )
+        )));
         assert!(run.sent(Side::Src, Kind::Bdon) && run.sent(Side::Src, Kind::Replmeta));
     }
 }
@@ -261,12 +325,25 @@ fn empty_snapshot_runs_the_whole_handshake() {
 fn mrinfo_length_mismatch_is_refused_before_any_write() {
     let mut sim = Sim::new(rdma(1, 4, 2), 4 << 20);
     sim.tamper = Box::new(|from_src, t| match t {
-        Token::Mrin { addr, rkey, len } if !from_src => Some(Token::Mrin { addr, rkey, len: len - 1 }),
+        Token::Mrin { addr, rkey, len } if !from_src => Some(Token::Mrin {
+            addr,
+            rkey,
+            len: len - 1,
+        }),
         t => Some(t),
     });
     let run = simulate(sim);
-    assert_eq!(run.src, Some(Err(Blk3Error::MrinfoLength { announced: 4 << 20, mrinfo: (4 << 20) - 1 })));
-    assert!(!run.events.iter().any(|e| matches!(e, Event::Cmd(_, Command::PostWrites { .. }))));
+    assert_eq!(
+        run.src,
+        Some(Err(Blk3Error::MrinfoLength {
+            announced: 4 << 20,
+            mrinfo: (4 << 20) - 1
+        }))
+    );
+    assert!(!run
+        .events
+        .iter()
+        .any(|e| matches!(e, Event::Cmd(_, Command::PostWrites { .. }))));
     assert_eq!(run.written, 0);
     assert!(matches!(&run.rep, Some(Err(Blk3Error::PeerFailed(r))) if r.contains("MRINFO length")));
 }
@@ -276,10 +353,16 @@ fn checksum_failure_sends_rdfl_and_no_replmeta() {
     let mut sim = Sim::new(BulkMode::Stream, 5000);
     sim.verify = Err("crc mismatch".into());
     let run = simulate(sim);
-    assert_eq!(run.rep, Some(Err(Blk3Error::Checksum("crc mismatch".into()))));
+    assert_eq!(
+        run.rep,
+        Some(Err(Blk3Error::Checksum("crc mismatch".into())))
+    );
     assert!(matches!(&run.src, Some(Err(Blk3Error::PeerFailed(r))) if r.contains("crc mismatch")));
     assert!(run.sent(Side::Rep, Kind::Rdfl));
-    assert!(!run.sent(Side::Src, Kind::Replmeta), "REPLMETA only after RDOK");
+    assert!(
+        !run.sent(Side::Src, Kind::Replmeta),
+        "REPLMETA only after RDOK"
+    );
 }
 
 #[test]
@@ -292,7 +375,11 @@ fn unexpected_token_fails_loudly() {
     let run = simulate(sim);
     assert!(matches!(
         run.rep,
-        Some(Err(Blk3Error::Unexpected { expected: Kind::Rdgo, got: Kind::Bdon, .. }))
+        Some(Err(Blk3Error::Unexpected {
+            expected: Kind::Rdgo,
+            got: Kind::Bdon,
+            ..
+        }))
     ));
     assert!(matches!(run.src, Some(Err(Blk3Error::PeerFailed(_)))));
 }
@@ -302,8 +389,17 @@ fn announced_length_must_match_the_offer() {
     let mut sim = Sim::new(BulkMode::Stream, 100);
     sim.offered = 99;
     let run = simulate(sim);
-    assert_eq!(run.rep, Some(Err(Blk3Error::AnnouncedLength { offered: 99, announced: 100 })));
-    assert!(!run.events.iter().any(|e| matches!(e, Event::Cmd(Side::Rep, Command::PrepareReceive { .. }))));
+    assert_eq!(
+        run.rep,
+        Some(Err(Blk3Error::AnnouncedLength {
+            offered: 99,
+            announced: 100
+        }))
+    );
+    assert!(!run
+        .events
+        .iter()
+        .any(|e| matches!(e, Event::Cmd(Side::Rep, Command::PrepareReceive { .. }))));
 }
 
 #[test]
@@ -315,10 +411,16 @@ fn stalled_bulk_times_out_after_the_size_scaled_timeout() {
     let scaled = size_scaled_timeout(len);
     assert_eq!(
         run.src,
-        Some(Err(Blk3Error::Timeout { waiting_for: "bulk write completions", after: scaled }))
+        Some(Err(Blk3Error::Timeout {
+            waiting_for: "bulk write completions",
+            after: scaled
+        }))
     );
     // The replica's BDON wait expires at the same moment.
-    assert!(matches!(run.rep, Some(Err(Blk3Error::PeerFailed(_) | Blk3Error::Timeout { .. }))));
+    assert!(matches!(
+        run.rep,
+        Some(Err(Blk3Error::PeerFailed(_) | Blk3Error::Timeout { .. }))
+    ));
     assert_eq!(run.now, scaled);
 }
 
@@ -326,11 +428,20 @@ fn stalled_bulk_times_out_after_the_size_scaled_timeout() {
 fn replica_times_out_waiting_for_bdon() {
     // The source vanishes after the MRINFO: nothing ever arrives again.
     let mut sim = Sim::new(BulkMode::Stream, 2 << 30);
-    sim.tamper = Box::new(|from_src, t| if from_src && t.kind() == Kind::Bdon { None } else { Some(t) });
+    sim.tamper = Box::new(|from_src, t| {
+        if from_src && t.kind() == Kind::Bdon {
+            None
+        } else {
+            Some(t)
+        }
+    });
     let run = simulate(sim);
     assert_eq!(
         run.rep,
-        Some(Err(Blk3Error::Timeout { waiting_for: "BDON", after: size_scaled_timeout(2 << 30) }))
+        Some(Err(Blk3Error::Timeout {
+            waiting_for: "BDON",
+            after: size_scaled_timeout(2 << 30)
+        }))
     );
     assert!(matches!(run.rep_machine.deadline(), None));
 }
@@ -341,11 +452,21 @@ fn completion_out_of_plan_fails_the_source() {
     src.start(Duration::ZERO);
     src.handle(Input::Received(Token::Crea), Duration::ZERO);
     src.handle(Input::Received(Token::Rdpr), Duration::ZERO);
-    src.handle(Input::Received(Token::Mrin { addr: 1, rkey: 2, len: 8 << 20 }), Duration::ZERO);
+    src.handle(
+        Input::Received(Token::Mrin {
+            addr: 1,
+            rkey: 2,
+            len: 8 << 20,
+        }),
+        Duration::ZERO,
+    );
     src.handle(Input::SourceReady, Duration::ZERO);
     src.handle(Input::WriteCompleted { id: 7 }, Duration::ZERO);
     let done = std::iter::from_fn(|| src.poll()).find(|c| matches!(c, Command::Done(_)));
-    assert!(matches!(done, Some(Command::Done(Err(Blk3Error::Completion(_))))));
+    assert!(matches!(
+        done,
+        Some(Command::Done(Err(Blk3Error::Completion(_))))
+    ));
 }
 
 #[test]
@@ -362,7 +483,13 @@ fn one_gib_at_defaults_posts_256_writes_32_signalled() {
         .collect();
     assert_eq!(writes.len(), 256);
     assert_eq!(writes.iter().filter(|w| w.signaled).count(), 32);
-    assert_eq!(run.rep, Some(Ok(Outcome::Received { len: 1 << 30, seq: SEQ })));
+    assert_eq!(
+        run.rep,
+        Some(Ok(Outcome::Received {
+            len: 1 << 30,
+            seq: SEQ
+        }))
+    );
 }
 
 proptest::proptest! {

@@ -110,7 +110,11 @@ pub enum TokenError {
     UnknownMagic(String),
     /// The payload has the wrong length for the token.
     #[error("{kind} token has {got} payload bytes, expected {expected}")]
-    BadLength { kind: Kind, got: usize, expected: usize },
+    BadLength {
+        kind: Kind,
+        got: usize,
+        expected: usize,
+    },
     /// The REPLMETA line is malformed.
     #[error("malformed REPLMETA line {0:?}")]
     BadReplmeta(String),
@@ -169,23 +173,32 @@ impl Token {
     /// Decodes exactly one token (an RDMA receive, or a frame's body).
     pub fn decode(b: &[u8]) -> Result<Token, TokenError> {
         if b.len() < 4 {
-            return Err(TokenError::UnknownMagic(String::from_utf8_lossy(b).into_owned()));
+            return Err(TokenError::UnknownMagic(
+                String::from_utf8_lossy(b).into_owned(),
+            ));
         }
-        let kind = Kind::from_magic(&b[..4])
-            .ok_or_else(|| TokenError::UnknownMagic(String::from_utf8_lossy(&b[..4]).into_owned()))?;
+        let kind = Kind::from_magic(&b[..4]).ok_or_else(|| {
+            TokenError::UnknownMagic(String::from_utf8_lossy(&b[..4]).into_owned())
+        })?;
         let p = &b[4..];
         let exact = |n: usize| {
             if p.len() == n {
                 Ok(())
             } else {
-                Err(TokenError::BadLength { kind, got: p.len(), expected: n })
+                Err(TokenError::BadLength {
+                    kind,
+                    got: p.len(),
+                    expected: n,
+                })
             }
         };
         let be64 = |s: &[u8]| u64::from_be_bytes(s.try_into().expect("8 bytes"));
         Ok(match kind {
             Kind::Sess => {
                 exact(SESSION_TOKEN_LEN)?;
-                Token::Sess { token: p.try_into().expect("checked length") }
+                Token::Sess {
+                    token: p.try_into().expect("checked length"),
+                }
             }
             Kind::Srdy => exact(0).map(|_| Token::Srdy)?,
             Kind::Crea => exact(0).map(|_| Token::Crea)?,
@@ -205,16 +218,21 @@ impl Token {
                     len: be64(&p[12..20]),
                 }
             }
-            Kind::Rdfl => Token::Rdfl { reason: String::from_utf8_lossy(p).into_owned() },
+            Kind::Rdfl => Token::Rdfl {
+                reason: String::from_utf8_lossy(p).into_owned(),
+            },
             Kind::Replmeta => {
-                let line = std::str::from_utf8(b).map_err(|_| TokenError::BadReplmeta(format!("{b:?}")))?;
+                let line = std::str::from_utf8(b)
+                    .map_err(|_| TokenError::BadReplmeta(format!("{b:?}")))?;
                 let bad = || TokenError::BadReplmeta(line.to_string());
                 let rest = line.strip_prefix("REPLMETA ").ok_or_else(bad)?;
                 let digits = rest.strip_suffix('\n').ok_or_else(bad)?;
                 if digits.is_empty() || !digits.bytes().all(|c| c.is_ascii_digit()) {
                     return Err(bad());
                 }
-                Token::Replmeta { seq: digits.parse().map_err(|_| bad())? }
+                Token::Replmeta {
+                    seq: digits.parse().map_err(|_| bad())?,
+                }
             }
         })
     }
@@ -253,16 +271,24 @@ mod tests {
 
     fn all_tokens() -> Vec<Token> {
         vec![
-            Token::Sess { token: [7; SESSION_TOKEN_LEN] },
+            Token::Sess {
+                token: [7; SESSION_TOKEN_LEN],
+            },
             Token::Srdy,
             Token::Crea,
             Token::Rdpr,
             Token::Rdgo,
             Token::Blk3 { len: 5 << 32 },
-            Token::Mrin { addr: 0xdead_beef_0000, rkey: 0x1234, len: 1 << 33 },
+            Token::Mrin {
+                addr: 0xdead_beef_0000,
+                rkey: 0x1234,
+                len: 1 << 33,
+            },
             Token::Bdon,
             Token::Rdok,
-            Token::Rdfl { reason: "checksum mismatch".into() },
+            Token::Rdfl {
+                reason: "checksum mismatch".into(),
+            },
             Token::Replmeta { seq: u64::MAX },
         ]
     }
@@ -272,7 +298,10 @@ mod tests {
         for t in all_tokens() {
             assert_eq!(Token::decode(&t.encode()).unwrap(), t);
             let frame = t.encode_frame();
-            assert_eq!(Token::decode_frame(&frame).unwrap(), Some((t.clone(), frame.len())));
+            assert_eq!(
+                Token::decode_frame(&frame).unwrap(),
+                Some((t.clone(), frame.len()))
+            );
             // Every strict prefix of a frame asks for more bytes.
             for cut in 0..frame.len() {
                 assert_eq!(Token::decode_frame(&frame[..cut]).unwrap(), None);
@@ -282,7 +311,12 @@ mod tests {
 
     #[test]
     fn wire_layout_is_network_byte_order() {
-        let m = Token::Mrin { addr: 1, rkey: 2, len: 3 }.encode();
+        let m = Token::Mrin {
+            addr: 1,
+            rkey: 2,
+            len: 3,
+        }
+        .encode();
         assert_eq!(&m[..4], b"MRIN");
         assert_eq!(&m[4..12], &[0, 0, 0, 0, 0, 0, 0, 1]);
         assert_eq!(&m[12..16], &[0, 0, 0, 2]);
@@ -292,25 +326,56 @@ mod tests {
 
     #[test]
     fn corruption_is_rejected() {
-        assert!(matches!(Token::decode(b"XXXX"), Err(TokenError::UnknownMagic(_))));
-        assert!(matches!(Token::decode(b"BL"), Err(TokenError::UnknownMagic(_))));
-        assert!(matches!(Token::decode(b"BLK3\0\0\0"), Err(TokenError::BadLength { .. })));
-        assert!(matches!(Token::decode(b"SRDYx"), Err(TokenError::BadLength { .. })));
-        assert!(matches!(Token::decode(b"MRIN\0"), Err(TokenError::BadLength { .. })));
-        for bad in [&b"REPLMETA \n"[..], b"REPLMETA 12", b"REPLMETA -1\n", b"REPLMETA 99999999999999999999999\n", b"REPLxx 1\n"] {
-            assert!(matches!(Token::decode(bad), Err(TokenError::BadReplmeta(_))), "{bad:?}");
+        assert!(matches!(
+            Token::decode(b"XXXX"),
+            Err(TokenError::UnknownMagic(_))
+        ));
+        assert!(matches!(
+            Token::decode(b"BL"),
+            Err(TokenError::UnknownMagic(_))
+        ));
+        assert!(matches!(
+            Token::decode(b"BLK3\0\0\0"),
+            Err(TokenError::BadLength { .. })
+        ));
+        assert!(matches!(
+            Token::decode(b"SRDYx"),
+            Err(TokenError::BadLength { .. })
+        ));
+        assert!(matches!(
+            Token::decode(b"MRIN\0"),
+            Err(TokenError::BadLength { .. })
+        ));
+        for bad in [
+            &b"REPLMETA \n"[..],
+            b"REPLMETA 12",
+            b"REPLMETA -1\n",
+            b"REPLMETA 99999999999999999999999\n",
+            b"REPLxx 1\n",
+        ] {
+            assert!(
+                matches!(Token::decode(bad), Err(TokenError::BadReplmeta(_))),
+                "{bad:?}"
+            );
         }
         let mut frame = vec![0xff, 0xff, 0, 0];
         frame.extend_from_slice(b"SRDY");
-        assert!(matches!(Token::decode_frame(&frame), Err(TokenError::FrameTooLong(_))));
+        assert!(matches!(
+            Token::decode_frame(&frame),
+            Err(TokenError::FrameTooLong(_))
+        ));
     }
 
     #[test]
     fn long_rdfl_reason_is_truncated_to_fit() {
-        let t = Token::Rdfl { reason: "é".repeat(600) };
+        let t = Token::Rdfl {
+            reason: "é".repeat(600),
+        };
         let enc = t.encode();
         assert!(enc.len() <= MAX_TOKEN_LEN);
-        assert!(matches!(Token::decode(&enc).unwrap(), Token::Rdfl { reason } if reason.starts_with('é')));
+        assert!(
+            matches!(Token::decode(&enc).unwrap(), Token::Rdfl { reason } if reason.starts_with('é'))
+        );
     }
 
     proptest! {

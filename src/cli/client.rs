@@ -44,16 +44,29 @@ pub async fn sync(args: SyncArgs) -> anyhow::Result<ExitCode> {
         TransportArg::Rdma => pb::TransportPreference::Rdma,
     };
     let started = c
-        .start_full_sync(pb::StartFullSyncRequest { source: args.source.clone(), transport: transport as i32 })
+        .start_full_sync(pb::StartFullSyncRequest {
+            source: args.source.clone(),
+            transport: transport as i32,
+        })
         .await
         .map_err(|s| status_err("sync refused", s))?
         .into_inner();
     if !args.wait {
         if args.json {
-            println!("{}", json!({ "sync_id": started.sync_id, "created": started.created }));
+            println!(
+                "{}",
+                json!({ "sync_id": started.sync_id, "created": started.created })
+            );
         } else {
-            let note = if started.created { "started" } else { "already running" };
-            println!("sync {} {note}; follow it with `kvsync status --agent {}`", started.sync_id, args.agent);
+            let note = if started.created {
+                "started"
+            } else {
+                "already running"
+            };
+            println!(
+                "sync {} {note}; follow it with `kvsync status --agent {}`",
+                started.sync_id, args.agent
+            );
         }
         return Ok(ExitCode::SUCCESS);
     }
@@ -65,7 +78,9 @@ pub async fn sync(args: SyncArgs) -> anyhow::Result<ExitCode> {
 /// Follows a sync to its end, showing progress on stderr.
 async fn follow(c: &mut Client, id: &str, show: bool) -> anyhow::Result<pb::SyncProgress> {
     let mut stream = c
-        .watch_sync(pb::WatchSyncRequest { sync_id: id.to_string() })
+        .watch_sync(pb::WatchSyncRequest {
+            sync_id: id.to_string(),
+        })
         .await
         .map_err(|s| status_err("cannot watch sync", s))?
         .into_inner();
@@ -90,7 +105,13 @@ async fn follow(c: &mut Client, id: &str, show: bool) -> anyhow::Result<pb::Sync
             b.set_position(p.bytes_done);
             b.set_message(phase_name(p.phase));
         } else if show && p.phase != last_phase {
-            eprintln!("{}: {} ({} of {} bytes)", p.sync_id, phase_name(p.phase), p.bytes_done, p.bytes_total);
+            eprintln!(
+                "{}: {} ({} of {} bytes)",
+                p.sync_id,
+                phase_name(p.phase),
+                p.bytes_done,
+                p.bytes_total
+            );
         }
         last_phase = p.phase;
         let end = is_terminal(p.phase);
@@ -182,14 +203,24 @@ pub async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     println!("agent {} (kvsync {})", s.node_id, s.version);
-    println!("transports: {}  (rdma: {})", s.transports.join(", "), s.rdma_detail);
-    println!("serving {} session(s) as a source; data endpoint {}", s.serving_sessions, s.data_tcp_endpoint);
+    println!(
+        "transports: {}  (rdma: {})",
+        s.transports.join(", "),
+        s.rdma_detail
+    );
+    println!(
+        "serving {} session(s) as a source; data endpoint {}",
+        s.serving_sessions, s.data_tcp_endpoint
+    );
     println!("\nlatest snapshots:");
     if s.latest_snapshots.is_empty() {
         println!("  (none)");
     }
     for e in &s.latest_snapshots {
-        println!("  {:<10} seq {:<12} {:>14} bytes  {}", e.format, e.seq, e.size, e.path);
+        println!(
+            "  {:<10} seq {:<12} {:>14} bytes  {}",
+            e.format, e.seq, e.size, e.path
+        );
     }
     for (title, list) in [("running syncs", &s.running), ("recent syncs", &s.recent)] {
         println!("\n{title}:");
@@ -197,7 +228,11 @@ pub async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
             println!("  (none)");
         }
         for p in list.iter() {
-            let what = if p.error.is_empty() { p.installed_path.clone() } else { p.error.clone() };
+            let what = if p.error.is_empty() {
+                p.installed_path.clone()
+            } else {
+                p.error.clone()
+            };
             println!(
                 "  {}  {:<12} {:>14}/{:<14} {:<4} from {}  {}",
                 p.sync_id,
@@ -227,10 +262,16 @@ pub async fn snapshots(args: StatusArgs) -> anyhow::Result<ExitCode> {
         .into_inner()
         .snapshots;
     if args.json {
-        println!("{}", serde_json::Value::from(list.iter().map(snapshot_json).collect::<Vec<_>>()));
+        println!(
+            "{}",
+            serde_json::Value::from(list.iter().map(snapshot_json).collect::<Vec<_>>())
+        );
     } else {
         for e in &list {
-            println!("{:<10} seq {:<12} {:>14} bytes  {}", e.format, e.seq, e.size, e.path);
+            println!(
+                "{:<10} seq {:<12} {:>14} bytes  {}",
+                e.format, e.seq, e.size, e.path
+            );
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -240,17 +281,29 @@ pub async fn snapshots(args: StatusArgs) -> anyhow::Result<ExitCode> {
 pub async fn cancel(args: super::CancelArgs) -> anyhow::Result<ExitCode> {
     let mut c = client(&args.agent).await?;
     let r = c
-        .cancel_sync(pb::CancelSyncRequest { sync_id: args.sync_id.clone() })
+        .cancel_sync(pb::CancelSyncRequest {
+            sync_id: args.sync_id.clone(),
+        })
         .await
         .map_err(|s| status_err("cancel", s))?
         .into_inner();
-    println!("{}", if r.cancelled { "cancelled" } else { "already finished" });
+    println!(
+        "{}",
+        if r.cancelled {
+            "cancelled"
+        } else {
+            "already finished"
+        }
+    );
     Ok(ExitCode::SUCCESS)
 }
 
 /// `kvsync demo`: a source and a replica on loopback, one full sync.
 pub async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
-    let root = tempfile::Builder::new().prefix("kvsync-demo-").tempdir().context("temp dir")?;
+    let root = tempfile::Builder::new()
+        .prefix("kvsync-demo-")
+        .tempdir()
+        .context("temp dir")?;
     let agent_config = |name: &str| {
         let mut c = Config::default();
         c.node_id = name.to_string();
@@ -265,16 +318,35 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
     let replica = RunningAgent::start(agent_config("replica")).await?;
     let show = !args.json;
     if show {
-        eprintln!("source agent  grpc {}  data {}", source.grpc_addr, source.shared.data_tcp_addr);
-        eprintln!("replica agent grpc {}  data {}", replica.grpc_addr, replica.shared.data_tcp_addr);
+        eprintln!(
+            "source agent  grpc {}  data {}",
+            source.grpc_addr, source.shared.data_tcp_addr
+        );
+        eprintln!(
+            "replica agent grpc {}  data {}",
+            replica.grpc_addr, replica.shared.data_tcp_addr
+        );
     }
 
     let seq = 1_000_042;
-    let path = source.shared.config.snapshot_dir.join(format!("snapshot-{seq}.kvr1"));
-    let spec = GenSpec { size: args.size.as_u64(), seq, created_ms: 0, seed: seq };
+    let path = source
+        .shared
+        .config
+        .snapshot_dir
+        .join(format!("snapshot-{seq}.kvr1"));
+    let spec = GenSpec {
+        size: args.size.as_u64(),
+        seq,
+        created_ms: 0,
+        seed: seq,
+    };
     spec.check()?;
     if show {
-        eprintln!("generating a {} snapshot (seq {seq}) at {}", args.size, path.display());
+        eprintln!(
+            "generating a {} snapshot (seq {seq}) at {}",
+            args.size,
+            path.display()
+        );
     }
     let p = path.clone();
     tokio::task::spawn_blocking(move || spec.write_file(&p)).await??;

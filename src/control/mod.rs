@@ -21,7 +21,8 @@ pub mod pb {
     tonic::include_proto!("kvsync.v1");
 
     /// Encoded descriptors, served by gRPC reflection.
-    pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/kvsync_descriptor.bin"));
+    pub const FILE_DESCRIPTOR_SET: &[u8] =
+        include_bytes!(concat!(env!("OUT_DIR"), "/kvsync_descriptor.bin"));
 }
 
 /// Every error a gRPC call can end with, and its status code.
@@ -127,7 +128,12 @@ pub fn phase_name(phase: i32) -> &'static str {
 
 /// True for the phases a sync ends in.
 pub fn is_terminal(phase: i32) -> bool {
-    [pb::Phase::Succeeded as i32, pb::Phase::Failed as i32, pb::Phase::Cancelled as i32].contains(&phase)
+    [
+        pb::Phase::Succeeded as i32,
+        pb::Phase::Failed as i32,
+        pb::Phase::Cancelled as i32,
+    ]
+    .contains(&phase)
 }
 
 /// Transport label for humans and JSON.

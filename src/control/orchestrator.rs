@@ -24,7 +24,9 @@ const MAX_ID: usize = 64;
 
 fn check_id(id: &str) -> Result<(), Status> {
     if id.is_empty() || id.len() > MAX_ID {
-        return Err(Status::invalid_argument(format!("sync_id must be 1..={MAX_ID} bytes")));
+        return Err(Status::invalid_argument(format!(
+            "sync_id must be 1..={MAX_ID} bytes"
+        )));
     }
     Ok(())
 }
@@ -50,37 +52,48 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         request: Request<pb::StartFullSyncRequest>,
     ) -> Result<Response<pb::StartFullSyncResponse>, Status> {
         let req = request.into_inner();
-        let preference = pb::TransportPreference::try_from(req.transport)
-            .map_err(|_| Status::invalid_argument(format!("unknown transport preference {}", req.transport)))?;
+        let preference = pb::TransportPreference::try_from(req.transport).map_err(|_| {
+            Status::invalid_argument(format!("unknown transport preference {}", req.transport))
+        })?;
         if preference == pb::TransportPreference::Rdma {
             return Err(Status::failed_precondition(
                 "rdma transport is not available on this agent (no RDMA support in this build); use tcp or auto",
             ));
         }
         let (sync_id, created) = self.syncs.start(&req.source, preference)?;
-        Ok(Response::new(pb::StartFullSyncResponse { sync_id, created }))
+        Ok(Response::new(pb::StartFullSyncResponse {
+            sync_id,
+            created,
+        }))
     }
 
     type WatchSyncStream = ProgressStream;
 
-    async fn watch_sync(&self, request: Request<pb::WatchSyncRequest>) -> Result<Response<ProgressStream>, Status> {
+    async fn watch_sync(
+        &self,
+        request: Request<pb::WatchSyncRequest>,
+    ) -> Result<Response<ProgressStream>, Status> {
         let id = request.into_inner().sync_id;
         check_id(&id)?;
         let rx = self.syncs.watch(&id)?;
         // The current state first, then every change, ending after the
         // terminal state.
-        let stream = futures::stream::unfold((rx, true, false), |(mut rx, first, ended)| async move {
-            if ended || (!first && rx.changed().await.is_err()) {
-                return None;
-            }
-            let p = rx.borrow_and_update().clone();
-            let end = is_terminal(p.phase);
-            Some((Ok(p), (rx, false, end)))
-        });
+        let stream =
+            futures::stream::unfold((rx, true, false), |(mut rx, first, ended)| async move {
+                if ended || (!first && rx.changed().await.is_err()) {
+                    return None;
+                }
+                let p = rx.borrow_and_update().clone();
+                let end = is_terminal(p.phase);
+                Some((Ok(p), (rx, false, end)))
+            });
         Ok(Response::new(Box::pin(stream)))
     }
 
-    async fn get_status(&self, _: Request<pb::GetStatusRequest>) -> Result<Response<pb::AgentStatus>, Status> {
+    async fn get_status(
+        &self,
+        _: Request<pb::GetStatusRequest>,
+    ) -> Result<Response<pb::AgentStatus>, Status> {
         let s = &self.shared;
         let latest_snapshots = [Format::Kvr1, Format::RedisRdb]
             .into_iter()
@@ -105,11 +118,20 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         &self,
         _: Request<pb::ListSnapshotsRequest>,
     ) -> Result<Response<pb::ListSnapshotsResponse>, Status> {
-        let snapshots = self.shared.catalog.list().iter().map(|e| entry_to_pb(e)).collect();
+        let snapshots = self
+            .shared
+            .catalog
+            .list()
+            .iter()
+            .map(|e| entry_to_pb(e))
+            .collect();
         Ok(Response::new(pb::ListSnapshotsResponse { snapshots }))
     }
 
-    async fn cancel_sync(&self, request: Request<pb::CancelSyncRequest>) -> Result<Response<pb::CancelSyncResponse>, Status> {
+    async fn cancel_sync(
+        &self,
+        request: Request<pb::CancelSyncRequest>,
+    ) -> Result<Response<pb::CancelSyncResponse>, Status> {
         let id = request.into_inner().sync_id;
         check_id(&id)?;
         let cancelled = self.syncs.cancel(&id)?;

@@ -25,11 +25,17 @@ pub struct PeerService {
 }
 
 impl PeerService {
-    async fn offer(&self, req: pb::OpenFullSyncRequest, local: Option<SocketAddr>) -> Result<pb::SyncOffer, ApiError> {
+    async fn offer(
+        &self,
+        req: pb::OpenFullSyncRequest,
+        local: Option<SocketAddr>,
+    ) -> Result<pb::SyncOffer, ApiError> {
         let shared = &self.shared;
         let format = shared.config.snapshot_format;
         if req.replica_node_id.len() > MAX_NODE_ID {
-            return Err(ApiError::InvalidArgument(format!("replica_node_id longer than {MAX_NODE_ID} bytes")));
+            return Err(ApiError::InvalidArgument(format!(
+                "replica_node_id longer than {MAX_NODE_ID} bytes"
+            )));
         }
         if !req.format.is_empty() && req.format != format.as_str() {
             return Err(ApiError::InvalidArgument(format!(
@@ -38,7 +44,9 @@ impl PeerService {
             )));
         }
         if !req.transports.is_empty() && !req.transports.contains(&(pb::Transport::Tcp as i32)) {
-            return Err(ApiError::FailedPrecondition("no transport in common: this source offers tcp".into()));
+            return Err(ApiError::FailedPrecondition(
+                "no transport in common: this source offers tcp".into(),
+            ));
         }
         let entry = shared.catalog.latest(format).ok_or_else(|| {
             ApiError::NoSnapshot(format!(
@@ -49,8 +57,18 @@ impl PeerService {
         let snapshot = shared.cache.acquire(&entry).await?;
         let ttl = shared.config.sync.session_token_ttl;
         let id = new_id();
-        let replica = if req.replica_node_id.is_empty() { "unnamed".to_string() } else { req.replica_node_id.clone() };
-        let offer = Offer { id: id.clone(), replica, entry: entry.clone(), snapshot, expires: Instant::now() + ttl };
+        let replica = if req.replica_node_id.is_empty() {
+            "unnamed".to_string()
+        } else {
+            req.replica_node_id.clone()
+        };
+        let offer = Offer {
+            id: id.clone(),
+            replica,
+            entry: entry.clone(),
+            snapshot,
+            expires: Instant::now() + ttl,
+        };
         let token = shared.sessions.insert(offer);
         let endpoint = advertised(self.data_addr, local);
         info!(session = %id, replica = %req.replica_node_id, path = %entry.path.display(), seq = entry.info.seq, %endpoint, "offered snapshot");
@@ -85,7 +103,10 @@ fn advertised(data: SocketAddr, local: Option<SocketAddr>) -> SocketAddr {
 
 #[tonic::async_trait]
 impl pb::peer_server::Peer for PeerService {
-    async fn open_full_sync(&self, request: Request<pb::OpenFullSyncRequest>) -> Result<Response<pb::SyncOffer>, Status> {
+    async fn open_full_sync(
+        &self,
+        request: Request<pb::OpenFullSyncRequest>,
+    ) -> Result<Response<pb::SyncOffer>, Status> {
         let local = request.local_addr();
         let req = request.into_inner();
         match self.offer(req, local).await {
@@ -97,7 +118,10 @@ impl pb::peer_server::Peer for PeerService {
         }
     }
 
-    async fn report_result(&self, request: Request<pb::ReportResultRequest>) -> Result<Response<pb::ReportResultResponse>, Status> {
+    async fn report_result(
+        &self,
+        request: Request<pb::ReportResultRequest>,
+    ) -> Result<Response<pb::ReportResultResponse>, Status> {
         let r = request.into_inner();
         if r.ok {
             info!(session = %r.session_id, "replica reports success");

@@ -83,7 +83,11 @@ impl Header {
 #[derive(Debug, Clone, Copy)]
 enum RecordState {
     /// Collecting a record's 8-byte head; `start` is its offset.
-    Head { buf: [u8; 8], have: usize, start: u64 },
+    Head {
+        buf: [u8; 8],
+        have: usize,
+        start: u64,
+    },
     /// Skipping `remaining` bytes of key and value.
     Body { remaining: u64 },
 }
@@ -108,7 +112,11 @@ impl Kvr1Verifier {
     pub fn new(total: u64) -> Kvr1Verifier {
         // Too-short files have no trailer; their bytes all count as header so
         // the first error reported is the most telling one.
-        let body_end = if total >= MIN_LEN { total - TRAILER_LEN } else { total };
+        let body_end = if total >= MIN_LEN {
+            total - TRAILER_LEN
+        } else {
+            total
+        };
         Kvr1Verifier {
             total,
             body_end,
@@ -116,7 +124,11 @@ impl Kvr1Verifier {
             crc: crc32fast::Hasher::new(),
             header_buf: [0; HEADER_LEN as usize],
             header: None,
-            record: RecordState::Head { buf: [0; 8], have: 0, start: HEADER_LEN },
+            record: RecordState::Head {
+                buf: [0; 8],
+                have: 0,
+                start: HEADER_LEN,
+            },
             records_seen: 0,
             trailer: [0; TRAILER_LEN as usize],
         }
@@ -126,7 +138,10 @@ impl Kvr1Verifier {
     pub fn update(&mut self, mut bytes: &[u8]) -> Result<(), Corruption> {
         let end = self.pos + bytes.len() as u64;
         if end > self.total {
-            return Err(Corruption::Length { expected: self.total, got: end });
+            return Err(Corruption::Length {
+                expected: self.total,
+                got: end,
+            });
         }
         // Checksummed part (header + records).
         if self.pos < self.body_end {
@@ -166,7 +181,11 @@ impl Kvr1Verifier {
                     self.pos += n;
                     bytes = &bytes[n as usize..];
                     if *remaining == 0 {
-                        self.record = RecordState::Head { buf: [0; 8], have: 0, start: self.pos };
+                        self.record = RecordState::Head {
+                            buf: [0; 8],
+                            have: 0,
+                            start: self.pos,
+                        };
                     }
                 }
                 RecordState::Head { buf, have, start } => {
@@ -190,9 +209,15 @@ impl Kvr1Verifier {
                     }
                     self.records_seen += 1;
                     self.record = if klen + vlen == 0 {
-                        RecordState::Head { buf: [0; 8], have: 0, start: self.pos }
+                        RecordState::Head {
+                            buf: [0; 8],
+                            have: 0,
+                            start: self.pos,
+                        }
                     } else {
-                        RecordState::Body { remaining: klen + vlen }
+                        RecordState::Body {
+                            remaining: klen + vlen,
+                        }
                     };
                 }
             }
@@ -203,13 +228,22 @@ impl Kvr1Verifier {
     /// Checks that every byte arrived, the records add up and the CRC matches.
     pub fn finish(self) -> Result<SnapshotInfo, Corruption> {
         if self.total < HEADER_LEN {
-            return Err(Corruption::TruncatedHeader { len: self.total, needed: HEADER_LEN });
+            return Err(Corruption::TruncatedHeader {
+                len: self.total,
+                needed: HEADER_LEN,
+            });
         }
         if self.total < MIN_LEN {
-            return Err(Corruption::TooShort { len: self.total, needed: MIN_LEN });
+            return Err(Corruption::TooShort {
+                len: self.total,
+                needed: MIN_LEN,
+            });
         }
         if self.pos != self.total {
-            return Err(Corruption::Length { expected: self.total, got: self.pos });
+            return Err(Corruption::Length {
+                expected: self.total,
+                got: self.pos,
+            });
         }
         let header = self.header.expect("a complete stream has a header");
         if let RecordState::Head { have, start, .. } = self.record {
@@ -231,7 +265,11 @@ impl Kvr1Verifier {
         let expected = u32::from_le_bytes(self.trailer) as u64;
         let actual = self.crc.finalize() as u64;
         if expected != actual {
-            return Err(Corruption::ChecksumMismatch { offset: self.body_end, expected, actual });
+            return Err(Corruption::ChecksumMismatch {
+                offset: self.body_end,
+                expected,
+                actual,
+            });
         }
         Ok(SnapshotInfo {
             format: Format::Kvr1,
@@ -258,7 +296,11 @@ impl<W: Write> Kvr1Writer<W> {
         out.write_all(&h)?;
         let mut crc = crc32fast::Hasher::new();
         crc.update(&h);
-        Ok(Kvr1Writer { out, crc, records_left: header.records })
+        Ok(Kvr1Writer {
+            out,
+            crc,
+            records_left: header.records,
+        })
     }
 
     /// Appends one record.
@@ -282,7 +324,10 @@ impl<W: Write> Kvr1Writer<W> {
     /// Writes the trailer and returns the inner writer and the CRC.
     pub fn finish(mut self) -> io::Result<(W, u32)> {
         if self.records_left != 0 {
-            return Err(io::Error::other(format!("{} announced records missing", self.records_left)));
+            return Err(io::Error::other(format!(
+                "{} announced records missing",
+                self.records_left
+            )));
         }
         let crc = self.crc.finalize();
         self.out.write_all(&crc.to_le_bytes())?;
@@ -299,7 +344,10 @@ pub enum GenError {
     Size(String),
     /// Writing the file failed.
     #[error("cannot write {path}: {source}")]
-    Io { path: std::path::PathBuf, source: io::Error },
+    Io {
+        path: std::path::PathBuf,
+        source: io::Error,
+    },
 }
 
 /// Parameters of a deterministic generated snapshot.
@@ -348,7 +396,11 @@ impl GenSpec {
             }
             // Values between 64 B and 16 KiB, like a typical KV workload.
             let want = RECORD_HEAD_LEN + GEN_KEY_LEN + 64 + rng.next() % (16 * 1024 - 64);
-            let size = if want > left || left - want < RECORD_HEAD_LEN { left } else { want };
+            let size = if want > left || left - want < RECORD_HEAD_LEN {
+                left
+            } else {
+                want
+            };
             left -= size;
             Some(size)
         })
@@ -357,7 +409,12 @@ impl GenSpec {
     /// Writes the snapshot to `out`; returns the CRC.
     pub fn write_to<W: Write>(&self, out: W) -> Result<u32, io::Error> {
         let records = self.record_sizes().count() as u64;
-        let header = Header { flags: 0, seq: self.seq, created_ms: self.created_ms, records };
+        let header = Header {
+            flags: 0,
+            seq: self.seq,
+            created_ms: self.created_ms,
+            records,
+        };
         let mut w = Kvr1Writer::new(out, header)?;
         let mut rng = SplitMix64(self.seed);
         let mut value = Vec::new();
@@ -378,14 +435,22 @@ impl GenSpec {
     /// so a watcher never sees it half written.
     pub fn write_file(&self, path: &Path) -> Result<u32, GenError> {
         self.check()?;
-        let io = |source| GenError::Io { path: path.to_owned(), source };
-        let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let io = |source| GenError::Io {
+            path: path.to_owned(),
+            source,
+        };
+        let dir = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
         let tmp = tempfile::Builder::new()
             .prefix(".kvsync-gen-")
             .suffix(".tmp")
             .tempfile_in(dir)
             .map_err(io)?;
-        let crc = self.write_to(io::BufWriter::with_capacity(1 << 20, tmp.as_file())).map_err(io)?;
+        let crc = self
+            .write_to(io::BufWriter::with_capacity(1 << 20, tmp.as_file()))
+            .map_err(io)?;
         tmp.as_file().sync_all().map_err(io)?;
         tmp.persist(path).map_err(|e| io(e.error))?;
         Ok(crc)
@@ -421,7 +486,12 @@ mod tests {
     use super::*;
 
     fn gen(size: u64, seq: u64) -> Vec<u8> {
-        let spec = GenSpec { size, seq, created_ms: 7, seed: 1 };
+        let spec = GenSpec {
+            size,
+            seq,
+            created_ms: 7,
+            seed: 1,
+        };
         spec.check().unwrap();
         let mut out = Vec::new();
         spec.write_to(&mut out).unwrap();
@@ -438,7 +508,12 @@ mod tests {
 
     #[test]
     fn round_trip_writer_and_verifier() {
-        let header = Header { flags: 3, seq: 42, created_ms: 1000, records: 3 };
+        let header = Header {
+            flags: 3,
+            seq: 42,
+            created_ms: 1000,
+            records: 3,
+        };
         let mut w = Kvr1Writer::new(Vec::new(), header).unwrap();
         w.put(b"a", b"1").unwrap();
         w.put(b"", b"").unwrap();
@@ -450,7 +525,10 @@ mod tests {
             assert_eq!(info.checksum, crc as u64);
             assert_eq!(info.size, bytes.len() as u64);
         }
-        assert_eq!(Header::decode(bytes[..32].try_into().unwrap()).unwrap(), header);
+        assert_eq!(
+            Header::decode(bytes[..32].try_into().unwrap()).unwrap(),
+            header
+        );
     }
 
     #[test]
@@ -467,7 +545,12 @@ mod tests {
     #[test]
     fn inexpressible_sizes_are_refused() {
         for size in [0, 35, 37, 43] {
-            let spec = GenSpec { size, seq: 1, created_ms: 0, seed: 0 };
+            let spec = GenSpec {
+                size,
+                seq: 1,
+                created_ms: 0,
+                seed: 0,
+            };
             let err = spec.check().unwrap_err().to_string();
             assert!(err.contains("cannot be expressed"), "{err}");
         }
@@ -478,24 +561,42 @@ mod tests {
         let good = gen(4096, 5);
         let mut bad_magic = good.clone();
         bad_magic[0] = b'X';
-        assert!(matches!(verify(&bad_magic, 100), Err(Corruption::BadMagic { .. })));
+        assert!(matches!(
+            verify(&bad_magic, 100),
+            Err(Corruption::BadMagic { .. })
+        ));
 
         let mut bad_version = good.clone();
         bad_version[4] = 2;
         assert_eq!(
             verify(&bad_version, 100),
-            Err(Corruption::UnknownVersion { offset: 4, version: 2 })
+            Err(Corruption::UnknownVersion {
+                offset: 4,
+                version: 2
+            })
         );
 
         assert_eq!(
             verify(&good[..20], 100),
-            Err(Corruption::TruncatedHeader { len: 20, needed: 32 })
+            Err(Corruption::TruncatedHeader {
+                len: 20,
+                needed: 32
+            })
         );
-        assert_eq!(verify(&good[..34], 100), Err(Corruption::TooShort { len: 34, needed: 36 }));
+        assert_eq!(
+            verify(&good[..34], 100),
+            Err(Corruption::TooShort {
+                len: 34,
+                needed: 36
+            })
+        );
 
         // Cut in the middle: the last record runs past the end.
         let cut = &good[..3000];
-        assert!(matches!(verify(cut, 100), Err(Corruption::RecordPastEnd { .. })));
+        assert!(matches!(
+            verify(cut, 100),
+            Err(Corruption::RecordPastEnd { .. })
+        ));
 
         // Trailer mismatch.
         let mut bad_crc = good.clone();
@@ -509,7 +610,10 @@ mod tests {
         // Header record count disagrees.
         let mut bad_count = good.clone();
         bad_count[24] = bad_count[24].wrapping_add(1);
-        assert!(matches!(verify(&bad_count, 100), Err(Corruption::RecordCount { .. })));
+        assert!(matches!(
+            verify(&bad_count, 100),
+            Err(Corruption::RecordCount { .. })
+        ));
     }
 
     #[test]
@@ -519,7 +623,10 @@ mod tests {
             for bit in [0x01u8, 0x80] {
                 let mut b = good.clone();
                 b[i] ^= bit;
-                assert!(verify(&b, 64).is_err(), "flip of bit {bit:#x} at {i} not detected");
+                assert!(
+                    verify(&b, 64).is_err(),
+                    "flip of bit {bit:#x} at {i} not detected"
+                );
             }
         }
     }

@@ -74,7 +74,10 @@ pub struct SnapshotInfo {
 pub enum Corruption {
     /// The file does not start with the format's magic.
     #[error("wrong magic {found:?} at offset 0 (expected {expected:?})")]
-    BadMagic { expected: &'static str, found: String },
+    BadMagic {
+        expected: &'static str,
+        found: String,
+    },
     /// The header names a version this build does not read.
     #[error("unknown version {version} at offset {offset}")]
     UnknownVersion { offset: u64, version: u16 },
@@ -86,13 +89,27 @@ pub enum Corruption {
     TooShort { len: u64, needed: u64 },
     /// A record's header or body extends past the end of the record area.
     #[error("record at offset {offset} runs past the end of the records (needs {needed} bytes, {available} left)")]
-    RecordPastEnd { offset: u64, needed: u64, available: u64 },
+    RecordPastEnd {
+        offset: u64,
+        needed: u64,
+        available: u64,
+    },
     /// The header's record count disagrees with the records present.
     #[error("header says {expected} records, found {found} (offset {offset})")]
-    RecordCount { offset: u64, expected: u64, found: u64 },
+    RecordCount {
+        offset: u64,
+        expected: u64,
+        found: u64,
+    },
     /// The trailer checksum does not match the bytes.
-    #[error("checksum mismatch at offset {offset}: trailer says {expected:#x}, bytes give {actual:#x}")]
-    ChecksumMismatch { offset: u64, expected: u64, actual: u64 },
+    #[error(
+        "checksum mismatch at offset {offset}: trailer says {expected:#x}, bytes give {actual:#x}"
+    )]
+    ChecksumMismatch {
+        offset: u64,
+        expected: u64,
+        actual: u64,
+    },
     /// The stream ended before the announced length (or went past it).
     #[error("length mismatch: expected {expected} bytes, got {got}")]
     Length { expected: u64, got: u64 },
@@ -122,10 +139,16 @@ impl Corruption {
 pub enum SnapshotError {
     /// The file could not be opened or read.
     #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     /// The bytes are not a valid snapshot.
     #[error("{path}: {corruption}")]
-    Corrupt { path: PathBuf, corruption: Corruption },
+    Corrupt {
+        path: PathBuf,
+        corruption: Corruption,
+    },
     /// Neither KVR1 nor RDB.
     #[error("{path}: not a snapshot kvsync knows (neither KVR1 nor RDB)")]
     UnknownFormat { path: PathBuf },
@@ -180,8 +203,14 @@ const READ_DEPTH: usize = 3;
 ///
 /// With `format = None` the format is detected from the first bytes.
 pub fn verify_file(path: &Path, format: Option<Format>) -> Result<SnapshotInfo, SnapshotError> {
-    let io = |source| SnapshotError::Io { path: path.to_owned(), source };
-    let corrupt = |corruption| SnapshotError::Corrupt { path: path.to_owned(), corruption };
+    let io = |source| SnapshotError::Io {
+        path: path.to_owned(),
+        source,
+    };
+    let corrupt = |corruption| SnapshotError::Corrupt {
+        path: path.to_owned(),
+        corruption,
+    };
     let mut file = File::open(path).map_err(io)?;
     let len = file.metadata().map_err(io)?.len();
     let format = match format {
@@ -189,7 +218,9 @@ pub fn verify_file(path: &Path, format: Option<Format>) -> Result<SnapshotInfo, 
         None => {
             let mut prefix = [0u8; 16];
             let n = read_full(&mut file, &mut prefix).map_err(io)?;
-            Format::detect(&prefix[..n]).ok_or_else(|| SnapshotError::UnknownFormat { path: path.to_owned() })?
+            Format::detect(&prefix[..n]).ok_or_else(|| SnapshotError::UnknownFormat {
+                path: path.to_owned(),
+            })?
         }
     };
     let mut verifier = Verifier::new(format, len).map_err(corrupt)?;
@@ -198,7 +229,10 @@ pub fn verify_file(path: &Path, format: Option<Format>) -> Result<SnapshotInfo, 
     read_pipelined(File::open(path).map_err(io)?, |chunk| {
         seen += chunk.len() as u64;
         let step = if seen > len {
-            Err(Corruption::Length { expected: len, got: seen })
+            Err(Corruption::Length {
+                expected: len,
+                got: seen,
+            })
         } else {
             verifier.update(chunk)
         };
@@ -214,12 +248,17 @@ pub fn verify_file(path: &Path, format: Option<Format>) -> Result<SnapshotInfo, 
 /// Streams `file` through `consume` in `READ_CHUNK` pieces, reading ahead on
 /// a second thread so that reading and checksumming overlap. `consume`
 /// returns false to stop early.
-pub fn read_pipelined(mut file: File, mut consume: impl FnMut(&[u8]) -> bool) -> std::io::Result<()> {
+pub fn read_pipelined(
+    mut file: File,
+    mut consume: impl FnMut(&[u8]) -> bool,
+) -> std::io::Result<()> {
     use std::sync::mpsc;
     let (full_tx, full_rx) = mpsc::sync_channel::<std::io::Result<(AlignedBuf, usize)>>(READ_DEPTH);
     let (empty_tx, empty_rx) = mpsc::sync_channel::<AlignedBuf>(READ_DEPTH);
     for _ in 0..READ_DEPTH {
-        empty_tx.send(AlignedBuf::zeroed(READ_CHUNK)).expect("channel has room");
+        empty_tx
+            .send(AlignedBuf::zeroed(READ_CHUNK))
+            .expect("channel has room");
     }
     std::thread::scope(move |s| {
         s.spawn(move || {
@@ -275,14 +314,28 @@ mod tests {
     fn early_failure_in_a_multi_chunk_file_stops_cleanly() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("big.kvr1");
-        let spec = kvr1::GenSpec { size: 5 * READ_CHUNK as u64 + 17, seq: 3, created_ms: 0, seed: 3 };
+        let spec = kvr1::GenSpec {
+            size: 5 * READ_CHUNK as u64 + 17,
+            seq: 3,
+            created_ms: 0,
+            seed: 3,
+        };
         spec.write_file(&path).unwrap();
         assert_eq!(verify_file(&path, None).unwrap().seq, 3);
         let mut bytes = std::fs::read(&path).unwrap();
         bytes[4] = 9;
         std::fs::write(&path, &bytes).unwrap();
         let err = verify_file(&path, Some(Format::Kvr1)).unwrap_err();
-        assert!(matches!(err, SnapshotError::Corrupt { corruption: Corruption::UnknownVersion { .. }, .. }), "{err}");
+        assert!(
+            matches!(
+                err,
+                SnapshotError::Corrupt {
+                    corruption: Corruption::UnknownVersion { .. },
+                    ..
+                }
+            ),
+            "{err}"
+        );
         let mut n = 0;
         read_pipelined(File::open(&path).unwrap(), |_| {
             n += 1;

@@ -34,7 +34,10 @@ pub enum JobError {
     NotWritable(InstallError),
     /// The source agent could not be reached.
     #[error("source {source_addr} unreachable: {message}")]
-    Unreachable { source_addr: String, message: String },
+    Unreachable {
+        source_addr: String,
+        message: String,
+    },
     /// The source refused to offer a session.
     #[error("source refused the sync ({code:?}): {message}")]
     Refused { code: tonic::Code, message: String },
@@ -58,7 +61,10 @@ pub enum JobError {
     Install(#[from] InstallError),
     /// Installed, but the KV did not take it.
     #[error("snapshot installed at {} but the handoff failed: {source}", installed.display())]
-    Handoff { installed: PathBuf, source: HandoffError },
+    Handoff {
+        installed: PathBuf,
+        source: HandoffError,
+    },
     /// Cancelled by an operator or shutdown.
     #[error("cancelled")]
     Cancelled,
@@ -107,7 +113,10 @@ pub fn check_writable(dir: &Path) -> Result<(), InstallError> {
         .suffix(install::TEMP_SUFFIX)
         .tempfile_in(dir)
         .map(drop)
-        .map_err(|source| InstallError::NotWritable { dir: dir.to_owned(), source })
+        .map_err(|source| InstallError::NotWritable {
+            dir: dir.to_owned(),
+            source,
+        })
 }
 
 /// Runs the job to its end and returns the final progress record.
@@ -131,19 +140,29 @@ pub async fn run(ctx: JobContext) -> pb::SyncProgress {
                 Ok(()) => p.phase = pb::Phase::Succeeded as i32,
                 Err(e) => {
                     p.error = e.to_string();
-                    p.phase = if label == "cancelled" { pb::Phase::Cancelled } else { pb::Phase::Failed } as i32;
+                    p.phase = if label == "cancelled" {
+                        pb::Phase::Cancelled
+                    } else {
+                        pb::Phase::Failed
+                    } as i32;
                 }
             }
         });
         match &result {
             Ok(()) => {
                 info!(elapsed = ?elapsed, "full sync succeeded");
-                m.last_success.with_label_values(&["replica"]).set(unix_now());
+                m.last_success
+                    .with_label_values(&["replica"])
+                    .set(unix_now());
             }
             Err(e) => warn!(error = %e, "full sync failed"),
         }
-        m.fullsync_total.with_label_values(&["replica", transport, label]).inc();
-        m.fullsync_duration.with_label_values(&["replica", transport]).observe(elapsed.as_secs_f64());
+        m.fullsync_total
+            .with_label_values(&["replica", transport, label])
+            .inc();
+        m.fullsync_duration
+            .with_label_values(&["replica", transport])
+            .observe(elapsed.as_secs_f64());
         m.fullsync_in_progress.with_label_values(&["replica"]).dec();
         let last = ctx.progress.borrow().clone();
         last
@@ -155,13 +174,17 @@ pub async fn run(ctx: JobContext) -> pb::SyncProgress {
 async fn attempt(ctx: &JobContext) -> Result<(), JobError> {
     let config = &ctx.config;
     let format = config.snapshot_format;
-    let mut staging = Staging::create(&config.snapshot_dir, &ctx.id, format).map_err(JobError::NotWritable)?;
+    let mut staging =
+        Staging::create(&config.snapshot_dir, &ctx.id, format).map_err(JobError::NotWritable)?;
 
     // Negotiate.
     let channel = ctx
         .or_cancel(control::connect(&ctx.source, CONNECT_TIMEOUT))
         .await?
-        .map_err(|e| JobError::Unreachable { source_addr: ctx.source.clone(), message: e })?;
+        .map_err(|e| JobError::Unreachable {
+            source_addr: ctx.source.clone(),
+            message: e,
+        })?;
     let mut peer = pb::peer_client::PeerClient::new(channel);
     let request = pb::OpenFullSyncRequest {
         replica_node_id: config.node_id.clone(),
@@ -170,23 +193,38 @@ async fn attempt(ctx: &JobContext) -> Result<(), JobError> {
         preference: ctx.preference as i32,
         format: format.as_str().to_string(),
     };
-    let offer = ctx.or_cancel(peer.open_full_sync(request)).await?.map_err(|s| match s.code() {
-        tonic::Code::Unavailable | tonic::Code::DeadlineExceeded => {
-            JobError::Unreachable { source_addr: ctx.source.clone(), message: s.message().to_string() }
-        }
-        code => JobError::Refused { code, message: s.message().to_string() },
-    })?;
+    let offer = ctx
+        .or_cancel(peer.open_full_sync(request))
+        .await?
+        .map_err(|s| match s.code() {
+            tonic::Code::Unavailable | tonic::Code::DeadlineExceeded => JobError::Unreachable {
+                source_addr: ctx.source.clone(),
+                message: s.message().to_string(),
+            },
+            code => JobError::Refused {
+                code,
+                message: s.message().to_string(),
+            },
+        })?;
     let offer = offer.into_inner();
-    let token: [u8; SESSION_TOKEN_LEN] = offer
-        .session_token
-        .as_slice()
-        .try_into()
-        .map_err(|_| JobError::BadOffer(format!("session token of {} bytes", offer.session_token.len())))?;
+    let token: [u8; SESSION_TOKEN_LEN] =
+        offer.session_token.as_slice().try_into().map_err(|_| {
+            JobError::BadOffer(format!(
+                "session token of {} bytes",
+                offer.session_token.len()
+            ))
+        })?;
     if offer.format != format.as_str() {
-        return Err(JobError::BadOffer(format!("format {} but this agent installs {format}", offer.format)));
+        return Err(JobError::BadOffer(format!(
+            "format {} but this agent installs {format}",
+            offer.format
+        )));
     }
     if offer.transport != pb::Transport::Tcp as i32 {
-        return Err(JobError::BadOffer(format!("transport {} is not available here", offer.transport)));
+        return Err(JobError::BadOffer(format!(
+            "transport {} is not available here",
+            offer.transport
+        )));
     }
     ctx.progress.send_modify(|p| {
         p.bytes_total = offer.snapshot_size;
@@ -198,15 +236,28 @@ async fn attempt(ctx: &JobContext) -> Result<(), JobError> {
     info!(session = %offer.session_id, size = offer.snapshot_size, seq = offer.seq, endpoint = %offer.data_endpoint, "offer received");
 
     // Connect the data plane.
-    let connect = tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(&offer.data_endpoint));
+    let connect = tokio::time::timeout(
+        CONNECT_TIMEOUT,
+        tokio::net::TcpStream::connect(&offer.data_endpoint),
+    );
     let stream = ctx
         .or_cancel(connect)
         .await?
         .map_err(|_| format!("no answer within {CONNECT_TIMEOUT:?}"))
         .and_then(|r| r.map_err(|e| e.to_string()))
-        .and_then(|s| s.into_std().and_then(|s| s.set_nonblocking(false).map(|_| s)).map_err(|e| e.to_string()))
-        .map_err(|message| JobError::DataConnect { endpoint: offer.data_endpoint.clone(), message })?;
-    let mut link = Link::new(stream).map_err(|source| TcpError::Io { op: "configure socket", source })?;
+        .and_then(|s| {
+            s.into_std()
+                .and_then(|s| s.set_nonblocking(false).map(|_| s))
+                .map_err(|e| e.to_string())
+        })
+        .map_err(|message| JobError::DataConnect {
+            endpoint: offer.data_endpoint.clone(),
+            message,
+        })?;
+    let mut link = Link::new(stream).map_err(|source| TcpError::Io {
+        op: "configure socket",
+        source,
+    })?;
     let cancel = link.cancel_handle();
 
     // Move the bytes on a blocking thread; cancelling shuts the socket.
@@ -238,8 +289,13 @@ async fn attempt(ctx: &JobContext) -> Result<(), JobError> {
         }
     }
     .expect("transfer thread does not panic");
-    ctx.metrics.bulk_duration.observe(bulk_started.elapsed().as_secs_f64());
-    ctx.metrics.fullsync_bytes.with_label_values(&["replica", "tcp"]).inc_by(staging.written());
+    ctx.metrics
+        .bulk_duration
+        .observe(bulk_started.elapsed().as_secs_f64());
+    ctx.metrics
+        .fullsync_bytes
+        .with_label_values(&["replica", "tcp"])
+        .inc_by(staging.written());
     let outcome = match run.result {
         Err(TcpError::Cancelled) => return Err(JobError::Cancelled),
         Err(e) => return Err(e.into()),
@@ -256,7 +312,11 @@ async fn attempt(ctx: &JobContext) -> Result<(), JobError> {
     }
     if let crate::blk3::Outcome::Received { seq, .. } = outcome {
         if seq != info.seq {
-            warn!(replmeta = seq, header = info.seq, "REPLMETA differs from the snapshot header; using REPLMETA");
+            warn!(
+                replmeta = seq,
+                header = info.seq,
+                "REPLMETA differs from the snapshot header; using REPLMETA"
+            );
         }
     }
 
@@ -267,7 +327,8 @@ async fn attempt(ctx: &JobContext) -> Result<(), JobError> {
     let installed = tokio::task::spawn_blocking(move || staging.install(&name))
         .await
         .expect("install thread does not panic")?;
-    ctx.progress.send_modify(|p| p.installed_path = installed.display().to_string());
+    ctx.progress
+        .send_modify(|p| p.installed_path = installed.display().to_string());
     info!(path = %installed.display(), seq = info.seq, "snapshot installed");
 
     // Hand off to the local KV.
@@ -278,15 +339,24 @@ async fn attempt(ctx: &JobContext) -> Result<(), JobError> {
         source: format!("{}@{}", offer.source_node_id, ctx.source),
     };
     let mode = format!("{:?}", config.handoff.mode).to_lowercase();
-    let handoff = ctx.or_cancel(handoff::hand_off(&config.handoff, &record)).await?;
+    let handoff = ctx
+        .or_cancel(handoff::hand_off(&config.handoff, &record))
+        .await?;
     let result = if handoff.is_ok() { "ok" } else { "failed" };
-    ctx.metrics.handoff_total.with_label_values(&[mode.as_str(), result]).inc();
+    ctx.metrics
+        .handoff_total
+        .with_label_values(&[mode.as_str(), result])
+        .inc();
     let done = handoff.map_err(|source| JobError::Handoff { installed, source })?;
     ctx.progress.send_modify(|p| p.handoff = done.clone());
 
     // Tell the source (best effort; the sync already succeeded).
     let _ = peer
-        .report_result(pb::ReportResultRequest { session_id: offer.session_id, ok: true, error: String::new() })
+        .report_result(pb::ReportResultRequest {
+            session_id: offer.session_id,
+            ok: true,
+            error: String::new(),
+        })
         .await;
     Ok(())
 }

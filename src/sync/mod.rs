@@ -60,8 +60,17 @@ pub struct SyncManager {
 const MAX_ADDR_LEN: usize = 256;
 
 impl SyncManager {
-    pub fn new(config: Config, metrics: Arc<Metrics>, shutdown: CancellationToken) -> Arc<SyncManager> {
-        Arc::new(SyncManager { config, metrics, jobs: Mutex::default(), shutdown })
+    pub fn new(
+        config: Config,
+        metrics: Arc<Metrics>,
+        shutdown: CancellationToken,
+    ) -> Arc<SyncManager> {
+        Arc::new(SyncManager {
+            config,
+            metrics,
+            jobs: Mutex::default(),
+            shutdown,
+        })
     }
 
     /// Starts pulling from `source` (a gRPC `host:port`), or returns the
@@ -72,7 +81,11 @@ impl SyncManager {
         preference: pb::TransportPreference,
     ) -> Result<(String, bool), SyncError> {
         let source = source.trim();
-        if source.is_empty() || source.len() > MAX_ADDR_LEN || source.contains(['/', ' ']) || !source.contains(':') {
+        if source.is_empty()
+            || source.len() > MAX_ADDR_LEN
+            || source.contains(['/', ' '])
+            || !source.contains(':')
+        {
             return Err(SyncError::InvalidArgument(format!(
                 "source must be the source agent's gRPC address host:port, got {source:?}"
             )));
@@ -98,7 +111,14 @@ impl SyncManager {
         };
         let (tx, rx) = watch::channel(initial);
         let cancel = self.shutdown.child_token();
-        jobs.running.insert(id.clone(), Running { source: source.to_string(), progress: rx, cancel: cancel.clone() });
+        jobs.running.insert(
+            id.clone(),
+            Running {
+                source: source.to_string(),
+                progress: rx,
+                cancel: cancel.clone(),
+            },
+        );
         drop(jobs);
 
         let ctx = job::JobContext {
@@ -156,12 +176,21 @@ impl SyncManager {
     /// Progress of every running sync.
     pub fn running(&self) -> Vec<pb::SyncProgress> {
         let jobs = self.jobs.lock().expect("jobs lock");
-        jobs.running.values().map(|r| r.progress.borrow().clone()).collect()
+        jobs.running
+            .values()
+            .map(|r| r.progress.borrow().clone())
+            .collect()
     }
 
     /// Finished syncs, newest first.
     pub fn recent(&self) -> Vec<pb::SyncProgress> {
-        self.jobs.lock().expect("jobs lock").recent.iter().cloned().collect()
+        self.jobs
+            .lock()
+            .expect("jobs lock")
+            .recent
+            .iter()
+            .cloned()
+            .collect()
     }
 
     /// Cancels every running sync (shutdown).

@@ -17,7 +17,6 @@ use rand::RngCore;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, info_span, warn};
 
-
 use crate::blk3::token::SESSION_TOKEN_LEN;
 use crate::cache::CacheRef;
 use crate::catalog::CatalogEntry;
@@ -46,7 +45,10 @@ impl SessionTable {
     pub fn insert(&self, offer: Offer) -> [u8; SESSION_TOKEN_LEN] {
         let mut token = [0u8; SESSION_TOKEN_LEN];
         rand::rng().fill_bytes(&mut token);
-        self.offers.lock().expect("sessions lock").insert(token, offer);
+        self.offers
+            .lock()
+            .expect("sessions lock")
+            .insert(token, offer);
         token
     }
 
@@ -91,7 +93,11 @@ pub struct DataPlane {
 }
 
 /// Accepts data connections until `shutdown`; each runs on its own thread.
-pub async fn serve_tcp(listener: tokio::net::TcpListener, plane: DataPlane, shutdown: CancellationToken) {
+pub async fn serve_tcp(
+    listener: tokio::net::TcpListener,
+    plane: DataPlane,
+    shutdown: CancellationToken,
+) {
     let expiry = tokio::spawn({
         let (sessions, stop) = (plane.sessions.clone(), shutdown.clone());
         async move {
@@ -164,13 +170,23 @@ fn serve_connection(mut link: Link, peer: std::net::SocketAddr, plane: &DataPlan
     let started = Instant::now();
     let progress = AtomicU64::new(0);
     info!(%peer, bytes = offer.snapshot.len(), seq = offer.entry.info.seq, "serving snapshot over tcp");
-    let result = tcp::run_source(&mut link, &offer.snapshot, offer.entry.info.seq, &plane.faults, &progress);
+    let result = tcp::run_source(
+        &mut link,
+        &offer.snapshot,
+        offer.entry.info.seq,
+        &plane.faults,
+        &progress,
+    );
     let sent = progress.load(Ordering::Relaxed);
-    m.fullsync_bytes.with_label_values(&["source", transport]).inc_by(sent);
+    m.fullsync_bytes
+        .with_label_values(&["source", transport])
+        .inc_by(sent);
     let label = match &result {
         Ok(Ok(_)) => {
             info!(bytes = sent, elapsed = ?started.elapsed(), "session served");
-            m.last_success.with_label_values(&["source"]).set(unix_now());
+            m.last_success
+                .with_label_values(&["source"])
+                .set(unix_now());
             "ok"
         }
         Ok(Err(e)) if e.is_checksum_report() => {
@@ -187,8 +203,12 @@ fn serve_connection(mut link: Link, peer: std::net::SocketAddr, plane: &DataPlan
             "failed"
         }
     };
-    m.fullsync_total.with_label_values(&["source", transport, label]).inc();
-    m.fullsync_duration.with_label_values(&["source", transport]).observe(started.elapsed().as_secs_f64());
+    m.fullsync_total
+        .with_label_values(&["source", transport, label])
+        .inc();
+    m.fullsync_duration
+        .with_label_values(&["source", transport])
+        .observe(started.elapsed().as_secs_f64());
     m.fullsync_in_progress.with_label_values(&["source"]).dec();
     plane.sessions.serving.fetch_sub(1, Ordering::Relaxed);
 }

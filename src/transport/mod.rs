@@ -7,6 +7,7 @@
 
 pub mod probe;
 pub mod tcp;
+pub mod zerocopy;
 
 use std::time::Duration;
 
@@ -87,8 +88,12 @@ impl Faults {
     pub fn parse(spec: &str) -> Result<Faults, String> {
         let mut f = Faults::default();
         for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-            let (k, v) = part.split_once('=').ok_or_else(|| format!("fault {part:?} is not key=value"))?;
-            let n: u64 = v.parse().map_err(|_| format!("fault {k}: {v:?} is not a byte offset"))?;
+            let (k, v) = part
+                .split_once('=')
+                .ok_or_else(|| format!("fault {part:?} is not key=value"))?;
+            let n: u64 = v
+                .parse()
+                .map_err(|_| format!("fault {k}: {v:?} is not a byte offset"))?;
             match k {
                 "corrupt_at" => f.corrupt_at = Some(n),
                 "stall_after" => f.stall_after = Some(n),
@@ -112,7 +117,10 @@ mod tests {
     fn fault_specs_parse() {
         assert_eq!(Faults::parse("").unwrap(), Faults::default());
         let f = Faults::parse("corrupt_at=5, cut_after=10").unwrap();
-        assert_eq!((f.corrupt_at, f.cut_after, f.stall_after), (Some(5), Some(10), None));
+        assert_eq!(
+            (f.corrupt_at, f.cut_after, f.stall_after),
+            (Some(5), Some(10), None)
+        );
         assert!(Faults::parse("explode=1").is_err());
         assert!(Faults::parse("cut_after=x").is_err());
     }

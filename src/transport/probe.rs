@@ -47,7 +47,12 @@ pub fn is_soft(name: &str) -> bool {
 /// Probes the host.
 pub fn probe() -> Probe {
     match list_devices() {
-        Err(reason) => Probe { rdma_available: false, reason, devices: Vec::new(), device: None },
+        Err(reason) => Probe {
+            rdma_available: false,
+            reason,
+            devices: Vec::new(),
+            device: None,
+        },
         Ok(devices) => decide(devices),
     }
 }
@@ -62,11 +67,18 @@ fn decide(devices: Vec<DeviceInfo>) -> Probe {
             device: None,
         };
     }
-    let chosen = devices.iter().find(|d| d.ports.iter().any(|p| p.active)).cloned();
+    let chosen = devices
+        .iter()
+        .find(|d| d.ports.iter().any(|p| p.active))
+        .cloned();
     match chosen {
         Some(d) => {
             let port = d.ports.iter().find(|p| p.active).expect("active port");
-            let soft = if d.soft { " (soft device: runtime caps chunk ≤ 32 MiB, pipeline ≤ 64, signal ≤ 64)" } else { "" };
+            let soft = if d.soft {
+                " (soft device: runtime caps chunk ≤ 32 MiB, pipeline ≤ 64, signal ≤ 64)"
+            } else {
+                ""
+            };
             Probe {
                 rdma_available: true,
                 reason: format!("{} port {} is ACTIVE{soft}", d.name, port.port),
@@ -109,7 +121,9 @@ fn list_devices() -> Result<Vec<DeviceInfo>, String> {
         let mut devices = Vec::new();
         for i in 0..n.max(0) as usize {
             let dev = *list.add(i);
-            let name = CStr::from_ptr(ibv_get_device_name(dev)).to_string_lossy().into_owned();
+            let name = CStr::from_ptr(ibv_get_device_name(dev))
+                .to_string_lossy()
+                .into_owned();
             let mut ports = Vec::new();
             let ctx = ibv_open_device(dev);
             if !ctx.is_null() {
@@ -135,7 +149,11 @@ fn list_devices() -> Result<Vec<DeviceInfo>, String> {
                 }
                 ibv_close_device(ctx);
             }
-            devices.push(DeviceInfo { soft: is_soft(&name), name, ports });
+            devices.push(DeviceInfo {
+                soft: is_soft(&name),
+                name,
+                ports,
+            });
         }
         ibv_free_device_list(list);
         Ok(devices)

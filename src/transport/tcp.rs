@@ -3,8 +3,8 @@
 //! Owns the blocking socket drivers for both roles. Tokens travel as frames
 //! (`u32` length + token); the replica's first frame is `SESS` with the
 //! one-time session token; the bulk phase is the raw snapshot bytes right
-//! after the source accepts MRINFO. The source writes straight from the
-//! shared in-memory snapshot (no file read, no extra copy in user space); the
+//! after the source accepts MRINFO. The source sends straight from the
+//! shared in-memory snapshot, with `MSG_ZEROCOPY` for large snapshots; the
 //! replica streams into its staging file while the checksum runs over the
 //! same bytes, never holding the whole snapshot in memory. Each session runs
 //! on its own blocking thread; cancelling shuts the socket down, which
@@ -16,15 +16,21 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::zerocopy::ZeroCopySender;
 use super::{drive, Executor, Faults};
-use crate::blk3::token::{SESSION_TOKEN_LEN, FRAME_HEADER_LEN, MAX_TOKEN_LEN};
-use crate::blk3::{size_scaled_timeout, Blk3Error, BulkMode, Command, Input, Outcome, Replica, Source, Token, TokenError};
+use crate::blk3::token::{FRAME_HEADER_LEN, MAX_TOKEN_LEN, SESSION_TOKEN_LEN};
+use crate::blk3::{
+    size_scaled_timeout, Blk3Error, BulkMode, Command, Input, Outcome, Replica, Source, Token,
+    TokenError,
+};
 use crate::buf::AlignedBuf;
 use crate::cache::{CacheError, CacheRef};
 use crate::install::{InstallError, Staging};
 
 /// Bytes per socket write/read in the bulk phase.
 const BULK_CHUNK: usize = 4 << 20;
+/// Snapshots at least this large are sent with `MSG_ZEROCOPY`.
+const ZEROCOPY_MIN: u64 = 64 << 20;
 /// How long a new connection may take to prove its session.
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -33,7 +39,10 @@ pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 pub enum TcpError {
     /// A socket call failed.
     #[error("{op}: {source}")]
-    Io { op: &'static str, source: std::io::Error },
+    Io {
+        op: &'static str,
+        source: std::io::Error,
+    },
     /// The peer closed the connection.
     #[error("peer closed the connection while {0}")]
     Closed(&'static str),
@@ -91,7 +100,10 @@ impl Link {
     }
 
     pub fn cancel_handle(&self) -> CancelHandle {
-        CancelHandle { stream: self.canceller.clone(), flag: self.cancelled.clone() }
+        CancelHandle {
+            stream: self.canceller.clone(),
+            flag: self.cancelled.clone(),
+        }
     }
 
     fn now(&self) -> Duration {
@@ -109,7 +121,9 @@ impl Link {
     /// Sends one token frame.
     pub fn send(&mut self, t: &Token) -> Result<(), TcpError> {
         let frame = t.encode_frame();
-        self.stream.write_all(&frame).map_err(|e| self.err("send token", e))
+        self.stream
+            .write_all(&frame)
+            .map_err(|e| self.err("send token", e))
     }
 
     /// Reads one token frame; `Ok(None)` when `deadline` (session time)
@@ -127,7 +141,9 @@ impl Link {
                 },
                 None => None,
             };
-            self.stream.set_read_timeout(timeout).map_err(|e| self.err("set timeout", e))?;
+            self.stream
+                .set_read_timeout(timeout)
+                .map_err(|e| self.err("set timeout", e))?;
             let mut chunk = [0u8; FRAME_HEADER_LEN + MAX_TOKEN_LEN];
             match self.stream.read(&mut chunk) {
                 Ok(0) => {
@@ -138,7 +154,11 @@ impl Link {
                     })
                 }
                 Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
-                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(self.err("read token", e)),
             }
@@ -186,13 +206,17 @@ pub fn read_hello(link: &mut Link) -> Result<[u8; SESSION_TOKEN_LEN], TcpError> 
     match link.read_token(Some(HELLO_TIMEOUT))? {
         Some(Token::Sess { token }) => Ok(token),
         Some(other) => Err(TcpError::NoHello(other.kind().to_string())),
-        None => Err(TcpError::NoHello(format!("nothing within {HELLO_TIMEOUT:?}"))),
+        None => Err(TcpError::NoHello(format!(
+            "nothing within {HELLO_TIMEOUT:?}"
+        ))),
     }
 }
 
 /// Refuses a connection with a reason the replica will show.
 pub fn refuse(link: &mut Link, reason: &str) {
-    let _ = link.send(&Token::Rdfl { reason: reason.to_string() });
+    let _ = link.send(&Token::Rdfl {
+        reason: reason.to_string(),
+    });
     let _ = link.stream.shutdown(Shutdown::Both);
 }
 
@@ -234,20 +258,34 @@ impl Executor for SourceIo<'_> {
 }
 
 impl SourceIo<'_> {
-    /// Sends each range as soon as the cache has loaded it; reports the end
-    /// only once the whole image has verified.
+    /// Sends each range as soon as the cache has loaded it (zero-copy for
+    /// large snapshots); reports the end only once the whole image has
+    /// verified and the kernel released every page.
     fn stream_bulk(&mut self, len: u64) -> Result<(), TcpError> {
         let snapshot = self.snapshot;
+        let timeout = size_scaled_timeout(len);
         self.link
             .stream
-            .set_write_timeout(Some(size_scaled_timeout(len)))
+            .set_write_timeout(Some(timeout))
             .map_err(|e| self.link.err("set timeout", e))?;
+        let stream = self
+            .link
+            .stream
+            .try_clone()
+            .map_err(|e| self.link.err("clone socket", e))?;
+        // Only images above glibc's largest mmap threshold are sure to be
+        // unmapped (never reused) when freed, so pages the kernel might
+        // still hold after an aborted session can never carry other data.
+        let mut zc = (len >= ZEROCOPY_MIN).then(|| ZeroCopySender::new(&stream));
         let mut sent = 0usize;
         while sent < len as usize {
             let loaded = snapshot.wait_loaded((sent + BULK_CHUNK).min(len as usize))?;
             let chunk = &loaded[sent..];
             let (start, end) = (sent as u64, (sent + chunk.len()) as u64);
-            let stop = [self.faults.stall_after, self.faults.cut_after].into_iter().flatten().min();
+            let stop = [self.faults.stall_after, self.faults.cut_after]
+                .into_iter()
+                .flatten()
+                .min();
             let piece = match stop {
                 Some(at) if at < end => &chunk[..at.saturating_sub(start) as usize],
                 _ => chunk,
@@ -258,7 +296,12 @@ impl SourceIo<'_> {
                     copy[(at - start) as usize] ^= 0x01;
                     self.write_all(&copy)?;
                 }
-                _ => self.write_all(piece)?,
+                _ => match zc.as_mut() {
+                    Some(zc) => zc
+                        .send_all(piece)
+                        .map_err(|e| self.link.err("send snapshot", e))?,
+                    None => self.write_all(piece)?,
+                },
             }
             sent += piece.len();
             self.progress.store(sent as u64, Ordering::Relaxed);
@@ -266,12 +309,24 @@ impl SourceIo<'_> {
                 return self.injected_stop(sent as u64);
             }
         }
+        if let Some(zc) = zc.as_mut() {
+            zc.finish(timeout)
+                .map_err(|e| self.link.err("wait for zero-copy completions", e))?;
+            tracing::debug!(
+                zero_copy = zc.enabled(),
+                kernel_copied = zc.copied,
+                "bulk sent"
+            );
+        }
         snapshot.wait_complete()?;
         Ok(())
     }
 
     fn write_all(&mut self, bytes: &[u8]) -> Result<(), TcpError> {
-        self.link.stream.write_all(bytes).map_err(|e| self.link.err("send snapshot", e))
+        self.link
+            .stream
+            .write_all(bytes)
+            .map_err(|e| self.link.err("send snapshot", e))
     }
 
     /// Applies `stall_after` / `cut_after` once `sent` bytes are out.
@@ -282,7 +337,10 @@ impl SourceIo<'_> {
             return Err(TcpError::Closed("fault injection cut the connection"));
         }
         tracing::warn!(sent, "fault injection: stalling until the peer leaves");
-        self.link.stream.set_read_timeout(None).map_err(|e| self.link.err("set timeout", e))?;
+        self.link
+            .stream
+            .set_read_timeout(None)
+            .map_err(|e| self.link.err("set timeout", e))?;
         let mut sink = [0u8; 64];
         while matches!(self.link.stream.read(&mut sink), Ok(n) if n > 0) {}
         Err(TcpError::Closed("stalled by fault injection"))
@@ -300,7 +358,12 @@ pub fn run_source(
 ) -> Result<Result<Outcome, Blk3Error>, TcpError> {
     let mut machine = Source::new(snapshot.len() as u64, seq, BulkMode::Stream);
     machine.start(link.now());
-    let mut io = SourceIo { link, snapshot, faults, progress };
+    let mut io = SourceIo {
+        link,
+        snapshot,
+        faults,
+        progress,
+    };
     drive(&mut machine, &mut io)
 }
 
@@ -333,7 +396,8 @@ impl Executor for ReplicaIo<'_> {
                 Ok(Some(Input::ReceiveReady { addr: 0, rkey: 0 }))
             }
             Command::ReceiveBulk { len } => {
-                let (staging, failure, progress) = (&mut *self.staging, &mut self.failure, self.progress);
+                let (staging, failure, progress) =
+                    (&mut *self.staging, &mut self.failure, self.progress);
                 let mut received = 0u64;
                 self.link.read_bulk(len, |bytes| {
                     received += bytes.len() as u64;
@@ -396,7 +460,20 @@ pub fn run_replica(
 ) -> ReplicaRun {
     let mut machine = Replica::new(offered_len, BulkMode::Stream);
     machine.start(link.now());
-    let mut io = ReplicaIo { link, staging, progress, failure: None, info: None };
-    let result = io.link.send(&Token::Sess { token }).and_then(|_| drive(&mut machine, &mut io));
-    ReplicaRun { result, info: io.info, failure: io.failure }
+    let mut io = ReplicaIo {
+        link,
+        staging,
+        progress,
+        failure: None,
+        info: None,
+    };
+    let result = io
+        .link
+        .send(&Token::Sess { token })
+        .and_then(|_| drive(&mut machine, &mut io));
+    ReplicaRun {
+        result,
+        info: io.info,
+        failure: io.failure,
+    }
 }

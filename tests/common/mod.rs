@@ -79,7 +79,11 @@ impl AgentProcess {
             .stderr(std::fs::File::create(&stderr_log).expect("log file"))
             .spawn()
             .expect("spawn kvsync agent");
-        let mut agent = AgentProcess { child, ready: Vec::new(), stderr_log };
+        let mut agent = AgentProcess {
+            child,
+            ready: Vec::new(),
+            stderr_log,
+        };
         let stdout = agent.child.stdout.take().expect("stdout");
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {
@@ -133,18 +137,26 @@ impl Drop for AgentProcess {
 fn rand_u32() -> u32 {
     use std::sync::atomic::{AtomicU32, Ordering};
     static N: AtomicU32 = AtomicU32::new(0);
-    N.fetch_add(1, Ordering::Relaxed).wrapping_mul(2_654_435_761)
+    N.fetch_add(1, Ordering::Relaxed)
+        .wrapping_mul(2_654_435_761)
 }
 
 /// A plain HTTP/1.1 GET; returns the body. Panics on a non-200 answer.
 pub fn http_get(addr: &str, path: &str) -> String {
     let mut s = TcpStream::connect(addr).expect("connect metrics");
     s.set_read_timeout(Some(DEADLINE)).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
     let mut resp = String::new();
     s.read_to_string(&mut resp).unwrap();
     let (head, body) = resp.split_once("\r\n\r\n").expect("http response");
-    assert!(head.starts_with("HTTP/1.1 200"), "unexpected response: {head}");
+    assert!(
+        head.starts_with("HTTP/1.1 200"),
+        "unexpected response: {head}"
+    );
     body.to_string()
 }
 
@@ -160,7 +172,15 @@ pub fn metric_value(scrape: &str, name_and_labels: &str) -> Option<f64> {
 /// Writes a generated KVR1 snapshot with the CLI.
 pub fn gen_snapshot(out: &Path, size: u64, seq: u64) {
     let status = Command::new(kvsync_bin())
-        .args(["gen-snapshot", "--format", "kvr1", "--size", &size.to_string(), "--seq", &seq.to_string()])
+        .args([
+            "gen-snapshot",
+            "--format",
+            "kvr1",
+            "--size",
+            &size.to_string(),
+            "--seq",
+            &seq.to_string(),
+        ])
         .arg(out)
         .stdout(Stdio::null())
         .status()
@@ -200,14 +220,22 @@ pub fn run_in_vm(cmd: &[&str], env: &[(&str, &str)], timeout_s: u32) -> Option<V
     for (name, value) in env {
         c.arg("--env").arg(name).env(name, value);
     }
-    let out = c.arg("--").args(cmd).stdin(Stdio::null()).output().expect("run rxe-vm.sh");
+    let out = c
+        .arg("--")
+        .args(cmd)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run rxe-vm.sh");
     let run = VmRun {
         code: out.status.code().unwrap_or(-1),
         stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
         stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
     };
     if run.code == 3 {
-        return skip(format!("the harness cannot run here: {}", run.stderr.trim()));
+        return skip(format!(
+            "the harness cannot run here: {}",
+            run.stderr.trim()
+        ));
     }
     Some(run)
 }
