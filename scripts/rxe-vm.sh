@@ -8,7 +8,8 @@
 # The VM boots Debian's stock kernel (downloaded once with `apt-get download`
 # and unpacked, never installed) from a tiny busybox initramfs, mounts the
 # host's root read-only over 9p and chroots into it, so every host binary and
-# library is available unchanged; /tmp inside is a fresh tmpfs. eth0 gets
+# library is available unchanged; /tmp inside is a fresh tmpfs (but the
+# top directory of the working directory stays visible when it is in /tmp). eth0 gets
 # 10.0.2.15/24 and `rdma link add rxe0 type rxe netdev eth0` brings up rxe0.
 # COMMAND runs in the current working directory with the named environment
 # variables passed through; its output is printed here and its exit status is
@@ -76,7 +77,12 @@ for m in $(cat /modules.order); do /bin/busybox insmod "$m" 2>/dev/null; done
 fail() { echo "rxe-vm guest: $*" > /dev/ttyS1; echo "KVSYNC_VM_EXIT=125" > /dev/ttyS1; /bin/busybox poweroff -f; }
 /bin/busybox mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=262144 host /host || fail "cannot mount the host root"
 for d in proc sys dev; do /bin/busybox mount --bind /$d /host/$d; done
+# /tmp is a fresh tmpfs, except that the directory the command runs in, when
+# it lives under the host's /tmp, stays visible (bound from the host).
+bind=$(/bin/busybox sed -n 's/.*kvsync_bind=\([^ ]*\).*/\1/p' /proc/cmdline)
+if [ -n "$bind" ]; then /bin/busybox mkdir -p /orig; /bin/busybox mount --bind "/host$bind" /orig; fi
 /bin/busybox mount -t tmpfs tmpfs /host/tmp
+if [ -n "$bind" ]; then /bin/busybox mkdir -p "/host$bind"; /bin/busybox mount --bind /orig "/host$bind"; fi
 /bin/busybox mount -t tmpfs tmpfs /host/run
 /bin/busybox mount -t tmpfs tmpfs /host/var/tmp
 /bin/busybox ip link set lo up
@@ -134,6 +140,12 @@ trap cleanup EXIT
 } > "$jobdir/job.sh"
 chmod 0755 "$jobdir" "$jobdir/job.sh"
 
+# Keep the working directory visible when it is under /tmp (tmpfs inside).
+bind=""
+case "$PWD" in
+    /tmp/*) top=${PWD#/tmp/}; top=/tmp/${top%%/*}; case "$top" in *" "*) ;; *) bind=$top ;; esac ;;
+esac
+
 accel=${KVSYNC_VM_ACCEL:-tcg}
 case "$accel" in
     kvm) accel_args=(-accel kvm -cpu host) ;;
@@ -143,7 +155,7 @@ esac
 timeout --kill-after=5 "$timeout_s" qemu-system-x86_64 \
     "${accel_args[@]}" -smp 2 -m "${KVSYNC_VM_MEM:-2G}" \
     -kernel "$kroot/boot/vmlinuz-$kver" -initrd "$initrd" \
-    -append "console=ttyS0 quiet panic=-1 kvsync_job=$jobdir/job.sh" \
+    -append "console=ttyS0 quiet panic=-1 kvsync_job=$jobdir/job.sh${bind:+ kvsync_bind=$bind}" \
     -nographic -no-reboot -nodefaults \
     -serial "file:$jobdir/console" -serial "file:$jobdir/out" \
     -netdev user,id=n0 -device virtio-net-pci,netdev=n0 \

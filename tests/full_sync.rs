@@ -806,3 +806,63 @@ fn cli_sync_wait_json_summary() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unreachable"));
 }
+
+/// Every metric name in `expr`-like text (`kvsync_` identifiers).
+fn metric_names(text: &str) -> std::collections::BTreeSet<String> {
+    let mut names = std::collections::BTreeSet::new();
+    let mut rest = text;
+    while let Some(i) = rest.find("kvsync_") {
+        let tail = &rest[i..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(tail.len());
+        names.insert(tail[..end].to_string());
+        rest = &tail[end..];
+    }
+    names
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dashboard_queries_only_existing_metrics() {
+    let root = tempfile::tempdir().unwrap();
+    let source = Node::start(root.path(), "source", "", &[]);
+    let replica = Node::start(root.path(), "replica", "", &[]);
+    put_snapshot(&source.dir, "s.kvr1", 100_000, 5);
+    std::fs::write(source.dir.join("broken.kvr1"), b"KVR1 but nothing else").unwrap();
+    source.offered(5).await;
+    sync_ok(&replica, &source).await;
+    wait_for("rejection counted", DEADLINE, || {
+        (source.metric("kvsync_snapshots_rejected_total{reason=\"not_a_snapshot\"}") > 0.0)
+            .then_some(())
+    });
+    let exported: std::collections::BTreeSet<String> =
+        [source.proc.metrics(), replica.proc.metrics()]
+            .iter()
+            .flat_map(|scrape| {
+                scrape
+                    .lines()
+                    .filter(|l| !l.starts_with('#'))
+                    .filter_map(|l| l.split(['{', ' ']).next().map(str::to_string))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+    let dashboard: serde_json::Value =
+        serde_json::from_str(include_str!("../grafana/kvsync-dashboard.json"))
+            .expect("dashboard is JSON");
+    let mut used = std::collections::BTreeSet::new();
+    for panel in dashboard["panels"].as_array().expect("panels") {
+        for target in panel["targets"].as_array().expect("targets") {
+            used.extend(metric_names(target["expr"].as_str().expect("expr")));
+        }
+    }
+    used.extend(metric_names(&dashboard["templating"].to_string()));
+    assert!(
+        used.len() >= 12,
+        "the dashboard covers the agent's metrics: {used:?}"
+    );
+    let missing: Vec<&String> = used.iter().filter(|n| !exported.contains(*n)).collect();
+    assert!(
+        missing.is_empty(),
+        "dashboard queries metrics no agent exports: {missing:?}"
+    );
+}
