@@ -59,6 +59,8 @@ pub struct Shared {
     pub sessions: Arc<SessionTable>,
     /// Where the TCP data listener is bound.
     pub data_tcp_addr: SocketAddr,
+    /// What the RDMA probe found at start.
+    pub rdma: crate::transport::probe::Probe,
 }
 
 /// A started agent: its bound addresses and a handle to stop it.
@@ -116,6 +118,8 @@ impl RunningAgent {
             metrics.clone(),
         );
         let sessions = Arc::new(SessionTable::default());
+        let rdma = crate::transport::probe::probe();
+        info!(rdma = %rdma.reason, "rdma probe");
         let shared = Arc::new(Shared {
             config,
             metrics,
@@ -123,6 +127,7 @@ impl RunningAgent {
             cache,
             sessions,
             data_tcp_addr,
+            rdma,
         });
         let shutdown = CancellationToken::new();
         let mut tasks = JoinSet::new();

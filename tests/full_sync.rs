@@ -866,3 +866,52 @@ async fn dashboard_queries_only_existing_metrics() {
         "dashboard queries metrics no agent exports: {missing:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replica_killed_mid_transfer_frees_source_and_restart_sweeps_temp() {
+    let root = tempfile::tempdir().unwrap();
+    let source = Node::start(
+        root.path(),
+        "source",
+        "",
+        &[("KVSYNC_FAULTS", "stall_after=1048576")],
+    );
+    put_snapshot(&source.dir, "s.kvr1", 8 << 20, 60);
+    source.offered(60).await;
+    let mut replica = Node::start(root.path(), "replica", "", &[]);
+    let id = start_sync(&replica, &source).await;
+    wait_bytes(&replica, &id, 1 << 20).await;
+    assert_eq!(
+        replica.temp_files().len(),
+        1,
+        "the staging file exists mid-transfer"
+    );
+
+    replica.proc.child.kill().unwrap();
+    replica.proc.child.wait().unwrap();
+    wait_for(
+        "source to free the session and its cache reference",
+        DEADLINE,
+        || {
+            (source.metric("kvsync_snapshot_cache_refs") == 0.0
+                && source.metric("kvsync_snapshot_cache_entries") == 0.0)
+                .then_some(())
+        },
+    );
+    assert_eq!(
+        source.metric("kvsync_fullsync_in_progress{role=\"source\"}"),
+        0.0
+    );
+    assert_eq!(
+        replica.temp_files().len(),
+        1,
+        "a killed agent cannot clean up"
+    );
+
+    let restarted = Node::start(root.path(), "replica", "", &[]);
+    assert!(
+        restarted.temp_files().is_empty(),
+        "stale temp files are removed at start"
+    );
+    assert!(restarted.proc.log().contains("removed stale temp files"));
+}

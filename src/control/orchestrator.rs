@@ -109,7 +109,10 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             serving_sessions: s.sessions.serving() as u32,
             transports: vec!["tcp".into()],
             rdma_available: false,
-            rdma_detail: "RDMA transport not built into this agent yet".into(),
+            rdma_detail: format!(
+                "{}; this build moves snapshots over TCP only (the RDMA data path is not built yet)",
+                s.rdma.reason
+            ),
             data_tcp_endpoint: s.data_tcp_addr.to_string(),
         }))
     }
