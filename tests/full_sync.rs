@@ -96,6 +96,19 @@ fn put_snapshot(dir: &Path, name: &str, size: u64, seq: u64) -> Vec<u8> {
     std::fs::read(&path).unwrap()
 }
 
+/// A source agent (started with `env`) offering a generated `s.kvr1`.
+async fn offering_source(
+    root: &Path,
+    size: u64,
+    seq: u64,
+    env: &[(&str, &str)],
+) -> (Node, Vec<u8>) {
+    let source = Node::start(root, "source", "", env);
+    let bytes = put_snapshot(&source.dir, "s.kvr1", size, seq);
+    source.offered(seq).await;
+    (source, bytes)
+}
+
 async fn start_sync(replica: &Node, source: &Node) -> String {
     let mut c = replica.client().await;
     let r = c
@@ -238,9 +251,7 @@ async fn syncs_small_odd_and_64mib_snapshots_byte_identical() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_replicas_share_one_cache_load() {
     let root = tempfile::tempdir().unwrap();
-    let source = Node::start(root.path(), "source", "", &[]);
-    let bytes = put_snapshot(&source.dir, "s.kvr1", 16 << 20, 7);
-    source.offered(7).await;
+    let (source, bytes) = offering_source(root.path(), 16 << 20, 7, &[]).await;
     // An offer held open keeps the snapshot loaded, so the four pulls are
     // guaranteed to overlap it whatever the scheduling.
     let mut peer = PeerClient::connect(format!("http://{}", source.grpc()))
@@ -280,9 +291,7 @@ async fn four_replicas_share_one_cache_load() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn command_and_exec_handoffs() {
     let root = tempfile::tempdir().unwrap();
-    let source = Node::start(root.path(), "source", "", &[]);
-    put_snapshot(&source.dir, "s.kvr1", 100_000, 55);
-    source.offered(55).await;
+    let (source, _) = offering_source(root.path(), 100_000, 55, &[]).await;
 
     // `command`: a small KV admin listener that answers +OK.
     let kv = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -335,9 +344,7 @@ async fn command_and_exec_handoffs() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handoff_failure_keeps_the_installed_snapshot() {
     let root = tempfile::tempdir().unwrap();
-    let source = Node::start(root.path(), "source", "", &[]);
-    let bytes = put_snapshot(&source.dir, "s.kvr1", 50_000, 9);
-    source.offered(9).await;
+    let (source, bytes) = offering_source(root.path(), 50_000, 9, &[]).await;
     let kv = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let kv_addr = kv.local_addr().unwrap();
     tokio::spawn(async move {
@@ -522,9 +529,7 @@ async fn wrong_used_or_expired_session_tokens_are_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unwritable_snapshot_dir_is_refused_before_transfer() {
     let root = tempfile::tempdir().unwrap();
-    let source = Node::start(root.path(), "source", "", &[]);
-    put_snapshot(&source.dir, "s.kvr1", 10_000, 3);
-    source.offered(3).await;
+    let (source, _) = offering_source(root.path(), 10_000, 3, &[]).await;
     let replica = Node::start(root.path(), "replica", "", &[]);
     // The directory is replaced by a file: nothing can be created in it.
     std::fs::remove_dir_all(&replica.dir).unwrap();
@@ -549,14 +554,13 @@ async fn unwritable_snapshot_dir_is_refused_before_transfer() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn checksum_mismatch_installs_nothing_and_keeps_previous() {
     let root = tempfile::tempdir().unwrap();
-    let source = Node::start(
+    let (source, _) = offering_source(
         root.path(),
-        "source",
-        "",
+        8 << 20,
+        21,
         &[("KVSYNC_FAULTS", "corrupt_at=5000000")],
-    );
-    put_snapshot(&source.dir, "s.kvr1", 8 << 20, 21);
-    source.offered(21).await;
+    )
+    .await;
     let replica = Node::start(root.path(), "replica", "", &[]);
     let previous = put_snapshot(&replica.dir, "s.kvr1", 4096, 20);
     let id = start_sync(&replica, &source).await;
@@ -589,9 +593,7 @@ async fn checksum_mismatch_installs_nothing_and_keeps_previous() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn offered_snapshot_is_delivered_even_if_deleted_or_replaced() {
     let root = tempfile::tempdir().unwrap();
-    let source = Node::start(root.path(), "source", "", &[]);
-    let original = put_snapshot(&source.dir, "s.kvr1", 3 << 20, 30);
-    source.offered(30).await;
+    let (source, original) = offering_source(root.path(), 3 << 20, 30, &[]).await;
     let mut peer = PeerClient::connect(format!("http://{}", source.grpc()))
         .await
         .unwrap();
@@ -635,14 +637,13 @@ async fn offered_snapshot_is_delivered_even_if_deleted_or_replaced() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_mid_transfer_and_repeated_start() {
     let root = tempfile::tempdir().unwrap();
-    let source = Node::start(
+    let (source, _) = offering_source(
         root.path(),
-        "source",
-        "",
+        8 << 20,
+        40,
         &[("KVSYNC_FAULTS", "stall_after=1048576")],
-    );
-    put_snapshot(&source.dir, "s.kvr1", 8 << 20, 40);
-    source.offered(40).await;
+    )
+    .await;
     let replica = Node::start(root.path(), "replica", "", &[]);
     let previous = put_snapshot(&replica.dir, "s.kvr1", 4096, 39);
     let id = start_sync(&replica, &source).await;
@@ -696,14 +697,13 @@ async fn cancel_mid_transfer_and_repeated_start() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn source_disappearing_mid_transfer_fails_cleanly() {
     let root = tempfile::tempdir().unwrap();
-    let mut source = Node::start(
+    let (mut source, _) = offering_source(
         root.path(),
-        "source",
-        "",
+        8 << 20,
+        50,
         &[("KVSYNC_FAULTS", "stall_after=2097152")],
-    );
-    put_snapshot(&source.dir, "s.kvr1", 8 << 20, 50);
-    source.offered(50).await;
+    )
+    .await;
     let replica = Node::start(root.path(), "replica", "", &[]);
     let id = start_sync(&replica, &source).await;
     wait_bytes(&replica, &id, 2 << 20).await;
@@ -870,14 +870,13 @@ async fn dashboard_queries_only_existing_metrics() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replica_killed_mid_transfer_frees_source_and_restart_sweeps_temp() {
     let root = tempfile::tempdir().unwrap();
-    let source = Node::start(
+    let (source, _) = offering_source(
         root.path(),
-        "source",
-        "",
+        8 << 20,
+        60,
         &[("KVSYNC_FAULTS", "stall_after=1048576")],
-    );
-    put_snapshot(&source.dir, "s.kvr1", 8 << 20, 60);
-    source.offered(60).await;
+    )
+    .await;
     let mut replica = Node::start(root.path(), "replica", "", &[]);
     let id = start_sync(&replica, &source).await;
     wait_bytes(&replica, &id, 1 << 20).await;

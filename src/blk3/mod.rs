@@ -214,6 +214,22 @@ impl Core {
         }
     }
 
+    /// Ends the session over an input that does not fit `state`.
+    fn reject(&mut self, state: &'static str, expected: Kind, input: Input) {
+        let err = match input {
+            Input::Received(t) => Blk3Error::Unexpected {
+                state,
+                expected,
+                got: t.kind(),
+            },
+            other => Blk3Error::BadInput {
+                state,
+                input: format!("{other:?}"),
+            },
+        };
+        self.fail(err);
+    }
+
     fn on_timeout(&mut self, now: Duration) {
         if let Some((what, at, after)) = self.deadline {
             if now >= at {

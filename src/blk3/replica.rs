@@ -167,20 +167,9 @@ impl Replica {
                     .finish(Ok(Outcome::Received { len: self.len, seq }));
                 self.state = State::Done;
             }
-            (state, Input::Received(t)) => {
-                let err = Blk3Error::Unexpected {
-                    state: state.name(),
-                    expected: state.expected(),
-                    got: t.kind(),
-                };
-                self.fail(err);
-            }
-            (state, other) => {
-                let err = Blk3Error::BadInput {
-                    state: state.name(),
-                    input: format!("{other:?}"),
-                };
-                self.fail(err);
+            (state, input) => {
+                let (name, expected) = (state.name(), state.expected());
+                self.core.reject(name, expected, input);
             }
         }
     }
