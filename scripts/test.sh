@@ -1,7 +1,16 @@
 #!/usr/bin/env bash
 # Runs kvsync's whole test suite (what CI runs). Installs the system packages
-# it needs first, when missing.
+# it needs first, when missing, and ends with one summary line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/deps.sh
-cargo test --locked --all-targets
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+set +e
+cargo test --locked --all-targets 2>&1 | tee "$log"
+rc=${PIPESTATUS[0]}
+set -e
+# One line for the whole run: the sum over every test binary.
+sed -nE 's/^test result: .* ([0-9]+) passed; ([0-9]+) failed; ([0-9]+) ignored.*/\1 \2 \3/p' "$log" |
+    awk '{p += $1; f += $2; i += $3} END {printf "%d passed, %d failed, %d skipped\n", p, f, i}'
+exit "$rc"

@@ -112,7 +112,8 @@ impl DirWatcher {
                 event = rx.recv() => match event {
                     Some(Ok(event)) => {
                         if self.on_event(event) {
-                            // The directory itself went away or moved.
+                            // The directory went away or moved, or the
+                            // kernel dropped events.
                             watcher = None;
                             next_rescan = Instant::now();
                         }
@@ -156,10 +157,11 @@ impl DirWatcher {
         }
     }
 
-    /// Records activity; returns true when the directory itself was removed.
+    /// Records activity; returns true when the directory must be watched
+    /// and listed afresh (it was removed or renamed, or events were lost).
     fn on_event(&mut self, event: notify::Event) -> bool {
         let now = Instant::now();
-        let mut dir_gone = false;
+        let mut dir_gone = event.need_rescan();
         for path in event.paths {
             if path == self.dir {
                 dir_gone |= event.kind.is_remove()
