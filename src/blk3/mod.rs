@@ -5,7 +5,7 @@
 //! time as a `Duration` since the session began, and emit [`Command`]s: post a
 //! receive, send a token, post a chain of writes, stream the bulk, verify,
 //! done. They never touch sockets, verbs, files or clocks; the drivers in
-//! `transport` execute the commands. This module imports nothing from tokio,
+//! `transport` execute the commands. Nothing here imports the async runtime,
 //! the network or the clock, so tests can drive every ordering and failure.
 
 pub mod plan;
