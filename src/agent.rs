@@ -120,6 +120,14 @@ impl RunningAgent {
         let sessions = Arc::new(SessionTable::default());
         let rdma = crate::transport::probe::probe();
         info!(rdma = %rdma.reason, "rdma probe");
+        metrics.rdma_available.set(rdma.rdma_available as i64);
+        for d in &rdma.devices {
+            let soft = if d.soft { "true" } else { "false" };
+            metrics
+                .rdma_device_info
+                .with_label_values(&[d.name.as_str(), soft])
+                .set(1);
+        }
         let shared = Arc::new(Shared {
             config,
             metrics,

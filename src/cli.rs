@@ -51,6 +51,10 @@ pub enum Command {
     Snapshots(StatusArgs),
     /// Cancel a running sync.
     Cancel(CancelArgs),
+    /// Check a configuration file and print every problem in it.
+    ///
+    /// Exit status 0 when the file is valid, 1 otherwise.
+    CheckConfig(CheckConfigArgs),
     /// Show whether this host can use RDMA and what `auto` would choose.
     ///
     /// Lists verbs devices, their port states and whether they are soft
@@ -104,6 +108,12 @@ pub struct CancelArgs {
     pub agent: String,
     /// The sync id `kvsync sync` printed.
     pub sync_id: String,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct CheckConfigArgs {
+    /// Configuration file (TOML).
+    pub file: PathBuf,
 }
 
 #[derive(Debug, clap::Args)]
@@ -194,6 +204,7 @@ pub fn main() -> ExitCode {
         Command::Snapshots(args) => runtime().and_then(|rt| rt.block_on(client::snapshots(args))),
         Command::Cancel(args) => runtime().and_then(|rt| rt.block_on(client::cancel(args))),
         Command::Probe(args) => probe(args),
+        Command::CheckConfig(args) => check_config(args),
         Command::Demo(args) => runtime().and_then(|rt| rt.block_on(client::demo(args))),
     };
     match result {
@@ -302,6 +313,20 @@ fn gen_snapshot(args: GenArgs) -> anyhow::Result<ExitCode> {
         spec.size,
         spec.seq
     );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn check_config(args: CheckConfigArgs) -> anyhow::Result<ExitCode> {
+    let agent = AgentArgs {
+        config: Some(args.file.clone()),
+        node_id: None,
+        snapshot_dir: None,
+        metrics_listen: None,
+        grpc_listen: None,
+        data_listen: None,
+    };
+    load_config(&agent)?;
+    println!("{}: ok", args.file.display());
     Ok(ExitCode::SUCCESS)
 }
 

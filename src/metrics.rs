@@ -42,6 +42,8 @@ pub struct Metrics {
     pub last_success: GaugeVec,
     pub build_info: IntGaugeVec,
     pub up_since: Gauge,
+    pub rdma_available: IntGauge,
+    pub rdma_device_info: IntGaugeVec,
 }
 
 impl Metrics {
@@ -150,6 +152,17 @@ impl Metrics {
             up_since: reg!(Gauge::new(
                 "kvsync_start_time_seconds",
                 "Unix time the agent started"
+            )),
+            rdma_available: reg!(IntGauge::new(
+                "kvsync_rdma_available",
+                "1 when the RDMA probe found a device with an ACTIVE port"
+            )),
+            rdma_device_info: reg!(IntGaugeVec::new(
+                Opts::new(
+                    "kvsync_rdma_device_info",
+                    "RDMA devices found by the probe (value is always 1)"
+                ),
+                &["device", "soft"]
             )),
             registry,
         };

@@ -526,6 +526,7 @@ fn agent_serves_metrics_with_catalog_gauges() {
         "kvsync_snapshot_cache_loads_total",
         "kvsync_snapshot_cache_hits_total",
         "kvsync_build_info",
+        "kvsync_rdma_available",
     ] {
         assert!(
             scrape.lines().any(|l| l.starts_with(name)),
@@ -549,6 +550,19 @@ fn agent_reports_every_config_problem() {
     for key in ["snapshot_dir", "transport.chunk_mb", "grpc.listen"] {
         assert!(err.contains(key), "{key} not reported:\n{err}");
     }
+    let o = run(&["check-config", cfg.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("3 problems") && err.contains("transport.chunk_mb"),
+        "{err}"
+    );
+    let o = run(&[
+        "check-config",
+        concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/kvsync.toml"),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stdout).ends_with(": ok\n"));
     std::fs::write(&cfg, "[grpc]\nlisten = \"127.0.0.1:1\"\nbogus = 1\n").unwrap();
     let o = run(&["agent", "--config", cfg.to_str().unwrap()]);
     assert!(String::from_utf8_lossy(&o.stderr).contains("bogus"));
