@@ -187,12 +187,6 @@ impl SnapshotCache {
         })
     }
 
-    /// Changes the memory budget (applies to new loads).
-    pub fn set_budget(&self, budget: u64) {
-        self.budget.store(budget, Ordering::Relaxed);
-        self.released.notify_waiters();
-    }
-
     /// Returns a reference to the snapshot, starting its load if it is not
     /// loaded or loading yet. Does not wait for the load.
     pub async fn acquire(self: &Arc<Self>, entry: &CatalogEntry) -> Result<CacheRef, CacheError> {

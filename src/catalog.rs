@@ -87,13 +87,13 @@ impl Catalog {
 
     /// Removes every entry under `dir` (the directory went away).
     pub fn remove_under(&self, dir: &Path) {
-        let before = {
+        let removed = {
             let mut map = self.entries.write().expect("catalog lock");
             let before = map.len();
             map.retain(|p, _| !p.starts_with(dir));
             before != map.len()
         };
-        if before {
+        if removed {
             self.changed();
         }
     }

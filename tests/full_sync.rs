@@ -55,7 +55,7 @@ impl Node {
 
     /// Waits until the agent offers a snapshot with `seq`.
     async fn offered(&self, seq: u64) {
-        let mut c = self.client().await;
+        let c = self.client().await;
         wait_for_async(
             &format!("{} to offer seq {seq}", self.grpc()),
             DEADLINE,
@@ -72,7 +72,6 @@ impl Node {
             },
         )
         .await;
-        let _ = &mut c;
     }
 
     fn temp_files(&self) -> Vec<String> {

@@ -199,11 +199,6 @@ impl SyncManager {
             r.cancel.cancel();
         }
     }
-
-    /// Number of running syncs.
-    pub fn running_count(&self) -> usize {
-        self.jobs.lock().expect("jobs lock").running.len()
-    }
 }
 
 /// A short random id (hex).

@@ -68,11 +68,6 @@ impl SessionTable {
         before - offers.len()
     }
 
-    /// Offers not yet connected.
-    pub fn pending(&self) -> usize {
-        self.offers.lock().expect("sessions lock").len()
-    }
-
     /// Sessions moving bytes now.
     pub fn serving(&self) -> usize {
         self.serving.load(Ordering::Relaxed)
