@@ -127,6 +127,22 @@ impl Staging {
             .map_err(InstallError::Corrupt)
     }
 
+    /// Feeds bytes that are already in the file (written through a shared
+    /// mapping of it) to the checksum, as if [`Staging::write`] had written them.
+    pub fn absorb(&mut self, bytes: &[u8]) -> Result<(), InstallError> {
+        self.written += bytes.len() as u64;
+        self.verifier
+            .as_mut()
+            .expect("prepare() before absorb()")
+            .update(bytes)
+            .map_err(InstallError::Corrupt)
+    }
+
+    /// The temp file (for a shared mapping of its prepared length).
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
     /// Bytes written so far.
     pub fn written(&self) -> u64 {
         self.written

@@ -5,7 +5,10 @@
 //! fault-injection hooks used by fault tests. Each submodule owns one
 //! transport; protocol decisions stay in `blk3`.
 
+pub mod emulated;
+pub mod fabric;
 pub mod probe;
+pub mod rdma;
 pub mod tcp;
 pub mod zerocopy;
 

@@ -1,0 +1,537 @@
+//! BLK3 over an RDMA fabric (real verbs or the emulation): the executors
+//! that run the source and replica machines over a [`Fabric`].
+//!
+//! Owns the mapping from BLK3 commands to queue-pair work — tokens by
+//! Send/Recv, the bulk by chained RDMA Writes from the shared snapshot
+//! buffer — and the replica's receive memory: a `MAP_SHARED` mapping of the
+//! pre-sized temp file registered for remote write (zero-copy into the page
+//! cache), or, when the fabric refuses to register file pages, an anonymous
+//! page-aligned buffer written to the file after BDON. Which path was used is
+//! logged and reported. Protocol decisions stay in `blk3`; queue-pair
+//! mechanics stay in the fabrics.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use memmap2::MmapMut;
+use tracing::{info, warn};
+
+use super::fabric::{Completion, Fabric, FabricError, MemoryRegion, WcStatus, WorkKind};
+use super::{drive, Executor};
+use crate::blk3::token::SESSION_TOKEN_LEN;
+use crate::blk3::{
+    Blk3Error, BulkMode, BulkParams, Command, Input, Outcome, Replica, Source, Token, TokenError,
+};
+use crate::buf::AlignedBuf;
+use crate::cache::{CacheError, CacheRef};
+use crate::install::{InstallError, Staging};
+use crate::snapshot::SnapshotInfo;
+
+/// Work-request ids of receives and sends; writes use their plan id.
+const RECV_TAG: u64 = 1 << 62;
+const SEND_TAG: u64 = 1 << 61;
+/// How long establishing the connection may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a finished session waits for its last Sends to be delivered.
+const LINGER: Duration = Duration::from_secs(5);
+/// Longest single wait on the completion queue when no deadline applies.
+const IDLE_WAIT: Duration = Duration::from_secs(3600);
+
+/// An RDMA session failure below the protocol.
+#[derive(Debug, thiserror::Error)]
+pub enum RdmaError {
+    /// A fabric call failed (connect, register, post, poll).
+    #[error(transparent)]
+    Fabric(#[from] FabricError),
+    /// A work request completed in error.
+    #[error("{kind:?} work request {wr_id:#x} completed with {status}")]
+    Completion {
+        kind: WorkKind,
+        wr_id: u64,
+        status: WcStatus,
+    },
+    /// A received message is not a token.
+    #[error("bad message from peer: {0}")]
+    Token(#[from] TokenError),
+    /// The snapshot could not be loaded or did not verify on the source.
+    #[error("source snapshot: {0}")]
+    Snapshot(#[from] CacheError),
+    /// The temp file could not take the snapshot.
+    #[error("receive memory: {0}")]
+    Receive(#[from] InstallError),
+    /// The driver was asked for something this role does not do.
+    #[error("command {0} is not available over RDMA")]
+    Unsupported(&'static str),
+}
+
+impl RdmaError {
+    /// Label for `kvsync_transport_fallback_total{reason}`.
+    pub fn fallback_reason(&self) -> &'static str {
+        match self {
+            RdmaError::Fabric(FabricError::Timeout(..)) => "timeout",
+            RdmaError::Fabric(FabricError::Rejected(_)) => "rejected",
+            RdmaError::Fabric(FabricError::Disconnected | FabricError::CmEvent { .. }) => {
+                "disconnected"
+            }
+            RdmaError::Fabric(_) => "verbs_error",
+            RdmaError::Completion { .. } => "completion_error",
+            RdmaError::Token(_) => "protocol",
+            RdmaError::Snapshot(_) | RdmaError::Receive(_) => "local_error",
+            RdmaError::Unsupported(_) => "protocol",
+        }
+    }
+}
+
+/// How many writes a source posted, and how many of them were signalled.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct WriteStats {
+    pub posted: u64,
+    pub signaled: u64,
+}
+
+/// What both executors share: the queue pair, the session clock, ids.
+struct Link<F> {
+    qp: F,
+    started: Instant,
+    next_id: u64,
+    connected: bool,
+    /// Sends posted and not completed yet.
+    sends_pending: u64,
+}
+
+impl<F: Fabric> Link<F> {
+    fn new(qp: F) -> Link<F> {
+        Link {
+            qp,
+            started: Instant::now(),
+            next_id: 0,
+            connected: false,
+            sends_pending: 0,
+        }
+    }
+
+    fn id(&mut self, tag: u64) -> u64 {
+        self.next_id += 1;
+        tag | self.next_id
+    }
+
+    fn post_recv(&mut self) -> Result<(), RdmaError> {
+        let id = self.id(RECV_TAG);
+        Ok(self.qp.post_recv(id)?)
+    }
+
+    fn send(&mut self, t: &Token) -> Result<(), RdmaError> {
+        let id = self.id(SEND_TAG);
+        self.qp.post_send(id, &t.encode())?;
+        self.sends_pending += 1;
+        Ok(())
+    }
+
+    /// Ends the session: waits (briefly) until the last Sends — RDFL,
+    /// REPLMETA — are delivered, since disconnecting flushes what is still
+    /// queued, then disconnects.
+    fn close(&mut self) {
+        let deadline = Instant::now() + LINGER;
+        while self.connected && self.sends_pending > 0 {
+            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+                break;
+            };
+            match self.qp.poll(left) {
+                Ok(Some(c)) if c.kind == WorkKind::Send => self.sends_pending -= 1,
+                Ok(Some(_)) => {}
+                Ok(None) | Err(_) => break,
+            }
+        }
+        self.qp.disconnect();
+    }
+
+    /// The next completion that matters to the machine: received tokens and
+    /// signalled writes; successful Sends are consumed here.
+    fn next_input(&mut self, deadline: Option<Duration>) -> Result<Option<Input>, RdmaError> {
+        loop {
+            let timeout = match deadline {
+                Some(d) => match d.checked_sub(self.started.elapsed()) {
+                    Some(left) if !left.is_zero() => left,
+                    _ => return Ok(None),
+                },
+                None => IDLE_WAIT,
+            };
+            let Some(c) = self.qp.poll(timeout)? else {
+                continue;
+            };
+            match c {
+                Completion {
+                    kind,
+                    wr_id,
+                    status: Err(status),
+                    ..
+                } => {
+                    self.connected = false;
+                    return Err(RdmaError::Completion {
+                        kind,
+                        wr_id,
+                        status,
+                    });
+                }
+                Completion {
+                    kind: WorkKind::Recv,
+                    data,
+                    ..
+                } => return Ok(Some(Input::Received(Token::decode(&data)?))),
+                Completion {
+                    kind: WorkKind::Write,
+                    wr_id,
+                    ..
+                } => return Ok(Some(Input::WriteCompleted { id: wr_id })),
+                Completion {
+                    kind: WorkKind::Send,
+                    ..
+                } => self.sends_pending -= 1,
+            }
+        }
+    }
+}
+
+/// Source-side executor.
+struct SourceIo<'a, F> {
+    link: Link<F>,
+    snapshot: &'a CacheRef,
+    region: Option<MemoryRegion>,
+    faults: &'a RdmaFaults,
+    progress: &'a AtomicU64,
+    /// End offsets of signalled writes in flight, oldest first.
+    signaled_ends: VecDeque<(u64, u64)>,
+    stats: WriteStats,
+}
+
+impl<F: Fabric> SourceIo<'_, F> {
+    /// Accepts the connection before the first Send, so the receives the
+    /// machine posted first are in place before the replica can send.
+    fn accept(&mut self) -> Result<(), RdmaError> {
+        if !self.link.connected {
+            self.link.qp.accept(CONNECT_TIMEOUT)?;
+            self.link.connected = true;
+        }
+        Ok(())
+    }
+}
+
+impl<F: Fabric> Executor for SourceIo<'_, F> {
+    type Error = RdmaError;
+
+    fn now(&self) -> Duration {
+        self.link.started.elapsed()
+    }
+
+    fn execute(&mut self, cmd: Command) -> Result<Option<Input>, RdmaError> {
+        match cmd {
+            Command::PostRecv(_) => self.link.post_recv().map(|_| None),
+            Command::Send(t) => {
+                self.accept()?;
+                if t == Token::Bdon {
+                    // Every byte is written; the image must also have
+                    // verified on load before we vouch for it.
+                    self.snapshot.wait_complete()?;
+                }
+                self.link.send(&t).map(|_| None)
+            }
+            Command::PrepareSource => {
+                if !self.snapshot.is_empty() {
+                    // SAFETY: the cache image outlives this session (the
+                    // offer holds it), and the region is only read.
+                    let region = unsafe {
+                        self.link.qp.register(
+                            self.snapshot.as_ptr() as *mut u8,
+                            self.snapshot.len(),
+                            false,
+                        )
+                    }?;
+                    self.region = Some(region);
+                }
+                Ok(Some(Input::SourceReady))
+            }
+            Command::PostWrites {
+                remote_addr,
+                rkey,
+                writes,
+            } => {
+                let region = self
+                    .region
+                    .ok_or(RdmaError::Unsupported("writes before registration"))?;
+                let end = writes.last().map_or(0, |w| w.offset + w.len);
+                // Writes go out as soon as the cache has loaded their range.
+                self.snapshot.wait_loaded(end as usize)?;
+                for w in writes.iter().filter(|w| w.signaled) {
+                    self.signaled_ends.push_back((w.id, w.offset + w.len));
+                }
+                self.stats.posted += writes.len() as u64;
+                self.stats.signaled += writes.iter().filter(|w| w.signaled).count() as u64;
+                let rkey = if self.faults.bad_rkey {
+                    rkey ^ 0x5a5a
+                } else {
+                    rkey
+                };
+                self.link
+                    .qp
+                    .post_writes(&region, remote_addr, rkey, &writes)?;
+                Ok(None)
+            }
+            Command::StreamBulk { .. } => Err(RdmaError::Unsupported("StreamBulk")),
+            Command::PrepareReceive { .. } | Command::ReceiveBulk { .. } | Command::Verify => {
+                Err(RdmaError::Unsupported("replica command"))
+            }
+            Command::Done(_) => Ok(None),
+        }
+    }
+
+    fn next_input(&mut self, deadline: Option<Duration>) -> Result<Option<Input>, RdmaError> {
+        self.accept()?;
+        let input = self.link.next_input(deadline)?;
+        if let Some(Input::WriteCompleted { id }) = input {
+            while let Some(&(done, end)) = self.signaled_ends.front() {
+                if done > id {
+                    break;
+                }
+                self.progress.store(end, Ordering::Relaxed);
+                self.signaled_ends.pop_front();
+            }
+        }
+        Ok(input)
+    }
+}
+
+/// Driver-level faults for fault tests (never in production).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RdmaFaults {
+    /// Source: write with a wrong rkey (the replica's NIC must refuse).
+    pub bad_rkey: bool,
+    /// Replica: do not try to register the temp file mapping.
+    pub no_file_mr: bool,
+}
+
+/// What a source session produced.
+pub struct SourceRun {
+    pub result: Result<Result<Outcome, Blk3Error>, RdmaError>,
+    pub stats: WriteStats,
+}
+
+/// Serves one session on an accepted-but-not-yet-established queue pair
+/// whose private data already proved the session: runs the source machine,
+/// writing `snapshot` with `params`. `progress` counts bytes known written.
+pub fn run_source<F: Fabric>(
+    qp: F,
+    snapshot: &CacheRef,
+    seq: u64,
+    params: BulkParams,
+    faults: &RdmaFaults,
+    progress: &AtomicU64,
+) -> SourceRun {
+    let mut io = SourceIo {
+        link: Link::new(qp),
+        snapshot,
+        region: None,
+        faults,
+        progress,
+        signaled_ends: VecDeque::new(),
+        stats: WriteStats::default(),
+    };
+    let mut machine = Source::new(snapshot.len() as u64, seq, BulkMode::Rdma(params));
+    machine.start(io.now());
+    let result = drive(&mut machine, &mut io);
+    // Tear the connection down before the snapshot reference can go.
+    io.link.close();
+    SourceRun {
+        result,
+        stats: io.stats,
+    }
+}
+
+/// Where the replica receives the bulk.
+enum RecvMemory {
+    /// A shared mapping of the temp file, registered: bytes land in the page cache.
+    Mapped(MmapMut),
+    /// An anonymous buffer, written to the temp file after BDON.
+    Heap(AlignedBuf),
+}
+
+impl RecvMemory {
+    /// Short description for status and logs.
+    fn label(&self) -> &'static str {
+        match self {
+            RecvMemory::Mapped(_) => "registered temp-file mapping (zero-copy)",
+            RecvMemory::Heap(_) => "anonymous buffer + pwrite (file registration refused)",
+        }
+    }
+}
+
+/// Replica-side executor. `link` is declared first so the queue pair is torn
+/// down before the memory it may write to is released.
+struct ReplicaIo<'a, F: Fabric> {
+    link: Link<F>,
+    memory: Option<RecvMemory>,
+    token: [u8; SESSION_TOKEN_LEN],
+    staging: &'a mut Staging,
+    faults: &'a RdmaFaults,
+    info: Option<SnapshotInfo>,
+    failure: Option<InstallError>,
+    progress: &'a (dyn Fn(u64) + Sync),
+}
+
+impl<F: Fabric> ReplicaIo<'_, F> {
+    /// Connects before the first wait, with the receives already posted.
+    fn connect(&mut self) -> Result<(), RdmaError> {
+        if !self.link.connected {
+            self.link.qp.connect(&self.token, CONNECT_TIMEOUT)?;
+            self.link.connected = true;
+        }
+        Ok(())
+    }
+
+    /// Sizes the temp file and registers memory for `len` bytes.
+    fn prepare(&mut self, len: u64) -> Result<MemoryRegion, RdmaError> {
+        self.staging.prepare(len)?;
+        let len = len as usize;
+        if !self.faults.no_file_mr {
+            // SAFETY: the file was just sized to `len` and only this session
+            // touches it until install.
+            match unsafe {
+                memmap2::MmapOptions::new()
+                    .len(len)
+                    .map_mut(self.staging.file())
+            } {
+                Ok(mut map) => {
+                    // SAFETY: the mapping lives in `self.memory`, dropped after the QP.
+                    match unsafe { self.link.qp.register(map.as_mut_ptr(), len, true) } {
+                        Ok(region) => {
+                            self.memory = Some(RecvMemory::Mapped(map));
+                            return Ok(region);
+                        }
+                        Err(e) => {
+                            warn!(error = %e, "cannot register the temp file mapping (common for file pages on recent kernels); receiving into an anonymous buffer")
+                        }
+                    }
+                }
+                Err(e) => {
+                    warn!(error = %e, "cannot map the temp file; receiving into an anonymous buffer")
+                }
+            }
+        }
+        let mut buf = AlignedBuf::zeroed(len);
+        // SAFETY: as above; the buffer is only read as bytes after BDON.
+        let region = unsafe { self.link.qp.register(buf.as_mut_ptr(), len, true) }?;
+        self.memory = Some(RecvMemory::Heap(buf));
+        Ok(region)
+    }
+
+    /// Checksums the received bytes (writing them to the file first when
+    /// they arrived in an anonymous buffer).
+    fn verify(&mut self) -> Result<SnapshotInfo, InstallError> {
+        match &self.memory {
+            Some(RecvMemory::Mapped(map)) => self.staging.absorb(map)?,
+            Some(RecvMemory::Heap(buf)) => self.staging.write(buf)?,
+            None => {}
+        }
+        (self.progress)(self.staging.written());
+        self.staging.verify()
+    }
+}
+
+impl<F: Fabric> Executor for ReplicaIo<'_, F> {
+    type Error = RdmaError;
+
+    fn now(&self) -> Duration {
+        self.link.started.elapsed()
+    }
+
+    fn execute(&mut self, cmd: Command) -> Result<Option<Input>, RdmaError> {
+        match cmd {
+            Command::PostRecv(_) => self.link.post_recv().map(|_| None),
+            Command::Send(t) => {
+                self.connect()?;
+                self.link.send(&t).map(|_| None)
+            }
+            Command::PrepareReceive { len } => {
+                let region = self.prepare(len)?;
+                info!(
+                    memory = self.memory.as_ref().map(RecvMemory::label),
+                    bytes = len,
+                    "receive memory registered"
+                );
+                Ok(Some(Input::ReceiveReady {
+                    addr: region.addr,
+                    rkey: region.rkey,
+                }))
+            }
+            Command::Verify => Ok(Some(Input::Verified(match self.verify() {
+                Ok(info) => {
+                    self.info = Some(info);
+                    Ok(())
+                }
+                Err(e) => {
+                    let reason = e.to_string();
+                    self.failure = Some(e);
+                    Err(reason)
+                }
+            }))),
+            Command::ReceiveBulk { .. } => Err(RdmaError::Unsupported("ReceiveBulk")),
+            Command::PrepareSource | Command::StreamBulk { .. } | Command::PostWrites { .. } => {
+                Err(RdmaError::Unsupported("source command"))
+            }
+            Command::Done(_) => Ok(None),
+        }
+    }
+
+    fn next_input(&mut self, deadline: Option<Duration>) -> Result<Option<Input>, RdmaError> {
+        self.connect()?;
+        self.link.next_input(deadline)
+    }
+}
+
+/// What a replica session produced.
+pub struct ReplicaRun {
+    /// Fabric failure, or the protocol's verdict.
+    pub result: Result<Result<Outcome, Blk3Error>, RdmaError>,
+    /// The verified snapshot (on success).
+    pub info: Option<SnapshotInfo>,
+    /// The local cause of a failed verification, if any.
+    pub failure: Option<InstallError>,
+    /// Which receive-memory path was used, if any.
+    pub memory: Option<&'static str>,
+}
+
+/// Runs a replica session on a queue pair that reached the source but is
+/// not connected yet: posts the first receives, connects presenting `token`,
+/// and receives `offered_len` bytes into `staging`.
+pub fn run_replica<F: Fabric>(
+    qp: F,
+    token: [u8; SESSION_TOKEN_LEN],
+    offered_len: u64,
+    staging: &mut Staging,
+    faults: &RdmaFaults,
+    progress: &(dyn Fn(u64) + Sync),
+) -> ReplicaRun {
+    let mut io = ReplicaIo {
+        link: Link::new(qp),
+        memory: None,
+        token,
+        staging,
+        faults,
+        info: None,
+        failure: None,
+        progress,
+    };
+    let mut machine = Replica::new(offered_len, BulkMode::Rdma(BulkParams::default()));
+    machine.start(io.now());
+    let result = drive(&mut machine, &mut io);
+    io.link.close();
+    ReplicaRun {
+        result,
+        memory: io.memory.as_ref().map(RecvMemory::label),
+        info: io.info.take(),
+        failure: io.failure.take(),
+    }
+}
+
+#[cfg(test)]
+mod tests;

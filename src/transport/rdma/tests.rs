@@ -1,0 +1,438 @@
+//! BLK3 over the emulated fabric, in one process: two real queue-pair
+//! endpoints on loopback, the real cache on the source, a real temp file on
+//! the replica. Covers the byte-exact transfer on both receive-memory
+//! paths, the WR counts of the plan, and each failure the fabric can cause.
+
+use std::net::TcpListener;
+use std::path::Path;
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use super::*;
+use crate::catalog::CatalogEntry;
+use crate::metrics::Metrics;
+use crate::snapshot::kvr1::GenSpec;
+use crate::snapshot::Format;
+use crate::transport::emulated::{EmuFaults, EmuQp};
+
+const T: Duration = Duration::from_secs(30);
+const TOKEN: [u8; SESSION_TOKEN_LEN] = [7; SESSION_TOKEN_LEN];
+
+fn snapshot(dir: &Path, size: u64, seq: u64) -> CatalogEntry {
+    let path = dir.join(format!("src-{size}.kvr1"));
+    GenSpec {
+        size,
+        seq,
+        created_ms: 1,
+        seed: size ^ seq,
+    }
+    .write_file(&path)
+    .unwrap();
+    CatalogEntry {
+        info: crate::snapshot::verify_file(&path, None).unwrap(),
+        mtime: std::fs::metadata(&path).unwrap().modified().unwrap(),
+        path,
+    }
+}
+
+async fn cached(entry: &CatalogEntry) -> CacheRef {
+    crate::cache::SnapshotCache::new(8 << 30, T, Metrics::new())
+        .acquire(entry)
+        .await
+        .unwrap()
+}
+
+struct Pair {
+    source: SourceRun,
+    replica: ReplicaRun,
+    staging: Staging,
+}
+
+/// One session: the source side accepts on a thread (checking the private
+/// data), the replica side runs `replica` over its dialled queue pair.
+fn session(
+    snap: CacheRef,
+    params: BulkParams,
+    fabric: EmuFaults,
+    driver: RdmaFaults,
+    dir: &Path,
+    replica: impl FnOnce(EmuQp, &mut Staging) -> ReplicaRun,
+) -> Pair {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let source = std::thread::spawn(move || {
+        let (s, _) = listener.accept().unwrap();
+        let qp = EmuQp::incoming(s, T, fabric).unwrap();
+        assert_eq!(
+            qp.private_data(),
+            TOKEN,
+            "the token travels in the private data"
+        );
+        let progress = AtomicU64::new(0);
+        run_source(qp, &snap, 42, params, &driver, &progress)
+    });
+    let mut staging = Staging::create(dir, "t", Format::Kvr1).unwrap();
+    let qp = EmuQp::dial(addr, T, EmuFaults::default()).unwrap();
+    let replica = replica(qp, &mut staging);
+    Pair {
+        source: source.join().unwrap(),
+        replica,
+        staging,
+    }
+}
+
+fn plain(qp: EmuQp, staging: &mut Staging, len: u64, faults: &RdmaFaults) -> ReplicaRun {
+    run_replica(qp, TOKEN, len, staging, faults, &|_| {})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshots_arrive_byte_identical_on_both_memory_paths() {
+    let dir = tempfile::tempdir().unwrap();
+    // Header + trailer only, an odd size, and one past several chunks.
+    for (size, no_file_mr) in [
+        (36, false),
+        ((1 << 20) + 13, true),
+        (9 << 20, false),
+        (9 << 20, true),
+    ] {
+        let entry = snapshot(dir.path(), size, 7);
+        let snap = cached(&entry).await;
+        let faults = RdmaFaults {
+            no_file_mr,
+            ..Default::default()
+        };
+        let params = BulkParams::new(1, 4, 2);
+        let d = dir.path().to_owned();
+        let p = tokio::task::spawn_blocking(move || {
+            session(
+                snap,
+                params,
+                EmuFaults::default(),
+                RdmaFaults::default(),
+                &d,
+                |qp, st| plain(qp, st, size, &faults),
+            )
+        })
+        .await
+        .unwrap();
+        assert_eq!(
+            p.source.result.unwrap().unwrap(),
+            Outcome::Sent { len: size }
+        );
+        assert_eq!(
+            p.replica.result.unwrap().unwrap(),
+            Outcome::Received { len: size, seq: 42 }
+        );
+        let expected = if no_file_mr {
+            "anonymous"
+        } else {
+            "registered temp-file"
+        };
+        assert!(
+            p.replica.memory.unwrap().starts_with(expected),
+            "{:?}",
+            p.replica.memory
+        );
+        assert_eq!(p.replica.info.unwrap().seq, 7);
+        let installed = p.staging.install("got.kvr1").unwrap();
+        assert!(std::fs::read(&installed).unwrap() == std::fs::read(&entry.path).unwrap());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_gib_at_defaults_posts_256_writes_32_signalled() {
+    let dir = tempfile::tempdir().unwrap();
+    let entry = snapshot(dir.path(), 1 << 30, 1);
+    let snap = cached(&entry).await;
+    let d = dir.path().to_owned();
+    let p = tokio::task::spawn_blocking(move || {
+        session(
+            snap,
+            BulkParams::default(),
+            EmuFaults::default(),
+            RdmaFaults::default(),
+            &d,
+            |qp, st| plain(qp, st, 1 << 30, &RdmaFaults::default()),
+        )
+    })
+    .await
+    .unwrap();
+    assert!(p.replica.result.unwrap().is_ok());
+    assert_eq!(
+        p.source.stats,
+        WriteStats {
+            posted: 256,
+            signaled: 32
+        }
+    );
+}
+
+/// Runs the real replica executor but posts the BDON receive late: only
+/// after MRINFO is out and something else has happened.
+struct LateBdon<'a, F: Fabric> {
+    io: ReplicaIo<'a, F>,
+    deferred: bool,
+}
+
+impl<F: Fabric> Executor for LateBdon<'_, F> {
+    type Error = RdmaError;
+    fn now(&self) -> Duration {
+        self.io.now()
+    }
+    fn execute(&mut self, cmd: Command) -> Result<Option<Input>, RdmaError> {
+        if cmd == Command::PostRecv(crate::blk3::Kind::Bdon) {
+            self.deferred = true;
+            return Ok(None);
+        }
+        self.io.execute(cmd)
+    }
+    fn next_input(&mut self, deadline: Option<Duration>) -> Result<Option<Input>, RdmaError> {
+        let input = self.io.next_input(deadline)?;
+        if self.deferred && self.io.memory.is_some() {
+            self.deferred = false;
+            self.io.link.post_recv()?;
+        }
+        Ok(input)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bdon_receive_posted_after_mrinfo_hits_rnr() {
+    let dir = tempfile::tempdir().unwrap();
+    let entry = snapshot(dir.path(), 4096, 3);
+    let snap = cached(&entry).await;
+    let d = dir.path().to_owned();
+    let p = tokio::task::spawn_blocking(move || {
+        session(
+            snap,
+            BulkParams::default(),
+            EmuFaults::default(),
+            RdmaFaults::default(),
+            &d,
+            |qp, staging| {
+                let faults = RdmaFaults::default();
+                let mut late = LateBdon {
+                    io: ReplicaIo {
+                        link: Link::new(qp),
+                        memory: None,
+                        token: TOKEN,
+                        staging,
+                        faults: &faults,
+                        info: None,
+                        failure: None,
+                        progress: &|_| {},
+                    },
+                    deferred: false,
+                };
+                let mut machine = Replica::new(4096, BulkMode::Rdma(BulkParams::default()));
+                machine.start(late.now());
+                let result = drive(&mut machine, &mut late);
+                ReplicaRun {
+                    result,
+                    info: None,
+                    failure: None,
+                    memory: None,
+                }
+            },
+        )
+    })
+    .await
+    .unwrap();
+    match p.source.result {
+        Err(RdmaError::Completion {
+            kind: WorkKind::Send,
+            status: WcStatus::RnrRetryExceeded,
+            ..
+        }) => {}
+        other => panic!("expected RNR on the BDON send, got {other:?}"),
+    }
+    assert!(
+        p.replica.result.is_err(),
+        "the replica sees the broken connection"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupted_chunk_is_caught_by_the_checksum_and_reported_with_rdfl() {
+    let dir = tempfile::tempdir().unwrap();
+    let entry = snapshot(dir.path(), 3 << 20, 3);
+    let snap = cached(&entry).await;
+    let d = dir.path().to_owned();
+    let fabric = EmuFaults {
+        corrupt_at: Some((2 << 20) + 5),
+        ..Default::default()
+    };
+    let p = tokio::task::spawn_blocking(move || {
+        session(
+            snap,
+            BulkParams::new(1, 8, 2),
+            fabric,
+            RdmaFaults::default(),
+            &d,
+            |qp, st| plain(qp, st, 3 << 20, &RdmaFaults::default()),
+        )
+    })
+    .await
+    .unwrap();
+    assert!(
+        matches!(p.replica.result, Ok(Err(Blk3Error::Checksum(_)))),
+        "{:?}",
+        p.replica.result
+    );
+    assert!(p.replica.failure.is_some());
+    match p.source.result {
+        Ok(Err(e)) => assert!(e.is_checksum_report(), "{e}"),
+        other => panic!("{other:?}"),
+    }
+    let temp = p.staging.path().to_owned();
+    drop(p.staging);
+    assert!(!temp.exists(), "temp file removed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_rkey_is_a_remote_access_error_and_nothing_is_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let entry = snapshot(dir.path(), 1 << 20, 3);
+    let snap = cached(&entry).await;
+    let d = dir.path().to_owned();
+    let driver = RdmaFaults {
+        bad_rkey: true,
+        ..Default::default()
+    };
+    let p = tokio::task::spawn_blocking(move || {
+        session(
+            snap,
+            BulkParams::default(),
+            EmuFaults::default(),
+            driver,
+            &d,
+            |qp, st| plain(qp, st, 1 << 20, &RdmaFaults::default()),
+        )
+    })
+    .await
+    .unwrap();
+    assert!(
+        matches!(
+            p.source.result,
+            Err(RdmaError::Completion {
+                status: WcStatus::RemoteAccess,
+                ..
+            })
+        ),
+        "{:?}",
+        p.source.result
+    );
+    assert!(p.replica.result.is_err());
+    assert!(std::fs::read(p.staging.path())
+        .unwrap()
+        .iter()
+        .all(|&b| b == 0));
+}
+
+/// The real replica executor, but MRINFO advertises one byte less.
+struct ShortMrinfo<'a, F: Fabric>(ReplicaIo<'a, F>);
+
+impl<F: Fabric> Executor for ShortMrinfo<'_, F> {
+    type Error = RdmaError;
+    fn now(&self) -> Duration {
+        self.0.now()
+    }
+    fn execute(&mut self, cmd: Command) -> Result<Option<Input>, RdmaError> {
+        match cmd {
+            Command::Send(Token::Mrin { addr, rkey, len }) => {
+                self.0.execute(Command::Send(Token::Mrin {
+                    addr,
+                    rkey,
+                    len: len - 1,
+                }))
+            }
+            c => self.0.execute(c),
+        }
+    }
+    fn next_input(&mut self, deadline: Option<Duration>) -> Result<Option<Input>, RdmaError> {
+        self.0.next_input(deadline)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mrinfo_length_mismatch_is_refused_before_any_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let entry = snapshot(dir.path(), 1 << 20, 3);
+    let snap = cached(&entry).await;
+    let d = dir.path().to_owned();
+    let p = tokio::task::spawn_blocking(move || {
+        session(
+            snap,
+            BulkParams::default(),
+            EmuFaults::default(),
+            RdmaFaults::default(),
+            &d,
+            |qp, staging| {
+                let faults = RdmaFaults::default();
+                let mut io = ShortMrinfo(ReplicaIo {
+                    link: Link::new(qp),
+                    memory: None,
+                    token: TOKEN,
+                    staging,
+                    faults: &faults,
+                    info: None,
+                    failure: None,
+                    progress: &|_| {},
+                });
+                let mut machine = Replica::new(1 << 20, BulkMode::Rdma(BulkParams::default()));
+                machine.start(io.now());
+                let result = drive(&mut machine, &mut io);
+                ReplicaRun {
+                    result,
+                    info: None,
+                    failure: None,
+                    memory: None,
+                }
+            },
+        )
+    })
+    .await
+    .unwrap();
+    assert!(
+        matches!(p.source.result, Ok(Err(Blk3Error::MrinfoLength { .. }))),
+        "{:?}",
+        p.source.result
+    );
+    assert_eq!(p.source.stats.posted, 0, "no write was posted");
+    match p.replica.result {
+        Ok(Err(Blk3Error::PeerFailed(reason))) => {
+            assert!(reason.contains("MRINFO length"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cut_connection_fails_both_sides_without_hanging() {
+    let dir = tempfile::tempdir().unwrap();
+    let entry = snapshot(dir.path(), 4 << 20, 3);
+    let snap = cached(&entry).await;
+    let d = dir.path().to_owned();
+    let fabric = EmuFaults {
+        cut_after: Some(3 << 20),
+        ..Default::default()
+    };
+    let p = tokio::task::spawn_blocking(move || {
+        session(
+            snap,
+            BulkParams::new(1, 8, 2),
+            fabric,
+            RdmaFaults::default(),
+            &d,
+            |qp, st| plain(qp, st, 4 << 20, &RdmaFaults::default()),
+        )
+    })
+    .await
+    .unwrap();
+    assert!(
+        matches!(p.source.result, Err(RdmaError::Completion { .. })),
+        "{:?}",
+        p.source.result
+    );
+    assert!(p.replica.result.is_err());
+}
