@@ -15,13 +15,14 @@ use tracing::{info, warn};
 
 use crate::cache::SnapshotCache;
 use crate::catalog::Catalog;
-use crate::config::Config;
+use crate::config::{Config, RdmaProvider};
 use crate::control::orchestrator::OrchestratorService;
 use crate::control::pb;
 use crate::control::peer::PeerService;
 use crate::metrics::{self, Metrics};
 use crate::sync::source::{self as source_role, DataPlane, SessionTable};
 use crate::sync::SyncManager;
+use crate::transport::probe::Probe;
 use crate::transport::Faults;
 use crate::watch::DirWatcher;
 
@@ -59,8 +60,10 @@ pub struct Shared {
     pub sessions: Arc<SessionTable>,
     /// Where the TCP data listener is bound.
     pub data_tcp_addr: SocketAddr,
-    /// What the RDMA probe found at start.
-    pub rdma: crate::transport::probe::Probe,
+    /// What the RDMA probe found at start (and whether the listener is up).
+    pub rdma: Arc<Probe>,
+    /// Where the RDMA listener is bound, when RDMA is usable.
+    pub rdma_endpoint: Option<SocketAddr>,
 }
 
 /// A started agent: its bound addresses and a handle to stop it.
@@ -118,8 +121,29 @@ impl RunningAgent {
             metrics.clone(),
         );
         let sessions = Arc::new(SessionTable::default());
-        let rdma = crate::transport::probe::probe();
-        info!(rdma = %rdma.reason, "rdma probe");
+        let shutdown = CancellationToken::new();
+        let mut tasks = JoinSet::new();
+
+        // Transport selection, and the RDMA listener when RDMA is usable.
+        let mut rdma = crate::transport::probe::probe(&config.transport);
+        let plane = DataPlane {
+            sessions: sessions.clone(),
+            metrics: metrics.clone(),
+            faults: faults.clone(),
+            bulk: Probe::bulk_params(&config.transport, rdma.soft),
+            shutdown: shutdown.clone(),
+        };
+        let rdma_endpoint = match start_rdma_listener(&config, &rdma, &plane, &mut tasks).await {
+            Ok(endpoint) => endpoint,
+            Err(e) => {
+                warn!(error = %e, "rdma listener could not start; this agent uses tcp");
+                rdma.rdma_available = false;
+                rdma.choice = "tcp";
+                rdma.reason = format!("no RDMA: {e}");
+                None
+            }
+        };
+        info!(choice = rdma.choice, provider = rdma.provider, device = ?rdma.device, interface = ?rdma.interface, endpoint = ?rdma_endpoint, "transport selection: {}", rdma.reason);
         metrics.rdma_available.set(rdma.rdma_available as i64);
         for d in &rdma.devices {
             let soft = if d.soft { "true" } else { "false" };
@@ -128,6 +152,7 @@ impl RunningAgent {
                 .with_label_values(&[d.name.as_str(), soft])
                 .set(1);
         }
+        let rdma = Arc::new(rdma);
         let shared = Arc::new(Shared {
             config,
             metrics,
@@ -135,13 +160,14 @@ impl RunningAgent {
             cache,
             sessions,
             data_tcp_addr,
-            rdma,
+            rdma: rdma.clone(),
+            rdma_endpoint,
         });
-        let shutdown = CancellationToken::new();
-        let mut tasks = JoinSet::new();
         let syncs = SyncManager::new(
             shared.config.clone(),
             shared.metrics.clone(),
+            rdma,
+            faults,
             shutdown.clone(),
         );
 
@@ -179,11 +205,6 @@ impl RunningAgent {
         tasks.spawn(watcher.run(shutdown.clone()));
 
         // Data plane.
-        let plane = DataPlane {
-            sessions: shared.sessions.clone(),
-            metrics: shared.metrics.clone(),
-            faults,
-        };
         tasks.spawn(source_role::serve_tcp(
             data_listener,
             plane,
@@ -254,8 +275,12 @@ impl RunningAgent {
             .metrics_addr
             .map(|a| a.to_string())
             .unwrap_or_else(|| "-".into());
+        let rdma = match self.shared.rdma_endpoint {
+            Some(a) => format!("{}:{a}", self.shared.rdma.provider),
+            None => "-".into(),
+        };
         format!(
-            "kvsync agent ready node={} grpc={} data={} metrics={metrics}",
+            "kvsync agent ready node={} grpc={} data={} metrics={metrics} rdma={rdma}",
             self.shared.config.node_id, self.grpc_addr, self.shared.data_tcp_addr
         )
     }
@@ -277,5 +302,53 @@ impl RunningAgent {
     pub async fn run_until_stopped(self) {
         self.shutdown.cancelled().await;
         self.stop().await;
+    }
+}
+
+/// Binds the RDMA listener on the chosen interface address (never a
+/// wildcard) when RDMA is usable, and starts serving it.
+async fn start_rdma_listener(
+    config: &Config,
+    rdma: &Probe,
+    plane: &DataPlane,
+    tasks: &mut JoinSet<()>,
+) -> Result<Option<SocketAddr>, AgentError> {
+    let Some(ip) = rdma.local_addr.filter(|_| rdma.rdma_available) else {
+        return Ok(None);
+    };
+    let addr = SocketAddr::new(ip, config.data.rdma_port);
+    let bind_err = |source| AgentError::Bind {
+        what: "data.rdma_port",
+        addr: addr.to_string(),
+        source,
+    };
+    match config.transport.rdma_provider {
+        RdmaProvider::Emulated => {
+            warn!("transport uses the EMULATED rdma fabric: an emulation over TCP for tests and hosts without RDMA, not hardware");
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(bind_err)?;
+            let local = listener.local_addr().map_err(bind_err)?;
+            tasks.spawn(source_role::serve_emulated(
+                listener,
+                plane.clone(),
+                plane.shutdown.clone(),
+            ));
+            Ok(Some(local))
+        }
+        #[cfg(feature = "rdma")]
+        RdmaProvider::Verbs => {
+            let listener = crate::transport::verbs::VerbsListener::bind(addr)
+                .map_err(|e| bind_err(std::io::Error::other(e.to_string())))?;
+            let local = listener.local_addr();
+            let (plane, soft) = (plane.clone(), rdma.soft);
+            std::thread::Builder::new()
+                .name("kvsync-rdma-listen".into())
+                .spawn(move || source_role::serve_verbs(listener, soft, plane))
+                .map_err(bind_err)?;
+            Ok(Some(local))
+        }
+        #[cfg(not(feature = "rdma"))]
+        RdmaProvider::Verbs => Ok(None),
     }
 }

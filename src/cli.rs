@@ -118,6 +118,10 @@ pub struct CheckConfigArgs {
 
 #[derive(Debug, clap::Args)]
 pub struct ProbeArgs {
+    /// Configuration file whose `[transport]` section to apply (mode,
+    /// provider, interface); defaults otherwise.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
@@ -331,7 +335,21 @@ fn check_config(args: CheckConfigArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn probe(args: ProbeArgs) -> anyhow::Result<ExitCode> {
-    let p = crate::transport::probe::probe();
+    let transport = match &args.config {
+        Some(file) => {
+            let agent = AgentArgs {
+                config: Some(file.clone()),
+                node_id: None,
+                snapshot_dir: None,
+                metrics_listen: None,
+                grpc_listen: None,
+                data_listen: None,
+            };
+            load_config(&agent)?.transport
+        }
+        None => Default::default(),
+    };
+    let p = crate::transport::probe::probe(&transport);
     if args.json {
         println!("{}", serde_json::to_string(&p)?);
         return Ok(ExitCode::SUCCESS);
@@ -341,14 +359,24 @@ fn probe(args: ProbeArgs) -> anyhow::Result<ExitCode> {
         let soft = if d.soft { " (soft)" } else { "" };
         println!("  device {}{soft}", d.name);
         for port in &d.ports {
+            let netdev = port.netdev.as_deref().unwrap_or("-");
             println!(
-                "    port {}: {} ({})",
+                "    port {}: {} ({}, netdev {netdev})",
                 port.port, port.state, port.link_layer
             );
         }
     }
-    let choice = if p.rdma_available { "rdma" } else { "tcp" };
-    println!("transport mode \"auto\" would use: {choice}");
+    if let (Some(i), Some(a)) = (&p.interface, p.local_addr) {
+        println!("  interface {i}, local address {a}");
+    }
+    println!("  provider {}", p.provider);
+    if p.rdma_available {
+        println!(
+            "  bulk: chunk {} MiB, pipeline {}, signal every {}",
+            p.chunk_mb, p.pipeline, p.signal_batch
+        );
+    }
+    println!("transport mode \"{}\" would use: {}", p.mode, p.choice);
     Ok(ExitCode::SUCCESS)
 }
 

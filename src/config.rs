@@ -49,7 +49,8 @@ pub struct GrpcConfig {
 pub struct DataConfig {
     /// Address of the TCP data listener (`host:port`).
     pub tcp_listen: String,
-    /// Port of the RDMA CM listener.
+    /// Port of the RDMA listener, bound to the chosen interface address
+    /// (never a wildcard); 0 picks a free port.
     pub rdma_port: u16,
 }
 
@@ -76,8 +77,33 @@ pub struct TransportConfig {
     pub pipeline: u32,
     /// Signal every n-th Write (1..=pipeline).
     pub signal_batch: u32,
-    /// With `mode = "rdma"`, retry a failed RDMA session over TCP.
+    /// With `mode = "rdma"`, retry a failed RDMA session over TCP (`auto`
+    /// always does).
     pub fallback_to_tcp: bool,
+    /// RDMA implementation: real verbs, or the userspace emulation.
+    pub rdma_provider: RdmaProvider,
+    /// Interface (name or address) for RDMA; empty picks one by score.
+    pub interface: String,
+}
+
+/// Which RDMA implementation moves the bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RdmaProvider {
+    /// libibverbs + librdmacm (a NIC, or soft-RoCE).
+    Verbs,
+    /// The emulated RC fabric over TCP: an emulation for tests and hosts
+    /// without RDMA, not a fast path.
+    Emulated,
+}
+
+impl RdmaProvider {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RdmaProvider::Verbs => "verbs",
+            RdmaProvider::Emulated => "emulated",
+        }
+    }
 }
 
 /// Prometheus endpoint.
@@ -203,6 +229,8 @@ impl Default for TransportConfig {
             pipeline: 32,
             signal_batch: 8,
             fallback_to_tcp: true,
+            rdma_provider: RdmaProvider::Verbs,
+            interface: String::new(),
         }
     }
 }
@@ -336,9 +364,6 @@ impl Config {
             if !(may_be_empty && value.is_empty()) && value.parse::<SocketAddr>().is_err() {
                 bad(key, format!("expected ip:port, got {value:?}"));
             }
-        }
-        if self.data.rdma_port == 0 {
-            bad("data.rdma_port", "must be a fixed port (1..=65535)".into());
         }
         let t = &self.transport;
         if !(1..=32).contains(&t.chunk_mb) {

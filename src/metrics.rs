@@ -44,6 +44,7 @@ pub struct Metrics {
     pub up_since: Gauge,
     pub rdma_available: IntGauge,
     pub rdma_device_info: IntGaugeVec,
+    pub transport_fallback: IntCounterVec,
 }
 
 impl Metrics {
@@ -153,9 +154,16 @@ impl Metrics {
                 "kvsync_start_time_seconds",
                 "Unix time the agent started"
             )),
+            transport_fallback: reg!(IntCounterVec::new(
+                Opts::new(
+                    "kvsync_transport_fallback_total",
+                    "RDMA sessions retried over TCP, by reason"
+                ),
+                &["reason"]
+            )),
             rdma_available: reg!(IntGauge::new(
                 "kvsync_rdma_available",
-                "1 when the RDMA probe found a device with an ACTIVE port"
+                "1 when RDMA is usable: a device with an ACTIVE port whose address resolves, or the emulated fabric"
             )),
             rdma_device_info: reg!(IntGaugeVec::new(
                 Opts::new(

@@ -55,10 +55,15 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         let preference = pb::TransportPreference::try_from(req.transport).map_err(|_| {
             Status::invalid_argument(format!("unknown transport preference {}", req.transport))
         })?;
-        if preference == pb::TransportPreference::Rdma {
-            return Err(Status::failed_precondition(
-                "rdma transport is not available on this agent (no RDMA support in this build); use tcp or auto",
-            ));
+        let s = &self.shared;
+        if preference == pb::TransportPreference::Rdma
+            && !s.rdma.rdma_available
+            && !s.config.transport.fallback_to_tcp
+        {
+            return Err(Status::failed_precondition(format!(
+                "rdma is not usable on this agent ({}); use tcp or auto, or set transport.fallback_to_tcp",
+                s.rdma.reason
+            )));
         }
         let (sync_id, created) = self.syncs.start(&req.source, preference)?;
         Ok(Response::new(pb::StartFullSyncResponse {
@@ -107,12 +112,13 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             running: self.syncs.running(),
             recent: self.syncs.recent(),
             serving_sessions: s.sessions.serving() as u32,
-            transports: vec!["tcp".into()],
-            rdma_available: false,
-            rdma_detail: format!(
-                "{}; this build moves snapshots over TCP only (the RDMA data path is not built yet)",
-                s.rdma.reason
-            ),
+            transports: if s.rdma_endpoint.is_some() {
+                vec!["tcp".into(), format!("rdma ({})", s.rdma.provider)]
+            } else {
+                vec!["tcp".into()]
+            },
+            rdma_available: s.rdma.rdma_available,
+            rdma_detail: s.rdma.reason.clone(),
             data_tcp_endpoint: s.data_tcp_addr.to_string(),
         }))
     }

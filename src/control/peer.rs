@@ -14,6 +14,7 @@ use super::{pb, ApiError};
 use crate::agent::Shared;
 use crate::sync::source::Offer;
 use crate::sync::{new_id, unix_ms};
+use crate::transport::TransportKind;
 
 /// Longest accepted node id.
 const MAX_NODE_ID: usize = 256;
@@ -43,11 +44,7 @@ impl PeerService {
                 req.format
             )));
         }
-        if !req.transports.is_empty() && !req.transports.contains(&(pb::Transport::Tcp as i32)) {
-            return Err(ApiError::FailedPrecondition(
-                "no transport in common: this source offers tcp".into(),
-            ));
-        }
+        let transport = choose_transport(shared, &req)?;
         let entry = shared.catalog.latest(format).ok_or_else(|| {
             ApiError::NoSnapshot(format!(
                 "no valid {format} snapshot in {} yet; save one on the primary first",
@@ -67,11 +64,15 @@ impl PeerService {
             replica,
             entry: entry.clone(),
             snapshot,
+            transport,
             expires: Instant::now() + ttl,
         };
         let token = shared.sessions.insert(offer);
-        let endpoint = advertised(self.data_addr, local);
-        info!(session = %id, replica = %req.replica_node_id, path = %entry.path.display(), seq = entry.info.seq, %endpoint, "offered snapshot");
+        let endpoint = match (transport, shared.rdma_endpoint) {
+            (TransportKind::Rdma, Some(rdma)) => rdma,
+            _ => advertised(self.data_addr, local),
+        };
+        info!(session = %id, replica = %req.replica_node_id, path = %entry.path.display(), seq = entry.info.seq, transport = transport.as_str(), %endpoint, "offered snapshot");
         Ok(pb::SyncOffer {
             session_id: id,
             session_token: token.to_vec(),
@@ -80,8 +81,16 @@ impl PeerService {
             snapshot_size: entry.info.size,
             seq: entry.info.seq,
             checksum: entry.info.checksum,
-            transport: pb::Transport::Tcp as i32,
+            transport: match transport {
+                TransportKind::Rdma => pb::Transport::Rdma,
+                TransportKind::Tcp => pb::Transport::Tcp,
+            } as i32,
             data_endpoint: endpoint.to_string(),
+            rdma_provider: match transport {
+                TransportKind::Rdma => shared.rdma.provider.into(),
+                TransportKind::Tcp => String::new(),
+            },
+            rdma_device: shared.rdma.device.clone().unwrap_or_default(),
             source_node_id: shared.config.node_id.clone(),
             snapshot_name: entry
                 .path
@@ -89,6 +98,42 @@ impl PeerService {
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default(),
         })
+    }
+}
+
+/// RDMA when both sides can and the replica did not ask for TCP; TCP
+/// otherwise. A replica that requires RDMA is told why it cannot have it.
+fn choose_transport(
+    shared: &Shared,
+    req: &pb::OpenFullSyncRequest,
+) -> Result<TransportKind, ApiError> {
+    let offers =
+        |t: pb::Transport| req.transports.is_empty() || req.transports.contains(&(t as i32));
+    let asked_rdma = offers(pb::Transport::Rdma) && !req.transports.is_empty();
+    let preference = req.preference;
+    let why_not = if !asked_rdma || preference == pb::TransportPreference::Tcp as i32 {
+        Some("the replica did not ask for it".to_string())
+    } else if shared.rdma_endpoint.is_none() {
+        Some(shared.rdma.reason.clone())
+    } else if req.rdma_provider != shared.rdma.provider {
+        Some(format!(
+            "this source uses the {} rdma provider, the replica {:?}",
+            shared.rdma.provider, req.rdma_provider
+        ))
+    } else {
+        None
+    };
+    match why_not {
+        None => Ok(TransportKind::Rdma),
+        Some(why) if preference == pb::TransportPreference::Rdma as i32 => {
+            Err(ApiError::FailedPrecondition(format!(
+                "rdma required but this source cannot serve it: {why}"
+            )))
+        }
+        Some(_) if offers(pb::Transport::Tcp) => Ok(TransportKind::Tcp),
+        Some(why) => Err(ApiError::FailedPrecondition(format!(
+            "no transport in common: the replica offers no tcp and rdma is not possible ({why})"
+        ))),
     }
 }
 

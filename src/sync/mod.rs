@@ -18,6 +18,8 @@ use tokio_util::sync::CancellationToken;
 use crate::config::Config;
 use crate::control::pb;
 use crate::metrics::Metrics;
+use crate::transport::probe::Probe;
+use crate::transport::Faults;
 
 /// Why a sync request was refused.
 #[derive(Debug, thiserror::Error)]
@@ -52,6 +54,8 @@ struct Jobs {
 pub struct SyncManager {
     config: Config,
     metrics: Arc<Metrics>,
+    rdma: Arc<Probe>,
+    faults: Faults,
     jobs: Mutex<Jobs>,
     shutdown: CancellationToken,
 }
@@ -63,11 +67,15 @@ impl SyncManager {
     pub fn new(
         config: Config,
         metrics: Arc<Metrics>,
+        rdma: Arc<Probe>,
+        faults: Faults,
         shutdown: CancellationToken,
     ) -> Arc<SyncManager> {
         Arc::new(SyncManager {
             config,
             metrics,
+            rdma,
+            faults,
             jobs: Mutex::default(),
             shutdown,
         })
@@ -127,6 +135,8 @@ impl SyncManager {
             preference,
             config: self.config.clone(),
             metrics: self.metrics.clone(),
+            rdma: self.rdma.clone(),
+            faults: self.faults.clone(),
             progress: tx,
             cancel,
         };

@@ -1,12 +1,15 @@
-//! The source role: session offers and the TCP data listener.
+//! The source role: session offers and the data listeners (TCP, and RDMA
+//! over verbs or the emulated fabric).
 //!
 //! Owns the table of offered sessions (one-time token → the snapshot held in
-//! the cache for it, with an expiry), the acceptance of data connections
-//! (the first frame must prove an offered, unexpired, unused token, or the
-//! connection is refused before any snapshot byte moves and counted), and the
-//! source-side metrics of each served session. An offer holds its cache
-//! reference from the moment it is made, so a snapshot deleted or replaced
-//! after the offer is still delivered exactly as offered.
+//! the cache for it, the transport it was offered on, an expiry), the
+//! acceptance of data connections (the first TCP frame, or the RDMA connect
+//! private data, must prove an offered, unexpired, unused token for that
+//! transport, or the connection is refused before any snapshot byte moves
+//! and counted), and the source-side metrics of each served session. An
+//! offer holds its cache reference from the moment it is made, so a
+//! snapshot deleted or replaced after the offer is still delivered exactly
+//! as offered.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -18,11 +21,13 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, info_span, warn};
 
 use crate::blk3::token::SESSION_TOKEN_LEN;
+use crate::blk3::{Blk3Error, BulkParams, Outcome};
 use crate::cache::CacheRef;
 use crate::catalog::CatalogEntry;
 use crate::metrics::{unix_now, Metrics};
-use crate::transport::tcp::{self, Link};
-use crate::transport::{Faults, TransportKind};
+use crate::transport::fabric::Fabric;
+use crate::transport::tcp::{self, Link, TcpError};
+use crate::transport::{rdma, Faults, TransportKind};
 
 /// A session offered to a replica, waiting for its data connection.
 pub struct Offer {
@@ -30,6 +35,8 @@ pub struct Offer {
     pub replica: String,
     pub entry: Arc<CatalogEntry>,
     pub snapshot: CacheRef,
+    /// The transport the token is valid on.
+    pub transport: TransportKind,
     pub expires: Instant,
 }
 
@@ -52,11 +59,12 @@ impl SessionTable {
         token
     }
 
-    /// Takes the offer for `token` if it exists and has not expired. A token
-    /// works once.
-    pub fn take(&self, token: &[u8; SESSION_TOKEN_LEN]) -> Option<Offer> {
+    /// Takes the offer for `token` if it exists, has not expired and was
+    /// made for `transport`. A token works once.
+    pub fn take(&self, token: &[u8], transport: TransportKind) -> Option<Offer> {
+        let token: &[u8; SESSION_TOKEN_LEN] = token.get(..SESSION_TOKEN_LEN)?.try_into().ok()?;
         let offer = self.offers.lock().expect("sessions lock").remove(token)?;
-        (offer.expires > Instant::now()).then_some(offer)
+        (offer.expires > Instant::now() && offer.transport == transport).then_some(offer)
     }
 
     /// Drops expired offers (releasing their cache references).
@@ -85,6 +93,10 @@ pub struct DataPlane {
     pub sessions: Arc<SessionTable>,
     pub metrics: Arc<Metrics>,
     pub faults: Faults,
+    /// Bulk parameters of RDMA sessions (soft-device caps applied).
+    pub bulk: BulkParams,
+    /// Stops RDMA sessions at shutdown.
+    pub shutdown: CancellationToken,
 }
 
 /// Accepts data connections until `shutdown`; each runs on its own thread.
@@ -142,6 +154,9 @@ pub async fn serve_tcp(
     expiry.abort();
 }
 
+/// The refusal a replica sees for a bad session proof.
+const BAD_TOKEN: &str = "unknown, used or expired session token";
+
 fn serve_connection(mut link: Link, peer: std::net::SocketAddr, plane: &DataPlane) {
     let token = match tcp::read_hello(&mut link) {
         Ok(t) => t,
@@ -151,52 +166,111 @@ fn serve_connection(mut link: Link, peer: std::net::SocketAddr, plane: &DataPlan
             return tcp::refuse(&mut link, "the first frame must prove a session");
         }
     };
-    let Some(offer) = plane.sessions.take(&token) else {
+    let Some(offer) = plane.sessions.take(&token, TransportKind::Tcp) else {
         plane.metrics.data_auth_failures.inc();
-        warn!(%peer, "data connection refused: unknown, used or expired session token");
-        return tcp::refuse(&mut link, "unknown, used or expired session token");
+        warn!(%peer, "data connection refused: {BAD_TOKEN}");
+        return tcp::refuse(&mut link, BAD_TOKEN);
     };
+    serve(
+        plane,
+        &offer,
+        &peer.to_string(),
+        |progress| match tcp::run_source(
+            &mut link,
+            &offer.snapshot,
+            offer.entry.info.seq,
+            &plane.faults,
+            progress,
+        ) {
+            Ok(r) => Served::from(r),
+            Err(TcpError::Cancelled) => Served::Cancelled,
+            Err(e) => Served::Failed(e.to_string()),
+        },
+    );
+}
+
+/// Serves one RDMA connection request: checks the session token in the
+/// private data (rejecting the connection otherwise), then runs the session.
+pub fn serve_rdma<F: Fabric>(mut qp: F, peer: &str, plane: &DataPlane) {
+    let Some(offer) = plane.sessions.take(qp.private_data(), TransportKind::Rdma) else {
+        plane.metrics.data_auth_failures.inc();
+        warn!(%peer, provider = qp.provider(), "rdma connection rejected: {BAD_TOKEN}");
+        return qp.reject(BAD_TOKEN);
+    };
+    serve(plane, &offer, peer, |progress| {
+        let run = rdma::run_source(
+            qp,
+            &offer.snapshot,
+            offer.entry.info.seq,
+            plane.bulk,
+            &plane.faults.rdma,
+            progress,
+            plane.shutdown.clone(),
+        );
+        info!(
+            writes = run.stats.posted,
+            signaled = run.stats.signaled,
+            "rdma writes posted"
+        );
+        match run.result {
+            Ok(r) => Served::from(r),
+            Err(rdma::RdmaError::Cancelled) => Served::Cancelled,
+            Err(e) => Served::Failed(e.to_string()),
+        }
+    });
+}
+
+/// How a served session ended.
+enum Served {
+    Ok,
+    Rejected(Blk3Error),
+    Failed(String),
+    Cancelled,
+}
+
+impl From<Result<Outcome, Blk3Error>> for Served {
+    fn from(r: Result<Outcome, Blk3Error>) -> Served {
+        match r {
+            Ok(_) => Served::Ok,
+            Err(e) if e.is_checksum_report() => Served::Rejected(e),
+            Err(e) => Served::Failed(e.to_string()),
+        }
+    }
+}
+
+/// Runs one authenticated session with its logs and metrics.
+fn serve(plane: &DataPlane, offer: &Offer, peer: &str, run: impl FnOnce(&AtomicU64) -> Served) {
     let span = info_span!("session", id = %offer.id, replica = %offer.replica);
     let _enter = span.enter();
     let m = &plane.metrics;
-    let transport = TransportKind::Tcp.as_str();
+    let transport = offer.transport.as_str();
     m.fullsync_in_progress.with_label_values(&["source"]).inc();
     plane.sessions.serving.fetch_add(1, Ordering::Relaxed);
     let started = Instant::now();
     let progress = AtomicU64::new(0);
-    info!(%peer, bytes = offer.snapshot.len(), seq = offer.entry.info.seq, "serving snapshot over tcp");
-    let result = tcp::run_source(
-        &mut link,
-        &offer.snapshot,
-        offer.entry.info.seq,
-        &plane.faults,
-        &progress,
-    );
+    info!(%peer, bytes = offer.snapshot.len(), seq = offer.entry.info.seq, "serving snapshot over {transport}");
+    let served = run(&progress);
     let sent = progress.load(Ordering::Relaxed);
     m.fullsync_bytes
         .with_label_values(&["source", transport])
         .inc_by(sent);
-    let label = match &result {
-        Ok(Ok(_)) => {
+    let label = match served {
+        Served::Ok => {
             info!(bytes = sent, elapsed = ?started.elapsed(), "session served");
             m.last_success
                 .with_label_values(&["source"])
                 .set(unix_now());
             "ok"
         }
-        Ok(Err(e)) if e.is_checksum_report() => {
+        Served::Rejected(e) => {
             warn!(error = %e, "replica rejected the snapshot");
             "checksum_mismatch"
         }
-        Ok(Err(e)) => {
+        Served::Failed(e) => {
             warn!(error = %e, "session failed");
             "failed"
         }
-        Err(tcp::TcpError::Cancelled) => "cancelled",
-        Err(e) => {
-            warn!(error = %e, "session failed");
-            "failed"
-        }
+        Served::Cancelled => "cancelled",
     };
     m.fullsync_total
         .with_label_values(&["source", transport, label])
@@ -206,4 +280,70 @@ fn serve_connection(mut link: Link, peer: std::net::SocketAddr, plane: &DataPlan
         .observe(started.elapsed().as_secs_f64());
     m.fullsync_in_progress.with_label_values(&["source"]).dec();
     plane.sessions.serving.fetch_sub(1, Ordering::Relaxed);
+}
+
+/// Accepts emulated-fabric connections until `shutdown`; each session runs
+/// on its own blocking thread.
+pub async fn serve_emulated(
+    listener: tokio::net::TcpListener,
+    plane: DataPlane,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let (stream, peer) = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            a = listener.accept() => match a {
+                Ok(a) => a,
+                Err(e) => {
+                    warn!(error = %e, "emulated rdma listener accept failed");
+                    continue;
+                }
+            },
+        };
+        let plane = plane.clone();
+        tokio::task::spawn_blocking(move || {
+            let qp = stream
+                .into_std()
+                .and_then(|s| s.set_nonblocking(false).map(|_| s))
+                .map_err(|e| e.to_string())
+                .and_then(|s| {
+                    crate::transport::emulated::EmuQp::incoming(
+                        s,
+                        tcp::HELLO_TIMEOUT,
+                        plane.faults.emu.clone(),
+                    )
+                    .map_err(|e| e.to_string())
+                });
+            match qp {
+                Ok(qp) => serve_rdma(qp, &peer.to_string(), &plane),
+                Err(e) => {
+                    plane.metrics.data_auth_failures.inc();
+                    warn!(%peer, error = %e, "emulated rdma connection refused");
+                }
+            }
+        });
+    }
+}
+
+/// Accepts rdma_cm connection requests on a blocking thread until
+/// `shutdown`; each session runs on its own thread.
+#[cfg(feature = "rdma")]
+pub fn serve_verbs(listener: crate::transport::verbs::VerbsListener, soft: bool, plane: DataPlane) {
+    let shutdown = plane.shutdown.clone();
+    while !shutdown.is_cancelled() {
+        // Wake up now and then to notice shutdown.
+        match listener.accept(Duration::from_millis(250), soft) {
+            Ok(Some(qp)) => {
+                let plane = plane.clone();
+                let spawned = std::thread::Builder::new()
+                    .name("kvsync-rdma-session".into())
+                    .spawn(move || serve_rdma(qp, "rdma_cm", &plane));
+                if let Err(e) = spawned {
+                    warn!(error = %e, "cannot start an rdma session thread");
+                }
+            }
+            Ok(None) => {}
+            Err(e) => warn!(error = %e, "rdma listener"),
+        }
+    }
 }

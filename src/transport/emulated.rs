@@ -43,6 +43,8 @@ use crate::blk3::WriteOp;
 
 /// Default send-queue depth (the verbs fabric sizes its QP the same way).
 pub const DEFAULT_SQ_DEPTH: usize = 1024 + 64;
+/// How long a disconnect waits for queued messages to go out.
+const LINGER: Duration = Duration::from_secs(2);
 /// Largest connection private data (as for an RC connect).
 const MAX_PRIVATE_DATA: usize = 56;
 
@@ -144,6 +146,9 @@ enum Out {
         local: usize,
         offset: u64,
     },
+    /// Disconnect once everything queued before is sent (as a NIC still
+    /// delivers its acknowledgements and NAKs).
+    Close,
 }
 
 // SAFETY: `local` is the address of registered memory, which the owner of
@@ -168,6 +173,8 @@ struct State {
     error: bool,
     /// The connection is gone (reported once the queue is drained).
     disconnected: bool,
+    /// The writer thread has stopped.
+    writer_done: bool,
 }
 
 impl State {
@@ -470,6 +477,7 @@ fn write_loop(inner: &Inner, rx: mpsc::Receiver<Out>, faults: &EmuFaults) {
     };
     for msg in rx {
         let ok = match msg {
+            Out::Close => break,
             Out::Frame(h, payload) => {
                 if h.kind == SEND {
                     sends += 1;
@@ -530,6 +538,8 @@ fn write_loop(inner: &Inner, rx: mpsc::Receiver<Out>, faults: &EmuFaults) {
             break;
         }
     }
+    let _ = inner.stream.shutdown(Shutdown::Both);
+    inner.with_state(|st| st.writer_done = true);
 }
 
 impl Fabric for EmuQp {
@@ -723,6 +733,23 @@ impl Fabric for EmuQp {
     }
 
     fn disconnect(&mut self) {
+        if let Some(out) = self.out.take() {
+            // Queued acknowledgements and NAKs still go out first.
+            let _ = out.send(Out::Close);
+            let deadline = Instant::now() + LINGER;
+            let mut st = self.inner.lock();
+            while !st.writer_done {
+                let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+                    break;
+                };
+                st = self
+                    .inner
+                    .changed
+                    .wait_timeout(st, left)
+                    .expect("emulated QP state lock")
+                    .0;
+            }
+        }
         let _ = self.inner.stream.shutdown(Shutdown::Both);
     }
 }
@@ -730,8 +757,7 @@ impl Fabric for EmuQp {
 impl Drop for EmuQp {
     fn drop(&mut self) {
         // Stop both threads before the registered memory can go away.
-        self.out = None;
-        let _ = self.inner.stream.shutdown(Shutdown::Both);
+        self.disconnect();
         for t in self.threads.drain(..) {
             let _ = t.join();
         }

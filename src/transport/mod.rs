@@ -9,7 +9,10 @@ pub mod emulated;
 pub mod fabric;
 pub mod probe;
 pub mod rdma;
+pub mod select;
 pub mod tcp;
+#[cfg(feature = "rdma")]
+pub mod verbs;
 pub mod zerocopy;
 
 use std::time::Duration;
@@ -67,10 +70,17 @@ pub fn drive<M: Machine, E: Executor>(
 }
 
 /// Faults injected into the data plane for fault tests, from the
-/// `KVSYNC_FAULTS` environment variable (`corrupt_at=N,stall_after=N,cut_after=N`).
-/// Never set in production; the agent logs loudly when any is active.
+/// `KVSYNC_FAULTS` environment variable: `corrupt_at=N,stall_after=N,cut_after=N`
+/// for TCP sources; `rdma_corrupt_at=N,rdma_cut_after=N,rdma_drop_send=N` for
+/// the emulated fabric; `rdma_bad_rkey=1` (source) and `rdma_no_file_mr=1`
+/// (replica) for the RDMA driver. Never set in production; the agent logs
+/// loudly when any is active.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Faults {
+    /// Emulated-fabric faults.
+    pub emu: emulated::EmuFaults,
+    /// RDMA driver faults.
+    pub rdma: rdma::RdmaFaults,
     /// Source: flip one bit of the snapshot byte at this offset on the wire.
     pub corrupt_at: Option<u64>,
     /// Source: stop sending after this many bulk bytes (until the peer leaves).
@@ -101,6 +111,11 @@ impl Faults {
                 "corrupt_at" => f.corrupt_at = Some(n),
                 "stall_after" => f.stall_after = Some(n),
                 "cut_after" => f.cut_after = Some(n),
+                "rdma_corrupt_at" => f.emu.corrupt_at = Some(n),
+                "rdma_cut_after" => f.emu.cut_after = Some(n),
+                "rdma_drop_send" => f.emu.drop_send = Some(n as u32),
+                "rdma_bad_rkey" => f.rdma.bad_rkey = n != 0,
+                "rdma_no_file_mr" => f.rdma.no_file_mr = n != 0,
                 _ => return Err(format!("unknown fault {k:?}")),
             }
         }
@@ -124,6 +139,8 @@ mod tests {
             (f.corrupt_at, f.cut_after, f.stall_after),
             (Some(5), Some(10), None)
         );
+        let f = Faults::parse("rdma_corrupt_at=7,rdma_bad_rkey=1").unwrap();
+        assert_eq!((f.emu.corrupt_at, f.rdma.bad_rkey), (Some(7), true));
         assert!(Faults::parse("explode=1").is_err());
         assert!(Faults::parse("cut_after=x").is_err());
     }

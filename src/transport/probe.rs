@@ -1,13 +1,22 @@
-//! The RDMA probe: which verbs devices this host has, their port states, and
-//! whether any is usable — the answer `kvsync probe` prints and `auto`
-//! transport selection starts from.
+//! The RDMA probe and transport selection (DESIGN.md §3): which verbs
+//! devices this host has, their port states and network devices, which
+//! interface RDMA would use, whether rdma_cm resolves its address — and so
+//! whether `auto` picks RDMA or TCP, and why. `kvsync probe` prints it; the
+//! agent decides with it once at start.
 //!
 //! Owns the device listing through libibverbs (`ibv_get_device_list`: a NULL
-//! list with ENOSYS means the kernel has no RDMA stack) and soft-device
-//! detection (`rxe*`, `siw*`). Built without the `rdma` feature it reports
-//! that instead of probing.
+//! list with ENOSYS means the kernel has no RDMA stack), soft-device
+//! detection (`rxe*`, `siw*`) and the choice of device. Built without the
+//! `rdma` feature it reports that instead of probing. With the emulated
+//! provider it says plainly that the fabric is an emulation.
+
+use std::net::IpAddr;
 
 use serde::Serialize;
+
+use super::select::{self, Iface};
+use crate::blk3::BulkParams;
+use crate::config::{RdmaProvider, TransportConfig, TransportMode};
 
 /// One port of a device.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
@@ -16,6 +25,8 @@ pub struct PortInfo {
     pub state: String,
     pub active: bool,
     pub link_layer: String,
+    /// The network device this port is bound to (RoCE), if known.
+    pub netdev: Option<String>,
 }
 
 /// One verbs device.
@@ -27,16 +38,45 @@ pub struct DeviceInfo {
     pub ports: Vec<PortInfo>,
 }
 
-/// What the probe found.
+/// What the probe found and what the agent will do with it.
 #[derive(Debug, Clone, Serialize)]
 pub struct Probe {
-    /// A device with an ACTIVE port exists.
+    /// RDMA is usable: an ACTIVE device port whose address resolves (or the
+    /// emulated fabric is configured).
     pub rdma_available: bool,
     /// Why RDMA is or is not available, for humans.
     pub reason: String,
     pub devices: Vec<DeviceInfo>,
-    /// The device `auto` would use.
+    /// The device RDMA would use.
     pub device: Option<String>,
+    /// That device is a software device (runtime caps apply).
+    pub soft: bool,
+    /// `verbs` or `emulated`.
+    pub provider: &'static str,
+    /// The interface and local address RDMA binds and connects from.
+    pub interface: Option<String>,
+    pub local_addr: Option<IpAddr>,
+    /// The configured `transport.mode`.
+    pub mode: &'static str,
+    /// What a sync started with the configured mode uses: "rdma" or "tcp".
+    pub choice: &'static str,
+    /// Bulk parameters in effect (after soft-device caps).
+    pub chunk_mb: u64,
+    pub pipeline: u32,
+    pub signal_batch: u32,
+}
+
+impl Probe {
+    /// Bulk parameters for RDMA sessions: the configuration, capped on soft
+    /// devices.
+    pub fn bulk_params(t: &TransportConfig, soft: bool) -> BulkParams {
+        let p = BulkParams::new(t.chunk_mb, t.pipeline, t.signal_batch);
+        if soft {
+            p.capped_for_soft()
+        } else {
+            p
+        }
+    }
 }
 
 /// True for software RDMA devices, which get the runtime caps of DESIGN.md §2.
@@ -44,55 +84,150 @@ pub fn is_soft(name: &str) -> bool {
     name.starts_with("rxe") || name.starts_with("siw")
 }
 
-/// Probes the host.
-pub fn probe() -> Probe {
-    match list_devices() {
-        Err(reason) => Probe {
-            rdma_available: false,
-            reason,
-            devices: Vec::new(),
-            device: None,
+/// Probes the host for the transport configuration `t`.
+pub fn probe(t: &TransportConfig) -> Probe {
+    let ifaces = select::interfaces();
+    let found = match (t.mode, t.rdma_provider) {
+        (TransportMode::Tcp, _) => Found::none("transport.mode = \"tcp\": RDMA is not probed"),
+        (_, RdmaProvider::Emulated) => {
+            let local = select::choose(&ifaces, &t.interface, None);
+            Found {
+                available: true,
+                reason: "emulated RDMA fabric: a userspace emulation of RC queue pairs over TCP (not hardware, not a fast path)".into(),
+                devices: Vec::new(),
+                device: None,
+                soft: false,
+                local_addr: Some(local.as_ref().map_or(IpAddr::from([127, 0, 0, 1]), |i| i.ip)),
+                interface: Some(local.map_or("lo".into(), |i| i.name)),
+            }
+        }
+        (_, RdmaProvider::Verbs) => match list_devices() {
+            Err(reason) => Found::none(&reason),
+            Ok(devices) => decide(devices, &ifaces, &t.interface, resolve),
         },
-        Ok(devices) => decide(devices),
+    };
+    let params = Probe::bulk_params(t, found.soft);
+    Probe {
+        rdma_available: found.available,
+        reason: found.reason,
+        devices: found.devices,
+        device: found.device,
+        soft: found.soft,
+        provider: t.rdma_provider.as_str(),
+        interface: found.interface,
+        local_addr: found.local_addr,
+        mode: match t.mode {
+            TransportMode::Tcp => "tcp",
+            TransportMode::Rdma => "rdma",
+            TransportMode::Auto => "auto",
+        },
+        choice: if found.available { "rdma" } else { "tcp" },
+        chunk_mb: params.chunk >> 20,
+        pipeline: params.pipeline,
+        signal_batch: params.signal_batch,
     }
 }
 
-/// Picks the first device with an ACTIVE port.
-fn decide(devices: Vec<DeviceInfo>) -> Probe {
-    if devices.is_empty() {
-        return Probe {
-            rdma_available: false,
-            reason: "no RDMA: no verbs devices on this host".into(),
-            devices,
+/// The verbs-specific part of a probe.
+struct Found {
+    available: bool,
+    reason: String,
+    devices: Vec<DeviceInfo>,
+    device: Option<String>,
+    soft: bool,
+    interface: Option<String>,
+    local_addr: Option<IpAddr>,
+}
+
+impl Found {
+    fn none(reason: &str) -> Found {
+        Found {
+            available: false,
+            reason: reason.into(),
+            devices: Vec::new(),
             device: None,
-        };
-    }
-    let chosen = devices
-        .iter()
-        .find(|d| d.ports.iter().any(|p| p.active))
-        .cloned();
-    match chosen {
-        Some(d) => {
-            let port = d.ports.iter().find(|p| p.active).expect("active port");
-            let soft = if d.soft {
-                " (soft device: runtime caps chunk ≤ 32 MiB, pipeline ≤ 64, signal ≤ 64)"
-            } else {
-                ""
-            };
-            Probe {
-                rdma_available: true,
-                reason: format!("{} port {} is ACTIVE{soft}", d.name, port.port),
-                device: Some(d.name.clone()),
-                devices,
-            }
+            soft: false,
+            interface: None,
+            local_addr: None,
         }
-        None => Probe {
-            rdma_available: false,
-            reason: "no RDMA: no device has an ACTIVE port".into(),
-            devices,
-            device: None,
-        },
     }
+}
+
+/// rdma_cm's address resolution on the local address: the device it binds.
+#[cfg(feature = "rdma")]
+fn resolve(ip: IpAddr) -> Result<String, String> {
+    super::verbs::resolve_smoke_test(ip).map_err(|e| e.to_string())
+}
+
+#[cfg(not(feature = "rdma"))]
+fn resolve(_: IpAddr) -> Result<String, String> {
+    Err("built without the `rdma` feature".into())
+}
+
+/// Chooses the interface, then the device with an ACTIVE port (preferring
+/// the one bound to that interface), then smoke-tests address resolution.
+fn decide(
+    devices: Vec<DeviceInfo>,
+    ifaces: &[Iface],
+    configured: &str,
+    resolve: impl Fn(IpAddr) -> Result<String, String>,
+) -> Found {
+    let mut found = Found::none("");
+    if devices.is_empty() {
+        found.reason = "no RDMA: no verbs devices on this host".into();
+        return found;
+    }
+    found.devices = devices;
+    let Some(iface) = select::choose(ifaces, configured, None) else {
+        found.reason = if configured.is_empty() {
+            "no RDMA: no usable interface (only loopback, link-local or virtual ones)".into()
+        } else {
+            format!("no RDMA: transport.interface {configured:?} has no address here")
+        };
+        return found;
+    };
+    let active = |d: &&DeviceInfo| d.ports.iter().any(|p| p.active);
+    let bound = |d: &&DeviceInfo| {
+        d.ports
+            .iter()
+            .any(|p| p.active && p.netdev.as_deref() == Some(iface.name.as_str()))
+    };
+    let Some(dev) = found
+        .devices
+        .iter()
+        .find(bound)
+        .or_else(|| found.devices.iter().find(active))
+        .cloned()
+    else {
+        found.reason = "no RDMA: no device has an ACTIVE port".into();
+        return found;
+    };
+    found.interface = Some(iface.name.clone());
+    found.local_addr = Some(iface.ip);
+    let device = match resolve(iface.ip) {
+        Ok(name) => name,
+        Err(e) => {
+            found.reason = format!(
+                "no RDMA: rdma_cm cannot resolve {} ({}) to a device: {e}",
+                iface.ip, iface.name
+            );
+            return found;
+        }
+    };
+    found.soft = is_soft(&device);
+    let port = dev.ports.iter().find(|p| p.active).expect("active port");
+    let caps = if found.soft {
+        " (soft device: runtime caps chunk ≤ 32 MiB, pipeline ≤ 64, signal ≤ 64)"
+    } else {
+        ""
+    };
+    found.reason = format!(
+        "{device} port {} is ACTIVE and {} ({}) resolves to it{caps}",
+        port.port, iface.ip, iface.name
+    );
+    found.available = true;
+    found.device = Some(device);
+    found
 }
 
 #[cfg(not(feature = "rdma"))]
@@ -143,6 +278,7 @@ fn list_devices() -> Result<Vec<DeviceInfo>, String> {
                                     _ => "unspecified",
                                 }
                                 .into(),
+                                netdev: port_netdev(&name, port),
                             });
                         }
                     }
@@ -158,6 +294,18 @@ fn list_devices() -> Result<Vec<DeviceInfo>, String> {
         ibv_free_device_list(list);
         Ok(devices)
     }
+}
+
+/// The network device of a port, from sysfs (set for RoCE ports).
+#[cfg(feature = "rdma")]
+fn port_netdev(device: &str, port: u8) -> Option<String> {
+    let dir = format!("/sys/class/infiniband/{device}/ports/{port}/gid_attrs/ndevs");
+    (0..4).find_map(|i| {
+        std::fs::read_to_string(format!("{dir}/{i}"))
+            .ok()
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty())
+    })
 }
 
 #[cfg(feature = "rdma")]
@@ -177,7 +325,7 @@ fn port_state(s: rdma_sys::ibv_port_state::Type) -> &'static str {
 mod tests {
     use super::*;
 
-    fn dev(name: &str, states: &[bool]) -> DeviceInfo {
+    fn dev(name: &str, states: &[bool], netdev: &str) -> DeviceInfo {
         DeviceInfo {
             name: name.into(),
             soft: is_soft(name),
@@ -189,9 +337,35 @@ mod tests {
                     state: if active { "ACTIVE" } else { "DOWN" }.into(),
                     active,
                     link_layer: "Ethernet".into(),
+                    netdev: Some(netdev.into()),
                 })
                 .collect(),
         }
+    }
+
+    fn ifaces() -> Vec<Iface> {
+        vec![
+            Iface {
+                name: "lo".into(),
+                ip: "127.0.0.1".parse().unwrap(),
+                prefix: 8,
+            },
+            Iface {
+                name: "eth0".into(),
+                ip: "10.0.2.15".parse().unwrap(),
+                prefix: 24,
+            },
+            Iface {
+                name: "eth1".into(),
+                ip: "10.0.3.15".parse().unwrap(),
+                prefix: 24,
+            },
+        ]
+    }
+
+    /// Address resolution that binds whichever device `bound` names.
+    fn resolves_to(bound: &'static str) -> impl Fn(IpAddr) -> Result<String, String> {
+        move |_| Ok(bound.to_string())
     }
 
     #[test]
@@ -201,26 +375,102 @@ mod tests {
     }
 
     #[test]
-    fn first_device_with_an_active_port_is_chosen() {
-        let p = decide(vec![dev("mlx5_0", &[false]), dev("rxe0", &[false, true])]);
-        assert!(p.rdma_available);
-        assert_eq!(p.device.as_deref(), Some("rxe0"));
-        assert!(p.reason.contains("rxe0 port 2 is ACTIVE") && p.reason.contains("soft device"));
-        let p = decide(vec![dev("mlx5_0", &[false])]);
-        assert!(!p.rdma_available && p.reason.contains("no device has an ACTIVE port"));
-        assert!(decide(vec![]).reason.starts_with("no RDMA"));
+    fn the_device_of_the_chosen_interface_is_preferred() {
+        let devs = vec![
+            dev("mlx5_0", &[true], "eth1"),
+            dev("rxe0", &[false, true], "eth0"),
+        ];
+        let f = decide(devs, &ifaces(), "", resolves_to("rxe0"));
+        assert!(f.available, "{}", f.reason);
+        assert_eq!(f.device.as_deref(), Some("rxe0"));
+        assert_eq!(f.interface.as_deref(), Some("eth0"));
+        assert!(f.soft);
+        assert!(
+            f.reason.contains("rxe0 port 2 is ACTIVE") && f.reason.contains("soft device"),
+            "{}",
+            f.reason
+        );
+        // Configured eth1: the device bound to it.
+        let devs = vec![dev("rxe0", &[true], "eth0"), dev("mlx5_0", &[true], "eth1")];
+        let f = decide(devs, &ifaces(), "eth1", resolves_to("mlx5_0"));
+        assert_eq!((f.device.as_deref(), f.soft), (Some("mlx5_0"), false));
+        assert_eq!(f.local_addr, Some("10.0.3.15".parse().unwrap()));
     }
 
     #[test]
-    fn this_build_host_has_no_rdma() {
+    fn no_rdma_reasons() {
+        let f = decide(
+            vec![dev("mlx5_0", &[false], "eth0")],
+            &ifaces(),
+            "",
+            resolves_to("mlx5_0"),
+        );
+        assert!(
+            !f.available && f.reason.contains("no device has an ACTIVE port"),
+            "{}",
+            f.reason
+        );
+        assert!(decide(vec![], &ifaces(), "", resolves_to("x"))
+            .reason
+            .starts_with("no RDMA"));
+        let lo_only = &ifaces()[..1];
+        let f = decide(
+            vec![dev("rxe0", &[true], "eth0")],
+            lo_only,
+            "",
+            resolves_to("rxe0"),
+        );
+        assert!(f.reason.contains("no usable interface"), "{}", f.reason);
+        let f = decide(vec![dev("rxe0", &[true], "eth0")], &ifaces(), "", |_| {
+            Err("ENODEV".into())
+        });
+        assert!(
+            !f.available && f.reason.contains("cannot resolve 10.0.2.15"),
+            "{}",
+            f.reason
+        );
+    }
+
+    #[test]
+    fn soft_caps_apply_to_the_bulk_parameters() {
+        let t = TransportConfig {
+            chunk_mb: 32,
+            pipeline: 1024,
+            signal_batch: 512,
+            ..Default::default()
+        };
+        let p = Probe::bulk_params(&t, true);
+        assert_eq!((p.chunk >> 20, p.pipeline, p.signal_batch), (32, 64, 64));
+        assert_eq!(Probe::bulk_params(&t, false).pipeline, 1024);
+    }
+
+    #[test]
+    fn this_build_host_has_no_rdma_and_auto_picks_tcp() {
         // The build machines have no RDMA NIC and no kernel RDMA stack; the
         // probe must say so cleanly rather than fail. (Inside the soft-RoCE VM
         // the same binary finds rxe0: see tests/rxe_vm.rs.)
         if std::path::Path::new("/sys/class/infiniband").exists() {
             return;
         }
-        let p = probe();
+        let p = probe(&TransportConfig::default());
         assert!(!p.rdma_available);
+        assert_eq!(p.choice, "tcp");
         assert!(p.reason.starts_with("no RDMA"), "{}", p.reason);
+    }
+
+    #[test]
+    fn emulated_provider_says_it_is_an_emulation() {
+        let t = TransportConfig {
+            rdma_provider: RdmaProvider::Emulated,
+            ..Default::default()
+        };
+        let p = probe(&t);
+        assert!(p.rdma_available && p.choice == "rdma");
+        assert!(p.reason.contains("emulat"), "{}", p.reason);
+        let t = TransportConfig {
+            mode: TransportMode::Tcp,
+            ..t
+        };
+        assert_eq!(probe(&t).choice, "tcp");
     }
 }

@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use memmap2::MmapMut;
+use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::fabric::{Completion, Fabric, FabricError, MemoryRegion, WcStatus, WorkKind};
@@ -35,8 +36,9 @@ const SEND_TAG: u64 = 1 << 61;
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a finished session waits for its last Sends to be delivered.
 const LINGER: Duration = Duration::from_secs(5);
-/// Longest single wait on the completion queue when no deadline applies.
-const IDLE_WAIT: Duration = Duration::from_secs(3600);
+/// Longest single wait on the completion queue before cancellation is
+/// checked again.
+const POLL_SLICE: Duration = Duration::from_millis(200);
 
 /// An RDMA session failure below the protocol.
 #[derive(Debug, thiserror::Error)]
@@ -63,6 +65,9 @@ pub enum RdmaError {
     /// The driver was asked for something this role does not do.
     #[error("command {0} is not available over RDMA")]
     Unsupported(&'static str),
+    /// The session was cancelled locally.
+    #[error("cancelled")]
+    Cancelled,
 }
 
 impl RdmaError {
@@ -79,6 +84,7 @@ impl RdmaError {
             RdmaError::Token(_) => "protocol",
             RdmaError::Snapshot(_) | RdmaError::Receive(_) => "local_error",
             RdmaError::Unsupported(_) => "protocol",
+            RdmaError::Cancelled => "cancelled",
         }
     }
 }
@@ -93,6 +99,7 @@ pub struct WriteStats {
 /// What both executors share: the queue pair, the session clock, ids.
 struct Link<F> {
     qp: F,
+    cancel: CancellationToken,
     started: Instant,
     next_id: u64,
     connected: bool,
@@ -101,9 +108,10 @@ struct Link<F> {
 }
 
 impl<F: Fabric> Link<F> {
-    fn new(qp: F) -> Link<F> {
+    fn new(qp: F, cancel: CancellationToken) -> Link<F> {
         Link {
             qp,
+            cancel,
             started: Instant::now(),
             next_id: 0,
             connected: false,
@@ -150,12 +158,15 @@ impl<F: Fabric> Link<F> {
     /// signalled writes; successful Sends are consumed here.
     fn next_input(&mut self, deadline: Option<Duration>) -> Result<Option<Input>, RdmaError> {
         loop {
+            if self.cancel.is_cancelled() {
+                return Err(RdmaError::Cancelled);
+            }
             let timeout = match deadline {
                 Some(d) => match d.checked_sub(self.started.elapsed()) {
-                    Some(left) if !left.is_zero() => left,
+                    Some(left) if !left.is_zero() => left.min(POLL_SLICE),
                     _ => return Ok(None),
                 },
-                None => IDLE_WAIT,
+                None => POLL_SLICE,
             };
             let Some(c) = self.qp.poll(timeout)? else {
                 continue;
@@ -326,9 +337,10 @@ pub fn run_source<F: Fabric>(
     params: BulkParams,
     faults: &RdmaFaults,
     progress: &AtomicU64,
+    cancel: CancellationToken,
 ) -> SourceRun {
     let mut io = SourceIo {
-        link: Link::new(qp),
+        link: Link::new(qp, cancel),
         snapshot,
         region: None,
         faults,
@@ -510,9 +522,10 @@ pub fn run_replica<F: Fabric>(
     staging: &mut Staging,
     faults: &RdmaFaults,
     progress: &(dyn Fn(u64) + Sync),
+    cancel: CancellationToken,
 ) -> ReplicaRun {
     let mut io = ReplicaIo {
-        link: Link::new(qp),
+        link: Link::new(qp, cancel),
         memory: None,
         token,
         staging,

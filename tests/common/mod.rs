@@ -3,6 +3,8 @@
 //! `/metrics` over HTTP.
 #![allow(dead_code)]
 
+pub mod node;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};

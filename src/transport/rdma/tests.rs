@@ -69,7 +69,15 @@ fn session(
             "the token travels in the private data"
         );
         let progress = AtomicU64::new(0);
-        run_source(qp, &snap, 42, params, &driver, &progress)
+        run_source(
+            qp,
+            &snap,
+            42,
+            params,
+            &driver,
+            &progress,
+            Default::default(),
+        )
     });
     let mut staging = Staging::create(dir, "t", Format::Kvr1).unwrap();
     let qp = EmuQp::dial(addr, T, EmuFaults::default()).unwrap();
@@ -82,7 +90,7 @@ fn session(
 }
 
 fn plain(qp: EmuQp, staging: &mut Staging, len: u64, faults: &RdmaFaults) -> ReplicaRun {
-    run_replica(qp, TOKEN, len, staging, faults, &|_| {})
+    run_replica(qp, TOKEN, len, staging, faults, &|_| {}, Default::default())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -213,7 +221,7 @@ async fn bdon_receive_posted_after_mrinfo_hits_rnr() {
                 let faults = RdmaFaults::default();
                 let mut late = LateBdon {
                     io: ReplicaIo {
-                        link: Link::new(qp),
+                        link: Link::new(qp, Default::default()),
                         memory: None,
                         token: TOKEN,
                         staging,
@@ -370,7 +378,7 @@ async fn mrinfo_length_mismatch_is_refused_before_any_write() {
             |qp, staging| {
                 let faults = RdmaFaults::default();
                 let mut io = ShortMrinfo(ReplicaIo {
-                    link: Link::new(qp),
+                    link: Link::new(qp, Default::default()),
                     memory: None,
                     token: TOKEN,
                     staging,

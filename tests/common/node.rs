@@ -1,0 +1,186 @@
+//! A real agent process as a test node, and the sync helpers the
+//! end-to-end tests share: generate and offer snapshots, start and follow
+//! syncs over gRPC, read metrics.
+
+use std::path::{Path, PathBuf};
+
+use futures::StreamExt;
+use kvsync::control::pb;
+use kvsync::control::pb::orchestrator_client::OrchestratorClient;
+use tonic::transport::Channel;
+
+use super::*;
+
+pub struct Node {
+    pub proc: AgentProcess,
+    pub dir: PathBuf,
+}
+
+impl Node {
+    /// Starts an agent named `name` under `root`; `extra` is appended to its
+    /// config file.
+    pub fn start(root: &Path, name: &str, extra: &str, env: &[(&str, &str)]) -> Node {
+        Node::start_with(root, name, "mode = \"tcp\"", extra, env)
+    }
+
+    /// Starts an agent whose `[transport]` section is `transport`.
+    pub fn start_with(
+        root: &Path,
+        name: &str,
+        transport: &str,
+        extra: &str,
+        env: &[(&str, &str)],
+    ) -> Node {
+        let dir = root.join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = root.join(format!("{name}.toml"));
+        std::fs::write(
+            &config,
+            format!(
+                "node_id = \"{name}\"\nsnapshot_dir = \"{}\"\n[grpc]\nlisten = \"127.0.0.1:0\"\n[data]\ntcp_listen = \"127.0.0.1:0\"\nrdma_port = 0\n[metrics]\nlisten = \"127.0.0.1:0\"\n[watch]\ndebounce = \"20ms\"\n[transport]\n{transport}\n{extra}",
+                dir.display()
+            ),
+        )
+        .unwrap();
+        let proc = AgentProcess::start_env(&["--config", config.to_str().unwrap()], env, root);
+        Node { proc, dir }
+    }
+
+    pub fn grpc(&self) -> String {
+        self.proc.addr("grpc")
+    }
+
+    pub fn data(&self) -> String {
+        self.proc.addr("data")
+    }
+
+    pub async fn client(&self) -> OrchestratorClient<Channel> {
+        OrchestratorClient::connect(format!("http://{}", self.grpc()))
+            .await
+            .expect("connect agent")
+    }
+
+    /// Waits until the agent offers a snapshot with `seq`.
+    pub async fn offered(&self, seq: u64) {
+        let c = self.client().await;
+        wait_for_async(
+            &format!("{} to offer seq {seq}", self.grpc()),
+            DEADLINE,
+            || {
+                let mut c = c.clone();
+                async move {
+                    let list = c
+                        .list_snapshots(pb::ListSnapshotsRequest {})
+                        .await
+                        .unwrap()
+                        .into_inner();
+                    list.snapshots.iter().any(|s| s.seq == seq).then_some(())
+                }
+            },
+        )
+        .await;
+    }
+
+    pub fn temp_files(&self) -> Vec<String> {
+        std::fs::read_dir(&self.dir)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with('.'))
+            .collect()
+    }
+
+    pub fn metric(&self, name_and_labels: &str) -> f64 {
+        metric_value(&self.proc.metrics(), name_and_labels).unwrap_or(0.0)
+    }
+}
+
+/// Writes a generated snapshot into `dir` as `name` (temp + rename).
+pub fn put_snapshot(dir: &Path, name: &str, size: u64, seq: u64) -> Vec<u8> {
+    let path = dir.join(name);
+    gen_snapshot(&path, size, seq);
+    std::fs::read(&path).unwrap()
+}
+
+/// A source agent (started with `env`) offering a generated `s.kvr1`.
+pub async fn offering_source(
+    root: &Path,
+    size: u64,
+    seq: u64,
+    env: &[(&str, &str)],
+) -> (Node, Vec<u8>) {
+    let source = Node::start(root, "source", "", env);
+    let bytes = put_snapshot(&source.dir, "s.kvr1", size, seq);
+    source.offered(seq).await;
+    (source, bytes)
+}
+
+pub async fn start_sync(replica: &Node, source: &Node) -> String {
+    let mut c = replica.client().await;
+    let r = c
+        .start_full_sync(pb::StartFullSyncRequest {
+            source: source.grpc(),
+            transport: 0,
+        })
+        .await
+        .expect("start sync")
+        .into_inner();
+    r.sync_id
+}
+
+/// Follows a sync to its end.
+pub async fn wait_done(replica: &Node, id: &str) -> pb::SyncProgress {
+    let mut c = replica.client().await;
+    let mut stream = c
+        .watch_sync(pb::WatchSyncRequest { sync_id: id.into() })
+        .await
+        .unwrap()
+        .into_inner();
+    let follow = async {
+        let mut last = None;
+        while let Some(p) = stream.next().await {
+            last = Some(p.unwrap());
+        }
+        last.expect("at least one progress update")
+    };
+    tokio::time::timeout(DEADLINE * 2, follow)
+        .await
+        .expect("sync finished in time")
+}
+
+/// Waits until the sync reports at least `bytes` received.
+pub async fn wait_bytes(replica: &Node, id: &str, bytes: u64) {
+    let mut c = replica.client().await;
+    let mut stream = c
+        .watch_sync(pb::WatchSyncRequest { sync_id: id.into() })
+        .await
+        .unwrap()
+        .into_inner();
+    tokio::time::timeout(DEADLINE, async {
+        while let Some(p) = stream.next().await {
+            if p.unwrap().bytes_done >= bytes {
+                return;
+            }
+        }
+        panic!("sync ended before {bytes} bytes arrived");
+    })
+    .await
+    .expect("bytes arrived in time");
+}
+
+pub async fn sync_ok(replica: &Node, source: &Node) -> pb::SyncProgress {
+    let id = start_sync(replica, source).await;
+    let p = wait_done(replica, &id).await;
+    assert_eq!(
+        p.phase,
+        pb::Phase::Succeeded as i32,
+        "sync failed: {}\nreplica log:\n{}",
+        p.error,
+        replica.proc.log()
+    );
+    p
+}
+
+pub fn replmeta_seq(installed: &str) -> Option<u64> {
+    kvsync::handoff::read_replmeta_seq(Path::new(&format!("{installed}.replmeta")))
+}
