@@ -103,7 +103,7 @@ async fn sync_with_source_faults(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corrupted_chunk_fails_the_checksum_and_falls_back_to_tcp() {
-    let (_source, replica, p, bytes) =
+    let (_dir, _source, replica, p, bytes) =
         sync_with_source_faults("rdma_corrupt_at=1000000", "auto", true).await;
     assert_eq!(
         p.phase,
@@ -132,7 +132,7 @@ async fn corrupted_chunk_fails_the_checksum_and_falls_back_to_tcp() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_rkey_is_an_access_error_and_falls_back_to_tcp() {
-    let (source, replica, p, bytes) =
+    let (_dir, source, replica, p, bytes) =
         sync_with_source_faults("rdma_bad_rkey=1", "rdma", true).await;
     assert_eq!(
         p.phase,
@@ -157,7 +157,7 @@ async fn wrong_rkey_is_an_access_error_and_falls_back_to_tcp() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cut_connection_without_fallback_fails_cleanly() {
-    let (_source, replica, p, _) =
+    let (_dir, _source, replica, p, _) =
         sync_with_source_faults("rdma_cut_after=1000000", "rdma", false).await;
     assert_eq!(p.phase, pb::Phase::Failed as i32);
     assert!(p.error.contains("rdma transfer failed"), "{}", p.error);
