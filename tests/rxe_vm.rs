@@ -2,8 +2,12 @@
 //! (`scripts/rxe-vm.sh`) boots Debian's stock kernel with `rdma_rxe`, and
 //! these tests check, in one VM boot to keep CI time down, that rxe0 is
 //! ACTIVE, that perftest's `ib_write_bw -R` moves 4 MiB messages over real
-//! rdma_cm connections, and that kvsync's own verbs probe finds rxe0 there —
-//! while on the host it finds nothing.
+//! rdma_cm connections, that kvsync's probe finds rxe0 (soft, capped) and
+//! `auto` picks RDMA there, and that real agents sync 0-byte-payload, odd
+//! and 32 MiB snapshots by RDMA Writes over rxe0 — with a source addressed as
+//! 127.0.0.1 reached through the interface address, and a real remote
+//! access error (wrong rkey) falling back to TCP. On the host the probe
+//! finds nothing and `auto` picks TCP.
 
 mod common;
 
@@ -13,10 +17,44 @@ use common::*;
 
 /// Everything checked inside the VM, section by section.
 const VM_SCRIPT: &str = r#"
+set -u
+K=$KVSYNC_BIN
+mkdir -p /tmp/kv
+# Starts an agent; prints its gRPC address once it is ready.
+start_agent() {
+    name=$1 mode=$2 fallback=$3; shift 3
+    mkdir -p /tmp/kv/$name
+    cat > /tmp/kv/$name.toml <<EOT
+node_id = "$name"
+snapshot_dir = "/tmp/kv/$name"
+[grpc]
+listen = "127.0.0.1:0"
+[data]
+tcp_listen = "127.0.0.1:0"
+rdma_port = 0
+[metrics]
+listen = ""
+[watch]
+debounce = "20ms"
+[transport]
+mode = "$mode"
+fallback_to_tcp = $fallback
+EOT
+    env "$@" "$K" agent --config /tmp/kv/$name.toml > /tmp/kv/$name.out 2> /tmp/kv/$name.log &
+    for i in $(seq 600); do grep -q "kvsync agent ready" /tmp/kv/$name.out && break; sleep 0.1; done
+    grep "kvsync agent ready" /tmp/kv/$name.out || { cat /tmp/kv/$name.log >&2; exit 1; }
+}
+# Waits until agent $1 offers seq $2.
+offered() {
+    for i in $(seq 300); do "$K" snapshots --agent $1 --json | grep -q "\"seq\":$2[,}]" && return; sleep 0.1; done
+    echo "snapshot seq $2 never offered by $1"; exit 1
+}
+grpc() { sed 's/.* grpc=\([^ ]*\).*/\1/'; }
+
 echo "== devinfo"
 ibv_devinfo -d rxe0 | grep -E 'hca_id|state'
 echo "== probe"
-"$KVSYNC_BIN" probe --json
+"$K" probe --json
 echo "== ib_write_bw"
 ib_write_bw -R -d rxe0 -s 4194304 -n 40 -F > /tmp/server.log 2>&1 &
 server=$!
@@ -29,6 +67,29 @@ done
 wait $server
 cat /tmp/client.log
 [ $ok = 1 ] || { echo "ib_write_bw client never connected"; cat /tmp/server.log; exit 1; }
+
+echo "== agents"
+SRC_LINE=$(start_agent src auto true) || exit 1
+BAD_LINE=$(start_agent bad auto true KVSYNC_FAULTS=rdma_bad_rkey=1) || exit 1
+DST_LINE=$(start_agent dst rdma true) || exit 1
+echo "$SRC_LINE"
+SRC=$(echo "$SRC_LINE" | grpc) BAD=$(echo "$BAD_LINE" | grpc) DST=$(echo "$DST_LINE" | grpc)
+for spec in "36 1" "1234567 2" "33554432 3"; do
+    set -- $spec
+    "$K" gen-snapshot --size $1 --seq $2 /tmp/kv/src/s$2.kvr1 > /dev/null
+    offered $SRC $2
+    echo "== sync $1"
+    "$K" sync --agent $DST --source $SRC --wait --json
+    cmp /tmp/kv/src/s$2.kvr1 /tmp/kv/dst/s$2.kvr1 && echo "identical"
+    head -1 /tmp/kv/dst/s$2.kvr1.replmeta
+done
+echo "== fallback"
+"$K" gen-snapshot --size 4194304 --seq 9 /tmp/kv/bad/b9.kvr1 > /dev/null
+offered $BAD 9
+"$K" sync --agent $DST --source $BAD --wait --json
+cmp /tmp/kv/bad/b9.kvr1 /tmp/kv/dst/b9.kvr1 && echo "identical"
+echo "== source log"
+grep -E "rdma bulk done|REM_ACCESS|transport selection" /tmp/kv/src.log /tmp/kv/bad.log
 echo "== done"
 "#;
 
@@ -45,7 +106,7 @@ fn soft_roce_vm_has_active_rxe0_and_real_verbs() {
     let Some(run) = run_in_vm(
         &["bash", "-c", VM_SCRIPT],
         &[("KVSYNC_BIN", kvsync_bin())],
-        170,
+        300,
     ) else {
         return;
     };
@@ -81,9 +142,85 @@ fn soft_roce_vm_has_active_rxe0_and_real_verbs() {
         .and_then(|v| v.parse().ok())
         .expect("BW average");
     assert!(avg > 0.0, "{line}");
+    assert_eq!(
+        probe["choice"], "rdma",
+        "auto picks RDMA in the VM: {probe}"
+    );
+    assert_eq!(probe["soft"], true);
+    assert_eq!(
+        (probe["chunk_mb"].as_u64(), probe["pipeline"].as_u64()),
+        (Some(4), Some(32))
+    );
+    assert_eq!(probe["local_addr"], "10.0.2.15");
+
+    // Real RDMA syncs between agents, the source addressed as 127.0.0.1.
+    assert!(
+        section(out, "agents").contains("rdma=verbs:10.0.2.15:"),
+        "{}",
+        section(out, "agents")
+    );
+    for (size, seq) in [(36u64, 1u64), (1_234_567, 2), (32 << 20, 3)] {
+        let sec = section(out, &format!("sync {size}"));
+        let json = sec
+            .lines()
+            .find(|l| l.starts_with('{'))
+            .unwrap_or_else(|| panic!("no JSON in {sec}"));
+        let v: serde_json::Value = serde_json::from_str(json).unwrap();
+        assert_eq!(v["status"], "succeeded", "{v}\n{}", run.stderr);
+        assert_eq!(v["transport"], "rdma", "{v}");
+        assert_eq!(v["fallback_reason"], "", "{v}");
+        assert_eq!(v["bytes"].as_u64(), Some(size));
+        let detail = v["detail"].as_str().unwrap();
+        assert!(
+            detail.contains("rdma verbs via rxe0") && detail.contains("to 10.0.2.15:"),
+            "{detail}"
+        );
+        assert!(detail.contains("receive memory:"), "{detail}");
+        assert!(sec.contains("identical"), "{sec}");
+        assert!(sec.contains(&format!("REPLMETA {seq}")), "{sec}");
+    }
+
+    // A real remote access error from rxe0, then TCP.
+    let fb = section(out, "fallback");
+    let v: serde_json::Value = serde_json::from_str(
+        fb.lines()
+            .find(|l| l.starts_with('{'))
+            .expect("fallback JSON"),
+    )
+    .unwrap();
+    assert_eq!(
+        (v["status"].as_str(), v["transport"].as_str()),
+        (Some("succeeded"), Some("tcp")),
+        "{v}"
+    );
+    assert!(
+        v["fallback_reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("completion_error"),
+        "{v}"
+    );
+    assert!(fb.contains("identical"), "{fb}");
+    let logs = section(out, "source log");
+    assert!(logs.contains("REM_ACCESS_ERR"), "{logs}");
+
+    // kvsync's bulk throughput against ib_write_bw on the same device.
+    let bulk: f64 = logs
+        .lines()
+        .filter(|l| l.contains("rdma bulk done") && l.contains("writes=8"))
+        .find_map(|l| {
+            l.split("bulk_mb_s=")
+                .nth(1)?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("no 32 MiB bulk line in {logs}"));
     let _ = writeln!(
         std::io::stderr(),
-        "soft-RoCE ib_write_bw -R 4 MiB: {avg:.1} MB/s average (inside the VM, emulated CPU)"
+        "soft-RoCE, same VM run: ib_write_bw -R 4 MiB {avg:.1} MB/s; kvsync RDMA bulk (32 MiB, 4 MiB writes) {bulk:.1} MB/s; ratio {:.2}",
+        bulk / avg
     );
 }
 

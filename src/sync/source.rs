@@ -197,6 +197,7 @@ pub fn serve_rdma<F: Fabric>(mut qp: F, peer: &str, plane: &DataPlane) {
         warn!(%peer, provider = qp.provider(), "rdma connection rejected: {BAD_TOKEN}");
         return qp.reject(BAD_TOKEN);
     };
+    let provider = qp.provider();
     serve(plane, &offer, peer, |progress| {
         let run = rdma::run_source(
             qp,
@@ -207,10 +208,13 @@ pub fn serve_rdma<F: Fabric>(mut qp: F, peer: &str, plane: &DataPlane) {
             progress,
             plane.shutdown.clone(),
         );
+        let bulk_mb_s = run.stats.bulk_mb_s(offer.snapshot.len() as u64);
         info!(
             writes = run.stats.posted,
             signaled = run.stats.signaled,
-            "rdma writes posted"
+            bulk_mb_s,
+            provider,
+            "rdma bulk done"
         );
         match run.result {
             Ok(r) => Served::from(r),

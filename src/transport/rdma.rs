@@ -89,11 +89,21 @@ impl RdmaError {
     }
 }
 
-/// How many writes a source posted, and how many of them were signalled.
+/// How many writes a source posted, how many of them were signalled, and
+/// how long the bulk took (first write posted → last write complete).
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct WriteStats {
     pub posted: u64,
     pub signaled: u64,
+    pub bulk: Option<Duration>,
+}
+
+impl WriteStats {
+    /// Bulk throughput in MB/s (10^6 bytes), if there was a bulk phase.
+    pub fn bulk_mb_s(&self, bytes: u64) -> Option<f64> {
+        self.bulk
+            .map(|d| bytes as f64 / d.as_secs_f64().max(1e-9) / 1e6)
+    }
 }
 
 /// What both executors share: the queue pair, the session clock, ids.
@@ -214,6 +224,7 @@ struct SourceIo<'a, F> {
     /// End offsets of signalled writes in flight, oldest first.
     signaled_ends: VecDeque<(u64, u64)>,
     stats: WriteStats,
+    bulk_started: Option<Instant>,
 }
 
 impl<F: Fabric> SourceIo<'_, F> {
@@ -241,6 +252,7 @@ impl<F: Fabric> Executor for SourceIo<'_, F> {
             Command::Send(t) => {
                 self.accept()?;
                 if t == Token::Bdon {
+                    self.stats.bulk = self.bulk_started.map(|s| s.elapsed());
                     // Every byte is written; the image must also have
                     // verified on load before we vouch for it.
                     self.snapshot.wait_complete()?;
@@ -271,6 +283,7 @@ impl<F: Fabric> Executor for SourceIo<'_, F> {
                     .region
                     .ok_or(RdmaError::Unsupported("writes before registration"))?;
                 let end = writes.last().map_or(0, |w| w.offset + w.len);
+                self.bulk_started.get_or_insert_with(Instant::now);
                 // Writes go out as soon as the cache has loaded their range.
                 self.snapshot.wait_loaded(end as usize)?;
                 for w in writes.iter().filter(|w| w.signaled) {
@@ -347,6 +360,7 @@ pub fn run_source<F: Fabric>(
         progress,
         signaled_ends: VecDeque::new(),
         stats: WriteStats::default(),
+        bulk_started: None,
     };
     let mut machine = Source::new(snapshot.len() as u64, seq, BulkMode::Rdma(params));
     machine.start(io.now());
