@@ -438,8 +438,10 @@ mod tests {
 
     #[test]
     fn defaults_are_valid() {
-        let mut c = Config::default();
-        c.node_id = "n".into();
+        let c = Config {
+            node_id: "n".into(),
+            ..Default::default()
+        };
         c.validate().unwrap();
     }
 

@@ -19,6 +19,21 @@ const DURATION_BUCKETS: &[f64] = &[
     1800.0, 3600.0,
 ];
 
+/// The `reason` labels of `kvsync_transport_fallback_total`.
+pub const FALLBACK_REASONS: &[&str] = &[
+    "unavailable",
+    "connect",
+    "rejected",
+    "timeout",
+    "checksum",
+    "peer_failed",
+    "protocol",
+    "completion_error",
+    "disconnected",
+    "fabric_error",
+    "local_error",
+];
+
 /// All metric handles of one agent.
 pub struct Metrics {
     registry: Registry,
@@ -185,6 +200,10 @@ impl Metrics {
             ])
             .set(1);
         m.up_since.set(unix_now());
+        // Every fallback reason exists from the start, so rates work.
+        for reason in FALLBACK_REASONS {
+            m.transport_fallback.with_label_values(&[reason]);
+        }
         Arc::new(m)
     }
 

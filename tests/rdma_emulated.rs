@@ -174,7 +174,7 @@ async fn cut_connection_without_fallback_fails_cleanly() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn auto_against_a_tcp_only_source_uses_tcp_without_a_fallback() {
+async fn a_tcp_only_source_is_used_over_tcp_as_each_mode_allows() {
     let root = tempfile::tempdir().unwrap();
     let source = Node::start(root.path(), "source", "", &[]);
     let replica = node(root.path(), "replica", &emulated("auto", true), &[]);
@@ -184,6 +184,31 @@ async fn auto_against_a_tcp_only_source_uses_tcp_without_a_fallback() {
     assert_eq!(p.transport, pb::Transport::Tcp as i32);
     assert_eq!(p.fallback_reason, "");
     assert_eq!(source.proc.addr("rdma"), "-");
+
+    // mode = "rdma": with fallback it counts one; without, it fails clearly.
+    let lenient = node(root.path(), "lenient", &emulated("rdma", true), &[]);
+    let p = sync_ok(&lenient, &source).await;
+    assert_eq!(p.transport, pb::Transport::Tcp as i32);
+    assert!(
+        p.fallback_reason.starts_with("unavailable"),
+        "{}",
+        p.fallback_reason
+    );
+    assert_eq!(
+        lenient.metric(r#"kvsync_transport_fallback_total{reason="unavailable"}"#),
+        1.0
+    );
+    let strict = node(root.path(), "strict", &emulated("rdma", false), &[]);
+    let id = start_sync(&strict, &source).await;
+    let p = wait_done(&strict, &id).await;
+    assert_eq!(p.phase, pb::Phase::Failed as i32);
+    assert!(
+        p.error
+            .contains("rdma required but this source cannot serve it"),
+        "{}",
+        p.error
+    );
+    assert!(strict.temp_files().is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

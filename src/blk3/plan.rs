@@ -107,7 +107,7 @@ impl WritePlanner {
     }
 
     fn is_signaled(&self, id: u64) -> bool {
-        (id + 1) % self.params.signal_batch as u64 == 0 || id + 1 == self.writes
+        (id + 1).is_multiple_of(self.params.signal_batch as u64) || id + 1 == self.writes
     }
 
     /// The writes to post now (one linked chain), filling the pipeline.

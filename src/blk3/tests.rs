@@ -443,7 +443,7 @@ fn replica_times_out_waiting_for_bdon() {
             after: size_scaled_timeout(2 << 30)
         }))
     );
-    assert!(matches!(run.rep_machine.deadline(), None));
+    assert!(run.rep_machine.deadline().is_none());
 }
 
 #[test]

@@ -305,9 +305,11 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
         .tempdir()
         .context("temp dir")?;
     let agent_config = |name: &str| {
-        let mut c = Config::default();
-        c.node_id = name.to_string();
-        c.snapshot_dir = root.path().join(name);
+        let mut c = Config {
+            node_id: name.to_string(),
+            snapshot_dir: root.path().join(name),
+            ..Default::default()
+        };
         c.grpc.listen = "127.0.0.1:0".into();
         c.data.tcp_listen = "127.0.0.1:0".into();
         c.metrics.listen = String::new();

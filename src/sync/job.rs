@@ -241,21 +241,25 @@ async fn attempt(ctx: &JobContext) -> Result<(), JobError> {
             message: e,
         })?;
     let mut peer = pb::peer_client::PeerClient::new(channel);
-    let mut offer = negotiate(ctx, &mut peer, want_rdma, mode).await?;
+    // Only a sync that cannot fall back insists on RDMA with the source.
+    let insist = mode == TransportMode::Rdma && !may_fall_back;
+    let mut offer = negotiate(ctx, &mut peer, want_rdma, insist).await?;
     let transfer = if offer.transport == pb::Transport::Rdma as i32 {
         match transfer_rdma(ctx, &offer).await {
             Ok(t) => t,
             Err(e) => match e.fallback_reason() {
                 Some(reason) if may_fall_back => {
                     fell_back(ctx, reason, &e.to_string());
-                    offer = negotiate(ctx, &mut peer, false, TransportMode::Tcp).await?;
+                    offer = negotiate(ctx, &mut peer, false, false).await?;
                     transfer_tcp(ctx, &offer).await?
                 }
                 _ => return Err(e),
             },
         }
     } else {
-        if want_rdma {
+        if want_rdma && mode == TransportMode::Rdma {
+            fell_back(ctx, "unavailable", "the source cannot serve rdma");
+        } else if want_rdma {
             info!("the source offers tcp only; using tcp");
         }
         transfer_tcp(ctx, &offer).await?
@@ -336,12 +340,13 @@ fn fell_back(ctx: &JobContext, reason: &'static str, detail: &str) {
         .send_modify(|p| p.fallback_reason = format!("{reason}: {detail}"));
 }
 
-/// Asks the source for a session (RDMA allowed or not) and checks the offer.
+/// Asks the source for a session — TCP only, RDMA if it can, or RDMA
+/// insisted on — and checks the offer.
 async fn negotiate(
     ctx: &JobContext,
     peer: &mut pb::peer_client::PeerClient<tonic::transport::Channel>,
     rdma: bool,
-    mode: TransportMode,
+    insist: bool,
 ) -> Result<pb::SyncOffer, JobError> {
     let format = ctx.config.snapshot_format;
     let mut transports = vec![pb::Transport::Tcp as i32];
@@ -352,10 +357,12 @@ async fn negotiate(
         replica_node_id: ctx.config.node_id.clone(),
         transports,
         rdma_reachable: rdma,
-        preference: match mode {
-            TransportMode::Tcp => pb::TransportPreference::Tcp,
-            TransportMode::Rdma if rdma => pb::TransportPreference::Rdma,
-            _ => pb::TransportPreference::Auto,
+        preference: if !rdma {
+            pb::TransportPreference::Tcp
+        } else if insist {
+            pb::TransportPreference::Rdma
+        } else {
+            pb::TransportPreference::Auto
         } as i32,
         format: format.as_str().to_string(),
         rdma_provider: if rdma {

@@ -79,7 +79,7 @@ impl RdmaError {
             RdmaError::Fabric(FabricError::Disconnected | FabricError::CmEvent { .. }) => {
                 "disconnected"
             }
-            RdmaError::Fabric(_) => "verbs_error",
+            RdmaError::Fabric(_) => "fabric_error",
             RdmaError::Completion { .. } => "completion_error",
             RdmaError::Token(_) => "protocol",
             RdmaError::Snapshot(_) | RdmaError::Receive(_) => "local_error",
