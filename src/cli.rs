@@ -302,7 +302,9 @@ async fn wait_for_signal() {
 
 fn gen_snapshot(args: GenArgs) -> anyhow::Result<ExitCode> {
     if args.format != Format::Kvr1 {
-        anyhow::bail!("gen-snapshot writes only the kvr1 format");
+        anyhow::bail!(
+            "gen-snapshot writes only the kvr1 format (RDB files come from the server: BGSAVE)"
+        );
     }
     let spec = GenSpec {
         size: args.size.as_u64(),
@@ -388,6 +390,18 @@ fn verify(args: VerifyArgs) -> ExitCode {
                 v["checksum_ok"] = true.into();
                 v["path"] = args.file.display().to_string().into();
                 println!("{v}");
+            } else if let Some(id) = &info.repl_id {
+                let checksum = match info.checksum {
+                    0 => "checksum disabled (rdbchecksum no)".to_string(),
+                    c => format!("CRC-64 {c:#x} ok"),
+                };
+                println!(
+                    "{}: {} snapshot, {} bytes, repl-id {id}, repl-offset (M) {}, {checksum}",
+                    args.file.display(),
+                    info.format,
+                    info.size,
+                    info.seq,
+                );
             } else {
                 println!(
                     "{}: {} snapshot, {} bytes, seq {}, {} records, checksum {:#x} ok",

@@ -33,6 +33,56 @@ pub struct Config {
     pub cache: CacheConfig,
     pub watch: WatchConfig,
     pub sync: SyncConfig,
+    pub redis: RedisConfig,
+}
+
+/// Redis/Valkey: the local primary (source role, pre-flight check) and the
+/// local server a `redis` handoff seeds (replica role).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RedisConfig {
+    /// Source: the local primary (`host:port`) whose backlog must still hold
+    /// M+1 before a snapshot is offered; empty skips the check.
+    pub primary_addr: String,
+    /// Password for the servers (`AUTH`), if they require one.
+    pub password: String,
+    /// Replica: the local server (`host:port`).
+    pub server_addr: String,
+    /// Replica: the server's `dir` and `dbfilename`.
+    pub dir: PathBuf,
+    pub dbfilename: String,
+    /// Replica: the primary to follow (`host:port`).
+    pub primary: String,
+    /// Replica: the command that (re)starts the server with `replicaof
+    /// <primary>` and `appendonly no`, and returns once it is started
+    /// (e.g. `systemctl restart redis-replica`, or `redis-server … --daemonize
+    /// yes`). `{primary_host}`, `{primary_port}`, `{dir}`, `{dbfilename}` are
+    /// replaced.
+    pub start: Vec<String>,
+    /// Replica: the command that stops the server; empty sends
+    /// `SHUTDOWN NOSAVE` to `server_addr`.
+    pub stop: Vec<String>,
+}
+
+impl Default for RedisConfig {
+    fn default() -> Self {
+        RedisConfig {
+            primary_addr: String::new(),
+            password: String::new(),
+            server_addr: "127.0.0.1:6379".into(),
+            dir: PathBuf::from("/var/lib/redis"),
+            dbfilename: "dump.rdb".into(),
+            primary: String::new(),
+            start: Vec::new(),
+            stop: Vec::new(),
+        }
+    }
+}
+
+/// True for `host:port` with a numeric port.
+fn is_host_port(s: &str) -> bool {
+    s.rsplit_once(':')
+        .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok())
 }
 
 /// Control plane (gRPC) settings.
@@ -192,6 +242,7 @@ impl Default for Config {
             cache: CacheConfig::default(),
             watch: WatchConfig::default(),
             sync: SyncConfig::default(),
+            redis: RedisConfig::default(),
         }
     }
 }
@@ -350,12 +401,6 @@ impl Config {
                 format!("must be an absolute path, got {:?}", self.snapshot_dir),
             );
         }
-        if self.snapshot_format == Format::RedisRdb {
-            bad(
-                "snapshot_format",
-                "\"redis-rdb\" is not supported by this build yet; use \"kvr1\"".into(),
-            );
-        }
         for (key, value, may_be_empty) in [
             ("grpc.listen", &self.grpc.listen, false),
             ("data.tcp_listen", &self.data.tcp_listen, false),
@@ -400,11 +445,48 @@ impl Config {
                 "handoff.exec",
                 "mode \"exec\" needs a program to run".into(),
             ),
-            HandoffMode::Redis => bad(
-                "handoff.mode",
-                "\"redis\" is not supported by this build yet".into(),
-            ),
             _ => {}
+        }
+        let r = &self.redis;
+        if !r.primary_addr.is_empty() && !is_host_port(&r.primary_addr) {
+            bad(
+                "redis.primary_addr",
+                format!("expected host:port, got {:?}", r.primary_addr),
+            );
+        }
+        if h.mode == HandoffMode::Redis {
+            if self.snapshot_format != Format::RedisRdb {
+                bad(
+                    "handoff.mode",
+                    "mode \"redis\" needs snapshot_format = \"redis-rdb\"".into(),
+                );
+            }
+            for (key, value) in [
+                ("redis.server_addr", &r.server_addr),
+                ("redis.primary", &r.primary),
+            ] {
+                if !is_host_port(value) {
+                    bad(
+                        key,
+                        format!("mode \"redis\" needs host:port, got {value:?}"),
+                    );
+                }
+            }
+            if !r.dir.is_absolute() {
+                bad(
+                    "redis.dir",
+                    format!("must be the server's absolute data dir, got {:?}", r.dir),
+                );
+            }
+            if r.dbfilename.is_empty() || r.dbfilename.contains('/') {
+                bad(
+                    "redis.dbfilename",
+                    format!("must be a file name, got {:?}", r.dbfilename),
+                );
+            }
+            if r.start.is_empty() {
+                bad("redis.start", "mode \"redis\" needs the command that (re)starts the server with replicaof and appendonly no".into());
+            }
         }
         if h.mode == HandoffMode::Command && h.command_template.trim().is_empty() {
             bad("handoff.command_template", "must not be empty".into());

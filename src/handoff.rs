@@ -2,8 +2,9 @@
 //!
 //! Always writes the atomic `<snapshot>.replmeta` record first; then, per
 //! `[handoff] mode`, sends a templated line to the KV's admin address and
-//! requires `+OK`, or runs a program with `KVSYNC_*` in its environment and
-//! requires exit status 0. Every step has the configured deadline. A failed
+//! requires `+OK`, runs a program with `KVSYNC_*` in its environment and
+//! requires exit status 0, or seeds a Redis/Valkey server and requires a
+//! partial resync (`crate::redis`). Every step has the configured deadline. A failed
 //! handoff leaves the installed snapshot in place; the caller reports it.
 
 use std::path::{Path, PathBuf};
@@ -11,7 +12,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
-use crate::config::{HandoffConfig, HandoffMode};
+use crate::config::{HandoffConfig, HandoffMode, RedisConfig};
 use crate::install::{self, InstallError};
 use crate::snapshot::SnapshotInfo;
 
@@ -48,7 +49,12 @@ impl HandoffRecord {
             self.info.size,
             self.info.checksum,
             now_ms
-        )
+        ) + &self
+            .info
+            .repl_id
+            .as_ref()
+            .map(|id| format!("replid {id}\n"))
+            .unwrap_or_default()
     }
 }
 
@@ -70,9 +76,9 @@ pub enum HandoffError {
     /// The handoff program failed.
     #[error("handoff program {program:?} {status}")]
     Program { program: String, status: String },
-    /// The mode is not available in this build.
-    #[error("handoff mode {0:?} is not supported by this build")]
-    Unsupported(&'static str),
+    /// The Redis/Valkey server did not continue from the snapshot.
+    #[error(transparent)]
+    Redis(#[from] crate::redis::RedisError),
     /// No answer within the deadline.
     #[error("handoff timed out after {0:?}")]
     Timeout(Duration),
@@ -82,6 +88,7 @@ pub enum HandoffError {
 /// description of what was done.
 pub async fn hand_off(
     config: &HandoffConfig,
+    redis: &RedisConfig,
     record: &HandoffRecord,
 ) -> Result<String, HandoffError> {
     install::write_atomic(&record.replmeta_path(), record.render().as_bytes())?;
@@ -91,7 +98,9 @@ pub async fn hand_off(
             HandoffMode::File => Ok(format!("wrote {}", record.replmeta_path().display())),
             HandoffMode::Command => send_command(config, record).await,
             HandoffMode::Exec => run_program(config, record).await,
-            HandoffMode::Redis => Err(HandoffError::Unsupported("redis")),
+            HandoffMode::Redis => {
+                Ok(crate::redis::seed(redis, deadline, &record.path, &record.info).await?)
+            }
         }
     };
     tokio::time::timeout(deadline, work)

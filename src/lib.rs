@@ -14,10 +14,13 @@
 //! - [`cache`] — the shared, budgeted snapshot buffers on the source.
 //! - [`control`] — the gRPC control plane (orchestrator and peer services).
 //! - [`blk3`] — the BLK3 data-plane protocol as sans-IO state machines.
-//! - [`transport`] — drivers that run BLK3 over TCP (and RDMA).
+//! - [`transport`] — drivers that run BLK3 over TCP and RDMA (verbs, or the
+//!   emulated fabric), the RDMA probe and transport selection.
 //! - [`sync`] — replica sync jobs and the source role's sessions.
 //! - [`install`] — staging, verifying and durably installing received snapshots.
 //! - [`handoff`] — handing the snapshot's sequence number to the local KV.
+//! - [`redis`] — Redis/Valkey: the source's backlog pre-flight and the
+//!   replica's seeding handoff.
 //! - [`metrics`] — every Prometheus handle and the `/metrics` endpoint.
 //! - [`agent`] — wires the parts into a running agent.
 //! - [`cli`] — the `kvsync` command line.
@@ -33,6 +36,7 @@ pub mod control;
 pub mod handoff;
 pub mod install;
 pub mod metrics;
+pub mod redis;
 pub mod snapshot;
 pub mod sync;
 pub mod transport;

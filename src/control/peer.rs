@@ -12,6 +12,7 @@ use tracing::{info, warn};
 
 use super::{pb, ApiError};
 use crate::agent::Shared;
+use crate::snapshot::{Format, SnapshotInfo};
 use crate::sync::source::Offer;
 use crate::sync::{new_id, unix_ms};
 use crate::transport::TransportKind;
@@ -51,6 +52,7 @@ impl PeerService {
                 shared.config.snapshot_dir.display()
             ))
         })?;
+        let backlog_bytes_left = redis_preflight(shared, &entry.info).await?;
         let snapshot = shared.cache.acquire(&entry).await?;
         let ttl = shared.config.sync.session_token_ttl;
         let id = new_id();
@@ -91,6 +93,7 @@ impl PeerService {
                 TransportKind::Tcp => String::new(),
             },
             rdma_device: shared.rdma.device.clone().unwrap_or_default(),
+            backlog_bytes_left,
             source_node_id: shared.config.node_id.clone(),
             snapshot_name: entry
                 .path
@@ -98,6 +101,31 @@ impl PeerService {
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default(),
         })
+    }
+}
+
+/// For an RDB, when the local primary is configured: does its backlog still
+/// hold M+1? Refused with what to do otherwise; the slack left otherwise.
+async fn redis_preflight(shared: &Shared, info: &SnapshotInfo) -> Result<u64, ApiError> {
+    let redis = &shared.config.redis;
+    if info.format != Format::RedisRdb || redis.primary_addr.is_empty() {
+        return Ok(0);
+    }
+    match crate::redis::preflight(redis, info).await {
+        Ok(p) => {
+            info!(
+                seq = info.seq,
+                backlog_bytes_left = p.backlog_bytes_left,
+                "redis pre-flight passed"
+            );
+            Ok(p.backlog_bytes_left)
+        }
+        Err(e @ crate::redis::RedisError::Precondition(_)) => {
+            Err(ApiError::FailedPrecondition(e.to_string()))
+        }
+        Err(e) => Err(ApiError::FailedPrecondition(format!(
+            "cannot check the primary's replication backlog: {e}"
+        ))),
     }
 }
 

@@ -278,6 +278,7 @@ impl Kvr1Verifier {
             checksum: actual,
             records: header.records,
             created_ms: header.created_ms,
+            repl_id: None,
         })
     }
 }

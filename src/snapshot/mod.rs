@@ -7,6 +7,7 @@
 //! submodules; this module only dispatches and attaches file names to errors.
 
 pub mod kvr1;
+pub mod rdb;
 
 use std::fs::File;
 use std::io::Read;
@@ -65,8 +66,11 @@ pub struct SnapshotInfo {
     pub checksum: u64,
     /// Number of records (KVR1).
     pub records: u64,
-    /// Creation time from the header, unix milliseconds (KVR1).
+    /// Creation time from the header, unix milliseconds.
     pub created_ms: u64,
+    /// Replication id of the primary that saved it (RDB).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub repl_id: Option<String>,
 }
 
 /// Why bytes are not a valid snapshot. Offsets are into the snapshot.
@@ -116,6 +120,12 @@ pub enum Corruption {
     /// The format is recognised but not supported by this build.
     #[error("format {0} is not supported yet")]
     Unsupported(Format),
+    /// A structure inside the file is malformed.
+    #[error("malformed at offset {offset}: {what}")]
+    Malformed { offset: u64, what: String },
+    /// An RDB without `repl-id`/`repl-offset`: no partial resync can follow it.
+    #[error("no replication position in this RDB (the primary had no replication backlog when it saved); attach a replica or run with a backlog, then save again")]
+    NoReplicationPosition,
 }
 
 impl Corruption {
@@ -127,7 +137,8 @@ impl Corruption {
             | Corruption::TooShort { .. }
             | Corruption::RecordPastEnd { .. }
             | Corruption::Length { .. } => "truncated",
-            Corruption::RecordCount { .. } => "corrupt",
+            Corruption::RecordCount { .. } | Corruption::Malformed { .. } => "corrupt",
+            Corruption::NoReplicationPosition => "no_replication_position",
             Corruption::ChecksumMismatch { .. } => "checksum_mismatch",
             Corruption::Unsupported(_) => "unsupported",
         }
@@ -168,6 +179,7 @@ impl SnapshotError {
 /// Incremental verifier: feed the snapshot's bytes in order, then `finish`.
 pub enum Verifier {
     Kvr1(kvr1::Kvr1Verifier),
+    Rdb(rdb::RdbVerifier),
 }
 
 impl Verifier {
@@ -175,7 +187,7 @@ impl Verifier {
     pub fn new(format: Format, total_len: u64) -> Result<Verifier, Corruption> {
         match format {
             Format::Kvr1 => Ok(Verifier::Kvr1(kvr1::Kvr1Verifier::new(total_len))),
-            Format::RedisRdb => Err(Corruption::Unsupported(format)),
+            Format::RedisRdb => Ok(Verifier::Rdb(rdb::RdbVerifier::new(total_len))),
         }
     }
 
@@ -183,6 +195,7 @@ impl Verifier {
     pub fn update(&mut self, bytes: &[u8]) -> Result<(), Corruption> {
         match self {
             Verifier::Kvr1(v) => v.update(bytes),
+            Verifier::Rdb(v) => v.update(bytes),
         }
     }
 
@@ -190,6 +203,7 @@ impl Verifier {
     pub fn finish(self) -> Result<SnapshotInfo, Corruption> {
         match self {
             Verifier::Kvr1(v) => v.finish(),
+            Verifier::Rdb(v) => v.finish(),
         }
     }
 }

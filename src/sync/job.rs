@@ -305,7 +305,7 @@ async fn attempt(ctx: &JobContext) -> Result<(), JobError> {
     };
     let mode = format!("{:?}", config.handoff.mode).to_lowercase();
     let handoff = ctx
-        .or_cancel(handoff::hand_off(&config.handoff, &record))
+        .or_cancel(handoff::hand_off(&config.handoff, &config.redis, &record))
         .await?;
     let result = if handoff.is_ok() { "ok" } else { "failed" };
     ctx.metrics
@@ -410,7 +410,7 @@ async fn negotiate(
         p.transport = offer.transport;
         p.phase = pb::Phase::Connecting as i32;
     });
-    info!(session = %offer.session_id, size = offer.snapshot_size, seq = offer.seq, endpoint = %offer.data_endpoint, transport = %control::transport_name(offer.transport), "offer received");
+    info!(session = %offer.session_id, size = offer.snapshot_size, seq = offer.seq, endpoint = %offer.data_endpoint, transport = %control::transport_name(offer.transport), backlog_bytes_left = offer.backlog_bytes_left, "offer received");
     Ok(offer)
 }
 

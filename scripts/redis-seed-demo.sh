@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# Seeds a Redis replica with kvsync on one machine, then (as a benchmark)
+# compares it with Redis's own full sync of an empty replica, same run:
+#   1. a primary (with a replication backlog) holding KEYS keys of SIZE bytes,
+#      saved with BGSAVE, then written to some more;
+#   2. a source agent watching the primary's dir, a replica agent with the
+#      `redis` handoff, and a replica server: `kvsync sync` seeds it and it
+#      continues with a partial resync;
+#   3. an empty server started with `replicaof`: Redis's own full sync.
+# Prints the time until each replica is up with master_link_status:up, and
+# what each cost the primary (forks, copy-on-write, sync_full/partial).
+# Usage: scripts/redis-seed-demo.sh [KEYS=100000] [SIZE=100]
+#        (1 GB dataset: scripts/redis-seed-demo.sh 10000000 100)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+keys=${1:-100000}
+size=${2:-100}
+bash scripts/deps.sh redis-server
+cargo build --locked --release --quiet
+bin=$PWD/target/release/kvsync
+work=$(mktemp -d "${TMPDIR:-/tmp}/kvsync-redis.XXXXXX")
+cleanup() {
+    for f in "$work"/*/redis.pid; do [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null || true; done
+    jobs -p | xargs -r kill 2>/dev/null || true
+    wait 2>/dev/null || true
+    rm -rf "$work"
+}
+trap cleanup EXIT
+
+base=$((20000 + RANDOM % 20000))
+P=$base; A=$((base + 1)); B=$((base + 2)); H=$((base + 3))
+server() { # NAME PORT [ARGS...]: a daemonized redis-server in $work/NAME
+    local name=$1 port=$2; shift 2
+    mkdir -p "$work/$name"
+    redis-server --port "$port" --bind 127.0.0.1 --dir "$work/$name" --save "" --appendonly no \
+        --daemonize yes --pidfile "$work/$name/redis.pid" --logfile "$work/$name/redis.log" "$@"
+    for _ in $(seq 200); do redis-cli -p "$port" ping >/dev/null 2>&1 && return; sleep 0.05; done
+    echo "redis $name did not start" >&2; exit 1
+}
+field() { redis-cli -p "$1" info "$2" | tr -d '\r' | awk -F: -v k="$3" '$1 == k {print $2}'; }
+wait_link() { # PORT: until master_link_status:up
+    for _ in $(seq 36000); do [ "$(field "$1" replication master_link_status)" = up ] && return; sleep 0.01; done
+    echo "replica on $1 never linked" >&2; exit 1
+}
+now() { date +%s.%N; }
+
+echo "== primary: $keys keys of $size bytes"
+server primary $P --repl-backlog-size 256mb --enable-debug-command yes
+server helper $H --replicaof 127.0.0.1 $P   # a replica once: the backlog exists
+wait_link $H
+redis-cli -p $H shutdown nosave >/dev/null 2>&1 || true
+redis-cli -p $P debug populate "$keys" key "$size" >/dev/null
+redis-cli -p $P bgsave >/dev/null
+while [ "$(field $P persistence rdb_bgsave_in_progress)" != 0 ]; do sleep 0.05; done
+for i in $(seq 100); do redis-cli -p $P set "after:$i" "written after the save" >/dev/null; done
+echo "RDB: $(stat -c %s "$work/primary/dump.rdb") bytes; $("$bin" verify "$work/primary/dump.rdb")"
+
+agent() { # NAME CONFIG: prints the agent's gRPC address once ready
+    local name=$1
+    printf '%s\n' "$2" >"$work/$name.toml"
+    KVSYNC_LOG=warn "$bin" agent --config "$work/$name.toml" >"$work/$name.out" 2>"$work/$name.log" &
+    for _ in $(seq 200); do grep -q ready "$work/$name.out" 2>/dev/null && break; sleep 0.05; done
+    grep -o 'grpc=[^ ]*' "$work/$name.out" | cut -d= -f2
+}
+common='[grpc]
+listen = "127.0.0.1:0"
+[data]
+tcp_listen = "127.0.0.1:0"
+rdma_port = 0
+[metrics]
+listen = ""'
+src=$(agent source "node_id = \"source\"
+snapshot_dir = \"$work/primary\"
+snapshot_format = \"redis-rdb\"
+$common
+[redis]
+primary_addr = \"127.0.0.1:$P\"")
+mkdir -p "$work/replica-agent" "$work/a"
+dst=$(agent replica "node_id = \"replica\"
+snapshot_dir = \"$work/replica-agent\"
+snapshot_format = \"redis-rdb\"
+$common
+[handoff]
+mode = \"redis\"
+timeout = \"1h\"
+[redis]
+server_addr = \"127.0.0.1:$A\"
+dir = \"$work/a\"
+dbfilename = \"dump.rdb\"
+primary = \"127.0.0.1:$P\"
+start = [\"redis-server\", \"--port\", \"$A\", \"--bind\", \"127.0.0.1\", \"--dir\", \"{dir}\", \"--dbfilename\", \"{dbfilename}\", \"--replicaof\", \"{primary_host}\", \"{primary_port}\", \"--appendonly\", \"no\", \"--save\", \"\", \"--daemonize\", \"yes\", \"--pidfile\", \"$work/a/redis.pid\", \"--logfile\", \"$work/a/redis.log\"]")
+server a $A   # the replica's server, standalone until seeded
+for _ in $(seq 400); do "$bin" snapshots --agent "$src" | grep -q dump.rdb && break; sleep 0.05; done
+
+stats() { echo "sync_full=$(field $P stats sync_full) sync_partial_ok=$(field $P stats sync_partial_ok) total_forks=$(field $P stats total_forks)"; }
+echo "== kvsync seeding (primary before: $(stats))"
+t0=$(now)
+"$bin" sync --agent "$dst" --source "$src" --wait --json
+t1=$(now)
+echo "primary after: $(stats)"
+seed_s=$(echo "$t1 - $t0" | bc)
+
+echo "== Redis full sync of an empty replica (primary before: $(stats))"
+t0=$(now)
+server b $B --replicaof 127.0.0.1 $P
+wait_link $B
+t1=$(now)
+echo "primary after: $(stats); rdb_last_cow_size=$(field $P persistence rdb_last_cow_size)"
+full_s=$(echo "$t1 - $t0" | bc)
+
+echo "== keys: primary $(redis-cli -p $P dbsize), kvsync-seeded $(redis-cli -p $A dbsize), full-synced $(redis-cli -p $B dbsize)"
+awk -v s="$seed_s" -v f="$full_s" -v k="$keys" -v z="$size" -v c="$(nproc)" 'BEGIN {
+    printf "| %d keys x %d B | kvsync seeding %.2f s | Redis full sync %.2f s | %.2f | %d cores |\n", k, z, s, f, s/f, c }'

@@ -1,0 +1,363 @@
+//! Talking to Redis/Valkey servers (DESIGN.md §6–§7): the source's
+//! pre-flight check (does the primary's backlog still hold M+1 for this RDB?)
+//! and the replica's `redis` handoff (place the RDB, restart the server
+//! following the primary, confirm a partial resync).
+//!
+//! Owns the server conversations (through the `redis` crate) and the
+//! reading of `INFO`; the RDB format itself is `snapshot::rdb`, and when a
+//! handoff runs is `handoff`'s business.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use tracing::{info, warn};
+
+use crate::config::RedisConfig;
+use crate::install;
+use crate::snapshot::SnapshotInfo;
+
+/// A conversation with a server failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RedisError {
+    /// The server could not be reached or answered with an error.
+    #[error("redis at {addr}: {message}")]
+    Server { addr: String, message: String },
+    /// The primary cannot continue replication from this RDB.
+    #[error("{0}")]
+    Precondition(String),
+    /// Placing the RDB failed.
+    #[error("placing the RDB: {0}")]
+    Place(String),
+    /// The start or stop command failed.
+    #[error("{what} command {command:?}: {message}")]
+    Command {
+        what: &'static str,
+        command: String,
+        message: String,
+    },
+    /// The replica came up with a full resync instead of a partial one.
+    #[error("the primary answered with a FULL resync (sync_full {full_before} → {full_after}): the replica did not continue from M = {seq}; check that the backlog still held offset {next} and that the server started with replicaof set before loading")]
+    FullResync {
+        seq: u64,
+        next: u64,
+        full_before: u64,
+        full_after: u64,
+    },
+    /// A wait ran out of time.
+    #[error("timed out after {after:?} waiting for {what}")]
+    Timeout { what: String, after: Duration },
+}
+
+/// `INFO` output as key → value.
+#[derive(Debug, Default, Clone)]
+pub struct Info(HashMap<String, String>);
+
+impl Info {
+    pub fn parse(text: &str) -> Info {
+        Info(
+            text.lines()
+                .filter(|l| !l.starts_with('#'))
+                .filter_map(|l| l.trim_end().split_once(':'))
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        )
+    }
+
+    pub fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).map(String::as_str)
+    }
+
+    pub fn num(&self, key: &str) -> u64 {
+        self.get(key).and_then(|v| v.parse().ok()).unwrap_or(0)
+    }
+}
+
+fn server_err(addr: &str, e: impl std::fmt::Display) -> RedisError {
+    RedisError::Server {
+        addr: addr.to_string(),
+        message: e.to_string(),
+    }
+}
+
+/// A connection to `addr` (with `password` when set).
+async fn connect(
+    addr: &str,
+    password: &str,
+) -> Result<redis::aio::MultiplexedConnection, RedisError> {
+    let url = if password.is_empty() {
+        format!("redis://{addr}/")
+    } else {
+        format!("redis://:{password}@{addr}/")
+    };
+    let client = redis::Client::open(url).map_err(|e| server_err(addr, e))?;
+    let connect = client.get_multiplexed_async_connection();
+    tokio::time::timeout(Duration::from_secs(5), connect)
+        .await
+        .map_err(|_| server_err(addr, "no answer within 5s"))?
+        .map_err(|e| server_err(addr, e))
+}
+
+/// `INFO <section>` of the server at `addr`.
+pub async fn info(addr: &str, password: &str, section: &str) -> Result<Info, RedisError> {
+    let mut con = connect(addr, password).await?;
+    let text: String = redis::cmd("INFO")
+        .arg(section)
+        .query_async(&mut con)
+        .await
+        .map_err(|e| server_err(addr, e))?;
+    Ok(Info::parse(&text))
+}
+
+/// What the pre-flight check found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Preflight {
+    /// Bytes the primary can still write before offset M+1 leaves its backlog.
+    pub backlog_bytes_left: u64,
+}
+
+/// Decides from the primary's `INFO replication` whether a replica loading
+/// an RDB saved at (`repl_id`, `seq`) can continue with a partial resync.
+pub fn check_backlog(repl: &Info, repl_id: &str, seq: u64) -> Result<Preflight, RedisError> {
+    let next = seq + 1;
+    let current = repl.get("master_replid").unwrap_or("");
+    let second = repl.get("master_replid2").unwrap_or("");
+    let same_history =
+        current == repl_id || (second == repl_id && next <= repl.num("second_repl_offset"));
+    if !same_history {
+        return Err(RedisError::Precondition(format!(
+            "the primary's replication id is {current}, the RDB was saved under {repl_id}: the primary restarted or failed over since; save a fresh RDB on the primary"
+        )));
+    }
+    if repl.num("repl_backlog_active") == 0 {
+        return Err(RedisError::Precondition(
+            "the primary has no replication backlog: a replica could only full-sync; attach a replica once (or set repl-backlog-size) and save a fresh RDB".into(),
+        ));
+    }
+    let (first, histlen) = (
+        repl.num("repl_backlog_first_byte_offset"),
+        repl.num("repl_backlog_histlen"),
+    );
+    let master = repl.num("master_repl_offset");
+    let size = repl.num("repl_backlog_size");
+    if next < first {
+        return Err(RedisError::Precondition(format!(
+            "the primary's backlog no longer holds offset {next} (it starts at {first}): {} bytes were written since the save and repl-backlog-size is {size}; save a fresh RDB, or grow repl-backlog-size",
+            master.saturating_sub(seq)
+        )));
+    }
+    if next > first + histlen {
+        return Err(RedisError::Precondition(format!(
+            "the RDB's offset {seq} is ahead of the primary ({master}): it was not saved by this primary"
+        )));
+    }
+    Ok(Preflight {
+        backlog_bytes_left: size.saturating_sub(master - seq),
+    })
+}
+
+/// The source's pre-flight check against its local primary.
+pub async fn preflight(
+    cfg: &RedisConfig,
+    snapshot: &SnapshotInfo,
+) -> Result<Preflight, RedisError> {
+    let repl_id = snapshot.repl_id.as_deref().unwrap_or("");
+    let repl = info(&cfg.primary_addr, &cfg.password, "replication").await?;
+    check_backlog(&repl, repl_id, snapshot.seq)
+}
+
+/// Runs `argv` (with placeholders replaced) to completion within `timeout`.
+async fn run(
+    what: &'static str,
+    argv: &[String],
+    cfg: &RedisConfig,
+    timeout: Duration,
+) -> Result<(), RedisError> {
+    let (host, port) = cfg.primary.rsplit_once(':').unwrap_or((&cfg.primary, ""));
+    let argv: Vec<String> = argv
+        .iter()
+        .map(|a| {
+            a.replace("{primary_host}", host)
+                .replace("{primary_port}", port)
+                .replace("{dir}", &cfg.dir.display().to_string())
+                .replace("{dbfilename}", &cfg.dbfilename)
+        })
+        .collect();
+    let command = argv.join(" ");
+    let err = |message: String| RedisError::Command {
+        what,
+        command: command.clone(),
+        message,
+    };
+    let child = tokio::process::Command::new(&argv[0])
+        .args(&argv[1..])
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(timeout, child)
+        .await
+        .map_err(|_| err(format!("did not finish within {timeout:?}")))?
+        .map_err(|e| err(e.to_string()))?;
+    if !out.status.success() {
+        return Err(err(format!(
+            "{}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(())
+}
+
+/// Polls `check` every 20 ms until it yields a value or `timeout` passes.
+async fn until<T, F: std::future::Future<Output = Option<T>>>(
+    what: &str,
+    timeout: Duration,
+    mut check: impl FnMut() -> F,
+) -> Result<T, RedisError> {
+    let end = Instant::now() + timeout;
+    loop {
+        if let Some(v) = check().await {
+            return Ok(v);
+        }
+        if Instant::now() >= end {
+            return Err(RedisError::Timeout {
+                what: what.to_string(),
+                after: timeout,
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Puts `rdb` in place as `dir/dbfilename` atomically (hard link or copy to
+/// a temp name in `dir`, fsync, rename, fsync the directory).
+fn place(rdb: &Path, dir: &Path, dbfilename: &str) -> Result<(), RedisError> {
+    let dest = dir.join(dbfilename);
+    let temp = dir.join(format!(
+        "{}{dbfilename}{}",
+        install::TEMP_PREFIX,
+        install::TEMP_SUFFIX
+    ));
+    let _ = std::fs::remove_file(&temp);
+    let placed = std::fs::hard_link(rdb, &temp)
+        .or_else(|_| std::fs::copy(rdb, &temp).map(drop))
+        .and_then(|_| std::fs::File::open(&temp)?.sync_all())
+        .and_then(|_| std::fs::rename(&temp, &dest));
+    if let Err(e) = placed {
+        let _ = std::fs::remove_file(&temp);
+        return Err(RedisError::Place(format!(
+            "{} → {}: {e}",
+            rdb.display(),
+            dest.display()
+        )));
+    }
+    install::sync_dir(dir).map_err(|e| RedisError::Place(e.to_string()))
+}
+
+/// Seeds the local server with the verified RDB `rdb` saved at `info`:
+/// stop it, place the file, start it following the primary, wait for the
+/// link, and confirm the primary accepted a partial resync.
+pub async fn seed(
+    cfg: &RedisConfig,
+    timeout: Duration,
+    rdb: &Path,
+    snapshot: &SnapshotInfo,
+) -> Result<String, RedisError> {
+    let before = info(&cfg.primary, &cfg.password, "stats").await?;
+
+    // Stop the local server (it must not overwrite the file on exit).
+    if cfg.stop.is_empty() {
+        if let Ok(mut con) = connect(&cfg.server_addr, &cfg.password).await {
+            let _: Result<(), _> = redis::cmd("SHUTDOWN")
+                .arg("NOSAVE")
+                .query_async(&mut con)
+                .await;
+        }
+    } else {
+        run("stop", &cfg.stop, cfg, timeout).await?;
+    }
+    let addr = cfg.server_addr.clone();
+    until("the local server to stop", timeout, || {
+        let addr = addr.clone();
+        async move {
+            tokio::net::TcpStream::connect(&addr)
+                .await
+                .is_err()
+                .then_some(())
+        }
+    })
+    .await?;
+
+    place(rdb, &cfg.dir, &cfg.dbfilename)?;
+    info!(dir = %cfg.dir.display(), dbfilename = %cfg.dbfilename, seq = snapshot.seq, "RDB in place; starting the server");
+    run("start", &cfg.start, cfg, timeout).await?;
+
+    let (server, password) = (cfg.server_addr.clone(), cfg.password.clone());
+    until("master_link_status:up on the local server", timeout, || {
+        let (server, password) = (server.clone(), password.clone());
+        async move {
+            let repl = info(&server, &password, "replication").await.ok()?;
+            (repl.get("master_link_status") == Some("up")).then_some(())
+        }
+    })
+    .await?;
+    let after = info(&cfg.primary, &cfg.password, "stats").await?;
+    let (full_before, full_after) = (before.num("sync_full"), after.num("sync_full"));
+    let (partial_before, partial_after) =
+        (before.num("sync_partial_ok"), after.num("sync_partial_ok"));
+    if full_after > full_before || partial_after <= partial_before {
+        warn!(
+            full_before,
+            full_after, partial_before, partial_after, "redis handoff: not a partial resync"
+        );
+        return Err(RedisError::FullResync {
+            seq: snapshot.seq,
+            next: snapshot.seq + 1,
+            full_before,
+            full_after,
+        });
+    }
+    Ok(format!(
+        "redis: partial resync accepted (PSYNC {} {}), master_link_status:up",
+        snapshot.repl_id.as_deref().unwrap_or("?"),
+        snapshot.seq + 1
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn repl(first: u64, histlen: u64, master: u64) -> Info {
+        Info::parse(&format!(
+            "# Replication\r\nrole:master\r\nmaster_replid:aaaa\r\nmaster_replid2:bbbb\r\nsecond_repl_offset:100\r\nmaster_repl_offset:{master}\r\nrepl_backlog_active:1\r\nrepl_backlog_size:1000\r\nrepl_backlog_first_byte_offset:{first}\r\nrepl_backlog_histlen:{histlen}\r\n"
+        ))
+    }
+
+    #[test]
+    fn backlog_holding_the_next_offset_passes_and_reports_slack() {
+        let p = check_backlog(&repl(1, 500, 500), "aaaa", 300).unwrap();
+        assert_eq!(p.backlog_bytes_left, 800);
+        // The previous id still works up to second_repl_offset.
+        assert!(check_backlog(&repl(1, 500, 500), "bbbb", 50).is_ok());
+        assert!(check_backlog(&repl(1, 500, 500), "bbbb", 200).is_err());
+    }
+
+    #[test]
+    fn refusals_say_what_to_do() {
+        let e = check_backlog(&repl(2000, 1000, 2999), "aaaa", 1500).unwrap_err();
+        assert!(e.to_string().contains("grow repl-backlog-size"), "{e}");
+        let e = check_backlog(&repl(1, 500, 500), "cccc", 300).unwrap_err();
+        assert!(e.to_string().contains("save a fresh RDB"), "{e}");
+        let e = check_backlog(&repl(1, 500, 500), "aaaa", 900).unwrap_err();
+        assert!(e.to_string().contains("ahead of the primary"), "{e}");
+        let mut no_backlog = repl(0, 0, 0);
+        no_backlog
+            .0
+            .insert("repl_backlog_active".into(), "0".into());
+        assert!(check_backlog(&no_backlog, "aaaa", 0)
+            .unwrap_err()
+            .to_string()
+            .contains("no replication backlog"));
+    }
+}

@@ -1,0 +1,484 @@
+//! Seeding Redis replicas with real `redis-server` processes (Debian's
+//! package, installed by the test command): RDBs saved by the real server
+//! parsed and verified, a replica seeded over TCP and over the emulated RDMA
+//! fabric that continues with a partial resync (the primary never full-syncs
+//! it), and the refusals: no replication position, a backlog that no longer
+//! holds M+1, a corrupted byte in flight.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use common::node::*;
+use common::*;
+use kvsync::control::pb;
+
+/// A free TCP port on 127.0.0.1 (redis-server cannot bind port 0).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A redis-server: a child process, or a daemonized one found by pidfile.
+struct Redis {
+    port: u16,
+    dir: PathBuf,
+    child: Option<Child>,
+}
+
+impl Redis {
+    /// Starts a server in `dir` with `extra` arguments and waits for PING.
+    fn start(dir: &Path, extra: &[&str]) -> Redis {
+        std::fs::create_dir_all(dir).unwrap();
+        let port = free_port();
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args([
+                "--dir",
+                dir.to_str().unwrap(),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .args(["--logfile", dir.join("redis.log").to_str().unwrap()])
+            .args(extra)
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("redis-server (the test command installs it)");
+        let r = Redis {
+            port,
+            dir: dir.to_owned(),
+            child: Some(child),
+        };
+        r.wait_up();
+        r
+    }
+
+    fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    fn con(&self) -> redis::Connection {
+        redis::Client::open(format!("redis://{}/", self.addr()))
+            .unwrap()
+            .get_connection()
+            .unwrap()
+    }
+
+    fn wait_up(&self) {
+        wait_for(
+            &format!("redis on {} to answer PING", self.port),
+            DEADLINE,
+            || {
+                let c = redis::Client::open(format!("redis://{}/", self.addr())).ok()?;
+                let mut con = c.get_connection().ok()?;
+                redis::cmd("PING").query::<String>(&mut con).ok()
+            },
+        );
+    }
+
+    fn cmd<T: redis::FromRedisValue>(&self, args: &[&str]) -> T {
+        let mut c = redis::cmd(args[0]);
+        for a in &args[1..] {
+            c.arg(*a);
+        }
+        c.query(&mut self.con()).unwrap()
+    }
+
+    fn info(&self, section: &str) -> kvsync::redis::Info {
+        kvsync::redis::Info::parse(&self.cmd::<String>(&["INFO", section]))
+    }
+
+    /// Creates the replication backlog: a replica attaches once and leaves.
+    fn make_backlog(&self, root: &Path) {
+        let helper = Redis::start(
+            &root.join("helper"),
+            &["--replicaof", "127.0.0.1", &self.port.to_string()],
+        );
+        wait_for("the helper replica's link", DEADLINE, || {
+            (helper.info("replication").get("master_link_status") == Some("up")).then_some(())
+        });
+        drop(helper);
+        assert_eq!(self.info("replication").num("repl_backlog_active"), 1);
+    }
+
+    /// Writes `n` string keys `prefix:i` (pipelined).
+    fn fill(&self, prefix: &str, n: usize, value: &str) {
+        let mut con = self.con();
+        for chunk in (0..n).collect::<Vec<_>>().chunks(5000) {
+            let mut p = redis::pipe();
+            for i in chunk {
+                p.cmd("SET")
+                    .arg(format!("{prefix}:{i}"))
+                    .arg(value)
+                    .ignore();
+            }
+            p.query::<()>(&mut con).unwrap();
+        }
+    }
+
+    /// BGSAVE and wait until it finished well; returns the RDB path.
+    fn bgsave(&self) -> PathBuf {
+        let before = self.info("persistence").num("rdb_last_save_time");
+        let _: String = self.cmd(&["BGSAVE"]);
+        wait_for("BGSAVE to finish", DEADLINE, || {
+            let p = self.info("persistence");
+            (p.num("rdb_bgsave_in_progress") == 0
+                && p.num("rdb_last_save_time") >= before
+                && p.get("rdb_last_bgsave_status") == Some("ok"))
+            .then_some(())
+        });
+        self.dir.join("dump.rdb")
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        // Daemonized servers (started by a handoff) are found by pidfile.
+        if let Ok(pid) = std::fs::read_to_string(self.dir.join("redis.pid")) {
+            if let Ok(pid) = pid.trim().parse::<i32>() {
+                // SAFETY: signalling a process we started.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// A kvsync agent with `config` (TOML) in `root/name.toml`.
+fn agent(root: &Path, name: &str, snapshot_dir: &Path, config: &str, env: &[(&str, &str)]) -> Node {
+    let path = root.join(format!("{name}.toml"));
+    std::fs::create_dir_all(snapshot_dir).unwrap();
+    std::fs::write(
+        &path,
+        format!(
+            "node_id = \"{name}\"\nsnapshot_dir = \"{}\"\nsnapshot_format = \"redis-rdb\"\n[grpc]\nlisten = \"127.0.0.1:0\"\n[data]\ntcp_listen = \"127.0.0.1:0\"\nrdma_port = 0\n[metrics]\nlisten = \"127.0.0.1:0\"\n[watch]\ndebounce = \"20ms\"\n{config}",
+            snapshot_dir.display()
+        ),
+    )
+    .unwrap();
+    Node {
+        proc: AgentProcess::start_env(&["--config", path.to_str().unwrap()], env, root),
+        dir: snapshot_dir.to_owned(),
+    }
+}
+
+/// `[transport]` and `[redis]` of a source watching `primary`.
+fn source_config(primary: &Redis, transport: &str) -> String {
+    format!(
+        "[transport]\n{transport}\n[redis]\nprimary_addr = \"{}\"\n",
+        primary.addr()
+    )
+}
+
+/// The replica agent's config: `redis` handoff seeding the server on `port`.
+fn replica_config(primary: &Redis, port: u16, dir: &Path, transport: &str) -> String {
+    let start = [
+        "redis-server",
+        "--port",
+        &port.to_string(),
+        "--bind",
+        "127.0.0.1",
+        "--dir",
+        "{dir}",
+        "--dbfilename",
+        "{dbfilename}",
+        "--replicaof",
+        "{primary_host}",
+        "{primary_port}",
+        "--appendonly",
+        "no",
+        "--save",
+        "",
+        "--daemonize",
+        "yes",
+        "--pidfile",
+        &dir.join("redis.pid").display().to_string(),
+        "--logfile",
+        &dir.join("redis.log").display().to_string(),
+    ]
+    .map(|a| format!("\"{a}\""))
+    .join(", ");
+    format!(
+        "[transport]\n{transport}\n[handoff]\nmode = \"redis\"\ntimeout = \"60s\"\n[redis]\nserver_addr = \"127.0.0.1:{port}\"\ndir = \"{}\"\ndbfilename = \"dump.rdb\"\nprimary = \"{}\"\nstart = [{start}]\n",
+        dir.display(),
+        primary.addr()
+    )
+}
+
+#[test]
+fn rdbs_saved_by_the_real_server_carry_the_replication_position() {
+    let root = tempfile::tempdir().unwrap();
+    let primary = Redis::start(&root.path().join("p"), &["--rdbcompression", "yes"]);
+    primary.fill("k", 100, "v");
+    let _: String = primary.cmd(&["SAVE"]);
+    let rdb = primary.dir.join("dump.rdb");
+    // No backlog yet: no replication position.
+    let err = kvsync::snapshot::verify_file(&rdb, None).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("no replication position in this RDB"),
+        "{err}"
+    );
+    let out = Command::new(kvsync_bin())
+        .arg("verify")
+        .arg(&rdb)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no replication backlog"));
+
+    primary.make_backlog(root.path());
+    // Encodings: small ints, large ints, long compressible strings, and
+    // every collection type.
+    let _: () = primary.cmd(&["SET", "small", "7"]);
+    let _: () = primary.cmd(&["SET", "large", "123456789012345"]);
+    let _: () = primary.cmd(&["SET", "lzf", &"abc".repeat(400)]);
+    let _: () = primary.cmd(&["HSET", "h", "f1", "v1", "f2", "v2"]);
+    let _: () = primary.cmd(&["RPUSH", "l", "a", "b", "c"]);
+    let _: () = primary.cmd(&["SADD", "s", "x", "y"]);
+    let _: () = primary.cmd(&["ZADD", "z", "1", "one", "2", "two"]);
+    let _: String = primary.cmd(&["SAVE"]);
+    let repl = primary.info("replication");
+    let info = kvsync::snapshot::verify_file(&rdb, None).unwrap();
+    assert_eq!(info.seq, repl.num("master_repl_offset"));
+    assert!(info.seq > 0);
+    assert_eq!(info.repl_id.as_deref(), repl.get("master_replid"));
+    assert_ne!(info.checksum, 0);
+    let out = Command::new(kvsync_bin())
+        .arg("verify")
+        .arg(&rdb)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains(&format!("repl-offset (M) {}", info.seq)),
+        "{text}"
+    );
+
+    let bytes = std::fs::read(&rdb).unwrap();
+    let mut flipped = bytes.clone();
+    flipped[bytes.len() / 2] ^= 0x10;
+    let bad = root.path().join("bad.rdb");
+    std::fs::write(&bad, &flipped).unwrap();
+    let err = kvsync::snapshot::verify_file(&bad, None).unwrap_err();
+    assert!(err.to_string().contains("checksum mismatch"), "{err}");
+    std::fs::write(&bad, &bytes[..bytes.len() - 100]).unwrap();
+    let err = kvsync::snapshot::verify_file(&bad, None).unwrap_err();
+    assert!(err.to_string().contains("truncated"), "{err}");
+}
+
+/// A primary with a backlog and 100k+ keys saved, more written after.
+fn loaded_primary(root: &Path, backlog: &str) -> (Redis, PathBuf) {
+    let primary = Redis::start(&root.join("primary"), &["--repl-backlog-size", backlog]);
+    primary.make_backlog(root);
+    primary.fill("key", 100_000, "value-of-some-length");
+    for i in 0..200 {
+        let (h, l) = (format!("hash:{i}"), format!("list:{i}"));
+        let _: () = primary.cmd(&["HSET", &h, "a", "1", "b", "2"]);
+        let _: () = primary.cmd(&["RPUSH", &l, "x", "y", "z"]);
+        let _: () = primary.cmd(&["ZADD", &format!("zset:{i}"), "1", "m"]);
+        let _: () = primary.cmd(&["SADD", &format!("set:{i}"), "m1", "m2"]);
+    }
+    let rdb = primary.bgsave();
+    (primary, rdb)
+}
+
+fn seeds_a_replica_with_a_partial_resync(transport: &str, expect: pb::Transport) {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let (primary, _) = loaded_primary(root, "64mb");
+    primary.fill("after", 500, "written-after-the-save");
+    let full_before = primary.info("stats").num("sync_full");
+    let partial_before = primary.info("stats").num("sync_partial_ok");
+
+    // The replica's server runs standalone with data of its own.
+    let rdir = root.join("replica-redis");
+    let replica_redis = Redis::start(
+        &rdir,
+        &["--pidfile", rdir.join("redis.pid").to_str().unwrap()],
+    );
+    let _: () = replica_redis.cmd(&["SET", "stale", "1"]);
+    let port = replica_redis.port;
+
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let source = agent(
+            root,
+            "source",
+            &primary.dir,
+            &source_config(&primary, transport),
+            &[],
+        );
+        let replica = agent(
+            root,
+            "replica",
+            &root.join("replica-agent"),
+            &replica_config(&primary, port, &rdir, transport),
+            &[],
+        );
+        let seq = kvsync::snapshot::verify_file(&primary.dir.join("dump.rdb"), None)
+            .unwrap()
+            .seq;
+        source.offered(seq).await;
+        let p = sync_ok(&replica, &source).await;
+        assert_eq!(p.transport, expect as i32, "{p:?}");
+        assert!(
+            p.handoff.contains("partial resync accepted"),
+            "{}",
+            p.handoff
+        );
+        assert_eq!(replmeta_seq(&p.installed_path), Some(seq));
+        assert_eq!(
+            replica.metric(r#"kvsync_handoff_total{mode="redis",result="ok"}"#),
+            1.0
+        );
+    });
+    let stats = primary.info("stats");
+    assert_eq!(
+        stats.num("sync_full"),
+        full_before,
+        "the primary never full-synced the replica"
+    );
+    assert_eq!(stats.num("sync_partial_ok"), partial_before + 1);
+    // Every key, including those written after the save, is on the replica.
+    let replica_now = Redis {
+        port,
+        dir: rdir.clone(),
+        child: None,
+    };
+    wait_for("the replica to catch up", DEADLINE, || {
+        let p: u64 = primary.cmd(&["DBSIZE"]);
+        let r: u64 = replica_now.cmd(&["DBSIZE"]);
+        (p == r).then_some(())
+    });
+    assert_eq!(
+        replica_now
+            .cmd::<Option<String>>(&["GET", "after:499"])
+            .as_deref(),
+        Some("written-after-the-save")
+    );
+    assert_eq!(
+        replica_now
+            .cmd::<Option<String>>(&["HGET", "hash:7", "b"])
+            .as_deref(),
+        Some("2")
+    );
+    assert_eq!(
+        replica_now.cmd::<Option<String>>(&["GET", "stale"]),
+        None,
+        "the replica holds the primary's data"
+    );
+    drop(replica_redis);
+}
+
+#[test]
+fn replica_seeded_over_tcp_continues_with_a_partial_resync() {
+    seeds_a_replica_with_a_partial_resync("mode = \"tcp\"", pb::Transport::Tcp);
+}
+
+#[test]
+fn replica_seeded_over_the_emulated_rdma_fabric_continues_with_a_partial_resync() {
+    seeds_a_replica_with_a_partial_resync(
+        "mode = \"rdma\"\nrdma_provider = \"emulated\"\nfallback_to_tcp = false",
+        pb::Transport::Rdma,
+    );
+}
+
+#[test]
+fn refusals_leave_the_replica_server_untouched() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let rdir = root.join("replica-redis");
+    let replica_redis = Redis::start(
+        &rdir,
+        &["--pidfile", rdir.join("redis.pid").to_str().unwrap()],
+    );
+    let _: () = replica_redis.cmd(&["SET", "mine", "1"]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+
+    // A backlog too small for what was written since the save.
+    let (primary, _) = loaded_primary(&root.join("small"), "16kb");
+    primary.fill("after", 2000, "pushes-the-saved-offset-out-of-the-backlog");
+    rt.block_on(async {
+        let source = agent(
+            root,
+            "source",
+            &primary.dir,
+            &source_config(&primary, "mode = \"tcp\""),
+            &[],
+        );
+        let replica = agent(
+            root,
+            "replica",
+            &root.join("a1"),
+            &replica_config(&primary, replica_redis.port, &rdir, "mode = \"tcp\""),
+            &[],
+        );
+        let seq = kvsync::snapshot::verify_file(&primary.dir.join("dump.rdb"), None)
+            .unwrap()
+            .seq;
+        source.offered(seq).await;
+        let id = start_sync(&replica, &source).await;
+        let p = wait_done(&replica, &id).await;
+        assert_eq!(p.phase, pb::Phase::Failed as i32);
+        assert!(
+            p.error.contains("FailedPrecondition") && p.error.contains("grow repl-backlog-size"),
+            "{}",
+            p.error
+        );
+        assert!(
+            source.metric(r#"kvsync_snapshot_cache_loads_total"#) == 0.0,
+            "refused before loading"
+        );
+    });
+    drop(primary);
+
+    // A corrupted byte in flight: RDFL, nothing placed.
+    let (primary, _) = loaded_primary(&root.join("big"), "64mb");
+    rt.block_on(async {
+        let env = [("KVSYNC_FAULTS", "corrupt_at=100000")];
+        let source = agent(
+            root,
+            "source2",
+            &primary.dir,
+            &source_config(&primary, "mode = \"tcp\""),
+            &env,
+        );
+        let replica = agent(
+            root,
+            "replica2",
+            &root.join("a2"),
+            &replica_config(&primary, replica_redis.port, &rdir, "mode = \"tcp\""),
+            &[],
+        );
+        let seq = kvsync::snapshot::verify_file(&primary.dir.join("dump.rdb"), None)
+            .unwrap()
+            .seq;
+        source.offered(seq).await;
+        let id = start_sync(&replica, &source).await;
+        let p = wait_done(&replica, &id).await;
+        assert_eq!(p.result, "checksum_mismatch", "{p:?}");
+        assert!(replica.temp_files().is_empty());
+    });
+    // The server kept running, standalone, with its own data.
+    assert_eq!(
+        replica_redis
+            .cmd::<Option<String>>(&["GET", "mine"])
+            .as_deref(),
+        Some("1")
+    );
+    assert_eq!(
+        replica_redis.info("replication").get("role"),
+        Some("master")
+    );
+    assert!(!rdir.join("dump.rdb").exists(), "nothing placed");
+}
