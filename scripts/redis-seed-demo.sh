@@ -8,7 +8,9 @@
 #      continues with a partial resync;
 #   3. an empty server started with `replicaof`: Redis's own full sync.
 # Prints the time until each replica is up with master_link_status:up, and
-# what each cost the primary (forks, copy-on-write, sync_full/partial).
+# what each cost the primary (forks, copy-on-write, sync_full/partial), and
+# a markdown row: dataset | kvsync seeding | Redis full sync | ratio |
+# primary forks (kvsync / Redis) | primary copy-on-write (kvsync / Redis).
 # Usage: scripts/redis-seed-demo.sh [KEYS=100000] [SIZE=100]
 #        (1 GB dataset: scripts/redis-seed-demo.sh 10000000 100)
 set -euo pipefail
@@ -45,7 +47,8 @@ wait_link() { # PORT: until master_link_status:up
 now() { date +%s.%N; }
 
 echo "== primary: $keys keys of $size bytes"
-server primary $P --repl-backlog-size 256mb --enable-debug-command yes
+# No diskless-sync delay: Redis's own full sync starts at once (fair timing).
+server primary $P --repl-backlog-size 256mb --repl-diskless-sync-delay 0 --enable-debug-command yes
 server helper $H --replicaof 127.0.0.1 $P   # a replica once: the backlog exists
 wait_link $H
 redis-cli -p $H shutdown nosave >/dev/null 2>&1 || true
@@ -53,7 +56,8 @@ redis-cli -p $P debug populate "$keys" key "$size" >/dev/null
 redis-cli -p $P bgsave >/dev/null
 while [ "$(field $P persistence rdb_bgsave_in_progress)" != 0 ]; do sleep 0.05; done
 for i in $(seq 100); do redis-cli -p $P set "after:$i" "written after the save" >/dev/null; done
-echo "RDB: $(stat -c %s "$work/primary/dump.rdb") bytes; $("$bin" verify "$work/primary/dump.rdb")"
+dataset_mib=$(( $(field $P memory used_memory) / 1048576 ))
+echo "dataset: used_memory $dataset_mib MiB; RDB: $(stat -c %s "$work/primary/dump.rdb") bytes; $("$bin" verify "$work/primary/dump.rdb")"
 
 agent() { # NAME CONFIG: prints the agent's gRPC address once ready
     local name=$1
@@ -94,20 +98,28 @@ for _ in $(seq 400); do "$bin" snapshots --agent "$src" | grep -q dump.rdb && br
 
 stats() { echo "sync_full=$(field $P stats sync_full) sync_partial_ok=$(field $P stats sync_partial_ok) total_forks=$(field $P stats total_forks)"; }
 echo "== kvsync seeding (primary before: $(stats))"
+forks0=$(field $P stats total_forks)
 t0=$(now)
 "$bin" sync --agent "$dst" --source "$src" --wait --json
 t1=$(now)
 echo "primary after: $(stats)"
 seed_s=$(echo "$t1 - $t0" | bc)
+seed_forks=$(( $(field $P stats total_forks) - forks0 ))
 
 echo "== Redis full sync of an empty replica (primary before: $(stats))"
+forks0=$(field $P stats total_forks)
 t0=$(now)
 server b $B --replicaof 127.0.0.1 $P
 wait_link $B
 t1=$(now)
 echo "primary after: $(stats); rdb_last_cow_size=$(field $P persistence rdb_last_cow_size)"
 full_s=$(echo "$t1 - $t0" | bc)
+full_forks=$(( $(field $P stats total_forks) - forks0 ))
+cow_mib=$(( $(field $P persistence rdb_last_cow_size) / 1048576 ))
 
 echo "== keys: primary $(redis-cli -p $P dbsize), kvsync-seeded $(redis-cli -p $A dbsize), full-synced $(redis-cli -p $B dbsize)"
-awk -v s="$seed_s" -v f="$full_s" -v k="$keys" -v z="$size" -v c="$(nproc)" 'BEGIN {
-    printf "| %d keys x %d B | kvsync seeding %.2f s | Redis full sync %.2f s | %.2f | %d cores |\n", k, z, s, f, s/f, c }'
+rdb_mib=$(( $(stat -c %s "$work/primary/dump.rdb") / 1048576 ))
+awk -v s="$seed_s" -v f="$full_s" -v k="$keys" -v z="$size" -v r="$rdb_mib" -v m="$dataset_mib" -v c="$(nproc)" \
+    -v sf="$seed_forks" -v ff="$full_forks" -v cow="$cow_mib" 'BEGIN {
+    printf "| %d keys x %d B (used_memory %d MiB, RDB %d MiB) | %.2f s | %.2f s | %.2f | %d / %d | 0 / %d MiB | %d cores |\n",
+        k, z, m, r, s, f, s/f, sf, ff, cow, c }'

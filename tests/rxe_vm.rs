@@ -20,13 +20,16 @@ const VM_SCRIPT: &str = r#"
 set -u
 K=$KVSYNC_BIN
 mkdir -p /tmp/kv
-# Starts an agent; prints its gRPC address once it is ready.
+# Starts an agent; prints its ready line once it is ready. $DIR, $PRE
+# (top-level keys) and $POST (tables) adjust its config.
 start_agent() {
     name=$1 mode=$2 fallback=$3; shift 3
-    mkdir -p /tmp/kv/$name
+    dir=${DIR:-/tmp/kv/$name}
+    mkdir -p $dir
     cat > /tmp/kv/$name.toml <<EOT
 node_id = "$name"
-snapshot_dir = "/tmp/kv/$name"
+snapshot_dir = "$dir"
+${PRE:-}
 [grpc]
 listen = "127.0.0.1:0"
 [data]
@@ -39,6 +42,7 @@ debounce = "20ms"
 [transport]
 mode = "$mode"
 fallback_to_tcp = $fallback
+${POST:-}
 EOT
     env "$@" "$K" agent --config /tmp/kv/$name.toml > /tmp/kv/$name.out 2> /tmp/kv/$name.log &
     for i in $(seq 600); do grep -q "kvsync agent ready" /tmp/kv/$name.out && break; sleep 0.1; done
@@ -90,6 +94,49 @@ offered $BAD 9
 cmp /tmp/kv/bad/b9.kvr1 /tmp/kv/dst/b9.kvr1 && echo "identical"
 echo "== source log"
 grep -E "rdma bulk done|REM_ACCESS|transport selection" /tmp/kv/src.log /tmp/kv/bad.log
+
+echo "== redis"
+# A primary with a backlog and a few MB of keys, saved, then written to;
+# a replica server seeded over rxe0 that must continue with a partial resync.
+RP=7001 RH=7002 RR=7003
+rs() {
+    name=$1 port=$2; shift 2
+    mkdir -p /tmp/kv/$name
+    redis-server --port $port --bind 127.0.0.1 --dir /tmp/kv/$name --save "" --appendonly no \
+        --daemonize yes --pidfile /tmp/kv/$name/redis.pid --logfile /tmp/kv/$name/redis.log "$@"
+    for i in $(seq 300); do redis-cli -p $port ping > /dev/null 2>&1 && return; sleep 0.1; done
+    echo "redis $name did not start"; exit 1
+}
+link_up() {
+    for i in $(seq 600); do redis-cli -p $1 info replication | grep -q master_link_status:up && return; sleep 0.1; done
+    echo "no replication link on $1"; exit 1
+}
+rs rprimary $RP --repl-diskless-sync-delay 0 --enable-debug-command yes
+rs rhelper $RH --replicaof 127.0.0.1 $RP
+link_up $RH
+redis-cli -p $RH shutdown nosave > /dev/null 2>&1 || true
+redis-cli -p $RP debug populate 50000 key 64 > /dev/null
+redis-cli -p $RP bgsave > /dev/null
+for i in $(seq 600); do redis-cli -p $RP info persistence | grep -q rdb_bgsave_in_progress:0 && break; sleep 0.1; done
+redis-cli -p $RP set after-save yes > /dev/null
+rs rreplica $RR
+RSRC=$(DIR=/tmp/kv/rprimary PRE='snapshot_format = "redis-rdb"' POST="[redis]
+primary_addr = \"127.0.0.1:$RP\"" start_agent rsrc auto true | grpc) || exit 1
+START="[\"redis-server\", \"--port\", \"$RR\", \"--bind\", \"127.0.0.1\", \"--dir\", \"{dir}\", \"--dbfilename\", \"{dbfilename}\", \"--replicaof\", \"{primary_host}\", \"{primary_port}\", \"--appendonly\", \"no\", \"--save\", \"\", \"--daemonize\", \"yes\", \"--pidfile\", \"/tmp/kv/rreplica/redis.pid\", \"--logfile\", \"/tmp/kv/rreplica/redis.log\"]"
+RDST=$(PRE='snapshot_format = "redis-rdb"' POST="[handoff]
+mode = \"redis\"
+timeout = \"120s\"
+[redis]
+server_addr = \"127.0.0.1:$RR\"
+dir = \"/tmp/kv/rreplica\"
+dbfilename = \"dump.rdb\"
+primary = \"127.0.0.1:$RP\"
+start = $START" start_agent rdst rdma false | grpc) || exit 1
+for i in $(seq 300); do "$K" snapshots --agent $RSRC | grep -q dump.rdb && break; sleep 0.1; done
+"$K" sync --agent $RDST --source $RSRC --wait --json
+redis-cli -p $RP info stats | grep -E "^sync_(full|partial_ok):"
+for i in $(seq 300); do [ "$(redis-cli -p $RR get after-save)" = yes ] && break; sleep 0.1; done
+echo "after-save=$(redis-cli -p $RR get after-save) keys=$(redis-cli -p $RR dbsize)/$(redis-cli -p $RP dbsize)"
 echo "== done"
 "#;
 
@@ -203,6 +250,16 @@ fn soft_roce_vm_has_active_rxe0_and_real_verbs() {
     assert!(fb.contains("identical"), "{fb}");
     let logs = section(out, "source log");
     assert!(logs.contains("REM_ACCESS_ERR"), "{logs}");
+
+    // A Redis replica seeded by real RDMA continues with a partial resync.
+    let r = section(out, "redis");
+    let v: serde_json::Value =
+        serde_json::from_str(r.lines().find(|l| l.starts_with('{')).expect("redis sync JSON")).unwrap();
+    assert_eq!((v["status"].as_str(), v["transport"].as_str()), (Some("succeeded"), Some("rdma")), "{v}");
+    assert!(v["handoff"].as_str().unwrap().contains("partial resync accepted"), "{v}");
+    let stat = |k: &str| r.lines().find_map(|l| l.trim().strip_prefix(&format!("{k}:"))?.parse::<u64>().ok());
+    assert_eq!((stat("sync_full"), stat("sync_partial_ok")), (Some(1), Some(1)), "{r}");
+    assert!(r.contains("after-save=yes keys=50001/50001"), "{r}");
 
     // kvsync's bulk throughput against ib_write_bw on the same device.
     let bulk: f64 = logs
