@@ -6,8 +6,9 @@
 //! `auto` picks RDMA there, and that real agents sync 0-byte-payload, odd
 //! and 32 MiB snapshots by RDMA Writes over rxe0 — with a source addressed as
 //! 127.0.0.1 reached through the interface address, and a real remote
-//! access error (wrong rkey) falling back to TCP. On the host the probe
-//! finds nothing and `auto` picks TCP.
+//! access error (wrong rkey) falling back to TCP — and a real Redis replica
+//! seeded over rxe0 that continues with a partial resync. On the host the
+//! probe finds nothing and `auto` picks TCP.
 
 mod common;
 
@@ -253,12 +254,33 @@ fn soft_roce_vm_has_active_rxe0_and_real_verbs() {
 
     // A Redis replica seeded by real RDMA continues with a partial resync.
     let r = section(out, "redis");
-    let v: serde_json::Value =
-        serde_json::from_str(r.lines().find(|l| l.starts_with('{')).expect("redis sync JSON")).unwrap();
-    assert_eq!((v["status"].as_str(), v["transport"].as_str()), (Some("succeeded"), Some("rdma")), "{v}");
-    assert!(v["handoff"].as_str().unwrap().contains("partial resync accepted"), "{v}");
-    let stat = |k: &str| r.lines().find_map(|l| l.trim().strip_prefix(&format!("{k}:"))?.parse::<u64>().ok());
-    assert_eq!((stat("sync_full"), stat("sync_partial_ok")), (Some(1), Some(1)), "{r}");
+    let v: serde_json::Value = serde_json::from_str(
+        r.lines()
+            .find(|l| l.starts_with('{'))
+            .expect("redis sync JSON"),
+    )
+    .unwrap();
+    assert_eq!(
+        (v["status"].as_str(), v["transport"].as_str()),
+        (Some("succeeded"), Some("rdma")),
+        "{v}"
+    );
+    assert!(
+        v["handoff"]
+            .as_str()
+            .unwrap()
+            .contains("partial resync accepted"),
+        "{v}"
+    );
+    let stat = |k: &str| {
+        r.lines()
+            .find_map(|l| l.trim().strip_prefix(&format!("{k}:"))?.parse::<u64>().ok())
+    };
+    assert_eq!(
+        (stat("sync_full"), stat("sync_partial_ok")),
+        (Some(1), Some(1)),
+        "{r}"
+    );
     assert!(r.contains("after-save=yes keys=50001/50001"), "{r}");
 
     // kvsync's bulk throughput against ib_write_bw on the same device.
