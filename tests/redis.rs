@@ -235,6 +235,26 @@ fn rdbs_saved_by_the_real_server_carry_the_replication_position() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("no replication backlog"));
+    // A source agent watching the primary's dir never offers it.
+    let source = agent(root.path(), "source", &primary.dir, "", &[]);
+    wait_for(
+        "the RDB rejected for its missing position",
+        DEADLINE,
+        || {
+            (source.metric(r#"kvsync_snapshots_rejected_total{reason="no_replication_position"}"#)
+                == 1.0)
+                .then_some(())
+        },
+    );
+    assert!(
+        source
+            .proc
+            .log()
+            .contains("no replication position in this RDB"),
+        "{}",
+        source.proc.log()
+    );
+    drop(source);
 
     primary.make_backlog(root.path());
     // Encodings: small ints, large ints, long compressible strings, and
