@@ -8,6 +8,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -64,6 +65,8 @@ pub struct Shared {
     pub rdma: Arc<Probe>,
     /// Where the RDMA listener is bound, when RDMA is usable.
     pub rdma_endpoint: Option<SocketAddr>,
+    /// Cancelled when the agent starts draining for shutdown.
+    pub draining: CancellationToken,
 }
 
 /// A started agent: its bound addresses and a handle to stop it.
@@ -74,6 +77,7 @@ pub struct RunningAgent {
     pub metrics_addr: Option<SocketAddr>,
     shutdown: CancellationToken,
     tasks: JoinSet<()>,
+    health: tonic_health::server::HealthReporter,
 }
 
 impl RunningAgent {
@@ -162,6 +166,7 @@ impl RunningAgent {
             data_tcp_addr,
             rdma: rdma.clone(),
             rdma_endpoint,
+            draining: CancellationToken::new(),
         });
         let syncs = SyncManager::new(
             shared.config.clone(),
@@ -169,6 +174,7 @@ impl RunningAgent {
             rdma,
             faults,
             shutdown.clone(),
+            shared.draining.clone(),
         );
 
         let metrics_addr = if shared.config.metrics.listen.is_empty() {
@@ -265,6 +271,7 @@ impl RunningAgent {
             metrics_addr,
             shutdown,
             tasks,
+            health,
         })
     }
 
@@ -290,12 +297,55 @@ impl RunningAgent {
         self.shutdown.clone()
     }
 
-    /// Stops every task and waits for them.
+    /// Graceful shutdown, step one: refuse new syncs and offers (health
+    /// NOT_SERVING), then wait up to `timeout` for running syncs and served
+    /// sessions to finish. Returns whether everything finished; `stop`
+    /// cancels what is left.
+    pub async fn drain(&self, timeout: Duration) -> bool {
+        self.shared.draining.cancel();
+        self.health
+            .set_not_serving::<pb::orchestrator_server::OrchestratorServer<OrchestratorService>>()
+            .await;
+        self.health
+            .set_not_serving::<pb::peer_server::PeerServer<PeerService>>()
+            .await;
+        self.health
+            .set_service_status("", tonic_health::ServingStatus::NotServing)
+            .await;
+        let busy = || self.syncs.running_count() + self.shared.sessions.serving();
+        info!(
+            running = busy(),
+            ?timeout,
+            "draining: no new syncs; waiting for running transfers"
+        );
+        let deadline = tokio::time::Instant::now() + timeout;
+        while busy() > 0 {
+            if tokio::time::Instant::now() >= deadline {
+                warn!(
+                    running = busy(),
+                    "drain timeout: cancelling the remaining transfers"
+                );
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        true
+    }
+
+    /// Stops every task and waits for them, and for cancelled syncs to clean up.
+    /// Cancelled syncs remove their temp files before they end; this is how
+    /// long `stop` waits for that.
+    const CANCEL_GRACE: Duration = Duration::from_secs(10);
+
     pub async fn stop(mut self) {
         self.shutdown.cancel();
         self.syncs.cancel_all();
         self.shared.sessions.clear();
         while self.tasks.join_next().await.is_some() {}
+        let deadline = tokio::time::Instant::now() + Self::CANCEL_GRACE;
+        while self.syncs.running_count() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Runs until the shutdown token is cancelled, then stops.

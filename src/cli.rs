@@ -276,18 +276,42 @@ fn load_config(args: &AgentArgs) -> anyhow::Result<Config> {
 
 fn run_agent(args: AgentArgs) -> anyhow::Result<ExitCode> {
     let config = load_config(&args)?;
-    runtime()?.block_on(async move {
+    let drain_timeout = config.sync.drain_timeout;
+    let runtime = runtime()?;
+    let code = runtime.block_on(async move {
         let agent = RunningAgent::start(config).await?;
         println!("{}", agent.ready_line());
-        let stop = agent.shutdown_token();
-        tokio::spawn(async move {
-            wait_for_signal().await;
-            tracing::info!("shutdown requested");
-            stop.cancel();
-        });
-        agent.run_until_stopped().await;
-        Ok(ExitCode::SUCCESS)
-    })
+        // systemd (Type=notify): ready once every listener is up, then
+        // watchdog pings at half the configured interval.
+        let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
+        if let Some(interval) = sd_notify::watchdog_enabled() {
+            let every = interval / 2;
+            let stop = agent.shutdown_token();
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(every);
+                while tokio::select! {
+                    _ = stop.cancelled() => false,
+                    _ = tick.tick() => true,
+                } {
+                    let _ = sd_notify::notify(&[sd_notify::NotifyState::Watchdog]);
+                }
+            });
+        }
+        let stopped = agent.shutdown_token();
+        tokio::select! {
+            _ = wait_for_signal() => {}
+            _ = stopped.cancelled() => {}
+        }
+        tracing::info!("shutdown requested");
+        let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
+        agent.drain(drain_timeout).await;
+        agent.stop().await;
+        tracing::info!("agent stopped");
+        Ok::<_, anyhow::Error>(ExitCode::SUCCESS)
+    })?;
+    // Never hang on a blocking call that outlived its task.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(5));
+    Ok(code)
 }
 
 /// Resolves on SIGINT or SIGTERM.

@@ -226,6 +226,14 @@ pub struct SyncConfig {
     /// Lifetime of a data-plane session token handed out by a source.
     #[serde(with = "humantime_serde")]
     pub session_token_ttl: Duration,
+    /// Replica syncs running at once; more are refused (RESOURCE_EXHAUSTED).
+    pub max_incoming_syncs: usize,
+    /// Source sessions offered or served at once; more are refused.
+    pub max_outgoing_syncs: usize,
+    /// On SIGTERM/SIGINT: how long running transfers may take to finish
+    /// before they are cancelled.
+    #[serde(with = "humantime_serde")]
+    pub drain_timeout: Duration,
 }
 
 impl Default for Config {
@@ -329,6 +337,9 @@ impl Default for SyncConfig {
         SyncConfig {
             keep_recent: 32,
             session_token_ttl: Duration::from_secs(60),
+            max_incoming_syncs: 4,
+            max_outgoing_syncs: 16,
+            drain_timeout: Duration::from_secs(120),
         }
     }
 }
@@ -493,6 +504,12 @@ impl Config {
         }
         if h.timeout.is_zero() {
             bad("handoff.timeout", "must be greater than zero".into());
+        }
+        if self.sync.max_incoming_syncs == 0 {
+            bad("sync.max_incoming_syncs", "must be at least 1".into());
+        }
+        if self.sync.max_outgoing_syncs == 0 {
+            bad("sync.max_outgoing_syncs", "must be at least 1".into());
         }
         if self.cache.memory_budget.as_u64() == 0 {
             bad("cache.memory_budget", "must be greater than zero".into());

@@ -69,6 +69,7 @@ impl From<SyncError> for ApiError {
             SyncError::NotFound(_) => ApiError::NotFound(msg),
             SyncError::FailedPrecondition(_) => ApiError::FailedPrecondition(msg),
             SyncError::Busy(_) => ApiError::Busy(msg),
+            SyncError::Unavailable(_) => ApiError::Unavailable(msg),
         }
     }
 }

@@ -46,6 +46,17 @@ impl PeerService {
             )));
         }
         let transport = choose_transport(shared, &req)?;
+        if shared.draining.is_cancelled() {
+            return Err(ApiError::Unavailable(
+                "this source is shutting down; retry against it after its restart".into(),
+            ));
+        }
+        let limit = shared.config.sync.max_outgoing_syncs;
+        if shared.sessions.active() >= limit {
+            return Err(ApiError::Busy(format!(
+                "this source already serves {limit} sessions (sync.max_outgoing_syncs); retry in a few seconds"
+            )));
+        }
         let entry = shared.catalog.latest(format).ok_or_else(|| {
             ApiError::NoSnapshot(format!(
                 "no valid {format} snapshot in {} yet; save one on the primary first",

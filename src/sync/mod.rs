@@ -33,9 +33,12 @@ pub enum SyncError {
     /// This agent cannot receive now (e.g. its snapshot_dir is not writable).
     #[error("{0}")]
     FailedPrecondition(String),
-    /// Too many syncs, or shutting down.
+    /// Too many syncs running.
     #[error("{0}")]
     Busy(String),
+    /// The agent is shutting down.
+    #[error("{0}")]
+    Unavailable(String),
 }
 
 struct Running {
@@ -58,6 +61,8 @@ pub struct SyncManager {
     faults: Faults,
     jobs: Mutex<Jobs>,
     shutdown: CancellationToken,
+    /// Cancelled when the agent starts draining: no new syncs.
+    draining: CancellationToken,
 }
 
 /// Longest accepted source address.
@@ -70,6 +75,7 @@ impl SyncManager {
         rdma: Arc<Probe>,
         faults: Faults,
         shutdown: CancellationToken,
+        draining: CancellationToken,
     ) -> Arc<SyncManager> {
         Arc::new(SyncManager {
             config,
@@ -78,6 +84,7 @@ impl SyncManager {
             faults,
             jobs: Mutex::default(),
             shutdown,
+            draining,
         })
     }
 
@@ -98,12 +105,21 @@ impl SyncManager {
                 "source must be the source agent's gRPC address host:port, got {source:?}"
             )));
         }
-        if self.shutdown.is_cancelled() {
-            return Err(SyncError::Busy("agent is shutting down".into()));
+        if self.shutdown.is_cancelled() || self.draining.is_cancelled() {
+            return Err(SyncError::Unavailable(
+                "agent is shutting down; start the sync on another agent or after the restart"
+                    .into(),
+            ));
         }
         let mut jobs = self.jobs.lock().expect("jobs lock");
         if let Some((id, _)) = jobs.running.iter().find(|(_, r)| r.source == source) {
             return Ok((id.clone(), false));
+        }
+        let limit = self.config.sync.max_incoming_syncs;
+        if jobs.running.len() >= limit {
+            return Err(SyncError::Busy(format!(
+                "{limit} syncs are running on this agent (sync.max_incoming_syncs); retry when one has finished"
+            )));
         }
         // Refuse before anything moves when we could not install the result.
         job::check_writable(&self.config.snapshot_dir)
@@ -201,6 +217,11 @@ impl SyncManager {
             .iter()
             .cloned()
             .collect()
+    }
+
+    /// Number of syncs running.
+    pub fn running_count(&self) -> usize {
+        self.jobs.lock().expect("jobs lock").running.len()
     }
 
     /// Cancels every running sync (shutdown).

@@ -76,6 +76,11 @@ impl SessionTable {
         before - offers.len()
     }
 
+    /// Sessions offered and not yet connected, plus those being served.
+    pub fn active(&self) -> usize {
+        self.offers.lock().expect("sessions lock").len() + self.serving()
+    }
+
     /// Sessions moving bytes now.
     pub fn serving(&self) -> usize {
         self.serving.load(Ordering::Relaxed)

@@ -127,6 +127,28 @@ impl AgentProcess {
     pub fn metrics(&self) -> String {
         http_get(&self.addr("metrics"), "/metrics")
     }
+
+    /// Sends `signal` to the agent.
+    pub fn signal(&self, signal: i32) {
+        // SAFETY: signalling our own child process.
+        unsafe { libc::kill(self.child.id() as i32, signal) };
+    }
+
+    /// Waits (with the deadline) for the agent to exit; its exit code.
+    pub fn wait_exit(&mut self) -> Option<i32> {
+        let end = Instant::now() + DEADLINE;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status.code();
+            }
+            assert!(
+                Instant::now() < end,
+                "the agent did not exit; log:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
 }
 
 impl Drop for AgentProcess {
