@@ -234,6 +234,14 @@ pub struct SyncConfig {
     /// before they are cancelled.
     #[serde(with = "humantime_serde")]
     pub drain_timeout: Duration,
+    /// Retries of a sync after a transient failure (source unreachable or
+    /// busy, network cut, one checksum mismatch).
+    pub retries: u32,
+    /// First retry delay; doubles per attempt (with jitter) up to the max.
+    #[serde(with = "humantime_serde")]
+    pub retry_backoff: Duration,
+    #[serde(with = "humantime_serde")]
+    pub retry_backoff_max: Duration,
 }
 
 impl Default for Config {
@@ -340,6 +348,9 @@ impl Default for SyncConfig {
             max_incoming_syncs: 4,
             max_outgoing_syncs: 16,
             drain_timeout: Duration::from_secs(120),
+            retries: 3,
+            retry_backoff: Duration::from_secs(1),
+            retry_backoff_max: Duration::from_secs(30),
         }
     }
 }

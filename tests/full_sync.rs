@@ -243,13 +243,13 @@ async fn source_unreachable_or_without_snapshot() {
     let p = wait_done(&replica, &id).await;
     assert_eq!(p.phase, pb::Phase::Failed as i32);
     assert!(
-        p.error.contains("FailedPrecondition") && p.error.contains("no valid kvr1 snapshot"),
+        p.error.contains("NotFound") && p.error.contains("no valid kvr1 snapshot"),
         "{}",
         p.error
     );
     assert!(replica.temp_files().is_empty());
 
-    // The source refuses directly with FAILED_PRECONDITION.
+    // The source refuses directly with NOT_FOUND.
     let mut peer = PeerClient::connect(format!("http://{}", empty_source.grpc()))
         .await
         .unwrap();
@@ -257,7 +257,7 @@ async fn source_unreachable_or_without_snapshot() {
         .open_full_sync(pb::OpenFullSyncRequest::default())
         .await
         .unwrap_err();
-    assert_eq!(err.code(), tonic::Code::FailedPrecondition);
+    assert_eq!(err.code(), tonic::Code::NotFound);
 
     // Bad arguments and unknown syncs map to their codes.
     let err = c

@@ -6,7 +6,6 @@ mod common;
 
 use std::os::unix::net::UnixDatagram;
 use std::path::Path;
-use std::time::Duration;
 
 use common::node::*;
 use common::*;
@@ -236,5 +235,77 @@ async fn admission_limits_refuse_the_next_sync_with_retry_advice() {
     let p = wait_done(&second, &id).await;
     assert_eq!(p.phase, pb::Phase::Failed as i32);
     assert!(p.error.contains("max_outgoing_syncs"), "{}", p.error);
-    let _ = Duration::ZERO;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sync_retries_with_backoff_until_a_late_source_comes_up() {
+    let root = tempfile::tempdir().unwrap();
+    let config = agent_config(
+        root.path(),
+        "replica",
+        "retries = 20\nretry_backoff = \"50ms\"\nretry_backoff_max = \"200ms\"",
+    );
+    let replica = Node {
+        proc: AgentProcess::start(&["--config", &config], root.path()),
+        dir: root.path().join("replica"),
+    };
+    // The source's address, with nothing listening yet.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let source_addr = format!("127.0.0.1:{port}");
+    let mut c = replica.client().await;
+    let id = c
+        .start_full_sync(pb::StartFullSyncRequest {
+            source: source_addr.clone(),
+            transport: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .sync_id;
+    // Wait until at least two attempts failed, then bring the source up.
+    let mut stream = c
+        .watch_sync(pb::WatchSyncRequest {
+            sync_id: id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let seen = tokio::time::timeout(DEADLINE, async {
+        while let Some(p) = futures::StreamExt::next(&mut stream).await {
+            let p = p.unwrap();
+            if p.attempts >= 3 {
+                return p;
+            }
+        }
+        panic!("the sync ended before retrying");
+    })
+    .await
+    .expect("retries in time");
+    assert!(
+        seen.last_error.contains("unreachable"),
+        "{}",
+        seen.last_error
+    );
+    let source = Node {
+        proc: AgentProcess::start(
+            &[
+                "--config",
+                &agent_config(root.path(), "source", ""),
+                "--grpc-listen",
+                &source_addr,
+            ],
+            root.path(),
+        ),
+        dir: root.path().join("source"),
+    };
+    let bytes = put_snapshot(&source.dir, "late.kvr1", 1 << 20, 8);
+    source.offered(8).await;
+    let p = wait_done(&replica, &id).await;
+    assert_eq!(p.phase, pb::Phase::Succeeded as i32, "{p:?}");
+    assert!(p.attempts >= 3, "{p:?}");
+    assert!(std::fs::read(&p.installed_path).unwrap() == bytes);
 }

@@ -160,7 +160,7 @@ fn agent(root: &Path, name: &str, snapshot_dir: &Path, config: &str, env: &[(&st
     std::fs::write(
         &path,
         format!(
-            "node_id = \"{name}\"\nsnapshot_dir = \"{}\"\nsnapshot_format = \"redis-rdb\"\n[grpc]\nlisten = \"127.0.0.1:0\"\n[data]\ntcp_listen = \"127.0.0.1:0\"\nrdma_port = 0\n[metrics]\nlisten = \"127.0.0.1:0\"\n[watch]\ndebounce = \"20ms\"\n{config}",
+            "node_id = \"{name}\"\nsnapshot_dir = \"{}\"\nsnapshot_format = \"redis-rdb\"\n[grpc]\nlisten = \"127.0.0.1:0\"\n[data]\ntcp_listen = \"127.0.0.1:0\"\nrdma_port = 0\n[metrics]\nlisten = \"127.0.0.1:0\"\n[watch]\ndebounce = \"20ms\"\n[sync]\nretries = 0\n{config}",
             snapshot_dir.display()
         ),
     )

@@ -28,7 +28,8 @@ pub mod pb {
 /// Every error a gRPC call can end with, and its status code.
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
-    /// The source has no valid snapshot to offer → FAILED_PRECONDITION.
+    /// The source has no valid snapshot to offer (yet) → NOT_FOUND; replicas
+    /// retry it with backoff.
     #[error("{0}")]
     NoSnapshot(String),
     /// Another precondition does not hold → FAILED_PRECONDITION.
@@ -51,7 +52,8 @@ pub enum ApiError {
 impl From<ApiError> for Status {
     fn from(e: ApiError) -> Status {
         let code = match e {
-            ApiError::NoSnapshot(_) | ApiError::FailedPrecondition(_) => Code::FailedPrecondition,
+            ApiError::NoSnapshot(_) => Code::NotFound,
+            ApiError::FailedPrecondition(_) => Code::FailedPrecondition,
             ApiError::InvalidArgument(_) => Code::InvalidArgument,
             ApiError::Busy(_) => Code::ResourceExhausted,
             ApiError::NotFound(_) => Code::NotFound,

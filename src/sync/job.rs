@@ -94,6 +94,30 @@ impl JobError {
         }
     }
 
+    /// Worth another attempt: the source or network may recover. Checksum
+    /// mismatches count too (the caller gives up on the second).
+    fn is_transient(&self) -> bool {
+        match self {
+            JobError::Unreachable { .. }
+            | JobError::DataConnect { .. }
+            | JobError::Checksum(_)
+            | JobError::Rdma(RdmaError::Fabric(_) | RdmaError::Completion { .. }) => true,
+            JobError::Transport(e) => !matches!(e, TcpError::Cancelled),
+            JobError::Protocol(e) => !matches!(
+                e,
+                Blk3Error::MrinfoLength { .. } | Blk3Error::AnnouncedLength { .. }
+            ),
+            JobError::Refused { code, .. } => matches!(
+                code,
+                tonic::Code::Unavailable
+                    | tonic::Code::ResourceExhausted
+                    | tonic::Code::Aborted
+                    | tonic::Code::NotFound // no snapshot yet
+            ),
+            _ => false,
+        }
+    }
+
     /// Why an RDMA attempt that failed this way is retried over TCP
     /// (`kvsync_transport_fallback_total{reason}`), or `None` when the
     /// failure is not the transport's (cancel, local disk, handoff).
@@ -159,7 +183,7 @@ pub async fn run(ctx: JobContext) -> pb::SyncProgress {
         let m = ctx.metrics.clone();
         m.fullsync_in_progress.with_label_values(&["replica"]).inc();
         let started = Instant::now();
-        let result = attempt(&ctx).await;
+        let result = with_retries(&ctx).await;
         let transport = match ctx.progress.borrow().transport {
             t if t == pb::Transport::Rdma as i32 => TransportKind::Rdma,
             _ => TransportKind::Tcp,
@@ -206,6 +230,45 @@ pub async fn run(ctx: JobContext) -> pb::SyncProgress {
     }
     .instrument(span)
     .await
+}
+
+/// Runs attempts until one succeeds, a failure is permanent, or the
+/// configured retries are used up; waits with exponential backoff and
+/// jitter in between. Status shows the attempts and the last error.
+async fn with_retries(ctx: &JobContext) -> Result<(), JobError> {
+    let sync = &ctx.config.sync;
+    let mut checksum_failures = 0;
+    let mut attempt_no = 0u32;
+    loop {
+        attempt_no += 1;
+        ctx.progress.send_modify(|p| p.attempts = attempt_no);
+        let err = match attempt(ctx).await {
+            Ok(()) => return Ok(()),
+            Err(e) => e,
+        };
+        if matches!(err, JobError::Checksum(_)) {
+            checksum_failures += 1;
+        }
+        let retry = err.is_transient() && checksum_failures < 2 && attempt_no <= sync.retries;
+        if !retry {
+            return Err(err);
+        }
+        let backoff = backoff(sync.retry_backoff, sync.retry_backoff_max, attempt_no);
+        warn!(attempt = attempt_no, error = %err, ?backoff, "sync attempt failed; retrying");
+        ctx.progress.send_modify(|p| {
+            p.last_error = err.to_string();
+            p.phase = pb::Phase::Negotiating as i32;
+            p.bytes_done = 0;
+        });
+        ctx.or_cancel(tokio::time::sleep(backoff)).await?;
+    }
+}
+
+/// `base × 2^(attempt-1)`, capped at `max`, with ±25 % jitter.
+fn backoff(base: Duration, max: Duration, attempt: u32) -> Duration {
+    use rand::Rng;
+    let exp = base.saturating_mul(1u32 << (attempt - 1).min(16)).min(max);
+    exp.mul_f64(rand::rng().random_range(0.75..1.25))
 }
 
 /// What one data-plane session delivered into its staging file.

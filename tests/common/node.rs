@@ -31,6 +31,14 @@ impl Node {
         extra: &str,
         env: &[(&str, &str)],
     ) -> Node {
+        // One attempt per sync unless a test asks for retries: tests check
+        // what each failure does.
+        let extra = if extra.contains("[sync]\n") {
+            extra.replacen("[sync]\n", "[sync]\nretries = 0\n", 1)
+        } else {
+            format!("{extra}\n[sync]\nretries = 0\n")
+        };
+        let extra = extra.as_str();
         let dir = root.join(name);
         std::fs::create_dir_all(&dir).unwrap();
         let config = root.join(format!("{name}.toml"));
