@@ -46,6 +46,9 @@ pub enum AgentError {
     /// `KVSYNC_FAULTS` is malformed.
     #[error("KVSYNC_FAULTS: {0}")]
     Faults(String),
+    /// `[auth] token_file` is unusable.
+    #[error("auth.token_file: {0}")]
+    Tokens(String),
     /// The gRPC reflection service could not be built.
     #[error("grpc reflection: {0}")]
     Reflection(String),
@@ -67,6 +70,8 @@ pub struct Shared {
     pub rdma_endpoint: Option<SocketAddr>,
     /// Cancelled when the agent starts draining for shutdown.
     pub draining: CancellationToken,
+    /// Accepted control-plane tokens (reloaded on SIGHUP).
+    pub tokens: Arc<crate::control::auth::Tokens>,
 }
 
 /// A started agent: its bound addresses and a handle to stop it.
@@ -90,6 +95,8 @@ impl RunningAgent {
             });
         }
         let faults = Faults::from_env().map_err(AgentError::Faults)?;
+        let tokens = crate::control::auth::Tokens::load(config.auth.token_file.as_deref())
+            .map_err(AgentError::Tokens)?;
         if faults.any() {
             warn!(?faults, "FAULT INJECTION ACTIVE (KVSYNC_FAULTS): this agent corrupts or stalls transfers on purpose");
         }
@@ -167,12 +174,14 @@ impl RunningAgent {
             rdma: rdma.clone(),
             rdma_endpoint,
             draining: CancellationToken::new(),
+            tokens,
         });
         let syncs = SyncManager::new(
             shared.config.clone(),
             shared.metrics.clone(),
             rdma,
             faults,
+            shared.tokens.clone(),
             shutdown.clone(),
             shared.draining.clone(),
         );
@@ -238,13 +247,20 @@ impl RunningAgent {
             shared: shared.clone(),
             data_addr: data_tcp_addr,
         };
+        let auth = crate::control::auth::ServerAuth {
+            tokens: shared.tokens.clone(),
+            metrics: shared.metrics.clone(),
+        };
         let router = tonic::transport::Server::builder()
             .add_service(health_service)
             .add_service(reflection)
-            .add_service(pb::orchestrator_server::OrchestratorServer::new(
-                orchestrator,
-            ))
-            .add_service(pb::peer_server::PeerServer::new(peer));
+            .add_service(
+                pb::orchestrator_server::OrchestratorServer::with_interceptor(
+                    orchestrator,
+                    auth.clone(),
+                ),
+            )
+            .add_service(pb::peer_server::PeerServer::with_interceptor(peer, auth));
         let stop = shutdown.clone();
         tasks.spawn(async move {
             let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc_listener);

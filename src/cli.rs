@@ -28,6 +28,10 @@ use crate::snapshot::{self, kvr1::GenSpec, Format};
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
+    /// Client commands: a file whose first token is sent as the bearer
+    /// token (agents with `[auth] token_file` require one).
+    #[arg(long, global = true, env = "KVSYNC_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -199,6 +203,15 @@ pub fn main() -> ExitCode {
     // Client commands and the demo keep the terminal for their own output.
     let quiet = !matches!(cli.command, Command::Agent(_));
     init_logging(if quiet { "warn" } else { "info" });
+    if let Some(file) = &cli.token_file {
+        match crate::control::auth::read_token_file(file) {
+            Ok(tokens) => client::set_token(tokens.into_iter().next()),
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
     let result = match cli.command {
         Command::Agent(args) => run_agent(args),
         Command::GenSnapshot(args) => gen_snapshot(args),
@@ -297,6 +310,19 @@ fn run_agent(args: AgentArgs) -> anyhow::Result<ExitCode> {
                 }
             });
         }
+        // SIGHUP re-reads the token file.
+        let tokens = agent.shared.tokens.clone();
+        tokio::spawn(async move {
+            let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else {
+                return;
+            };
+            while hup.recv().await.is_some() {
+                match tokens.reload() {
+                    Ok(n) => tracing::info!(tokens = n, "SIGHUP: token file reloaded"),
+                    Err(e) => tracing::warn!(error = %e, "SIGHUP: token file not reloaded; the previous tokens stay"),
+                }
+            }
+        });
         let stopped = agent.shutdown_token();
         tokio::select! {
             _ = wait_for_signal() => {}

@@ -34,6 +34,17 @@ pub struct Config {
     pub watch: WatchConfig,
     pub sync: SyncConfig,
     pub redis: RedisConfig,
+    pub auth: AuthConfig,
+}
+
+/// Control-plane authentication.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthConfig {
+    /// File of accepted bearer tokens (one per line; the first is presented
+    /// to peers). Every Orchestrator and Peer RPC must carry one. Empty
+    /// turns authentication off. Reloaded on SIGHUP.
+    pub token_file: Option<PathBuf>,
 }
 
 /// Redis/Valkey: the local primary (source role, pre-flight check) and the
@@ -259,6 +270,7 @@ impl Default for Config {
             watch: WatchConfig::default(),
             sync: SyncConfig::default(),
             redis: RedisConfig::default(),
+            auth: AuthConfig::default(),
         }
     }
 }

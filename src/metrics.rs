@@ -54,6 +54,7 @@ pub struct Metrics {
     pub fullsync_in_progress: IntGaugeVec,
     pub handoff_total: IntCounterVec,
     pub data_auth_failures: IntCounter,
+    pub grpc_auth_failures: IntCounter,
     pub last_success: GaugeVec,
     pub build_info: IntGaugeVec,
     pub up_since: Gauge,
@@ -153,6 +154,10 @@ impl Metrics {
             data_auth_failures: reg!(IntCounter::new(
                 "kvsync_data_auth_failures_total",
                 "Data-plane connections refused for a bad session token"
+            )),
+            grpc_auth_failures: reg!(IntCounter::new(
+                "kvsync_grpc_auth_failures_total",
+                "Control-plane requests refused for a missing or bad bearer token"
             )),
             last_success: reg!(GaugeVec::new(
                 Opts::new(

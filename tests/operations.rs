@@ -309,3 +309,85 @@ async fn a_sync_retries_with_backoff_until_a_late_source_comes_up() {
     assert!(p.attempts >= 3, "{p:?}");
     assert!(std::fs::read(&p.installed_path).unwrap() == bytes);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bearer_tokens_are_required_counted_and_reloaded_on_sighup() {
+    let root = tempfile::tempdir().unwrap();
+    let tokens = root.path().join("tokens");
+    std::fs::write(&tokens, "# fleet\nfirst-fleet-token-0001\n").unwrap();
+    let auth = format!("\n[auth]\ntoken_file = \"{}\"", tokens.display());
+    let start = |name: &str| Node {
+        proc: AgentProcess::start(
+            &["--config", &agent_config(root.path(), name, &auth)],
+            root.path(),
+        ),
+        dir: root.path().join(name),
+    };
+    let (source, replica) = (start("source"), start("replica"));
+    put_snapshot(&source.dir, "s.kvr1", 1 << 20, 4);
+
+    let cli = |token_file: Option<&Path>| {
+        let mut c = std::process::Command::new(kvsync_bin());
+        if let Some(f) = token_file {
+            c.arg("--token-file").arg(f);
+        }
+        c.args(["snapshots", "--agent", &source.grpc(), "--json"])
+            .output()
+            .unwrap()
+    };
+    let out = cli(None);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("missing bearer token"),
+        "{out:?}"
+    );
+    let wrong = root.path().join("wrong");
+    std::fs::write(&wrong, "not-the-fleet-token-0001\n").unwrap();
+    assert!(String::from_utf8_lossy(&cli(Some(&wrong)).stderr).contains("not accepted"));
+    assert_eq!(source.metric("kvsync_grpc_auth_failures_total"), 2.0);
+    wait_for("the snapshot offered", DEADLINE, || {
+        String::from_utf8_lossy(&cli(Some(&tokens)).stdout)
+            .contains("\"seq\":4")
+            .then_some(())
+    });
+
+    // Agent to agent: the replica presents the fleet token to the source.
+    let sync = |expect_ok: bool| {
+        let out = std::process::Command::new(kvsync_bin())
+            .arg("--token-file")
+            .arg(&tokens)
+            .args([
+                "sync",
+                "--agent",
+                &replica.grpc(),
+                "--source",
+                &source.grpc(),
+                "--wait",
+                "--json",
+            ])
+            .output()
+            .unwrap();
+        assert_eq!(
+            out.status.success(),
+            expect_ok,
+            "{}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    sync(true);
+
+    // A new token, reloaded by both agents on SIGHUP: the old one stops working.
+    std::fs::write(&tokens, "second-fleet-token-0002\n").unwrap();
+    source.proc.signal(libc::SIGHUP);
+    replica.proc.signal(libc::SIGHUP);
+    wait_for("the reload", DEADLINE, || {
+        (source.proc.log().contains("token file reloaded")
+            && replica.proc.log().contains("token file reloaded"))
+        .then_some(())
+    });
+    let old = root.path().join("old");
+    std::fs::write(&old, "first-fleet-token-0001\n").unwrap();
+    assert!(!cli(Some(&old)).status.success());
+    sync(true);
+}

@@ -17,18 +17,30 @@ use tonic::transport::Channel;
 use super::{DemoArgs, StatusArgs, SyncArgs, TransportArg};
 use crate::agent::RunningAgent;
 use crate::config::{Config, TransportMode};
+use crate::control::auth::ClientAuth;
 use crate::control::{self, is_terminal, pb, phase_name, transport_name};
 use crate::snapshot::kvr1::GenSpec;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
-type Client = pb::orchestrator_client::OrchestratorClient<Channel>;
+type Client = pb::orchestrator_client::OrchestratorClient<
+    tonic::service::interceptor::InterceptedService<Channel, ClientAuth>,
+>;
+
+/// The bearer token client commands present (from `--token-file`).
+static TOKEN: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+
+/// Sets the token client commands present.
+pub fn set_token(token: Option<String>) {
+    let _ = TOKEN.set(token);
+}
 
 async fn client(agent: &str) -> anyhow::Result<Client> {
     let channel = control::connect(agent, CONNECT_TIMEOUT)
         .await
         .map_err(|e| anyhow::anyhow!("cannot reach agent {agent}: {e}"))?;
-    Ok(Client::new(channel))
+    let auth = ClientAuth::new(TOKEN.get().cloned().flatten());
+    Ok(pb::orchestrator_client::OrchestratorClient::with_interceptor(channel, auth))
 }
 
 fn status_err(what: &str, s: tonic::Status) -> anyhow::Error {

@@ -5,6 +5,7 @@
 //! agents, and the server that hosts the orchestrator-facing service
 //! ([`orchestrator`]) and the agent-to-agent service ([`peer`]).
 
+pub mod auth;
 pub mod orchestrator;
 pub mod peer;
 

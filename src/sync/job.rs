@@ -19,6 +19,7 @@ use tracing::{info, info_span, warn, Instrument};
 use crate::blk3::token::SESSION_TOKEN_LEN;
 use crate::blk3::{Blk3Error, Outcome};
 use crate::config::{Config, RdmaProvider, TransportMode};
+use crate::control::auth::ClientAuth;
 use crate::control::{self, pb};
 use crate::handoff::{self, HandoffError, HandoffRecord};
 use crate::install::{self, InstallError, Staging};
@@ -28,6 +29,11 @@ use crate::transport::probe::Probe;
 use crate::transport::rdma::{self, RdmaError};
 use crate::transport::tcp::{self, Link, TcpError};
 use crate::transport::{select, Faults, TransportKind};
+
+/// A Peer client presenting this agent's token.
+type PeerClient = pb::peer_client::PeerClient<
+    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, ClientAuth>,
+>;
 
 /// How long connecting to the source (gRPC and data) may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -145,6 +151,8 @@ pub struct JobContext {
     /// This agent's RDMA probe (provider, local address, soft device).
     pub rdma: Arc<Probe>,
     pub faults: Faults,
+    /// This agent's bearer token for the source's Peer service.
+    pub auth: ClientAuth,
     pub progress: watch::Sender<pb::SyncProgress>,
     pub cancel: CancellationToken,
 }
@@ -303,7 +311,7 @@ async fn attempt(ctx: &JobContext) -> Result<(), JobError> {
             source_addr: ctx.source.clone(),
             message: e,
         })?;
-    let mut peer = pb::peer_client::PeerClient::new(channel);
+    let mut peer = pb::peer_client::PeerClient::with_interceptor(channel, ctx.auth.clone());
     // Only a sync that cannot fall back insists on RDMA with the source.
     let insist = mode == TransportMode::Rdma && !may_fall_back;
     let mut offer = negotiate(ctx, &mut peer, want_rdma, insist).await?;
@@ -407,7 +415,7 @@ fn fell_back(ctx: &JobContext, reason: &'static str, detail: &str) {
 /// insisted on — and checks the offer.
 async fn negotiate(
     ctx: &JobContext,
-    peer: &mut pb::peer_client::PeerClient<tonic::transport::Channel>,
+    peer: &mut PeerClient,
     rdma: bool,
     insist: bool,
 ) -> Result<pb::SyncOffer, JobError> {

@@ -16,6 +16,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
+use crate::control::auth::Tokens;
 use crate::control::pb;
 use crate::metrics::Metrics;
 use crate::transport::probe::Probe;
@@ -59,6 +60,7 @@ pub struct SyncManager {
     metrics: Arc<Metrics>,
     rdma: Arc<Probe>,
     faults: Faults,
+    tokens: Arc<Tokens>,
     jobs: Mutex<Jobs>,
     shutdown: CancellationToken,
     /// Cancelled when the agent starts draining: no new syncs.
@@ -74,6 +76,7 @@ impl SyncManager {
         metrics: Arc<Metrics>,
         rdma: Arc<Probe>,
         faults: Faults,
+        tokens: Arc<Tokens>,
         shutdown: CancellationToken,
         draining: CancellationToken,
     ) -> Arc<SyncManager> {
@@ -82,6 +85,7 @@ impl SyncManager {
             metrics,
             rdma,
             faults,
+            tokens,
             jobs: Mutex::default(),
             shutdown,
             draining,
@@ -153,6 +157,7 @@ impl SyncManager {
             metrics: self.metrics.clone(),
             rdma: self.rdma.clone(),
             faults: self.faults.clone(),
+            auth: self.tokens.client(),
             progress: tx,
             cancel,
         };
