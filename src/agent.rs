@@ -24,6 +24,7 @@ use crate::metrics::{self, Metrics};
 use crate::sync::source::{self as source_role, DataPlane, SessionTable};
 use crate::sync::SyncManager;
 use crate::transport::probe::Probe;
+use crate::transport::ratelimit::RateLimiter;
 use crate::transport::Faults;
 use crate::watch::DirWatcher;
 
@@ -72,6 +73,8 @@ pub struct Shared {
     pub draining: CancellationToken,
     /// Accepted control-plane tokens (reloaded on SIGHUP).
     pub tokens: Arc<crate::control::auth::Tokens>,
+    /// Bandwidth limit of what this agent sends (reloaded on SIGHUP).
+    pub rate: Arc<RateLimiter>,
 }
 
 /// A started agent: its bound addresses and a handle to stop it.
@@ -143,6 +146,7 @@ impl RunningAgent {
             faults: faults.clone(),
             bulk: Probe::bulk_params(&config.transport, rdma.soft),
             shutdown: shutdown.clone(),
+            rate: Arc::new(RateLimiter::new(config.sync.rate_limit.as_u64())),
         };
         let rdma_endpoint = match start_rdma_listener(&config, &rdma, &plane, &mut tasks).await {
             Ok(endpoint) => endpoint,
@@ -175,6 +179,7 @@ impl RunningAgent {
             rdma_endpoint,
             draining: CancellationToken::new(),
             tokens,
+            rate: plane.rate.clone(),
         });
         let syncs = SyncManager::new(
             shared.config.clone(),
@@ -311,6 +316,23 @@ impl RunningAgent {
     /// A token that stops the agent when cancelled.
     pub fn shutdown_token(&self) -> CancellationToken {
         self.shutdown.clone()
+    }
+
+    /// Applies what a SIGHUP reloads from a re-read configuration: the
+    /// token file, the bandwidth limit and the cache budget.
+    pub fn reload(&self, config: &Config) -> Result<(), String> {
+        self.shared.rate.set_rate(config.sync.rate_limit.as_u64());
+        self.shared
+            .cache
+            .set_budget(config.cache.memory_budget.as_u64());
+        let tokens = self.shared.tokens.reload()?;
+        info!(
+            rate_limit = config.sync.rate_limit.as_u64(),
+            memory_budget = config.cache.memory_budget.as_u64(),
+            tokens,
+            "configuration reloaded"
+        );
+        Ok(())
     }
 
     /// Graceful shutdown, step one: refuse new syncs and offers (health

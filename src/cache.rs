@@ -260,6 +260,12 @@ impl SnapshotCache {
         }
     }
 
+    /// Changes the memory budget (new acquires see it; loaded buffers stay).
+    pub fn set_budget(&self, bytes: u64) {
+        self.budget.store(bytes, Ordering::Relaxed);
+        self.released.notify_waiters();
+    }
+
     /// Number of loaded or loading entries.
     pub fn entries(&self) -> usize {
         self.state.lock().expect("cache lock").slots.len()

@@ -310,23 +310,22 @@ fn run_agent(args: AgentArgs) -> anyhow::Result<ExitCode> {
                 }
             });
         }
-        // SIGHUP re-reads the token file.
-        let tokens = agent.shared.tokens.clone();
-        tokio::spawn(async move {
-            let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else {
-                return;
-            };
+        // SIGHUP re-reads the configuration: tokens, rate limit, cache budget.
+        let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+            .context("SIGHUP handler")?;
+        let reloads = async {
             while hup.recv().await.is_some() {
-                match tokens.reload() {
-                    Ok(n) => tracing::info!(tokens = n, "SIGHUP: token file reloaded"),
-                    Err(e) => tracing::warn!(error = %e, "SIGHUP: token file not reloaded; the previous tokens stay"),
+                match load_config(&args).map_err(|e| format!("{e:#}")).and_then(|c| agent.reload(&c)) {
+                    Ok(()) => tracing::info!("SIGHUP: reloaded"),
+                    Err(e) => tracing::warn!(error = %e, "SIGHUP: not reloaded; the previous settings stay"),
                 }
             }
-        });
+        };
         let stopped = agent.shutdown_token();
         tokio::select! {
             _ = wait_for_signal() => {}
             _ = stopped.cancelled() => {}
+            _ = reloads => {}
         }
         tracing::info!("shutdown requested");
         let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);

@@ -245,6 +245,10 @@ pub struct SyncConfig {
     /// before they are cancelled.
     #[serde(with = "humantime_serde")]
     pub drain_timeout: Duration,
+    /// Data-plane bandwidth limit of this agent, bytes per second (`0` =
+    /// unlimited); applies to TCP sends and receives and to RDMA writes.
+    /// Reloaded on SIGHUP.
+    pub rate_limit: ByteSize,
     /// Retries of a sync after a transient failure (source unreachable or
     /// busy, network cut, one checksum mismatch).
     pub retries: u32,
@@ -360,6 +364,7 @@ impl Default for SyncConfig {
             max_incoming_syncs: 4,
             max_outgoing_syncs: 16,
             drain_timeout: Duration::from_secs(120),
+            rate_limit: ByteSize::b(0),
             retries: 3,
             retry_backoff: Duration::from_secs(1),
             retry_backoff_max: Duration::from_secs(30),

@@ -381,13 +381,52 @@ async fn bearer_tokens_are_required_counted_and_reloaded_on_sighup() {
     std::fs::write(&tokens, "second-fleet-token-0002\n").unwrap();
     source.proc.signal(libc::SIGHUP);
     replica.proc.signal(libc::SIGHUP);
+    let reloaded = |n: &Node| {
+        let log = n.proc.log();
+        assert!(!log.contains("not reloaded"), "{log}");
+        log.contains("SIGHUP: reloaded")
+    };
     wait_for("the reload", DEADLINE, || {
-        (source.proc.log().contains("token file reloaded")
-            && replica.proc.log().contains("token file reloaded"))
-        .then_some(())
+        (reloaded(&source) && reloaded(&replica)).then_some(())
     });
     let old = root.path().join("old");
     std::fs::write(&old, "first-fleet-token-0001\n").unwrap();
     assert!(!cli(Some(&old)).status.success());
     sync(true);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rate_limit_holds_and_reloads_on_sighup() {
+    let root = tempfile::tempdir().unwrap();
+    let config = agent_config(root.path(), "source", "rate_limit = \"32MiB\"");
+    let source = Node {
+        proc: AgentProcess::start(&["--config", &config], root.path()),
+        dir: root.path().join("source"),
+    };
+    put_snapshot(&source.dir, "s.kvr1", 64 << 20, 6);
+    source.offered(6).await;
+    let replica = Node::start(root.path(), "replica", "", &[]);
+    let p = sync_ok(&replica, &source).await;
+    // 64 MiB at 32 MiB/s: never faster than 2 s, minus 10 %.
+    assert!(
+        p.duration_ms >= 1800,
+        "the limit was exceeded: {} ms",
+        p.duration_ms
+    );
+
+    std::fs::write(
+        &config,
+        std::fs::read_to_string(&config)
+            .unwrap()
+            .replace("32MiB", "0"),
+    )
+    .unwrap();
+    source.proc.signal(libc::SIGHUP);
+    wait_for("the reload", DEADLINE, || {
+        source
+            .proc
+            .log()
+            .contains("configuration reloaded rate_limit=0")
+            .then_some(())
+    });
 }

@@ -26,6 +26,7 @@ use crate::cache::CacheRef;
 use crate::catalog::CatalogEntry;
 use crate::metrics::{unix_now, Metrics};
 use crate::transport::fabric::Fabric;
+use crate::transport::ratelimit::RateLimiter;
 use crate::transport::tcp::{self, Link, TcpError};
 use crate::transport::{rdma, Faults, TransportKind};
 
@@ -102,6 +103,8 @@ pub struct DataPlane {
     pub bulk: BulkParams,
     /// Stops RDMA sessions at shutdown.
     pub shutdown: CancellationToken,
+    /// The agent's bandwidth limit for what it sends.
+    pub rate: Arc<RateLimiter>,
 }
 
 /// Accepts data connections until `shutdown`; each runs on its own thread.
@@ -185,6 +188,7 @@ fn serve_connection(mut link: Link, peer: std::net::SocketAddr, plane: &DataPlan
             &offer.snapshot,
             offer.entry.info.seq,
             &plane.faults,
+            &plane.rate,
             progress,
         ) {
             Ok(r) => Served::from(r),
@@ -210,6 +214,7 @@ pub fn serve_rdma<F: Fabric>(mut qp: F, peer: &str, plane: &DataPlane) {
             offer.entry.info.seq,
             plane.bulk,
             &plane.faults.rdma,
+            &plane.rate,
             progress,
             plane.shutdown.clone(),
         );

@@ -8,6 +8,7 @@
 pub mod emulated;
 pub mod fabric;
 pub mod probe;
+pub mod ratelimit;
 pub mod rdma;
 pub mod select;
 pub mod tcp;

@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::fabric::{Completion, Fabric, FabricError, MemoryRegion, WcStatus, WorkKind};
+use super::ratelimit::RateLimiter;
 use super::{drive, Executor};
 use crate::blk3::token::SESSION_TOKEN_LEN;
 use crate::blk3::{
@@ -220,6 +221,7 @@ struct SourceIo<'a, F> {
     snapshot: &'a CacheRef,
     region: Option<MemoryRegion>,
     faults: &'a RdmaFaults,
+    rate: &'a RateLimiter,
     progress: &'a AtomicU64,
     /// End offsets of signalled writes in flight, oldest first.
     signaled_ends: VecDeque<(u64, u64)>,
@@ -284,6 +286,10 @@ impl<F: Fabric> Executor for SourceIo<'_, F> {
                     .ok_or(RdmaError::Unsupported("writes before registration"))?;
                 let end = writes.last().map_or(0, |w| w.offset + w.len);
                 self.bulk_started.get_or_insert_with(Instant::now);
+                // The agent's bandwidth limit, paid per chunk before posting.
+                let bytes: u64 = writes.iter().map(|w| w.len).sum();
+                self.rate
+                    .paced(bytes as usize, |_| Ok::<_, RdmaError>(()))?;
                 // Writes go out as soon as the cache has loaded their range.
                 self.snapshot.wait_loaded(end as usize)?;
                 for w in writes.iter().filter(|w| w.signaled) {
@@ -349,6 +355,7 @@ pub fn run_source<F: Fabric>(
     seq: u64,
     params: BulkParams,
     faults: &RdmaFaults,
+    rate: &RateLimiter,
     progress: &AtomicU64,
     cancel: CancellationToken,
 ) -> SourceRun {
@@ -357,6 +364,7 @@ pub fn run_source<F: Fabric>(
         snapshot,
         region: None,
         faults,
+        rate,
         progress,
         signaled_ends: VecDeque::new(),
         stats: WriteStats::default(),

@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::ratelimit::RateLimiter;
 use super::zerocopy::ZeroCopySender;
 use super::{drive, Executor, Faults};
 use crate::blk3::token::{FRAME_HEADER_LEN, MAX_TOKEN_LEN, SESSION_TOKEN_LEN};
@@ -225,6 +226,7 @@ struct SourceIo<'a> {
     link: &'a mut Link,
     snapshot: &'a CacheRef,
     faults: &'a Faults,
+    rate: &'a RateLimiter,
     progress: &'a AtomicU64,
 }
 
@@ -290,17 +292,19 @@ impl SourceIo<'_> {
                 Some(at) if at < end => &chunk[..at.saturating_sub(start) as usize],
                 _ => chunk,
             };
+            let rate = self.rate;
             match self.faults.corrupt_at {
                 Some(at) if (start..start + piece.len() as u64).contains(&at) => {
                     let mut copy = piece.to_vec();
                     copy[(at - start) as usize] ^= 0x01;
-                    self.write_all(&copy)?;
+                    rate.paced(copy.len(), |r| self.write_all(&copy[r]))?;
                 }
                 _ => match zc.as_mut() {
-                    Some(zc) => zc
-                        .send_all(piece)
-                        .map_err(|e| self.link.err("send snapshot", e))?,
-                    None => self.write_all(piece)?,
+                    Some(zc) => rate.paced(piece.len(), |r| {
+                        zc.send_all(&piece[r])
+                            .map_err(|e| self.link.err("send snapshot", e))
+                    })?,
+                    None => rate.paced(piece.len(), |r| self.write_all(&piece[r]))?,
                 },
             }
             sent += piece.len();
@@ -354,6 +358,7 @@ pub fn run_source(
     snapshot: &CacheRef,
     seq: u64,
     faults: &Faults,
+    rate: &RateLimiter,
     progress: &AtomicU64,
 ) -> Result<Result<Outcome, Blk3Error>, TcpError> {
     let mut machine = Source::new(snapshot.len() as u64, seq, BulkMode::Stream);
@@ -362,6 +367,7 @@ pub fn run_source(
         link,
         snapshot,
         faults,
+        rate,
         progress,
     };
     drive(&mut machine, &mut io)

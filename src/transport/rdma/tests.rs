@@ -14,6 +14,7 @@ use crate::metrics::Metrics;
 use crate::snapshot::kvr1::GenSpec;
 use crate::snapshot::Format;
 use crate::transport::emulated::{EmuFaults, EmuQp};
+use crate::transport::ratelimit::RateLimiter;
 
 const T: Duration = Duration::from_secs(30);
 const TOKEN: [u8; SESSION_TOKEN_LEN] = [7; SESSION_TOKEN_LEN];
