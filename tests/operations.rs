@@ -106,7 +106,7 @@ fn notifies_systemd_ready_watchdog_and_stopping_then_exits_zero_on_sigterm() {
         ],
         root.path(),
     );
-    let mut next = || {
+    let next = || {
         let mut buf = [0u8; 256];
         let n = socket
             .recv(&mut buf)

@@ -210,13 +210,15 @@ pub fn serve_rdma<F: Fabric>(mut qp: F, peer: &str, plane: &DataPlane) {
     serve(plane, &offer, peer, |progress| {
         let run = rdma::run_source(
             qp,
-            &offer.snapshot,
-            offer.entry.info.seq,
-            plane.bulk,
-            &plane.faults.rdma,
-            &plane.rate,
-            progress,
-            plane.shutdown.clone(),
+            rdma::SourceSession {
+                snapshot: &offer.snapshot,
+                seq: offer.entry.info.seq,
+                params: plane.bulk,
+                faults: &plane.faults.rdma,
+                rate: &plane.rate,
+                progress,
+                cancel: plane.shutdown.clone(),
+            },
         );
         let bulk_mb_s = run.stats.bulk_mb_s(offer.snapshot.len() as u64);
         info!(

@@ -86,8 +86,11 @@ mod tests {
     fn unlimited_never_waits_and_grains_cover_the_range() {
         let r = RateLimiter::new(0);
         let mut seen = Vec::new();
-        r.paced(GRAIN * 2 + 5, |g| Ok::<_, ()>(seen.push(g)))
-            .unwrap();
+        r.paced(GRAIN * 2 + 5, |g| {
+            seen.push(g);
+            Ok::<_, ()>(())
+        })
+        .unwrap();
         assert_eq!(
             seen,
             vec![0..GRAIN, GRAIN..2 * GRAIN, 2 * GRAIN..2 * GRAIN + 5]

@@ -346,31 +346,34 @@ pub struct SourceRun {
     pub stats: WriteStats,
 }
 
+/// What a source session writes, and under which limits.
+pub struct SourceSession<'a> {
+    /// Exactly the offered bytes (the cache image the offer holds).
+    pub snapshot: &'a CacheRef,
+    pub seq: u64,
+    pub params: BulkParams,
+    pub faults: &'a RdmaFaults,
+    pub rate: &'a RateLimiter,
+    /// Bytes known written (updated on signalled completions).
+    pub progress: &'a AtomicU64,
+    pub cancel: CancellationToken,
+}
+
 /// Serves one session on an accepted-but-not-yet-established queue pair
-/// whose private data already proved the session: runs the source machine,
-/// writing `snapshot` with `params`. `progress` counts bytes known written.
-pub fn run_source<F: Fabric>(
-    qp: F,
-    snapshot: &CacheRef,
-    seq: u64,
-    params: BulkParams,
-    faults: &RdmaFaults,
-    rate: &RateLimiter,
-    progress: &AtomicU64,
-    cancel: CancellationToken,
-) -> SourceRun {
+/// whose private data already proved the session: runs the source machine.
+pub fn run_source<F: Fabric>(qp: F, s: SourceSession) -> SourceRun {
     let mut io = SourceIo {
-        link: Link::new(qp, cancel),
-        snapshot,
+        link: Link::new(qp, s.cancel),
+        snapshot: s.snapshot,
         region: None,
-        faults,
-        rate,
-        progress,
+        faults: s.faults,
+        rate: s.rate,
+        progress: s.progress,
         signaled_ends: VecDeque::new(),
         stats: WriteStats::default(),
         bulk_started: None,
     };
-    let mut machine = Source::new(snapshot.len() as u64, seq, BulkMode::Rdma(params));
+    let mut machine = Source::new(s.snapshot.len() as u64, s.seq, BulkMode::Rdma(s.params));
     machine.start(io.now());
     let result = drive(&mut machine, &mut io);
     // Tear the connection down before the snapshot reference can go.

@@ -72,12 +72,15 @@ fn session(
         let progress = AtomicU64::new(0);
         run_source(
             qp,
-            &snap,
-            42,
-            params,
-            &driver,
-            &progress,
-            Default::default(),
+            SourceSession {
+                snapshot: &snap,
+                seq: 42,
+                params,
+                faults: &driver,
+                rate: &RateLimiter::new(0),
+                progress: &progress,
+                cancel: Default::default(),
+            },
         )
     });
     let mut staging = Staging::create(dir, "t", Format::Kvr1).unwrap();
