@@ -1,9 +1,10 @@
 //! The running agent: binds the listeners and starts the long-running tasks
-//! (snapshot watcher, gRPC control plane, TCP data listener, metrics
-//! endpoint) with one shutdown signal.
+//! (snapshot watcher, gRPC control plane, TCP and RDMA data listeners,
+//! metrics endpoint) with one shutdown signal.
 //!
-//! Owns start-up order and the "ready" announcement; each task's behaviour
-//! belongs to its own module.
+//! Owns start-up order, the "ready" announcement, the drain before a
+//! shutdown and what a reload changes; each task's behaviour belongs to its
+//! own module.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -384,12 +385,6 @@ impl RunningAgent {
         while self.syncs.running_count() > 0 && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-    }
-
-    /// Runs until the shutdown token is cancelled, then stops.
-    pub async fn run_until_stopped(self) {
-        self.shutdown.cancelled().await;
-        self.stop().await;
     }
 }
 
