@@ -371,11 +371,11 @@ impl RunningAgent {
         true
     }
 
-    /// Stops every task and waits for them, and for cancelled syncs to clean up.
     /// Cancelled syncs remove their temp files before they end; this is how
     /// long `stop` waits for that.
     const CANCEL_GRACE: Duration = Duration::from_secs(10);
 
+    /// Stops every task and waits for them, and for cancelled syncs to clean up.
     pub async fn stop(mut self) {
         self.shutdown.cancel();
         self.syncs.cancel_all();
