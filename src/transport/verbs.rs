@@ -56,6 +56,18 @@ fn cm_event_name(e: rdma_cm_event_type::Type) -> String {
     }
 }
 
+/// Connection parameters both sides use: one RDMA read in flight (none is
+/// used), and the retry counts.
+fn conn_param() -> rdma_conn_param {
+    // SAFETY: an all-zero conn_param is valid; fields set below.
+    let mut param: rdma_conn_param = unsafe { std::mem::zeroed() };
+    param.responder_resources = 1;
+    param.initiator_depth = 1;
+    param.retry_count = RETRY;
+    param.rnr_retry_count = RNR_RETRY;
+    param
+}
+
 /// `sockaddr` storage for an address.
 fn sockaddr(addr: SocketAddr) -> libc::sockaddr_storage {
     // SAFETY: an all-zero sockaddr_storage is valid; we fill one variant.
@@ -558,6 +570,17 @@ impl VerbsQp {
         }
     }
 
+    /// Waits for ESTABLISHED after connect or accept.
+    fn established(&mut self, timeout: Duration) -> Result<(), FabricError> {
+        self.channel.expect(
+            rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED,
+            "connection establishment",
+            timeout,
+        )?;
+        self.connected = true;
+        Ok(())
+    }
+
     /// Handles rdma_cm events that arrive during the session.
     fn drain_cm_events(&mut self) -> Result<(), FabricError> {
         while let Some(e) = self.channel.next(Duration::ZERO)? {
@@ -803,23 +826,12 @@ impl Fabric for VerbsQp {
     }
 
     fn connect(&mut self, private_data: &[u8], timeout: Duration) -> Result<(), FabricError> {
-        // SAFETY: an all-zero conn_param is valid; fields set below.
-        let mut param: rdma_conn_param = unsafe { std::mem::zeroed() };
+        let mut param = conn_param();
         param.private_data = private_data.as_ptr() as *const c_void;
         param.private_data_len = private_data.len() as u8;
-        param.responder_resources = 1;
-        param.initiator_depth = 1;
-        param.retry_count = RETRY;
-        param.rnr_retry_count = RNR_RETRY;
         // SAFETY: valid id with a QP; param valid for the call.
         check("rdma_connect", unsafe { rdma_connect(self.id, &mut param) })?;
-        self.channel.expect(
-            rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED,
-            "connection establishment",
-            timeout,
-        )?;
-        self.connected = true;
-        Ok(())
+        self.established(timeout)
     }
 
     fn private_data(&self) -> &[u8] {
@@ -827,21 +839,10 @@ impl Fabric for VerbsQp {
     }
 
     fn accept(&mut self, timeout: Duration) -> Result<(), FabricError> {
-        // SAFETY: as in connect.
-        let mut param: rdma_conn_param = unsafe { std::mem::zeroed() };
-        param.responder_resources = 1;
-        param.initiator_depth = 1;
-        param.retry_count = RETRY;
-        param.rnr_retry_count = RNR_RETRY;
-        // SAFETY: valid id with a QP.
+        let mut param = conn_param();
+        // SAFETY: valid id with a QP; param valid for the call.
         check("rdma_accept", unsafe { rdma_accept(self.id, &mut param) })?;
-        self.channel.expect(
-            rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED,
-            "connection establishment",
-            timeout,
-        )?;
-        self.connected = true;
-        Ok(())
+        self.established(timeout)
     }
 
     fn reject(&mut self, reason: &str) {

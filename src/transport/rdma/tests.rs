@@ -97,6 +97,29 @@ fn plain(qp: EmuQp, staging: &mut Staging, len: u64, faults: &RdmaFaults) -> Rep
     run_replica(qp, TOKEN, len, staging, faults, &|_| {}, Default::default())
 }
 
+/// A session of a generated `size`-byte snapshot with the real replica
+/// executor; `replica` are the replica driver's faults.
+async fn plain_session(
+    dir: &Path,
+    size: u64,
+    params: BulkParams,
+    fabric: EmuFaults,
+    driver: RdmaFaults,
+    replica: RdmaFaults,
+) -> (CatalogEntry, Pair) {
+    let entry = snapshot(dir, size, 7);
+    let snap = cached(&entry).await;
+    let d = dir.to_owned();
+    let pair = tokio::task::spawn_blocking(move || {
+        session(snap, params, fabric, driver, &d, |qp, st| {
+            plain(qp, st, size, &replica)
+        })
+    })
+    .await
+    .unwrap();
+    (entry, pair)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn snapshots_arrive_byte_identical_on_both_memory_paths() {
     let dir = tempfile::tempdir().unwrap();
@@ -107,26 +130,19 @@ async fn snapshots_arrive_byte_identical_on_both_memory_paths() {
         (9 << 20, false),
         (9 << 20, true),
     ] {
-        let entry = snapshot(dir.path(), size, 7);
-        let snap = cached(&entry).await;
         let faults = RdmaFaults {
             no_file_mr,
             ..Default::default()
         };
-        let params = BulkParams::new(1, 4, 2);
-        let d = dir.path().to_owned();
-        let p = tokio::task::spawn_blocking(move || {
-            session(
-                snap,
-                params,
-                EmuFaults::default(),
-                RdmaFaults::default(),
-                &d,
-                |qp, st| plain(qp, st, size, &faults),
-            )
-        })
-        .await
-        .unwrap();
+        let (entry, p) = plain_session(
+            dir.path(),
+            size,
+            BulkParams::new(1, 4, 2),
+            EmuFaults::default(),
+            RdmaFaults::default(),
+            faults,
+        )
+        .await;
         assert_eq!(
             p.source.result.unwrap().unwrap(),
             Outcome::Sent { len: size }
@@ -154,21 +170,15 @@ async fn snapshots_arrive_byte_identical_on_both_memory_paths() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_gib_at_defaults_posts_256_writes_32_signalled() {
     let dir = tempfile::tempdir().unwrap();
-    let entry = snapshot(dir.path(), 1 << 30, 1);
-    let snap = cached(&entry).await;
-    let d = dir.path().to_owned();
-    let p = tokio::task::spawn_blocking(move || {
-        session(
-            snap,
-            BulkParams::default(),
-            EmuFaults::default(),
-            RdmaFaults::default(),
-            &d,
-            |qp, st| plain(qp, st, 1 << 30, &RdmaFaults::default()),
-        )
-    })
-    .await
-    .unwrap();
+    let (_, p) = plain_session(
+        dir.path(),
+        1 << 30,
+        BulkParams::default(),
+        EmuFaults::default(),
+        RdmaFaults::default(),
+        RdmaFaults::default(),
+    )
+    .await;
     assert!(p.replica.result.unwrap().is_ok());
     assert_eq!((p.source.stats.posted, p.source.stats.signaled), (256, 32));
     assert!(p.source.stats.bulk_mb_s(1 << 30).unwrap() > 0.0);
@@ -262,25 +272,19 @@ async fn bdon_receive_posted_after_mrinfo_hits_rnr() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corrupted_chunk_is_caught_by_the_checksum_and_reported_with_rdfl() {
     let dir = tempfile::tempdir().unwrap();
-    let entry = snapshot(dir.path(), 3 << 20, 3);
-    let snap = cached(&entry).await;
-    let d = dir.path().to_owned();
     let fabric = EmuFaults {
         corrupt_at: Some((2 << 20) + 5),
         ..Default::default()
     };
-    let p = tokio::task::spawn_blocking(move || {
-        session(
-            snap,
-            BulkParams::new(1, 8, 2),
-            fabric,
-            RdmaFaults::default(),
-            &d,
-            |qp, st| plain(qp, st, 3 << 20, &RdmaFaults::default()),
-        )
-    })
-    .await
-    .unwrap();
+    let (_, p) = plain_session(
+        dir.path(),
+        3 << 20,
+        BulkParams::new(1, 8, 2),
+        fabric,
+        RdmaFaults::default(),
+        RdmaFaults::default(),
+    )
+    .await;
     assert!(
         matches!(p.replica.result, Ok(Err(Blk3Error::Checksum(_)))),
         "{:?}",
@@ -299,25 +303,19 @@ async fn corrupted_chunk_is_caught_by_the_checksum_and_reported_with_rdfl() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_rkey_is_a_remote_access_error_and_nothing_is_written() {
     let dir = tempfile::tempdir().unwrap();
-    let entry = snapshot(dir.path(), 1 << 20, 3);
-    let snap = cached(&entry).await;
-    let d = dir.path().to_owned();
     let driver = RdmaFaults {
         bad_rkey: true,
         ..Default::default()
     };
-    let p = tokio::task::spawn_blocking(move || {
-        session(
-            snap,
-            BulkParams::default(),
-            EmuFaults::default(),
-            driver,
-            &d,
-            |qp, st| plain(qp, st, 1 << 20, &RdmaFaults::default()),
-        )
-    })
-    .await
-    .unwrap();
+    let (_, p) = plain_session(
+        dir.path(),
+        1 << 20,
+        BulkParams::default(),
+        EmuFaults::default(),
+        driver,
+        RdmaFaults::default(),
+    )
+    .await;
     assert!(
         matches!(
             p.source.result,
@@ -417,25 +415,19 @@ async fn mrinfo_length_mismatch_is_refused_before_any_write() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cut_connection_fails_both_sides_without_hanging() {
     let dir = tempfile::tempdir().unwrap();
-    let entry = snapshot(dir.path(), 4 << 20, 3);
-    let snap = cached(&entry).await;
-    let d = dir.path().to_owned();
     let fabric = EmuFaults {
         cut_after: Some(3 << 20),
         ..Default::default()
     };
-    let p = tokio::task::spawn_blocking(move || {
-        session(
-            snap,
-            BulkParams::new(1, 8, 2),
-            fabric,
-            RdmaFaults::default(),
-            &d,
-            |qp, st| plain(qp, st, 4 << 20, &RdmaFaults::default()),
-        )
-    })
-    .await
-    .unwrap();
+    let (_, p) = plain_session(
+        dir.path(),
+        4 << 20,
+        BulkParams::new(1, 8, 2),
+        fabric,
+        RdmaFaults::default(),
+        RdmaFaults::default(),
+    )
+    .await;
     assert!(
         matches!(p.source.result, Err(RdmaError::Completion { .. })),
         "{:?}",
