@@ -161,6 +161,21 @@ impl Channel {
         Ok(ch)
     }
 
+    /// A new TCP-port-space id on this channel (destroyed by its owner).
+    fn create_id(&self) -> Result<*mut rdma_cm_id, FabricError> {
+        let mut id = null_mut();
+        // SAFETY: valid channel and out pointer.
+        check("rdma_create_id", unsafe {
+            rdma_create_id(
+                self.0.as_ptr(),
+                &mut id,
+                null_mut(),
+                rdma_port_space::RDMA_PS_TCP,
+            )
+        })?;
+        Ok(id)
+    }
+
     fn fd(&self) -> i32 {
         // SAFETY: the channel is valid while self lives.
         unsafe { self.0.as_ref().fd }
@@ -267,16 +282,7 @@ impl VerbsListener {
     /// Listens on `addr` (a real interface address; port 0 picks one).
     pub fn bind(addr: SocketAddr) -> Result<VerbsListener, FabricError> {
         let channel = Channel::new()?;
-        let mut id = null_mut();
-        // SAFETY: valid channel and out pointer.
-        check("rdma_create_id", unsafe {
-            rdma_create_id(
-                channel.0.as_ptr(),
-                &mut id,
-                null_mut(),
-                rdma_port_space::RDMA_PS_TCP,
-            )
-        })?;
+        let id = channel.create_id()?;
         let mut l = VerbsListener {
             id,
             channel,
@@ -406,16 +412,7 @@ impl VerbsQp {
         soft: bool,
     ) -> Result<VerbsQp, FabricError> {
         let channel = Channel::new()?;
-        let mut id = null_mut();
-        // SAFETY: valid channel and out pointer.
-        check("rdma_create_id", unsafe {
-            rdma_create_id(
-                channel.0.as_ptr(),
-                &mut id,
-                null_mut(),
-                rdma_port_space::RDMA_PS_TCP,
-            )
-        })?;
+        let id = channel.create_id()?;
         let mut qp = VerbsQp::empty(id, channel, soft);
         let mut src = local.map(|ip| sockaddr(SocketAddr::new(ip, 0)));
         let mut dst = sockaddr(dest);
@@ -895,16 +892,7 @@ impl Drop for VerbsQp {
 /// Returns the device name it bound to.
 pub fn resolve_smoke_test(ip: IpAddr) -> Result<String, FabricError> {
     let channel = Channel::new()?;
-    let mut id = null_mut();
-    // SAFETY: valid channel and out pointer.
-    check("rdma_create_id", unsafe {
-        rdma_create_id(
-            channel.0.as_ptr(),
-            &mut id,
-            null_mut(),
-            rdma_port_space::RDMA_PS_TCP,
-        )
-    })?;
+    let id = channel.create_id()?;
     let result = (|| {
         let mut dst = sockaddr(SocketAddr::new(ip, 0));
         // SAFETY: valid id and address.

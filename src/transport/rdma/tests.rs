@@ -184,6 +184,36 @@ async fn one_gib_at_defaults_posts_256_writes_32_signalled() {
     assert!(p.source.stats.bulk_mb_s(1 << 30).unwrap() > 0.0);
 }
 
+/// The real replica executor over `qp`, for tests that tamper with it.
+fn replica_io<'a>(
+    qp: EmuQp,
+    staging: &'a mut Staging,
+    faults: &'a RdmaFaults,
+) -> ReplicaIo<'a, EmuQp> {
+    ReplicaIo {
+        link: Link::new(qp, Default::default()),
+        memory: None,
+        token: TOKEN,
+        staging,
+        faults,
+        info: None,
+        failure: None,
+        progress: &|_| {},
+    }
+}
+
+/// Runs a replica machine expecting `len` bytes over a tampering executor.
+fn tampered(mut io: impl Executor<Error = RdmaError>, len: u64) -> ReplicaRun {
+    let mut machine = Replica::new(len, BulkMode::Rdma(BulkParams::default()));
+    machine.start(io.now());
+    ReplicaRun {
+        result: drive(&mut machine, &mut io),
+        info: None,
+        failure: None,
+        memory: None,
+    }
+}
+
 /// Runs the real replica executor but posts the BDON receive late: only
 /// after MRINFO is out and something else has happened.
 struct LateBdon<'a, F: Fabric> {
@@ -228,28 +258,11 @@ async fn bdon_receive_posted_after_mrinfo_hits_rnr() {
             &d,
             |qp, staging| {
                 let faults = RdmaFaults::default();
-                let mut late = LateBdon {
-                    io: ReplicaIo {
-                        link: Link::new(qp, Default::default()),
-                        memory: None,
-                        token: TOKEN,
-                        staging,
-                        faults: &faults,
-                        info: None,
-                        failure: None,
-                        progress: &|_| {},
-                    },
+                let late = LateBdon {
+                    io: replica_io(qp, staging, &faults),
                     deferred: false,
                 };
-                let mut machine = Replica::new(4096, BulkMode::Rdma(BulkParams::default()));
-                machine.start(late.now());
-                let result = drive(&mut machine, &mut late);
-                ReplicaRun {
-                    result,
-                    info: None,
-                    failure: None,
-                    memory: None,
-                }
+                tampered(late, 4096)
             },
         )
     })
@@ -374,25 +387,7 @@ async fn mrinfo_length_mismatch_is_refused_before_any_write() {
             &d,
             |qp, staging| {
                 let faults = RdmaFaults::default();
-                let mut io = ShortMrinfo(ReplicaIo {
-                    link: Link::new(qp, Default::default()),
-                    memory: None,
-                    token: TOKEN,
-                    staging,
-                    faults: &faults,
-                    info: None,
-                    failure: None,
-                    progress: &|_| {},
-                });
-                let mut machine = Replica::new(1 << 20, BulkMode::Rdma(BulkParams::default()));
-                machine.start(io.now());
-                let result = drive(&mut machine, &mut io);
-                ReplicaRun {
-                    result,
-                    info: None,
-                    failure: None,
-                    memory: None,
-                }
+                tampered(ShortMrinfo(replica_io(qp, staging, &faults)), 1 << 20)
             },
         )
     })
