@@ -105,6 +105,12 @@ impl Redis {
         });
         drop(helper);
         assert_eq!(self.info("replication").num("repl_backlog_active"), 1);
+        // With diskless sync the replica's link can come up before the
+        // primary has reaped the fork that streamed its RDB; a SAVE or
+        // BGSAVE issued then is refused.
+        wait_for("the primary's replication fork to exit", DEADLINE, || {
+            (self.info("persistence").num("rdb_bgsave_in_progress") == 0).then_some(())
+        });
     }
 
     /// Writes `n` string keys `prefix:i` (pipelined).

@@ -116,9 +116,15 @@ rs rprimary $RP --repl-diskless-sync-delay 0 --enable-debug-command yes
 rs rhelper $RH --replicaof 127.0.0.1 $RP
 link_up $RH
 redis-cli -p $RH shutdown nosave > /dev/null 2>&1 || true
+no_fork() {
+    for i in $(seq 600); do redis-cli -p $RP info persistence | grep -q rdb_bgsave_in_progress:0 && return; sleep 0.1; done
+    echo "the primary's fork never exited"; exit 1
+}
+# The helper's diskless sync fork may outlive its link coming up.
+no_fork
 redis-cli -p $RP debug populate 50000 key 64 > /dev/null
-redis-cli -p $RP bgsave > /dev/null
-for i in $(seq 600); do redis-cli -p $RP info persistence | grep -q rdb_bgsave_in_progress:0 && break; sleep 0.1; done
+redis-cli -p $RP bgsave | grep -q 'Background saving started' || { echo "BGSAVE refused"; exit 1; }
+no_fork
 redis-cli -p $RP set after-save yes > /dev/null
 rs rreplica $RR
 RSRC=$(DIR=/tmp/kv/rprimary PRE='snapshot_format = "redis-rdb"' POST="[redis]
