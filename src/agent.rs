@@ -8,11 +8,13 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
+use tonic::service::interceptor::InterceptedService;
 use tracing::{info, warn};
 
 use crate::cache::SnapshotCache;
@@ -51,10 +53,20 @@ pub enum AgentError {
     /// `[auth] token_file` is unusable.
     #[error("auth.token_file: {0}")]
     Tokens(String),
+    /// `[tls]` is unusable.
+    #[error("tls: {0}")]
+    Tls(#[from] crate::control::tls::TlsError),
+    /// The gRPC server refused the TLS settings.
+    #[error("tls: {0}")]
+    TlsServer(String),
     /// The gRPC reflection service could not be built.
     #[error("grpc reflection: {0}")]
     Reflection(String),
 }
+
+/// Largest gRPC request an agent decodes; every request is a few short
+/// fields, so anything bigger is refused before it is parsed.
+const MAX_REQUEST_BYTES: usize = 16 * 1024;
 
 /// The shared parts of one agent.
 pub struct Shared {
@@ -76,6 +88,8 @@ pub struct Shared {
     pub tokens: Arc<crate::control::auth::Tokens>,
     /// Bandwidth limit of what this agent sends (reloaded on SIGHUP).
     pub rate: Arc<RateLimiter>,
+    /// Sessions this source serves at once (reloaded on SIGHUP).
+    pub max_outgoing: AtomicUsize,
 }
 
 /// A started agent: its bound addresses and a handle to stop it.
@@ -101,6 +115,8 @@ impl RunningAgent {
         let faults = Faults::from_env().map_err(AgentError::Faults)?;
         let tokens = crate::control::auth::Tokens::load(config.auth.token_file.as_deref())
             .map_err(AgentError::Tokens)?;
+        let server_tls = crate::control::tls::server(&config.tls)?;
+        let client_tls = crate::control::tls::agent_client(&config.tls)?;
         if faults.any() {
             warn!(?faults, "FAULT INJECTION ACTIVE (KVSYNC_FAULTS): this agent corrupts or stalls transfers on purpose");
         }
@@ -170,6 +186,7 @@ impl RunningAgent {
         }
         let rdma = Arc::new(rdma);
         let shared = Arc::new(Shared {
+            max_outgoing: AtomicUsize::new(config.sync.max_outgoing_syncs),
             config,
             metrics,
             catalog,
@@ -187,7 +204,10 @@ impl RunningAgent {
             shared.metrics.clone(),
             rdma,
             faults,
-            shared.tokens.clone(),
+            crate::control::Dialer {
+                tls: client_tls,
+                tokens: shared.tokens.clone(),
+            },
             shutdown.clone(),
             shared.draining.clone(),
         );
@@ -206,10 +226,10 @@ impl RunningAgent {
                     })?;
             let stop = shutdown.clone();
             let m = shared.metrics.clone();
+            let draining = shared.draining.clone();
             tasks.spawn(async move {
-                if let Err(e) =
-                    metrics::serve(listener, m, async move { stop.cancelled().await }).await
-                {
+                let stopped = async move { stop.cancelled().await };
+                if let Err(e) = metrics::serve(listener, m, draining, stopped).await {
                     warn!(error = %e, "metrics endpoint stopped");
                 }
             });
@@ -257,16 +277,24 @@ impl RunningAgent {
             tokens: shared.tokens.clone(),
             metrics: shared.metrics.clone(),
         };
-        let router = tonic::transport::Server::builder()
+        let mut server = tonic::transport::Server::builder();
+        if let Some(tls) = server_tls {
+            server = server
+                .tls_config(tls)
+                .map_err(|e| AgentError::TlsServer(e.to_string()))?;
+        }
+        let router = server
             .add_service(health_service)
             .add_service(reflection)
-            .add_service(
-                pb::orchestrator_server::OrchestratorServer::with_interceptor(
-                    orchestrator,
-                    auth.clone(),
-                ),
-            )
-            .add_service(pb::peer_server::PeerServer::with_interceptor(peer, auth));
+            .add_service(InterceptedService::new(
+                pb::orchestrator_server::OrchestratorServer::new(orchestrator)
+                    .max_decoding_message_size(MAX_REQUEST_BYTES),
+                auth.clone(),
+            ))
+            .add_service(InterceptedService::new(
+                pb::peer_server::PeerServer::new(peer).max_decoding_message_size(MAX_REQUEST_BYTES),
+                auth,
+            ));
         let stop = shutdown.clone();
         tasks.spawn(async move {
             let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc_listener);
@@ -282,6 +310,8 @@ impl RunningAgent {
             node_id = %shared.config.node_id,
             snapshot_dir = %shared.config.snapshot_dir.display(),
             grpc = %grpc_addr,
+            tls = shared.config.tls.enabled(),
+            client_auth = shared.config.tls.client_auth,
             data = %data_tcp_addr,
             metrics = ?metrics_addr,
             "agent started"
@@ -320,9 +350,14 @@ impl RunningAgent {
     }
 
     /// Applies what a SIGHUP reloads from a re-read configuration: the
-    /// token file, the bandwidth limit and the cache budget.
+    /// token file, the bandwidth limit, the admission limits and the cache
+    /// budget.
     pub fn reload(&self, config: &Config) -> Result<(), String> {
         self.shared.rate.set_rate(config.sync.rate_limit.as_u64());
+        self.shared
+            .max_outgoing
+            .store(config.sync.max_outgoing_syncs, Ordering::Relaxed);
+        self.syncs.set_max_incoming(config.sync.max_incoming_syncs);
         self.shared
             .cache
             .set_budget(config.cache.memory_budget.as_u64());
@@ -330,6 +365,8 @@ impl RunningAgent {
         info!(
             rate_limit = config.sync.rate_limit.as_u64(),
             memory_budget = config.cache.memory_budget.as_u64(),
+            max_incoming_syncs = config.sync.max_incoming_syncs,
+            max_outgoing_syncs = config.sync.max_outgoing_syncs,
             tokens,
             "configuration reloaded"
         );

@@ -32,6 +32,26 @@ pub struct Cli {
     /// token (agents with `[auth] token_file` require one).
     #[arg(long, global = true, env = "KVSYNC_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
+    /// Client commands: reach the agent over TLS, verifying its certificate
+    /// against these CA certificates (PEM).
+    #[arg(long, global = true, env = "KVSYNC_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+    /// Client commands: the certificate (PEM) to present to agents that
+    /// require client certificates (`[tls] client_auth`); needs --tls-key.
+    #[arg(long, global = true, env = "KVSYNC_TLS_CERT", requires_all = ["tls_key", "tls_ca"])]
+    pub tls_cert: Option<PathBuf>,
+    /// Client commands: the private key (PEM) of --tls-cert.
+    #[arg(long, global = true, env = "KVSYNC_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Client commands: the name to verify in the agent's certificate
+    /// instead of the host part of --agent.
+    #[arg(
+        long,
+        global = true,
+        env = "KVSYNC_TLS_SERVER_NAME",
+        requires = "tls_ca"
+    )]
+    pub tls_server_name: Option<String>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -197,19 +217,32 @@ pub struct VerifyArgs {
     pub json: bool,
 }
 
+/// How client commands reach agents: the global TLS and token options.
+fn client_dialer(cli: &Cli) -> anyhow::Result<crate::control::Dialer> {
+    let tokens = crate::control::auth::Tokens::load(cli.token_file.as_deref())
+        .map_err(anyhow::Error::msg)?;
+    let tls = match &cli.tls_ca {
+        Some(ca) => Some(crate::control::tls::client(
+            ca,
+            cli.tls_cert.as_deref().zip(cli.tls_key.as_deref()),
+            cli.tls_server_name.as_deref().unwrap_or(""),
+        )?),
+        None => None,
+    };
+    Ok(crate::control::Dialer { tls, tokens })
+}
+
 /// Parses the command line and runs it.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     // Client commands and the demo keep the terminal for their own output.
     let quiet = !matches!(cli.command, Command::Agent(_));
     init_logging(if quiet { "warn" } else { "info" });
-    if let Some(file) = &cli.token_file {
-        match crate::control::auth::read_token_file(file) {
-            Ok(tokens) => client::set_token(tokens.into_iter().next()),
-            Err(e) => {
-                eprintln!("error: {e}");
-                return ExitCode::FAILURE;
-            }
+    match client_dialer(&cli) {
+        Ok(dialer) => client::set_dialer(dialer),
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
         }
     }
     let result = match cli.command {

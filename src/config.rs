@@ -12,6 +12,7 @@ use std::time::Duration;
 use bytesize::ByteSize;
 use serde::{Deserialize, Serialize};
 
+use crate::control::tls::PemKind;
 use crate::snapshot::Format;
 
 /// The whole agent configuration (one TOML file).
@@ -35,6 +36,33 @@ pub struct Config {
     pub sync: SyncConfig,
     pub redis: RedisConfig,
     pub auth: AuthConfig,
+    pub tls: TlsConfig,
+}
+
+/// TLS of the control plane (gRPC), for the server and for every connection
+/// this agent makes to other agents. On when the three files are set.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TlsConfig {
+    /// This agent's certificate chain (PEM): served, and presented to peers
+    /// that require client certificates.
+    pub cert_file: Option<PathBuf>,
+    /// Its private key (PEM).
+    pub key_file: Option<PathBuf>,
+    /// The CA certificates (PEM) other agents' certificates must chain to.
+    pub ca_file: Option<PathBuf>,
+    /// Require clients (orchestrators, CLIs, other agents) to present a
+    /// certificate signed by `ca_file` (mutual TLS).
+    pub client_auth: bool,
+    /// Name checked in peers' certificates instead of the host part of
+    /// their address (for fleets that address agents by IP).
+    pub server_name: String,
+}
+
+impl TlsConfig {
+    pub fn enabled(&self) -> bool {
+        self.cert_file.is_some() || self.key_file.is_some() || self.ca_file.is_some()
+    }
 }
 
 /// Control-plane authentication.
@@ -102,6 +130,9 @@ fn is_host_port(s: &str) -> bool {
 pub struct GrpcConfig {
     /// Address the gRPC server binds (`host:port`; port 0 picks a free port).
     pub listen: String,
+    /// Serve gRPC without TLS on an address other hosts can reach. Without
+    /// `[tls]`, only a loopback `listen` is accepted unless this is set.
+    pub plaintext: bool,
 }
 
 /// Data plane settings.
@@ -275,6 +306,7 @@ impl Default for Config {
             sync: SyncConfig::default(),
             redis: RedisConfig::default(),
             auth: AuthConfig::default(),
+            tls: TlsConfig::default(),
         }
     }
 }
@@ -291,6 +323,7 @@ impl Default for GrpcConfig {
     fn default() -> Self {
         GrpcConfig {
             listen: "127.0.0.1:35101".into(),
+            plaintext: false,
         }
     }
 }
@@ -548,6 +581,53 @@ impl Config {
         if self.watch.rescan_interval < Duration::from_secs(1) {
             bad("watch.rescan_interval", "must be at least 1s".into());
         }
+        let tls = &self.tls;
+        if tls.enabled() {
+            if self.grpc.plaintext {
+                bad(
+                    "grpc.plaintext",
+                    "contradicts [tls]: remove one of them".into(),
+                );
+            }
+            for (key, file, kind) in [
+                ("tls.cert_file", &tls.cert_file, PemKind::Certificates),
+                ("tls.key_file", &tls.key_file, PemKind::PrivateKey),
+                ("tls.ca_file", &tls.ca_file, PemKind::Certificates),
+            ] {
+                match file {
+                    None => bad(
+                        key,
+                        "TLS needs cert_file, key_file and ca_file together".into(),
+                    ),
+                    Some(path) => {
+                        if let Err(e) = crate::control::tls::read_pem(path, kind) {
+                            bad(key, e.to_string());
+                        }
+                    }
+                }
+            }
+        } else {
+            if tls.client_auth {
+                bad(
+                    "tls.client_auth",
+                    "needs cert_file, key_file and ca_file".into(),
+                );
+            }
+            let exposed = self
+                .grpc
+                .listen
+                .parse::<SocketAddr>()
+                .is_ok_and(|a| !a.ip().is_loopback());
+            if exposed && !self.grpc.plaintext {
+                bad(
+                    "grpc.listen",
+                    format!(
+                        "{} is reachable from other hosts: set [tls] cert_file, key_file and ca_file, or grpc.plaintext = true to serve gRPC without TLS",
+                        self.grpc.listen
+                    ),
+                );
+            }
+        }
         if self.sync.session_token_ttl.is_zero() {
             bad("sync.session_token_ttl", "must be greater than zero".into());
         }
@@ -634,5 +714,72 @@ memory_budget = 0
             assert!(keys.contains(&key), "{key} missing from {keys:?}");
         }
         assert_eq!(problems.len(), 7, "{problems:?}");
+    }
+
+    fn valid() -> Config {
+        Config {
+            node_id: "n".into(),
+            ..Default::default()
+        }
+    }
+
+    fn problem_keys(c: &Config) -> Vec<String> {
+        c.validate()
+            .err()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|p| p.key)
+            .collect()
+    }
+
+    #[test]
+    fn grpc_reachable_from_other_hosts_needs_tls_or_explicit_plaintext() {
+        let mut c = valid();
+        c.grpc.listen = "0.0.0.0:35101".into();
+        let problems = c.validate().unwrap_err();
+        assert!(
+            problems[0].key == "grpc.listen" && problems[0].message.contains("plaintext = true"),
+            "{problems:?}"
+        );
+        c.grpc.plaintext = true;
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn tls_needs_three_usable_pem_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let made = rcgen::generate_simple_self_signed(vec!["agent".into()]).unwrap();
+        let (cert, key, junk) = (
+            dir.path().join("c.pem"),
+            dir.path().join("k.pem"),
+            dir.path().join("junk.pem"),
+        );
+        std::fs::write(&cert, made.cert.pem()).unwrap();
+        std::fs::write(&key, made.signing_key.serialize_pem()).unwrap();
+        std::fs::write(&junk, "not pem").unwrap();
+
+        let mut c = valid();
+        c.tls.cert_file = Some(cert.clone());
+        c.tls.client_auth = true;
+        assert_eq!(problem_keys(&c), ["tls.key_file", "tls.ca_file"]);
+        c.tls.key_file = Some(cert.clone());
+        c.tls.ca_file = Some(dir.path().join("missing.pem"));
+        let problems = c.validate().unwrap_err();
+        assert!(
+            problems[0].message.contains("no usable PEM private key"),
+            "{problems:?}"
+        );
+        assert!(problems[1].message.contains("cannot read"), "{problems:?}");
+        c.tls.key_file = Some(key);
+        c.tls.ca_file = Some(junk);
+        assert_eq!(problem_keys(&c), ["tls.ca_file"]);
+        c.tls.ca_file = Some(cert);
+        c.validate().unwrap();
+        c.grpc.plaintext = true;
+        assert_eq!(problem_keys(&c), ["grpc.plaintext"]);
+        // Without TLS, client_auth has nothing to work with.
+        let mut c = valid();
+        c.tls.client_auth = true;
+        assert_eq!(problem_keys(&c), ["tls.client_auth"]);
     }
 }

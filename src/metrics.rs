@@ -230,25 +230,48 @@ pub fn unix_now() -> f64 {
         .unwrap_or(0.0)
 }
 
-/// Serves `/metrics` on an already bound listener until `shutdown` resolves.
+/// Serves `/metrics`, and the HTTP probes for orchestrators that cannot
+/// speak gRPC over TLS: `/healthz` (200 while the agent runs) and `/readyz`
+/// (200, or 503 once `draining` is cancelled). Runs until `shutdown`
+/// resolves.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     metrics: Arc<Metrics>,
+    draining: tokio_util::sync::CancellationToken,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    use axum::{http::header, routing::get, Router};
-    let app = Router::new().route(
-        "/metrics",
-        get(move || {
-            let metrics = metrics.clone();
-            async move {
-                (
-                    [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-                    metrics.render(),
-                )
-            }
-        }),
-    );
+    use axum::{
+        http::{header, StatusCode},
+        routing::get,
+        Router,
+    };
+    let app = Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let metrics = metrics.clone();
+                async move {
+                    (
+                        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+                        metrics.render(),
+                    )
+                }
+            }),
+        )
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route(
+            "/readyz",
+            get(move || {
+                let draining = draining.is_cancelled();
+                async move {
+                    if draining {
+                        (StatusCode::SERVICE_UNAVAILABLE, "draining\n")
+                    } else {
+                        (StatusCode::OK, "ready\n")
+                    }
+                }
+            }),
+        );
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await

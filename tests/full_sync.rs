@@ -597,18 +597,7 @@ fn cli_sync_wait_json_summary() {
     let replica = Node::start(root.path(), "replica", "", &[]);
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(source.offered(88));
-    let out = std::process::Command::new(kvsync_bin())
-        .args([
-            "sync",
-            "--agent",
-            &replica.grpc(),
-            "--source",
-            &source.grpc(),
-            "--wait",
-            "--json",
-        ])
-        .output()
-        .unwrap();
+    let out = cli_sync(&[], &replica, &source);
     assert!(
         out.status.success(),
         "{}",

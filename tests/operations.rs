@@ -8,6 +8,7 @@ use std::os::unix::net::UnixDatagram;
 use std::path::Path;
 
 use common::node::*;
+use common::pki;
 use common::*;
 use kvsync::control::pb;
 
@@ -47,11 +48,31 @@ fn systemd_unit_verifies_and_has_what_rdma_and_draining_need() {
         "IPC_LOCK",
         "/dev/infiniband",
         "kind: ConfigMap",
-        "grpc: {port: 35101",
+        "path: /readyz",
+        "secretName: kvsync-tls",
         "terminationGracePeriodSeconds",
     ] {
         assert!(k8s.contains(needle), "daemonset lacks {needle}");
     }
+    // The ConfigMap's config is valid but for the mounted secrets.
+    let embedded: String = k8s
+        .split("kvsync.toml: |\n")
+        .nth(1)
+        .unwrap()
+        .lines()
+        .take_while(|l| l.starts_with("    "))
+        .map(|l| format!("{}\n", &l[4..]))
+        .collect();
+    let problems = kvsync::config::Config::parse(&embedded)
+        .unwrap()
+        .validate()
+        .unwrap_err();
+    assert!(
+        problems
+            .iter()
+            .all(|p| p.key.starts_with("tls.") && p.message.contains("cannot read")),
+        "{problems:?}"
+    );
     let Ok(out) = std::process::Command::new("systemd-analyze")
         .arg("--version")
         .output()
@@ -130,11 +151,13 @@ async fn sigterm_mid_transfer_drains_then_cancels_cleanly() {
         &[("KVSYNC_FAULTS", "stall_after=1048576")],
     )
     .await;
-    let config = agent_config(root.path(), "replica", "drain_timeout = \"500ms\"");
+    let config = agent_config(root.path(), "replica", "drain_timeout = \"2s\"");
     let mut replica = Node {
         proc: AgentProcess::start(&["--config", &config], root.path()),
         dir: root.path().join("replica"),
     };
+    let metrics = replica.proc.addr("metrics");
+    assert_eq!(http_status(&metrics, "/readyz"), (200, "ready\n".into()));
     let id = start_sync(&replica, &source).await;
     wait_bytes(&replica, &id, 1 << 20).await;
     replica.proc.signal(libc::SIGTERM);
@@ -162,6 +185,9 @@ async fn sigterm_mid_transfer_drains_then_cancels_cleanly() {
     })
     .await;
     assert!(refused.message().contains("shutting down"), "{refused:?}");
+    // HTTP probes (for orchestrators that cannot probe gRPC over TLS) agree.
+    assert_eq!(http_status(&metrics, "/readyz").0, 503);
+    assert_eq!(http_status(&metrics, "/healthz").0, 200);
     assert_eq!(replica.proc.wait_exit(), Some(0), "{}", replica.proc.log());
     assert!(
         replica.proc.log().contains("drain timeout: cancelling"),
@@ -214,6 +240,18 @@ async fn admission_limits_refuse_the_next_sync_with_retry_advice() {
         err.message().contains("max_incoming_syncs") && err.message().contains("retry"),
         "{err:?}"
     );
+    // Raised by a SIGHUP reload, the limit admits it; the running sync goes on.
+    agent_config(root.path(), "replica", "max_incoming_syncs = 2");
+    replica.proc.signal(libc::SIGHUP);
+    wait_for("the reload", DEADLINE, || {
+        replica
+            .proc
+            .log()
+            .contains("SIGHUP: reloaded")
+            .then_some(())
+    });
+    let second = start_sync(&replica, &other).await;
+    assert_ne!(second, id);
 
     // A source at its limit of outgoing sessions refuses the next offer.
     let config = agent_config(root.path(), "tight", "max_outgoing_syncs = 1");
@@ -352,30 +390,12 @@ async fn bearer_tokens_are_required_counted_and_reloaded_on_sighup() {
     });
 
     // Agent to agent: the replica presents the fleet token to the source.
-    let sync = |expect_ok: bool| {
-        let out = std::process::Command::new(kvsync_bin())
-            .arg("--token-file")
-            .arg(&tokens)
-            .args([
-                "sync",
-                "--agent",
-                &replica.grpc(),
-                "--source",
-                &source.grpc(),
-                "--wait",
-                "--json",
-            ])
-            .output()
-            .unwrap();
-        assert_eq!(
-            out.status.success(),
-            expect_ok,
-            "{}",
-            String::from_utf8_lossy(&out.stdout)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
+    let token_file = tokens.display().to_string();
+    let sync = || {
+        let out = cli_sync(&["--token-file", &token_file], &replica, &source);
+        assert!(out.status.success(), "{out:?}");
     };
-    sync(true);
+    sync();
 
     // A new token, reloaded by both agents on SIGHUP: the old one stops working.
     std::fs::write(&tokens, "second-fleet-token-0002\n").unwrap();
@@ -392,7 +412,7 @@ async fn bearer_tokens_are_required_counted_and_reloaded_on_sighup() {
     let old = root.path().join("old");
     std::fs::write(&old, "first-fleet-token-0001\n").unwrap();
     assert!(!cli(Some(&old)).status.success());
-    sync(true);
+    sync();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -429,4 +449,238 @@ async fn rate_limit_holds_and_reloads_on_sighup() {
             .contains("configuration reloaded rate_limit=0")
             .then_some(())
     });
+}
+
+/// Runs the CLI with `args`; returns (success, stdout, stderr).
+fn cli(args: &[&str]) -> (bool, String, String) {
+    let out = std::process::Command::new(kvsync_bin())
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn grpc_over_tls_and_mutual_tls_with_a_ca_made_in_the_test() {
+    let root = tempfile::tempdir().unwrap();
+    let fleet = pki::Pki::new(root.path(), "fleet");
+    let rogue = pki::Pki::new(root.path(), "rogue");
+    let s = |p: &Path| p.display().to_string();
+    let tls = |cert: &(std::path::PathBuf, std::path::PathBuf), extra: &str| {
+        format!(
+            "\n[tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\nca_file = \"{}\"\n{extra}\n",
+            cert.0.display(),
+            cert.1.display(),
+            fleet.ca_file().display()
+        )
+    };
+    // The source requires client certificates and is known by name only;
+    // the replica serves TLS to anyone and checks the source by that name.
+    let source_cert = fleet.issue("source", &["source.kvsync.test"]);
+    let replica_cert = fleet.issue("replica", &["localhost", "127.0.0.1"]);
+    let source = Node::start(
+        root.path(),
+        "source",
+        &tls(&source_cert, "client_auth = true"),
+        &[],
+    );
+    let replica = Node::start(
+        root.path(),
+        "replica",
+        &tls(&replica_cert, "server_name = \"source.kvsync.test\""),
+        &[],
+    );
+    put_snapshot(&source.dir, "s.kvr1", 3 << 20, 9);
+    let (ca, rogue_ca) = (s(&fleet.ca_file()), s(&rogue.ca_file()));
+
+    // TLS: plaintext and an untrusted CA fail; the fleet CA works.
+    let (ok, _, err) = cli(&["status", "--agent", &replica.grpc()]);
+    assert!(!ok && err.contains("pass --tls-ca"), "{err}");
+    let (ok, _, err) = cli(&["--tls-ca", &rogue_ca, "status", "--agent", &replica.grpc()]);
+    assert!(!ok && err.contains("certificate"), "{err}");
+    let (ok, out, err) = cli(&[
+        "--tls-ca",
+        &ca,
+        "status",
+        "--agent",
+        &replica.grpc(),
+        "--json",
+    ]);
+    assert!(ok && out.contains("\"node_id\":\"replica\""), "{out}{err}");
+
+    // The source's certificate names source.kvsync.test, not 127.0.0.1.
+    let to_source = |extra: &[&str]| {
+        let mut args = vec!["--tls-ca", ca.as_str()];
+        args.extend_from_slice(extra);
+        let grpc = source.grpc();
+        args.extend_from_slice(&["snapshots", "--agent", &grpc, "--json"]);
+        cli(&args)
+    };
+    let (fleet_cert, fleet_key) = fleet.issue("operator", &["operator"]);
+    let (rogue_cert, rogue_key) = rogue.issue("intruder", &["operator"]);
+    let (fleet_cert, fleet_key) = (s(&fleet_cert), s(&fleet_key));
+    let (ok, _, err) = to_source(&["--tls-cert", &fleet_cert, "--tls-key", &fleet_key]);
+    assert!(!ok && err.contains("certificate"), "{err}");
+    let name = ["--tls-server-name", "source.kvsync.test"];
+    // mTLS: no client certificate, or one from another CA, is refused.
+    let (ok, _, err) = to_source(&name);
+    assert!(
+        !ok && err.contains("--tls-cert"),
+        "no client certificate: {err}"
+    );
+    let (ok, _, err) = to_source(
+        &[
+            &name[..],
+            &["--tls-cert", &s(&rogue_cert), "--tls-key", &s(&rogue_key)],
+        ]
+        .concat(),
+    );
+    assert!(
+        !ok,
+        "the source accepted a certificate of another CA: {err}"
+    );
+    let with_cert = [
+        &name[..],
+        &["--tls-cert", &fleet_cert, "--tls-key", &fleet_key],
+    ]
+    .concat();
+    wait_for("the snapshot offered over mTLS", DEADLINE, || {
+        let (ok, out, _) = to_source(&with_cert);
+        (ok && out.contains("\"seq\":9")).then_some(())
+    });
+
+    // Agent to agent: the replica dials the source over mTLS with its own
+    // certificate and verifies the source by its configured name.
+    let out = cli_sync(&["--tls-ca", &ca], &replica, &source);
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("\"seq\":9"),
+        "{out:?}"
+    );
+    assert_eq!(
+        std::fs::read(replica.dir.join("s.kvr1")).unwrap(),
+        std::fs::read(source.dir.join("s.kvr1")).unwrap()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn traversal_attempts_and_oversize_fields_are_refused_without_harm() {
+    let root = tempfile::tempdir().unwrap();
+    let (agent, bytes) = offering_source(root.path(), 1 << 20, 6, &[]).await;
+    let before: Vec<_> = std::fs::read_dir(&agent.dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    fn invalid<T>(r: Result<T, tonic::Status>, what: &str) {
+        let status = r.err().unwrap_or_else(|| panic!("{what} was accepted"));
+        assert_eq!(
+            status.code(),
+            tonic::Code::InvalidArgument,
+            "{what}: {status:?}"
+        );
+    }
+
+    // Orchestrator fields: a source is an address, a sync id is an id.
+    let mut c = agent.client().await;
+    let long = "x".repeat(5000);
+    for source in [
+        "../../etc/passwd",
+        "/var/lib/kvstore/snapshots/s.kvr1:1",
+        "file:///etc/shadow",
+        long.as_str(),
+    ] {
+        let req = pb::StartFullSyncRequest {
+            source: source.into(),
+            transport: 0,
+        };
+        invalid(c.start_full_sync(req).await, source);
+    }
+    let req = pb::StartFullSyncRequest {
+        source: "127.0.0.1:1".into(),
+        transport: 99,
+    };
+    invalid(c.start_full_sync(req).await, "transport 99");
+    for id in ["../../etc/passwd", "", long.as_str(), "a\0b"] {
+        invalid(
+            c.watch_sync(pb::WatchSyncRequest { sync_id: id.into() })
+                .await,
+            id,
+        );
+        invalid(
+            c.cancel_sync(pb::CancelSyncRequest { sync_id: id.into() })
+                .await,
+            id,
+        );
+    }
+    // A request larger than any valid one is refused before it is parsed.
+    let huge = pb::StartFullSyncRequest {
+        source: "y".repeat(1 << 20),
+        transport: 0,
+    };
+    let status = c.start_full_sync(huge).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::OutOfRange, "{status:?}");
+
+    // Peer fields: a replica cannot name a path, a foreign format, or flood
+    // the transport list.
+    let mut peer = pb::peer_client::PeerClient::connect(format!("http://{}", agent.grpc()))
+        .await
+        .unwrap();
+    let open = |f: &dyn Fn(&mut pb::OpenFullSyncRequest)| {
+        let mut r = pb::OpenFullSyncRequest {
+            replica_node_id: "r".into(),
+            transports: vec![pb::Transport::Tcp as i32],
+            ..Default::default()
+        };
+        f(&mut r);
+        r
+    };
+    for (what, req) in [
+        (
+            "node id path",
+            open(&|r| r.replica_node_id = "../../etc".into()),
+        ),
+        (
+            "node id control",
+            open(&|r| r.replica_node_id = "a\nb".into()),
+        ),
+        (
+            "node id length",
+            open(&|r| r.replica_node_id = long.clone()),
+        ),
+        (
+            "format path",
+            open(&|r| r.format = "../../etc/passwd".into()),
+        ),
+        ("format length", open(&|r| r.format = long.clone())),
+        ("provider length", open(&|r| r.rdma_provider = long.clone())),
+        ("transports", open(&|r| r.transports = vec![1; 1000])),
+    ] {
+        invalid(peer.open_full_sync(req).await, what);
+    }
+    invalid(
+        peer.report_result(pb::ReportResultRequest {
+            session_id: long.clone(),
+            ok: false,
+            error: "e".into(),
+        })
+        .await,
+        "session id length",
+    );
+
+    // Nothing moved, nothing was written, and the agent still works.
+    let after: Vec<_> = std::fs::read_dir(&agent.dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(before, after);
+    assert_eq!(agent.metric("kvsync_snapshot_cache_refs"), 0.0);
+    let offer = peer
+        .open_full_sync(open(&|_| ()))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(offer.snapshot_size, bytes.len() as u64);
 }

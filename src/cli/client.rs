@@ -12,39 +12,49 @@ use anyhow::{bail, Context};
 use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
-use tonic::transport::Channel;
 
 use super::{DemoArgs, StatusArgs, SyncArgs, TransportArg};
 use crate::agent::RunningAgent;
 use crate::config::{Config, TransportMode};
-use crate::control::auth::ClientAuth;
 use crate::control::{self, is_terminal, pb, phase_name, transport_name};
 use crate::snapshot::kvr1::GenSpec;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
-type Client = pb::orchestrator_client::OrchestratorClient<
-    tonic::service::interceptor::InterceptedService<Channel, ClientAuth>,
->;
+type Client = pb::orchestrator_client::OrchestratorClient<control::AgentChannel>;
 
-/// The bearer token client commands present (from `--token-file`).
-static TOKEN: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+/// How client commands reach agents (from the global options).
+static DIALER: std::sync::OnceLock<control::Dialer> = std::sync::OnceLock::new();
 
-/// Sets the token client commands present.
-pub fn set_token(token: Option<String>) {
-    let _ = TOKEN.set(token);
+/// Sets how client commands reach agents.
+pub fn set_dialer(dialer: control::Dialer) {
+    let _ = DIALER.set(dialer);
 }
 
 async fn client(agent: &str) -> anyhow::Result<Client> {
-    let channel = control::connect(agent, CONNECT_TIMEOUT)
+    let dialer = DIALER.get().context("client options not set")?;
+    let channel = dialer
+        .connect(agent, CONNECT_TIMEOUT)
         .await
         .map_err(|e| anyhow::anyhow!("cannot reach agent {agent}: {e}"))?;
-    let auth = ClientAuth::new(TOKEN.get().cloned().flatten());
-    Ok(pb::orchestrator_client::OrchestratorClient::with_interceptor(channel, auth))
+    Ok(pb::orchestrator_client::OrchestratorClient::new(channel))
 }
 
 fn status_err(what: &str, s: tonic::Status) -> anyhow::Error {
-    anyhow::anyhow!("{what}: {} ({:?})", s.message(), s.code())
+    // Agents answer with deliberate codes; these mean the connection broke,
+    // which is how a TLS mismatch shows.
+    use tonic::Code;
+    let broken = matches!(s.code(), Code::Unknown | Code::Internal | Code::Cancelled);
+    let hint = match DIALER.get().map(|d| d.tls.is_some()) {
+        Some(false) if broken => {
+            "; if the agent serves TLS ([tls] in its config), pass --tls-ca"
+        }
+        Some(true) if broken => {
+            "; if the agent requires client certificates ([tls] client_auth), pass --tls-cert and --tls-key signed by its CA"
+        }
+        _ => "",
+    };
+    anyhow::anyhow!("{what}: {} ({:?}){hint}", s.message(), s.code())
 }
 
 /// `kvsync sync`.

@@ -23,9 +23,9 @@ pub struct OrchestratorService {
 const MAX_ID: usize = 64;
 
 fn check_id(id: &str) -> Result<(), Status> {
-    if id.is_empty() || id.len() > MAX_ID {
+    if id.is_empty() || id.len() > MAX_ID || !id.bytes().all(|b| b.is_ascii_alphanumeric()) {
         return Err(Status::invalid_argument(format!(
-            "sync_id must be 1..={MAX_ID} bytes"
+            "sync_id must be 1..={MAX_ID} letters and digits, as StartFullSync returned it"
         )));
     }
     Ok(())

@@ -19,6 +19,28 @@ use crate::transport::TransportKind;
 
 /// Longest accepted node id.
 const MAX_NODE_ID: usize = 256;
+/// Longest accepted format, provider or session id.
+const MAX_NAME: usize = 64;
+/// Most transports a replica can list (there are two).
+const MAX_TRANSPORTS: usize = 4;
+
+/// The field limits of an offer request, checked before anything else.
+fn check_request(req: &pb::OpenFullSyncRequest) -> Result<(), ApiError> {
+    let node = &req.replica_node_id;
+    let problem = if node.len() > MAX_NODE_ID || node.chars().any(|c| c.is_control() || c == '/') {
+        format!("replica_node_id must be at most {MAX_NODE_ID} bytes of printable characters without '/'")
+    } else if req.transports.len() > MAX_TRANSPORTS {
+        format!(
+            "at most {MAX_TRANSPORTS} transports, got {}",
+            req.transports.len()
+        )
+    } else if req.format.len() > MAX_NAME || req.rdma_provider.len() > MAX_NAME {
+        format!("format and rdma_provider are names of at most {MAX_NAME} bytes")
+    } else {
+        return Ok(());
+    };
+    Err(ApiError::InvalidArgument(problem))
+}
 
 pub struct PeerService {
     pub shared: Arc<Shared>,
@@ -34,11 +56,7 @@ impl PeerService {
     ) -> Result<pb::SyncOffer, ApiError> {
         let shared = &self.shared;
         let format = shared.config.snapshot_format;
-        if req.replica_node_id.len() > MAX_NODE_ID {
-            return Err(ApiError::InvalidArgument(format!(
-                "replica_node_id longer than {MAX_NODE_ID} bytes"
-            )));
-        }
+        check_request(&req)?;
         if !req.format.is_empty() && req.format != format.as_str() {
             return Err(ApiError::InvalidArgument(format!(
                 "this source serves {format} snapshots, the replica asked for {:?}",
@@ -51,7 +69,9 @@ impl PeerService {
                 "this source is shutting down; retry against it after its restart".into(),
             ));
         }
-        let limit = shared.config.sync.max_outgoing_syncs;
+        let limit = shared
+            .max_outgoing
+            .load(std::sync::atomic::Ordering::Relaxed);
         if shared.sessions.active() >= limit {
             return Err(ApiError::Busy(format!(
                 "this source already serves {limit} sessions (sync.max_outgoing_syncs); retry in a few seconds"
@@ -207,6 +227,12 @@ impl pb::peer_server::Peer for PeerService {
         request: Request<pb::ReportResultRequest>,
     ) -> Result<Response<pb::ReportResultResponse>, Status> {
         let r = request.into_inner();
+        if r.session_id.len() > MAX_NAME {
+            return Err(ApiError::InvalidArgument(format!(
+                "session_id longer than {MAX_NAME} bytes"
+            ))
+            .into());
+        }
         if r.ok {
             info!(session = %r.session_id, "replica reports success");
         } else {

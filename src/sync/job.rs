@@ -19,8 +19,7 @@ use tracing::{info, info_span, warn, Instrument};
 use crate::blk3::token::SESSION_TOKEN_LEN;
 use crate::blk3::{Blk3Error, Outcome};
 use crate::config::{Config, RdmaProvider, TransportMode};
-use crate::control::auth::ClientAuth;
-use crate::control::{self, pb};
+use crate::control::{self, pb, AgentChannel, Dialer};
 use crate::handoff::{self, HandoffError, HandoffRecord};
 use crate::install::{self, InstallError, Staging};
 use crate::metrics::{unix_now, Metrics};
@@ -31,9 +30,7 @@ use crate::transport::tcp::{self, Link, TcpError};
 use crate::transport::{select, Faults, TransportKind};
 
 /// A Peer client presenting this agent's token.
-type PeerClient = pb::peer_client::PeerClient<
-    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, ClientAuth>,
->;
+type PeerClient = pb::peer_client::PeerClient<AgentChannel>;
 
 /// How long connecting to the source (gRPC and data) may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -151,8 +148,8 @@ pub struct JobContext {
     /// This agent's RDMA probe (provider, local address, soft device).
     pub rdma: Arc<Probe>,
     pub faults: Faults,
-    /// This agent's bearer token for the source's Peer service.
-    pub auth: ClientAuth,
+    /// How to reach the source's Peer service (TLS, bearer token).
+    pub dialer: Dialer,
     pub progress: watch::Sender<pb::SyncProgress>,
     pub cancel: CancellationToken,
 }
@@ -305,13 +302,13 @@ async fn attempt(ctx: &JobContext) -> Result<(), JobError> {
 
     // Negotiate.
     let channel = ctx
-        .or_cancel(control::connect(&ctx.source, CONNECT_TIMEOUT))
+        .or_cancel(ctx.dialer.connect(&ctx.source, CONNECT_TIMEOUT))
         .await?
         .map_err(|e| JobError::Unreachable {
             source_addr: ctx.source.clone(),
             message: e,
         })?;
-    let mut peer = pb::peer_client::PeerClient::with_interceptor(channel, ctx.auth.clone());
+    let mut peer = pb::peer_client::PeerClient::new(channel);
     // Only a sync that cannot fall back insists on RDMA with the source.
     let insist = mode == TransportMode::Rdma && !may_fall_back;
     let mut offer = negotiate(ctx, &mut peer, want_rdma, insist).await?;
@@ -359,6 +356,10 @@ async fn attempt(ctx: &JobContext) -> Result<(), JobError> {
     // Install durably.
     ctx.phase(pb::Phase::Installing);
     let name = install::install_name(&offer.snapshot_name, info.seq, config.snapshot_format);
+    if name != offer.snapshot_name {
+        warn!(offered = ?offer.snapshot_name.chars().take(300).collect::<String>(), installed = %name,
+            "the source offered a name that is not a plain file name; installing under a safe one");
+    }
     // Not cancellable: once the rename may have happened, we finish it.
     let installed = tokio::task::spawn_blocking(move || staging.install(&name))
         .await

@@ -10,14 +10,14 @@ pub mod job;
 pub mod source;
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
-use crate::control::auth::Tokens;
-use crate::control::pb;
+use crate::control::{pb, Dialer};
 use crate::metrics::Metrics;
 use crate::transport::probe::Probe;
 use crate::transport::Faults;
@@ -60,7 +60,10 @@ pub struct SyncManager {
     metrics: Arc<Metrics>,
     rdma: Arc<Probe>,
     faults: Faults,
-    tokens: Arc<Tokens>,
+    /// How jobs reach their sources.
+    dialer: Dialer,
+    /// Syncs running at once (reloaded on SIGHUP).
+    max_incoming: AtomicUsize,
     jobs: Mutex<Jobs>,
     shutdown: CancellationToken,
     /// Cancelled when the agent starts draining: no new syncs.
@@ -76,16 +79,17 @@ impl SyncManager {
         metrics: Arc<Metrics>,
         rdma: Arc<Probe>,
         faults: Faults,
-        tokens: Arc<Tokens>,
+        dialer: Dialer,
         shutdown: CancellationToken,
         draining: CancellationToken,
     ) -> Arc<SyncManager> {
         Arc::new(SyncManager {
-            config,
             metrics,
             rdma,
             faults,
-            tokens,
+            max_incoming: AtomicUsize::new(config.sync.max_incoming_syncs),
+            config,
+            dialer,
             jobs: Mutex::default(),
             shutdown,
             draining,
@@ -119,7 +123,7 @@ impl SyncManager {
         if let Some((id, _)) = jobs.running.iter().find(|(_, r)| r.source == source) {
             return Ok((id.clone(), false));
         }
-        let limit = self.config.sync.max_incoming_syncs;
+        let limit = self.max_incoming.load(Ordering::Relaxed);
         if jobs.running.len() >= limit {
             return Err(SyncError::Busy(format!(
                 "{limit} syncs are running on this agent (sync.max_incoming_syncs); retry when one has finished"
@@ -157,7 +161,7 @@ impl SyncManager {
             metrics: self.metrics.clone(),
             rdma: self.rdma.clone(),
             faults: self.faults.clone(),
-            auth: self.tokens.client(),
+            dialer: self.dialer.clone(),
             progress: tx,
             cancel,
         };
@@ -189,6 +193,11 @@ impl SyncManager {
             .find(|p| p.sync_id == id)
             .map(|p| watch::channel(p.clone()).1)
             .ok_or_else(|| SyncError::NotFound(id.to_string()))
+    }
+
+    /// Changes how many syncs may run at once (running ones continue).
+    pub fn set_max_incoming(&self, limit: usize) {
+        self.max_incoming.store(limit, Ordering::Relaxed);
     }
 
     /// Cancels a running sync; false when it already finished.

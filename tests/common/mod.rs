@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod node;
+pub mod pki;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -167,6 +168,13 @@ fn rand_u32() -> u32 {
 
 /// A plain HTTP/1.1 GET; returns the body. Panics on a non-200 answer.
 pub fn http_get(addr: &str, path: &str) -> String {
+    let (status, body) = http_status(addr, path);
+    assert_eq!(status, 200, "GET {path}: {body}");
+    body
+}
+
+/// A plain HTTP/1.1 GET; returns the status code and the body.
+pub fn http_status(addr: &str, path: &str) -> (u16, String) {
     let mut s = TcpStream::connect(addr).expect("connect metrics");
     s.set_read_timeout(Some(DEADLINE)).unwrap();
     write!(
@@ -177,11 +185,12 @@ pub fn http_get(addr: &str, path: &str) -> String {
     let mut resp = String::new();
     s.read_to_string(&mut resp).unwrap();
     let (head, body) = resp.split_once("\r\n\r\n").expect("http response");
-    assert!(
-        head.starts_with("HTTP/1.1 200"),
-        "unexpected response: {head}"
-    );
-    body.to_string()
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("unexpected response: {head}"));
+    (status, body.to_string())
 }
 
 /// The value of a sample line `name{labels} value` in a Prometheus scrape

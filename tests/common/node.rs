@@ -192,3 +192,20 @@ pub async fn sync_ok(replica: &Node, source: &Node) -> pb::SyncProgress {
 pub fn replmeta_seq(installed: &str) -> Option<u64> {
     kvsync::handoff::read_replmeta_seq(Path::new(&format!("{installed}.replmeta")))
 }
+
+/// `kvsync <global> sync --agent <replica> --source <source> --wait --json`
+/// as a process.
+pub fn cli_sync(global: &[&str], replica: &Node, source: &Node) -> std::process::Output {
+    std::process::Command::new(kvsync_bin())
+        .args(global)
+        .args([
+            "sync",
+            "--agent",
+            &replica.grpc(),
+            "--source",
+            &source.grpc(),
+        ])
+        .args(["--wait", "--json"])
+        .output()
+        .unwrap()
+}

@@ -1,0 +1,50 @@
+//! A throwaway PKI for TLS tests: a CA generated in the test and the
+//! certificates it signs, written as PEM files.
+
+use std::path::{Path, PathBuf};
+
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+
+pub struct Pki {
+    dir: PathBuf,
+    name: String,
+    ca: CertifiedIssuer<'static, KeyPair>,
+}
+
+impl Pki {
+    /// A new CA named `name`; its certificate is `<dir>/<name>-ca.pem`.
+    pub fn new(dir: &Path, name: &str) -> Pki {
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, format!("{name} test CA"));
+        let ca = CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap();
+        let pki = Pki {
+            dir: dir.to_owned(),
+            name: name.to_string(),
+            ca,
+        };
+        std::fs::write(pki.ca_file(), pki.ca.pem()).unwrap();
+        pki
+    }
+
+    pub fn ca_file(&self) -> PathBuf {
+        self.dir.join(format!("{}-ca.pem", self.name))
+    }
+
+    /// Issues a certificate for `names` (DNS names or IP addresses); returns
+    /// the certificate and key files.
+    pub fn issue(&self, who: &str, names: &[&str]) -> (PathBuf, PathBuf) {
+        let key = KeyPair::generate().unwrap();
+        let params =
+            CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
+                .unwrap();
+        let cert = params.signed_by(&key, &self.ca).unwrap();
+        let cert_file = self.dir.join(format!("{}-{who}.pem", self.name));
+        let key_file = self.dir.join(format!("{}-{who}.key", self.name));
+        std::fs::write(&cert_file, cert.pem()).unwrap();
+        std::fs::write(&key_file, key.serialize_pem()).unwrap();
+        (cert_file, key_file)
+    }
+}
