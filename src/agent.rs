@@ -164,6 +164,7 @@ impl RunningAgent {
             bulk: Probe::bulk_params(&config.transport, rdma.soft),
             shutdown: shutdown.clone(),
             rate: Arc::new(RateLimiter::new(config.sync.rate_limit.as_u64())),
+            peer_timeout: config.data.peer_timeout,
         };
         let rdma_endpoint = match start_rdma_listener(&config, &rdma, &plane, &mut tasks).await {
             Ok(endpoint) => endpoint,

@@ -144,6 +144,10 @@ pub struct DataConfig {
     /// Port of the RDMA listener, bound to the chosen interface address
     /// (never a wildcard); 0 picks a free port.
     pub rdma_port: u16,
+    /// A data connection whose peer stops answering (link cut, host gone)
+    /// fails after this long.
+    #[serde(with = "humantime_serde")]
+    pub peer_timeout: Duration,
 }
 
 /// Which data transport a sync uses.
@@ -333,6 +337,7 @@ impl Default for DataConfig {
         DataConfig {
             tcp_listen: "127.0.0.1:35102".into(),
             rdma_port: 35201,
+            peer_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -627,6 +632,9 @@ impl Config {
                     ),
                 );
             }
+        }
+        if self.data.peer_timeout < Duration::from_secs(1) {
+            bad("data.peer_timeout", "must be at least 1s".into());
         }
         if self.sync.session_token_ttl.is_zero() {
             bad("sync.session_token_ttl", "must be greater than zero".into());

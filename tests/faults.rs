@@ -19,7 +19,10 @@ fn assert_untouched(replica: &Node, previous: &[u8], offered_name: &str) {
         "{:?}",
         replica.temp_files()
     );
-    assert_eq!(std::fs::read(replica.dir.join("prev.kvr1")).unwrap(), previous);
+    assert_eq!(
+        std::fs::read(replica.dir.join("prev.kvr1")).unwrap(),
+        previous
+    );
     assert!(!replica.dir.join(offered_name).exists());
 }
 
@@ -66,7 +69,10 @@ async fn source_sigkilled_mid_transfer_fails_cleanly_and_a_retry_succeeds_once_i
     source.offered(70).await;
     let p = sync_ok(&replica, &source).await;
     assert_eq!(std::fs::read(&p.installed_path).unwrap(), bytes);
-    assert_eq!(std::fs::read(replica.dir.join("prev.kvr1")).unwrap(), previous);
+    assert_eq!(
+        std::fs::read(replica.dir.join("prev.kvr1")).unwrap(),
+        previous
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

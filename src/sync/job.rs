@@ -545,8 +545,7 @@ async fn transfer_tcp(ctx: &JobContext, offer: &pb::SyncOffer) -> Result<Transfe
         .map_err(|_| format!("no answer within {CONNECT_TIMEOUT:?}"))
         .and_then(|r| r.map_err(|e| e.to_string()))
         .and_then(|s| {
-            s.into_std()
-                .and_then(|s| s.set_nonblocking(false).map(|_| s))
+            crate::transport::blocking_data_socket(s, ctx.config.data.peer_timeout)
                 .map_err(|e| e.to_string())
         })
         .map_err(|message| JobError::DataConnect {
@@ -635,6 +634,7 @@ async fn transfer_rdma(ctx: &JobContext, offer: &pb::SyncOffer) -> Result<Transf
     let report = progress_reporter(ctx, total);
     let cancel = ctx.cancel.child_token();
     let (faults, soft) = (ctx.faults.clone(), ctx.rdma.soft);
+    let peer_timeout = ctx.config.data.peer_timeout;
     let run = tokio::task::spawn_blocking(move || {
         let run = match provider {
             RdmaProvider::Emulated => crate::transport::emulated::EmuQp::dial(
@@ -642,6 +642,7 @@ async fn transfer_rdma(ctx: &JobContext, offer: &pb::SyncOffer) -> Result<Transf
                 rdma::CONNECT_TIMEOUT,
                 faults.emu.clone(),
             )
+            .and_then(|qp| qp.set_peer_timeout(peer_timeout).map(|_| qp))
             .map(|qp| {
                 rdma::run_replica(
                     qp,

@@ -105,6 +105,8 @@ pub struct DataPlane {
     pub shutdown: CancellationToken,
     /// The agent's bandwidth limit for what it sends.
     pub rate: Arc<RateLimiter>,
+    /// How long a silent replica may take before its connection fails.
+    pub peer_timeout: Duration,
 }
 
 /// Accepts data connections until `shutdown`; each runs on its own thread.
@@ -137,10 +139,9 @@ pub async fn serve_tcp(
                 continue;
             }
         };
-        let link = match stream.into_std().and_then(|s| {
-            s.set_nonblocking(false)?;
-            Link::new(s)
-        }) {
+        let link = match crate::transport::blocking_data_socket(stream, plane.peer_timeout)
+            .and_then(Link::new)
+        {
             Ok(l) => l,
             Err(e) => {
                 warn!(%peer, error = %e, "data connection unusable");
@@ -318,9 +319,7 @@ pub async fn serve_emulated(
         };
         let plane = plane.clone();
         tokio::task::spawn_blocking(move || {
-            let qp = stream
-                .into_std()
-                .and_then(|s| s.set_nonblocking(false).map(|_| s))
+            let qp = crate::transport::blocking_data_socket(stream, plane.peer_timeout)
                 .map_err(|e| e.to_string())
                 .and_then(|s| {
                     crate::transport::emulated::EmuQp::incoming(

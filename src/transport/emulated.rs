@@ -304,6 +304,15 @@ impl EmuQp {
         self.sq_depth = depth;
     }
 
+    /// Sets how long a silent peer takes to become `RETRY_EXC_ERR` (the
+    /// transport retry timeout of a hardware QP).
+    pub fn set_peer_timeout(&self, timeout: Duration) -> Result<(), FabricError> {
+        super::detect_dead_peer(&self.inner.stream, timeout).map_err(|source| FabricError::Call {
+            call: "configure socket (emulated fabric)",
+            source,
+        })
+    }
+
     /// Starts the reader and writer threads (the connection is established).
     fn establish(&mut self) -> Result<(), FabricError> {
         let (tx, rx) = mpsc::channel();

@@ -20,6 +20,37 @@ use std::time::Duration;
 
 use crate::blk3::{Blk3Error, Command, Input, Machine, Outcome};
 
+/// A connected data socket as a blocking one for its transfer thread, set
+/// up to notice a dead peer (see [`detect_dead_peer`]).
+pub fn blocking_data_socket(
+    stream: tokio::net::TcpStream,
+    peer_timeout: Duration,
+) -> std::io::Result<std::net::TcpStream> {
+    let stream = stream.into_std()?;
+    stream.set_nonblocking(false)?;
+    detect_dead_peer(&stream, peer_timeout)?;
+    Ok(stream)
+}
+
+/// Makes a data connection notice a peer that went silent (cable cut, host
+/// gone: no FIN, no RST) within `peer_timeout`: keepalive probes while it
+/// waits to read, `TCP_USER_TIMEOUT` while its writes go unacknowledged. The
+/// BLK3 waits allow minutes for a multi-GB transfer; a dead link must not.
+pub fn detect_dead_peer(
+    stream: &std::net::TcpStream,
+    peer_timeout: Duration,
+) -> std::io::Result<()> {
+    let socket = socket2::SockRef::from(stream);
+    let probe = (peer_timeout / 4).max(Duration::from_secs(1));
+    socket.set_tcp_keepalive(
+        &socket2::TcpKeepalive::new()
+            .with_time(probe)
+            .with_interval(probe)
+            .with_retries(3),
+    )?;
+    socket.set_tcp_user_timeout(Some(peer_timeout))
+}
+
 /// Which transport moved a snapshot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TransportKind {

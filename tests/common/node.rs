@@ -31,6 +31,19 @@ impl Node {
         extra: &str,
         env: &[(&str, &str)],
     ) -> Node {
+        Node::start_at(root, name, "127.0.0.1", transport, extra, env)
+    }
+
+    /// Starts an agent listening on `ip` (gRPC in plaintext unless `extra`
+    /// has `[tls]`).
+    pub fn start_at(
+        root: &Path,
+        name: &str,
+        ip: &str,
+        transport: &str,
+        extra: &str,
+        env: &[(&str, &str)],
+    ) -> Node {
         // One attempt per sync unless a test asks for retries: tests check
         // what each failure does.
         let extra = if extra.contains("[sync]\n") {
@@ -42,10 +55,16 @@ impl Node {
         let dir = root.join(name);
         std::fs::create_dir_all(&dir).unwrap();
         let config = root.join(format!("{name}.toml"));
+        let plaintext = if ip.starts_with("127.") {
+            ""
+        } else {
+            "plaintext = true\n"
+        };
+        // A silent peer fails a transfer after 5 s (not 30 s) in tests.
         std::fs::write(
             &config,
             format!(
-                "node_id = \"{name}\"\nsnapshot_dir = \"{}\"\n[grpc]\nlisten = \"127.0.0.1:0\"\n[data]\ntcp_listen = \"127.0.0.1:0\"\nrdma_port = 0\n[metrics]\nlisten = \"127.0.0.1:0\"\n[watch]\ndebounce = \"20ms\"\n[transport]\n{transport}\n{extra}",
+                "node_id = \"{name}\"\nsnapshot_dir = \"{}\"\n[grpc]\nlisten = \"{ip}:0\"\n{plaintext}[data]\ntcp_listen = \"{ip}:0\"\nrdma_port = 0\npeer_timeout = \"5s\"\n[metrics]\nlisten = \"{ip}:0\"\n[watch]\ndebounce = \"20ms\"\n[transport]\n{transport}\n{extra}",
                 dir.display()
             ),
         )

@@ -1,0 +1,100 @@
+//! Two hosts for tests: network namespaces joined by a veth pair, each with
+//! an `eth0` carrying a real address. Test code (and the processes it
+//! starts) runs inside one of them with [`Hosts::run_in`].
+
+use std::os::fd::AsRawFd;
+use std::process::Command;
+
+/// The addresses of host 0 and host 1 on their `eth0`.
+pub const IPS: [&str; 2] = ["10.77.0.1", "10.77.0.2"];
+
+pub struct Hosts {
+    names: [String; 2],
+}
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("ip: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+impl Hosts {
+    /// Creates the two hosts; `None`, with the reason printed, when this
+    /// process may not create network namespaces.
+    pub fn create(test: &str) -> Option<Hosts> {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        static N: AtomicU32 = AtomicU32::new(0);
+        let id = format!(
+            "{}x{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        );
+        let hosts = Hosts {
+            names: [format!("kvsync-{id}-a"), format!("kvsync-{id}-b")],
+        };
+        if let Err(e) = ip(&["netns", "add", &hosts.names[0]]) {
+            eprintln!("SKIPPED {test}: cannot create network namespaces ({e}); run as root");
+            return None;
+        }
+        let (a, b) = (&hosts.names[0], &hosts.names[1]);
+        let (va, vb) = (format!("kv{id}a"), format!("kv{id}b"));
+        let steps: Vec<Vec<&str>> = vec![
+            vec!["netns", "add", b],
+            vec!["link", "add", &va, "type", "veth", "peer", "name", &vb],
+            vec!["link", "set", &va, "netns", a],
+            vec!["link", "set", &vb, "netns", b],
+            vec!["-n", a, "link", "set", &va, "name", "eth0"],
+            vec!["-n", b, "link", "set", &vb, "name", "eth0"],
+        ];
+        for step in steps {
+            ip(&step).unwrap_or_else(|e| panic!("{e}"));
+        }
+        for (ns, addr) in [(a, IPS[0]), (b, IPS[1])] {
+            let cidr = format!("{addr}/24");
+            ip(&["-n", ns, "addr", "add", &cidr, "dev", "eth0"]).unwrap();
+            ip(&["-n", ns, "link", "set", "eth0", "up"]).unwrap();
+            ip(&["-n", ns, "link", "set", "lo", "up"]).unwrap();
+        }
+        Some(hosts)
+    }
+
+    /// Runs `f` on a thread inside host `host`'s network namespace; sockets
+    /// it opens and processes it starts live there.
+    pub fn run_in<T: Send>(&self, host: usize, f: impl FnOnce() -> T + Send) -> T {
+        let path = format!("/run/netns/{}", self.names[host]);
+        std::thread::scope(|s| {
+            let t = s.spawn(move || {
+                let ns = std::fs::File::open(&path).unwrap();
+                // SAFETY: setns on this thread only, with an open netns fd.
+                let rc = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
+                assert_eq!(rc, 0, "setns {path}: {}", std::io::Error::last_os_error());
+                f()
+            });
+            t.join().unwrap_or_else(|e| std::panic::resume_unwind(e))
+        })
+    }
+
+    /// Takes host `host`'s link down or up (a cable cut: no FIN, no RST).
+    pub fn set_link(&self, host: usize, up: bool) {
+        let state = if up { "up" } else { "down" };
+        ip(&["-n", &self.names[host], "link", "set", "eth0", state]).unwrap();
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        for ns in &self.names {
+            let _ = ip(&["netns", "del", ns]);
+        }
+    }
+}
