@@ -33,6 +33,8 @@ pub mod catalog;
 pub mod cli;
 pub mod config;
 pub mod control;
+#[doc(hidden)]
+pub mod fuzz_targets;
 pub mod handoff;
 pub mod install;
 pub mod metrics;

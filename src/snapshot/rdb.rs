@@ -528,4 +528,25 @@ mod tests {
         let info = verify(&rdb(b"REDIS0011", &repl(vec![0xC0, 3]), false)).unwrap();
         assert_eq!((info.checksum, info.seq), (0, 3));
     }
+
+    proptest::proptest! {
+        /// Any byte flipped in a valid RDB is reported (CRC, structure),
+        /// never a panic, and garbage after a valid head likewise.
+        #[test]
+        fn damaged_rdbs_are_errors_not_panics(
+            at in 0usize..10_000,
+            flip in 1u8..=255,
+            tail in proptest::collection::vec(proptest::num::u8::ANY, 0..256),
+        ) {
+            let mut b = rdb(b"REDIS0011", &repl(vec![0xC0, 7]), true);
+            let at = at % b.len();
+            b[at] ^= flip;
+            proptest::prop_assert!(verify(&b).is_err());
+            let mut head = rdb(b"REDIS0011", &repl(vec![0xC0, 7]), true);
+            head.truncate(60);
+            head.extend(tail);
+            let _ = verify(&head);
+            let _ = lzf_decompress(&head, 300);
+        }
+    }
 }
