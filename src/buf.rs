@@ -1,68 +1,37 @@
-//! Page-aligned heap buffers.
+//! Page-aligned buffers for the data path.
 //!
-//! Owns the one `unsafe` allocation pattern the data path needs: memory that
-//! is page aligned (what memory registration wants, and what makes the
-//! kernel's copies fast) and, for snapshot images, memory that is not zeroed
-//! first because a file is read straight into it. Nothing here knows about
-//! snapshots.
+//! Owns how large byte buffers are allocated: anonymous memory mappings.
+//! They are page aligned (what memory registration wants, and what makes the
+//! kernel's copies fast), zero-filled lazily by the kernel (a multi-GB
+//! snapshot image costs no memset), advised as transparent huge pages when
+//! large (much cheaper to fill), and returned to the system when dropped.
+//! Heap blocks were not: glibc kept freed multi-MB aligned blocks, and an
+//! agent's RSS grew by a buffer with every sync (found by the soak test).
+//! Nothing here knows about snapshots.
 
-use std::alloc::{self, Layout};
 use std::ops::{Deref, DerefMut};
 
-/// Page size used for alignment.
+/// Page size: the alignment of every buffer.
 pub const PAGE: usize = 4096;
-/// Huge-page size: alignment of large buffers.
+/// From this size on, buffers are advised as transparent huge pages.
 const HUGE: usize = 2 << 20;
 
-/// A page-aligned, heap-allocated byte buffer whose bytes are always
-/// initialised.
+/// A page-aligned, zero-initialised byte buffer of its own mapping.
 pub struct AlignedBuf {
-    ptr: *mut u8,
+    map: memmap2::MmapMut,
     len: usize,
-    layout: Layout,
 }
 
-// SAFETY: `AlignedBuf` owns its allocation exclusively, like a `Vec<u8>`.
-unsafe impl Send for AlignedBuf {}
-unsafe impl Sync for AlignedBuf {}
-
 impl AlignedBuf {
-    fn layout(len: usize) -> Layout {
-        Layout::from_size_align(len.max(1), PAGE).expect("buffer size fits a layout")
-    }
-
-    /// A zero-filled buffer of `len` bytes.
-    pub fn zeroed(len: usize) -> AlignedBuf {
-        let layout = Self::layout(len);
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { alloc::alloc_zeroed(layout) };
-        if ptr.is_null() {
-            alloc::handle_alloc_error(layout);
-        }
-        AlignedBuf { ptr, len, layout }
-    }
-
-    /// A buffer of `len` bytes whose contents are NOT initialised (no
-    /// memset of a multi-GB image). Large buffers are 2 MiB aligned and
-    /// advised as huge pages, which makes filling them much cheaper.
-    ///
-    /// # Safety
-    /// No byte may be read (through `Deref`, or `as_ptr`) before it was
-    /// written through `as_mut_ptr`.
-    pub unsafe fn uninit(len: usize) -> AlignedBuf {
-        let align = if len >= HUGE { HUGE } else { PAGE };
-        let layout = Layout::from_size_align(len.max(1), align).expect("buffer size fits a layout");
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { alloc::alloc(layout) };
-        if ptr.is_null() {
-            alloc::handle_alloc_error(layout);
-        }
+    /// A zero-filled buffer of `len` bytes (memory is committed as it is
+    /// touched); fails only when the system refuses the mapping.
+    pub fn new(len: usize) -> std::io::Result<AlignedBuf> {
+        let map = memmap2::MmapMut::map_anon(len.max(1))?;
         if len >= HUGE {
-            // Advice only: failure just means 4 KiB pages.
-            // SAFETY: the range is our own allocation.
-            unsafe { libc::madvise(ptr.cast(), len, libc::MADV_HUGEPAGE) };
+            // Advice only: refused, it just means 4 KiB pages.
+            let _ = map.advise(memmap2::Advice::HugePage);
         }
-        AlignedBuf { ptr, len, layout }
+        Ok(AlignedBuf { map, len })
     }
 
     /// Length in bytes.
@@ -77,34 +46,26 @@ impl AlignedBuf {
 
     /// Start address (for memory registration).
     pub fn as_ptr(&self) -> *const u8 {
-        self.ptr
+        self.map.as_ptr()
     }
 
-    /// Mutable start address (for memory registration).
+    /// Mutable start address (for memory registration, and for writers that
+    /// fill the buffer while readers see the part already written).
     pub fn as_mut_ptr(&mut self) -> *mut u8 {
-        self.ptr
+        self.map.as_mut_ptr()
     }
 }
 
 impl Deref for AlignedBuf {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        // SAFETY: `len` initialised bytes live at `ptr` (see constructors).
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+        &self.map[..self.len]
     }
 }
 
 impl DerefMut for AlignedBuf {
     fn deref_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as in `deref`, and `&mut self` is exclusive.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
-    }
-}
-
-impl Drop for AlignedBuf {
-    fn drop(&mut self) {
-        // SAFETY: allocated with this layout in a constructor.
-        unsafe { alloc::dealloc(self.ptr, self.layout) }
+        &mut self.map[..self.len]
     }
 }
 
@@ -113,14 +74,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn aligned_zeroed_and_uninit() {
-        let b = AlignedBuf::zeroed(10_000);
+    fn aligned_zeroed_and_writable() {
+        let mut b = AlignedBuf::new(10_000).unwrap();
         assert_eq!(b.as_ptr() as usize % PAGE, 0);
+        assert_eq!(b.len(), 10_000);
         assert!(b.iter().all(|&x| x == 0));
-        // SAFETY: written before read.
-        let mut big = unsafe { AlignedBuf::uninit(3 << 20) };
-        assert_eq!(big.as_ptr() as usize % HUGE, 0);
-        unsafe { std::ptr::write_bytes(big.as_mut_ptr(), 7, big.len()) };
-        assert!(big.iter().all(|&x| x == 7));
+        b[9_999] = 7;
+        let big = AlignedBuf::new(3 << 20).unwrap();
+        assert!(big.iter().all(|&x| x == 0));
+        assert!(AlignedBuf::new(0).unwrap().is_empty());
     }
 }

@@ -219,9 +219,10 @@ impl SnapshotCache {
                     // Open now: from here the inode is ours even if the file
                     // is deleted or replaced before the load reads it.
                     let file = open_checked(entry)?;
-                    // SAFETY: bytes are exposed only below the `loaded`
-                    // watermark, after the loader wrote them.
-                    let buf = unsafe { AlignedBuf::uninit(size as usize) };
+                    let buf = AlignedBuf::new(size as usize).map_err(|source| CacheError::Io {
+                        path: entry.path.clone(),
+                        source,
+                    })?;
                     let image = Arc::new(Image {
                         buf,
                         loaded: AtomicUsize::new(0),

@@ -271,7 +271,7 @@ pub fn read_pipelined(
     let (empty_tx, empty_rx) = mpsc::sync_channel::<AlignedBuf>(READ_DEPTH);
     for _ in 0..READ_DEPTH {
         empty_tx
-            .send(AlignedBuf::zeroed(READ_CHUNK))
+            .send(AlignedBuf::new(READ_CHUNK)?)
             .expect("channel has room");
     }
     std::thread::scope(move |s| {

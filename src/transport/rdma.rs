@@ -454,7 +454,10 @@ impl<F: Fabric> ReplicaIo<'_, F> {
                 }
             }
         }
-        let mut buf = AlignedBuf::zeroed(len);
+        let mut buf = AlignedBuf::new(len).map_err(|source| FabricError::Call {
+            call: "allocate receive memory",
+            source,
+        })?;
         // SAFETY: as above; the buffer is only read as bytes after BDON.
         let region = unsafe { self.link.qp.register(buf.as_mut_ptr(), len, true) }?;
         self.memory = Some(RecvMemory::Heap(buf));

@@ -176,7 +176,7 @@ impl Link {
             self.buf.drain(..n);
             left -= n as u64;
         }
-        let mut chunk = AlignedBuf::zeroed(BULK_CHUNK);
+        let mut chunk = AlignedBuf::new(BULK_CHUNK).map_err(|e| self.err("allocate", e))?;
         self.stream
             .set_read_timeout(Some(size_scaled_timeout(len)))
             .map_err(|e| self.err("set timeout", e))?;

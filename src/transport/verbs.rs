@@ -493,7 +493,11 @@ impl VerbsQp {
     }
 
     fn slots(&mut self) -> Result<Slots, FabricError> {
-        let mut buf = AlignedBuf::zeroed(SLOTS * RECV_BUF_LEN);
+        let mut buf =
+            AlignedBuf::new(SLOTS * RECV_BUF_LEN).map_err(|source| FabricError::Call {
+                call: "allocate token buffers",
+                source,
+            })?;
         // SAFETY: the buffer lives in the Slots, deregistered in Drop first.
         let mr = unsafe {
             ibv_reg_mr(
