@@ -3,7 +3,7 @@
 # it needs first, when missing, and ends with one summary line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/deps.sh redis-server   # the Redis tests run real servers
+bash scripts/deps.sh redis-server iproute2   # real Redis servers; network namespaces
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 cargo build --locked --examples --quiet   # benchmark helpers must build too
