@@ -12,7 +12,7 @@ use std::time::Duration;
 use bytesize::ByteSize;
 use serde::{Deserialize, Serialize};
 
-use crate::control::tls::PemKind;
+use crate::control::tls::{read_pem, PemKind};
 use crate::snapshot::Format;
 
 /// The whole agent configuration (one TOML file).
@@ -60,6 +60,7 @@ pub struct TlsConfig {
 }
 
 impl TlsConfig {
+    /// True when any of the files is set (validation then requires all three).
     pub fn enabled(&self) -> bool {
         self.cert_file.is_some() || self.key_file.is_some() || self.ca_file.is_some()
     }
@@ -605,7 +606,7 @@ impl Config {
                         "TLS needs cert_file, key_file and ca_file together".into(),
                     ),
                     Some(path) => {
-                        if let Err(e) = crate::control::tls::read_pem(path, kind) {
+                        if let Err(e) = read_pem(path, kind) {
                             bad(key, e.to_string());
                         }
                     }
