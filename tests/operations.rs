@@ -112,6 +112,18 @@ fn agent_config(root: &Path, name: &str, sync: &str) -> String {
     path.display().to_string()
 }
 
+/// An agent started from `agent_config(root, name, sync)`, with `args`
+/// appended to its command line and `env` set.
+fn config_node(root: &Path, name: &str, sync: &str, args: &[&str], env: &[(&str, &str)]) -> Node {
+    let config = agent_config(root, name, sync);
+    let mut all = vec!["--config", config.as_str()];
+    all.extend_from_slice(args);
+    Node {
+        proc: AgentProcess::start_env(&all, env, root),
+        dir: root.join(name),
+    }
+}
+
 #[test]
 fn notifies_systemd_ready_watchdog_and_stopping_then_exits_zero_on_sigterm() {
     let root = tempfile::tempdir().unwrap();
@@ -151,11 +163,7 @@ async fn sigterm_mid_transfer_drains_then_cancels_cleanly() {
         &[("KVSYNC_FAULTS", "stall_after=1048576")],
     )
     .await;
-    let config = agent_config(root.path(), "replica", "drain_timeout = \"2s\"");
-    let mut replica = Node {
-        proc: AgentProcess::start(&["--config", &config], root.path()),
-        dir: root.path().join("replica"),
-    };
+    let mut replica = config_node(root.path(), "replica", "drain_timeout = \"2s\"", &[], &[]);
     let metrics = replica.proc.addr("metrics");
     assert_eq!(http_status(&metrics, "/readyz"), (200, "ready\n".into()));
     let id = start_sync(&replica, &source).await;
@@ -205,7 +213,6 @@ async fn sigterm_mid_transfer_drains_then_cancels_cleanly() {
         DEADLINE,
         || (source.metric("kvsync_snapshot_cache_refs") == 0.0).then_some(()),
     );
-    replica.dir = root.path().join("replica");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -218,11 +225,7 @@ async fn admission_limits_refuse_the_next_sync_with_retry_advice() {
         &[("KVSYNC_FAULTS", "stall_after=1048576")],
     )
     .await;
-    let config = agent_config(root.path(), "replica", "max_incoming_syncs = 1");
-    let replica = Node {
-        proc: AgentProcess::start(&["--config", &config], root.path()),
-        dir: root.path().join("replica"),
-    };
+    let replica = config_node(root.path(), "replica", "max_incoming_syncs = 1", &[], &[]);
     let id = start_sync(&replica, &source).await;
     wait_bytes(&replica, &id, 1 << 20).await;
     // A second source: the replica is at its limit.
@@ -254,15 +257,8 @@ async fn admission_limits_refuse_the_next_sync_with_retry_advice() {
     assert_ne!(second, id);
 
     // A source at its limit of outgoing sessions refuses the next offer.
-    let config = agent_config(root.path(), "tight", "max_outgoing_syncs = 1");
-    let tight = Node {
-        proc: AgentProcess::start_env(
-            &["--config", &config],
-            &[("KVSYNC_FAULTS", "stall_after=1048576")],
-            root.path(),
-        ),
-        dir: root.path().join("tight"),
-    };
+    let stall = [("KVSYNC_FAULTS", "stall_after=1048576")];
+    let tight = config_node(root.path(), "tight", "max_outgoing_syncs = 1", &[], &stall);
     put_snapshot(&tight.dir, "t.kvr1", 4 << 20, 5);
     tight.offered(5).await;
     let first = Node::start(root.path(), "r1", "", &[]);
@@ -278,15 +274,8 @@ async fn admission_limits_refuse_the_next_sync_with_retry_advice() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sync_retries_with_backoff_until_a_late_source_comes_up() {
     let root = tempfile::tempdir().unwrap();
-    let config = agent_config(
-        root.path(),
-        "replica",
-        "retries = 20\nretry_backoff = \"50ms\"\nretry_backoff_max = \"200ms\"",
-    );
-    let replica = Node {
-        proc: AgentProcess::start(&["--config", &config], root.path()),
-        dir: root.path().join("replica"),
-    };
+    let retries = "retries = 20\nretry_backoff = \"50ms\"\nretry_backoff_max = \"200ms\"";
+    let replica = config_node(root.path(), "replica", retries, &[], &[]);
     // The source's address, with nothing listening yet.
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -328,18 +317,13 @@ async fn a_sync_retries_with_backoff_until_a_late_source_comes_up() {
         "{}",
         seen.last_error
     );
-    let source = Node {
-        proc: AgentProcess::start(
-            &[
-                "--config",
-                &agent_config(root.path(), "source", ""),
-                "--grpc-listen",
-                &source_addr,
-            ],
-            root.path(),
-        ),
-        dir: root.path().join("source"),
-    };
+    let source = config_node(
+        root.path(),
+        "source",
+        "",
+        &["--grpc-listen", &source_addr],
+        &[],
+    );
     let bytes = put_snapshot(&source.dir, "late.kvr1", 1 << 20, 8);
     source.offered(8).await;
     let p = wait_done(&replica, &id).await;
@@ -354,13 +338,7 @@ async fn bearer_tokens_are_required_counted_and_reloaded_on_sighup() {
     let tokens = root.path().join("tokens");
     std::fs::write(&tokens, "# fleet\nfirst-fleet-token-0001\n").unwrap();
     let auth = format!("\n[auth]\ntoken_file = \"{}\"", tokens.display());
-    let start = |name: &str| Node {
-        proc: AgentProcess::start(
-            &["--config", &agent_config(root.path(), name, &auth)],
-            root.path(),
-        ),
-        dir: root.path().join(name),
-    };
+    let start = |name: &str| config_node(root.path(), name, &auth, &[], &[]);
     let (source, replica) = (start("source"), start("replica"));
     put_snapshot(&source.dir, "s.kvr1", 1 << 20, 4);
 
@@ -418,11 +396,7 @@ async fn bearer_tokens_are_required_counted_and_reloaded_on_sighup() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rate_limit_holds_and_reloads_on_sighup() {
     let root = tempfile::tempdir().unwrap();
-    let config = agent_config(root.path(), "source", "rate_limit = \"32MiB\"");
-    let source = Node {
-        proc: AgentProcess::start(&["--config", &config], root.path()),
-        dir: root.path().join("source"),
-    };
+    let source = config_node(root.path(), "source", "rate_limit = \"32MiB\"", &[], &[]);
     put_snapshot(&source.dir, "s.kvr1", 64 << 20, 6);
     source.offered(6).await;
     let replica = Node::start(root.path(), "replica", "", &[]);
@@ -434,13 +408,7 @@ async fn rate_limit_holds_and_reloads_on_sighup() {
         p.duration_ms
     );
 
-    std::fs::write(
-        &config,
-        std::fs::read_to_string(&config)
-            .unwrap()
-            .replace("32MiB", "0"),
-    )
-    .unwrap();
+    agent_config(root.path(), "source", "rate_limit = \"0\"");
     source.proc.signal(libc::SIGHUP);
     wait_for("the reload", DEADLINE, || {
         source

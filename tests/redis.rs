@@ -337,24 +337,8 @@ fn seeds_a_replica_with_a_partial_resync(transport: &str, expect: pb::Transport)
 
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
-        let source = agent(
-            root,
-            "source",
-            &primary.dir,
-            &source_config(&primary, transport),
-            &[],
-        );
-        let replica = agent(
-            root,
-            "replica",
-            &root.join("replica-agent"),
-            &replica_config(&primary, port, &rdir, transport),
-            &[],
-        );
-        let seq = kvsync::snapshot::verify_file(&primary.dir.join("dump.rdb"), None)
-            .unwrap()
-            .seq;
-        source.offered(seq).await;
+        let (source, replica, seq) =
+            source_and_replica(root, "", &primary, port, &rdir, transport, &[]).await;
         let p = sync_ok(&replica, &source).await;
         assert_eq!(p.transport, expect as i32, "{p:?}");
         assert!(
@@ -419,6 +403,41 @@ fn replica_seeded_over_the_emulated_rdma_fabric_continues_with_a_partial_resync(
     );
 }
 
+const TCP: &str = "mode = \"tcp\"";
+
+/// A source agent on `primary`'s dir (started with `env`) and a replica agent
+/// that seeds the server on `port`, both named with `tag`, once the source
+/// offers the primary's RDB; with the RDB's M.
+async fn source_and_replica(
+    root: &Path,
+    tag: &str,
+    primary: &Redis,
+    port: u16,
+    rdir: &Path,
+    transport: &str,
+    env: &[(&str, &str)],
+) -> (Node, Node, u64) {
+    let source = agent(
+        root,
+        &format!("source{tag}"),
+        &primary.dir,
+        &source_config(primary, transport),
+        env,
+    );
+    let replica = agent(
+        root,
+        &format!("replica{tag}"),
+        &root.join(format!("replica-agent{tag}")),
+        &replica_config(primary, port, rdir, transport),
+        &[],
+    );
+    let seq = kvsync::snapshot::verify_file(&primary.dir.join("dump.rdb"), None)
+        .unwrap()
+        .seq;
+    source.offered(seq).await;
+    (source, replica, seq)
+}
+
 #[test]
 fn refusals_leave_the_replica_server_untouched() {
     let dir = tempfile::tempdir().unwrap();
@@ -435,24 +454,8 @@ fn refusals_leave_the_replica_server_untouched() {
     let (primary, _) = loaded_primary(&root.join("small"), "16kb");
     primary.fill("after", 2000, "pushes-the-saved-offset-out-of-the-backlog");
     rt.block_on(async {
-        let source = agent(
-            root,
-            "source",
-            &primary.dir,
-            &source_config(&primary, "mode = \"tcp\""),
-            &[],
-        );
-        let replica = agent(
-            root,
-            "replica",
-            &root.join("a1"),
-            &replica_config(&primary, replica_redis.port, &rdir, "mode = \"tcp\""),
-            &[],
-        );
-        let seq = kvsync::snapshot::verify_file(&primary.dir.join("dump.rdb"), None)
-            .unwrap()
-            .seq;
-        source.offered(seq).await;
+        let (source, replica, _) =
+            source_and_replica(root, "1", &primary, replica_redis.port, &rdir, TCP, &[]).await;
         let id = start_sync(&replica, &source).await;
         let p = wait_done(&replica, &id).await;
         assert_eq!(p.phase, pb::Phase::Failed as i32);
@@ -472,24 +475,8 @@ fn refusals_leave_the_replica_server_untouched() {
     let (primary, _) = loaded_primary(&root.join("big"), "64mb");
     rt.block_on(async {
         let env = [("KVSYNC_FAULTS", "corrupt_at=100000")];
-        let source = agent(
-            root,
-            "source2",
-            &primary.dir,
-            &source_config(&primary, "mode = \"tcp\""),
-            &env,
-        );
-        let replica = agent(
-            root,
-            "replica2",
-            &root.join("a2"),
-            &replica_config(&primary, replica_redis.port, &rdir, "mode = \"tcp\""),
-            &[],
-        );
-        let seq = kvsync::snapshot::verify_file(&primary.dir.join("dump.rdb"), None)
-            .unwrap()
-            .seq;
-        source.offered(seq).await;
+        let (source, replica, _) =
+            source_and_replica(root, "2", &primary, replica_redis.port, &rdir, TCP, &env).await;
         let id = start_sync(&replica, &source).await;
         let p = wait_done(&replica, &id).await;
         assert_eq!(p.result, "checksum_mismatch", "{p:?}");
