@@ -1,6 +1,6 @@
 //! The running agent: binds the listeners and starts the long-running tasks
-//! (snapshot watcher, gRPC control plane, TCP and RDMA data listeners,
-//! metrics endpoint) with one shutdown signal.
+//! (snapshot watcher, gRPC control plane with its TLS and request limits,
+//! TCP and RDMA data listeners, metrics endpoint) with one shutdown signal.
 //!
 //! Owns start-up order, the "ready" announcement, the drain before a
 //! shutdown and what a reload changes; each task's behaviour belongs to its

@@ -1,5 +1,6 @@
 //! Prometheus metrics: every handle the agent exports, in one struct, and the
-//! `/metrics` HTTP endpoint.
+//! HTTP endpoint that serves `/metrics` (plus the `/healthz` and `/readyz`
+//! probes).
 //!
 //! Names follow DESIGN.md §8: prefix `kvsync_`, base units, counters end in
 //! `_total`, only low-cardinality labels. Modules receive `Arc<Metrics>` and
