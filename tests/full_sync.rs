@@ -471,17 +471,10 @@ async fn offered_snapshot_is_delivered_even_if_deleted_or_replaced() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_mid_transfer_and_repeated_start() {
     let root = tempfile::tempdir().unwrap();
-    let (source, _) = offering_source(
-        root.path(),
-        8 << 20,
-        40,
-        &[("KVSYNC_FAULTS", "stall_after=1048576")],
-    )
-    .await;
+    let source = stalling_source(root.path(), 40).await;
     let replica = Node::start(root.path(), "replica", "", &[]);
     let previous = put_snapshot(&replica.dir, "s.kvr1", 4096, 39);
-    let id = start_sync(&replica, &source).await;
-    wait_bytes(&replica, &id, 1 << 20).await;
+    let id = sync_in_flight(&replica, &source).await;
 
     // Starting again from the same source returns the running sync.
     let mut c = replica.client().await;
@@ -667,16 +660,9 @@ async fn dashboard_queries_only_existing_metrics() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replica_killed_mid_transfer_frees_source_and_restart_sweeps_temp() {
     let root = tempfile::tempdir().unwrap();
-    let (source, _) = offering_source(
-        root.path(),
-        8 << 20,
-        60,
-        &[("KVSYNC_FAULTS", "stall_after=1048576")],
-    )
-    .await;
+    let source = stalling_source(root.path(), 60).await;
     let mut replica = Node::start(root.path(), "replica", "", &[]);
-    let id = start_sync(&replica, &source).await;
-    wait_bytes(&replica, &id, 1 << 20).await;
+    sync_in_flight(&replica, &source).await;
     assert_eq!(
         replica.temp_files().len(),
         1,

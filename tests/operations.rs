@@ -156,18 +156,11 @@ fn notifies_systemd_ready_watchdog_and_stopping_then_exits_zero_on_sigterm() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_mid_transfer_drains_then_cancels_cleanly() {
     let root = tempfile::tempdir().unwrap();
-    let (source, _) = offering_source(
-        root.path(),
-        8 << 20,
-        3,
-        &[("KVSYNC_FAULTS", "stall_after=1048576")],
-    )
-    .await;
+    let source = stalling_source(root.path(), 3).await;
     let mut replica = config_node(root.path(), "replica", "drain_timeout = \"2s\"", &[], &[]);
     let metrics = replica.proc.addr("metrics");
     assert_eq!(http_status(&metrics, "/readyz"), (200, "ready\n".into()));
-    let id = start_sync(&replica, &source).await;
-    wait_bytes(&replica, &id, 1 << 20).await;
+    sync_in_flight(&replica, &source).await;
     replica.proc.signal(libc::SIGTERM);
     // While draining, new syncs are refused as unavailable.
     let refused = wait_for_async("a refusal while draining", DEADLINE, || {
@@ -218,16 +211,9 @@ async fn sigterm_mid_transfer_drains_then_cancels_cleanly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admission_limits_refuse_the_next_sync_with_retry_advice() {
     let root = tempfile::tempdir().unwrap();
-    let (source, _) = offering_source(
-        root.path(),
-        8 << 20,
-        3,
-        &[("KVSYNC_FAULTS", "stall_after=1048576")],
-    )
-    .await;
+    let source = stalling_source(root.path(), 3).await;
     let replica = config_node(root.path(), "replica", "max_incoming_syncs = 1", &[], &[]);
-    let id = start_sync(&replica, &source).await;
-    wait_bytes(&replica, &id, 1 << 20).await;
+    let id = sync_in_flight(&replica, &source).await;
     // A second source: the replica is at its limit.
     let other = Node::start(root.path(), "other", "", &[]);
     let mut c = replica.client().await;
@@ -257,13 +243,17 @@ async fn admission_limits_refuse_the_next_sync_with_retry_advice() {
     assert_ne!(second, id);
 
     // A source at its limit of outgoing sessions refuses the next offer.
-    let stall = [("KVSYNC_FAULTS", "stall_after=1048576")];
-    let tight = config_node(root.path(), "tight", "max_outgoing_syncs = 1", &[], &stall);
+    let tight = config_node(
+        root.path(),
+        "tight",
+        "max_outgoing_syncs = 1",
+        &[],
+        &[STALL_AFTER_1MIB],
+    );
     put_snapshot(&tight.dir, "t.kvr1", 4 << 20, 5);
     tight.offered(5).await;
     let first = Node::start(root.path(), "r1", "", &[]);
-    let id = start_sync(&first, &tight).await;
-    wait_bytes(&first, &id, 1 << 20).await;
+    sync_in_flight(&first, &tight).await;
     let second = Node::start(root.path(), "r2", "", &[]);
     let id = start_sync(&second, &tight).await;
     let p = wait_done(&second, &id).await;

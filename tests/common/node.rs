@@ -142,6 +142,25 @@ pub async fn offering_source(
     (source, bytes)
 }
 
+/// The fault that stalls a TCP source after 1 MiB, keeping a transfer in
+/// flight for as long as a test needs.
+pub const STALL_AFTER_1MIB: (&str, &str) = ("KVSYNC_FAULTS", "stall_after=1048576");
+
+/// A source offering an 8 MiB `s.kvr1` with sequence `seq` whose transfers
+/// stall after 1 MiB.
+pub async fn stalling_source(root: &Path, seq: u64) -> Node {
+    offering_source(root, 8 << 20, seq, &[STALL_AFTER_1MIB])
+        .await
+        .0
+}
+
+/// Starts a sync and returns its id once 1 MiB has arrived.
+pub async fn sync_in_flight(replica: &Node, source: &Node) -> String {
+    let id = start_sync(replica, source).await;
+    wait_bytes(replica, &id, 1 << 20).await;
+    id
+}
+
 pub async fn start_sync(replica: &Node, source: &Node) -> String {
     let mut c = replica.client().await;
     let r = c
