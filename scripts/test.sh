@@ -6,6 +6,8 @@ cd "$(dirname "$0")/.."
 bash scripts/deps.sh redis-server iproute2   # real Redis servers; network namespaces
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
+cargo fmt --check                         # one formatting
+cargo clippy --locked --all-targets --quiet -- -D warnings -D clippy::undocumented_unsafe_blocks
 cargo build --locked --examples --quiet   # benchmark helpers must build too
 set +e
 cargo test --locked --tests 2>&1 | tee "$log"

@@ -1,32 +1,34 @@
 //! The running agent: binds the listeners and starts the long-running tasks
 //! (snapshot watcher, gRPC control plane with its TLS and request limits,
-//! TCP and RDMA data listeners, metrics endpoint) with one shutdown signal.
+//! the data plane's serve loops, metrics endpoint) with one shutdown signal.
 //!
 //! Owns start-up order, the "ready" announcement, the drain before a
 //! shutdown and what a reload changes; each task's behaviour belongs to its
-//! own module.
+//! own module, and each service gets only the handles it needs.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tonic::service::interceptor::InterceptedService;
+use tonic::transport::ServerTlsConfig;
 use tracing::{info, warn};
 
 use crate::cache::SnapshotCache;
 use crate::catalog::Catalog;
 use crate::config::{Config, RdmaProvider};
 use crate::control::orchestrator::OrchestratorService;
-use crate::control::pb;
 use crate::control::peer::PeerService;
 use crate::metrics::{self, Metrics};
-use crate::sync::source::{self as source_role, DataPlane, SessionTable};
+use crate::rpc::auth::{ServerAuth, Tokens};
+use crate::rpc::{pb, tls, Dialer};
+use crate::sync::source::{self as source_role, DataEndpoints, DataPlane, SessionTable};
 use crate::sync::SyncManager;
-use crate::transport::probe::Probe;
+use crate::transport::probe::{self, Probe};
 use crate::transport::ratelimit::RateLimiter;
 use crate::transport::Faults;
 use crate::watch::DirWatcher;
@@ -55,7 +57,7 @@ pub enum AgentError {
     Tokens(String),
     /// `[tls]` is unusable.
     #[error("tls: {0}")]
-    Tls(#[from] crate::control::tls::TlsError),
+    Tls(#[from] tls::TlsError),
     /// The gRPC server refused the TLS settings.
     #[error("tls: {0}")]
     TlsServer(String),
@@ -68,82 +70,43 @@ pub enum AgentError {
 /// fields, so anything bigger is refused before it is parsed.
 const MAX_REQUEST_BYTES: usize = 16 * 1024;
 
-/// The shared parts of one agent.
-pub struct Shared {
-    pub config: Config,
-    pub metrics: Arc<Metrics>,
-    pub catalog: Arc<Catalog>,
-    pub cache: Arc<SnapshotCache>,
-    /// Sessions offered to replicas (source role).
-    pub sessions: Arc<SessionTable>,
-    /// Where the TCP data listener is bound.
-    pub data_tcp_addr: SocketAddr,
-    /// What the RDMA probe found at start (and whether the listener is up).
-    pub rdma: Arc<Probe>,
-    /// Where the RDMA listener is bound, when RDMA is usable.
-    pub rdma_endpoint: Option<SocketAddr>,
-    /// Cancelled when the agent starts draining for shutdown.
-    pub draining: CancellationToken,
-    /// Accepted control-plane tokens (reloaded on SIGHUP).
-    pub tokens: Arc<crate::control::auth::Tokens>,
-    /// Bandwidth limit of what this agent sends (reloaded on SIGHUP).
-    pub rate: Arc<RateLimiter>,
-    /// Sessions this source serves at once (reloaded on SIGHUP).
-    pub max_outgoing: AtomicUsize,
-}
+/// Cancelled syncs remove their temp files before they end; this is how
+/// long `stop` waits for that.
+const CANCEL_GRACE: Duration = Duration::from_secs(10);
 
 /// A started agent: its bound addresses and a handle to stop it.
 pub struct RunningAgent {
-    pub shared: Arc<Shared>,
+    config: Config,
+    catalog: Arc<Catalog>,
+    cache: Arc<SnapshotCache>,
+    sessions: Arc<SessionTable>,
+    data: Arc<DataEndpoints>,
+    tokens: Arc<Tokens>,
+    rate: Arc<RateLimiter>,
     pub syncs: Arc<SyncManager>,
     pub grpc_addr: SocketAddr,
     pub metrics_addr: Option<SocketAddr>,
+    /// Cancelled when the agent starts draining: no new syncs or offers.
+    draining: CancellationToken,
     shutdown: CancellationToken,
     tasks: JoinSet<()>,
     health: tonic_health::server::HealthReporter,
 }
 
+/// What is read and checked before anything binds.
+struct Prepared {
+    faults: Faults,
+    tokens: Arc<Tokens>,
+    server_tls: Option<ServerTlsConfig>,
+    dialer: Dialer,
+}
+
 impl RunningAgent {
     /// Binds every listener and starts every task.
     pub async fn start(config: Config) -> Result<RunningAgent, AgentError> {
-        if let Err(source) = std::fs::create_dir_all(&config.snapshot_dir) {
-            return Err(AgentError::SnapshotDir {
-                path: config.snapshot_dir.clone(),
-                source,
-            });
-        }
-        let faults = Faults::from_env().map_err(AgentError::Faults)?;
-        let tokens = crate::control::auth::Tokens::load(config.auth.token_file.as_deref())
-            .map_err(AgentError::Tokens)?;
-        let server_tls = crate::control::tls::server(&config.tls)?;
-        let client_tls = crate::control::tls::agent_client(&config.tls)?;
-        if faults.any() {
-            warn!(?faults, "FAULT INJECTION ACTIVE (KVSYNC_FAULTS): this agent corrupts or stalls transfers on purpose");
-        }
-        let swept = crate::install::sweep_stale(&config.snapshot_dir);
-        if swept > 0 {
-            info!(count = swept, "removed stale temp files of an earlier run");
-        }
-        let bind = |what: &'static str, addr: &str| {
-            let addr = addr.to_string();
-            async move {
-                let l = tokio::net::TcpListener::bind(&addr)
-                    .await
-                    .map_err(|source| AgentError::Bind {
-                        what,
-                        addr: addr.clone(),
-                        source,
-                    })?;
-                let local =
-                    l.local_addr()
-                        .map_err(|source| AgentError::Bind { what, addr, source })?;
-                Ok::<_, AgentError>((l, local))
-            }
-        };
+        let prepared = prepare(&config)?;
         let (grpc_listener, grpc_addr) = bind("grpc.listen", &config.grpc.listen).await?;
-        let (data_listener, data_tcp_addr) =
-            bind("data.tcp_listen", &config.data.tcp_listen).await?;
-
+        let (data_listener, data_addr) = bind("data.tcp_listen", &config.data.tcp_listen).await?;
         let metrics = Metrics::new();
         let catalog = Catalog::new(metrics.clone());
         let cache = SnapshotCache::new(
@@ -151,177 +114,99 @@ impl RunningAgent {
             config.cache.acquire_timeout,
             metrics.clone(),
         );
-        let sessions = Arc::new(SessionTable::default());
+        let sessions = Arc::new(SessionTable::new(config.sync.max_outgoing_syncs));
         let shutdown = CancellationToken::new();
+        let draining = CancellationToken::new();
         let mut tasks = JoinSet::new();
-
-        // Transport selection, and the RDMA listener when RDMA is usable.
-        let mut rdma = crate::transport::probe::probe(&config.transport);
+        let probe = probe::probe(&config.transport);
         let plane = DataPlane {
             sessions: sessions.clone(),
             metrics: metrics.clone(),
-            faults: faults.clone(),
-            bulk: Probe::bulk_params(&config.transport, rdma.soft),
+            faults: prepared.faults.clone(),
+            bulk: Probe::bulk_params(&config.transport, probe.soft),
             shutdown: shutdown.clone(),
             rate: Arc::new(RateLimiter::new(config.sync.rate_limit.as_u64())),
             peer_timeout: config.data.peer_timeout,
         };
-        let rdma_endpoint = match start_rdma_listener(&config, &rdma, &plane, &mut tasks).await {
-            Ok(endpoint) => endpoint,
-            Err(e) => {
-                warn!(error = %e, "rdma listener could not start; this agent uses tcp");
-                rdma.rdma_available = false;
-                rdma.choice = "tcp";
-                rdma.reason = format!("no RDMA: {e}");
-                None
-            }
-        };
-        info!(choice = rdma.choice, provider = rdma.provider, device = ?rdma.device, interface = ?rdma.interface, endpoint = ?rdma_endpoint, "transport selection: {}", rdma.reason);
-        metrics.rdma_available.set(rdma.rdma_available as i64);
-        for d in &rdma.devices {
-            let soft = if d.soft { "true" } else { "false" };
-            metrics
-                .rdma_device_info
-                .with_label_values(&[d.name.as_str(), soft])
-                .set(1);
-        }
-        let rdma = Arc::new(rdma);
-        let shared = Arc::new(Shared {
-            max_outgoing: AtomicUsize::new(config.sync.max_outgoing_syncs),
-            config,
-            metrics,
-            catalog,
-            cache,
-            sessions,
-            data_tcp_addr,
-            rdma: rdma.clone(),
-            rdma_endpoint,
-            draining: CancellationToken::new(),
-            tokens,
-            rate: plane.rate.clone(),
-        });
+        let data = start_data_plane(
+            &config,
+            probe,
+            &plane,
+            (data_listener, data_addr),
+            &mut tasks,
+        )
+        .await;
         let syncs = SyncManager::new(
-            shared.config.clone(),
-            shared.metrics.clone(),
-            rdma,
-            faults,
-            crate::control::Dialer {
-                tls: client_tls,
-                tokens: shared.tokens.clone(),
-            },
+            config.clone(),
+            metrics.clone(),
+            data.probe.clone(),
+            prepared.faults,
+            prepared.dialer,
             shutdown.clone(),
-            shared.draining.clone(),
+            draining.clone(),
         );
-
-        let metrics_addr = if shared.config.metrics.listen.is_empty() {
-            None
-        } else {
-            let addr = &shared.config.metrics.listen;
-            let (listener, local) =
-                metrics::bind(addr)
-                    .await
-                    .map_err(|source| AgentError::Bind {
-                        what: "metrics.listen",
-                        addr: addr.clone(),
-                        source,
-                    })?;
-            let stop = shutdown.clone();
-            let m = shared.metrics.clone();
-            let draining = shared.draining.clone();
-            tasks.spawn(async move {
-                let stopped = async move { stop.cancelled().await };
-                if let Err(e) = metrics::serve(listener, m, draining, stopped).await {
-                    warn!(error = %e, "metrics endpoint stopped");
-                }
-            });
-            Some(local)
-        };
-
+        let metrics_addr =
+            start_metrics(&config, &metrics, &draining, &shutdown, &mut tasks).await?;
         let watcher = DirWatcher::new(
-            shared.config.snapshot_dir.clone(),
-            shared.config.snapshot_format,
-            shared.catalog.clone(),
-            shared.metrics.clone(),
-            shared.config.watch.clone(),
+            config.snapshot_dir.clone(),
+            config.snapshot_format,
+            catalog.clone(),
+            metrics.clone(),
+            config.watch.clone(),
         );
         tasks.spawn(watcher.run(shutdown.clone()));
-
-        // Data plane.
-        tasks.spawn(source_role::serve_tcp(
-            data_listener,
-            plane,
-            shutdown.clone(),
-        ));
-
-        // Control plane.
-        let (health, health_service) = tonic_health::server::health_reporter();
-        health
-            .set_serving::<pb::orchestrator_server::OrchestratorServer<OrchestratorService>>()
-            .await;
-        health
-            .set_serving::<pb::peer_server::PeerServer<PeerService>>()
-            .await;
-        let reflection = tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-            .build_v1()
-            .map_err(|e| AgentError::Reflection(e.to_string()))?;
-        let orchestrator = OrchestratorService {
-            shared: shared.clone(),
-            syncs: syncs.clone(),
+        let services = Services {
+            orchestrator: OrchestratorService {
+                node_id: config.node_id.clone(),
+                fallback_to_tcp: config.transport.fallback_to_tcp,
+                catalog: catalog.clone(),
+                syncs: syncs.clone(),
+                sessions: sessions.clone(),
+                data: data.clone(),
+            },
+            peer: PeerService {
+                config: config.clone(),
+                catalog: catalog.clone(),
+                cache: cache.clone(),
+                sessions: sessions.clone(),
+                data: data.clone(),
+                draining: draining.clone(),
+            },
+            auth: ServerAuth {
+                tokens: prepared.tokens.clone(),
+                metrics: metrics.clone(),
+            },
         };
-        let peer = PeerService {
-            shared: shared.clone(),
-            data_addr: data_tcp_addr,
-        };
-        let auth = crate::control::auth::ServerAuth {
-            tokens: shared.tokens.clone(),
-            metrics: shared.metrics.clone(),
-        };
-        let mut server = tonic::transport::Server::builder();
-        if let Some(tls) = server_tls {
-            server = server
-                .tls_config(tls)
-                .map_err(|e| AgentError::TlsServer(e.to_string()))?;
-        }
-        let router = server
-            .add_service(health_service)
-            .add_service(reflection)
-            .add_service(InterceptedService::new(
-                pb::orchestrator_server::OrchestratorServer::new(orchestrator)
-                    .max_decoding_message_size(MAX_REQUEST_BYTES),
-                auth.clone(),
-            ))
-            .add_service(InterceptedService::new(
-                pb::peer_server::PeerServer::new(peer).max_decoding_message_size(MAX_REQUEST_BYTES),
-                auth,
-            ));
-        let stop = shutdown.clone();
-        tasks.spawn(async move {
-            let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc_listener);
-            if let Err(e) = router
-                .serve_with_incoming_shutdown(incoming, stop.cancelled())
-                .await
-            {
-                warn!(error = %e, "grpc server stopped");
-            }
-        });
-
+        let health = start_grpc(
+            services,
+            prepared.server_tls,
+            grpc_listener,
+            &shutdown,
+            &mut tasks,
+        )
+        .await?;
         info!(
-            node_id = %shared.config.node_id,
-            snapshot_dir = %shared.config.snapshot_dir.display(),
+            node_id = %config.node_id,
+            snapshot_dir = %config.snapshot_dir.display(),
             grpc = %grpc_addr,
-            tls = shared.config.tls.enabled(),
-            client_auth = shared.config.tls.client_auth,
-            data = %data_tcp_addr,
+            tls = config.tls.enabled(),
+            client_auth = config.tls.client_auth,
+            data = %data.tcp,
             metrics = ?metrics_addr,
             "agent started"
         );
         Ok(RunningAgent {
-            shared,
+            config,
+            catalog,
+            cache,
+            sessions,
+            data,
+            tokens: prepared.tokens,
+            rate: plane.rate,
             syncs,
             grpc_addr,
             metrics_addr,
+            draining,
             shutdown,
             tasks,
             health,
@@ -335,14 +220,29 @@ impl RunningAgent {
             .metrics_addr
             .map(|a| a.to_string())
             .unwrap_or_else(|| "-".into());
-        let rdma = match self.shared.rdma_endpoint {
-            Some(a) => format!("{}:{a}", self.shared.rdma.provider),
+        let rdma = match self.data.rdma {
+            Some(a) => format!("{}:{a}", self.data.probe.provider),
             None => "-".into(),
         };
         format!(
             "kvsync agent ready node={} grpc={} data={} metrics={metrics} rdma={rdma}",
-            self.shared.config.node_id, self.grpc_addr, self.shared.data_tcp_addr
+            self.config.node_id, self.grpc_addr, self.data.tcp
         )
+    }
+
+    /// Where the TCP data listener is bound.
+    pub fn data_addr(&self) -> SocketAddr {
+        self.data.tcp
+    }
+
+    /// The snapshots this agent offers.
+    pub fn catalog(&self) -> &Arc<Catalog> {
+        &self.catalog
+    }
+
+    /// The configuration the agent runs with.
+    pub fn config(&self) -> &Config {
+        &self.config
     }
 
     /// A token that stops the agent when cancelled.
@@ -354,15 +254,11 @@ impl RunningAgent {
     /// token file, the bandwidth limit, the admission limits and the cache
     /// budget.
     pub fn reload(&self, config: &Config) -> Result<(), String> {
-        self.shared.rate.set_rate(config.sync.rate_limit.as_u64());
-        self.shared
-            .max_outgoing
-            .store(config.sync.max_outgoing_syncs, Ordering::Relaxed);
+        self.rate.set_rate(config.sync.rate_limit.as_u64());
+        self.sessions.set_limit(config.sync.max_outgoing_syncs);
         self.syncs.set_max_incoming(config.sync.max_incoming_syncs);
-        self.shared
-            .cache
-            .set_budget(config.cache.memory_budget.as_u64());
-        let tokens = self.shared.tokens.reload()?;
+        self.cache.set_budget(config.cache.memory_budget.as_u64());
+        let tokens = self.tokens.reload()?;
         info!(
             rate_limit = config.sync.rate_limit.as_u64(),
             memory_budget = config.cache.memory_budget.as_u64(),
@@ -379,7 +275,7 @@ impl RunningAgent {
     /// sessions to finish. Returns whether everything finished; `stop`
     /// cancels what is left.
     pub async fn drain(&self, timeout: Duration) -> bool {
-        self.shared.draining.cancel();
+        self.draining.cancel();
         self.health
             .set_not_serving::<pb::orchestrator_server::OrchestratorServer<OrchestratorService>>()
             .await;
@@ -389,7 +285,7 @@ impl RunningAgent {
         self.health
             .set_service_status("", tonic_health::ServingStatus::NotServing)
             .await;
-        let busy = || self.syncs.running_count() + self.shared.sessions.serving();
+        let busy = || self.syncs.running_count() + self.sessions.serving();
         info!(
             running = busy(),
             ?timeout,
@@ -409,32 +305,113 @@ impl RunningAgent {
         true
     }
 
-    /// Cancelled syncs remove their temp files before they end; this is how
-    /// long `stop` waits for that.
-    const CANCEL_GRACE: Duration = Duration::from_secs(10);
-
     /// Stops every task and waits for them, and for cancelled syncs to clean up.
     pub async fn stop(mut self) {
         self.shutdown.cancel();
         self.syncs.cancel_all();
-        self.shared.sessions.clear();
+        self.sessions.clear();
         while self.tasks.join_next().await.is_some() {}
-        let deadline = tokio::time::Instant::now() + Self::CANCEL_GRACE;
+        let deadline = tokio::time::Instant::now() + CANCEL_GRACE;
         while self.syncs.running_count() > 0 && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 }
 
+/// Reads and checks what must be right before anything binds: the snapshot
+/// directory, fault injection, tokens and TLS files; sweeps stale temp files.
+fn prepare(config: &Config) -> Result<Prepared, AgentError> {
+    if let Err(source) = std::fs::create_dir_all(&config.snapshot_dir) {
+        return Err(AgentError::SnapshotDir {
+            path: config.snapshot_dir.clone(),
+            source,
+        });
+    }
+    let faults = Faults::from_env().map_err(AgentError::Faults)?;
+    if faults.any() {
+        warn!(?faults, "FAULT INJECTION ACTIVE (KVSYNC_FAULTS): this agent corrupts or stalls transfers on purpose");
+    }
+    let tokens = Tokens::load(config.auth.token_file.as_deref()).map_err(AgentError::Tokens)?;
+    let server_tls = tls::server(&config.tls)?;
+    let dialer = Dialer {
+        tls: tls::agent_client(&config.tls)?,
+        tokens: tokens.clone(),
+    };
+    let swept = crate::install::sweep_stale(&config.snapshot_dir);
+    if swept > 0 {
+        info!(count = swept, "removed stale temp files of an earlier run");
+    }
+    Ok(Prepared {
+        faults,
+        tokens,
+        server_tls,
+        dialer,
+    })
+}
+
+/// Binds a TCP listener for the setting `what`.
+async fn bind(what: &'static str, addr: &str) -> Result<(TcpListener, SocketAddr), AgentError> {
+    let err = |source| AgentError::Bind {
+        what,
+        addr: addr.to_string(),
+        source,
+    };
+    let listener = TcpListener::bind(addr).await.map_err(err)?;
+    let local = listener.local_addr().map_err(err)?;
+    Ok((listener, local))
+}
+
+/// Starts the serve loops (TCP always, RDMA when the probe says it is
+/// usable) and the offer expiry, and records what the data plane offers.
+async fn start_data_plane(
+    config: &Config,
+    mut probe: Probe,
+    plane: &DataPlane,
+    (tcp, tcp_addr): (TcpListener, SocketAddr),
+    tasks: &mut JoinSet<()>,
+) -> Arc<DataEndpoints> {
+    let rdma = match start_rdma_listener(config, &probe, plane, tasks).await {
+        Ok(endpoint) => endpoint,
+        Err(e) => {
+            warn!(error = %e, "rdma listener could not start; this agent uses tcp");
+            probe.fall_back_to_tcp(format!("no RDMA: {e}"));
+            None
+        }
+    };
+    info!(choice = %probe.choice, provider = %probe.provider, device = ?probe.device, interface = ?probe.interface, endpoint = ?rdma, "transport selection: {}", probe.reason);
+    plane
+        .metrics
+        .rdma_available
+        .set(probe.rdma_available as i64);
+    for d in &probe.devices {
+        let soft = if d.soft { "true" } else { "false" };
+        plane
+            .metrics
+            .rdma_device_info
+            .with_label_values(&[d.name.as_str(), soft])
+            .set(1);
+    }
+    tasks.spawn(plane.sessions.clone().expire(plane.shutdown.clone()));
+    tasks.spawn(source_role::serve(
+        source_role::tcp_connections(tcp, false),
+        plane.clone(),
+    ));
+    Arc::new(DataEndpoints {
+        tcp: tcp_addr,
+        rdma,
+        probe: Arc::new(probe),
+    })
+}
+
 /// Binds the RDMA listener on the chosen interface address (never a
 /// wildcard) when RDMA is usable, and starts serving it.
 async fn start_rdma_listener(
     config: &Config,
-    rdma: &Probe,
+    probe: &Probe,
     plane: &DataPlane,
     tasks: &mut JoinSet<()>,
 ) -> Result<Option<SocketAddr>, AgentError> {
-    let Some(ip) = rdma.local_addr.filter(|_| rdma.rdma_available) else {
+    let Some(ip) = probe.local_addr.filter(|_| probe.rdma_available) else {
         return Ok(None);
     };
     let addr = SocketAddr::new(ip, config.data.rdma_port);
@@ -446,15 +423,10 @@ async fn start_rdma_listener(
     match config.transport.rdma_provider {
         RdmaProvider::Emulated => {
             warn!("transport uses the EMULATED rdma fabric: an emulation over TCP for tests and hosts without RDMA, not hardware");
-            let listener = tokio::net::TcpListener::bind(addr)
-                .await
-                .map_err(bind_err)?;
+            let listener = TcpListener::bind(addr).await.map_err(bind_err)?;
             let local = listener.local_addr().map_err(bind_err)?;
-            tasks.spawn(source_role::serve_emulated(
-                listener,
-                plane.clone(),
-                plane.shutdown.clone(),
-            ));
+            let conns = source_role::tcp_connections(listener, true);
+            tasks.spawn(source_role::serve(conns, plane.clone()));
             Ok(Some(local))
         }
         #[cfg(feature = "rdma")]
@@ -462,14 +434,106 @@ async fn start_rdma_listener(
             let listener = crate::transport::verbs::VerbsListener::bind(addr)
                 .map_err(|e| bind_err(std::io::Error::other(e.to_string())))?;
             let local = listener.local_addr();
-            let (plane, soft) = (plane.clone(), rdma.soft);
-            std::thread::Builder::new()
-                .name("kvsync-rdma-listen".into())
-                .spawn(move || source_role::serve_verbs(listener, soft, plane))
-                .map_err(bind_err)?;
+            let conns =
+                source_role::verbs_connections(listener, probe.soft, plane.shutdown.clone())
+                    .map_err(bind_err)?;
+            tasks.spawn(source_role::serve(conns, plane.clone()));
             Ok(Some(local))
         }
         #[cfg(not(feature = "rdma"))]
         RdmaProvider::Verbs => Ok(None),
     }
+}
+
+/// Starts `/metrics`, `/healthz` and `/readyz` unless disabled.
+async fn start_metrics(
+    config: &Config,
+    metrics: &Arc<Metrics>,
+    draining: &CancellationToken,
+    shutdown: &CancellationToken,
+    tasks: &mut JoinSet<()>,
+) -> Result<Option<SocketAddr>, AgentError> {
+    let addr = &config.metrics.listen;
+    if addr.is_empty() {
+        return Ok(None);
+    }
+    let (listener, local) = metrics::bind(addr)
+        .await
+        .map_err(|source| AgentError::Bind {
+            what: "metrics.listen",
+            addr: addr.clone(),
+            source,
+        })?;
+    let (m, draining, stop) = (metrics.clone(), draining.clone(), shutdown.clone());
+    tasks.spawn(async move {
+        let stopped = async move { stop.cancelled().await };
+        if let Err(e) = metrics::serve(listener, m, draining, stopped).await {
+            warn!(error = %e, "metrics endpoint stopped");
+        }
+    });
+    Ok(Some(local))
+}
+
+/// The gRPC services an agent hosts.
+struct Services {
+    orchestrator: OrchestratorService,
+    peer: PeerService,
+    auth: ServerAuth,
+}
+
+/// Starts the gRPC server (health, reflection, and the two services behind
+/// bearer-token auth and the request size limit).
+async fn start_grpc(
+    services: Services,
+    server_tls: Option<ServerTlsConfig>,
+    listener: TcpListener,
+    shutdown: &CancellationToken,
+    tasks: &mut JoinSet<()>,
+) -> Result<tonic_health::server::HealthReporter, AgentError> {
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health
+        .set_serving::<pb::orchestrator_server::OrchestratorServer<OrchestratorService>>()
+        .await;
+    health
+        .set_serving::<pb::peer_server::PeerServer<PeerService>>()
+        .await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .map_err(|e| AgentError::Reflection(e.to_string()))?;
+    let mut server = tonic::transport::Server::builder();
+    if let Some(tls) = server_tls {
+        server = server
+            .tls_config(tls)
+            .map_err(|e| AgentError::TlsServer(e.to_string()))?;
+    }
+    let Services {
+        orchestrator,
+        peer,
+        auth,
+    } = services;
+    let router = server
+        .add_service(health_service)
+        .add_service(reflection)
+        .add_service(InterceptedService::new(
+            pb::orchestrator_server::OrchestratorServer::new(orchestrator)
+                .max_decoding_message_size(MAX_REQUEST_BYTES),
+            auth.clone(),
+        ))
+        .add_service(InterceptedService::new(
+            pb::peer_server::PeerServer::new(peer).max_decoding_message_size(MAX_REQUEST_BYTES),
+            auth,
+        ));
+    let stop = shutdown.clone();
+    tasks.spawn(async move {
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        if let Err(e) = router
+            .serve_with_incoming_shutdown(incoming, stop.cancelled())
+            .await
+        {
+            warn!(error = %e, "grpc server stopped");
+        }
+    });
+    Ok(health)
 }

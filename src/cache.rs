@@ -1,4 +1,4 @@
-//! The shared snapshot cache (source side, DESIGN.md §4).
+//! The shared snapshot cache (source side, docs/ARCHITECTURE.md, "The shared snapshot cache").
 //!
 //! Owns loading a snapshot file into one page-aligned heap buffer and sharing
 //! it between every session that serves the same file. Entries are keyed by

@@ -218,18 +218,18 @@ pub struct VerifyArgs {
 }
 
 /// How client commands reach agents: the global TLS and token options.
-fn client_dialer(cli: &Cli) -> anyhow::Result<crate::control::Dialer> {
-    let tokens = crate::control::auth::Tokens::load(cli.token_file.as_deref())
-        .map_err(anyhow::Error::msg)?;
+fn client_dialer(cli: &Cli) -> anyhow::Result<crate::rpc::Dialer> {
+    let tokens =
+        crate::rpc::auth::Tokens::load(cli.token_file.as_deref()).map_err(anyhow::Error::msg)?;
     let tls = match &cli.tls_ca {
-        Some(ca) => Some(crate::control::tls::client(
+        Some(ca) => Some(crate::rpc::tls::client(
             ca,
             cli.tls_cert.as_deref().zip(cli.tls_key.as_deref()),
             cli.tls_server_name.as_deref().unwrap_or(""),
         )?),
         None => None,
     };
-    Ok(crate::control::Dialer { tls, tokens })
+    Ok(crate::rpc::Dialer { tls, tokens })
 }
 
 /// Parses the command line and runs it.

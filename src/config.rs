@@ -12,7 +12,7 @@ use std::time::Duration;
 use bytesize::ByteSize;
 use serde::{Deserialize, Serialize};
 
-use crate::control::tls::{read_pem, PemKind};
+use crate::pem::{read_pem, PemKind};
 use crate::snapshot::Format;
 
 /// The whole agent configuration (one TOML file).
@@ -163,6 +163,16 @@ pub enum TransportMode {
     Auto,
 }
 
+impl std::fmt::Display for TransportMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TransportMode::Tcp => "tcp",
+            TransportMode::Rdma => "rdma",
+            TransportMode::Auto => "auto",
+        })
+    }
+}
+
 /// Transport and BLK3 bulk-phase tuning.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -200,6 +210,12 @@ impl RdmaProvider {
             RdmaProvider::Verbs => "verbs",
             RdmaProvider::Emulated => "emulated",
         }
+    }
+}
+
+impl std::fmt::Display for RdmaProvider {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 

@@ -1,4 +1,4 @@
-//! Handoff of an installed snapshot to the local KV (DESIGN.md §7).
+//! Handoff of an installed snapshot to the local KV (docs/ARCHITECTURE.md, "Handoff").
 //!
 //! Always writes the atomic `<snapshot>.replmeta` record first; then, per
 //! `[handoff] mode`, sends a templated line to the KV's admin address and

@@ -1,4 +1,4 @@
-//! Durable install of a received snapshot (replica side, DESIGN.md §5).
+//! Durable install of a received snapshot (replica side, docs/ARCHITECTURE.md, "Receiving").
 //!
 //! Owns the temp file in the destination directory: created (and sized)
 //! before bytes arrive, fed in order while the snapshot's own checksum is

@@ -3,7 +3,8 @@
 //! An agent runs next to every KV server. On a source it watches the snapshot
 //! directory and serves snapshots from a shared in-memory cache; on a replica
 //! it pulls a snapshot, verifies its checksum, installs it durably and hands
-//! its sequence number M to the local KV. See `DESIGN.md` for the full flow.
+//! its sequence number M to the local KV. `docs/ARCHITECTURE.md`
+//! walks through the whole flow.
 //!
 //! The modules follow that flow:
 //! - [`config`] — the TOML configuration and its validation.
@@ -12,7 +13,10 @@
 //!   directory watcher that fills the catalog.
 //! - [`buf`] — page-aligned buffers for the data path.
 //! - [`cache`] — the shared, budgeted snapshot buffers on the source.
-//! - [`control`] — the gRPC control plane (orchestrator and peer services).
+//! - [`pem`] — reading and checking PEM files.
+//! - [`rpc`] — gRPC plumbing shared by both ends: generated types, bearer
+//!   tokens, TLS settings, dialing an agent.
+//! - [`control`] — the gRPC services (orchestrator and peer).
 //! - [`blk3`] — the BLK3 data-plane protocol as sans-IO state machines.
 //! - [`transport`] — drivers that run BLK3 over TCP and RDMA (verbs, or the
 //!   emulated fabric), the RDMA probe and transport selection.
@@ -38,7 +42,9 @@ pub mod fuzz_targets;
 pub mod handoff;
 pub mod install;
 pub mod metrics;
+pub mod pem;
 pub mod redis;
+pub mod rpc;
 pub mod snapshot;
 pub mod sync;
 pub mod transport;

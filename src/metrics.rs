@@ -2,9 +2,10 @@
 //! HTTP endpoint that serves `/metrics` (plus the `/healthz` and `/readyz`
 //! probes).
 //!
-//! Names follow DESIGN.md §8: prefix `kvsync_`, base units, counters end in
-//! `_total`, only low-cardinality labels. Modules receive `Arc<Metrics>` and
-//! update the handles; nothing here knows when or why they change.
+//! Names follow docs/ARCHITECTURE.md ("Metrics"): prefix `kvsync_`, base
+//! units, counters end in `_total`, only low-cardinality labels. Modules
+//! receive `Arc<Metrics>` and update the handles; nothing here knows when or
+//! why they change. Gauges of running work are held by a [`Running`] guard.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -34,6 +35,23 @@ pub const FALLBACK_REASONS: &[&str] = &[
     "fabric_error",
     "local_error",
 ];
+
+/// One unit of running work in a gauge, counted from `start` until the
+/// guard drops, on every exit path (errors and panics included).
+pub struct Running(IntGauge);
+
+impl Running {
+    pub fn start(gauge: IntGauge) -> Running {
+        gauge.inc();
+        Running(gauge)
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
 
 /// All metric handles of one agent.
 pub struct Metrics {

@@ -1,4 +1,4 @@
-//! Talking to Redis/Valkey servers (DESIGN.md §6–§7): the source's
+//! Talking to Redis/Valkey servers (docs/ARCHITECTURE.md, "Snapshot formats" and "Handoff"): the source's
 //! pre-flight check (does the primary's backlog still hold M+1 for this RDB?)
 //! and the replica's `redis` handoff (place the RDB, restart the server
 //! following the primary, confirm a partial resync).

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use common::node::*;
 use common::*;
-use kvsync::control::pb;
+use kvsync::rpc::pb;
 
 /// Asserts the failure left the replica as it was: no temp file, the
 /// previous snapshot unchanged, nothing else installed.
@@ -150,6 +150,7 @@ impl SmallFs {
     }
 
     fn used_bytes(&self) -> u64 {
+        // SAFETY: statvfs is plain old data; zero is a valid value.
         let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
         let path = std::ffi::CString::new(self.0.to_str().unwrap()).unwrap();
         // SAFETY: a valid C string and a zeroed struct to fill.

@@ -9,8 +9,8 @@ use std::io::{Read, Write};
 use common::node::*;
 use common::*;
 use kvsync::blk3::Token;
-use kvsync::control::pb;
-use kvsync::control::pb::peer_client::PeerClient;
+use kvsync::rpc::pb;
+use kvsync::rpc::pb::peer_client::PeerClient;
 use tonic::transport::Channel;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -449,16 +449,18 @@ async fn offered_snapshot_is_delivered_even_if_deleted_or_replaced() {
     let size = offer.snapshot_size;
     let dest_path = dest.path().to_owned();
     let received = tokio::task::spawn_blocking(move || {
-        let mut staging =
+        let staging =
             kvsync::install::Staging::create(&dest_path, "t", kvsync::snapshot::Format::Kvr1)
                 .unwrap();
+        let mut receiver = kvsync::sync::receive::Receiver::new(staging, |_| {});
         let mut link =
             kvsync::transport::tcp::Link::new(std::net::TcpStream::connect(endpoint).unwrap())
                 .unwrap();
-        let run =
-            kvsync::transport::tcp::run_replica(&mut link, token, size, &mut staging, &|_| {});
-        assert!(matches!(run.result, Ok(Ok(_))), "session failed");
-        staging.install("got.kvr1").unwrap()
+        let result = kvsync::transport::tcp::run_replica(&mut link, token, size, &mut receiver);
+        let received = receiver
+            .finish(result.map_err(Into::into))
+            .expect("session succeeds");
+        received.staging.install("got.kvr1").unwrap()
     })
     .await
     .unwrap();

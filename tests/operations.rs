@@ -10,7 +10,7 @@ use std::path::Path;
 use common::node::*;
 use common::pki;
 use common::*;
-use kvsync::control::pb;
+use kvsync::rpc::pb;
 
 #[test]
 fn systemd_unit_verifies_and_has_what_rdma_and_draining_need() {

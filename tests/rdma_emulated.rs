@@ -9,7 +9,7 @@ mod common;
 
 use common::node::*;
 use common::*;
-use kvsync::control::pb;
+use kvsync::rpc::pb;
 use kvsync::transport::emulated::{EmuFaults, EmuQp};
 use kvsync::transport::fabric::{Fabric, FabricError};
 

@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 
 use common::node::*;
 use common::*;
-use kvsync::control::pb;
+use kvsync::rpc::pb;
 
 /// A free TCP port on 127.0.0.1 (redis-server cannot bind port 0).
 fn free_port() -> u16 {

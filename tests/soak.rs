@@ -9,7 +9,7 @@ mod common;
 
 use common::node::*;
 use common::*;
-use kvsync::control::pb;
+use kvsync::rpc::pb;
 
 const REPLICAS: usize = 8;
 

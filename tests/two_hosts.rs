@@ -9,7 +9,7 @@ mod common;
 use common::netns::{Hosts, IPS};
 use common::node::*;
 use common::*;
-use kvsync::control::pb;
+use kvsync::rpc::pb;
 
 const EMULATED: &str = "mode = \"auto\"\nrdma_provider = \"emulated\"";
 

@@ -1,4 +1,4 @@
-//! BLK3, the data-plane protocol, as sans-IO state machines (DESIGN.md §2).
+//! BLK3, the data-plane protocol, as sans-IO state machines (docs/ARCHITECTURE.md, "BLK3").
 //!
 //! The [`Source`] and [`Replica`] machines take inputs — received tokens,
 //! completions, results of work they asked for — together with the current
@@ -56,7 +56,8 @@ pub enum Command {
     /// [`Input::BulkSent`].
     StreamBulk { len: u64 },
     /// Replica: create the destination for `len` bytes (and register its
-    /// memory for RDMA). Answer with [`Input::ReceiveReady`].
+    /// memory for RDMA). Answer with [`Input::ReceiveReady`], or
+    /// [`Input::ReceiveFailed`] when the bytes cannot be taken.
     PrepareReceive { len: u64 },
     /// Replica, stream: read the `len` bulk bytes. Answer with
     /// [`Input::BulkReceived`].
@@ -81,6 +82,8 @@ pub enum Input {
         addr: u64,
         rkey: u32,
     },
+    /// The replica cannot take the snapshot (disk full, …); the reason.
+    ReceiveFailed(String),
     BulkReceived,
     /// Checksum result; `Err` carries the reason.
     Verified(Result<(), String>),
@@ -117,6 +120,10 @@ pub enum Blk3Error {
     /// The received bytes failed verification (the replica sent RDFL).
     #[error("{CHECKSUM_FAILED}: {0}")]
     Checksum(String),
+    /// The replica could not make room for the snapshot (it sent RDFL
+    /// instead of MRINFO; no byte moved).
+    #[error("cannot receive the snapshot: {0}")]
+    CannotReceive(String),
     /// The peer ended the session with RDFL.
     #[error("peer failed the session: {0}")]
     PeerFailed(String),

@@ -4,7 +4,8 @@
 //! before CREA, and BDON's before MRINFO: an empty snapshot's BDON may follow
 //! its BLK3 header at once), the REPLMETA receive before running the
 //! checksum. A length announced by the source that differs from the
-//! offer is refused. An empty snapshot skips MRINFO and the bulk phase but
+//! offer is refused, and so is a snapshot the replica cannot make room for
+//! (RDFL instead of MRINFO, before any byte moves). An empty snapshot skips MRINFO and the bulk phase but
 //! still receives BDON and REPLMETA, so M always arrives.
 
 use std::time::Duration;
@@ -143,6 +144,9 @@ impl Replica {
                         self.core.wait("bulk stream", now, scaled);
                     }
                 }
+            }
+            (State::WaitMemory, Input::ReceiveFailed(reason)) => {
+                self.fail(Blk3Error::CannotReceive(reason));
             }
             (State::WaitBulk, Input::BulkReceived) => {
                 self.state = State::WaitBdon;

@@ -29,6 +29,8 @@ struct Sim {
     len: u64,
     offered: u64,
     verify: Result<(), String>,
+    /// What the replica's driver answers to PrepareReceive (Err: no room).
+    prepare: Result<(), String>,
     /// Rewrites tokens in flight (from source if the bool is true).
     tamper: Box<dyn FnMut(bool, Token) -> Option<Token>>,
     /// The source's driver never completes writes (a stalled fabric).
@@ -44,6 +46,7 @@ impl Sim {
             len,
             offered: len,
             verify: Ok(()),
+            prepare: Ok(()),
             tamper: Box::new(|_, t| Some(t)),
             stall_writes: false,
             skip_post: None,
@@ -149,6 +152,10 @@ fn simulate(mut sim: Sim) -> Run {
                     Command::StreamBulk { len } => {
                         written += len;
                         inbox[i].push_back(Input::BulkSent);
+                    }
+                    Command::PrepareReceive { .. } if sim.prepare.is_err() => {
+                        let reason = sim.prepare.clone().unwrap_err();
+                        inbox[i].push_back(Input::ReceiveFailed(reason));
                     }
                     Command::PrepareReceive { .. } => {
                         let r = match sim.mode {
@@ -363,6 +370,28 @@ fn checksum_failure_sends_rdfl_and_no_replmeta() {
         !run.sent(Side::Src, Kind::Replmeta),
         "REPLMETA only after RDOK"
     );
+}
+
+#[test]
+fn replica_without_room_refuses_before_any_byte_moves() {
+    for mode in [BulkMode::Stream, rdma(4, 32, 8)] {
+        let mut sim = Sim::new(mode, 5000);
+        sim.prepare = Err("no space left on device".into());
+        let run = simulate(sim);
+        assert_eq!(
+            run.rep,
+            Some(Err(Blk3Error::CannotReceive(
+                "no space left on device".into()
+            )))
+        );
+        assert!(
+            matches!(&run.src, Some(Err(Blk3Error::PeerFailed(r))) if r.contains("no space left")),
+            "{:?}",
+            run.src
+        );
+        assert!(!run.sent(Side::Rep, Kind::Mrin), "no MRINFO without room");
+        assert_eq!(run.written, 0, "no byte moves");
+    }
 }
 
 #[test]

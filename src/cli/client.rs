@@ -16,18 +16,18 @@ use serde_json::json;
 use super::{DemoArgs, StatusArgs, SyncArgs, TransportArg};
 use crate::agent::RunningAgent;
 use crate::config::{Config, TransportMode};
-use crate::control::{self, is_terminal, pb, phase_name, transport_name};
+use crate::rpc::{self, is_terminal, pb, phase_name, transport_name};
 use crate::snapshot::kvr1::GenSpec;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
-type Client = pb::orchestrator_client::OrchestratorClient<control::AgentChannel>;
+type Client = pb::orchestrator_client::OrchestratorClient<rpc::AgentChannel>;
 
 /// How client commands reach agents (from the global options).
-static DIALER: std::sync::OnceLock<control::Dialer> = std::sync::OnceLock::new();
+static DIALER: std::sync::OnceLock<rpc::Dialer> = std::sync::OnceLock::new();
 
 /// Sets how client commands reach agents.
-pub fn set_dialer(dialer: control::Dialer) {
+pub fn set_dialer(dialer: rpc::Dialer) {
     let _ = DIALER.set(dialer);
 }
 
@@ -344,18 +344,19 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
     if show {
         eprintln!(
             "source agent  grpc {}  data {}",
-            source.grpc_addr, source.shared.data_tcp_addr
+            source.grpc_addr,
+            source.data_addr()
         );
         eprintln!(
             "replica agent grpc {}  data {}",
-            replica.grpc_addr, replica.shared.data_tcp_addr
+            replica.grpc_addr,
+            replica.data_addr()
         );
     }
 
     let seq = 1_000_042;
     let path = source
-        .shared
-        .config
+        .config()
         .snapshot_dir
         .join(format!("snapshot-{seq}.kvr1"));
     let spec = GenSpec {
@@ -376,7 +377,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
     tokio::task::spawn_blocking(move || spec.write_file(&p)).await??;
 
     // Wait until the source's watcher offers it.
-    let catalog = source.shared.catalog.clone();
+    let catalog = source.catalog().clone();
     let mut changes = catalog.subscribe();
     tokio::time::timeout(Duration::from_secs(120), async {
         while catalog.get(&path).is_none() {

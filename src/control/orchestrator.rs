@@ -8,15 +8,23 @@ use std::sync::Arc;
 use futures::Stream;
 use tonic::{Request, Response, Status};
 
-use super::{is_terminal, pb};
-use crate::agent::Shared;
-use crate::catalog::CatalogEntry;
+use crate::catalog::{Catalog, CatalogEntry};
+use crate::rpc::{is_terminal, pb};
 use crate::snapshot::Format;
+use crate::sync::source::{DataEndpoints, SessionTable};
 use crate::sync::SyncManager;
 
+/// The orchestrator-facing service, with the handles it needs.
 pub struct OrchestratorService {
-    pub shared: Arc<Shared>,
+    pub node_id: String,
+    /// `transport.fallback_to_tcp`: whether a sync may ask for RDMA that
+    /// this agent cannot do.
+    pub fallback_to_tcp: bool,
+    pub catalog: Arc<Catalog>,
     pub syncs: Arc<SyncManager>,
+    /// Served sessions, for the status.
+    pub sessions: Arc<SessionTable>,
+    pub data: Arc<DataEndpoints>,
 }
 
 /// Longest accepted sync id.
@@ -55,14 +63,14 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         let preference = pb::TransportPreference::try_from(req.transport).map_err(|_| {
             Status::invalid_argument(format!("unknown transport preference {}", req.transport))
         })?;
-        let s = &self.shared;
+        let probe = &self.data.probe;
         if preference == pb::TransportPreference::Rdma
-            && !s.rdma.rdma_available
-            && !s.config.transport.fallback_to_tcp
+            && !probe.rdma_available
+            && !self.fallback_to_tcp
         {
             return Err(Status::failed_precondition(format!(
                 "rdma is not usable on this agent ({}); use tcp or auto, or set transport.fallback_to_tcp",
-                s.rdma.reason
+                probe.reason
             )));
         }
         let (sync_id, created) = self.syncs.start(&req.source, preference)?;
@@ -99,27 +107,27 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         &self,
         _: Request<pb::GetStatusRequest>,
     ) -> Result<Response<pb::AgentStatus>, Status> {
-        let s = &self.shared;
+        let (data, probe) = (&self.data, &self.data.probe);
         let latest_snapshots = [Format::Kvr1, Format::RedisRdb]
             .into_iter()
-            .filter_map(|f| s.catalog.latest(f))
+            .filter_map(|f| self.catalog.latest(f))
             .map(|e| entry_to_pb(&e))
             .collect();
         Ok(Response::new(pb::AgentStatus {
-            node_id: s.config.node_id.clone(),
+            node_id: self.node_id.clone(),
             version: env!("CARGO_PKG_VERSION").into(),
             latest_snapshots,
             running: self.syncs.running(),
             recent: self.syncs.recent(),
-            serving_sessions: s.sessions.serving() as u32,
-            transports: if s.rdma_endpoint.is_some() {
-                vec!["tcp".into(), format!("rdma ({})", s.rdma.provider)]
+            serving_sessions: self.sessions.serving() as u32,
+            transports: if data.rdma.is_some() {
+                vec!["tcp".into(), format!("rdma ({})", probe.provider)]
             } else {
                 vec!["tcp".into()]
             },
-            rdma_available: s.rdma.rdma_available,
-            rdma_detail: s.rdma.reason.clone(),
-            data_tcp_endpoint: s.data_tcp_addr.to_string(),
+            rdma_available: probe.rdma_available,
+            rdma_detail: probe.reason.clone(),
+            data_tcp_endpoint: data.tcp.to_string(),
         }))
     }
 
@@ -127,13 +135,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         &self,
         _: Request<pb::ListSnapshotsRequest>,
     ) -> Result<Response<pb::ListSnapshotsResponse>, Status> {
-        let snapshots = self
-            .shared
-            .catalog
-            .list()
-            .iter()
-            .map(|e| entry_to_pb(e))
-            .collect();
+        let snapshots = self.catalog.list().iter().map(|e| entry_to_pb(e)).collect();
         Ok(Response::new(pb::ListSnapshotsResponse { snapshots }))
     }
 

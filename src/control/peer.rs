@@ -10,12 +10,16 @@ use std::time::Instant;
 use tonic::{Request, Response, Status};
 use tracing::{info, warn};
 
-use super::{pb, ApiError};
-use crate::agent::Shared;
+use super::ApiError;
+use crate::cache::SnapshotCache;
+use crate::catalog::Catalog;
+use crate::config::Config;
+use crate::rpc::pb;
 use crate::snapshot::{Format, SnapshotInfo};
-use crate::sync::source::Offer;
+use crate::sync::source::{DataEndpoints, Offer, SessionTable};
 use crate::sync::{new_id, unix_ms};
 use crate::transport::TransportKind;
+use tokio_util::sync::CancellationToken;
 
 /// Longest accepted node id.
 const MAX_NODE_ID: usize = 256;
@@ -42,10 +46,16 @@ fn check_request(req: &pb::OpenFullSyncRequest) -> Result<(), ApiError> {
     Err(ApiError::InvalidArgument(problem))
 }
 
+/// The agent-to-agent service, with the handles it needs.
 pub struct PeerService {
-    pub shared: Arc<Shared>,
-    /// Where the TCP data listener is bound.
-    pub data_addr: SocketAddr,
+    pub config: Config,
+    /// What this agent can offer.
+    pub catalog: Arc<Catalog>,
+    pub cache: Arc<SnapshotCache>,
+    pub sessions: Arc<SessionTable>,
+    pub data: Arc<DataEndpoints>,
+    /// Cancelled when the agent starts draining: no new offers.
+    pub draining: CancellationToken,
 }
 
 impl PeerService {
@@ -54,8 +64,8 @@ impl PeerService {
         req: pb::OpenFullSyncRequest,
         local: Option<SocketAddr>,
     ) -> Result<pb::SyncOffer, ApiError> {
-        let shared = &self.shared;
-        let format = shared.config.snapshot_format;
+        let config = &self.config;
+        let format = config.snapshot_format;
         check_request(&req)?;
         if !req.format.is_empty() && req.format != format.as_str() {
             return Err(ApiError::InvalidArgument(format!(
@@ -63,29 +73,26 @@ impl PeerService {
                 req.format
             )));
         }
-        let transport = choose_transport(shared, &req)?;
-        if shared.draining.is_cancelled() {
+        let transport = choose_transport(&self.data, &req)?;
+        if self.draining.is_cancelled() {
             return Err(ApiError::Unavailable(
                 "this source is shutting down; retry against it after its restart".into(),
             ));
         }
-        let limit = shared
-            .max_outgoing
-            .load(std::sync::atomic::Ordering::Relaxed);
-        if shared.sessions.active() >= limit {
-            return Err(ApiError::Busy(format!(
+        let admitted = self.sessions.admit().map_err(|limit| {
+            ApiError::Busy(format!(
                 "this source already serves {limit} sessions (sync.max_outgoing_syncs); retry in a few seconds"
-            )));
-        }
-        let entry = shared.catalog.latest(format).ok_or_else(|| {
-            ApiError::NoSnapshot(format!(
-                "no valid {format} snapshot in {} yet; save one on the primary first",
-                shared.config.snapshot_dir.display()
             ))
         })?;
-        let backlog_bytes_left = redis_preflight(shared, &entry.info).await?;
-        let snapshot = shared.cache.acquire(&entry).await?;
-        let ttl = shared.config.sync.session_token_ttl;
+        let entry = self.catalog.latest(format).ok_or_else(|| {
+            ApiError::NoSnapshot(format!(
+                "no valid {format} snapshot in {} yet; save one on the primary first",
+                config.snapshot_dir.display()
+            ))
+        })?;
+        let backlog_bytes_left = redis_preflight(config, &entry.info).await?;
+        let snapshot = self.cache.acquire(&entry).await?;
+        let ttl = config.sync.session_token_ttl;
         let id = new_id();
         let replica = if req.replica_node_id.is_empty() {
             "unnamed".to_string()
@@ -100,10 +107,10 @@ impl PeerService {
             transport,
             expires: Instant::now() + ttl,
         };
-        let token = shared.sessions.insert(offer);
-        let endpoint = match (transport, shared.rdma_endpoint) {
+        let token = self.sessions.insert(offer, admitted);
+        let endpoint = match (transport, self.data.rdma) {
             (TransportKind::Rdma, Some(rdma)) => rdma,
-            _ => advertised(self.data_addr, local),
+            _ => advertised(self.data.tcp, local),
         };
         info!(session = %id, replica = %req.replica_node_id, path = %entry.path.display(), seq = entry.info.seq, transport = transport.as_str(), %endpoint, "offered snapshot");
         Ok(pb::SyncOffer {
@@ -120,12 +127,12 @@ impl PeerService {
             } as i32,
             data_endpoint: endpoint.to_string(),
             rdma_provider: match transport {
-                TransportKind::Rdma => shared.rdma.provider.into(),
+                TransportKind::Rdma => self.data.probe.provider.to_string(),
                 TransportKind::Tcp => String::new(),
             },
-            rdma_device: shared.rdma.device.clone().unwrap_or_default(),
+            rdma_device: self.data.probe.device.clone().unwrap_or_default(),
             backlog_bytes_left,
-            source_node_id: shared.config.node_id.clone(),
+            source_node_id: config.node_id.clone(),
             snapshot_name: entry
                 .path
                 .file_name()
@@ -137,8 +144,8 @@ impl PeerService {
 
 /// For an RDB, when the local primary is configured: does its backlog still
 /// hold M+1? Refused with what to do otherwise; the slack left otherwise.
-async fn redis_preflight(shared: &Shared, info: &SnapshotInfo) -> Result<u64, ApiError> {
-    let redis = &shared.config.redis;
+async fn redis_preflight(config: &Config, info: &SnapshotInfo) -> Result<u64, ApiError> {
+    let redis = &config.redis;
     if info.format != Format::RedisRdb || redis.primary_addr.is_empty() {
         return Ok(0);
     }
@@ -163,21 +170,22 @@ async fn redis_preflight(shared: &Shared, info: &SnapshotInfo) -> Result<u64, Ap
 /// RDMA when both sides can and the replica did not ask for TCP; TCP
 /// otherwise. A replica that requires RDMA is told why it cannot have it.
 fn choose_transport(
-    shared: &Shared,
+    data: &DataEndpoints,
     req: &pb::OpenFullSyncRequest,
 ) -> Result<TransportKind, ApiError> {
+    let probe = &data.probe;
     let offers =
         |t: pb::Transport| req.transports.is_empty() || req.transports.contains(&(t as i32));
     let asked_rdma = offers(pb::Transport::Rdma) && !req.transports.is_empty();
     let preference = req.preference;
     let why_not = if !asked_rdma || preference == pb::TransportPreference::Tcp as i32 {
         Some("the replica did not ask for it".to_string())
-    } else if shared.rdma_endpoint.is_none() {
-        Some(shared.rdma.reason.clone())
-    } else if req.rdma_provider != shared.rdma.provider {
+    } else if data.rdma.is_none() {
+        Some(probe.reason.clone())
+    } else if req.rdma_provider != probe.provider.as_str() {
         Some(format!(
             "this source uses the {} rdma provider, the replica {:?}",
-            shared.rdma.provider, req.rdma_provider
+            probe.provider, req.rdma_provider
         ))
     } else {
         None

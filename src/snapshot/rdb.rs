@@ -1,4 +1,4 @@
-//! Redis/Valkey RDB files, as far as kvsync needs them (DESIGN.md §6): the
+//! Redis/Valkey RDB files, as far as kvsync needs them (docs/ARCHITECTURE.md, "Snapshot formats"): the
 //! header, the aux fields before the first database — above all the
 //! replication position `repl-id` / `repl-offset` / `repl-stream-db` that
 //! makes a partial resync possible — and the trailer: `0xFF`, then the

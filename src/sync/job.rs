@@ -1,13 +1,14 @@
 //! One replica-side full sync, end to end: choose the transport → negotiate
 //! with the source over gRPC → connect the data plane → run BLK3 into a
-//! staging file (over RDMA, or TCP with the checksum computed on the way) →
-//! verify → fsync, rename, fsync dir → handoff → report. An RDMA session
+//! [`Receiver`] (the same for every transport) → verify → fsync, rename,
+//! fsync dir → handoff → report. An RDMA session
 //! that fails (connect, completion error, timeout, RDFL) is retried over TCP
 //! within the same job when the mode allows it, counted by reason and shown
 //! in the status. Progress goes to a watch channel; every failure (and
 //! cancel) drops the staging file, so the previous snapshot and the KV stay
 //! untouched, and ends with a typed [`JobError`] in the sync's status.
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,15 +20,18 @@ use tracing::{info, info_span, warn, Instrument};
 use crate::blk3::token::SESSION_TOKEN_LEN;
 use crate::blk3::{Blk3Error, Outcome};
 use crate::config::{Config, RdmaProvider, TransportMode};
-use crate::control::{self, pb, AgentChannel, Dialer};
 use crate::handoff::{self, HandoffError, HandoffRecord};
 use crate::install::{self, InstallError, Staging};
-use crate::metrics::{unix_now, Metrics};
+use crate::metrics::{unix_now, Metrics, Running};
+use crate::rpc::{self, pb, AgentChannel, Dialer};
 use crate::snapshot::SnapshotInfo;
 use crate::transport::probe::Probe;
-use crate::transport::rdma::{self, RdmaError};
-use crate::transport::tcp::{self, Link, TcpError};
+use crate::transport::rdma::RdmaError;
+use crate::transport::session::{DataLink, DialSpec, LinkError};
+use crate::transport::tcp::TcpError;
 use crate::transport::{select, Faults, TransportKind};
+
+use super::receive::{Received, Receiver};
 
 /// A Peer client presenting this agent's token.
 type PeerClient = pb::peer_client::PeerClient<AgentChannel>;
@@ -56,12 +60,12 @@ pub enum JobError {
     /// The data endpoint could not be reached.
     #[error("cannot connect to data endpoint {endpoint}: {message}")]
     DataConnect { endpoint: String, message: String },
-    /// The data connection failed.
-    #[error("data transfer failed: {0}")]
-    Transport(#[from] TcpError),
-    /// The RDMA session failed below the protocol.
-    #[error("rdma transfer failed: {0}")]
-    Rdma(#[from] RdmaError),
+    /// The data connection failed below the protocol.
+    #[error(transparent)]
+    Transport(#[from] LinkError),
+    /// The transfer thread panicked (a bug); nothing was installed.
+    #[error("internal error in the transfer: {0}")]
+    Panicked(String),
     /// RDMA was required but cannot be used, and fallback is off.
     #[error("rdma required but unavailable: {0} (set transport.fallback_to_tcp = true or use mode auto)")]
     RdmaUnavailable(String),
@@ -90,9 +94,7 @@ impl JobError {
     pub fn result_label(&self) -> &'static str {
         match self {
             JobError::Checksum(_) => "checksum_mismatch",
-            JobError::Cancelled
-            | JobError::Transport(TcpError::Cancelled)
-            | JobError::Rdma(RdmaError::Cancelled) => "cancelled",
+            JobError::Cancelled => "cancelled",
             _ => "failed",
         }
     }
@@ -101,11 +103,15 @@ impl JobError {
     /// mismatches count too (the caller gives up on the second).
     fn is_transient(&self) -> bool {
         match self {
-            JobError::Unreachable { .. }
-            | JobError::DataConnect { .. }
-            | JobError::Checksum(_)
-            | JobError::Rdma(RdmaError::Fabric(_) | RdmaError::Completion { .. }) => true,
-            JobError::Transport(e) => !matches!(e, TcpError::Cancelled),
+            JobError::Unreachable { .. } | JobError::DataConnect { .. } | JobError::Checksum(_) => {
+                true
+            }
+            JobError::Transport(e) => match e {
+                LinkError::Tcp(e) => !matches!(e, TcpError::Cancelled),
+                LinkError::Rdma(e) => {
+                    matches!(e, RdmaError::Fabric(_) | RdmaError::Completion { .. })
+                }
+            },
             JobError::Protocol(e) => !matches!(
                 e,
                 Blk3Error::MrinfoLength { .. } | Blk3Error::AnnouncedLength { .. }
@@ -126,8 +132,7 @@ impl JobError {
     /// failure is not the transport's (cancel, local disk, handoff).
     fn fallback_reason(&self) -> Option<&'static str> {
         Some(match self {
-            JobError::Rdma(RdmaError::Cancelled | RdmaError::Receive(_)) => return None,
-            JobError::Rdma(e) => e.fallback_reason(),
+            JobError::Transport(LinkError::Rdma(e)) => e.fallback_reason(),
             JobError::DataConnect { .. } => "connect",
             JobError::Checksum(_) => "checksum",
             JobError::Protocol(Blk3Error::Timeout { .. }) => "timeout",
@@ -186,7 +191,7 @@ pub async fn run(ctx: JobContext) -> pb::SyncProgress {
     let span = info_span!("sync", id = %ctx.id, source = %ctx.source);
     async {
         let m = ctx.metrics.clone();
-        m.fullsync_in_progress.with_label_values(&["replica"]).inc();
+        let _running = Running::start(m.fullsync_in_progress.with_label_values(&["replica"]));
         let started = Instant::now();
         let result = with_retries(&ctx).await;
         let transport = match ctx.progress.borrow().transport {
@@ -229,7 +234,6 @@ pub async fn run(ctx: JobContext) -> pb::SyncProgress {
         m.fullsync_duration
             .with_label_values(&["replica", transport])
             .observe(elapsed.as_secs_f64());
-        m.fullsync_in_progress.with_label_values(&["replica"]).dec();
         let last = ctx.progress.borrow().clone();
         last
     }
@@ -276,31 +280,10 @@ fn backoff(base: Duration, max: Duration, attempt: u32) -> Duration {
     exp.mul_f64(rand::rng().random_range(0.75..1.25))
 }
 
-/// What one data-plane session delivered into its staging file.
-struct Transfer {
-    staging: Staging,
-    outcome: Outcome,
-    info: SnapshotInfo,
-}
-
+/// One attempt: negotiate, move the bytes, verify, install, hand off.
 async fn attempt(ctx: &JobContext) -> Result<(), JobError> {
-    let config = &ctx.config;
-    check_writable(&config.snapshot_dir).map_err(JobError::NotWritable)?;
-    let mode = match ctx.preference {
-        pb::TransportPreference::Tcp => TransportMode::Tcp,
-        pb::TransportPreference::Rdma => TransportMode::Rdma,
-        pb::TransportPreference::Auto => config.transport.mode,
-    };
-    let may_fall_back = mode == TransportMode::Auto || config.transport.fallback_to_tcp;
-    let want_rdma = mode != TransportMode::Tcp && ctx.rdma.rdma_available;
-    if mode == TransportMode::Rdma && !ctx.rdma.rdma_available {
-        if !may_fall_back {
-            return Err(JobError::RdmaUnavailable(ctx.rdma.reason.clone()));
-        }
-        fell_back(ctx, "unavailable", &ctx.rdma.reason);
-    }
-
-    // Negotiate.
+    check_writable(&ctx.config.snapshot_dir).map_err(JobError::NotWritable)?;
+    let plan = TransportPlan::new(ctx)?;
     let channel = ctx
         .or_cancel(ctx.dialer.connect(&ctx.source, CONNECT_TIMEOUT))
         .await?
@@ -309,34 +292,98 @@ async fn attempt(ctx: &JobContext) -> Result<(), JobError> {
             message: e,
         })?;
     let mut peer = pb::peer_client::PeerClient::new(channel);
-    // Only a sync that cannot fall back insists on RDMA with the source.
-    let insist = mode == TransportMode::Rdma && !may_fall_back;
-    let mut offer = negotiate(ctx, &mut peer, want_rdma, insist).await?;
-    let transfer = if offer.transport == pb::Transport::Rdma as i32 {
-        match transfer_rdma(ctx, &offer).await {
-            Ok(t) => t,
-            Err(e) => match e.fallback_reason() {
-                Some(reason) if may_fall_back => {
-                    fell_back(ctx, reason, &e.to_string());
-                    offer = negotiate(ctx, &mut peer, false, false).await?;
-                    transfer_tcp(ctx, &offer).await?
-                }
-                _ => return Err(e),
-            },
+    let (offer, received) = receive(ctx, &mut peer, &plan).await?;
+    let installed = install(ctx, &offer, received).await?;
+    hand_off(ctx, &offer, installed).await?;
+    // Tell the source (best effort; the sync already succeeded).
+    let _ = peer
+        .report_result(pb::ReportResultRequest {
+            session_id: offer.session_id,
+            ok: true,
+            error: String::new(),
+        })
+        .await;
+    Ok(())
+}
+
+/// Which transport an attempt asks for, and whether it may fall back.
+struct TransportPlan {
+    mode: TransportMode,
+    may_fall_back: bool,
+    want_rdma: bool,
+}
+
+impl TransportPlan {
+    fn new(ctx: &JobContext) -> Result<TransportPlan, JobError> {
+        let mode = match ctx.preference {
+            pb::TransportPreference::Tcp => TransportMode::Tcp,
+            pb::TransportPreference::Rdma => TransportMode::Rdma,
+            pb::TransportPreference::Auto => ctx.config.transport.mode,
+        };
+        let may_fall_back = mode == TransportMode::Auto || ctx.config.transport.fallback_to_tcp;
+        if mode == TransportMode::Rdma && !ctx.rdma.rdma_available {
+            if !may_fall_back {
+                return Err(JobError::RdmaUnavailable(ctx.rdma.reason.clone()));
+            }
+            fell_back(ctx, "unavailable", &ctx.rdma.reason);
         }
-    } else {
-        if want_rdma && mode == TransportMode::Rdma {
+        Ok(TransportPlan {
+            mode,
+            may_fall_back,
+            want_rdma: mode != TransportMode::Tcp && ctx.rdma.rdma_available,
+        })
+    }
+
+    /// Only a sync that cannot fall back insists on RDMA with the source.
+    fn insist(&self) -> bool {
+        self.mode == TransportMode::Rdma && !self.may_fall_back
+    }
+}
+
+/// Negotiates and runs the data session: over RDMA when offered, retried
+/// over TCP (with a fresh offer) when that fails and the plan allows it.
+/// Returns the offer the bytes came under and the verified snapshot.
+async fn receive(
+    ctx: &JobContext,
+    peer: &mut PeerClient,
+    plan: &TransportPlan,
+) -> Result<(pb::SyncOffer, Received), JobError> {
+    let offer = negotiate(ctx, peer, plan.want_rdma, plan.insist()).await?;
+    if offer.transport != pb::Transport::Rdma as i32 {
+        if plan.want_rdma && plan.mode == TransportMode::Rdma {
             fell_back(ctx, "unavailable", "the source cannot serve rdma");
-        } else if want_rdma {
+        } else if plan.want_rdma {
             info!("the source offers tcp only; using tcp");
         }
-        transfer_tcp(ctx, &offer).await?
-    };
-    let Transfer {
+        let received = transfer(ctx, &offer).await?;
+        return Ok((offer, received));
+    }
+    match transfer(ctx, &offer).await {
+        Ok(received) => Ok((offer, received)),
+        Err(e) => match e.fallback_reason() {
+            Some(reason) if plan.may_fall_back => {
+                fell_back(ctx, reason, &e.to_string());
+                let offer = negotiate(ctx, peer, false, false).await?;
+                let received = transfer(ctx, &offer).await?;
+                Ok((offer, received))
+            }
+            _ => Err(e),
+        },
+    }
+}
+
+/// Checks the verified snapshot is the offered one, then installs it
+/// durably under a safe name. Returns the installed path.
+async fn install(
+    ctx: &JobContext,
+    offer: &pb::SyncOffer,
+    received: Received,
+) -> Result<(PathBuf, SnapshotInfo), JobError> {
+    let Received {
         staging,
         outcome,
         info,
-    } = transfer;
+    } = received;
     if info.checksum != offer.checksum || info.seq != offer.seq {
         return Err(JobError::Checksum(format!(
             "verified snapshot (seq {}, checksum {:#x}) is not the offered one (seq {}, checksum {:#x})",
@@ -352,10 +399,9 @@ async fn attempt(ctx: &JobContext) -> Result<(), JobError> {
             );
         }
     }
-
-    // Install durably.
     ctx.phase(pb::Phase::Installing);
-    let name = install::install_name(&offer.snapshot_name, info.seq, config.snapshot_format);
+    let format = ctx.config.snapshot_format;
+    let name = install::install_name(&offer.snapshot_name, info.seq, format);
     if name != offer.snapshot_name {
         warn!(offered = ?offer.snapshot_name.chars().take(300).collect::<String>(), installed = %name,
             "the source offered a name that is not a plain file name; installing under a safe one");
@@ -363,13 +409,21 @@ async fn attempt(ctx: &JobContext) -> Result<(), JobError> {
     // Not cancellable: once the rename may have happened, we finish it.
     let installed = tokio::task::spawn_blocking(move || staging.install(&name))
         .await
-        .expect("install thread does not panic")?;
+        .map_err(|e| JobError::Panicked(panic_text(e)))??;
     ctx.progress
         .send_modify(|p| p.installed_path = installed.display().to_string());
     info!(path = %installed.display(), seq = info.seq, "snapshot installed");
+    Ok((installed, info))
+}
 
-    // Hand off to the local KV.
+/// Hands the installed snapshot to the local KV and counts the result.
+async fn hand_off(
+    ctx: &JobContext,
+    offer: &pb::SyncOffer,
+    (installed, info): (PathBuf, SnapshotInfo),
+) -> Result<(), JobError> {
     ctx.phase(pb::Phase::HandingOff);
+    let config = &ctx.config;
     let record = HandoffRecord {
         path: installed.clone(),
         info,
@@ -385,16 +439,7 @@ async fn attempt(ctx: &JobContext) -> Result<(), JobError> {
         .with_label_values(&[mode.as_str(), result])
         .inc();
     let done = handoff.map_err(|source| JobError::Handoff { installed, source })?;
-    ctx.progress.send_modify(|p| p.handoff = done.clone());
-
-    // Tell the source (best effort; the sync already succeeded).
-    let _ = peer
-        .report_result(pb::ReportResultRequest {
-            session_id: offer.session_id,
-            ok: true,
-            error: String::new(),
-        })
-        .await;
+    ctx.progress.send_modify(|p| p.handoff = done);
     Ok(())
 }
 
@@ -482,7 +527,7 @@ async fn negotiate(
         p.transport = offer.transport;
         p.phase = pb::Phase::Connecting as i32;
     });
-    info!(session = %offer.session_id, size = offer.snapshot_size, seq = offer.seq, endpoint = %offer.data_endpoint, transport = %control::transport_name(offer.transport), backlog_bytes_left = offer.backlog_bytes_left, "offer received");
+    info!(session = %offer.session_id, size = offer.snapshot_size, seq = offer.seq, endpoint = %offer.data_endpoint, transport = %rpc::transport_name(offer.transport), backlog_bytes_left = offer.backlog_bytes_left, "offer received");
     Ok(offer)
 }
 
@@ -510,189 +555,122 @@ fn progress_reporter(ctx: &JobContext, total: u64) -> impl Fn(u64) + Send + Sync
     }
 }
 
-/// Maps a session's verdict to the job's terms.
-fn verdict(
-    result: Result<Outcome, Blk3Error>,
-    info: Option<SnapshotInfo>,
-) -> Result<(Outcome, SnapshotInfo), JobError> {
-    match result {
-        Err(Blk3Error::Checksum(reason)) => Err(JobError::Checksum(reason)),
-        Err(e) => Err(JobError::Protocol(e)),
-        Ok(outcome) => Ok((
-            outcome,
-            info.expect("a verified session has its snapshot info"),
-        )),
-    }
-}
-
-/// One BLK3 session over TCP.
-async fn transfer_tcp(ctx: &JobContext, offer: &pb::SyncOffer) -> Result<Transfer, JobError> {
-    let mut staging = Staging::create(
+/// One BLK3 session on the offered transport, into a fresh staging file.
+/// Cancelling stops the session and still waits for its thread, so the
+/// staging file is gone by the time the sync reports "cancelled".
+async fn transfer(ctx: &JobContext, offer: &pb::SyncOffer) -> Result<Received, JobError> {
+    let kind = if offer.transport == pb::Transport::Rdma as i32 {
+        TransportKind::Rdma
+    } else {
+        TransportKind::Tcp
+    };
+    let staging = Staging::create(
         &ctx.config.snapshot_dir,
-        &format!("{}-tcp", ctx.id),
+        &format!("{}-{kind}", ctx.id),
         ctx.config.snapshot_format,
     )
     .map_err(JobError::NotWritable)?;
-    ctx.progress
-        .send_modify(|p| p.detail = "tcp stream into staging file".into());
-    let connect = tokio::time::timeout(
-        CONNECT_TIMEOUT,
-        tokio::net::TcpStream::connect(&offer.data_endpoint),
-    );
-    let stream = ctx
-        .or_cancel(connect)
+    let mut receiver = Receiver::new(staging, progress_reporter(ctx, offer.snapshot_size));
+    let spec = dial_spec(ctx, offer, kind)?;
+    let label = link_label(offer, &spec);
+    ctx.progress.send_modify(|p| p.detail = label.clone());
+    let endpoint = spec.endpoint.to_string();
+    let link = ctx
+        .or_cancel(tokio::task::spawn_blocking(move || DataLink::dial(&spec)))
         .await?
-        .map_err(|_| format!("no answer within {CONNECT_TIMEOUT:?}"))
-        .and_then(|r| r.map_err(|e| e.to_string()))
-        .and_then(|s| {
-            crate::transport::blocking_data_socket(s, ctx.config.data.peer_timeout)
-                .map_err(|e| e.to_string())
-        })
-        .map_err(|message| JobError::DataConnect {
-            endpoint: offer.data_endpoint.clone(),
-            message,
-        })?;
-    let mut link = Link::new(stream).map_err(|source| TcpError::Io {
-        op: "configure socket",
-        source,
-    })?;
-    let cancel = link.cancel_handle();
+        .map_err(|e| JobError::Panicked(panic_text(e)))?
+        .map_err(|message| JobError::DataConnect { endpoint, message })?;
+    let canceller = link.canceller();
 
-    // Move the bytes on a blocking thread; cancelling shuts the socket.
     ctx.phase(pb::Phase::Transferring);
     let bulk_started = Instant::now();
-    let (token, total) = (session_token(offer), offer.snapshot_size);
-    let report = progress_reporter(ctx, total);
-    let mut transfer = tokio::task::spawn_blocking(move || {
-        let run = tcp::run_replica(&mut link, token, total, &mut staging, &report);
-        (run, staging)
+    let (token, total, faults) = (
+        session_token(offer),
+        offer.snapshot_size,
+        ctx.faults.clone(),
+    );
+    let mut run = tokio::task::spawn_blocking(move || {
+        let (result, memory) = link.run(token, total, &mut receiver, &faults);
+        (result, memory, receiver)
     });
-    // On cancel, shut the socket and still wait for the thread, so the
-    // staging file is gone by the time the sync reports "cancelled".
-    let (run, staging) = tokio::select! {
-        r = &mut transfer => r,
+    let joined = tokio::select! {
+        r = &mut run => r,
         _ = ctx.cancel.cancelled() => {
-            cancel.cancel();
-            transfer.await
+            canceller.cancel();
+            run.await
         }
-    }
-    .expect("transfer thread does not panic");
-    bulk_done(ctx, TransportKind::Tcp, bulk_started, staging.written());
-    let result = match run.result {
-        Err(TcpError::Cancelled) => return Err(JobError::Cancelled),
-        Err(e) => return Err(e.into()),
-        Ok(r) => r,
     };
-    let (outcome, info) = verdict(result, run.info)?;
-    Ok(Transfer {
-        staging,
-        outcome,
-        info,
-    })
-}
-
-fn bulk_done(ctx: &JobContext, kind: TransportKind, started: Instant, bytes: u64) {
+    let (result, memory, receiver) = joined.map_err(|e| JobError::Panicked(panic_text(e)))?;
     ctx.metrics
         .bulk_duration
-        .observe(started.elapsed().as_secs_f64());
+        .observe(bulk_started.elapsed().as_secs_f64());
     ctx.metrics
         .fullsync_bytes
         .with_label_values(&["replica", kind.as_str()])
-        .inc_by(bytes);
+        .inc_by(receiver.written());
+    if let Some(memory) = memory {
+        ctx.progress
+            .send_modify(|p| p.detail = format!("{label}; receive memory: {memory}"));
+    }
+    let received = receiver.finish(result);
+    if let Err(e) = &received {
+        warn!(error = %e, "received snapshot rejected");
+    }
+    received
 }
 
-/// One BLK3 session over RDMA (verbs or the emulated fabric).
-async fn transfer_rdma(ctx: &JobContext, offer: &pb::SyncOffer) -> Result<Transfer, JobError> {
-    let mut staging = Staging::create(
-        &ctx.config.snapshot_dir,
-        &format!("{}-rdma", ctx.id),
-        ctx.config.snapshot_format,
-    )
-    .map_err(JobError::NotWritable)?;
-    let endpoint: std::net::SocketAddr = offer.data_endpoint.parse().map_err(|_| {
+/// Where and how to reach the offer's data endpoint. RDMA cannot use
+/// loopback: a loopback source is this host, reached on its RDMA address.
+fn dial_spec(
+    ctx: &JobContext,
+    offer: &pb::SyncOffer,
+    kind: TransportKind,
+) -> Result<DialSpec, JobError> {
+    let endpoint: SocketAddr = offer.data_endpoint.parse().map_err(|_| {
         JobError::BadOffer(format!(
-            "rdma endpoint {:?} is not ip:port",
+            "data endpoint {:?} is not ip:port",
             offer.data_endpoint
         ))
     })?;
     let local = ctx.rdma.local_addr;
-    // RDMA cannot use loopback: a loopback source is this host.
-    let dest = std::net::SocketAddr::new(
-        select::map_peer(endpoint.ip(), local.unwrap_or(endpoint.ip())),
-        endpoint.port(),
-    );
-    let provider = ctx.config.transport.rdma_provider;
-    let label = match provider {
-        RdmaProvider::Verbs => format!("rdma verbs via {}", offer.rdma_device),
-        RdmaProvider::Emulated => "rdma EMULATED fabric (not hardware)".to_string(),
+    let (endpoint, rdma) = match kind {
+        TransportKind::Tcp => (endpoint, None),
+        TransportKind::Rdma => (
+            SocketAddr::new(
+                select::map_peer(endpoint.ip(), local.unwrap_or(endpoint.ip())),
+                endpoint.port(),
+            ),
+            Some(ctx.config.transport.rdma_provider),
+        ),
     };
-    ctx.progress
-        .send_modify(|p| p.detail = format!("{label} to {dest}"));
-    ctx.phase(pb::Phase::Transferring);
-    let bulk_started = Instant::now();
-    let (token, total) = (session_token(offer), offer.snapshot_size);
-    let report = progress_reporter(ctx, total);
-    let cancel = ctx.cancel.child_token();
-    let (faults, soft) = (ctx.faults.clone(), ctx.rdma.soft);
-    let peer_timeout = ctx.config.data.peer_timeout;
-    let run = tokio::task::spawn_blocking(move || {
-        let run = match provider {
-            RdmaProvider::Emulated => crate::transport::emulated::EmuQp::dial(
-                dest,
-                rdma::CONNECT_TIMEOUT,
-                faults.emu.clone(),
-            )
-            .and_then(|qp| qp.set_peer_timeout(peer_timeout).map(|_| qp))
-            .map(|qp| {
-                rdma::run_replica(
-                    qp,
-                    token,
-                    total,
-                    &mut staging,
-                    &faults.rdma,
-                    &report,
-                    cancel,
-                )
-            }),
-            #[cfg(feature = "rdma")]
-            RdmaProvider::Verbs => {
-                crate::transport::verbs::VerbsQp::dial(dest, local, soft).map(|qp| {
-                    rdma::run_replica(
-                        qp,
-                        token,
-                        total,
-                        &mut staging,
-                        &faults.rdma,
-                        &report,
-                        cancel,
-                    )
-                })
-            }
-            #[cfg(not(feature = "rdma"))]
-            RdmaProvider::Verbs => {
-                let _ = (soft, local, cancel);
-                unreachable!("the probe never offers verbs without the rdma feature")
-            }
-        };
-        (run, staging)
-    });
-    let (run, staging) = run.await.expect("transfer thread does not panic");
-    let run = run.map_err(|e| JobError::DataConnect {
-        endpoint: dest.to_string(),
-        message: e.to_string(),
-    })?;
-    bulk_done(ctx, TransportKind::Rdma, bulk_started, staging.written());
-    if let Some(memory) = run.memory {
-        ctx.progress
-            .send_modify(|p| p.detail = format!("{label} to {dest}; receive memory: {memory}"));
-    }
-    if let Some(e) = run.failure.as_ref() {
-        warn!(error = %e, "received snapshot rejected");
-    }
-    let (outcome, info) = verdict(run.result?, run.info)?;
-    Ok(Transfer {
-        staging,
-        outcome,
-        info,
+    Ok(DialSpec {
+        endpoint,
+        rdma,
+        peer_timeout: ctx.config.data.peer_timeout,
+        local,
+        soft: ctx.rdma.soft,
+        faults: ctx.faults.clone(),
     })
+}
+
+/// How the status describes the data link.
+fn link_label(offer: &pb::SyncOffer, spec: &DialSpec) -> String {
+    let how = match spec.rdma {
+        None => "tcp stream into staging file".to_string(),
+        Some(RdmaProvider::Verbs) => format!("rdma verbs via {}", offer.rdma_device),
+        Some(RdmaProvider::Emulated) => "rdma EMULATED fabric (not hardware)".to_string(),
+    };
+    format!("{how} to {}", spec.endpoint)
+}
+
+/// What a panicked task said, for the sync's error.
+fn panic_text(e: tokio::task::JoinError) -> String {
+    match e.try_into_panic() {
+        Ok(p) => p
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| p.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "panic".into()),
+        Err(e) => e.to_string(),
+    }
 }

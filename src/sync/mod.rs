@@ -3,10 +3,12 @@
 //! [`SyncManager`] owns the replica-side jobs of this agent: starting one
 //! (or returning the running one for the same source), their progress as a
 //! watchable [`pb::SyncProgress`], cancellation, and the list of recent
-//! finished syncs. The job itself lives in [`job`]; the source role (offers
-//! and the data listener) in [`source`].
+//! finished syncs. The job itself lives in [`job`], its receiving end in
+//! [`receive`]; the source role (offers and the data listeners) in
+//! [`source`].
 
 pub mod job;
+pub mod receive;
 pub mod source;
 
 use std::collections::{HashMap, VecDeque};
@@ -17,8 +19,8 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
-use crate::control::{pb, Dialer};
 use crate::metrics::Metrics;
+use crate::rpc::{pb, Dialer};
 use crate::transport::probe::Probe;
 use crate::transport::Faults;
 

@@ -1,34 +1,36 @@
-//! The source role: session offers and the data listeners (TCP, and RDMA
-//! over verbs or the emulated fabric).
+//! The source role: session offers and the one serve loop for data
+//! connections, whatever their transport (TCP, the emulated fabric, verbs).
 //!
 //! Owns the table of offered sessions (one-time token → the snapshot held in
-//! the cache for it, the transport it was offered on, an expiry), the
-//! acceptance of data connections (the first TCP frame, or the RDMA connect
-//! private data, must prove an offered, unexpired, unused token for that
-//! transport, or the connection is refused before any snapshot byte moves
-//! and counted), and the source-side metrics of each served session. An
-//! offer holds its cache reference from the moment it is made, so a
-//! snapshot deleted or replaced after the offer is still delivered exactly
-//! as offered.
+//! the cache for it, the transport it was offered on, an expiry) with its
+//! admission limit, the acceptance of data connections (the first TCP
+//! frame, or the RDMA connect private data, must prove an offered,
+//! unexpired, unused token for that transport, or the connection is refused
+//! before any snapshot byte moves and counted), and the source-side metrics
+//! of each served session. An offer holds its cache reference from the
+//! moment it is made, so a snapshot deleted or replaced after the offer is
+//! still delivered exactly as offered.
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use futures::{Stream, StreamExt};
 use rand::RngCore;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, info_span, warn};
 
 use crate::blk3::token::SESSION_TOKEN_LEN;
-use crate::blk3::{Blk3Error, BulkParams, Outcome};
+use crate::blk3::{BulkParams, Outcome};
 use crate::cache::CacheRef;
 use crate::catalog::CatalogEntry;
-use crate::metrics::{unix_now, Metrics};
-use crate::transport::fabric::Fabric;
+use crate::metrics::{unix_now, Metrics, Running};
+use crate::transport::probe::Probe;
 use crate::transport::ratelimit::RateLimiter;
-use crate::transport::tcp::{self, Link, TcpError};
-use crate::transport::{rdma, Faults, TransportKind};
+use crate::transport::session::{Accepted, Serve, SessionResult, SourceLink};
+use crate::transport::{Faults, TransportKind};
 
 /// A session offered to a replica, waiting for its data connection.
 pub struct Offer {
@@ -41,31 +43,93 @@ pub struct Offer {
     pub expires: Instant,
 }
 
-/// Offered sessions by token, plus a count of sessions being served.
-#[derive(Default)]
+/// One unit of a counter, held until dropped.
+pub struct Slot(Arc<AtomicUsize>);
+
+impl Slot {
+    fn take(counter: &Arc<AtomicUsize>) -> Slot {
+        counter.fetch_add(1, Ordering::SeqCst);
+        Slot(counter.clone())
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// An offer whose data connection proved its token: being served until
+/// dropped.
+pub struct Session {
+    pub offer: Offer,
+    _serving: Slot,
+}
+
+/// Offered sessions by token, the sessions being prepared and served, and
+/// the limit on all of them together (`sync.max_outgoing_syncs`).
 pub struct SessionTable {
     offers: Mutex<HashMap<[u8; SESSION_TOKEN_LEN], Offer>>,
-    serving: AtomicUsize,
+    /// Offers being prepared (admitted, not yet inserted).
+    pending: Arc<AtomicUsize>,
+    serving: Arc<AtomicUsize>,
+    limit: AtomicUsize,
 }
 
 impl SessionTable {
-    /// Stores `offer` and returns its fresh random token.
-    pub fn insert(&self, offer: Offer) -> [u8; SESSION_TOKEN_LEN] {
+    /// A table admitting at most `limit` sessions at once.
+    pub fn new(limit: usize) -> SessionTable {
+        SessionTable {
+            offers: Mutex::default(),
+            pending: Arc::default(),
+            serving: Arc::default(),
+            limit: AtomicUsize::new(limit),
+        }
+    }
+
+    /// Reserves room for one more session before an offer is prepared, or
+    /// returns the limit when it is reached. The check and the reservation
+    /// are one step, so concurrent offers cannot exceed the limit.
+    pub fn admit(&self) -> Result<Slot, usize> {
+        let offers = self.offers.lock().expect("sessions lock");
+        let limit = self.limit.load(Ordering::Relaxed);
+        let active = offers.len()
+            + self.pending.load(Ordering::SeqCst)
+            + self.serving.load(Ordering::SeqCst);
+        if active >= limit {
+            return Err(limit);
+        }
+        Ok(Slot::take(&self.pending))
+    }
+
+    /// Changes the limit (running sessions continue).
+    pub fn set_limit(&self, limit: usize) {
+        self.limit.store(limit, Ordering::Relaxed);
+    }
+
+    /// Stores `offer` in the room `admitted` reserved and returns its fresh
+    /// random token.
+    pub fn insert(&self, offer: Offer, admitted: Slot) -> [u8; SESSION_TOKEN_LEN] {
         let mut token = [0u8; SESSION_TOKEN_LEN];
         rand::rng().fill_bytes(&mut token);
-        self.offers
-            .lock()
-            .expect("sessions lock")
-            .insert(token, offer);
+        let mut offers = self.offers.lock().expect("sessions lock");
+        offers.insert(token, offer);
+        drop(admitted);
         token
     }
 
     /// Takes the offer for `token` if it exists, has not expired and was
-    /// made for `transport`. A token works once.
-    pub fn take(&self, token: &[u8], transport: TransportKind) -> Option<Offer> {
+    /// made for `transport`. A token works once; the session counts as
+    /// served until the returned value drops.
+    pub fn take(&self, token: &[u8], transport: TransportKind) -> Option<Session> {
         let token: &[u8; SESSION_TOKEN_LEN] = token.get(..SESSION_TOKEN_LEN)?.try_into().ok()?;
-        let offer = self.offers.lock().expect("sessions lock").remove(token)?;
-        (offer.expires > Instant::now() && offer.transport == transport).then_some(offer)
+        let mut offers = self.offers.lock().expect("sessions lock");
+        let offer = offers.remove(token)?;
+        let fits = offer.expires > Instant::now() && offer.transport == transport;
+        fits.then(|| Session {
+            offer,
+            _serving: Slot::take(&self.serving),
+        })
     }
 
     /// Drops expired offers (releasing their cache references).
@@ -77,20 +141,36 @@ impl SessionTable {
         before - offers.len()
     }
 
-    /// Sessions offered and not yet connected, plus those being served.
-    pub fn active(&self) -> usize {
-        self.offers.lock().expect("sessions lock").len() + self.serving()
-    }
-
     /// Sessions moving bytes now.
     pub fn serving(&self) -> usize {
-        self.serving.load(Ordering::Relaxed)
+        self.serving.load(Ordering::SeqCst)
     }
 
     /// Drops every offer (shutdown).
     pub fn clear(&self) {
         self.offers.lock().expect("sessions lock").clear();
     }
+
+    /// Drops expired offers every second until `shutdown`.
+    pub async fn expire(self: Arc<Self>, shutdown: CancellationToken) {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tick.tick() => { self.sweep(); }
+            }
+        }
+    }
+}
+
+/// Where this agent's data plane listens, and what its RDMA probe found:
+/// what offers advertise and status reports.
+pub struct DataEndpoints {
+    /// The TCP data listener.
+    pub tcp: SocketAddr,
+    /// The RDMA listener, when RDMA is usable.
+    pub rdma: Option<SocketAddr>,
+    pub probe: Arc<Probe>,
 }
 
 /// Everything a data connection needs on the source.
@@ -101,7 +181,7 @@ pub struct DataPlane {
     pub faults: Faults,
     /// Bulk parameters of RDMA sessions (soft-device caps applied).
     pub bulk: BulkParams,
-    /// Stops RDMA sessions at shutdown.
+    /// Stops every session at shutdown.
     pub shutdown: CancellationToken,
     /// The agent's bandwidth limit for what it sends.
     pub rate: Arc<RateLimiter>,
@@ -109,256 +189,170 @@ pub struct DataPlane {
     pub peer_timeout: Duration,
 }
 
-/// Accepts data connections until `shutdown`; each runs on its own thread.
-pub async fn serve_tcp(
-    listener: tokio::net::TcpListener,
-    plane: DataPlane,
-    shutdown: CancellationToken,
-) {
-    let expiry = tokio::spawn({
-        let (sessions, stop) = (plane.sessions.clone(), shutdown.clone());
-        async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(1));
-            loop {
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = tick.tick() => { sessions.sweep(); }
-                }
-            }
-        }
-    });
+/// The one serve loop: takes accepted data connections, of any transport,
+/// until shutdown; each session runs on its own blocking thread.
+pub async fn serve(mut incoming: impl Stream<Item = (Accepted, String)> + Unpin, plane: DataPlane) {
+    let shutdown = plane.shutdown.clone();
     loop {
-        let accepted = tokio::select! {
+        let (conn, peer) = tokio::select! {
             _ = shutdown.cancelled() => break,
-            a = listener.accept() => a,
+            next = incoming.next() => match next {
+                Some(c) => c,
+                None => break,
+            },
         };
-        let (stream, peer) = match accepted {
-            Ok(a) => a,
-            Err(e) => {
-                warn!(error = %e, "data listener accept failed");
-                continue;
-            }
-        };
-        let link = match crate::transport::blocking_data_socket(stream, plane.peer_timeout)
-            .and_then(Link::new)
-        {
-            Ok(l) => l,
-            Err(e) => {
-                warn!(%peer, error = %e, "data connection unusable");
-                continue;
-            }
-        };
-        // Shutdown cancels the session's socket, which unblocks its thread.
-        let cancel = link.cancel_handle();
         let plane = plane.clone();
-        let job = tokio::task::spawn_blocking(move || serve_connection(link, peer, &plane));
-        let stop = shutdown.clone();
-        tokio::spawn(async move {
-            tokio::select! {
-                _ = stop.cancelled() => cancel.cancel(),
-                _ = job => {}
-            }
-        });
+        tokio::task::spawn_blocking(move || serve_connection(conn, &peer, &plane));
     }
-    expiry.abort();
 }
 
 /// The refusal a replica sees for a bad session proof.
 const BAD_TOKEN: &str = "unknown, used or expired session token";
 
-fn serve_connection(mut link: Link, peer: std::net::SocketAddr, plane: &DataPlane) {
-    let token = match tcp::read_hello(&mut link) {
-        Ok(t) => t,
+/// Reads the connection's session proof, takes its offer, and serves it;
+/// refuses (and counts) a connection that cannot prove one.
+fn serve_connection(conn: Accepted, peer: &str, plane: &DataPlane) {
+    let kind = conn.kind();
+    let refused = |why: &dyn std::fmt::Display| {
+        plane.metrics.data_auth_failures.inc();
+        warn!(%peer, transport = %kind, "data connection refused: {why}");
+    };
+    let mut link = match conn.open(plane.peer_timeout, &plane.faults) {
+        Ok(link) => link,
+        Err(e) => return refused(&e),
+    };
+    let proof = match link.proof() {
+        Ok(p) => p,
         Err(e) => {
-            plane.metrics.data_auth_failures.inc();
-            warn!(%peer, error = %e, "data connection refused: no session proof");
-            return tcp::refuse(&mut link, "the first frame must prove a session");
+            refused(&e);
+            return link.refuse("the first frame must prove a session");
         }
     };
-    let Some(offer) = plane.sessions.take(&token, TransportKind::Tcp) else {
-        plane.metrics.data_auth_failures.inc();
-        warn!(%peer, "data connection refused: {BAD_TOKEN}");
-        return tcp::refuse(&mut link, BAD_TOKEN);
+    let Some(session) = plane.sessions.take(&proof, kind) else {
+        refused(&BAD_TOKEN);
+        return link.refuse(BAD_TOKEN);
     };
-    serve(
-        plane,
-        &offer,
-        &peer.to_string(),
-        |progress| match tcp::run_source(
-            &mut link,
-            &offer.snapshot,
-            offer.entry.info.seq,
-            &plane.faults,
-            &plane.rate,
-            progress,
-        ) {
-            Ok(r) => Served::from(r),
-            Err(TcpError::Cancelled) => Served::Cancelled,
-            Err(e) => Served::Failed(e.to_string()),
-        },
-    );
-}
-
-/// Serves one RDMA connection request: checks the session token in the
-/// private data (rejecting the connection otherwise), then runs the session.
-pub fn serve_rdma<F: Fabric>(mut qp: F, peer: &str, plane: &DataPlane) {
-    let Some(offer) = plane.sessions.take(qp.private_data(), TransportKind::Rdma) else {
-        plane.metrics.data_auth_failures.inc();
-        warn!(%peer, provider = qp.provider(), "rdma connection rejected: {BAD_TOKEN}");
-        return qp.reject(BAD_TOKEN);
-    };
-    let provider = qp.provider();
-    serve(plane, &offer, peer, |progress| {
-        let run = rdma::run_source(
-            qp,
-            rdma::SourceSession {
-                snapshot: &offer.snapshot,
-                seq: offer.entry.info.seq,
-                params: plane.bulk,
-                faults: &plane.faults.rdma,
-                rate: &plane.rate,
-                progress,
-                cancel: plane.shutdown.clone(),
-            },
-        );
-        let bulk_mb_s = run.stats.bulk_mb_s(offer.snapshot.len() as u64);
-        info!(
-            writes = run.stats.posted,
-            signaled = run.stats.signaled,
-            bulk_mb_s,
-            provider,
-            "rdma bulk done"
-        );
-        match run.result {
-            Ok(r) => Served::from(r),
-            Err(rdma::RdmaError::Cancelled) => Served::Cancelled,
-            Err(e) => Served::Failed(e.to_string()),
-        }
+    // Shutdown stops a TCP session by shutting its socket.
+    let stop = link.canceller().map(|c| {
+        let shutdown = plane.shutdown.clone();
+        tokio::runtime::Handle::current().spawn(async move {
+            shutdown.cancelled().await;
+            c.cancel();
+        })
     });
-}
-
-/// How a served session ended.
-enum Served {
-    Ok,
-    Rejected(Blk3Error),
-    Failed(String),
-    Cancelled,
-}
-
-impl From<Result<Outcome, Blk3Error>> for Served {
-    fn from(r: Result<Outcome, Blk3Error>) -> Served {
-        match r {
-            Ok(_) => Served::Ok,
-            Err(e) if e.is_checksum_report() => Served::Rejected(e),
-            Err(e) => Served::Failed(e.to_string()),
-        }
+    serve_session(plane, &session.offer, peer, link);
+    if let Some(stop) = stop {
+        stop.abort();
     }
 }
 
 /// Runs one authenticated session with its logs and metrics.
-fn serve(plane: &DataPlane, offer: &Offer, peer: &str, run: impl FnOnce(&AtomicU64) -> Served) {
+fn serve_session(plane: &DataPlane, offer: &Offer, peer: &str, link: SourceLink) {
     let span = info_span!("session", id = %offer.id, replica = %offer.replica);
     let _enter = span.enter();
     let m = &plane.metrics;
     let transport = offer.transport.as_str();
-    m.fullsync_in_progress.with_label_values(&["source"]).inc();
-    plane.sessions.serving.fetch_add(1, Ordering::Relaxed);
+    let _running = Running::start(m.fullsync_in_progress.with_label_values(&["source"]));
     let started = Instant::now();
     let progress = AtomicU64::new(0);
     info!(%peer, bytes = offer.snapshot.len(), seq = offer.entry.info.seq, "serving snapshot over {transport}");
-    let served = run(&progress);
+    let result = link.serve(Serve {
+        snapshot: &offer.snapshot,
+        seq: offer.entry.info.seq,
+        params: plane.bulk,
+        faults: &plane.faults,
+        rate: &plane.rate,
+        progress: &progress,
+        cancel: plane.shutdown.clone(),
+    });
     let sent = progress.load(Ordering::Relaxed);
     m.fullsync_bytes
         .with_label_values(&["source", transport])
         .inc_by(sent);
-    let label = match served {
-        Served::Ok => {
+    let label = served_label(&result);
+    match &result {
+        Ok(Ok(_)) => {
             info!(bytes = sent, elapsed = ?started.elapsed(), "session served");
             m.last_success
                 .with_label_values(&["source"])
                 .set(unix_now());
-            "ok"
         }
-        Served::Rejected(e) => {
-            warn!(error = %e, "replica rejected the snapshot");
-            "checksum_mismatch"
+        Ok(Err(e)) if label == "checksum_mismatch" => {
+            warn!(error = %e, "replica rejected the snapshot")
         }
-        Served::Failed(e) => {
-            warn!(error = %e, "session failed");
-            "failed"
-        }
-        Served::Cancelled => "cancelled",
-    };
+        Ok(Err(e)) => warn!(error = %e, "session failed"),
+        Err(e) if label == "cancelled" => info!(error = %e, "session cancelled"),
+        Err(e) => warn!(error = %e, "session failed"),
+    }
     m.fullsync_total
         .with_label_values(&["source", transport, label])
         .inc();
     m.fullsync_duration
         .with_label_values(&["source", transport])
         .observe(started.elapsed().as_secs_f64());
-    m.fullsync_in_progress.with_label_values(&["source"]).dec();
-    plane.sessions.serving.fetch_sub(1, Ordering::Relaxed);
 }
 
-/// Accepts emulated-fabric connections until `shutdown`; each session runs
-/// on its own blocking thread.
-pub async fn serve_emulated(
+/// The `result` label of a served session.
+fn served_label(result: &SessionResult) -> &'static str {
+    match result {
+        Ok(Ok(Outcome::Sent { .. } | Outcome::Received { .. })) => "ok",
+        Ok(Err(e)) if e.is_checksum_report() => "checksum_mismatch",
+        Err(e) if e.is_cancelled() => "cancelled",
+        _ => "failed",
+    }
+}
+
+/// TCP data connections from `listener`, for [`serve`].
+pub fn tcp_connections(
     listener: tokio::net::TcpListener,
-    plane: DataPlane,
-    shutdown: CancellationToken,
-) {
-    loop {
-        let (stream, peer) = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            a = listener.accept() => match a {
-                Ok(a) => a,
-                Err(e) => {
-                    warn!(error = %e, "emulated rdma listener accept failed");
-                    continue;
-                }
-            },
-        };
-        let plane = plane.clone();
-        tokio::task::spawn_blocking(move || {
-            let qp = crate::transport::blocking_data_socket(stream, plane.peer_timeout)
-                .map_err(|e| e.to_string())
-                .and_then(|s| {
-                    crate::transport::emulated::EmuQp::incoming(
-                        s,
-                        tcp::HELLO_TIMEOUT,
-                        plane.faults.emu.clone(),
-                    )
-                    .map_err(|e| e.to_string())
-                });
-            match qp {
-                Ok(qp) => serve_rdma(qp, &peer.to_string(), &plane),
-                Err(e) => {
-                    plane.metrics.data_auth_failures.inc();
-                    warn!(%peer, error = %e, "emulated rdma connection refused");
-                }
+    emulated: bool,
+) -> impl Stream<Item = (Accepted, String)> + Unpin {
+    tokio_stream::wrappers::TcpListenerStream::new(listener).filter_map(move |accepted| {
+        std::future::ready(match accepted {
+            Ok(s) => {
+                let peer = s.peer_addr().map_or_else(|_| "?".into(), |a| a.to_string());
+                let conn = if emulated {
+                    Accepted::Emulated(s)
+                } else {
+                    Accepted::Tcp(s)
+                };
+                Some((conn, peer))
             }
-        });
-    }
+            Err(e) => {
+                warn!(error = %e, "data listener accept failed");
+                None
+            }
+        })
+    })
 }
 
-/// Accepts rdma_cm connection requests on a blocking thread until
-/// `shutdown`; each session runs on its own thread.
+/// rdma_cm connection requests from `listener`, accepted on a blocking
+/// thread until `shutdown`, for [`serve`].
 #[cfg(feature = "rdma")]
-pub fn serve_verbs(listener: crate::transport::verbs::VerbsListener, soft: bool, plane: DataPlane) {
-    let shutdown = plane.shutdown.clone();
-    while !shutdown.is_cancelled() {
-        // Wake up now and then to notice shutdown.
-        match listener.accept(Duration::from_millis(250), soft) {
-            Ok(Some(qp)) => {
-                let plane = plane.clone();
-                let spawned = std::thread::Builder::new()
-                    .name("kvsync-rdma-session".into())
-                    .spawn(move || serve_rdma(qp, "rdma_cm", &plane));
-                if let Err(e) = spawned {
-                    warn!(error = %e, "cannot start an rdma session thread");
+pub fn verbs_connections(
+    listener: crate::transport::verbs::VerbsListener,
+    soft: bool,
+    shutdown: CancellationToken,
+) -> std::io::Result<impl Stream<Item = (Accepted, String)> + Unpin> {
+    let (tx, rx) = tokio::sync::mpsc::channel(16);
+    std::thread::Builder::new()
+        .name("kvsync-rdma-listen".into())
+        .spawn(move || {
+            while !shutdown.is_cancelled() {
+                // Wake up now and then to notice shutdown.
+                match listener.accept(Duration::from_millis(250), soft) {
+                    Ok(Some(qp)) => {
+                        if tx
+                            .blocking_send((Accepted::Verbs(Box::new(qp)), "rdma_cm".into()))
+                            .is_err()
+                        {
+                            return;
+                        }
+                    }
+                    Ok(None) => {}
+                    Err(e) => warn!(error = %e, "rdma listener"),
                 }
             }
-            Ok(None) => {}
-            Err(e) => warn!(error = %e, "rdma listener"),
-        }
-    }
+        })?;
+    Ok(tokio_stream::wrappers::ReceiverStream::new(rx))
 }

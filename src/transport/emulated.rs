@@ -867,7 +867,9 @@ mod tests {
         let (mut a, mut b) = pair(&[], EmuFaults::default());
         let mut dst = vec![0u8; 64];
         let mut src: Vec<u8> = (0..64).collect();
+        // SAFETY: the buffer outlives the queue pair in this test.
         let remote = unsafe { a.register(dst.as_mut_ptr(), dst.len(), true) }.unwrap();
+        // SAFETY: the buffer outlives the queue pair in this test.
         let local = unsafe { b.register(src.as_mut_ptr(), src.len(), false) }.unwrap();
         b.post_writes(&local, remote.addr, remote.rkey, &writes(0..8, 8, 3))
             .unwrap();
@@ -901,7 +903,9 @@ mod tests {
             let (mut a, mut b) = pair(&[1], EmuFaults::default());
             let mut dst = vec![0u8; 16];
             let mut src = vec![1u8; 16];
+            // SAFETY: the buffer outlives the queue pair in this test.
             let remote = unsafe { a.register(dst.as_mut_ptr(), 16, true) }.unwrap();
+            // SAFETY: the buffer outlives the queue pair in this test.
             let local = unsafe { b.register(src.as_mut_ptr(), 16, false) }.unwrap();
             let w = [
                 WriteOp {
@@ -941,7 +945,9 @@ mod tests {
         let (mut a, mut b) = pair(&[], EmuFaults::default());
         let mut dst = vec![0u8; 8];
         let mut src = vec![1u8; 8];
+        // SAFETY: the buffer outlives the queue pair in this test.
         let remote = unsafe { a.register(dst.as_mut_ptr(), 8, false) }.unwrap();
+        // SAFETY: the buffer outlives the queue pair in this test.
         let local = unsafe { b.register(src.as_mut_ptr(), 8, false) }.unwrap();
         b.post_writes(&local, remote.addr, remote.rkey, &writes(0..1, 8, 1))
             .unwrap();
@@ -954,7 +960,9 @@ mod tests {
         b.set_sq_depth(4);
         let mut dst = vec![0u8; 64];
         let mut src = vec![3u8; 64];
+        // SAFETY: the buffer outlives the queue pair in this test.
         let remote = unsafe { a.register(dst.as_mut_ptr(), 64, true) }.unwrap();
+        // SAFETY: the buffer outlives the queue pair in this test.
         let local = unsafe { b.register(src.as_mut_ptr(), 64, false) }.unwrap();
         b.post_writes(&local, remote.addr, remote.rkey, &writes(0..3, 8, 100))
             .unwrap();
@@ -991,7 +999,9 @@ mod tests {
         let (mut a, mut b) = pair(&[], faults);
         let mut dst = vec![0u8; 32];
         let mut src = vec![0u8; 32];
+        // SAFETY: the buffer outlives the queue pair in this test.
         let remote = unsafe { a.register(dst.as_mut_ptr(), 32, true) }.unwrap();
+        // SAFETY: the buffer outlives the queue pair in this test.
         let local = unsafe { b.register(src.as_mut_ptr(), 32, false) }.unwrap();
         b.post_writes(&local, remote.addr, remote.rkey, &writes(0..4, 8, 4))
             .unwrap();
@@ -1004,7 +1014,9 @@ mod tests {
             ..Default::default()
         };
         let (mut a, mut b) = pair(&[5], faults);
+        // SAFETY: the buffer outlives the queue pair in this test.
         let remote = unsafe { a.register(dst.as_mut_ptr(), 32, true) }.unwrap();
+        // SAFETY: the buffer outlives the queue pair in this test.
         let local = unsafe { b.register(src.as_mut_ptr(), 32, false) }.unwrap();
         b.post_writes(&local, remote.addr, remote.rkey, &writes(0..4, 8, 4))
             .unwrap();

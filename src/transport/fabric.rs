@@ -1,4 +1,4 @@
-//! The narrow RDMA interface the BLK3 RDMA driver needs (DESIGN.md §3), and
+//! The narrow RDMA interface the BLK3 RDMA driver needs (docs/ARCHITECTURE.md, "Transports"), and
 //! the types both implementations share.
 //!
 //! A [`Fabric`] is one reliable-connected queue pair: register memory (→

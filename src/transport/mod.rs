@@ -1,9 +1,10 @@
 //! Data-plane transports: the drivers that execute BLK3 commands.
 //!
 //! Owns the generic driver loop ([`drive`]) that runs a sans-IO machine over
-//! an [`Executor`], the transport labels used in status and metrics, and the
-//! fault-injection hooks used by fault tests. Each submodule owns one
-//! transport; protocol decisions stay in `blk3`.
+//! an [`Executor`], the [`Sink`] every replica driver feeds, the transport
+//! labels used in status and metrics, and the fault-injection hooks used by
+//! fault tests. Each submodule owns one transport; [`session`] makes them
+//! one type for the layers above; protocol decisions stay in `blk3`.
 
 pub mod emulated;
 pub mod fabric;
@@ -11,6 +12,7 @@ pub mod probe;
 pub mod ratelimit;
 pub mod rdma;
 pub mod select;
+pub mod session;
 pub mod tcp;
 #[cfg(feature = "rdma")]
 pub mod verbs;
@@ -19,6 +21,27 @@ pub mod zerocopy;
 use std::time::Duration;
 
 use crate::blk3::{Blk3Error, Command, Input, Machine, Outcome};
+
+/// How long establishing a data connection may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Where a replica session puts the snapshot it receives. Drivers only move
+/// bytes and report them here, in order; the sink owns the destination, the
+/// checksum and the first local failure, identically for every transport.
+pub trait Sink: Send {
+    /// Makes room for `len` bytes. `Err` carries the reason the session
+    /// ends with (RDFL before any byte moves).
+    fn prepare(&mut self, len: u64) -> Result<(), String>;
+    /// The next received bytes, written to the prepared file.
+    fn write(&mut self, bytes: &[u8]);
+    /// The prepared file, for receive memory mapped over it (RDMA).
+    fn file(&self) -> &std::fs::File;
+    /// The next received bytes, already in the file through a shared
+    /// mapping of it.
+    fn absorb(&mut self, bytes: &[u8]);
+    /// Verifies everything received; `Err` is the reason for RDFL.
+    fn verify(&mut self) -> Result<(), String>;
+}
 
 /// A connected data socket as a blocking one for its transfer thread, set
 /// up to notice a dead peer (see [`detect_dead_peer`]).
@@ -51,8 +74,9 @@ pub fn detect_dead_peer(
     socket.set_tcp_user_timeout(Some(peer_timeout))
 }
 
-/// Which transport moved a snapshot.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// Which transport moves a snapshot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum TransportKind {
     Tcp,
     Rdma,
@@ -65,6 +89,12 @@ impl TransportKind {
             TransportKind::Tcp => "tcp",
             TransportKind::Rdma => "rdma",
         }
+    }
+}
+
+impl std::fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 

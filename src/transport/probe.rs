@@ -1,4 +1,4 @@
-//! The RDMA probe and transport selection (DESIGN.md §3): which verbs
+//! The RDMA probe and transport selection (docs/ARCHITECTURE.md, "Transports"): which verbs
 //! devices this host has, their port states and network devices, which
 //! interface RDMA would use, whether rdma_cm resolves its address — and so
 //! whether `auto` picks RDMA or TCP, and why. `kvsync probe` prints it; the
@@ -15,6 +15,7 @@ use std::net::IpAddr;
 use serde::Serialize;
 
 use super::select::{self, Iface};
+use super::TransportKind;
 use crate::blk3::BulkParams;
 use crate::config::{RdmaProvider, TransportConfig, TransportMode};
 
@@ -51,15 +52,15 @@ pub struct Probe {
     pub device: Option<String>,
     /// That device is a software device (runtime caps apply).
     pub soft: bool,
-    /// `verbs` or `emulated`.
-    pub provider: &'static str,
+    /// The configured RDMA implementation.
+    pub provider: RdmaProvider,
     /// The interface and local address RDMA binds and connects from.
     pub interface: Option<String>,
     pub local_addr: Option<IpAddr>,
     /// The configured `transport.mode`.
-    pub mode: &'static str,
-    /// What a sync started with the configured mode uses: "rdma" or "tcp".
-    pub choice: &'static str,
+    pub mode: TransportMode,
+    /// What a sync started with the configured mode uses.
+    pub choice: TransportKind,
     /// Bulk parameters in effect (after soft-device caps).
     pub chunk_mb: u64,
     pub pipeline: u32,
@@ -67,6 +68,14 @@ pub struct Probe {
 }
 
 impl Probe {
+    /// RDMA turned out unusable after the probe (its listener could not
+    /// start): this agent uses TCP, and says why.
+    pub fn fall_back_to_tcp(&mut self, reason: String) {
+        self.rdma_available = false;
+        self.choice = TransportKind::Tcp;
+        self.reason = reason;
+    }
+
     /// Bulk parameters for RDMA sessions: the configuration, capped on soft
     /// devices.
     pub fn bulk_params(t: &TransportConfig, soft: bool) -> BulkParams {
@@ -79,7 +88,7 @@ impl Probe {
     }
 }
 
-/// True for software RDMA devices, which get the runtime caps of DESIGN.md §2.
+/// True for software RDMA devices, which get the runtime caps of docs/ARCHITECTURE.md, "BLK3".
 pub fn is_soft(name: &str) -> bool {
     name.starts_with("rxe") || name.starts_with("siw")
 }
@@ -113,15 +122,15 @@ pub fn probe(t: &TransportConfig) -> Probe {
         devices: found.devices,
         device: found.device,
         soft: found.soft,
-        provider: t.rdma_provider.as_str(),
+        provider: t.rdma_provider,
         interface: found.interface,
         local_addr: found.local_addr,
-        mode: match t.mode {
-            TransportMode::Tcp => "tcp",
-            TransportMode::Rdma => "rdma",
-            TransportMode::Auto => "auto",
+        mode: t.mode,
+        choice: if found.available {
+            TransportKind::Rdma
+        } else {
+            TransportKind::Tcp
         },
-        choice: if found.available { "rdma" } else { "tcp" },
         chunk_mb: params.chunk >> 20,
         pipeline: params.pipeline,
         signal_batch: params.signal_batch,
@@ -454,7 +463,7 @@ mod tests {
         }
         let p = probe(&TransportConfig::default());
         assert!(!p.rdma_available);
-        assert_eq!(p.choice, "tcp");
+        assert_eq!(p.choice, TransportKind::Tcp);
         assert!(p.reason.starts_with("no RDMA"), "{}", p.reason);
     }
 
@@ -465,12 +474,12 @@ mod tests {
             ..Default::default()
         };
         let p = probe(&t);
-        assert!(p.rdma_available && p.choice == "rdma");
+        assert!(p.rdma_available && p.choice == TransportKind::Rdma);
         assert!(p.reason.contains("emulat"), "{}", p.reason);
         let t = TransportConfig {
             mode: TransportMode::Tcp,
             ..t
         };
-        assert_eq!(probe(&t).choice, "tcp");
+        assert_eq!(probe(&t).choice, TransportKind::Tcp);
     }
 }

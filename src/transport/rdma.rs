@@ -4,7 +4,7 @@
 //! Owns the mapping from BLK3 commands to queue-pair work — tokens by
 //! Send/Recv, the bulk by chained RDMA Writes from the shared snapshot
 //! buffer — and the replica's receive memory: a `MAP_SHARED` mapping of the
-//! pre-sized temp file registered for remote write (zero-copy into the page
+//! file its [`Sink`] prepared, registered for remote write (zero-copy into the page
 //! cache), or, when the fabric refuses to register file pages, an anonymous
 //! page-aligned buffer written to the file after BDON. Which path was used is
 //! logged and reported. Protocol decisions stay in `blk3`; queue-pair
@@ -20,21 +20,17 @@ use tracing::{info, warn};
 
 use super::fabric::{Completion, Fabric, FabricError, MemoryRegion, WcStatus, WorkKind};
 use super::ratelimit::RateLimiter;
-use super::{drive, Executor};
+use super::{drive, Executor, Sink, CONNECT_TIMEOUT};
 use crate::blk3::token::SESSION_TOKEN_LEN;
 use crate::blk3::{
     Blk3Error, BulkMode, BulkParams, Command, Input, Outcome, Replica, Source, Token, TokenError,
 };
 use crate::buf::AlignedBuf;
 use crate::cache::{CacheError, CacheRef};
-use crate::install::{InstallError, Staging};
-use crate::snapshot::SnapshotInfo;
 
 /// Work-request ids of receives and sends; writes use their plan id.
 const RECV_TAG: u64 = 1 << 62;
 const SEND_TAG: u64 = 1 << 61;
-/// How long establishing the connection may take.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a finished session waits for its last Sends to be delivered.
 const LINGER: Duration = Duration::from_secs(5);
 /// Longest single wait on the completion queue before cancellation is
@@ -60,9 +56,6 @@ pub enum RdmaError {
     /// The snapshot could not be loaded or did not verify on the source.
     #[error("source snapshot: {0}")]
     Snapshot(#[from] CacheError),
-    /// The temp file could not take the snapshot.
-    #[error("receive memory: {0}")]
-    Receive(#[from] InstallError),
     /// The driver was asked for something this role does not do.
     #[error("command {0} is not available over RDMA")]
     Unsupported(&'static str),
@@ -83,7 +76,7 @@ impl RdmaError {
             RdmaError::Fabric(_) => "fabric_error",
             RdmaError::Completion { .. } => "completion_error",
             RdmaError::Token(_) => "protocol",
-            RdmaError::Snapshot(_) | RdmaError::Receive(_) => "local_error",
+            RdmaError::Snapshot(_) => "local_error",
             RdmaError::Unsupported(_) => "protocol",
             RdmaError::Cancelled => "cancelled",
         }
@@ -408,11 +401,8 @@ struct ReplicaIo<'a, F: Fabric> {
     link: Link<F>,
     memory: Option<RecvMemory>,
     token: [u8; SESSION_TOKEN_LEN],
-    staging: &'a mut Staging,
+    sink: &'a mut dyn Sink,
     faults: &'a RdmaFaults,
-    info: Option<SnapshotInfo>,
-    failure: Option<InstallError>,
-    progress: &'a (dyn Fn(u64) + Sync),
 }
 
 impl<F: Fabric> ReplicaIo<'_, F> {
@@ -425,17 +415,18 @@ impl<F: Fabric> ReplicaIo<'_, F> {
         Ok(())
     }
 
-    /// Sizes the temp file and registers memory for `len` bytes.
-    fn prepare(&mut self, len: u64) -> Result<MemoryRegion, RdmaError> {
-        self.staging.prepare(len)?;
+    /// Registers receive memory for `len` bytes over the sink's prepared
+    /// file: its shared mapping when the fabric takes file pages, else an
+    /// anonymous buffer.
+    fn register(&mut self, len: u64) -> Result<MemoryRegion, RdmaError> {
         let len = len as usize;
         if !self.faults.no_file_mr {
-            // SAFETY: the file was just sized to `len` and only this session
+            // SAFETY: the sink sized the file to `len` and only this session
             // touches it until install.
             match unsafe {
                 memmap2::MmapOptions::new()
                     .len(len)
-                    .map_mut(self.staging.file())
+                    .map_mut(self.sink.file())
             } {
                 Ok(mut map) => {
                     // SAFETY: the mapping lives in `self.memory`, dropped after the QP.
@@ -464,16 +455,14 @@ impl<F: Fabric> ReplicaIo<'_, F> {
         Ok(region)
     }
 
-    /// Checksums the received bytes (writing them to the file first when
-    /// they arrived in an anonymous buffer).
-    fn verify(&mut self) -> Result<SnapshotInfo, InstallError> {
+    /// Hands what the source wrote to the sink: bytes already in the file
+    /// through the mapping, or the anonymous buffer to be written.
+    fn land(&mut self) {
         match &self.memory {
-            Some(RecvMemory::Mapped(map)) => self.staging.absorb(map)?,
-            Some(RecvMemory::Heap(buf)) => self.staging.write(buf)?,
+            Some(RecvMemory::Mapped(map)) => self.sink.absorb(map),
+            Some(RecvMemory::Heap(buf)) => self.sink.write(buf),
             None => {}
         }
-        (self.progress)(self.staging.written());
-        self.staging.verify()
     }
 }
 
@@ -492,7 +481,10 @@ impl<F: Fabric> Executor for ReplicaIo<'_, F> {
                 self.link.send(&t).map(|_| None)
             }
             Command::PrepareReceive { len } => {
-                let region = self.prepare(len)?;
+                if let Err(reason) = self.sink.prepare(len) {
+                    return Ok(Some(Input::ReceiveFailed(reason)));
+                }
+                let region = self.register(len)?;
                 info!(
                     memory = self.memory.as_ref().map(RecvMemory::label),
                     bytes = len,
@@ -503,17 +495,10 @@ impl<F: Fabric> Executor for ReplicaIo<'_, F> {
                     rkey: region.rkey,
                 }))
             }
-            Command::Verify => Ok(Some(Input::Verified(match self.verify() {
-                Ok(info) => {
-                    self.info = Some(info);
-                    Ok(())
-                }
-                Err(e) => {
-                    let reason = e.to_string();
-                    self.failure = Some(e);
-                    Err(reason)
-                }
-            }))),
+            Command::Verify => {
+                self.land();
+                Ok(Some(Input::Verified(self.sink.verify())))
+            }
             Command::ReceiveBulk { .. } => Err(RdmaError::Unsupported("ReceiveBulk")),
             Command::PrepareSource | Command::StreamBulk { .. } | Command::PostWrites { .. } => {
                 Err(RdmaError::Unsupported("source command"))
@@ -532,35 +517,27 @@ impl<F: Fabric> Executor for ReplicaIo<'_, F> {
 pub struct ReplicaRun {
     /// Fabric failure, or the protocol's verdict.
     pub result: Result<Result<Outcome, Blk3Error>, RdmaError>,
-    /// The verified snapshot (on success).
-    pub info: Option<SnapshotInfo>,
-    /// The local cause of a failed verification, if any.
-    pub failure: Option<InstallError>,
     /// Which receive-memory path was used, if any.
     pub memory: Option<&'static str>,
 }
 
 /// Runs a replica session on a queue pair that reached the source but is
 /// not connected yet: posts the first receives, connects presenting `token`,
-/// and receives `offered_len` bytes into `staging`.
+/// and receives `offered_len` bytes into `sink`.
 pub fn run_replica<F: Fabric>(
     qp: F,
     token: [u8; SESSION_TOKEN_LEN],
     offered_len: u64,
-    staging: &mut Staging,
+    sink: &mut dyn Sink,
     faults: &RdmaFaults,
-    progress: &(dyn Fn(u64) + Sync),
     cancel: CancellationToken,
 ) -> ReplicaRun {
     let mut io = ReplicaIo {
         link: Link::new(qp, cancel),
         memory: None,
         token,
-        staging,
+        sink,
         faults,
-        info: None,
-        failure: None,
-        progress,
     };
     let mut machine = Replica::new(offered_len, BulkMode::Rdma(BulkParams::default()));
     machine.start(io.now());
@@ -569,8 +546,6 @@ pub fn run_replica<F: Fabric>(
     ReplicaRun {
         result,
         memory: io.memory.as_ref().map(RecvMemory::label),
-        info: io.info.take(),
-        failure: io.failure.take(),
     }
 }
 

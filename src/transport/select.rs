@@ -1,4 +1,4 @@
-//! Local interface choice for RDMA (DESIGN.md §3): which address the RDMA
+//! Local interface choice for RDMA (docs/ARCHITECTURE.md, "Transports"): which address the RDMA
 //! listener binds and replicas connect from, and how a loopback peer is
 //! mapped to a real interface (RDMA cannot use loopback).
 //!

@@ -5,8 +5,8 @@
 //! one-time session token; the bulk phase is the raw snapshot bytes right
 //! after the source accepts MRINFO. The source sends straight from the
 //! shared in-memory snapshot, with `MSG_ZEROCOPY` for large snapshots; the
-//! replica streams into its staging file while the checksum runs over the
-//! same bytes, never holding the whole snapshot in memory. Each session runs
+//! replica hands the stream to its [`Sink`] chunk by chunk, never holding
+//! the whole snapshot in memory. Each session runs
 //! on its own blocking thread; cancelling shuts the socket down, which
 //! unblocks any read or write at once.
 
@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use super::ratelimit::RateLimiter;
 use super::zerocopy::ZeroCopySender;
-use super::{drive, Executor, Faults};
+use super::{drive, Executor, Faults, Sink};
 use crate::blk3::token::{FRAME_HEADER_LEN, MAX_TOKEN_LEN, SESSION_TOKEN_LEN};
 use crate::blk3::{
     size_scaled_timeout, Blk3Error, BulkMode, Command, Input, Outcome, Replica, Source, Token,
@@ -26,7 +26,6 @@ use crate::blk3::{
 };
 use crate::buf::AlignedBuf;
 use crate::cache::{CacheError, CacheRef};
-use crate::install::{InstallError, Staging};
 
 /// Bytes per socket write/read in the bulk phase.
 const BULK_CHUNK: usize = 4 << 20;
@@ -373,15 +372,10 @@ pub fn run_source(
     drive(&mut machine, &mut io)
 }
 
-/// Replica-side executor: tokens plus streaming into the staging file.
+/// Replica-side executor: tokens, and the bulk stream into the sink.
 struct ReplicaIo<'a> {
     link: &'a mut Link,
-    staging: &'a mut Staging,
-    progress: &'a (dyn Fn(u64) + Sync),
-    /// First local failure while receiving (corrupt bytes, disk full): the
-    /// rest of the stream is drained and the failure reported at Verify.
-    failure: Option<InstallError>,
-    info: Option<crate::snapshot::SnapshotInfo>,
+    sink: &'a mut dyn Sink,
 }
 
 impl Executor for ReplicaIo<'_> {
@@ -395,44 +389,16 @@ impl Executor for ReplicaIo<'_> {
         match cmd {
             Command::Send(t) => self.link.send(&t).map(|_| None),
             Command::PostRecv(_) => Ok(None),
-            Command::PrepareReceive { len } => {
-                if let Err(e) = self.staging.prepare(len) {
-                    self.failure = Some(e);
-                }
-                Ok(Some(Input::ReceiveReady { addr: 0, rkey: 0 }))
-            }
+            Command::PrepareReceive { len } => Ok(Some(match self.sink.prepare(len) {
+                Ok(()) => Input::ReceiveReady { addr: 0, rkey: 0 },
+                Err(reason) => Input::ReceiveFailed(reason),
+            })),
             Command::ReceiveBulk { len } => {
-                let (staging, failure, progress) =
-                    (&mut *self.staging, &mut self.failure, self.progress);
-                let mut received = 0u64;
-                self.link.read_bulk(len, |bytes| {
-                    received += bytes.len() as u64;
-                    if failure.is_none() {
-                        if let Err(e) = staging.write(bytes) {
-                            *failure = Some(e);
-                        }
-                    }
-                    progress(received);
-                })?;
+                let sink = &mut *self.sink;
+                self.link.read_bulk(len, |bytes| sink.write(bytes))?;
                 Ok(Some(Input::BulkReceived))
             }
-            Command::Verify => {
-                let verdict = match self.failure.as_ref() {
-                    Some(e) => Err(e.to_string()),
-                    None => match self.staging.verify() {
-                        Ok(info) => {
-                            self.info = Some(info);
-                            Ok(())
-                        }
-                        Err(e) => {
-                            let reason = e.to_string();
-                            self.failure = Some(e);
-                            Err(reason)
-                        }
-                    },
-                };
-                Ok(Some(Input::Verified(verdict)))
-            }
+            Command::Verify => Ok(Some(Input::Verified(self.sink.verify()))),
             Command::PrepareSource | Command::StreamBulk { .. } | Command::PostWrites { .. } => {
                 Err(TcpError::Unsupported("source command"))
             }
@@ -445,41 +411,17 @@ impl Executor for ReplicaIo<'_> {
     }
 }
 
-/// What a replica session produced.
-pub struct ReplicaRun {
-    /// Transport failure, or the protocol's verdict.
-    pub result: Result<Result<Outcome, Blk3Error>, TcpError>,
-    /// The verified snapshot (on success).
-    pub info: Option<crate::snapshot::SnapshotInfo>,
-    /// The local cause of a failed verification, if any.
-    pub failure: Option<InstallError>,
-}
-
 /// Runs a replica session on a connected link: proves the session with
-/// `token`, then receives `offered_len` bytes into `staging`.
+/// `token`, then receives `offered_len` bytes into `sink`. The outer `Err`
+/// is the connection's failure; the inner result the protocol's verdict.
 pub fn run_replica(
     link: &mut Link,
     token: [u8; SESSION_TOKEN_LEN],
     offered_len: u64,
-    staging: &mut Staging,
-    progress: &(dyn Fn(u64) + Sync),
-) -> ReplicaRun {
+    sink: &mut dyn Sink,
+) -> Result<Result<Outcome, Blk3Error>, TcpError> {
     let mut machine = Replica::new(offered_len, BulkMode::Stream);
     machine.start(link.now());
-    let mut io = ReplicaIo {
-        link,
-        staging,
-        progress,
-        failure: None,
-        info: None,
-    };
-    let result = io
-        .link
-        .send(&Token::Sess { token })
-        .and_then(|_| drive(&mut machine, &mut io));
-    ReplicaRun {
-        result,
-        info: io.info,
-        failure: io.failure,
-    }
+    link.send(&Token::Sess { token })?;
+    drive(&mut machine, &mut ReplicaIo { link, sink })
 }

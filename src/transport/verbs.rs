@@ -743,8 +743,8 @@ impl Fabric for VerbsQp {
                 remote_addr: remote_addr + w.offset,
                 rkey,
             };
-            // SAFETY: i + 1 is inside the vector (or the chain ends).
             wr.next = if i + 1 < writes.len() {
+                // SAFETY: i + 1 is inside the vector (or the chain ends).
                 unsafe { base.add(i + 1) }
             } else {
                 null_mut()
@@ -816,6 +816,7 @@ impl Fabric for VerbsQp {
                 let mut ctx = null_mut();
                 // SAFETY: non-blocking channel; the event is acknowledged at once.
                 if unsafe { ibv_get_cq_event(self.comp, &mut cq, &mut ctx) } == 0 {
+                    // SAFETY: `cq` is the queue the event just came from.
                     unsafe { ibv_ack_cq_events(cq, 1) };
                 }
                 armed = false;

@@ -147,6 +147,7 @@ impl<'a> ZeroCopySender<'a> {
             // SAFETY: walking the control messages the kernel filled in.
             let mut cmsg = unsafe { libc::CMSG_FIRSTHDR(&msg) };
             while !cmsg.is_null() {
+                // SAFETY: non-null, and inside the control buffer the kernel filled.
                 let c = unsafe { &*cmsg };
                 let ip = c.cmsg_level == libc::SOL_IP && c.cmsg_type == libc::IP_RECVERR;
                 let ip6 = c.cmsg_level == libc::SOL_IPV6 && c.cmsg_type == IPV6_RECVERR;
@@ -168,6 +169,7 @@ impl<'a> ZeroCopySender<'a> {
                         return Err(io::Error::from_raw_os_error(ee.ee_errno as i32));
                     }
                 }
+                // SAFETY: `cmsg` is a header of `msg`'s control buffer.
                 cmsg = unsafe { libc::CMSG_NXTHDR(&msg, cmsg) };
             }
         }

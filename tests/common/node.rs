@@ -5,8 +5,8 @@
 use std::path::{Path, PathBuf};
 
 use futures::StreamExt;
-use kvsync::control::pb;
-use kvsync::control::pb::orchestrator_client::OrchestratorClient;
+use kvsync::rpc::pb;
+use kvsync::rpc::pb::orchestrator_client::OrchestratorClient;
 use tonic::transport::Channel;
 
 use super::*;

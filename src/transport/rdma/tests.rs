@@ -10,9 +10,12 @@ use std::time::Duration;
 
 use super::*;
 use crate::catalog::CatalogEntry;
+use crate::install::Staging;
 use crate::metrics::Metrics;
 use crate::snapshot::kvr1::GenSpec;
 use crate::snapshot::Format;
+use crate::sync::job::JobError;
+use crate::sync::receive::Receiver;
 use crate::transport::emulated::{EmuFaults, EmuQp};
 use crate::transport::ratelimit::RateLimiter;
 
@@ -46,7 +49,7 @@ async fn cached(entry: &CatalogEntry) -> CacheRef {
 struct Pair {
     source: SourceRun,
     replica: ReplicaRun,
-    staging: Staging,
+    receiver: Receiver,
 }
 
 /// One session: the source side accepts on a thread (checking the private
@@ -57,7 +60,7 @@ fn session(
     fabric: EmuFaults,
     driver: RdmaFaults,
     dir: &Path,
-    replica: impl FnOnce(EmuQp, &mut Staging) -> ReplicaRun,
+    replica: impl FnOnce(EmuQp, &mut Receiver) -> ReplicaRun,
 ) -> Pair {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
@@ -83,18 +86,19 @@ fn session(
             },
         )
     });
-    let mut staging = Staging::create(dir, "t", Format::Kvr1).unwrap();
+    let staging = Staging::create(dir, "t", Format::Kvr1).unwrap();
+    let mut receiver = Receiver::new(staging, |_| {});
     let qp = EmuQp::dial(addr, T, EmuFaults::default()).unwrap();
-    let replica = replica(qp, &mut staging);
+    let replica = replica(qp, &mut receiver);
     Pair {
         source: source.join().unwrap(),
         replica,
-        staging,
+        receiver,
     }
 }
 
-fn plain(qp: EmuQp, staging: &mut Staging, len: u64, faults: &RdmaFaults) -> ReplicaRun {
-    run_replica(qp, TOKEN, len, staging, faults, &|_| {}, Default::default())
+fn plain(qp: EmuQp, sink: &mut Receiver, len: u64, faults: &RdmaFaults) -> ReplicaRun {
+    run_replica(qp, TOKEN, len, sink, faults, Default::default())
 }
 
 /// A session of a generated `size`-byte snapshot with the real replica
@@ -147,10 +151,8 @@ async fn snapshots_arrive_byte_identical_on_both_memory_paths() {
             p.source.result.unwrap().unwrap(),
             Outcome::Sent { len: size }
         );
-        assert_eq!(
-            p.replica.result.unwrap().unwrap(),
-            Outcome::Received { len: size, seq: 42 }
-        );
+        let outcome = p.replica.result.unwrap().unwrap();
+        assert_eq!(outcome, Outcome::Received { len: size, seq: 42 });
         let expected = if no_file_mr {
             "anonymous"
         } else {
@@ -161,8 +163,9 @@ async fn snapshots_arrive_byte_identical_on_both_memory_paths() {
             "{:?}",
             p.replica.memory
         );
-        assert_eq!(p.replica.info.unwrap().seq, 7);
-        let installed = p.staging.install("got.kvr1").unwrap();
+        let received = p.receiver.finish(Ok(Ok(outcome))).unwrap();
+        assert_eq!(received.info.seq, 7);
+        let installed = received.staging.install("got.kvr1").unwrap();
         assert!(std::fs::read(&installed).unwrap() == std::fs::read(&entry.path).unwrap());
     }
 }
@@ -187,18 +190,15 @@ async fn one_gib_at_defaults_posts_256_writes_32_signalled() {
 /// The real replica executor over `qp`, for tests that tamper with it.
 fn replica_io<'a>(
     qp: EmuQp,
-    staging: &'a mut Staging,
+    sink: &'a mut Receiver,
     faults: &'a RdmaFaults,
 ) -> ReplicaIo<'a, EmuQp> {
     ReplicaIo {
         link: Link::new(qp, Default::default()),
         memory: None,
         token: TOKEN,
-        staging,
+        sink,
         faults,
-        info: None,
-        failure: None,
-        progress: &|_| {},
     }
 }
 
@@ -208,8 +208,6 @@ fn tampered(mut io: impl Executor<Error = RdmaError>, len: u64) -> ReplicaRun {
     machine.start(io.now());
     ReplicaRun {
         result: drive(&mut machine, &mut io),
-        info: None,
-        failure: None,
         memory: None,
     }
 }
@@ -256,10 +254,10 @@ async fn bdon_receive_posted_after_mrinfo_hits_rnr() {
             EmuFaults::default(),
             RdmaFaults::default(),
             &d,
-            |qp, staging| {
+            |qp, sink| {
                 let faults = RdmaFaults::default();
                 let late = LateBdon {
-                    io: replica_io(qp, staging, &faults),
+                    io: replica_io(qp, sink, &faults),
                     deferred: false,
                 };
                 tampered(late, 4096)
@@ -298,19 +296,26 @@ async fn corrupted_chunk_is_caught_by_the_checksum_and_reported_with_rdfl() {
         RdmaFaults::default(),
     )
     .await;
-    assert!(
-        matches!(p.replica.result, Ok(Err(Blk3Error::Checksum(_)))),
-        "{:?}",
-        p.replica.result
-    );
-    assert!(p.replica.failure.is_some());
+    let result = p.replica.result.unwrap();
+    assert!(matches!(result, Err(Blk3Error::Checksum(_))), "{result:?}");
     match p.source.result {
         Ok(Err(e)) => assert!(e.is_checksum_report(), "{e}"),
         other => panic!("{other:?}"),
     }
-    let temp = p.staging.path().to_owned();
-    drop(p.staging);
-    assert!(!temp.exists(), "temp file removed");
+    let verdict = p.receiver.finish(Ok(result));
+    assert!(
+        matches!(verdict, Err(JobError::Checksum(_))),
+        "the bytes are blamed, not the disk"
+    );
+    let temps = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter(|e| {
+            let name = e.as_ref().unwrap().file_name();
+            name.to_string_lossy()
+                .starts_with(crate::install::TEMP_PREFIX)
+        })
+        .count();
+    assert_eq!(temps, 0, "temp file removed");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -341,10 +346,10 @@ async fn wrong_rkey_is_a_remote_access_error_and_nothing_is_written() {
         p.source.result
     );
     assert!(p.replica.result.is_err());
-    assert!(std::fs::read(p.staging.path())
-        .unwrap()
-        .iter()
-        .all(|&b| b == 0));
+    let mut on_disk = Vec::new();
+    std::io::Read::read_to_end(&mut p.receiver.file(), &mut on_disk).unwrap();
+    assert_eq!(on_disk.len(), 1 << 20, "the temp file was sized");
+    assert!(on_disk.iter().all(|&b| b == 0), "no byte was written");
 }
 
 /// The real replica executor, but MRINFO advertises one byte less.
@@ -385,9 +390,9 @@ async fn mrinfo_length_mismatch_is_refused_before_any_write() {
             EmuFaults::default(),
             RdmaFaults::default(),
             &d,
-            |qp, staging| {
+            |qp, sink| {
                 let faults = RdmaFaults::default();
-                tampered(ShortMrinfo(replica_io(qp, staging, &faults)), 1 << 20)
+                tampered(ShortMrinfo(replica_io(qp, sink, &faults)), 1 << 20)
             },
         )
     })

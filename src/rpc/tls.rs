@@ -1,74 +1,30 @@
-//! TLS of the control plane.
+//! TLS of the gRPC control plane.
 //!
-//! Owns reading and checking the PEM files (`[tls]` for agents, the
-//! `--tls-*` options for the CLI) and building tonic's server and client TLS
-//! settings from them. A file without a usable certificate or key is refused
-//! when the agent starts and by `check-config`, not at the first handshake.
+//! Owns building tonic's server and client TLS settings from the PEM files
+//! (`[tls]` for agents, the `--tls-*` options for the CLI). A file without a
+//! usable certificate or key is refused when the agent starts (and by
+//! `check-config`, through `pem`), not at the first handshake.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
-use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
 
 use crate::config::TlsConfig;
+use crate::pem::{read_pem, PemError, PemKind};
 
 /// A client that has not finished its handshake by then is dropped.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// What a PEM file must hold.
-#[derive(Debug, Clone, Copy)]
-pub enum PemKind {
-    /// One or more certificates (a chain, or CA certificates).
-    Certificates,
-    /// One private key (PKCS#8, PKCS#1 or SEC1).
-    PrivateKey,
-}
-
-/// Why a PEM file cannot be used.
+/// Why TLS settings cannot be built.
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
-    #[error("cannot read {path}: {source}")]
-    Read {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("{path} holds no usable PEM {kind} ({message})")]
-    BadPem {
-        path: PathBuf,
-        kind: &'static str,
-        message: String,
-    },
+    /// A PEM file is unusable.
+    #[error(transparent)]
+    Pem(#[from] PemError),
+    /// Only some of the three files are set.
     #[error("TLS needs cert_file, key_file and ca_file together")]
     Incomplete,
-}
-
-/// Reads a PEM file and checks that it holds what `kind` says.
-pub fn read_pem(path: &Path, kind: PemKind) -> Result<Vec<u8>, TlsError> {
-    let bytes = std::fs::read(path).map_err(|source| TlsError::Read {
-        path: path.to_owned(),
-        source,
-    })?;
-    let bad = |kind: &'static str, message: String| TlsError::BadPem {
-        path: path.to_owned(),
-        kind,
-        message,
-    };
-    match kind {
-        PemKind::Certificates => {
-            let certs = CertificateDer::pem_slice_iter(&bytes)
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| bad("certificate", e.to_string()))?;
-            if certs.is_empty() {
-                return Err(bad("certificate", "no CERTIFICATE block".into()));
-            }
-        }
-        PemKind::PrivateKey => {
-            PrivateKeyDer::from_pem_slice(&bytes).map_err(|e| bad("private key", e.to_string()))?;
-        }
-    }
-    Ok(bytes)
 }
 
 /// The agent's identity (certificate chain and key) and the CA

@@ -1,0 +1,55 @@
+//! gRPC plumbing that both ends of the control plane share: the generated
+//! `kvsync.v1` types ([`pb`]) with a few helpers to name their enums,
+//! bearer tokens ([`auth`]), TLS settings ([`tls`]) and how a process
+//! reaches an agent ([`dial`]). The services themselves live in `control`;
+//! this module knows nothing of syncs, catalogs or caches.
+
+pub mod auth;
+pub mod dial;
+pub mod tls;
+
+pub use dial::{AgentChannel, Dialer};
+
+/// Generated protobuf and gRPC code.
+pub mod pb {
+    tonic::include_proto!("kvsync.v1");
+
+    /// Encoded descriptors, served by gRPC reflection.
+    pub const FILE_DESCRIPTOR_SET: &[u8] =
+        include_bytes!(concat!(env!("OUT_DIR"), "/kvsync_descriptor.bin"));
+}
+
+/// Maps a phase to its lowercase name for humans.
+pub fn phase_name(phase: i32) -> &'static str {
+    match pb::Phase::try_from(phase).unwrap_or(pb::Phase::Unspecified) {
+        pb::Phase::Unspecified => "unknown",
+        pb::Phase::Negotiating => "negotiating",
+        pb::Phase::Connecting => "connecting",
+        pb::Phase::Transferring => "transferring",
+        pb::Phase::Verifying => "verifying",
+        pb::Phase::Installing => "installing",
+        pb::Phase::HandingOff => "handing off",
+        pb::Phase::Succeeded => "succeeded",
+        pb::Phase::Failed => "failed",
+        pb::Phase::Cancelled => "cancelled",
+    }
+}
+
+/// True for the phases a sync ends in.
+pub fn is_terminal(phase: i32) -> bool {
+    [
+        pb::Phase::Succeeded as i32,
+        pb::Phase::Failed as i32,
+        pb::Phase::Cancelled as i32,
+    ]
+    .contains(&phase)
+}
+
+/// Transport label for humans and JSON.
+pub fn transport_name(t: i32) -> &'static str {
+    match pb::Transport::try_from(t).unwrap_or(pb::Transport::Unspecified) {
+        pb::Transport::Tcp => "tcp",
+        pb::Transport::Rdma => "rdma",
+        pb::Transport::Unspecified => "",
+    }
+}

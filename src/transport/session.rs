@@ -1,0 +1,298 @@
+//! The two ends of a data session, whatever the transport: a replica's
+//! [`DataLink`] to the source's data endpoint, and a source's
+//! [`Accepted`] connection, each one type over TCP, the emulated fabric and
+//! verbs, so the layers above write every step once.
+//!
+//! Owns dialing (with dead-peer detection), reading a connection's session
+//! proof (TCP's first frame, the RDMA connect's private data), refusing it,
+//! and handing a proved connection to the transport's BLK3 driver. What the
+//! replica does with the bytes is its [`Sink`]'s business; which session a
+//! proof opens is the caller's.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use tracing::info;
+
+use super::emulated::EmuQp;
+use super::fabric::Fabric;
+use super::ratelimit::RateLimiter;
+use super::rdma::{self, RdmaError};
+use super::tcp::{self, CancelHandle, Link, TcpError};
+use super::{blocking_data_socket, Faults, Sink, TransportKind, CONNECT_TIMEOUT};
+use crate::blk3::token::SESSION_TOKEN_LEN;
+use crate::blk3::{Blk3Error, BulkParams, Outcome};
+use crate::cache::CacheRef;
+use crate::config::RdmaProvider;
+
+/// A data session's failure below the protocol, on either transport.
+#[derive(Debug, thiserror::Error)]
+pub enum LinkError {
+    /// The TCP connection failed.
+    #[error("data transfer failed: {0}")]
+    Tcp(#[from] TcpError),
+    /// The RDMA session failed (fabric call or completion).
+    #[error("rdma transfer failed: {0}")]
+    Rdma(#[from] RdmaError),
+}
+
+impl LinkError {
+    /// The session was cancelled locally.
+    pub fn is_cancelled(&self) -> bool {
+        matches!(
+            self,
+            LinkError::Tcp(TcpError::Cancelled) | LinkError::Rdma(RdmaError::Cancelled)
+        )
+    }
+}
+
+/// A session's end: the link's failure, or the protocol's verdict.
+pub type SessionResult = Result<Result<Outcome, Blk3Error>, LinkError>;
+
+/// How a replica reaches the source's data endpoint.
+pub struct DialSpec {
+    /// The endpoint from the offer (RDMA: already mapped off loopback).
+    pub endpoint: SocketAddr,
+    /// `None` for TCP; the RDMA provider otherwise.
+    pub rdma: Option<RdmaProvider>,
+    /// How long a silent peer may take before the connection fails.
+    pub peer_timeout: Duration,
+    /// The local RDMA address (verbs binds it).
+    pub local: Option<IpAddr>,
+    /// The local RDMA device is a soft device.
+    pub soft: bool,
+    pub faults: Faults,
+}
+
+/// A replica's connection to the source's data endpoint, not yet running.
+pub enum DataLink {
+    Tcp(Link),
+    Emulated(EmuQp, CancellationToken),
+    #[cfg(feature = "rdma")]
+    Verbs(super::verbs::VerbsQp, CancellationToken),
+}
+
+/// Stops a running session from another thread.
+#[derive(Clone)]
+pub enum Canceller {
+    Socket(CancelHandle),
+    Token(CancellationToken),
+}
+
+impl Canceller {
+    pub fn cancel(&self) {
+        match self {
+            Canceller::Socket(h) => h.cancel(),
+            Canceller::Token(t) => t.cancel(),
+        }
+    }
+}
+
+impl DataLink {
+    /// Connects to the endpoint (blocking, bounded by the connect timeout).
+    pub fn dial(spec: &DialSpec) -> Result<DataLink, String> {
+        let cancel = CancellationToken::new;
+        match spec.rdma {
+            None => std::net::TcpStream::connect_timeout(&spec.endpoint, CONNECT_TIMEOUT)
+                .and_then(|s| {
+                    super::detect_dead_peer(&s, spec.peer_timeout)?;
+                    Link::new(s)
+                })
+                .map(DataLink::Tcp)
+                .map_err(|e| e.to_string()),
+            Some(RdmaProvider::Emulated) => {
+                EmuQp::dial(spec.endpoint, CONNECT_TIMEOUT, spec.faults.emu.clone())
+                    .and_then(|qp| qp.set_peer_timeout(spec.peer_timeout).map(|_| qp))
+                    .map(|qp| DataLink::Emulated(qp, cancel()))
+                    .map_err(|e| e.to_string())
+            }
+            #[cfg(feature = "rdma")]
+            Some(RdmaProvider::Verbs) => {
+                super::verbs::VerbsQp::dial(spec.endpoint, spec.local, spec.soft)
+                    .map(|qp| DataLink::Verbs(qp, cancel()))
+                    .map_err(|e| e.to_string())
+            }
+            #[cfg(not(feature = "rdma"))]
+            Some(RdmaProvider::Verbs) => {
+                Err("this build has no verbs support (cargo feature `rdma`)".into())
+            }
+        }
+    }
+
+    /// A handle that stops [`DataLink::run`] from another thread.
+    pub fn canceller(&self) -> Canceller {
+        match self {
+            DataLink::Tcp(link) => Canceller::Socket(link.cancel_handle()),
+            DataLink::Emulated(_, c) => Canceller::Token(c.clone()),
+            #[cfg(feature = "rdma")]
+            DataLink::Verbs(_, c) => Canceller::Token(c.clone()),
+        }
+    }
+
+    /// Runs the replica side of BLK3: proves the session with `token` and
+    /// receives `offered_len` bytes into `sink`. Also returns which receive
+    /// memory RDMA used.
+    pub fn run(
+        self,
+        token: [u8; SESSION_TOKEN_LEN],
+        offered_len: u64,
+        sink: &mut dyn Sink,
+        faults: &Faults,
+    ) -> (SessionResult, Option<&'static str>) {
+        let rdma = |run: rdma::ReplicaRun| (run.result.map_err(LinkError::from), run.memory);
+        match self {
+            DataLink::Tcp(mut link) => (
+                tcp::run_replica(&mut link, token, offered_len, sink).map_err(LinkError::from),
+                None,
+            ),
+            DataLink::Emulated(qp, cancel) => rdma(rdma::run_replica(
+                qp,
+                token,
+                offered_len,
+                sink,
+                &faults.rdma,
+                cancel,
+            )),
+            #[cfg(feature = "rdma")]
+            DataLink::Verbs(qp, cancel) => rdma(rdma::run_replica(
+                qp,
+                token,
+                offered_len,
+                sink,
+                &faults.rdma,
+                cancel,
+            )),
+        }
+    }
+}
+
+/// A data connection a source accepted, before anything was read from it.
+pub enum Accepted {
+    Tcp(tokio::net::TcpStream),
+    Emulated(tokio::net::TcpStream),
+    #[cfg(feature = "rdma")]
+    Verbs(Box<super::verbs::VerbsQp>),
+}
+
+/// An accepted connection whose session proof can be read.
+pub enum SourceLink {
+    Tcp(Link),
+    Emulated(EmuQp),
+    #[cfg(feature = "rdma")]
+    Verbs(super::verbs::VerbsQp),
+}
+
+/// What a source session sends, and under which limits.
+pub struct Serve<'a> {
+    /// Exactly the offered bytes (the cache image the offer holds).
+    pub snapshot: &'a CacheRef,
+    pub seq: u64,
+    /// Bulk parameters of RDMA sessions (soft-device caps applied).
+    pub params: BulkParams,
+    pub faults: &'a Faults,
+    pub rate: &'a RateLimiter,
+    /// Bytes known sent.
+    pub progress: &'a AtomicU64,
+    /// Stops RDMA sessions (TCP ones stop through their [`Canceller`]).
+    pub cancel: CancellationToken,
+}
+
+impl Accepted {
+    /// The transport this connection's session proof must be valid on.
+    pub fn kind(&self) -> TransportKind {
+        match self {
+            Accepted::Tcp(_) => TransportKind::Tcp,
+            _ => TransportKind::Rdma,
+        }
+    }
+
+    /// Makes the connection usable from a blocking thread; the emulated
+    /// fabric reads its connect request (with the proof) here.
+    pub fn open(self, peer_timeout: Duration, faults: &Faults) -> Result<SourceLink, String> {
+        match self {
+            Accepted::Tcp(s) => blocking_data_socket(s, peer_timeout)
+                .and_then(Link::new)
+                .map(SourceLink::Tcp)
+                .map_err(|e| e.to_string()),
+            Accepted::Emulated(s) => blocking_data_socket(s, peer_timeout)
+                .map_err(|e| e.to_string())
+                .and_then(|s| {
+                    EmuQp::incoming(s, tcp::HELLO_TIMEOUT, faults.emu.clone())
+                        .map_err(|e| e.to_string())
+                })
+                .map(SourceLink::Emulated),
+            #[cfg(feature = "rdma")]
+            Accepted::Verbs(qp) => Ok(SourceLink::Verbs(*qp)),
+        }
+    }
+}
+
+impl SourceLink {
+    /// The session proof the replica presented: TCP's first frame, or the
+    /// RDMA connect's private data.
+    pub fn proof(&mut self) -> Result<Vec<u8>, TcpError> {
+        match self {
+            SourceLink::Tcp(link) => tcp::read_hello(link).map(|t| t.to_vec()),
+            SourceLink::Emulated(qp) => Ok(qp.private_data().to_vec()),
+            #[cfg(feature = "rdma")]
+            SourceLink::Verbs(qp) => Ok(qp.private_data().to_vec()),
+        }
+    }
+
+    /// Refuses the connection with a reason the replica will show.
+    pub fn refuse(self, reason: &str) {
+        match self {
+            SourceLink::Tcp(mut link) => tcp::refuse(&mut link, reason),
+            SourceLink::Emulated(mut qp) => qp.reject(reason),
+            #[cfg(feature = "rdma")]
+            SourceLink::Verbs(mut qp) => qp.reject(reason),
+        }
+    }
+
+    /// A handle that stops a TCP session from another thread (RDMA
+    /// sessions watch [`Serve::cancel`]).
+    pub fn canceller(&self) -> Option<Canceller> {
+        match self {
+            SourceLink::Tcp(link) => Some(Canceller::Socket(link.cancel_handle())),
+            _ => None,
+        }
+    }
+
+    /// Runs the source side of BLK3 for a proved session.
+    pub fn serve(self, s: Serve) -> SessionResult {
+        match self {
+            SourceLink::Tcp(mut link) => Ok(tcp::run_source(
+                &mut link, s.snapshot, s.seq, s.faults, s.rate, s.progress,
+            )?),
+            SourceLink::Emulated(qp) => serve_rdma(qp, s),
+            #[cfg(feature = "rdma")]
+            SourceLink::Verbs(qp) => serve_rdma(qp, s),
+        }
+    }
+}
+
+fn serve_rdma<F: Fabric>(qp: F, s: Serve) -> SessionResult {
+    let provider = qp.provider();
+    let run = rdma::run_source(
+        qp,
+        rdma::SourceSession {
+            snapshot: s.snapshot,
+            seq: s.seq,
+            params: s.params,
+            faults: &s.faults.rdma,
+            rate: s.rate,
+            progress: s.progress,
+            cancel: s.cancel,
+        },
+    );
+    info!(
+        writes = run.stats.posted,
+        signaled = run.stats.signaled,
+        bulk_mb_s = run.stats.bulk_mb_s(s.snapshot.len() as u64),
+        provider,
+        "rdma bulk done"
+    );
+    Ok(run.result?)
+}

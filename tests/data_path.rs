@@ -1,0 +1,287 @@
+//! The failure table: every data-path failure, run against every transport
+//! the host can run (TCP, and the emulated RDMA fabric — an emulation of RC
+//! queue pairs over TCP; real verbs run in the soft-RoCE VM), through the
+//! same code the agents use: the source's serve loop with its session table
+//! and cache, the replica's `DataLink` and `Receiver`. Each case expects the
+//! same outcome from both transports: the same job error, the same
+//! source-side result, and no temp file left behind.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvsync::blk3::BulkParams;
+use kvsync::cache::SnapshotCache;
+use kvsync::catalog::CatalogEntry;
+use kvsync::config::RdmaProvider;
+use kvsync::metrics::Metrics;
+use kvsync::snapshot::kvr1::GenSpec;
+use kvsync::sync::job::JobError;
+use kvsync::sync::receive::{Received, Receiver};
+use kvsync::sync::source::{self, DataPlane, Offer, SessionTable};
+use kvsync::transport::ratelimit::RateLimiter;
+use kvsync::transport::session::{DataLink, DialSpec};
+use kvsync::transport::{Faults, TransportKind};
+use tokio_util::sync::CancellationToken;
+
+const SIZE: u64 = 3 << 20;
+const DEADLINE: Duration = Duration::from_secs(60);
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Case {
+    Clean,
+    /// One byte flipped on the wire.
+    CorruptByte,
+    /// The source drops the connection after 1 MiB.
+    Cut,
+    /// The replica presents a token the source never offered.
+    BadToken,
+    /// The replica's disk cannot take the file (RLIMIT_FSIZE → EFBIG).
+    NoRoom,
+}
+
+/// The source-side faults that make `case` happen on `kind`.
+fn faults(case: Case, kind: TransportKind) -> Faults {
+    let mut f = Faults::default();
+    let (corrupt, cut) = (Some((2 << 20) + 5), Some(1 << 20));
+    match (case, kind) {
+        (Case::CorruptByte, TransportKind::Tcp) => f.corrupt_at = corrupt,
+        (Case::CorruptByte, TransportKind::Rdma) => f.emu.corrupt_at = corrupt,
+        (Case::Cut, TransportKind::Tcp) => f.cut_after = cut,
+        (Case::Cut, TransportKind::Rdma) => f.emu.cut_after = cut,
+        _ => {}
+    }
+    f
+}
+
+/// What one run of a case produced.
+struct Run {
+    verdict: Result<Received, JobError>,
+    /// The source's `kvsync_fullsync_total` result label (None: refused).
+    source_result: Option<&'static str>,
+    source_bytes: u64,
+    auth_failures: u64,
+    temp_files: Vec<PathBuf>,
+}
+
+fn temp_files(dir: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            name.starts_with(kvsync::install::TEMP_PREFIX)
+        })
+        .collect()
+}
+
+/// Limits the size of files this process may write (None: unlimited).
+fn limit_file_size(bytes: Option<u64>) {
+    let lim = libc::rlimit {
+        rlim_cur: bytes.unwrap_or(libc::RLIM_INFINITY),
+        rlim_max: libc::RLIM_INFINITY,
+    };
+    // SAFETY: plain syscalls; SIGXFSZ ignored so an oversized write fails
+    // with EFBIG instead of killing the test.
+    unsafe {
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+        assert_eq!(libc::setrlimit(libc::RLIMIT_FSIZE, &lim), 0);
+    }
+}
+
+async fn run(case: Case, kind: TransportKind, root: &Path) -> Run {
+    let dir = root.join(format!("{case:?}-{kind}"));
+    let (src_dir, dst_dir) = (dir.join("source"), dir.join("replica"));
+    std::fs::create_dir_all(&src_dir).unwrap();
+    std::fs::create_dir_all(&dst_dir).unwrap();
+    let path = src_dir.join("s.kvr1");
+    GenSpec {
+        size: SIZE,
+        seq: 9,
+        created_ms: 1,
+        seed: 9,
+    }
+    .write_file(&path)
+    .unwrap();
+    let entry = Arc::new(CatalogEntry {
+        info: kvsync::snapshot::verify_file(&path, None).unwrap(),
+        mtime: std::fs::metadata(&path).unwrap().modified().unwrap(),
+        path: path.clone(),
+    });
+
+    // The source: cache, session table with one offer, the serve loop.
+    let metrics = Metrics::new();
+    let cache = SnapshotCache::new(1 << 30, DEADLINE, metrics.clone());
+    let sessions = Arc::new(SessionTable::new(4));
+    let offer = Offer {
+        id: "s1".into(),
+        replica: "r".into(),
+        entry: entry.clone(),
+        snapshot: cache.acquire(&entry).await.unwrap(),
+        transport: kind,
+        expires: Instant::now() + DEADLINE,
+    };
+    let mut token = sessions.insert(offer, sessions.admit().unwrap());
+    if case == Case::BadToken {
+        token[0] ^= 0xff;
+    }
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = listener.local_addr().unwrap();
+    let shutdown = CancellationToken::new();
+    let plane = DataPlane {
+        sessions: sessions.clone(),
+        metrics: metrics.clone(),
+        faults: faults(case, kind),
+        bulk: BulkParams::new(1, 8, 2),
+        shutdown: shutdown.clone(),
+        rate: Arc::new(RateLimiter::new(0)),
+        peer_timeout: Duration::from_secs(10),
+    };
+    let conns = source::tcp_connections(listener, kind == TransportKind::Rdma);
+    tokio::spawn(source::serve(conns, plane));
+
+    // The replica: dial, run into a Receiver, decide.
+    let spec = DialSpec {
+        endpoint,
+        rdma: (kind == TransportKind::Rdma).then_some(RdmaProvider::Emulated),
+        peer_timeout: Duration::from_secs(10),
+        local: None,
+        soft: false,
+        faults: Faults::default(),
+    };
+    if case == Case::NoRoom {
+        limit_file_size(Some(1 << 20));
+    }
+    let staging = kvsync::install::Staging::create(&dst_dir, "t", entry.info.format).unwrap();
+    let verdict = tokio::task::spawn_blocking(move || {
+        let mut receiver = Receiver::new(staging, |_| {});
+        let link = DataLink::dial(&spec).expect("dial");
+        let (result, _) = link.run(token, SIZE, &mut receiver, &Faults::default());
+        receiver.finish(result)
+    })
+    .await
+    .unwrap();
+    limit_file_size(None);
+
+    // The source's verdict, once its session has ended (a refused
+    // connection never becomes a session).
+    let labels = ["ok", "failed", "checksum_mismatch", "cancelled"];
+    let total = |l: &str| {
+        metrics
+            .fullsync_total
+            .with_label_values(&["source", kind.as_str(), l])
+            .get()
+    };
+    let auth_failures = || metrics.data_auth_failures.get();
+    let started = Instant::now();
+    let source_result = loop {
+        if let Some(l) = labels.iter().find(|l| total(l) > 0) {
+            break Some(*l);
+        }
+        if case == Case::BadToken && auth_failures() > 0 {
+            break None;
+        }
+        assert!(
+            started.elapsed() < DEADLINE,
+            "{case:?} over {kind}: the source never ended"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    shutdown.cancel();
+    Run {
+        source_bytes: metrics
+            .fullsync_bytes
+            .with_label_values(&["source", kind.as_str()])
+            .get(),
+        temp_files: temp_files(&dst_dir),
+        auth_failures: auth_failures(),
+        verdict,
+        source_result,
+    }
+}
+
+/// Checks `run` against what `case` must produce on any transport.
+fn check(case: Case, kind: TransportKind, r: Run, original: &[u8]) {
+    let what = format!("{case:?} over {kind}");
+    assert!(
+        r.temp_files.is_empty() || case == Case::Clean,
+        "{what}: {:?}",
+        r.temp_files
+    );
+    let err = r
+        .verdict
+        .as_ref()
+        .err()
+        .map(ToString::to_string)
+        .unwrap_or_default();
+    match case {
+        Case::Clean => {
+            let received = r.verdict.unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!(received.info.seq, 9, "{what}");
+            let installed = received.staging.install("got.kvr1").unwrap();
+            assert!(
+                std::fs::read(installed).unwrap() == original,
+                "{what}: exact copy"
+            );
+            assert_eq!(r.source_result, Some("ok"), "{what}");
+            assert_eq!(r.source_bytes, SIZE, "{what}");
+        }
+        Case::CorruptByte => {
+            assert!(
+                matches!(r.verdict, Err(JobError::Checksum(_))),
+                "{what}: {err}"
+            );
+            assert_eq!(r.source_result, Some("checksum_mismatch"), "{what}");
+        }
+        Case::Cut => {
+            assert!(
+                matches!(r.verdict, Err(JobError::Transport(_))),
+                "{what}: {err}"
+            );
+            assert_eq!(r.source_result, Some("failed"), "{what}");
+        }
+        Case::BadToken => {
+            assert!(
+                err.contains("unknown, used or expired session token"),
+                "{what}: {err}"
+            );
+            assert_eq!(r.source_result, None, "{what}: no session was served");
+            assert_eq!(r.auth_failures, 1, "{what}");
+            assert_eq!(r.source_bytes, 0, "{what}");
+        }
+        Case::NoRoom => {
+            assert!(
+                matches!(r.verdict, Err(JobError::Install(_))),
+                "{what}: {err}"
+            );
+            assert!(err.contains("File too large"), "{what}: {err}");
+            assert_eq!(r.source_result, Some("failed"), "{what}");
+            assert_eq!(r.source_bytes, 0, "{what}: no byte moved");
+        }
+    }
+}
+
+// One test function: the NoRoom case changes a process-wide limit, so the
+// cases run one after another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_failure_behaves_the_same_on_every_transport() {
+    let root = tempfile::tempdir().unwrap();
+    for case in [
+        Case::Clean,
+        Case::CorruptByte,
+        Case::Cut,
+        Case::BadToken,
+        Case::NoRoom,
+    ] {
+        for kind in [TransportKind::Tcp, TransportKind::Rdma] {
+            let r = run(case, kind, root.path()).await;
+            let original = std::fs::read(
+                root.path()
+                    .join(format!("{case:?}-{kind}"))
+                    .join("source/s.kvr1"),
+            )
+            .unwrap();
+            check(case, kind, r, &original);
+        }
+    }
+}
