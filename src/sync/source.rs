@@ -29,8 +29,8 @@ use crate::catalog::CatalogEntry;
 use crate::metrics::{unix_now, Metrics, Running};
 use crate::transport::probe::Probe;
 use crate::transport::ratelimit::RateLimiter;
-use crate::transport::session::{Accepted, Serve, SessionResult, SourceLink};
-use crate::transport::{Faults, TransportKind};
+use crate::transport::session::{Accepted, SessionResult, SourceLink};
+use crate::transport::{Faults, Serve, TransportKind};
 
 /// A session offered to a replica, waiting for its data connection.
 pub struct Offer {

@@ -20,10 +20,31 @@ pub mod zerocopy;
 
 use std::time::Duration;
 
-use crate::blk3::{Blk3Error, Command, Input, Machine, Outcome};
+use std::sync::atomic::AtomicU64;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::blk3::{Blk3Error, BulkParams, Command, Input, Machine, Outcome};
+use crate::cache::CacheRef;
+use ratelimit::RateLimiter;
 
 /// How long establishing a data connection may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What a source session sends, and under which limits.
+pub struct Serve<'a> {
+    /// Exactly the offered bytes (the cache image the offer holds).
+    pub snapshot: &'a CacheRef,
+    pub seq: u64,
+    /// Bulk parameters of RDMA sessions (soft-device caps applied).
+    pub params: BulkParams,
+    pub faults: &'a Faults,
+    pub rate: &'a RateLimiter,
+    /// Bytes known sent.
+    pub progress: &'a AtomicU64,
+    /// Stops RDMA sessions (TCP ones stop through their socket).
+    pub cancel: CancellationToken,
+}
 
 /// Where a replica session puts the snapshot it receives. Drivers only move
 /// bytes and report them here, in order; the sink owns the destination, the

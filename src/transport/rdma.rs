@@ -20,7 +20,7 @@ use tracing::{info, warn};
 
 use super::fabric::{Completion, Fabric, FabricError, MemoryRegion, WcStatus, WorkKind};
 use super::ratelimit::RateLimiter;
-use super::{drive, Executor, Sink, CONNECT_TIMEOUT};
+use super::{drive, Executor, Serve, Sink, CONNECT_TIMEOUT};
 use crate::blk3::token::SESSION_TOKEN_LEN;
 use crate::blk3::{
     Blk3Error, BulkMode, BulkParams, Command, Input, Outcome, Replica, Source, Token, TokenError,
@@ -339,27 +339,14 @@ pub struct SourceRun {
     pub stats: WriteStats,
 }
 
-/// What a source session writes, and under which limits.
-pub struct SourceSession<'a> {
-    /// Exactly the offered bytes (the cache image the offer holds).
-    pub snapshot: &'a CacheRef,
-    pub seq: u64,
-    pub params: BulkParams,
-    pub faults: &'a RdmaFaults,
-    pub rate: &'a RateLimiter,
-    /// Bytes known written (updated on signalled completions).
-    pub progress: &'a AtomicU64,
-    pub cancel: CancellationToken,
-}
-
 /// Serves one session on an accepted-but-not-yet-established queue pair
 /// whose private data already proved the session: runs the source machine.
-pub fn run_source<F: Fabric>(qp: F, s: SourceSession) -> SourceRun {
+pub fn run_source<F: Fabric>(qp: F, s: Serve) -> SourceRun {
     let mut io = SourceIo {
         link: Link::new(qp, s.cancel),
         snapshot: s.snapshot,
         region: None,
-        faults: s.faults,
+        faults: &s.faults.rdma,
         rate: s.rate,
         progress: s.progress,
         signaled_ends: VecDeque::new(),

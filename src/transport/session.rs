@@ -10,7 +10,6 @@
 //! proof opens is the caller's.
 
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
@@ -18,13 +17,11 @@ use tracing::info;
 
 use super::emulated::EmuQp;
 use super::fabric::Fabric;
-use super::ratelimit::RateLimiter;
 use super::rdma::{self, RdmaError};
 use super::tcp::{self, CancelHandle, Link, TcpError};
-use super::{blocking_data_socket, Faults, Sink, TransportKind, CONNECT_TIMEOUT};
+use super::{blocking_data_socket, Faults, Serve, Sink, TransportKind, CONNECT_TIMEOUT};
 use crate::blk3::token::SESSION_TOKEN_LEN;
-use crate::blk3::{Blk3Error, BulkParams, Outcome};
-use crate::cache::CacheRef;
+use crate::blk3::{Blk3Error, Outcome};
 use crate::config::RdmaProvider;
 
 /// A data session's failure below the protocol, on either transport.
@@ -184,21 +181,6 @@ pub enum SourceLink {
     Verbs(super::verbs::VerbsQp),
 }
 
-/// What a source session sends, and under which limits.
-pub struct Serve<'a> {
-    /// Exactly the offered bytes (the cache image the offer holds).
-    pub snapshot: &'a CacheRef,
-    pub seq: u64,
-    /// Bulk parameters of RDMA sessions (soft-device caps applied).
-    pub params: BulkParams,
-    pub faults: &'a Faults,
-    pub rate: &'a RateLimiter,
-    /// Bytes known sent.
-    pub progress: &'a AtomicU64,
-    /// Stops RDMA sessions (TCP ones stop through their [`Canceller`]).
-    pub cancel: CancellationToken,
-}
-
 impl Accepted {
     /// The transport this connection's session proof must be valid on.
     pub fn kind(&self) -> TransportKind {
@@ -263,9 +245,7 @@ impl SourceLink {
     /// Runs the source side of BLK3 for a proved session.
     pub fn serve(self, s: Serve) -> SessionResult {
         match self {
-            SourceLink::Tcp(mut link) => Ok(tcp::run_source(
-                &mut link, s.snapshot, s.seq, s.faults, s.rate, s.progress,
-            )?),
+            SourceLink::Tcp(mut link) => Ok(tcp::run_source(&mut link, &s)?),
             SourceLink::Emulated(qp) => serve_rdma(qp, s),
             #[cfg(feature = "rdma")]
             SourceLink::Verbs(qp) => serve_rdma(qp, s),
@@ -275,22 +255,12 @@ impl SourceLink {
 
 fn serve_rdma<F: Fabric>(qp: F, s: Serve) -> SessionResult {
     let provider = qp.provider();
-    let run = rdma::run_source(
-        qp,
-        rdma::SourceSession {
-            snapshot: s.snapshot,
-            seq: s.seq,
-            params: s.params,
-            faults: &s.faults.rdma,
-            rate: s.rate,
-            progress: s.progress,
-            cancel: s.cancel,
-        },
-    );
+    let bytes = s.snapshot.len() as u64;
+    let run = rdma::run_source(qp, s);
     info!(
         writes = run.stats.posted,
         signaled = run.stats.signaled,
-        bulk_mb_s = run.stats.bulk_mb_s(s.snapshot.len() as u64),
+        bulk_mb_s = run.stats.bulk_mb_s(bytes),
         provider,
         "rdma bulk done"
     );

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use super::ratelimit::RateLimiter;
 use super::zerocopy::ZeroCopySender;
-use super::{drive, Executor, Faults, Sink};
+use super::{drive, Executor, Faults, Serve, Sink};
 use crate::blk3::token::{FRAME_HEADER_LEN, MAX_TOKEN_LEN, SESSION_TOKEN_LEN};
 use crate::blk3::{
     size_scaled_timeout, Blk3Error, BulkMode, Command, Input, Outcome, Replica, Source, Token,
@@ -351,23 +351,16 @@ impl SourceIo<'_> {
 }
 
 /// Serves one authenticated session: runs the source machine, streaming
-/// `snapshot` (exactly the offered bytes) as the cache loads it. `progress` counts bytes sent.
-pub fn run_source(
-    link: &mut Link,
-    snapshot: &CacheRef,
-    seq: u64,
-    faults: &Faults,
-    rate: &RateLimiter,
-    progress: &AtomicU64,
-) -> Result<Result<Outcome, Blk3Error>, TcpError> {
-    let mut machine = Source::new(snapshot.len() as u64, seq, BulkMode::Stream);
+/// the snapshot (exactly the offered bytes) as the cache loads it.
+pub fn run_source(link: &mut Link, s: &Serve) -> Result<Result<Outcome, Blk3Error>, TcpError> {
+    let mut machine = Source::new(s.snapshot.len() as u64, s.seq, BulkMode::Stream);
     machine.start(link.now());
     let mut io = SourceIo {
         link,
-        snapshot,
-        faults,
-        rate,
-        progress,
+        snapshot: s.snapshot,
+        faults: s.faults,
+        rate: s.rate,
+        progress: s.progress,
     };
     drive(&mut machine, &mut io)
 }

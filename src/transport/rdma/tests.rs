@@ -73,13 +73,17 @@ fn session(
             "the token travels in the private data"
         );
         let progress = AtomicU64::new(0);
+        let faults = crate::transport::Faults {
+            rdma: driver,
+            ..Default::default()
+        };
         run_source(
             qp,
-            SourceSession {
+            Serve {
                 snapshot: &snap,
                 seq: 42,
                 params,
-                faults: &driver,
+                faults: &faults,
                 rate: &RateLimiter::new(0),
                 progress: &progress,
                 cancel: Default::default(),
