@@ -102,7 +102,10 @@ struct Prepared {
 }
 
 impl RunningAgent {
-    /// Binds every listener and starts every task.
+    /// Binds every listener and starts every task, in order: checks
+    /// ([`prepare`]), listeners, shared state, the data plane, sync jobs,
+    /// metrics, the watcher, the gRPC services. Most of its length is the
+    /// wiring of which service gets which handle.
     pub async fn start(config: Config) -> Result<RunningAgent, AgentError> {
         let prepared = prepare(&config)?;
         let (grpc_listener, grpc_addr) = bind("grpc.listen", &config.grpc.listen).await?;
@@ -147,14 +150,16 @@ impl RunningAgent {
         );
         let metrics_addr =
             start_metrics(&config, &metrics, &draining, &shutdown, &mut tasks).await?;
-        let watcher = DirWatcher::new(
-            config.snapshot_dir.clone(),
-            config.snapshot_format,
-            catalog.clone(),
-            metrics.clone(),
-            config.watch.clone(),
+        tasks.spawn(
+            DirWatcher::new(
+                config.snapshot_dir.clone(),
+                config.snapshot_format,
+                catalog.clone(),
+                metrics.clone(),
+                config.watch.clone(),
+            )
+            .run(shutdown.clone()),
         );
-        tasks.spawn(watcher.run(shutdown.clone()));
         let services = Services {
             orchestrator: OrchestratorService {
                 node_id: config.node_id.clone(),

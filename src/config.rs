@@ -479,18 +479,26 @@ impl Config {
 
     /// Checks every setting and returns all problems found.
     pub fn validate(&self) -> Result<(), Vec<Problem>> {
-        let mut problems = Vec::new();
-        let mut bad = |key: &str, message: String| {
-            problems.push(Problem {
-                key: key.to_string(),
-                message,
-            })
-        };
+        let mut p = Problems::default();
+        self.check_basics(&mut p);
+        self.check_transport(&mut p);
+        self.check_handoff(&mut p);
+        self.check_limits(&mut p);
+        self.check_tls(&mut p);
+        if p.0.is_empty() {
+            Ok(())
+        } else {
+            Err(p.0)
+        }
+    }
+
+    /// Identity, directory and listen addresses.
+    fn check_basics(&self, p: &mut Problems) {
         if self.node_id.trim().is_empty() {
-            bad("node_id", "must not be empty".into());
+            p.bad("node_id", "must not be empty".into());
         }
         if !self.snapshot_dir.is_absolute() {
-            bad(
+            p.bad(
                 "snapshot_dir",
                 format!("must be an absolute path, got {:?}", self.snapshot_dir),
             );
@@ -501,24 +509,31 @@ impl Config {
             ("metrics.listen", &self.metrics.listen, true),
         ] {
             if !(may_be_empty && value.is_empty()) && value.parse::<SocketAddr>().is_err() {
-                bad(key, format!("expected ip:port, got {value:?}"));
+                p.bad(key, format!("expected ip:port, got {value:?}"));
             }
         }
+        if self.data.peer_timeout < Duration::from_secs(1) {
+            p.bad("data.peer_timeout", "must be at least 1s".into());
+        }
+    }
+
+    /// `[transport]`: the RDMA bulk parameters.
+    fn check_transport(&self, p: &mut Problems) {
         let t = &self.transport;
         if !(1..=32).contains(&t.chunk_mb) {
-            bad(
+            p.bad(
                 "transport.chunk_mb",
                 format!("must be 1..=32, got {}", t.chunk_mb),
             );
         }
         if !(1..=1024).contains(&t.pipeline) {
-            bad(
+            p.bad(
                 "transport.pipeline",
                 format!("must be 1..=1024, got {}", t.pipeline),
             );
         }
         if t.signal_batch == 0 || t.signal_batch > t.pipeline {
-            bad(
+            p.bad(
                 "transport.signal_batch",
                 format!(
                     "must be 1..=pipeline ({}), got {}",
@@ -526,87 +541,109 @@ impl Config {
                 ),
             );
         }
+    }
+
+    /// `[handoff]`, and `[redis]` for the redis mode and the pre-flight.
+    fn check_handoff(&self, p: &mut Problems) {
         let h = &self.handoff;
         match h.mode {
-            HandoffMode::Command if h.command_addr.parse::<SocketAddr>().is_err() => bad(
+            HandoffMode::Command if h.command_addr.parse::<SocketAddr>().is_err() => p.bad(
                 "handoff.command_addr",
                 format!(
                     "mode \"command\" needs the KV admin address ip:port, got {:?}",
                     h.command_addr
                 ),
             ),
-            HandoffMode::Exec if h.exec.is_empty() => bad(
+            HandoffMode::Exec if h.exec.is_empty() => p.bad(
                 "handoff.exec",
                 "mode \"exec\" needs a program to run".into(),
             ),
             _ => {}
         }
+        if h.mode == HandoffMode::Command && h.command_template.trim().is_empty() {
+            p.bad("handoff.command_template", "must not be empty".into());
+        }
+        if h.timeout.is_zero() {
+            p.bad("handoff.timeout", "must be greater than zero".into());
+        }
         let r = &self.redis;
         if !r.primary_addr.is_empty() && !is_host_port(&r.primary_addr) {
-            bad(
+            p.bad(
                 "redis.primary_addr",
                 format!("expected host:port, got {:?}", r.primary_addr),
             );
         }
         if h.mode == HandoffMode::Redis {
-            if self.snapshot_format != Format::RedisRdb {
-                bad(
-                    "handoff.mode",
-                    "mode \"redis\" needs snapshot_format = \"redis-rdb\"".into(),
+            self.check_redis_handoff(p);
+        }
+    }
+
+    /// `[redis]` as the redis handoff needs it.
+    fn check_redis_handoff(&self, p: &mut Problems) {
+        let r = &self.redis;
+        if self.snapshot_format != Format::RedisRdb {
+            p.bad(
+                "handoff.mode",
+                "mode \"redis\" needs snapshot_format = \"redis-rdb\"".into(),
+            );
+        }
+        for (key, value) in [
+            ("redis.server_addr", &r.server_addr),
+            ("redis.primary", &r.primary),
+        ] {
+            if !is_host_port(value) {
+                p.bad(
+                    key,
+                    format!("mode \"redis\" needs host:port, got {value:?}"),
                 );
             }
-            for (key, value) in [
-                ("redis.server_addr", &r.server_addr),
-                ("redis.primary", &r.primary),
-            ] {
-                if !is_host_port(value) {
-                    bad(
-                        key,
-                        format!("mode \"redis\" needs host:port, got {value:?}"),
-                    );
-                }
-            }
-            if !r.dir.is_absolute() {
-                bad(
-                    "redis.dir",
-                    format!("must be the server's absolute data dir, got {:?}", r.dir),
-                );
-            }
-            if r.dbfilename.is_empty() || r.dbfilename.contains('/') {
-                bad(
-                    "redis.dbfilename",
-                    format!("must be a file name, got {:?}", r.dbfilename),
-                );
-            }
-            if r.start.is_empty() {
-                bad("redis.start", "mode \"redis\" needs the command that (re)starts the server with replicaof and appendonly no".into());
-            }
         }
-        if h.mode == HandoffMode::Command && h.command_template.trim().is_empty() {
-            bad("handoff.command_template", "must not be empty".into());
+        if !r.dir.is_absolute() {
+            p.bad(
+                "redis.dir",
+                format!("must be the server's absolute data dir, got {:?}", r.dir),
+            );
         }
-        if h.timeout.is_zero() {
-            bad("handoff.timeout", "must be greater than zero".into());
+        if r.dbfilename.is_empty() || r.dbfilename.contains('/') {
+            p.bad(
+                "redis.dbfilename",
+                format!("must be a file name, got {:?}", r.dbfilename),
+            );
         }
+        if r.start.is_empty() {
+            p.bad("redis.start", "mode \"redis\" needs the command that (re)starts the server with replicaof and appendonly no".into());
+        }
+    }
+
+    /// Admission limits, the cache budget, the watcher and offer timings.
+    fn check_limits(&self, p: &mut Problems) {
         if self.sync.max_incoming_syncs == 0 {
-            bad("sync.max_incoming_syncs", "must be at least 1".into());
+            p.bad("sync.max_incoming_syncs", "must be at least 1".into());
         }
         if self.sync.max_outgoing_syncs == 0 {
-            bad("sync.max_outgoing_syncs", "must be at least 1".into());
+            p.bad("sync.max_outgoing_syncs", "must be at least 1".into());
+        }
+        if self.sync.session_token_ttl.is_zero() {
+            p.bad("sync.session_token_ttl", "must be greater than zero".into());
         }
         if self.cache.memory_budget.as_u64() == 0 {
-            bad("cache.memory_budget", "must be greater than zero".into());
+            p.bad("cache.memory_budget", "must be greater than zero".into());
         }
         if self.watch.debounce > Duration::from_secs(60) {
-            bad("watch.debounce", "must be at most 60s".into());
+            p.bad("watch.debounce", "must be at most 60s".into());
         }
         if self.watch.rescan_interval < Duration::from_secs(1) {
-            bad("watch.rescan_interval", "must be at least 1s".into());
+            p.bad("watch.rescan_interval", "must be at least 1s".into());
         }
+    }
+
+    /// `[tls]`: complete and readable, or off and then only on loopback
+    /// (unless `grpc.plaintext` says otherwise).
+    fn check_tls(&self, p: &mut Problems) {
         let tls = &self.tls;
         if tls.enabled() {
             if self.grpc.plaintext {
-                bad(
+                p.bad(
                     "grpc.plaintext",
                     "contradicts [tls]: remove one of them".into(),
                 );
@@ -617,50 +654,52 @@ impl Config {
                 ("tls.ca_file", &tls.ca_file, PemKind::Certificates),
             ] {
                 match file {
-                    None => bad(
+                    None => p.bad(
                         key,
                         "TLS needs cert_file, key_file and ca_file together".into(),
                     ),
                     Some(path) => {
                         if let Err(e) = read_pem(path, kind) {
-                            bad(key, e.to_string());
+                            p.bad(key, e.to_string());
                         }
                     }
                 }
             }
-        } else {
-            if tls.client_auth {
-                bad(
-                    "tls.client_auth",
-                    "needs cert_file, key_file and ca_file".into(),
-                );
-            }
-            let exposed = self
-                .grpc
-                .listen
-                .parse::<SocketAddr>()
-                .is_ok_and(|a| !a.ip().is_loopback());
-            if exposed && !self.grpc.plaintext {
-                bad(
-                    "grpc.listen",
-                    format!(
-                        "{} is reachable from other hosts: set [tls] cert_file, key_file and ca_file, or grpc.plaintext = true to serve gRPC without TLS",
-                        self.grpc.listen
-                    ),
-                );
-            }
+            return;
         }
-        if self.data.peer_timeout < Duration::from_secs(1) {
-            bad("data.peer_timeout", "must be at least 1s".into());
+        if tls.client_auth {
+            p.bad(
+                "tls.client_auth",
+                "needs cert_file, key_file and ca_file".into(),
+            );
         }
-        if self.sync.session_token_ttl.is_zero() {
-            bad("sync.session_token_ttl", "must be greater than zero".into());
+        let exposed = self
+            .grpc
+            .listen
+            .parse::<SocketAddr>()
+            .is_ok_and(|a| !a.ip().is_loopback());
+        if exposed && !self.grpc.plaintext {
+            p.bad(
+                "grpc.listen",
+                format!(
+                    "{} is reachable from other hosts: set [tls] cert_file, key_file and ca_file, or grpc.plaintext = true to serve gRPC without TLS",
+                    self.grpc.listen
+                ),
+            );
         }
-        if problems.is_empty() {
-            Ok(())
-        } else {
-            Err(problems)
-        }
+    }
+}
+
+/// Every problem found, in order.
+#[derive(Default)]
+struct Problems(Vec<Problem>);
+
+impl Problems {
+    fn bad(&mut self, key: &str, message: String) {
+        self.0.push(Problem {
+            key: key.to_string(),
+            message,
+        });
     }
 }
 

@@ -88,7 +88,8 @@ impl Replica {
         self.core.wait("SRDY", now, HANDSHAKE_TIMEOUT);
     }
 
-    /// Feeds one input.
+    /// Feeds one input. One match over (state, input): the whole
+    /// transition table reads in one place, which is why it is long.
     pub fn handle(&mut self, input: Input, now: Duration) {
         if self.core.done {
             return;

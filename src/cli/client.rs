@@ -354,6 +354,37 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
         );
     }
 
+    offer_generated(&source, &args, show).await?;
+    let mut c = client(&replica.grpc_addr.to_string()).await?;
+    let started = c
+        .start_full_sync(pb::StartFullSyncRequest {
+            source: source.grpc_addr.to_string(),
+            transport: pb::TransportPreference::Tcp as i32,
+        })
+        .await
+        .map_err(|s| status_err("sync refused", s))?
+        .into_inner();
+    let last = follow(&mut c, &started.sync_id, show).await?;
+    print_summary(&last, args.json);
+    if show && !last.installed_path.is_empty() {
+        let record = format!("{}.replmeta", last.installed_path);
+        match std::fs::read_to_string(&record) {
+            Ok(text) => println!("\nhandoff record {record}:\n{}", text.trim_end()),
+            Err(e) => println!("no handoff record at {record}: {e}"),
+        }
+    }
+    replica.stop().await;
+    source.stop().await;
+    drop(root);
+    if last.phase != pb::Phase::Succeeded as i32 {
+        bail!("demo sync did not succeed: {}", last.error);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Writes the demo snapshot into the source's directory and waits until its
+/// watcher offers it.
+async fn offer_generated(source: &RunningAgent, args: &DemoArgs, show: bool) -> anyhow::Result<()> {
     let seq = 1_000_042;
     let path = source
         .config()
@@ -387,29 +418,5 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
     .await
     .context("the source agent did not pick up the generated snapshot")?;
 
-    let mut c = client(&replica.grpc_addr.to_string()).await?;
-    let started = c
-        .start_full_sync(pb::StartFullSyncRequest {
-            source: source.grpc_addr.to_string(),
-            transport: pb::TransportPreference::Tcp as i32,
-        })
-        .await
-        .map_err(|s| status_err("sync refused", s))?
-        .into_inner();
-    let last = follow(&mut c, &started.sync_id, show).await?;
-    print_summary(&last, args.json);
-    if show && !last.installed_path.is_empty() {
-        let record = format!("{}.replmeta", last.installed_path);
-        match std::fs::read_to_string(&record) {
-            Ok(text) => println!("\nhandoff record {record}:\n{}", text.trim_end()),
-            Err(e) => println!("no handoff record at {record}: {e}"),
-        }
-    }
-    replica.stop().await;
-    source.stop().await;
-    drop(root);
-    if last.phase != pb::Phase::Succeeded as i32 {
-        bail!("demo sync did not succeed: {}", last.error);
-    }
-    Ok(ExitCode::SUCCESS)
+    Ok(())
 }

@@ -376,7 +376,9 @@ fn read_frame(r: &mut impl Read) -> std::io::Result<(Header, Vec<u8>)> {
     Ok((h, payload))
 }
 
-/// Applies the peer's messages until the connection ends.
+/// Applies the peer's messages until the connection ends. One match over
+/// the message kinds, kept whole so the queue pair's rules (RNR, access
+/// checks, ordering) read in one place.
 fn read_loop(inner: &Inner, out: &mpsc::Sender<Out>) {
     let mut stream = &inner.stream;
     let mut discard = Vec::new();
