@@ -130,6 +130,7 @@ impl RunningAgent {
             shutdown: shutdown.clone(),
             rate: Arc::new(RateLimiter::new(config.sync.rate_limit.as_u64())),
             peer_timeout: config.data.peer_timeout,
+            min_rate: config.data.min_rate(),
         };
         let data = start_data_plane(
             &config,

@@ -149,6 +149,21 @@ pub struct DataConfig {
     /// fails after this long.
     #[serde(with = "humantime_serde")]
     pub peer_timeout: Duration,
+    /// The least a bulk transfer must move per second, averaged over
+    /// `min_rate_window`, or the session ends (`0` turns the floor off).
+    pub min_rate: ByteSize,
+    #[serde(with = "humantime_serde")]
+    pub min_rate_window: Duration,
+}
+
+impl DataConfig {
+    /// The floor as the transport takes it.
+    pub fn min_rate(&self) -> crate::transport::pace::MinRate {
+        crate::transport::pace::MinRate {
+            bytes_per_sec: self.min_rate.as_u64(),
+            window: self.min_rate_window,
+        }
+    }
 }
 
 /// Which data transport a sync uses.
@@ -309,6 +324,15 @@ pub struct SyncConfig {
     pub retry_backoff: Duration,
     #[serde(with = "humantime_serde")]
     pub retry_backoff_max: Duration,
+    /// Largest snapshot this agent accepts from a source; a larger offer is
+    /// refused before anything is reserved.
+    pub max_snapshot_bytes: ByteSize,
+    /// Free space a sync must leave on the snapshot directory's file
+    /// system (the KV shares the disk).
+    pub min_free_after: ByteSize,
+    /// Sources this agent pulls from: gRPC addresses (`host:port`) or node
+    /// ids; empty allows any source the orchestrator names.
+    pub allowed_sources: Vec<String>,
 }
 
 impl Default for Config {
@@ -355,6 +379,8 @@ impl Default for DataConfig {
             tcp_listen: "127.0.0.1:35102".into(),
             rdma_port: 35201,
             peer_timeout: Duration::from_secs(30),
+            min_rate: ByteSize::mib(1),
+            min_rate_window: Duration::from_secs(30),
         }
     }
 }
@@ -423,6 +449,9 @@ impl Default for SyncConfig {
             retries: 3,
             retry_backoff: Duration::from_secs(1),
             retry_backoff_max: Duration::from_secs(30),
+            max_snapshot_bytes: ByteSize::tib(1),
+            min_free_after: ByteSize::mib(256),
+            allowed_sources: Vec::new(),
         }
     }
 }
@@ -485,6 +514,7 @@ impl Config {
         self.check_handoff(&mut p);
         self.check_limits(&mut p);
         self.check_tls(&mut p);
+        self.check_auth(&mut p);
         if p.0.is_empty() {
             Ok(())
         } else {
@@ -494,8 +524,15 @@ impl Config {
 
     /// Identity, directory and listen addresses.
     fn check_basics(&self, p: &mut Problems) {
-        if self.node_id.trim().is_empty() {
-            p.bad("node_id", "must not be empty".into());
+        if !crate::peer_text::is_plain_name(&self.node_id) {
+            p.bad(
+                "node_id",
+                format!(
+                    "must be a plain name (1 to {} letters, digits, '.', '_', '-'), got {:?}",
+                    crate::peer_text::MAX_NAME,
+                    self.node_id
+                ),
+            );
         }
         if !self.snapshot_dir.is_absolute() {
             p.bad(
@@ -514,6 +551,16 @@ impl Config {
         }
         if self.data.peer_timeout < Duration::from_secs(1) {
             p.bad("data.peer_timeout", "must be at least 1s".into());
+        }
+        if self.data.min_rate_window < Duration::from_secs(1) {
+            p.bad("data.min_rate_window", "must be at least 1s".into());
+        }
+        let limit = self.sync.rate_limit.as_u64();
+        if limit > 0 && self.data.min_rate.as_u64() > limit {
+            p.bad(
+                "data.min_rate",
+                format!("{} is above sync.rate_limit ({}): this agent's own sends would fail it; lower it", self.data.min_rate, self.sync.rate_limit),
+            );
         }
     }
 
@@ -673,12 +720,7 @@ impl Config {
                 "needs cert_file, key_file and ca_file".into(),
             );
         }
-        let exposed = self
-            .grpc
-            .listen
-            .parse::<SocketAddr>()
-            .is_ok_and(|a| !a.ip().is_loopback());
-        if exposed && !self.grpc.plaintext {
+        if self.grpc_exposed() && !self.grpc.plaintext {
             p.bad(
                 "grpc.listen",
                 format!(
@@ -687,6 +729,41 @@ impl Config {
                 ),
             );
         }
+    }
+
+    /// An exposed gRPC listener must authenticate its callers: TLS alone
+    /// lets anyone start syncs or read snapshots.
+    fn check_auth(&self, p: &mut Problems) {
+        let tokens = self.auth.token_file.is_some();
+        let client_certs = self.tls.enabled() && self.tls.client_auth;
+        if self.grpc_exposed() && !tokens && !client_certs {
+            p.bad(
+                "grpc.listen",
+                format!(
+                    "{} is reachable from other hosts but nothing authenticates callers: set [auth] token_file, or [tls] client_auth = true",
+                    self.grpc.listen
+                ),
+            );
+        }
+        for (i, source) in self.sync.allowed_sources.iter().enumerate() {
+            let name = source
+                .rsplit_once(':')
+                .map_or(source.as_str(), |(host, _)| host);
+            if !crate::peer_text::is_plain_name(name) {
+                p.bad(
+                    "sync.allowed_sources",
+                    format!("entry {i} ({source:?}) is neither host:port nor a node id"),
+                );
+            }
+        }
+    }
+
+    /// The gRPC listener is reachable from other hosts.
+    pub fn grpc_exposed(&self) -> bool {
+        self.grpc
+            .listen
+            .parse::<SocketAddr>()
+            .is_ok_and(|a| !a.ip().is_loopback())
     }
 }
 
@@ -806,7 +883,33 @@ memory_budget = 0
             "{problems:?}"
         );
         c.grpc.plaintext = true;
+        c.auth.token_file = Some("/etc/kvsync/tokens".into());
         c.validate().unwrap();
+    }
+
+    #[test]
+    fn exposed_grpc_must_authenticate_callers() {
+        let mut c = valid();
+        c.grpc.listen = "0.0.0.0:35101".into();
+        c.grpc.plaintext = true;
+        let problems = c.validate().unwrap_err();
+        assert!(
+            problems.len() == 1
+                && problems[0].key == "grpc.listen"
+                && problems[0].message.contains("token_file")
+                && problems[0].message.contains("client_auth"),
+            "{problems:?}"
+        );
+        c.grpc.listen = "127.0.0.1:35101".into();
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn peer_facing_names_are_plain() {
+        let mut c = valid();
+        c.node_id = "node 1\r\n".into();
+        c.sync.allowed_sources = vec!["10.0.0.1:35101".into(), "primary-1".into(), "a b:1".into()];
+        assert_eq!(problem_keys(&c), ["node_id", "sync.allowed_sources"]);
     }
 
     #[test]

@@ -6,6 +6,9 @@
 //! requires exit status 0, or seeds a Redis/Valkey server and requires a
 //! partial resync (`crate::redis`). Every step has the configured deadline. A failed
 //! handoff leaves the installed snapshot in place; the caller reports it.
+//! Values reach the KV as data: the record escapes control characters, a
+//! command line holding one is refused, and programs get values only in
+//! their environment (no shell).
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -14,6 +17,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 use crate::config::{HandoffConfig, HandoffMode, RedisConfig};
 use crate::install::{self, InstallError};
+use crate::peer_text::{escape_controls, has_control};
 use crate::snapshot::SnapshotInfo;
 
 /// What the KV receives.
@@ -34,7 +38,8 @@ impl HandoffRecord {
         PathBuf::from(p)
     }
 
-    /// The record's text: `REPLMETA <M>` first, then `key value` lines.
+    /// The record's text: `REPLMETA <M>` first, then `key value` lines,
+    /// one per line whatever the values hold (control characters escaped).
     pub fn render(&self) -> String {
         let now_ms = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -43,8 +48,8 @@ impl HandoffRecord {
         format!(
             "REPLMETA {}\nsnapshot {}\nsource {}\nformat {}\nsize {}\nchecksum {:#x}\ntime_unix_ms {}\n",
             self.info.seq,
-            self.path.display(),
-            self.source,
+            escape_controls(&self.path.display().to_string()),
+            escape_controls(&self.source),
             self.info.format,
             self.info.size,
             self.info.checksum,
@@ -53,7 +58,7 @@ impl HandoffRecord {
             .info
             .repl_id
             .as_ref()
-            .map(|id| format!("replid {id}\n"))
+            .map(|id| format!("replid {}\n", escape_controls(id)))
             .unwrap_or_default()
     }
 }
@@ -79,6 +84,9 @@ pub enum HandoffError {
     /// The Redis/Valkey server did not continue from the snapshot.
     #[error(transparent)]
     Redis(#[from] crate::redis::RedisError),
+    /// The command line would carry a control character; nothing was sent.
+    #[error("refusing to send a command line with control characters: {0}")]
+    Unsafe(String),
     /// No answer within the deadline.
     #[error("handoff timed out after {0:?}")]
     Timeout(Duration),
@@ -108,12 +116,17 @@ pub async fn hand_off(
         .map_err(|_| HandoffError::Timeout(deadline))?
 }
 
-/// Expands `{seq}`, `{path}`, `{source}` in a template.
-pub fn expand(template: &str, record: &HandoffRecord) -> String {
-    template
+/// Expands `{seq}`, `{path}`, `{source}` in a template into one line; a
+/// value that would break the line (a control character) is refused.
+pub fn expand(template: &str, record: &HandoffRecord) -> Result<String, HandoffError> {
+    let line = template
         .replace("{seq}", &record.info.seq.to_string())
         .replace("{path}", &record.path.display().to_string())
-        .replace("{source}", &record.source)
+        .replace("{source}", &record.source);
+    if has_control(&line) {
+        return Err(HandoffError::Unsafe(escape_controls(&line).into_owned()));
+    }
+    Ok(line)
 }
 
 async fn send_command(
@@ -128,7 +141,7 @@ async fn send_command(
     let mut stream = tokio::net::TcpStream::connect(&addr)
         .await
         .map_err(connect)?;
-    let line = expand(&config.command_template, record);
+    let line = expand(&config.command_template, record)?;
     stream
         .write_all(format!("{line}\r\n").as_bytes())
         .await

@@ -10,10 +10,14 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use crate::snapshot::{Corruption, Format, SnapshotInfo, Verifier};
+
+/// Mode of the files kvsync writes: owner and group only (the KV's
+/// group may read them; nobody else).
+pub const SNAPSHOT_MODE: u32 = 0o640;
 
 /// Prefix of kvsync's temp files (hidden, so watchers skip them).
 pub const TEMP_PREFIX: &str = ".kvsync-recv-";
@@ -39,6 +43,9 @@ pub enum InstallError {
     /// The received bytes are not the offered snapshot.
     #[error("received snapshot is invalid: {0}")]
     Corrupt(Corruption),
+    /// Installing would replace a file kvsync did not write.
+    #[error("{0} exists and was not installed by kvsync; refusing to replace it (move it away, or install elsewhere)")]
+    Foreign(PathBuf),
     /// The snapshot verified but is not the one that was offered.
     #[error("received snapshot differs from the offer: {0}")]
     NotOffered(String),
@@ -65,6 +72,7 @@ impl Staging {
             .read(true)
             .write(true)
             .create_new(true)
+            .mode(SNAPSHOT_MODE)
             .open(&path)
             .map_err(|source| InstallError::NotWritable {
                 dir: dir.to_owned(),
@@ -196,6 +204,20 @@ pub fn sync_dir(dir: &Path) -> Result<(), InstallError> {
         })
 }
 
+/// Bytes an unprivileged writer can still use on `dir`'s file system.
+pub fn free_bytes(dir: &Path) -> std::io::Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes())?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::zeroed();
+    // SAFETY: a valid C string and a struct for the kernel to fill.
+    if unsafe { libc::statvfs(path.as_ptr(), st.as_mut_ptr()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: statvfs succeeded and filled the struct.
+    let st = unsafe { st.assume_init() };
+    Ok(st.f_bavail.saturating_mul(st.f_frsize))
+}
+
 /// Writes `contents` to `path` atomically and durably (temp, fsync, rename,
 /// fsync dir).
 pub fn write_atomic(path: &Path, contents: &[u8]) -> Result<(), InstallError> {
@@ -211,6 +233,9 @@ pub fn write_atomic(path: &Path, contents: &[u8]) -> Result<(), InstallError> {
         .tempfile_in(dir)
         .map_err(|e| io("create temp for", e))?;
     tmp.write_all(contents).map_err(|e| io("write", e))?;
+    tmp.as_file()
+        .set_permissions(std::os::unix::fs::PermissionsExt::from_mode(SNAPSHOT_MODE))
+        .map_err(|e| io("set mode of", e))?;
     tmp.as_file().sync_all().map_err(|e| io("fsync", e))?;
     tmp.persist(path).map_err(|e| io("rename", e.error))?;
     sync_dir(dir)
@@ -233,23 +258,56 @@ pub fn sweep_stale(dir: &Path) -> usize {
         .count()
 }
 
-/// A safe file name for an installed snapshot: the source's base name when
-/// it is a plain name, else `snapshot-<seq>.<format>`.
-pub fn install_name(offered: &str, seq: u64, format: Format) -> String {
-    let plain = !offered.is_empty()
-        && offered.len() <= 255
-        && !offered.starts_with('.')
-        && !offered.contains(['/', '\\', '\0'])
+/// Hidden file in a snapshot directory listing, one per line, the names
+/// kvsync installed there: the only existing files an install may replace.
+pub const MANIFEST: &str = ".kvsync-installed";
+
+/// Serialises installs' read-modify-write of the manifest in this process.
+static MANIFEST_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// The names kvsync installed in `dir`.
+fn installed_names(dir: &Path) -> Vec<String> {
+    std::fs::read_to_string(dir.join(MANIFEST))
+        .map(|t| t.lines().map(str::to_string).collect())
+        .unwrap_or_default()
+}
+
+/// The name to install a snapshot under in `dir`: the source's name when it
+/// is a plain name with the format's extension (`peer_text::is_plain_name`)
+/// that is free or was installed by kvsync, else `snapshot-<seq>.<ext>`.
+/// Never a file kvsync did not write: that is refused.
+pub fn install_name(
+    dir: &Path,
+    offered: &str,
+    seq: u64,
+    format: Format,
+) -> Result<String, InstallError> {
+    let ours = installed_names(dir);
+    let free = |name: &str| ours.iter().any(|n| n == name) || !dir.join(name).exists();
+    let ext = format.extension();
+    let plain = crate::peer_text::is_plain_name(offered)
+        && offered.ends_with(&format!(".{ext}"))
         && !crate::watch::is_ignored_name(offered);
-    if plain {
-        offered.to_string()
-    } else {
-        let ext = match format {
-            Format::Kvr1 => "kvr1",
-            Format::RedisRdb => "rdb",
-        };
-        format!("snapshot-{seq}.{ext}")
+    if plain && free(offered) {
+        return Ok(offered.to_string());
     }
+    let fallback = format!("snapshot-{seq}.{ext}");
+    if free(&fallback) {
+        Ok(fallback)
+    } else {
+        Err(InstallError::Foreign(dir.join(fallback)))
+    }
+}
+
+/// Records `name` in `dir`'s manifest of installed names (durably).
+pub fn remember_installed(dir: &Path, name: &str) -> Result<(), InstallError> {
+    let _guard = MANIFEST_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let mut names = installed_names(dir);
+    if names.iter().any(|n| n == name) {
+        return Ok(());
+    }
+    names.push(name.to_string());
+    write_atomic(&dir.join(MANIFEST), (names.join("\n") + "\n").as_bytes())
 }
 
 #[cfg(test)]
@@ -282,6 +340,9 @@ mod tests {
         assert_eq!(s.verify().unwrap().seq, 8);
         let dest = s.install("snap.kvr1").unwrap();
         assert_eq!(std::fs::read(&dest).unwrap(), bytes);
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&dest).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode & 0o007, 0, "not world-readable: {mode:o}");
         assert!(!tmp.exists());
     }
 
@@ -321,20 +382,35 @@ mod tests {
 
     #[test]
     fn install_names_are_sanitised() {
-        assert_eq!(install_name("snap-5.kvr1", 5, Format::Kvr1), "snap-5.kvr1");
+        let dir = tempfile::tempdir().unwrap();
+        let name = |offered: &str| install_name(dir.path(), offered, 5, Format::Kvr1).unwrap();
+        assert_eq!(name("snap-5.kvr1"), "snap-5.kvr1");
         for bad in [
             "",
             "../etc/passwd",
             ".hidden",
             "a/b",
-            "temp-1.rdb",
+            "temp-1.kvr1",
             "x.replmeta",
+            "x.kvr1\r\nFLUSHALL\r\nSET owned 1",
+            "nodes.conf",
+            "snap.rdb",
         ] {
-            assert_eq!(
-                install_name(bad, 5, Format::Kvr1),
-                "snapshot-5.kvr1",
-                "{bad}"
-            );
+            assert_eq!(name(bad), "snapshot-5.kvr1", "{bad:?}");
         }
+    }
+
+    #[test]
+    fn only_files_kvsync_installed_are_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let name = |offered: &str| install_name(dir.path(), offered, 5, Format::Kvr1);
+        std::fs::write(dir.path().join("kv.kvr1"), b"the operator's").unwrap();
+        assert_eq!(name("kv.kvr1").unwrap(), "snapshot-5.kvr1");
+        std::fs::write(dir.path().join("snapshot-5.kvr1"), b"also theirs").unwrap();
+        assert!(matches!(name("kv.kvr1"), Err(InstallError::Foreign(_))));
+        remember_installed(dir.path(), "kv.kvr1").unwrap();
+        remember_installed(dir.path(), "kv.kvr1").unwrap();
+        assert_eq!(name("kv.kvr1").unwrap(), "kv.kvr1", "ours may be replaced");
+        assert_eq!(installed_names(dir.path()), ["kv.kvr1"]);
     }
 }

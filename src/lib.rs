@@ -13,6 +13,7 @@
 //!   directory watcher that fills the catalog.
 //! - [`buf`] — page-aligned buffers for the data path.
 //! - [`cache`] — the shared, budgeted snapshot buffers on the source.
+//! - [`peer_text`] — which strings from peers are acceptable, and escaping.
 //! - [`pem`] — reading and checking PEM files.
 //! - [`rpc`] — gRPC plumbing shared by both ends: generated types, bearer
 //!   tokens, TLS settings, dialing an agent.
@@ -42,6 +43,7 @@ pub mod fuzz_targets;
 pub mod handoff;
 pub mod install;
 pub mod metrics;
+pub mod peer_text;
 pub mod pem;
 pub mod redis;
 pub mod rpc;

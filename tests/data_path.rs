@@ -19,6 +19,7 @@ use kvsync::snapshot::kvr1::GenSpec;
 use kvsync::sync::job::JobError;
 use kvsync::sync::receive::{Received, Receiver};
 use kvsync::sync::source::{self, DataPlane, Offer, SessionTable};
+use kvsync::transport::pace::MinRate;
 use kvsync::transport::ratelimit::RateLimiter;
 use kvsync::transport::session::{DataLink, DialSpec};
 use kvsync::transport::{Faults, TransportKind};
@@ -136,6 +137,7 @@ async fn run(case: Case, kind: TransportKind, root: &Path) -> Run {
         shutdown: shutdown.clone(),
         rate: Arc::new(RateLimiter::new(0)),
         peer_timeout: Duration::from_secs(10),
+        min_rate: MinRate::default(),
     };
     let conns = source::tcp_connections(listener, kind == TransportKind::Rdma);
     tokio::spawn(source::serve(conns, plane));
@@ -145,6 +147,7 @@ async fn run(case: Case, kind: TransportKind, root: &Path) -> Run {
         endpoint,
         rdma: (kind == TransportKind::Rdma).then_some(RdmaProvider::Emulated),
         peer_timeout: Duration::from_secs(10),
+        min_rate: MinRate::default(),
         local: None,
         soft: false,
         faults: Faults::default(),

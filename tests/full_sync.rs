@@ -355,9 +355,7 @@ async fn wrong_used_or_expired_session_tokens_are_refused() {
     ));
     assert_eq!(source.metric("kvsync_data_auth_failures_total"), 3.0);
     // Expired and abandoned offers release their cache references.
-    wait_for("cache to empty", DEADLINE, || {
-        (source.metric("kvsync_snapshot_cache_refs") == 0.0).then_some(())
-    });
+    source.wait_released();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -428,17 +426,7 @@ async fn checksum_mismatch_installs_nothing_and_keeps_previous() {
 async fn offered_snapshot_is_delivered_even_if_deleted_or_replaced() {
     let root = tempfile::tempdir().unwrap();
     let (source, original) = offering_source(root.path(), 3 << 20, 30, &[]).await;
-    let mut peer = PeerClient::connect(format!("http://{}", source.grpc()))
-        .await
-        .unwrap();
-    let offer = peer
-        .open_full_sync(pb::OpenFullSyncRequest {
-            format: "kvr1".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let offer = source.open_offer().await;
     // After the offer: replace the file, then delete it.
     put_snapshot(&source.dir, "s.kvr1", 1 << 20, 31);
     std::fs::remove_file(source.dir.join("s.kvr1")).unwrap();
@@ -453,9 +441,11 @@ async fn offered_snapshot_is_delivered_even_if_deleted_or_replaced() {
             kvsync::install::Staging::create(&dest_path, "t", kvsync::snapshot::Format::Kvr1)
                 .unwrap();
         let mut receiver = kvsync::sync::receive::Receiver::new(staging, |_| {});
-        let mut link =
-            kvsync::transport::tcp::Link::new(std::net::TcpStream::connect(endpoint).unwrap())
-                .unwrap();
+        let mut link = kvsync::transport::tcp::Link::new(
+            std::net::TcpStream::connect(endpoint).unwrap(),
+            Default::default(),
+        )
+        .unwrap();
         let result = kvsync::transport::tcp::run_replica(&mut link, token, size, &mut receiver);
         let received = receiver
             .finish(result.map_err(Into::into))
@@ -518,9 +508,7 @@ async fn cancel_mid_transfer_and_repeated_start() {
         1.0
     );
     // The source notices the replica left and frees the session.
-    wait_for("source to free the session", DEADLINE, || {
-        (source.metric("kvsync_snapshot_cache_refs") == 0.0).then_some(())
-    });
+    source.wait_released();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

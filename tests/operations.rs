@@ -121,6 +121,7 @@ fn config_node(root: &Path, name: &str, sync: &str, args: &[&str], env: &[(&str,
     Node {
         proc: AgentProcess::start_env(&all, env, root),
         dir: root.join(name),
+        token: None,
     }
 }
 

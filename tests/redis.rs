@@ -174,6 +174,7 @@ fn agent(root: &Path, name: &str, snapshot_dir: &Path, config: &str, env: &[(&st
     Node {
         proc: AgentProcess::start_env(&["--config", path.to_str().unwrap()], env, root),
         dir: snapshot_dir.to_owned(),
+        token: None,
     }
 }
 

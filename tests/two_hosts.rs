@@ -139,9 +139,7 @@ fn network_cut_mid_transfer_fails_cleanly_and_a_retry_after_the_link_returns_suc
     hosts.run_in(1, || {
         block_on(async {
             // The source gave up on the dead connection too.
-            wait_for("the source to release the snapshot", DEADLINE, || {
-                (source.metric("kvsync_snapshot_cache_refs") == 0.0).then_some(())
-            });
+            source.wait_released();
             let p = sync_ok(&replica, &source).await;
             assert_eq!(std::fs::read(&p.installed_path).unwrap(), bytes);
         })

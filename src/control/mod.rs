@@ -33,6 +33,9 @@ pub enum ApiError {
     /// Transient; retry → UNAVAILABLE.
     #[error("{0}")]
     Unavailable(String),
+    /// Not allowed by this agent's configuration → PERMISSION_DENIED.
+    #[error("{0}")]
+    PermissionDenied(String),
 }
 
 impl From<ApiError> for Status {
@@ -44,6 +47,7 @@ impl From<ApiError> for Status {
             ApiError::Busy(_) => Code::ResourceExhausted,
             ApiError::NotFound(_) => Code::NotFound,
             ApiError::Unavailable(_) => Code::Unavailable,
+            ApiError::PermissionDenied(_) => Code::PermissionDenied,
         };
         Status::new(code, e.to_string())
     }
@@ -58,6 +62,7 @@ impl From<SyncError> for ApiError {
             SyncError::FailedPrecondition(_) => ApiError::FailedPrecondition(msg),
             SyncError::Busy(_) => ApiError::Busy(msg),
             SyncError::Unavailable(_) => ApiError::Unavailable(msg),
+            SyncError::NotAllowed(_) => ApiError::PermissionDenied(msg),
         }
     }
 }

@@ -21,8 +21,6 @@ use crate::sync::{new_id, unix_ms};
 use crate::transport::TransportKind;
 use tokio_util::sync::CancellationToken;
 
-/// Longest accepted node id.
-const MAX_NODE_ID: usize = 256;
 /// Longest accepted format, provider or session id.
 const MAX_NAME: usize = 64;
 /// Most transports a replica can list (there are two).
@@ -31,8 +29,11 @@ const MAX_TRANSPORTS: usize = 4;
 /// The field limits of an offer request, checked before anything else.
 fn check_request(req: &pb::OpenFullSyncRequest) -> Result<(), ApiError> {
     let node = &req.replica_node_id;
-    let problem = if node.len() > MAX_NODE_ID || node.chars().any(|c| c.is_control() || c == '/') {
-        format!("replica_node_id must be at most {MAX_NODE_ID} bytes of printable characters without '/'")
+    let problem = if !node.is_empty() && !crate::peer_text::is_plain_name(node) {
+        format!(
+            "replica_node_id must be a plain name: at most {} letters, digits, '.', '_' or '-'",
+            crate::peer_text::MAX_NAME
+        )
     } else if req.transports.len() > MAX_TRANSPORTS {
         format!(
             "at most {MAX_TRANSPORTS} transports, got {}",
@@ -244,7 +245,9 @@ impl pb::peer_server::Peer for PeerService {
         if r.ok {
             info!(session = %r.session_id, "replica reports success");
         } else {
-            warn!(session = %r.session_id, error = %r.error.chars().take(1024).collect::<String>(), "replica reports failure");
+            // A replica that will not use its offer gives it back at once.
+            let withdrawn = self.sessions.withdraw(&r.session_id);
+            warn!(session = %r.session_id, withdrawn, error = %crate::peer_text::escape_controls(&r.error.chars().take(1024).collect::<String>()), "replica reports failure");
         }
         Ok(Response::new(pb::ReportResultResponse {}))
     }

@@ -36,6 +36,14 @@ impl Format {
         }
     }
 
+    /// The file extension kvsync installs this format under.
+    pub fn extension(self) -> &'static str {
+        match self {
+            Format::Kvr1 => "kvr1",
+            Format::RedisRdb => "rdb",
+        }
+    }
+
     /// Guesses the format from the first bytes of a file.
     pub fn detect(prefix: &[u8]) -> Option<Format> {
         if prefix.starts_with(kvr1::MAGIC) {

@@ -66,6 +66,18 @@ pub enum JobError {
     /// The transfer thread panicked (a bug); nothing was installed.
     #[error("internal error in the transfer: {0}")]
     Panicked(String),
+    /// The offered snapshot is larger than this agent accepts.
+    #[error("the source offers a {size}-byte snapshot, more than sync.max_snapshot_bytes ({max}); raise it to accept this snapshot")]
+    TooLarge { size: u64, max: u64 },
+    /// The snapshot directory's file system cannot take the snapshot and
+    /// keep its headroom.
+    #[error("not enough free space in {}: the snapshot needs {size} bytes, {free} are free and sync.min_free_after keeps {keep} free; free space or lower sync.min_free_after", dir.display())]
+    NoRoom {
+        dir: PathBuf,
+        size: u64,
+        free: u64,
+        keep: u64,
+    },
     /// RDMA was required but cannot be used, and fallback is off.
     #[error("rdma required but unavailable: {0} (set transport.fallback_to_tcp = true or use mode auto)")]
     RdmaUnavailable(String),
@@ -348,27 +360,121 @@ async fn receive(
     peer: &mut PeerClient,
     plan: &TransportPlan,
 ) -> Result<(pb::SyncOffer, Received), JobError> {
-    let offer = negotiate(ctx, peer, plan.want_rdma, plan.insist()).await?;
+    let offer = usable_offer(ctx, peer, plan).await?;
     if offer.transport != pb::Transport::Rdma as i32 {
         if plan.want_rdma && plan.mode == TransportMode::Rdma {
             fell_back(ctx, "unavailable", "the source cannot serve rdma");
         } else if plan.want_rdma {
             info!("the source offers tcp only; using tcp");
         }
-        let received = transfer(ctx, &offer).await?;
-        return Ok((offer, received));
+        let received = transfer(ctx, &offer).await;
+        return settle(peer, offer, received).await;
     }
     match transfer(ctx, &offer).await {
         Ok(received) => Ok((offer, received)),
         Err(e) => match e.fallback_reason() {
             Some(reason) if plan.may_fall_back => {
                 fell_back(ctx, reason, &e.to_string());
+                decline(peer, &offer, &e.to_string()).await;
                 let offer = negotiate(ctx, peer, false, false).await?;
-                let received = transfer(ctx, &offer).await?;
-                Ok((offer, received))
+                let received = transfer(ctx, &offer).await;
+                settle(peer, offer, received).await
             }
-            _ => Err(e),
+            _ => settle(peer, offer, Err(e)).await,
         },
+    }
+}
+
+/// An offer this agent can take: within `sync.allowed_sources`, its size
+/// and free-space limits, and (for RDMA) the memory it may pin; otherwise
+/// the offer goes back to the source and, where the plan allows, a TCP
+/// offer is asked for instead.
+async fn usable_offer(
+    ctx: &JobContext,
+    peer: &mut PeerClient,
+    plan: &TransportPlan,
+) -> Result<pb::SyncOffer, JobError> {
+    let offer = negotiate(ctx, peer, plan.want_rdma, plan.insist()).await?;
+    if let Err(e) = check_offer(ctx, &offer) {
+        decline(peer, &offer, &e.to_string()).await;
+        return Err(e);
+    }
+    let budget = ctx.config.cache.memory_budget.as_u64();
+    if offer.transport != pb::Transport::Rdma as i32 || offer.snapshot_size <= budget {
+        return Ok(offer);
+    }
+    // RDMA pins the receive memory: never more than the memory budget.
+    let why = format!(
+        "the {}-byte snapshot is larger than cache.memory_budget ({budget}), the most this agent pins for rdma",
+        offer.snapshot_size
+    );
+    decline(peer, &offer, &why).await;
+    if !plan.may_fall_back {
+        return Err(JobError::RdmaUnavailable(why));
+    }
+    fell_back(ctx, "unavailable", &why);
+    negotiate(ctx, peer, false, false).await
+}
+
+/// Checks an offer against this agent's limits before anything is
+/// reserved: the allowed sources, `sync.max_snapshot_bytes` and the free
+/// space `sync.min_free_after` keeps.
+fn check_offer(ctx: &JobContext, offer: &pb::SyncOffer) -> Result<(), JobError> {
+    let config = &ctx.config;
+    let allowed = &config.sync.allowed_sources;
+    if !super::source_allowed(allowed, &ctx.source, Some(&offer.source_node_id)) {
+        return Err(JobError::BadOffer(format!(
+            "source node {} at {} is not in sync.allowed_sources",
+            offer.source_node_id, ctx.source
+        )));
+    }
+    let size = offer.snapshot_size;
+    let max = config.sync.max_snapshot_bytes.as_u64();
+    if size > max {
+        return Err(JobError::TooLarge { size, max });
+    }
+    let dir = &config.snapshot_dir;
+    let free = install::free_bytes(dir).map_err(|source| {
+        JobError::NotWritable(InstallError::NotWritable {
+            dir: dir.clone(),
+            source,
+        })
+    })?;
+    let keep = config.sync.min_free_after.as_u64();
+    if size.saturating_add(keep) > free {
+        return Err(JobError::NoRoom {
+            dir: dir.clone(),
+            size,
+            free,
+            keep,
+        });
+    }
+    Ok(())
+}
+
+/// Hands an offer back to its source (best effort, briefly), so it
+/// releases the snapshot at once instead of when the token expires.
+async fn decline(peer: &mut PeerClient, offer: &pb::SyncOffer, why: &str) {
+    let report = peer.report_result(pb::ReportResultRequest {
+        session_id: offer.session_id.clone(),
+        ok: false,
+        error: why.chars().take(1024).collect(),
+    });
+    let _ = tokio::time::timeout(Duration::from_secs(5), report).await;
+}
+
+/// The offer and what it delivered; a failed transfer's offer goes back.
+async fn settle(
+    peer: &mut PeerClient,
+    offer: pb::SyncOffer,
+    received: Result<Received, JobError>,
+) -> Result<(pb::SyncOffer, Received), JobError> {
+    match received {
+        Ok(received) => Ok((offer, received)),
+        Err(e) => {
+            decline(peer, &offer, &e.to_string()).await;
+            Err(e)
+        }
     }
 }
 
@@ -400,16 +506,20 @@ async fn install(
         }
     }
     ctx.phase(pb::Phase::Installing);
-    let format = ctx.config.snapshot_format;
-    let name = install::install_name(&offer.snapshot_name, info.seq, format);
+    let (dir, format) = (ctx.config.snapshot_dir.clone(), ctx.config.snapshot_format);
+    let name = install::install_name(&dir, &offer.snapshot_name, info.seq, format)?;
     if name != offer.snapshot_name {
         warn!(offered = ?offer.snapshot_name.chars().take(300).collect::<String>(), installed = %name,
-            "the source offered a name that is not a plain file name; installing under a safe one");
+            "the source's name is not a plain snapshot name, or names a file kvsync did not install; installing under a safe one");
     }
     // Not cancellable: once the rename may have happened, we finish it.
-    let installed = tokio::task::spawn_blocking(move || staging.install(&name))
-        .await
-        .map_err(|e| JobError::Panicked(panic_text(e)))??;
+    let installed = tokio::task::spawn_blocking(move || {
+        let path = staging.install(&name)?;
+        install::remember_installed(&dir, &name)?;
+        Ok::<_, InstallError>(path)
+    })
+    .await
+    .map_err(|e| JobError::Panicked(panic_text(e)))??;
     ctx.progress
         .send_modify(|p| p.installed_path = installed.display().to_string());
     info!(path = %installed.display(), seq = info.seq, "snapshot installed");
@@ -506,6 +616,12 @@ async fn negotiate(
         return Err(JobError::BadOffer(format!(
             "session token of {} bytes",
             offer.session_token.len()
+        )));
+    }
+    if !crate::peer_text::is_plain_name(&offer.source_node_id) {
+        return Err(JobError::BadOffer(format!(
+            "source node id {:?} is not a plain name (letters, digits, '.', '_', '-')",
+            offer.source_node_id.chars().take(64).collect::<String>()
         )));
     }
     if offer.format != format.as_str() {
@@ -647,6 +763,7 @@ fn dial_spec(
         endpoint,
         rdma,
         peer_timeout: ctx.config.data.peer_timeout,
+        min_rate: ctx.config.data.min_rate(),
         local,
         soft: ctx.rdma.soft,
         faults: ctx.faults.clone(),

@@ -42,6 +42,21 @@ pub enum SyncError {
     /// The agent is shutting down.
     #[error("{0}")]
     Unavailable(String),
+    /// The source is not in `sync.allowed_sources`.
+    #[error("{0}")]
+    NotAllowed(String),
+}
+
+/// Whether `sync.allowed_sources` lets this agent pull from the source at
+/// `addr` (with node id `node_id`, once known). Before the node id is
+/// known, only an address entry can refuse: a node-id entry might match.
+pub fn source_allowed(allowed: &[String], addr: &str, node_id: Option<&str>) -> bool {
+    allowed.is_empty()
+        || allowed.iter().any(|a| a == addr)
+        || match node_id {
+            Some(id) => allowed.iter().any(|a| a == id),
+            None => allowed.iter().any(|a| !a.contains(':')),
+        }
 }
 
 struct Running {
@@ -109,6 +124,7 @@ impl SyncManager {
         if source.is_empty()
             || source.len() > MAX_ADDR_LEN
             || source.contains(['/', ' '])
+            || crate::peer_text::has_control(source)
             || !source.contains(':')
         {
             return Err(SyncError::InvalidArgument(format!(
@@ -120,6 +136,11 @@ impl SyncManager {
                 "agent is shutting down; start the sync on another agent or after the restart"
                     .into(),
             ));
+        }
+        if !source_allowed(&self.config.sync.allowed_sources, source, None) {
+            return Err(SyncError::NotAllowed(format!(
+                "{source} is not in sync.allowed_sources of this agent; add it there to pull from it"
+            )));
         }
         let mut jobs = self.jobs.lock().expect("jobs lock");
         if let Some((id, _)) = jobs.running.iter().find(|(_, r)| r.source == source) {

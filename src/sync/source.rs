@@ -27,6 +27,7 @@ use crate::blk3::{BulkParams, Outcome};
 use crate::cache::CacheRef;
 use crate::catalog::CatalogEntry;
 use crate::metrics::{unix_now, Metrics, Running};
+use crate::transport::pace::MinRate;
 use crate::transport::probe::Probe;
 use crate::transport::ratelimit::RateLimiter;
 use crate::transport::session::{Accepted, SessionResult, SourceLink};
@@ -141,6 +142,15 @@ impl SessionTable {
         before - offers.len()
     }
 
+    /// Withdraws the unused offer with session id `id` (its replica will
+    /// not connect), releasing its cache reference. False when none.
+    pub fn withdraw(&self, id: &str) -> bool {
+        let mut offers = self.offers.lock().expect("sessions lock");
+        let before = offers.len();
+        offers.retain(|_, o| o.id != id);
+        offers.len() < before
+    }
+
     /// Sessions moving bytes now.
     pub fn serving(&self) -> usize {
         self.serving.load(Ordering::SeqCst)
@@ -187,6 +197,8 @@ pub struct DataPlane {
     pub rate: Arc<RateLimiter>,
     /// How long a silent replica may take before its connection fails.
     pub peer_timeout: Duration,
+    /// The floor a replica must read at.
+    pub min_rate: MinRate,
 }
 
 /// The one serve loop: takes accepted data connections, of any transport,
@@ -217,7 +229,7 @@ fn serve_connection(conn: Accepted, peer: &str, plane: &DataPlane) {
         plane.metrics.data_auth_failures.inc();
         warn!(%peer, transport = %kind, "data connection refused: {why}");
     };
-    let mut link = match conn.open(plane.peer_timeout, &plane.faults) {
+    let mut link = match conn.open(plane.peer_timeout, plane.min_rate, &plane.faults) {
         Ok(link) => link,
         Err(e) => return refused(&e),
     };

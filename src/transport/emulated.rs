@@ -579,6 +579,16 @@ impl Fabric for EmuQp {
         })
     }
 
+    fn revoke(&mut self, region: &MemoryRegion) -> Result<(), FabricError> {
+        // The write lock waits for a write that holds the read lock.
+        self.inner
+            .regions
+            .write()
+            .expect("regions lock")
+            .remove(&region.rkey);
+        Ok(())
+    }
+
     fn post_recv(&mut self, wr_id: u64) -> Result<(), FabricError> {
         self.inner.with_state(|st| {
             if st.error {
@@ -862,6 +872,33 @@ mod tests {
         assert_eq!(next(&mut a).data, b"SRDY");
         // `b` dropped the connection: `a` learns it.
         assert!(matches!(a.poll(T), Err(FabricError::Disconnected)));
+    }
+
+    #[test]
+    fn writes_into_a_revoked_region_are_remote_access_errors() {
+        let (mut a, mut b) = pair(&[], EmuFaults::default());
+        let mut dst = vec![0u8; 16];
+        let mut src = vec![7u8; 16];
+        // SAFETY: the buffer outlives the queue pair in this test.
+        let remote = unsafe { a.register(dst.as_mut_ptr(), dst.len(), true) }.unwrap();
+        // SAFETY: the buffer outlives the queue pair in this test.
+        let local = unsafe { b.register(src.as_mut_ptr(), src.len(), false) }.unwrap();
+        let write = |id| WriteOp {
+            id,
+            offset: 0,
+            len: 16,
+            signaled: true,
+        };
+        b.post_writes(&local, remote.addr, remote.rkey, &[write(1)])
+            .unwrap();
+        assert_eq!(next(&mut b).wr_id, 1);
+        a.revoke(&remote).unwrap();
+        src.fill(9);
+        b.post_writes(&local, remote.addr, remote.rkey, &[write(2)])
+            .unwrap();
+        let c = b.poll(T).unwrap().expect("a completion");
+        assert_eq!(c.status, Err(WcStatus::RemoteAccess));
+        assert_eq!(dst, vec![7u8; 16], "the verified bytes stay as they were");
     }
 
     #[test]

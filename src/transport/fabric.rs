@@ -138,6 +138,11 @@ pub trait Fabric: Send {
         remote_write: bool,
     ) -> Result<MemoryRegion, FabricError>;
 
+    /// Revokes remote access to `region`: a write that is landing finishes
+    /// first, later writes fail with a remote access error. The memory
+    /// stays valid; the replica verifies bytes nobody can change any more.
+    fn revoke(&mut self, region: &MemoryRegion) -> Result<(), FabricError>;
+
     /// Posts one receive buffer of [`RECV_BUF_LEN`] bytes.
     fn post_recv(&mut self, wr_id: u64) -> Result<(), FabricError>;
 

@@ -8,6 +8,7 @@
 
 pub mod emulated;
 pub mod fabric;
+pub mod pace;
 pub mod probe;
 pub mod ratelimit;
 pub mod rdma;

@@ -387,6 +387,8 @@ impl RecvMemory {
 struct ReplicaIo<'a, F: Fabric> {
     link: Link<F>,
     memory: Option<RecvMemory>,
+    /// The registered receive memory, until its remote access is revoked.
+    region: Option<MemoryRegion>,
     token: [u8; SESSION_TOKEN_LEN],
     sink: &'a mut dyn Sink,
     faults: &'a RdmaFaults,
@@ -472,6 +474,7 @@ impl<F: Fabric> Executor for ReplicaIo<'_, F> {
                     return Ok(Some(Input::ReceiveFailed(reason)));
                 }
                 let region = self.register(len)?;
+                self.region = Some(region);
                 info!(
                     memory = self.memory.as_ref().map(RecvMemory::label),
                     bytes = len,
@@ -483,6 +486,10 @@ impl<F: Fabric> Executor for ReplicaIo<'_, F> {
                 }))
             }
             Command::Verify => {
+                // The source must not change what is verified and installed.
+                if let Some(region) = self.region.take() {
+                    self.link.qp.revoke(&region)?;
+                }
                 self.land();
                 Ok(Some(Input::Verified(self.sink.verify())))
             }
@@ -522,6 +529,7 @@ pub fn run_replica<F: Fabric>(
     let mut io = ReplicaIo {
         link: Link::new(qp, cancel),
         memory: None,
+        region: None,
         token,
         sink,
         faults,

@@ -17,6 +17,7 @@ use tracing::info;
 
 use super::emulated::EmuQp;
 use super::fabric::Fabric;
+use super::pace::MinRate;
 use super::rdma::{self, RdmaError};
 use super::tcp::{self, CancelHandle, Link, TcpError};
 use super::{blocking_data_socket, Faults, Serve, Sink, TransportKind, CONNECT_TIMEOUT};
@@ -56,6 +57,8 @@ pub struct DialSpec {
     pub rdma: Option<RdmaProvider>,
     /// How long a silent peer may take before the connection fails.
     pub peer_timeout: Duration,
+    /// The floor the bulk must keep (TCP).
+    pub min_rate: MinRate,
     /// The local RDMA address (verbs binds it).
     pub local: Option<IpAddr>,
     /// The local RDMA device is a soft device.
@@ -95,7 +98,7 @@ impl DataLink {
             None => std::net::TcpStream::connect_timeout(&spec.endpoint, CONNECT_TIMEOUT)
                 .and_then(|s| {
                     super::detect_dead_peer(&s, spec.peer_timeout)?;
-                    Link::new(s)
+                    Link::new(s, spec.min_rate)
                 })
                 .map(DataLink::Tcp)
                 .map_err(|e| e.to_string()),
@@ -192,10 +195,15 @@ impl Accepted {
 
     /// Makes the connection usable from a blocking thread; the emulated
     /// fabric reads its connect request (with the proof) here.
-    pub fn open(self, peer_timeout: Duration, faults: &Faults) -> Result<SourceLink, String> {
+    pub fn open(
+        self,
+        peer_timeout: Duration,
+        min_rate: MinRate,
+        faults: &Faults,
+    ) -> Result<SourceLink, String> {
         match self {
             Accepted::Tcp(s) => blocking_data_socket(s, peer_timeout)
-                .and_then(Link::new)
+                .and_then(|s| Link::new(s, min_rate))
                 .map(SourceLink::Tcp)
                 .map_err(|e| e.to_string()),
             Accepted::Emulated(s) => blocking_data_socket(s, peer_timeout)

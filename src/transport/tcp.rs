@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::pace::{MinRate, Pace, TooSlow};
 use super::ratelimit::RateLimiter;
 use super::zerocopy::ZeroCopySender;
 use super::{drive, Executor, Faults, Serve, Sink};
@@ -58,6 +59,9 @@ pub enum TcpError {
     /// The snapshot could not be loaded or did not verify on the source.
     #[error("source snapshot: {0}")]
     Snapshot(#[from] CacheError),
+    /// The peer fell below `data.min_rate`.
+    #[error(transparent)]
+    TooSlow(#[from] TooSlow),
     /// The driver was asked for something TCP does not do.
     #[error("command {0} is not available over TCP")]
     Unsupported(&'static str),
@@ -80,6 +84,8 @@ impl CancelHandle {
 /// One data connection: framing, deadlines, cancellation.
 pub struct Link {
     stream: TcpStream,
+    /// The floor the bulk phase must keep, both ways.
+    min_rate: MinRate,
     started: Instant,
     buf: Vec<u8>,
     cancelled: Arc<AtomicBool>,
@@ -87,11 +93,13 @@ pub struct Link {
 }
 
 impl Link {
-    pub fn new(stream: TcpStream) -> std::io::Result<Link> {
+    /// A link whose bulk phase must keep `min_rate`.
+    pub fn new(stream: TcpStream, min_rate: MinRate) -> std::io::Result<Link> {
         stream.set_nodelay(true)?;
         let canceller = Arc::new(stream.try_clone()?);
         Ok(Link {
             stream,
+            min_rate,
             started: Instant::now(),
             buf: Vec::with_capacity(64),
             cancelled: Arc::new(AtomicBool::new(false)),
@@ -165,7 +173,8 @@ impl Link {
         }
     }
 
-    /// Reads exactly `len` raw bulk bytes, handing them to `sink` in pieces.
+    /// Reads exactly `len` raw bulk bytes, handing them to `sink` in
+    /// pieces, at no less than the link's minimum rate.
     fn read_bulk(&mut self, len: u64, mut sink: impl FnMut(&[u8])) -> Result<(), TcpError> {
         let mut left = len;
         // Bytes read past the last frame belong to the bulk.
@@ -176,12 +185,16 @@ impl Link {
             left -= n as u64;
         }
         let mut chunk = AlignedBuf::new(BULK_CHUNK).map_err(|e| self.err("allocate", e))?;
-        self.stream
-            .set_read_timeout(Some(size_scaled_timeout(len)))
-            .map_err(|e| self.err("set timeout", e))?;
+        let mut pace = Pace::new(self.min_rate, Instant::now());
         while left > 0 {
+            self.stream
+                .set_read_timeout(
+                    pace.budget(Instant::now())
+                        .or(Some(size_scaled_timeout(len))),
+                )
+                .map_err(|e| self.err("set timeout", e))?;
             let want = (left as usize).min(BULK_CHUNK);
-            match self.stream.read(&mut chunk[..want]) {
+            let n = match self.stream.read(&mut chunk[..want]) {
                 Ok(0) => {
                     return Err(if self.cancelled.load(Ordering::SeqCst) {
                         TcpError::Cancelled
@@ -189,16 +202,24 @@ impl Link {
                         TcpError::Closed("receiving the snapshot")
                     })
                 }
-                Ok(n) => {
-                    sink(&chunk[..n]);
-                    left -= n as u64;
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Ok(n) => n,
+                Err(e) if is_timeout(&e) => 0,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => 0,
                 Err(e) => return Err(self.err("receive snapshot", e)),
-            }
+            };
+            sink(&chunk[..n]);
+            left -= n as u64;
+            pace.add(n as u64, Instant::now())?;
         }
         Ok(())
     }
+}
+
+/// A blocking socket call that ran out of its own time (`SO_RCVTIMEO` /
+/// `SO_SNDTIMEO`: EAGAIN). ETIMEDOUT is not one: it is a dead peer
+/// (keepalive or `TCP_USER_TIMEOUT`).
+fn is_timeout(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::WouldBlock
 }
 
 /// Reads the replica's session proof (the first frame).
@@ -265,10 +286,7 @@ impl SourceIo<'_> {
     fn stream_bulk(&mut self, len: u64) -> Result<(), TcpError> {
         let snapshot = self.snapshot;
         let timeout = size_scaled_timeout(len);
-        self.link
-            .stream
-            .set_write_timeout(Some(timeout))
-            .map_err(|e| self.link.err("set timeout", e))?;
+        let mut pace = Pace::new(self.link.min_rate, Instant::now());
         let stream = self
             .link
             .stream
@@ -296,15 +314,13 @@ impl SourceIo<'_> {
                 Some(at) if (start..start + piece.len() as u64).contains(&at) => {
                     let mut copy = piece.to_vec();
                     copy[(at - start) as usize] ^= 0x01;
-                    rate.paced(copy.len(), |r| self.write_all(&copy[r]))?;
+                    rate.paced(copy.len(), |r| {
+                        self.send_grain(&copy[r], None, &mut pace, timeout)
+                    })?;
                 }
-                _ => match zc.as_mut() {
-                    Some(zc) => rate.paced(piece.len(), |r| {
-                        zc.send_all(&piece[r])
-                            .map_err(|e| self.link.err("send snapshot", e))
-                    })?,
-                    None => rate.paced(piece.len(), |r| self.write_all(&piece[r]))?,
-                },
+                _ => rate.paced(piece.len(), |r| {
+                    self.send_grain(&piece[r], zc.as_mut(), &mut pace, timeout)
+                })?,
             }
             sent += piece.len();
             self.progress.store(sent as u64, Ordering::Relaxed);
@@ -325,11 +341,37 @@ impl SourceIo<'_> {
         Ok(())
     }
 
-    fn write_all(&mut self, bytes: &[u8]) -> Result<(), TcpError> {
-        self.link
-            .stream
-            .write_all(bytes)
-            .map_err(|e| self.link.err("send snapshot", e))
+    /// Sends one grain of the bulk (zero-copy when `zc` is given), keeping
+    /// the link's minimum rate: a blocking send waits at most the rest of
+    /// the window, and every byte and every timeout is measured.
+    fn send_grain(
+        &mut self,
+        mut bytes: &[u8],
+        mut zc: Option<&mut ZeroCopySender>,
+        pace: &mut Pace,
+        timeout: Duration,
+    ) -> Result<(), TcpError> {
+        while !bytes.is_empty() {
+            self.link
+                .stream
+                .set_write_timeout(pace.budget(Instant::now()).or(Some(timeout)))
+                .map_err(|e| self.link.err("set timeout", e))?;
+            let sent = match zc.as_deref_mut() {
+                Some(zc) => zc.send(bytes),
+                None => (&self.link.stream).write(bytes),
+            };
+            match sent {
+                Ok(0) => return Err(TcpError::Closed("sending the snapshot")),
+                Ok(n) => {
+                    bytes = &bytes[n..];
+                    pace.add(n as u64, Instant::now())?;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if is_timeout(&e) => pace.add(0, Instant::now())?,
+                Err(e) => return Err(self.link.err("send snapshot", e)),
+            }
+        }
+        Ok(())
     }
 
     /// Applies `stall_after` / `cut_after` once `sent` bytes are out.

@@ -630,6 +630,23 @@ impl Fabric for VerbsQp {
         })
     }
 
+    fn revoke(&mut self, region: &MemoryRegion) -> Result<(), FabricError> {
+        // SAFETY: every pointer in `mrs` is a live registration.
+        let Some(i) = self
+            .mrs
+            .iter()
+            .position(|&mr| unsafe { (*mr).rkey } == region.rkey)
+        else {
+            return Ok(());
+        };
+        let mr = self.mrs.swap_remove(i);
+        // SAFETY: `mr` is registered and no longer listed, so it is freed once.
+        if unsafe { ibv_dereg_mr(mr) } != 0 {
+            return Err(FabricError::last_os("ibv_dereg_mr"));
+        }
+        Ok(())
+    }
+
     fn post_recv(&mut self, wr_id: u64) -> Result<(), FabricError> {
         let qp = self.qp();
         let slots = self.recvs.as_mut().expect("token buffers");

@@ -61,14 +61,18 @@ impl<'a> ZeroCopySender<'a> {
         self.enabled
     }
 
-    /// Sends all of `buf`. The bytes must stay unchanged until
+    /// Sends some of `buf` (at least one byte) and returns how much, or
+    /// `WouldBlock` when the socket's send timeout expires first, also
+    /// while it waits for pinned pages to be released (a peer that stopped
+    /// reading). The bytes sent must stay unchanged until
     /// [`ZeroCopySender::finish`] returns.
-    pub fn send_all(&mut self, mut buf: &[u8]) -> io::Result<()> {
+    pub fn send(&mut self, buf: &[u8]) -> io::Result<usize> {
         if !self.enabled {
             let mut s = self.stream;
-            return s.write_all(buf);
+            return s.write(buf);
         }
-        while !buf.is_empty() {
+        let deadline = self.stream.write_timeout()?.map(|t| Instant::now() + t);
+        loop {
             // SAFETY: `buf` is a valid slice that the caller keeps alive and
             // unchanged until `finish`.
             let n = unsafe {
@@ -81,21 +85,24 @@ impl<'a> ZeroCopySender<'a> {
             };
             if n >= 0 {
                 self.issued = self.issued.wrapping_add(1);
-                buf = &buf[n as usize..];
                 self.reap(Duration::ZERO)?;
-                continue;
+                return Ok(n as usize);
             }
             let e = io::Error::last_os_error();
             match e.raw_os_error() {
                 Some(libc::EINTR) => {}
                 // Too much pinned memory outstanding: wait for completions.
-                Some(libc::ENOBUFS) => self.reap(Duration::from_millis(100))?,
+                Some(libc::ENOBUFS) => {
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                        return Err(io::ErrorKind::WouldBlock.into());
+                    }
+                    self.reap(Duration::from_millis(100))?
+                }
                 // The socket's send timeout expired.
-                Some(libc::EAGAIN) => return Err(io::ErrorKind::TimedOut.into()),
+                Some(libc::EAGAIN) => return Err(io::ErrorKind::WouldBlock.into()),
                 _ => return Err(e),
             }
         }
-        Ok(())
     }
 
     /// Waits until the kernel released every page sent so far (the peer

@@ -5,8 +5,11 @@
 use std::path::{Path, PathBuf};
 
 use futures::StreamExt;
+use kvsync::rpc::auth::ClientAuth;
 use kvsync::rpc::pb;
 use kvsync::rpc::pb::orchestrator_client::OrchestratorClient;
+use kvsync::rpc::AgentChannel;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
 use super::*;
@@ -14,7 +17,13 @@ use super::*;
 pub struct Node {
     pub proc: AgentProcess,
     pub dir: PathBuf,
+    /// The bearer token its gRPC listener requires, if any.
+    pub token: Option<String>,
 }
+
+/// The token of test agents whose gRPC listener other hosts can reach
+/// (such a listener must authenticate its callers).
+pub const EXPOSED_TOKEN: &str = "kvsync-test-token-0123456789";
 
 impl Node {
     /// Starts an agent named `name` under `root`; `extra` is appended to its
@@ -51,26 +60,32 @@ impl Node {
         } else {
             format!("{extra}\n[sync]\nretries = 0\n")
         };
+        // `[data]` keys of `extra` join the [data] section written here.
+        let (data_extra, extra) = take_section(&extra, "[data]\n");
         let extra = extra.as_str();
         let dir = root.join(name);
         std::fs::create_dir_all(&dir).unwrap();
         let config = root.join(format!("{name}.toml"));
-        let plaintext = if ip.starts_with("127.") {
-            ""
+        let exposed = !ip.starts_with("127.");
+        let (plaintext, auth, token) = if exposed {
+            let tokens = root.join(format!("{name}.tokens"));
+            std::fs::write(&tokens, format!("{EXPOSED_TOKEN}\n")).unwrap();
+            let auth = format!("[auth]\ntoken_file = \"{}\"\n", tokens.display());
+            ("plaintext = true\n", auth, Some(EXPOSED_TOKEN.to_string()))
         } else {
-            "plaintext = true\n"
+            ("", String::new(), None)
         };
         // A silent peer fails a transfer after 5 s (not 30 s) in tests.
         std::fs::write(
             &config,
             format!(
-                "node_id = \"{name}\"\nsnapshot_dir = \"{}\"\n[grpc]\nlisten = \"{ip}:0\"\n{plaintext}[data]\ntcp_listen = \"{ip}:0\"\nrdma_port = 0\npeer_timeout = \"5s\"\n[metrics]\nlisten = \"{ip}:0\"\n[watch]\ndebounce = \"20ms\"\n[transport]\n{transport}\n{extra}",
+                "node_id = \"{name}\"\nsnapshot_dir = \"{}\"\n[grpc]\nlisten = \"{ip}:0\"\n{plaintext}[data]\ntcp_listen = \"{ip}:0\"\nrdma_port = 0\npeer_timeout = \"5s\"\n{data_extra}[metrics]\nlisten = \"{ip}:0\"\n[watch]\ndebounce = \"20ms\"\n{auth}[transport]\n{transport}\n{extra}",
                 dir.display()
             ),
         )
         .unwrap();
         let proc = AgentProcess::start_env(&["--config", config.to_str().unwrap()], env, root);
-        Node { proc, dir }
+        Node { proc, dir, token }
     }
 
     pub fn grpc(&self) -> String {
@@ -81,10 +96,16 @@ impl Node {
         self.proc.addr("data")
     }
 
-    pub async fn client(&self) -> OrchestratorClient<Channel> {
-        OrchestratorClient::connect(format!("http://{}", self.grpc()))
+    pub async fn client(&self) -> OrchestratorClient<AgentChannel> {
+        let channel = Channel::from_shared(format!("http://{}", self.grpc()))
+            .unwrap()
+            .connect()
             .await
-            .expect("connect agent")
+            .expect("connect agent");
+        OrchestratorClient::new(InterceptedService::new(
+            channel,
+            ClientAuth::new(self.token.clone()),
+        ))
     }
 
     /// Waits until the agent offers a snapshot with `seq`.
@@ -108,18 +129,53 @@ impl Node {
         .await;
     }
 
+    /// kvsync's temp files in the snapshot directory.
     pub fn temp_files(&self) -> Vec<String> {
         std::fs::read_dir(&self.dir)
             .unwrap()
             .filter_map(|e| e.ok())
             .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|n| n.starts_with('.'))
+            .filter(|n| n.starts_with(kvsync::install::TEMP_PREFIX))
             .collect()
+    }
+
+    /// Asks this agent, as a source, for a TCP offer of its kvr1 snapshot.
+    pub async fn open_offer(&self) -> pb::SyncOffer {
+        pb::peer_client::PeerClient::connect(format!("http://{}", self.grpc()))
+            .await
+            .unwrap()
+            .open_full_sync(pb::OpenFullSyncRequest {
+                format: "kvr1".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
+    /// Waits until this agent holds no snapshot in its cache (every offer
+    /// and session released it).
+    pub fn wait_released(&self) {
+        wait_for("the agent to release its snapshots", DEADLINE, || {
+            (self.metric("kvsync_snapshot_cache_refs") == 0.0).then_some(())
+        });
     }
 
     pub fn metric(&self, name_and_labels: &str) -> f64 {
         metric_value(&self.proc.metrics(), name_and_labels).unwrap_or(0.0)
     }
+}
+
+/// Splits the lines of `header`'s section out of `config`: (its keys, the
+/// rest of `config`).
+fn take_section(config: &str, header: &str) -> (String, String) {
+    let Some(start) = config.find(header) else {
+        return (String::new(), config.to_string());
+    };
+    let body = &config[start + header.len()..];
+    let end = body.find("\n[").map_or(body.len(), |i| i + 1);
+    let rest = format!("{}{}", &config[..start], &body[end..]);
+    (body[..end].to_string(), rest)
 }
 
 /// Writes a generated snapshot into `dir` as `name` (temp + rename).

@@ -200,6 +200,7 @@ fn replica_io<'a>(
     ReplicaIo {
         link: Link::new(qp, Default::default()),
         memory: None,
+        region: None,
         token: TOKEN,
         sink,
         faults,

@@ -1,0 +1,127 @@
+//! The minimum rate a bulk transfer must keep (`[data] min_rate` over
+//! `[data] min_rate_window`): a peer that trickles bytes, or stops reading,
+//! loses its session within one window instead of holding a slot, reserved
+//! disk and a cache image for the size-scaled timeouts. Pure bookkeeping;
+//! the TCP driver asks it how long one blocking call may wait.
+
+use std::time::{Duration, Instant};
+
+/// The floor: at least `bytes_per_sec` on average over every `window`.
+/// `bytes_per_sec = 0` turns it off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MinRate {
+    pub bytes_per_sec: u64,
+    pub window: Duration,
+}
+
+impl Default for MinRate {
+    fn default() -> Self {
+        MinRate {
+            bytes_per_sec: 1 << 20,
+            window: Duration::from_secs(30),
+        }
+    }
+}
+
+/// A transfer that fell below the floor.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("the peer moved {bytes} bytes in {elapsed:?}, below data.min_rate ({min} bytes/s): it stalled or is too slow")]
+pub struct TooSlow {
+    pub bytes: u64,
+    pub elapsed: Duration,
+    pub min: u64,
+}
+
+/// One direction of one transfer, measured against a [`MinRate`].
+#[derive(Debug)]
+pub struct Pace {
+    min: MinRate,
+    window_start: Instant,
+    window_bytes: u64,
+}
+
+impl Pace {
+    pub fn new(min: MinRate, now: Instant) -> Pace {
+        Pace {
+            min,
+            window_start: now,
+            window_bytes: 0,
+        }
+    }
+
+    /// Counts `n` more bytes at `now` (0 after a wait that timed out).
+    /// Fails once a whole window has passed below the floor.
+    pub fn add(&mut self, n: u64, now: Instant) -> Result<(), TooSlow> {
+        self.window_bytes += n;
+        let elapsed = now.saturating_duration_since(self.window_start);
+        if self.min.bytes_per_sec == 0 || elapsed < self.min.window {
+            return Ok(());
+        }
+        let need = (self.min.bytes_per_sec as f64 * elapsed.as_secs_f64()) as u64;
+        if self.window_bytes < need {
+            return Err(TooSlow {
+                bytes: self.window_bytes,
+                elapsed,
+                min: self.min.bytes_per_sec,
+            });
+        }
+        self.window_start = now;
+        self.window_bytes = 0;
+        Ok(())
+    }
+
+    /// How long one blocking read or write may wait at `now`: the rest of
+    /// the current window (`None`: no floor, wait as long as it takes).
+    pub fn budget(&self, now: Instant) -> Option<Duration> {
+        (self.min.bytes_per_sec > 0).then(|| {
+            (self.window_start + self.min.window)
+                .saturating_duration_since(now)
+                .max(Duration::from_millis(1))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIN: MinRate = MinRate {
+        bytes_per_sec: 1000,
+        window: Duration::from_secs(10),
+    };
+
+    #[test]
+    fn a_steady_peer_passes_and_a_trickle_fails_after_one_window() {
+        let t0 = Instant::now();
+        let mut p = Pace::new(MIN, t0);
+        for s in 1..=30 {
+            p.add(1000, t0 + Duration::from_secs(s)).unwrap();
+        }
+        let mut p = Pace::new(MIN, t0);
+        p.add(1, t0 + Duration::from_secs(9)).unwrap();
+        let e = p.add(1, t0 + Duration::from_secs(10)).unwrap_err();
+        assert_eq!((e.bytes, e.min), (2, 1000));
+    }
+
+    #[test]
+    fn the_budget_is_the_rest_of_the_window() {
+        let t0 = Instant::now();
+        let p = Pace::new(MIN, t0);
+        assert_eq!(
+            p.budget(t0 + Duration::from_secs(4)),
+            Some(Duration::from_secs(6))
+        );
+        assert_eq!(
+            p.budget(t0 + Duration::from_secs(11)),
+            Some(Duration::from_millis(1))
+        );
+        let off = Pace::new(
+            MinRate {
+                bytes_per_sec: 0,
+                ..MIN
+            },
+            t0,
+        );
+        assert_eq!(off.budget(t0), None);
+    }
+}

@@ -1,0 +1,336 @@
+//! Peers are not trusted: names a source sends never become syntax in a KV
+//! command, a record or a file path; a source cannot make a replica reserve
+//! more than it allows; an exposed listener must authenticate its callers;
+//! a replica only pulls from the sources it allows. Real agent processes.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use common::node::*;
+use common::*;
+use kvsync::rpc::pb;
+
+/// Every file in `dir` with its contents, except kvsync's own manifest.
+fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap())
+        .map(|e| (e.file_name().to_string_lossy().into_owned(), e.path()))
+        .filter(|(n, _)| n != kvsync::install::MANIFEST)
+        .map(|(n, p)| (n, std::fs::read(p).unwrap()))
+        .collect()
+}
+
+/// A KV admin port that records every line and answers each with `+OK`.
+async fn kv_admin() -> (
+    std::net::SocketAddr,
+    tokio::sync::mpsc::UnboundedReceiver<String>,
+) {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    let kv = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = kv.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok((s, _)) = kv.accept().await {
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let (r, mut w) = s.into_split();
+                let mut lines = tokio::io::BufReader::new(r).lines();
+                while let Ok(Some(line)) = lines.next_line().await {
+                    let _ = tx.send(line);
+                    let _ = w.write_all(b"+OK\r\n").await;
+                }
+            });
+        }
+    });
+    (addr, rx)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_snapshot_names_reach_neither_the_kv_nor_other_files() {
+    let root = tempfile::tempdir().unwrap();
+    let source = Node::start(root.path(), "source", "", &[]);
+    let (kv, mut lines) = kv_admin().await;
+    let replica = Node::start(
+        root.path(),
+        "replica",
+        &format!(
+            "[handoff]\nmode = \"command\"\ncommand_addr = \"{kv}\"\ncommand_template = \"REPLMETA {{seq}} {{path}} {{source}}\"\n"
+        ),
+        &[],
+    );
+    // Files of the KV's own that a source's name must not replace.
+    std::fs::write(replica.dir.join("nodes.conf"), b"cluster state").unwrap();
+    std::fs::write(replica.dir.join("x.kvr1"), b"the operator's").unwrap();
+
+    let hostile = [
+        "x.kvr1\r\nFLUSHALL\r\nSET owned 1\r\nREPLMETA 1 y.kvr1",
+        "with space.kvr1",
+        "tab\there.kvr1",
+        "snap\u{2215}5.kvr1", // a look-alike of '/'
+        "nodes.conf",
+        "x.kvr1",
+    ];
+    for (i, name) in hostile.into_iter().enumerate() {
+        let seq = 100 + i as u64;
+        put_snapshot(&source.dir, name, 4096 + i as u64, seq);
+        source.offered(seq).await;
+        let before = files(&replica.dir);
+        let p = sync_ok(&replica, &source).await;
+        let installed = Path::new(&p.installed_path);
+        assert_eq!(
+            installed.file_name().unwrap().to_string_lossy(),
+            format!("snapshot-{seq}.kvr1"),
+            "{name:?}"
+        );
+        // Exactly one well-formed line reached the KV.
+        let line = lines.recv().await.unwrap();
+        assert_eq!(
+            line,
+            format!(
+                "REPLMETA {seq} {} source@{}",
+                p.installed_path,
+                source.grpc()
+            ),
+            "{name:?}"
+        );
+        assert!(lines.try_recv().is_err(), "{name:?}: one line only");
+        // The record has exactly its fields.
+        let record = std::fs::read_to_string(format!("{}.replmeta", p.installed_path)).unwrap();
+        let keys: Vec<&str> = record
+            .lines()
+            .map(|l| l.split_once(' ').unwrap().0)
+            .collect();
+        assert_eq!(
+            keys,
+            [
+                "REPLMETA",
+                "snapshot",
+                "source",
+                "format",
+                "size",
+                "checksum",
+                "time_unix_ms"
+            ],
+            "{name:?}"
+        );
+        // Nothing but the snapshot and its record changed.
+        let mut after = files(&replica.dir);
+        let new = format!("snapshot-{seq}.kvr1");
+        assert!(after.remove(&new).is_some());
+        assert!(after.remove(&format!("{new}.replmeta")).is_some());
+        assert_eq!(after, before, "{name:?}");
+        std::fs::remove_file(source.dir.join(name)).unwrap();
+    }
+    assert_eq!(
+        std::fs::read(replica.dir.join("nodes.conf")).unwrap(),
+        b"cluster state"
+    );
+    assert_eq!(
+        std::fs::read(replica.dir.join("x.kvr1")).unwrap(),
+        b"the operator's"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_over_the_limit_is_refused_before_anything_is_reserved() {
+    let root = tempfile::tempdir().unwrap();
+    let (source, _) = offering_source(root.path(), 3 << 20, 7, &[]).await;
+    let small = Node::start(
+        root.path(),
+        "small",
+        "[sync]\nmax_snapshot_bytes = \"1MiB\"\n",
+        &[],
+    );
+    let crowded = Node::start(
+        root.path(),
+        "crowded",
+        "[sync]\nmin_free_after = \"1PiB\"\n",
+        &[],
+    );
+    for (replica, setting) in [
+        (&small, "sync.max_snapshot_bytes"),
+        (&crowded, "sync.min_free_after"),
+    ] {
+        let id = start_sync(replica, &source).await;
+        let p = wait_done(replica, &id).await;
+        assert_eq!(p.phase, pb::Phase::Failed as i32, "{p:?}");
+        assert!(p.error.contains(setting), "{}", p.error);
+        assert!(
+            std::fs::read_dir(&replica.dir).unwrap().next().is_none(),
+            "nothing reserved or written"
+        );
+    }
+    assert_eq!(
+        source.metric("kvsync_fullsync_bytes_total{role=\"source\",transport=\"tcp\"}"),
+        0.0
+    );
+    // The refused offers went back: the source holds no snapshot for them.
+    source.wait_released();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_pulls_only_from_allowed_sources() {
+    let root = tempfile::tempdir().unwrap();
+    let (source, bytes) = offering_source(root.path(), 4096, 3, &[]).await;
+    let strict = Node::start(
+        root.path(),
+        "strict",
+        "[sync]\nallowed_sources = [\"127.0.0.1:1\"]\n",
+        &[],
+    );
+    let err = strict
+        .client()
+        .await
+        .start_full_sync(pb::StartFullSyncRequest {
+            source: source.grpc(),
+            transport: pb::TransportPreference::Auto as i32,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err:?}");
+    assert!(err.message().contains("sync.allowed_sources"), "{err:?}");
+
+    // By node id: the source's id is only known from its offer.
+    let by_id = Node::start(
+        root.path(),
+        "by-id",
+        "[sync]\nallowed_sources = [\"primary-9\"]\n",
+        &[],
+    );
+    let id = start_sync(&by_id, &source).await;
+    let p = wait_done(&by_id, &id).await;
+    assert_eq!(p.phase, pb::Phase::Failed as i32, "{p:?}");
+    assert!(
+        p.error.contains("not in sync.allowed_sources"),
+        "{}",
+        p.error
+    );
+    let named = Node::start(
+        root.path(),
+        "named",
+        "[sync]\nallowed_sources = [\"source\"]\n",
+        &[],
+    );
+    let p = sync_ok(&named, &source).await;
+    assert!(std::fs::read(&p.installed_path).unwrap() == bytes);
+}
+
+#[test]
+fn an_exposed_listener_without_authentication_does_not_start() {
+    let root = tempfile::tempdir().unwrap();
+    let config = root.path().join("open.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "snapshot_dir = \"{}\"\n[grpc]\nlisten = \"0.0.0.0:0\"\nplaintext = true\n",
+            root.path().join("snap").display()
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(kvsync_bin())
+        .args(["agent", "--config", config.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("grpc.listen") && err.contains("token_file") && err.contains("client_auth"),
+        "{err}"
+    );
+}
+
+/// The data-plane floor of these tests: 1 MiB/s over 2 s.
+const FLOOR: &str = "[data]\nmin_rate = \"1MiB\"\nmin_rate_window = \"2s\"\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_that_stops_sending_loses_the_session_within_the_window() {
+    let root = tempfile::tempdir().unwrap();
+    let source = stalling_source(root.path(), 40).await;
+    let replica = Node::start(root.path(), "replica", FLOOR, &[]);
+    let started = std::time::Instant::now();
+    let id = start_sync(&replica, &source).await;
+    let p = wait_done(&replica, &id).await;
+    assert_eq!(p.phase, pb::Phase::Failed as i32, "{p:?}");
+    assert!(p.error.contains("data.min_rate"), "{}", p.error);
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(20),
+        "within the window, not the size-scaled timeout"
+    );
+    assert!(
+        replica.temp_files().is_empty(),
+        "{:?}",
+        replica.temp_files()
+    );
+    source.wait_released();
+}
+
+/// A sink that stops taking bytes until released: a replica that stops
+/// reading its socket.
+struct Stuck {
+    file: std::fs::File,
+    release: std::sync::mpsc::Receiver<()>,
+}
+
+impl kvsync::transport::Sink for Stuck {
+    fn prepare(&mut self, _len: u64) -> Result<(), String> {
+        Ok(())
+    }
+    fn write(&mut self, _bytes: &[u8]) {
+        let _ = self.release.recv();
+    }
+    fn file(&self) -> &std::fs::File {
+        &self.file
+    }
+    fn absorb(&mut self, _bytes: &[u8]) {}
+    fn verify(&mut self) -> Result<(), String> {
+        Err("this replica never verifies".into())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_stops_reading_loses_the_session_within_the_window() {
+    let root = tempfile::tempdir().unwrap();
+    let source = Node::start(root.path(), "source", FLOOR, &[]);
+    put_snapshot(&source.dir, "s.kvr1", 64 << 20, 5);
+    source.offered(5).await;
+    let offer = source.open_offer().await;
+    let (release, stuck) = std::sync::mpsc::channel();
+    let token: [u8; 32] = offer.session_token.as_slice().try_into().unwrap();
+    let endpoint = offer.data_endpoint.clone();
+    let size = offer.snapshot_size;
+    let file = tempfile::tempfile().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut sink = Stuck {
+            file,
+            release: stuck,
+        };
+        let mut link = kvsync::transport::tcp::Link::new(
+            std::net::TcpStream::connect(endpoint).unwrap(),
+            Default::default(),
+        )
+        .unwrap();
+        kvsync::transport::tcp::run_replica(&mut link, token, size, &mut sink)
+    });
+    let started = std::time::Instant::now();
+    wait_for("the source to end the session", DEADLINE, || {
+        (source.metric(r#"kvsync_fullsync_total{result="failed",role="source",transport="tcp"}"#)
+            == 1.0)
+            .then_some(())
+    });
+    assert!(started.elapsed() < std::time::Duration::from_secs(20));
+    assert!(
+        source.proc.log().contains("data.min_rate"),
+        "{}",
+        source.proc.log()
+    );
+    source.wait_released();
+    drop(release);
+    let end = reader.join().unwrap();
+    assert!(
+        !matches!(end, Ok(Ok(_))),
+        "the stuck replica never completes: {end:?}"
+    );
+}
