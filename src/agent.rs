@@ -82,6 +82,7 @@ pub struct RunningAgent {
     sessions: Arc<SessionTable>,
     data: Arc<DataEndpoints>,
     tokens: Arc<Tokens>,
+    peer_tokens: Option<Arc<Tokens>>,
     rate: Arc<RateLimiter>,
     pub syncs: Arc<SyncManager>,
     pub grpc_addr: SocketAddr,
@@ -96,7 +97,10 @@ pub struct RunningAgent {
 /// What is read and checked before anything binds.
 struct Prepared {
     faults: Faults,
+    /// Orchestrator tokens (and peer tokens unless those are separate).
     tokens: Arc<Tokens>,
+    /// Peer tokens, when `[auth] peer_token_file` separates them.
+    peer_tokens: Option<Arc<Tokens>>,
     server_tls: Option<ServerTlsConfig>,
     dialer: Dialer,
 }
@@ -117,7 +121,7 @@ impl RunningAgent {
             config.cache.acquire_timeout,
             metrics.clone(),
         );
-        let sessions = Arc::new(SessionTable::new(config.sync.max_outgoing_syncs));
+        let sessions = Arc::new(SessionTable::new(config.sync.session_limits()));
         let shutdown = CancellationToken::new();
         let draining = CancellationToken::new();
         let mut tasks = JoinSet::new();
@@ -178,10 +182,7 @@ impl RunningAgent {
                 data: data.clone(),
                 draining: draining.clone(),
             },
-            auth: ServerAuth {
-                tokens: prepared.tokens.clone(),
-                metrics: metrics.clone(),
-            },
+            auth: ServerAuth::pair(&prepared.tokens, prepared.peer_tokens.as_ref(), &metrics),
         };
         let health = start_grpc(
             services,
@@ -208,6 +209,7 @@ impl RunningAgent {
             sessions,
             data,
             tokens: prepared.tokens,
+            peer_tokens: prepared.peer_tokens,
             rate: plane.rate,
             syncs,
             grpc_addr,
@@ -257,19 +259,23 @@ impl RunningAgent {
     }
 
     /// Applies what a SIGHUP reloads from a re-read configuration: the
-    /// token file, the bandwidth limit, the admission limits and the cache
-    /// budget.
+    /// token file, the bandwidth limit, the admission limits (incoming,
+    /// outgoing, per replica) and the cache budget.
     pub fn reload(&self, config: &Config) -> Result<(), String> {
         self.rate.set_rate(config.sync.rate_limit.as_u64());
-        self.sessions.set_limit(config.sync.max_outgoing_syncs);
+        self.sessions.set_limits(config.sync.session_limits());
         self.syncs.set_max_incoming(config.sync.max_incoming_syncs);
         self.cache.set_budget(config.cache.memory_budget.as_u64());
-        let tokens = self.tokens.reload()?;
+        let mut tokens = self.tokens.reload()?;
+        if let Some(peer) = &self.peer_tokens {
+            tokens += peer.reload()?;
+        }
         info!(
             rate_limit = config.sync.rate_limit.as_u64(),
             memory_budget = config.cache.memory_budget.as_u64(),
             max_incoming_syncs = config.sync.max_incoming_syncs,
             max_outgoing_syncs = config.sync.max_outgoing_syncs,
+            max_sessions_per_replica = config.sync.max_sessions_per_replica,
             tokens,
             "configuration reloaded"
         );
@@ -338,10 +344,15 @@ fn prepare(config: &Config) -> Result<Prepared, AgentError> {
         warn!(?faults, "FAULT INJECTION ACTIVE (KVSYNC_FAULTS): this agent corrupts or stalls transfers on purpose");
     }
     let tokens = Tokens::load(config.auth.token_file.as_deref()).map_err(AgentError::Tokens)?;
+    let peer_tokens = match &config.auth.peer_token_file {
+        Some(file) => Some(Tokens::load(Some(file)).map_err(AgentError::Tokens)?),
+        None => None,
+    };
     let server_tls = tls::server(&config.tls)?;
     let dialer = Dialer {
         tls: tls::agent_client(&config.tls)?,
-        tokens: tokens.clone(),
+        tokens: peer_tokens.clone().unwrap_or_else(|| tokens.clone()),
+        token_in_clear: config.auth.send_token_in_clear,
     };
     let swept = crate::install::sweep_stale(&config.snapshot_dir);
     if swept > 0 {
@@ -350,6 +361,7 @@ fn prepare(config: &Config) -> Result<Prepared, AgentError> {
     Ok(Prepared {
         faults,
         tokens,
+        peer_tokens,
         server_tls,
         dialer,
     })
@@ -480,11 +492,12 @@ async fn start_metrics(
     Ok(Some(local))
 }
 
-/// The gRPC services an agent hosts.
+/// The gRPC services an agent hosts, and who may call them.
 struct Services {
     orchestrator: OrchestratorService,
     peer: PeerService,
-    auth: ServerAuth,
+    /// (orchestrator, peer) authentication.
+    auth: (ServerAuth, ServerAuth),
 }
 
 /// Starts the gRPC server (health, reflection, and the two services behind
@@ -517,7 +530,7 @@ async fn start_grpc(
     let Services {
         orchestrator,
         peer,
-        auth,
+        auth: (orchestrator_auth, peer_auth),
     } = services;
     let router = server
         .add_service(health_service)
@@ -525,11 +538,11 @@ async fn start_grpc(
         .add_service(InterceptedService::new(
             pb::orchestrator_server::OrchestratorServer::new(orchestrator)
                 .max_decoding_message_size(MAX_REQUEST_BYTES),
-            auth.clone(),
+            orchestrator_auth,
         ))
         .add_service(InterceptedService::new(
             pb::peer_server::PeerServer::new(peer).max_decoding_message_size(MAX_REQUEST_BYTES),
-            auth,
+            peer_auth,
         ));
     let stop = shutdown.clone();
     tasks.spawn(async move {

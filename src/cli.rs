@@ -229,7 +229,12 @@ fn client_dialer(cli: &Cli) -> anyhow::Result<crate::rpc::Dialer> {
         )?),
         None => None,
     };
-    Ok(crate::rpc::Dialer { tls, tokens })
+    // The operator chose where to send the token they passed.
+    Ok(crate::rpc::Dialer {
+        tls,
+        tokens,
+        token_in_clear: true,
+    })
 }
 
 /// Parses the command line and runs it.

@@ -74,6 +74,14 @@ pub struct AuthConfig {
     /// to peers). Every Orchestrator and Peer RPC must carry one. Empty
     /// turns authentication off. Reloaded on SIGHUP.
     pub token_file: Option<PathBuf>,
+    /// Tokens of the agent-to-agent Peer service. When set, Peer calls need
+    /// one of these and Orchestrator calls one of `token_file`'s (a token of
+    /// the other service gets PERMISSION_DENIED), and the first is what this
+    /// agent presents to sources. Reloaded on SIGHUP.
+    pub peer_token_file: Option<PathBuf>,
+    /// Present this agent's token to a non-loopback source without TLS
+    /// (trusted networks only); refused otherwise.
+    pub send_token_in_clear: bool,
 }
 
 /// Redis/Valkey: the local primary (source role, pre-flight check) and the
@@ -333,6 +341,18 @@ pub struct SyncConfig {
     /// Sources this agent pulls from: gRPC addresses (`host:port`) or node
     /// ids; empty allows any source the orchestrator names.
     pub allowed_sources: Vec<String>,
+    /// Sessions one replica address may hold on this source at once.
+    pub max_sessions_per_replica: usize,
+}
+
+impl SyncConfig {
+    /// The source's session limits.
+    pub fn session_limits(&self) -> crate::sync::source::Limits {
+        crate::sync::source::Limits {
+            total: self.max_outgoing_syncs,
+            per_replica: self.max_sessions_per_replica,
+        }
+    }
 }
 
 impl Default for Config {
@@ -452,6 +472,7 @@ impl Default for SyncConfig {
             max_snapshot_bytes: ByteSize::tib(1),
             min_free_after: ByteSize::mib(256),
             allowed_sources: Vec::new(),
+            max_sessions_per_replica: 4,
         }
     }
 }
@@ -670,6 +691,9 @@ impl Config {
         if self.sync.max_outgoing_syncs == 0 {
             p.bad("sync.max_outgoing_syncs", "must be at least 1".into());
         }
+        if self.sync.max_sessions_per_replica == 0 {
+            p.bad("sync.max_sessions_per_replica", "must be at least 1".into());
+        }
         if self.sync.session_token_ttl.is_zero() {
             p.bad("sync.session_token_ttl", "must be greater than zero".into());
         }
@@ -735,6 +759,12 @@ impl Config {
     /// lets anyone start syncs or read snapshots.
     fn check_auth(&self, p: &mut Problems) {
         let tokens = self.auth.token_file.is_some();
+        if self.auth.peer_token_file.is_some() && !tokens {
+            p.bad(
+                "auth.peer_token_file",
+                "needs auth.token_file too (the orchestrators' tokens)".into(),
+            );
+        }
         let client_certs = self.tls.enabled() && self.tls.client_auth;
         if self.grpc_exposed() && !tokens && !client_certs {
             p.bad(

@@ -18,7 +18,7 @@ use kvsync::metrics::Metrics;
 use kvsync::snapshot::kvr1::GenSpec;
 use kvsync::sync::job::JobError;
 use kvsync::sync::receive::{Received, Receiver};
-use kvsync::sync::source::{self, DataPlane, Offer, SessionTable};
+use kvsync::sync::source::{self, DataPlane, Limits, Offer, SessionTable};
 use kvsync::transport::pace::MinRate;
 use kvsync::transport::ratelimit::RateLimiter;
 use kvsync::transport::session::{DataLink, DialSpec};
@@ -113,7 +113,10 @@ async fn run(case: Case, kind: TransportKind, root: &Path) -> Run {
     // The source: cache, session table with one offer, the serve loop.
     let metrics = Metrics::new();
     let cache = SnapshotCache::new(1 << 30, DEADLINE, metrics.clone());
-    let sessions = Arc::new(SessionTable::new(4));
+    let sessions = Arc::new(SessionTable::new(Limits {
+        total: 4,
+        per_replica: 4,
+    }));
     let offer = Offer {
         id: "s1".into(),
         replica: "r".into(),
@@ -122,7 +125,8 @@ async fn run(case: Case, kind: TransportKind, root: &Path) -> Run {
         transport: kind,
         expires: Instant::now() + DEADLINE,
     };
-    let mut token = sessions.insert(offer, sessions.admit().unwrap());
+    let admitted = sessions.admit("replica@127.0.0.1").unwrap();
+    let mut token = sessions.insert(offer, admitted);
     if case == Case::BadToken {
         token[0] ^= 0xff;
     }

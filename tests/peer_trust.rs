@@ -218,6 +218,100 @@ async fn a_replica_pulls_only_from_allowed_sources() {
     assert!(std::fs::read(&p.installed_path).unwrap() == bytes);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_replica_cannot_take_every_session_of_a_source() {
+    let root = tempfile::tempdir().unwrap();
+    let source = Node::start(
+        root.path(),
+        "source",
+        "[sync]\nmax_sessions_per_replica = 1\n",
+        &[],
+    );
+    put_snapshot(&source.dir, "s.kvr1", 4096, 3);
+    source.offered(3).await;
+    let held = source.open_offer().await;
+    let err = pb::peer_client::PeerClient::connect(format!("http://{}", source.grpc()))
+        .await
+        .unwrap()
+        .open_full_sync(pb::OpenFullSyncRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+    assert!(
+        err.message().contains("sync.max_sessions_per_replica"),
+        "{err:?}"
+    );
+    // Giving the offer back frees the slot.
+    pb::peer_client::PeerClient::connect(format!("http://{}", source.grpc()))
+        .await
+        .unwrap()
+        .report_result(pb::ReportResultRequest {
+            session_id: held.session_id,
+            ok: false,
+            error: "not needed".into(),
+        })
+        .await
+        .unwrap();
+    source.open_offer().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn orchestrator_and_peer_tokens_are_separate() {
+    use kvsync::rpc::auth::ClientAuth;
+    use tonic::service::interceptor::InterceptedService;
+    let root = tempfile::tempdir().unwrap();
+    let (orch, peer) = (
+        "orchestrator-token-0123456789",
+        "peer-token-0123456789abcdef",
+    );
+    let (orch_file, peer_file) = (root.path().join("orch"), root.path().join("peer"));
+    std::fs::write(&orch_file, orch).unwrap();
+    std::fs::write(&peer_file, peer).unwrap();
+    let agent = Node::start(
+        root.path(),
+        "agent",
+        &format!(
+            "[auth]\ntoken_file = \"{}\"\npeer_token_file = \"{}\"\n",
+            orch_file.display(),
+            peer_file.display()
+        ),
+        &[],
+    );
+    let channel = tonic::transport::Channel::from_shared(format!("http://{}", agent.grpc()))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let with = |t: &str| InterceptedService::new(channel.clone(), ClientAuth::new(Some(t.into())));
+    let orchestrator = |t| pb::orchestrator_client::OrchestratorClient::new(with(t));
+    let peer_client = |t| pb::peer_client::PeerClient::new(with(t));
+
+    orchestrator(orch)
+        .get_status(pb::GetStatusRequest {})
+        .await
+        .unwrap();
+    let denied = orchestrator(peer)
+        .start_full_sync(pb::StartFullSyncRequest {
+            source: "127.0.0.1:1".into(),
+            transport: 0,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(denied.code(), tonic::Code::PermissionDenied, "{denied:?}");
+    // A peer token passes the Peer service's check (no snapshot yet).
+    let none = peer_client(peer)
+        .open_full_sync(pb::OpenFullSyncRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(none.code(), tonic::Code::NotFound, "{none:?}");
+    let denied = peer_client(orch)
+        .open_full_sync(pb::OpenFullSyncRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(denied.code(), tonic::Code::PermissionDenied, "{denied:?}");
+    assert_eq!(agent.metric("kvsync_grpc_auth_failures_total"), 2.0);
+}
+
 #[test]
 fn an_exposed_listener_without_authentication_does_not_start() {
     let root = tempfile::tempdir().unwrap();

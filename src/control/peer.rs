@@ -16,7 +16,7 @@ use crate::catalog::Catalog;
 use crate::config::Config;
 use crate::rpc::pb;
 use crate::snapshot::{Format, SnapshotInfo};
-use crate::sync::source::{DataEndpoints, Offer, SessionTable};
+use crate::sync::source::{replica_key, DataEndpoints, Offer, Refusal, SessionTable};
 use crate::sync::{new_id, unix_ms};
 use crate::transport::TransportKind;
 use tokio_util::sync::CancellationToken;
@@ -60,10 +60,13 @@ pub struct PeerService {
 }
 
 impl PeerService {
+    /// `local` is the address the replica reached us on, `remote` the
+    /// replica's.
     async fn offer(
         &self,
         req: pb::OpenFullSyncRequest,
         local: Option<SocketAddr>,
+        remote: Option<SocketAddr>,
     ) -> Result<pb::SyncOffer, ApiError> {
         let config = &self.config;
         let format = config.snapshot_format;
@@ -80,10 +83,16 @@ impl PeerService {
                 "this source is shutting down; retry against it after its restart".into(),
             ));
         }
-        let admitted = self.sessions.admit().map_err(|limit| {
-            ApiError::Busy(format!(
-                "this source already serves {limit} sessions (sync.max_outgoing_syncs); retry in a few seconds"
-            ))
+        let replica_key = replica_key(&req.replica_node_id, remote.map(|a| a.ip()));
+        let admitted = self.sessions.admit(&replica_key).map_err(|refusal| {
+            ApiError::Busy(match refusal {
+                Refusal::Busy(limit) => format!(
+                    "this source already serves {limit} sessions (sync.max_outgoing_syncs); retry in a few seconds"
+                ),
+                Refusal::ReplicaBusy(limit) => format!(
+                    "replica {replica_key} already holds {limit} sessions of this source (sync.max_sessions_per_replica); retry when one has ended"
+                ),
+            })
         })?;
         let entry = self.catalog.latest(format).ok_or_else(|| {
             ApiError::NoSnapshot(format!(
@@ -220,9 +229,9 @@ impl pb::peer_server::Peer for PeerService {
         &self,
         request: Request<pb::OpenFullSyncRequest>,
     ) -> Result<Response<pb::SyncOffer>, Status> {
-        let local = request.local_addr();
+        let (local, remote) = (request.local_addr(), request.remote_addr());
         let req = request.into_inner();
-        match self.offer(req, local).await {
+        match self.offer(req, local, remote).await {
             Ok(offer) => Ok(Response::new(offer)),
             Err(e) => {
                 warn!(error = %e, "offer refused");

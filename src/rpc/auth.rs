@@ -99,8 +99,32 @@ impl Tokens {
 /// Requires a valid bearer token (when authentication is on).
 #[derive(Clone)]
 pub struct ServerAuth {
+    /// The tokens this service accepts.
     pub tokens: Arc<Tokens>,
+    /// The other service's tokens, when the two differ: such a token is
+    /// authentic but not allowed here (PERMISSION_DENIED).
+    pub other: Option<Arc<Tokens>>,
     pub metrics: Arc<Metrics>,
+}
+
+impl ServerAuth {
+    /// Authentication of the Orchestrator and the Peer service: one token
+    /// set for both, or separate ones that refuse each other's tokens.
+    pub fn pair(
+        tokens: &Arc<Tokens>,
+        peer_tokens: Option<&Arc<Tokens>>,
+        metrics: &Arc<Metrics>,
+    ) -> (ServerAuth, ServerAuth) {
+        let auth = |tokens: &Arc<Tokens>, other: Option<&Arc<Tokens>>| ServerAuth {
+            tokens: tokens.clone(),
+            other: other.cloned(),
+            metrics: metrics.clone(),
+        };
+        match peer_tokens {
+            Some(peer) => (auth(tokens, Some(peer)), auth(peer, Some(tokens))),
+            None => (auth(tokens, None), auth(tokens, None)),
+        }
+    }
 }
 
 impl Interceptor for ServerAuth {
@@ -116,6 +140,11 @@ impl Interceptor for ServerAuth {
             return Ok(req);
         }
         self.metrics.grpc_auth_failures.inc();
+        if self.other.as_ref().is_some_and(|o| o.check(header)) {
+            return Err(Status::permission_denied(
+                "this token is for the other service (orchestrator and peer tokens are separate)",
+            ));
+        }
         Err(Status::unauthenticated(if header.is_none() {
             "missing bearer token: pass --token-file (or KVSYNC_TOKEN_FILE) with a token from this agent's [auth] token_file"
         } else {

@@ -19,11 +19,20 @@ pub type AgentChannel = InterceptedService<Channel, ClientAuth>;
 pub struct Dialer {
     pub tls: Option<ClientTlsConfig>,
     pub tokens: Arc<Tokens>,
+    /// Present the token without TLS to addresses other than loopback.
+    pub token_in_clear: bool,
 }
 
 impl Dialer {
     /// Opens a channel to an agent's gRPC address (`host:port`).
+    /// A token is never sent in clear text off this host unless
+    /// `token_in_clear` says so.
     pub async fn connect(&self, addr: &str, timeout: Duration) -> Result<AgentChannel, String> {
+        if self.tls.is_none() && self.tokens.enabled() && !self.token_in_clear && !is_local(addr) {
+            return Err(format!(
+                "refusing to send this agent's token in clear text to {addr}: set [tls], or [auth] send_token_in_clear = true on a trusted network"
+            ));
+        }
         let scheme = if self.tls.is_some() { "https" } else { "http" };
         let mut endpoint = Endpoint::from_shared(format!("{scheme}://{addr}"))
             .map_err(|e| format!("bad address {addr:?}: {e}"))?
@@ -52,4 +61,38 @@ fn error_chain(e: &dyn std::error::Error) -> String {
         src = s.source();
     }
     msg
+}
+
+/// `host:port` names this host (a loopback address or `localhost`).
+fn is_local(addr: &str) -> bool {
+    match addr.parse::<std::net::SocketAddr>() {
+        Ok(a) => a.ip().is_loopback(),
+        Err(_) => addr.rsplit_once(':').is_some_and(|(h, _)| h == "localhost"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn tokens_stay_off_the_wire_in_clear_text_unless_allowed() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("tokens");
+        std::fs::write(&file, "0123456789abcdef0123\n").unwrap();
+        let mut dialer = Dialer {
+            tls: None,
+            tokens: Tokens::load(Some(&file)).unwrap(),
+            token_in_clear: false,
+        };
+        let t = Duration::from_millis(200);
+        let err = dialer.connect("192.0.2.1:35101", t).await.err().unwrap();
+        assert!(err.contains("send_token_in_clear"), "{err}");
+        assert!(is_local("127.0.0.1:1") && is_local("[::1]:1") && is_local("localhost:1"));
+        assert!(!is_local("10.0.0.1:1") && !is_local("primary-1:1"));
+        // Allowed: the call goes ahead (and fails to connect, nobody listens).
+        dialer.token_in_clear = true;
+        let err = dialer.connect("127.0.0.1:1", t).await.err().unwrap();
+        assert!(!err.contains("send_token_in_clear"), "{err}");
+    }
 }

@@ -12,7 +12,7 @@
 //! still delivered exactly as offered.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -60,62 +60,123 @@ impl Drop for Slot {
     }
 }
 
+/// One session of one replica (a node id at an address), counted until
+/// dropped.
+pub struct ReplicaSlot {
+    counts: Arc<Mutex<HashMap<String, usize>>>,
+    replica: String,
+}
+
+impl Drop for ReplicaSlot {
+    fn drop(&mut self) {
+        let mut counts = self.counts.lock().expect("replica counts lock");
+        if let Some(n) = counts.get_mut(&self.replica) {
+            *n -= 1;
+            if *n == 0 {
+                counts.remove(&self.replica);
+            }
+        }
+    }
+}
+
+/// Room reserved for one offer before it is prepared.
+pub struct Admission {
+    pending: Slot,
+    replica: ReplicaSlot,
+}
+
+/// Why an offer was not admitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// `sync.max_outgoing_syncs` sessions are offered or served.
+    Busy(usize),
+    /// This replica already holds `sync.max_sessions_per_replica`.
+    ReplicaBusy(usize),
+}
+
 /// An offer whose data connection proved its token: being served until
 /// dropped.
 pub struct Session {
     pub offer: Offer,
     _serving: Slot,
+    _replica: ReplicaSlot,
+}
+
+/// Limits on the sessions a source offers and serves at once.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// All replicas together (`sync.max_outgoing_syncs`).
+    pub total: usize,
+    /// One replica: a node id at an address (`sync.max_sessions_per_replica`).
+    pub per_replica: usize,
 }
 
 /// Offered sessions by token, the sessions being prepared and served, and
-/// the limit on all of them together (`sync.max_outgoing_syncs`).
+/// the limits on them, in total and per replica.
 pub struct SessionTable {
-    offers: Mutex<HashMap<[u8; SESSION_TOKEN_LEN], Offer>>,
+    offers: Mutex<HashMap<[u8; SESSION_TOKEN_LEN], (Offer, ReplicaSlot)>>,
     /// Offers being prepared (admitted, not yet inserted).
     pending: Arc<AtomicUsize>,
     serving: Arc<AtomicUsize>,
-    limit: AtomicUsize,
+    /// Offered, prepared or served sessions per replica.
+    per_replica: Arc<Mutex<HashMap<String, usize>>>,
+    limits: Mutex<Limits>,
 }
 
 impl SessionTable {
-    /// A table admitting at most `limit` sessions at once.
-    pub fn new(limit: usize) -> SessionTable {
+    pub fn new(limits: Limits) -> SessionTable {
         SessionTable {
             offers: Mutex::default(),
             pending: Arc::default(),
             serving: Arc::default(),
-            limit: AtomicUsize::new(limit),
+            per_replica: Arc::default(),
+            limits: Mutex::new(limits),
         }
     }
 
-    /// Reserves room for one more session before an offer is prepared, or
-    /// returns the limit when it is reached. The check and the reservation
-    /// are one step, so concurrent offers cannot exceed the limit.
-    pub fn admit(&self) -> Result<Slot, usize> {
+    /// Reserves room for one more session of `replica` (its node id and
+    /// address, see [`replica_key`]) before an offer is prepared. The checks
+    /// and the reservation are one step, so concurrent offers cannot exceed
+    /// the limits. A replica that changes its node id gets more sessions,
+    /// but never more than the total.
+    pub fn admit(&self, replica: &str) -> Result<Admission, Refusal> {
         let offers = self.offers.lock().expect("sessions lock");
-        let limit = self.limit.load(Ordering::Relaxed);
+        let limits = *self.limits.lock().expect("limits lock");
         let active = offers.len()
             + self.pending.load(Ordering::SeqCst)
             + self.serving.load(Ordering::SeqCst);
-        if active >= limit {
-            return Err(limit);
+        if active >= limits.total {
+            return Err(Refusal::Busy(limits.total));
         }
-        Ok(Slot::take(&self.pending))
+        let mut counts = self.per_replica.lock().expect("replica counts lock");
+        let held = counts.entry(replica.to_string()).or_insert(0);
+        if *held >= limits.per_replica {
+            return Err(Refusal::ReplicaBusy(limits.per_replica));
+        }
+        *held += 1;
+        Ok(Admission {
+            pending: Slot::take(&self.pending),
+            replica: ReplicaSlot {
+                counts: self.per_replica.clone(),
+                replica: replica.to_string(),
+            },
+        })
     }
 
-    /// Changes the limit (running sessions continue).
-    pub fn set_limit(&self, limit: usize) {
-        self.limit.store(limit, Ordering::Relaxed);
+    /// Changes the limits (running sessions continue).
+    pub fn set_limits(&self, limits: Limits) {
+        *self.limits.lock().expect("limits lock") = limits;
     }
 
     /// Stores `offer` in the room `admitted` reserved and returns its fresh
     /// random token.
-    pub fn insert(&self, offer: Offer, admitted: Slot) -> [u8; SESSION_TOKEN_LEN] {
+    pub fn insert(&self, offer: Offer, admitted: Admission) -> [u8; SESSION_TOKEN_LEN] {
         let mut token = [0u8; SESSION_TOKEN_LEN];
         rand::rng().fill_bytes(&mut token);
+        let Admission { pending, replica } = admitted;
         let mut offers = self.offers.lock().expect("sessions lock");
-        offers.insert(token, offer);
-        drop(admitted);
+        offers.insert(token, (offer, replica));
+        drop(pending);
         token
     }
 
@@ -125,11 +186,12 @@ impl SessionTable {
     pub fn take(&self, token: &[u8], transport: TransportKind) -> Option<Session> {
         let token: &[u8; SESSION_TOKEN_LEN] = token.get(..SESSION_TOKEN_LEN)?.try_into().ok()?;
         let mut offers = self.offers.lock().expect("sessions lock");
-        let offer = offers.remove(token)?;
+        let (offer, replica) = offers.remove(token)?;
         let fits = offer.expires > Instant::now() && offer.transport == transport;
         fits.then(|| Session {
             offer,
             _serving: Slot::take(&self.serving),
+            _replica: replica,
         })
     }
 
@@ -138,7 +200,7 @@ impl SessionTable {
         let now = Instant::now();
         let mut offers = self.offers.lock().expect("sessions lock");
         let before = offers.len();
-        offers.retain(|_, o| o.expires > now);
+        offers.retain(|_, (o, _)| o.expires > now);
         before - offers.len()
     }
 
@@ -147,7 +209,7 @@ impl SessionTable {
     pub fn withdraw(&self, id: &str) -> bool {
         let mut offers = self.offers.lock().expect("sessions lock");
         let before = offers.len();
-        offers.retain(|_, o| o.id != id);
+        offers.retain(|_, (o, _)| o.id != id);
         offers.len() < before
     }
 
@@ -170,6 +232,15 @@ impl SessionTable {
                 _ = tick.tick() => { self.sweep(); }
             }
         }
+    }
+}
+
+/// The key a replica's sessions are counted under: its node id at its
+/// address.
+pub fn replica_key(node_id: &str, addr: Option<IpAddr>) -> String {
+    match addr {
+        Some(ip) => format!("{node_id}@{ip}"),
+        None => format!("{node_id}@?"),
     }
 }
 
@@ -367,4 +438,35 @@ pub fn verbs_connections(
             }
         })?;
     Ok(tokio_stream::wrappers::ReceiverStream::new(rx))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn admission_counts_in_total_and_per_replica_and_releases_on_drop() {
+        let table = SessionTable::new(Limits {
+            total: 3,
+            per_replica: 2,
+        });
+        let ip = |last: u8| Some(IpAddr::from([10, 0, 0, last]));
+        let (a, b, c) = (
+            &replica_key("r1", ip(1)),
+            &replica_key("r2", ip(2)),
+            &replica_key("r1", ip(3)),
+        );
+        let a1 = table.admit(a).unwrap();
+        let _a2 = table.admit(a).unwrap();
+        assert_eq!(table.admit(a).err(), Some(Refusal::ReplicaBusy(2)));
+        let _b1 = table.admit(b).unwrap();
+        assert_eq!(table.admit(c).err(), Some(Refusal::Busy(3)));
+        drop(a1);
+        assert!(table.admit(a).is_ok(), "a released slot is free again");
+        table.set_limits(Limits {
+            total: 4,
+            per_replica: 2,
+        });
+        assert!(table.admit(c).is_ok());
+    }
 }

@@ -85,9 +85,17 @@ impl Hosts {
     }
 
     /// Takes host `host`'s link down or up (a cable cut: no FIN, no RST).
+    /// Back up, both hosts forget the neighbours they failed to reach
+    /// meanwhile, as they would after their entries time out, so the
+    /// first connection does not meet a stale "host unreachable".
     pub fn set_link(&self, host: usize, up: bool) {
         let state = if up { "up" } else { "down" };
         ip(&["-n", &self.names[host], "link", "set", "eth0", state]).unwrap();
+        if up {
+            for ns in &self.names {
+                ip(&["-n", ns, "neigh", "flush", "dev", "eth0"]).unwrap();
+            }
+        }
     }
 }
 

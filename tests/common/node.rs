@@ -70,7 +70,10 @@ impl Node {
         let (plaintext, auth, token) = if exposed {
             let tokens = root.join(format!("{name}.tokens"));
             std::fs::write(&tokens, format!("{EXPOSED_TOKEN}\n")).unwrap();
-            let auth = format!("[auth]\ntoken_file = \"{}\"\n", tokens.display());
+            let auth = format!(
+                "[auth]\ntoken_file = \"{}\"\nsend_token_in_clear = true\n",
+                tokens.display()
+            );
             ("plaintext = true\n", auth, Some(EXPOSED_TOKEN.to_string()))
         } else {
             ("", String::new(), None)
