@@ -7,10 +7,11 @@ bash scripts/deps.sh redis-server iproute2   # real Redis servers; network names
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 cargo fmt --check                         # one formatting
-cargo clippy --locked --all-targets --quiet -- -D warnings -D clippy::undocumented_unsafe_blocks
+cargo clippy --locked --all-targets --all-features --quiet -- -D warnings -D clippy::undocumented_unsafe_blocks
 cargo build --locked --examples --quiet   # benchmark helpers must build too
 set +e
-cargo test --locked --tests 2>&1 | tee "$log"
+# The fault tests need the test-only fault hooks (off in release builds).
+cargo test --locked --features faults --tests 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 set -e
 # One line for the whole run: the sum over every test binary.

@@ -188,7 +188,7 @@ impl Metrics {
             )),
             build_info: reg!(IntGaugeVec::new(
                 Opts::new("kvsync_build_info", "Build information (value is always 1)"),
-                &["version", "rdma"]
+                &["version", "rdma", "faults"]
             )),
             up_since: reg!(Gauge::new(
                 "kvsync_start_time_seconds",
@@ -218,6 +218,11 @@ impl Metrics {
             .with_label_values(&[
                 env!("CARGO_PKG_VERSION"),
                 if cfg!(feature = "rdma") {
+                    "true"
+                } else {
+                    "false"
+                },
+                if cfg!(feature = "faults") {
                     "true"
                 } else {
                     "false"

@@ -525,7 +525,7 @@ fn agent_serves_metrics_with_catalog_gauges() {
         "kvsync_snapshot_cache_refs",
         "kvsync_snapshot_cache_loads_total",
         "kvsync_snapshot_cache_hits_total",
-        "kvsync_build_info",
+        "kvsync_build_info{faults=\"true\"",
         "kvsync_rdma_available",
     ] {
         assert!(

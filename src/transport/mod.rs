@@ -157,8 +157,9 @@ pub fn drive<M: Machine, E: Executor>(
 /// `KVSYNC_FAULTS` environment variable: `corrupt_at=N,stall_after=N,cut_after=N`
 /// for TCP sources; `rdma_corrupt_at=N,rdma_cut_after=N,rdma_drop_send=N` for
 /// the emulated fabric; `rdma_bad_rkey=1` (source) and `rdma_no_file_mr=1`
-/// (replica) for the RDMA driver. Never set in production; the agent logs
-/// loudly when any is active.
+/// (replica) for the RDMA driver. Read only by builds with the cargo
+/// feature `faults` (the test suite's); the agent logs loudly when any is
+/// active.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Faults {
     /// Emulated-fabric faults.
@@ -174,10 +175,15 @@ pub struct Faults {
 }
 
 impl Faults {
-    /// Parses `KVSYNC_FAULTS`; an unset variable means no faults.
+    /// Parses `KVSYNC_FAULTS`; an unset variable means no faults. Builds
+    /// without the `faults` feature never inject any.
     pub fn from_env() -> Result<Faults, String> {
         match std::env::var("KVSYNC_FAULTS") {
-            Ok(spec) => Faults::parse(&spec),
+            Ok(spec) if cfg!(feature = "faults") => Faults::parse(&spec),
+            Ok(_) => {
+                tracing::warn!("KVSYNC_FAULTS is set but this build has no fault injection (cargo feature `faults`); ignored");
+                Ok(Faults::default())
+            }
             Err(_) => Ok(Faults::default()),
         }
     }
@@ -214,6 +220,15 @@ impl Faults {
 #[cfg(test)]
 mod tests {
     use super::Faults;
+
+    #[test]
+    fn fault_hooks_exist_only_in_builds_with_the_faults_feature() {
+        // SAFETY (of the test): no other test of this binary reads the variable.
+        std::env::set_var("KVSYNC_FAULTS", "cut_after=5");
+        let f = Faults::from_env().unwrap();
+        std::env::remove_var("KVSYNC_FAULTS");
+        assert_eq!(f.any(), cfg!(feature = "faults"), "{f:?}");
+    }
 
     #[test]
     fn fault_specs_parse() {
