@@ -53,6 +53,9 @@ impl Drop for Running {
     }
 }
 
+/// The `result` labels of `kvsync_fullsync_total`.
+pub const SYNC_RESULTS: &[&str] = &["ok", "failed", "checksum_mismatch", "cancelled"];
+
 /// All metric handles of one agent.
 pub struct Metrics {
     registry: Registry,
@@ -233,6 +236,23 @@ impl Metrics {
         // Every fallback reason exists from the start, so rates work.
         for reason in FALLBACK_REASONS {
             m.transport_fallback.with_label_values(&[reason]);
+        }
+        // Every series with a known label set exists from the start, so a
+        // scrape tells "zero" from "missing" (and dashboards see zeros).
+        for role in ["source", "replica"] {
+            m.fullsync_in_progress.with_label_values(&[role]);
+            for transport in ["tcp", "rdma"] {
+                m.fullsync_bytes.with_label_values(&[role, transport]);
+                for result in SYNC_RESULTS {
+                    m.fullsync_total
+                        .with_label_values(&[role, transport, result]);
+                }
+            }
+        }
+        for mode in ["file", "command", "exec", "redis"] {
+            for result in ["ok", "failed"] {
+                m.handoff_total.with_label_values(&[mode, result]);
+            }
         }
         Arc::new(m)
     }

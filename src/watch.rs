@@ -64,6 +64,11 @@ impl DirWatcher {
         metrics: Arc<Metrics>,
         config: WatchConfig,
     ) -> DirWatcher {
+        // Every rejection reason is a series from the start (zero, not
+        // missing).
+        for reason in crate::snapshot::REJECTION_REASONS {
+            metrics.snapshots_rejected.with_label_values(&[reason]);
+        }
         DirWatcher {
             dir,
             format,

@@ -445,12 +445,15 @@ async fn cache_budget_waits_then_fails_or_proceeds() {
     let cache = SnapshotCache::new(1_000_000, DEADLINE, metrics.clone());
     let held2 = cache.acquire(&entry_for(&a)).await.unwrap();
     let (c2, eb) = (cache.clone(), entry_for(&b));
-    let waiter = tokio::spawn(async move { c2.acquire(&eb).await.map(|r| r.len()) });
-    // The waiter cannot finish while `held2` exists.
-    wait_for_async("waiter to block on the budget", DEADLINE, || async {
-        (cache.refs() == 1 && !waiter.is_finished()).then_some(())
-    })
-    .await;
+    let mut waiter = tokio::spawn(async move { c2.acquire(&eb).await.map(|r| r.len()) });
+    // The waiter runs (this await yields to it) and blocks: it cannot
+    // finish while `held2` exists.
+    let blocked = tokio::time::timeout(Duration::from_millis(300), &mut waiter).await;
+    assert!(
+        blocked.is_err(),
+        "the waiter got past a full budget: {blocked:?}"
+    );
+    assert_eq!(cache.refs(), 1);
     drop(held2);
     assert_eq!(waiter.await.unwrap().unwrap(), 600_000);
     drop(held);

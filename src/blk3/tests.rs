@@ -558,5 +558,13 @@ proptest::proptest! {
         if let Some(Ok(_)) = run.rep {
             proptest::prop_assert!(run.sent(Side::Rep, Kind::Rdok));
         }
+        // Whatever the peer sends, neither side hangs: each ends with a
+        // verdict (by a token, or by its own deadline).
+        proptest::prop_assert!(
+            run.src.is_some() && run.rep.is_some(),
+            "a side stopped without a result: src {:?}, rep {:?}",
+            run.src,
+            run.rep
+        );
     }
 }

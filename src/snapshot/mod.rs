@@ -136,6 +136,17 @@ pub enum Corruption {
     NoReplicationPosition,
 }
 
+/// Every `reason` label of `kvsync_snapshots_rejected_total`.
+pub const REJECTION_REASONS: &[&str] = &[
+    "unreadable",
+    "not_a_snapshot",
+    "truncated",
+    "corrupt",
+    "no_replication_position",
+    "checksum_mismatch",
+    "unsupported",
+];
+
 impl Corruption {
     /// Short label for metrics (`kvsync_snapshots_rejected_total{reason}`).
     pub fn reason(&self) -> &'static str {

@@ -164,8 +164,12 @@ impl Node {
         });
     }
 
+    /// The value of a series; a missing series fails the test (it is
+    /// not a zero).
     pub fn metric(&self, name_and_labels: &str) -> f64 {
-        metric_value(&self.proc.metrics(), name_and_labels).unwrap_or(0.0)
+        let scrape = self.proc.metrics();
+        metric_value(&scrape, name_and_labels)
+            .unwrap_or_else(|| panic!("{name_and_labels} is not in the scrape:\n{scrape}"))
     }
 }
 
