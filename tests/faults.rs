@@ -136,14 +136,15 @@ impl SmallFs {
         match out {
             Ok(o) if o.status.success() => Some(SmallFs(dir.to_owned())),
             Ok(o) => {
-                eprintln!(
-                    "SKIPPED disk-full test: cannot mount a tmpfs ({}); run as root",
-                    String::from_utf8_lossy(&o.stderr).trim()
+                let why = String::from_utf8_lossy(&o.stderr);
+                skip(
+                    "disk-full tmpfs",
+                    &format!("cannot mount a tmpfs ({}); run as root", why.trim()),
                 );
                 None
             }
             Err(e) => {
-                eprintln!("SKIPPED disk-full test: no mount command ({e})");
+                skip("disk-full tmpfs", &format!("no mount command ({e})"));
                 None
             }
         }

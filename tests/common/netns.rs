@@ -43,7 +43,10 @@ impl Hosts {
             names: [format!("kvsync-{id}-a"), format!("kvsync-{id}-b")],
         };
         if let Err(e) = ip(&["netns", "add", &hosts.names[0]]) {
-            eprintln!("SKIPPED {test}: cannot create network namespaces ({e}); run as root");
+            super::skip(
+                "network namespaces",
+                &format!("{test}: cannot create network namespaces ({e}); run as root"),
+            );
             return None;
         }
         let (a, b) = (&hosts.names[0], &hosts.names[1]);
