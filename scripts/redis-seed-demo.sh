@@ -23,6 +23,9 @@ bin=$PWD/target/release/kvsync
 work=$(mktemp -d "${TMPDIR:-/tmp}/kvsync-redis.XXXXXX")
 cleanup() {
     for f in "$work"/*/redis.pid; do [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null || true; done
+    # Agents start inside $(agent ...) subshells, which `jobs` cannot see:
+    # each records its pid in $work/agents.
+    [ -f "$work/agents" ] && xargs -r kill <"$work/agents" 2>/dev/null || true
     jobs -p | xargs -r kill 2>/dev/null || true
     wait 2>/dev/null || true
     rm -rf "$work"
@@ -63,6 +66,7 @@ agent() { # NAME CONFIG: prints the agent's gRPC address once ready
     local name=$1
     printf '%s\n' "$2" >"$work/$name.toml"
     KVSYNC_LOG=warn "$bin" agent --config "$work/$name.toml" >"$work/$name.out" 2>"$work/$name.log" &
+    echo $! >>"$work/agents"
     for _ in $(seq 200); do grep -q ready "$work/$name.out" 2>/dev/null && break; sleep 0.05; done
     grep -o 'grpc=[^ ]*' "$work/$name.out" | cut -d= -f2
 }
