@@ -303,59 +303,69 @@ fn present_token(data: &str, token: [u8; 32]) -> Token {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn wrong_used_or_expired_session_tokens_are_refused() {
+async fn wrong_used_expired_or_other_transport_session_tokens_are_refused() {
     let root = tempfile::tempdir().unwrap();
-    let source = Node::start(
-        root.path(),
-        "source",
-        "[sync]\nsession_token_ttl = \"300ms\"\n",
-        &[],
-    );
+    let refused = |reply: &Token| matches!(reply, Token::Rdfl { reason } if reason.contains("unknown, used or expired"));
+    // The emulated fabric lets this source offer RDMA sessions too.
+    let emulated = "mode = \"auto\"\nrdma_provider = \"emulated\"";
+    let source = Node::start_with(root.path(), "source", emulated, "", &[]);
     put_snapshot(&source.dir, "s.kvr1", 10_000, 3);
     source.offered(3).await;
 
     // Guessed token.
     let reply = present_token(&source.data(), [0x42; 32]);
-    assert!(
-        matches!(&reply, Token::Rdfl { reason } if reason.contains("unknown, used or expired")),
-        "{reply:?}"
-    );
+    assert!(refused(&reply), "{reply:?}");
     assert_eq!(source.metric("kvsync_data_auth_failures_total"), 1.0);
 
     // A real token works once: the first use gets SRDY, the second is refused.
+    let offer = source.open_offer().await;
+    let token: [u8; 32] = offer.session_token.as_slice().try_into().unwrap();
+    assert_eq!(present_token(&offer.data_endpoint, token), Token::Srdy);
+    let reply = present_token(&offer.data_endpoint, token);
+    assert!(refused(&reply), "{reply:?}");
+
+    // A token offered for RDMA does not open a TCP session.
     let mut peer = PeerClient::connect(format!("http://{}", source.grpc()))
         .await
         .unwrap();
-    let offer = peer
-        .open_full_sync(pb::OpenFullSyncRequest::default())
+    let rdma_offer = peer
+        .open_full_sync(pb::OpenFullSyncRequest {
+            transports: vec![pb::Transport::Tcp as i32, pb::Transport::Rdma as i32],
+            rdma_reachable: true,
+            preference: pb::TransportPreference::Rdma as i32,
+            rdma_provider: "emulated".into(),
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner();
-    let token: [u8; 32] = offer.session_token.as_slice().try_into().unwrap();
-    assert_eq!(present_token(&offer.data_endpoint, token), Token::Srdy);
-    assert!(matches!(
-        present_token(&offer.data_endpoint, token),
-        Token::Rdfl { .. }
-    ));
+    assert_eq!(rdma_offer.transport, pb::Transport::Rdma as i32);
+    let token: [u8; 32] = rdma_offer.session_token.as_slice().try_into().unwrap();
+    let reply = present_token(&source.data(), token);
+    assert!(refused(&reply), "{reply:?}");
+    assert_eq!(source.metric("kvsync_data_auth_failures_total"), 3.0);
 
-    // An expired token is refused.
-    let offer = peer
-        .open_full_sync(pb::OpenFullSyncRequest::default())
-        .await
-        .unwrap()
-        .into_inner();
+    // An expired token is refused (a source whose tokens live 300 ms; the
+    // test waits until the expiry has passed, so nothing races it).
+    let short = Node::start(
+        root.path(),
+        "short",
+        "[sync]\nsession_token_ttl = \"300ms\"\n",
+        &[],
+    );
+    put_snapshot(&short.dir, "s.kvr1", 10_000, 4);
+    short.offered(4).await;
+    let offer = short.open_offer().await;
     let expires = offer.token_expires_unix_ms;
     wait_for("token expiry", DEADLINE, || {
         (kvsync::sync::unix_ms() > expires + 50).then_some(())
     });
     let token: [u8; 32] = offer.session_token.as_slice().try_into().unwrap();
-    assert!(matches!(
-        present_token(&offer.data_endpoint, token),
-        Token::Rdfl { .. }
-    ));
-    assert_eq!(source.metric("kvsync_data_auth_failures_total"), 3.0);
+    let reply = present_token(&offer.data_endpoint, token);
+    assert!(refused(&reply), "{reply:?}");
+    assert_eq!(short.metric("kvsync_data_auth_failures_total"), 1.0);
     // Expired and abandoned offers release their cache references.
-    source.wait_released();
+    short.wait_released();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
