@@ -264,6 +264,18 @@ async fn admission_limits_refuse_the_next_sync_with_retry_advice() {
     });
     let second = start_sync(&replica, &other).await;
     assert_ne!(second, id);
+    let status = replica
+        .client()
+        .await
+        .get_status(pb::GetStatusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let first = status.running.iter().find(|p| p.sync_id == id);
+    assert!(
+        first.is_some_and(|p| p.phase == pb::Phase::Transferring as i32),
+        "the running sync goes on: {status:?}"
+    );
 
     // A source at its limit of outgoing sessions refuses the next offer.
     let tight = config_node(

@@ -130,12 +130,15 @@ impl Redis {
 
     /// BGSAVE and wait until it finished well; returns the RDB path.
     fn bgsave(&self) -> PathBuf {
-        let before = self.info("persistence").num("rdb_last_save_time");
-        let _: String = self.cmd(&["BGSAVE"]);
+        // Once BGSAVE answers, its child is running (in progress = 1); a
+        // finished save leaves no change unsaved (the writes happened
+        // before it).
+        let started: String = self.cmd(&["BGSAVE"]);
+        assert_eq!(started, "Background saving started");
         wait_for("BGSAVE to finish", DEADLINE, || {
             let p = self.info("persistence");
             (p.num("rdb_bgsave_in_progress") == 0
-                && p.num("rdb_last_save_time") >= before
+                && p.num("rdb_changes_since_last_save") == 0
                 && p.get("rdb_last_bgsave_status") == Some("ok"))
             .then_some(())
         });
