@@ -697,3 +697,60 @@ async fn replica_killed_mid_transfer_frees_source_and_restart_sweeps_temp() {
     );
     assert!(restarted.proc.log().contains("removed stale temp files"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cli_cancel_stops_a_sync_and_status_keeps_only_the_recent_ones() {
+    let root = tempfile::tempdir().unwrap();
+    let source = stalling_source(root.path(), 21).await;
+    let replica = Node::start(root.path(), "replica", "[sync]\nkeep_recent = 2\n", &[]);
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let id = sync_in_flight(&replica, &source).await;
+        let out = std::process::Command::new(kvsync_bin())
+            .args(["cancel", "--agent", &replica.grpc(), &id])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "cancelled");
+        let p = wait_done(&replica, &id).await;
+        assert_eq!(p.phase, pb::Phase::Cancelled as i32, "{p:?}");
+        ids.push(id);
+    }
+    // Cancelling a finished sync says so.
+    let out = std::process::Command::new(kvsync_bin())
+        .args(["cancel", "--agent", &replica.grpc(), &ids[2]])
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "already finished"
+    );
+    let status = replica
+        .client()
+        .await
+        .get_status(pb::GetStatusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let recent: Vec<&str> = status.recent.iter().map(|p| p.sync_id.as_str()).collect();
+    assert_eq!(
+        recent,
+        [ids[2].as_str(), ids[1].as_str()],
+        "keep_recent = 2, newest first"
+    );
+    assert!(replica.temp_files().is_empty());
+}
+
+#[test]
+fn the_demo_runs_a_sync_end_to_end() {
+    // What scripts/demo.sh runs (there with a release build and 256 MiB).
+    let out = std::process::Command::new(kvsync_bin())
+        .args(["demo", "--size", "4MiB", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(summary["status"], "succeeded", "{summary}");
+    assert_eq!(summary["bytes"], 4 << 20, "{summary}");
+    assert_eq!(summary["seq"], 1_000_042, "{summary}");
+}

@@ -188,6 +188,25 @@ async fn sigterm_mid_transfer_drains_then_cancels_cleanly() {
     })
     .await;
     assert!(refused.message().contains("shutting down"), "{refused:?}");
+    // gRPC health says NOT_SERVING, and offers are refused too.
+    let health = grpc_health(&replica.grpc())
+        .await
+        .check(tonic_health::pb::HealthCheckRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .status;
+    assert_eq!(
+        health,
+        tonic_health::pb::health_check_response::ServingStatus::NotServing as i32
+    );
+    let offer = pb::peer_client::PeerClient::connect(format!("http://{}", replica.grpc()))
+        .await
+        .unwrap()
+        .open_full_sync(pb::OpenFullSyncRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(offer.code(), tonic::Code::Unavailable, "{offer:?}");
     // HTTP probes (for orchestrators that cannot probe gRPC over TLS) agree.
     assert_eq!(http_status(&metrics, "/readyz").0, 503);
     assert_eq!(http_status(&metrics, "/healthz").0, 200);
@@ -376,6 +395,25 @@ async fn bearer_tokens_are_required_counted_and_reloaded_on_sighup() {
             .output()
             .unwrap()
     };
+    // Health stays open without a token, for probes.
+    let mut health = grpc_health(&source.grpc()).await;
+    let serving = health
+        .check(tonic_health::pb::HealthCheckRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .status;
+    assert_eq!(
+        serving,
+        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+    );
+    // KVSYNC_TOKEN_FILE stands in for --token-file.
+    let out = std::process::Command::new(kvsync_bin())
+        .env("KVSYNC_TOKEN_FILE", &tokens)
+        .args(["status", "--agent", &source.grpc(), "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
     let out = cli(None);
     assert!(!out.status.success());
     assert!(

@@ -97,12 +97,12 @@ async fn hostile_snapshot_names_reach_neither_the_kv_nor_other_files() {
             "{name:?}"
         );
         assert!(lines.try_recv().is_err(), "{name:?}: one line only");
-        // The record has exactly its fields.
+        // The record has exactly its fields, with the installed snapshot's
+        // values.
         let record = std::fs::read_to_string(format!("{}.replmeta", p.installed_path)).unwrap();
-        let keys: Vec<&str> = record
-            .lines()
-            .map(|l| l.split_once(' ').unwrap().0)
-            .collect();
+        let fields: Vec<(&str, &str)> =
+            record.lines().map(|l| l.split_once(' ').unwrap()).collect();
+        let keys: Vec<&str> = fields.iter().map(|(k, _)| *k).collect();
         assert_eq!(
             keys,
             [
@@ -116,6 +116,22 @@ async fn hostile_snapshot_names_reach_neither_the_kv_nor_other_files() {
             ],
             "{name:?}"
         );
+        let info = kvsync::snapshot::verify_file(installed, None).unwrap();
+        let seq_text = seq.to_string();
+        let source_text = format!("source@{}", source.grpc());
+        let size_text = info.size.to_string();
+        let checksum_text = format!("{:#x}", info.checksum);
+        let expected = [
+            seq_text.as_str(),
+            p.installed_path.as_str(),
+            source_text.as_str(),
+            "kvr1",
+            size_text.as_str(),
+            checksum_text.as_str(),
+        ];
+        for ((key, value), want) in fields.iter().zip(expected) {
+            assert_eq!(*value, want, "{name:?}: {key}");
+        }
         // Nothing but the snapshot and its record changed.
         let mut after = files(&replica.dir);
         let new = format!("snapshot-{seq}.kvr1");

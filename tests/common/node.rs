@@ -173,6 +173,16 @@ impl Node {
     }
 }
 
+/// A gRPC health client for the agent at `addr` (no token: health is open).
+pub async fn grpc_health(addr: &str) -> tonic_health::pb::health_client::HealthClient<Channel> {
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .expect("connect agent");
+    tonic_health::pb::health_client::HealthClient::new(channel)
+}
+
 /// Splits the lines of `header`'s section out of `config`: (its keys, the
 /// rest of `config`).
 fn take_section(config: &str, header: &str) -> (String, String) {
