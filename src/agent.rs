@@ -121,7 +121,7 @@ impl RunningAgent {
             config.cache.acquire_timeout,
             metrics.clone(),
         );
-        let sessions = Arc::new(SessionTable::new(config.sync.session_limits()));
+        let sessions = Arc::new(SessionTable::new((&config.sync).into()));
         let shutdown = CancellationToken::new();
         let draining = CancellationToken::new();
         let mut tasks = JoinSet::new();
@@ -134,7 +134,7 @@ impl RunningAgent {
             shutdown: shutdown.clone(),
             rate: Arc::new(RateLimiter::new(config.sync.rate_limit.as_u64())),
             peer_timeout: config.data.peer_timeout,
-            min_rate: config.data.min_rate(),
+            min_rate: (&config.data).into(),
         };
         let data = start_data_plane(
             &config,
@@ -263,7 +263,7 @@ impl RunningAgent {
     /// outgoing, per replica) and the cache budget.
     pub fn reload(&self, config: &Config) -> Result<(), String> {
         self.rate.set_rate(config.sync.rate_limit.as_u64());
-        self.sessions.set_limits(config.sync.session_limits());
+        self.sessions.set_limits((&config.sync).into());
         self.syncs.set_max_incoming(config.sync.max_incoming_syncs);
         self.cache.set_budget(config.cache.memory_budget.as_u64());
         let mut tokens = self.tokens.reload()?;

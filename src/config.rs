@@ -164,16 +164,6 @@ pub struct DataConfig {
     pub min_rate_window: Duration,
 }
 
-impl DataConfig {
-    /// The floor as the transport takes it.
-    pub fn min_rate(&self) -> crate::transport::pace::MinRate {
-        crate::transport::pace::MinRate {
-            bytes_per_sec: self.min_rate.as_u64(),
-            window: self.min_rate_window,
-        }
-    }
-}
-
 /// Which data transport a sync uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -343,16 +333,6 @@ pub struct SyncConfig {
     pub allowed_sources: Vec<String>,
     /// Sessions one replica address may hold on this source at once.
     pub max_sessions_per_replica: usize,
-}
-
-impl SyncConfig {
-    /// The source's session limits.
-    pub fn session_limits(&self) -> crate::sync::source::Limits {
-        crate::sync::source::Limits {
-            total: self.max_outgoing_syncs,
-            per_replica: self.max_sessions_per_replica,
-        }
-    }
 }
 
 impl Default for Config {

@@ -18,19 +18,18 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, info_span, warn, Instrument};
 
 use crate::blk3::token::SESSION_TOKEN_LEN;
-use crate::blk3::{Blk3Error, Outcome};
+use crate::blk3::Outcome;
 use crate::config::{Config, RdmaProvider, TransportMode};
-use crate::handoff::{self, HandoffError, HandoffRecord};
+use crate::handoff::{self, HandoffRecord};
 use crate::install::{self, InstallError, Staging};
 use crate::metrics::{unix_now, Metrics, Running};
 use crate::rpc::{self, pb, AgentChannel, Dialer};
 use crate::snapshot::SnapshotInfo;
 use crate::transport::probe::Probe;
-use crate::transport::rdma::RdmaError;
-use crate::transport::session::{DataLink, DialSpec, LinkError};
-use crate::transport::tcp::TcpError;
+use crate::transport::session::{DataLink, DialSpec};
 use crate::transport::{select, Faults, TransportKind};
 
+pub use super::error::JobError;
 use super::receive::{Received, Receiver};
 
 /// A Peer client presenting this agent's token.
@@ -38,122 +37,6 @@ type PeerClient = pb::peer_client::PeerClient<AgentChannel>;
 
 /// How long connecting to the source (gRPC and data) may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// Why a sync failed.
-#[derive(Debug, thiserror::Error)]
-pub enum JobError {
-    /// The destination directory cannot receive.
-    #[error(transparent)]
-    NotWritable(InstallError),
-    /// The source agent could not be reached.
-    #[error("source {source_addr} unreachable: {message}")]
-    Unreachable {
-        source_addr: String,
-        message: String,
-    },
-    /// The source refused to offer a session.
-    #[error("source refused the sync ({code:?}): {message}")]
-    Refused { code: tonic::Code, message: String },
-    /// The offer cannot be used by this agent.
-    #[error("unusable offer from the source: {0}")]
-    BadOffer(String),
-    /// The data endpoint could not be reached.
-    #[error("cannot connect to data endpoint {endpoint}: {message}")]
-    DataConnect { endpoint: String, message: String },
-    /// The data connection failed below the protocol.
-    #[error(transparent)]
-    Transport(#[from] LinkError),
-    /// The transfer thread panicked (a bug); nothing was installed.
-    #[error("internal error in the transfer: {0}")]
-    Panicked(String),
-    /// The offered snapshot is larger than this agent accepts.
-    #[error("the source offers a {size}-byte snapshot, more than sync.max_snapshot_bytes ({max}); raise it to accept this snapshot")]
-    TooLarge { size: u64, max: u64 },
-    /// The snapshot directory's file system cannot take the snapshot and
-    /// keep its headroom.
-    #[error("not enough free space in {}: the snapshot needs {size} bytes, {free} are free and sync.min_free_after keeps {keep} free; free space or lower sync.min_free_after", dir.display())]
-    NoRoom {
-        dir: PathBuf,
-        size: u64,
-        free: u64,
-        keep: u64,
-    },
-    /// RDMA was required but cannot be used, and fallback is off.
-    #[error("rdma required but unavailable: {0} (set transport.fallback_to_tcp = true or use mode auto)")]
-    RdmaUnavailable(String),
-    /// BLK3 ended the session.
-    #[error("{0}")]
-    Protocol(Blk3Error),
-    /// The received bytes are not the snapshot (RDFL sent, nothing installed).
-    #[error("received snapshot failed verification: {0}")]
-    Checksum(String),
-    /// Verified, but the disk refused it.
-    #[error("install failed: {0}")]
-    Install(#[from] InstallError),
-    /// Installed, but the KV did not take it.
-    #[error("snapshot installed at {} but the handoff failed: {source}", installed.display())]
-    Handoff {
-        installed: PathBuf,
-        source: HandoffError,
-    },
-    /// Cancelled by an operator or shutdown.
-    #[error("cancelled")]
-    Cancelled,
-}
-
-impl JobError {
-    /// The `result` label of `kvsync_fullsync_total`.
-    pub fn result_label(&self) -> &'static str {
-        match self {
-            JobError::Checksum(_) => "checksum_mismatch",
-            JobError::Cancelled => "cancelled",
-            _ => "failed",
-        }
-    }
-
-    /// Worth another attempt: the source or network may recover. Checksum
-    /// mismatches count too (the caller gives up on the second).
-    fn is_transient(&self) -> bool {
-        match self {
-            JobError::Unreachable { .. } | JobError::DataConnect { .. } | JobError::Checksum(_) => {
-                true
-            }
-            JobError::Transport(e) => match e {
-                LinkError::Tcp(e) => !matches!(e, TcpError::Cancelled),
-                LinkError::Rdma(e) => {
-                    matches!(e, RdmaError::Fabric(_) | RdmaError::Completion { .. })
-                }
-            },
-            JobError::Protocol(e) => !matches!(
-                e,
-                Blk3Error::MrinfoLength { .. } | Blk3Error::AnnouncedLength { .. }
-            ),
-            JobError::Refused { code, .. } => matches!(
-                code,
-                tonic::Code::Unavailable
-                    | tonic::Code::ResourceExhausted
-                    | tonic::Code::Aborted
-                    | tonic::Code::NotFound // no snapshot yet
-            ),
-            _ => false,
-        }
-    }
-
-    /// Why an RDMA attempt that failed this way is retried over TCP
-    /// (`kvsync_transport_fallback_total{reason}`), or `None` when the
-    /// failure is not the transport's (cancel, local disk, handoff).
-    fn fallback_reason(&self) -> Option<&'static str> {
-        Some(match self {
-            JobError::Transport(LinkError::Rdma(e)) => e.fallback_reason(),
-            JobError::DataConnect { .. } => "connect",
-            JobError::Checksum(_) => "checksum",
-            JobError::Protocol(Blk3Error::Timeout { .. }) => "timeout",
-            JobError::Protocol(Blk3Error::PeerFailed(_)) => "peer_failed",
-            JobError::Protocol(_) => "protocol",
-            _ => return None,
-        })
-    }
-}
 
 /// Everything one job needs.
 pub struct JobContext {
@@ -763,7 +646,7 @@ fn dial_spec(
         endpoint,
         rdma,
         peer_timeout: ctx.config.data.peer_timeout,
-        min_rate: ctx.config.data.min_rate(),
+        min_rate: (&ctx.config.data).into(),
         local,
         soft: ctx.rdma.soft,
         faults: ctx.faults.clone(),

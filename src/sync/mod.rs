@@ -4,9 +4,10 @@
 //! (or returning the running one for the same source), their progress as a
 //! watchable [`pb::SyncProgress`], cancellation, and the list of recent
 //! finished syncs. The job itself lives in [`job`], its receiving end in
-//! [`receive`]; the source role (offers and the data listeners) in
+//! [`receive`], why it failed in [`error`]; the source role (offers and the data listeners) in
 //! [`source`].
 
+pub mod error;
 pub mod job;
 pub mod receive;
 pub mod source;

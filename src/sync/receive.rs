@@ -15,7 +15,7 @@ use crate::snapshot::SnapshotInfo;
 use crate::transport::session::SessionResult;
 use crate::transport::Sink;
 
-use super::job::JobError;
+use super::error::JobError;
 
 /// A verified snapshot in its staging file, ready to install.
 pub struct Received {

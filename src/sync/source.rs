@@ -111,6 +111,15 @@ pub struct Limits {
     pub per_replica: usize,
 }
 
+impl From<&crate::config::SyncConfig> for Limits {
+    fn from(c: &crate::config::SyncConfig) -> Limits {
+        Limits {
+            total: c.max_outgoing_syncs,
+            per_replica: c.max_sessions_per_replica,
+        }
+    }
+}
+
 /// Offered sessions by token, the sessions being prepared and served, and
 /// the limits on them, in total and per replica.
 pub struct SessionTable {

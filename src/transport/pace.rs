@@ -23,6 +23,15 @@ impl Default for MinRate {
     }
 }
 
+impl From<&crate::config::DataConfig> for MinRate {
+    fn from(c: &crate::config::DataConfig) -> MinRate {
+        MinRate {
+            bytes_per_sec: c.min_rate.as_u64(),
+            window: c.min_rate_window,
+        }
+    }
+}
+
 /// A transfer that fell below the floor.
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("the peer moved {bytes} bytes in {elapsed:?}, below data.min_rate ({min} bytes/s): it stalled or is too slow")]
