@@ -12,7 +12,7 @@ use tracing::{info, warn};
 
 use super::ApiError;
 use crate::cache::SnapshotCache;
-use crate::catalog::Catalog;
+use crate::catalog::{Catalog, CatalogEntry};
 use crate::config::Config;
 use crate::rpc::pb;
 use crate::snapshot::{Format, SnapshotInfo};
@@ -123,7 +123,22 @@ impl PeerService {
             _ => advertised(self.data.tcp, local),
         };
         info!(session = %id, replica = %req.replica_node_id, path = %entry.path.display(), seq = entry.info.seq, transport = transport.as_str(), %endpoint, "offered snapshot");
-        Ok(pb::SyncOffer {
+        Ok(self.offer_message(id, token, &entry, transport, endpoint, backlog_bytes_left))
+    }
+
+    /// The offer as the replica receives it.
+    fn offer_message(
+        &self,
+        id: String,
+        token: [u8; crate::blk3::token::SESSION_TOKEN_LEN],
+        entry: &CatalogEntry,
+        transport: TransportKind,
+        endpoint: SocketAddr,
+        backlog_bytes_left: u64,
+    ) -> pb::SyncOffer {
+        let (config, format) = (&self.config, self.config.snapshot_format);
+        let ttl = config.sync.session_token_ttl;
+        pb::SyncOffer {
             session_id: id,
             session_token: token.to_vec(),
             token_expires_unix_ms: unix_ms() + ttl.as_millis() as u64,
@@ -148,7 +163,7 @@ impl PeerService {
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default(),
-        })
+        }
     }
 }
 

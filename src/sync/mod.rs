@@ -121,28 +121,7 @@ impl SyncManager {
         source: &str,
         preference: pb::TransportPreference,
     ) -> Result<(String, bool), SyncError> {
-        let source = source.trim();
-        if source.is_empty()
-            || source.len() > MAX_ADDR_LEN
-            || source.contains(['/', ' '])
-            || crate::peer_text::has_control(source)
-            || !source.contains(':')
-        {
-            return Err(SyncError::InvalidArgument(format!(
-                "source must be the source agent's gRPC address host:port, got {source:?}"
-            )));
-        }
-        if self.shutdown.is_cancelled() || self.draining.is_cancelled() {
-            return Err(SyncError::Unavailable(
-                "agent is shutting down; start the sync on another agent or after the restart"
-                    .into(),
-            ));
-        }
-        if !source_allowed(&self.config.sync.allowed_sources, source, None) {
-            return Err(SyncError::NotAllowed(format!(
-                "{source} is not in sync.allowed_sources of this agent; add it there to pull from it"
-            )));
-        }
+        let source = self.check_source(source)?;
         let mut jobs = self.jobs.lock().expect("jobs lock");
         if let Some((id, _)) = jobs.running.iter().find(|(_, r)| r.source == source) {
             return Ok((id.clone(), false));
@@ -196,6 +175,33 @@ impl SyncManager {
             me.finish(&id, last);
         });
         Ok((id, true))
+    }
+
+    /// The trimmed source address, if a sync may pull from it now.
+    fn check_source<'a>(&self, source: &'a str) -> Result<&'a str, SyncError> {
+        let source = source.trim();
+        if source.is_empty()
+            || source.len() > MAX_ADDR_LEN
+            || source.contains(['/', ' '])
+            || crate::peer_text::has_control(source)
+            || !source.contains(':')
+        {
+            return Err(SyncError::InvalidArgument(format!(
+                "source must be the source agent's gRPC address host:port, got {source:?}"
+            )));
+        }
+        if self.shutdown.is_cancelled() || self.draining.is_cancelled() {
+            return Err(SyncError::Unavailable(
+                "agent is shutting down; start the sync on another agent or after the restart"
+                    .into(),
+            ));
+        }
+        if !source_allowed(&self.config.sync.allowed_sources, source, None) {
+            return Err(SyncError::NotAllowed(format!(
+                "{source} is not in sync.allowed_sources of this agent; add it there to pull from it"
+            )));
+        }
+        Ok(source)
     }
 
     fn finish(&self, id: &str, last: pb::SyncProgress) {
