@@ -90,9 +90,8 @@ impl Receiver {
                 Err(JobError::Checksum(reason))
             }
             // This host could not take them (disk full, I/O error).
-            (Err(_), Some(local)) => Err(JobError::Install(local)),
+            (_, Some(local)) => Err(JobError::Install(local)),
             (Err(e), None) => Err(JobError::Protocol(e)),
-            (Ok(_), Some(local)) => Err(JobError::Install(local)),
         }
     }
 }
