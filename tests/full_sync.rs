@@ -725,13 +725,7 @@ async fn cli_cancel_stops_a_sync_and_status_keeps_only_the_recent_ones() {
         String::from_utf8_lossy(&out.stdout).trim(),
         "already finished"
     );
-    let status = replica
-        .client()
-        .await
-        .get_status(pb::GetStatusRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let status = replica.status().await;
     let recent: Vec<&str> = status.recent.iter().map(|p| p.sync_id.as_str()).collect();
     assert_eq!(
         recent,

@@ -189,16 +189,9 @@ async fn sigterm_mid_transfer_drains_then_cancels_cleanly() {
     .await;
     assert!(refused.message().contains("shutting down"), "{refused:?}");
     // gRPC health says NOT_SERVING, and offers are refused too.
-    let health = grpc_health(&replica.grpc())
-        .await
-        .check(tonic_health::pb::HealthCheckRequest::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .status;
     assert_eq!(
-        health,
-        tonic_health::pb::health_check_response::ServingStatus::NotServing as i32
+        grpc_health(&replica.grpc()).await,
+        tonic_health::pb::health_check_response::ServingStatus::NotServing
     );
     let offer = pb::peer_client::PeerClient::connect(format!("http://{}", replica.grpc()))
         .await
@@ -283,13 +276,7 @@ async fn admission_limits_refuse_the_next_sync_with_retry_advice() {
     });
     let second = start_sync(&replica, &other).await;
     assert_ne!(second, id);
-    let status = replica
-        .client()
-        .await
-        .get_status(pb::GetStatusRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let status = replica.status().await;
     let first = status.running.iter().find(|p| p.sync_id == id);
     assert!(
         first.is_some_and(|p| p.phase == pb::Phase::Transferring as i32),
@@ -396,16 +383,9 @@ async fn bearer_tokens_are_required_counted_and_reloaded_on_sighup() {
             .unwrap()
     };
     // Health stays open without a token, for probes.
-    let mut health = grpc_health(&source.grpc()).await;
-    let serving = health
-        .check(tonic_health::pb::HealthCheckRequest::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .status;
     assert_eq!(
-        serving,
-        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+        grpc_health(&source.grpc()).await,
+        tonic_health::pb::health_check_response::ServingStatus::Serving
     );
     // KVSYNC_TOKEN_FILE stands in for --token-file.
     let out = std::process::Command::new(kvsync_bin())

@@ -403,7 +403,10 @@ impl kvsync::transport::Sink for Stuck {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_that_stops_reading_loses_the_session_within_the_window() {
     let root = tempfile::tempdir().unwrap();
-    let source = Node::start(root.path(), "source", FLOOR, &[]);
+    // A 1 s window: the floor (at most two windows) ends the session well
+    // before the 5 s peer_timeout of test agents would.
+    let floor = "[data]\nmin_rate = \"1MiB\"\nmin_rate_window = \"1s\"\n";
+    let source = Node::start(root.path(), "source", floor, &[]);
     put_snapshot(&source.dir, "s.kvr1", 64 << 20, 5);
     source.offered(5).await;
     let offer = source.open_offer().await;

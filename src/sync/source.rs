@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, info_span, warn};
 
 use crate::blk3::token::SESSION_TOKEN_LEN;
-use crate::blk3::{BulkParams, Outcome};
+use crate::blk3::BulkParams;
 use crate::cache::CacheRef;
 use crate::catalog::CatalogEntry;
 use crate::metrics::{unix_now, Metrics, Running};
@@ -387,7 +387,7 @@ fn serve_session(plane: &DataPlane, offer: &Offer, peer: &str, link: SourceLink)
 /// The `result` label of a served session.
 fn served_label(result: &SessionResult) -> &'static str {
     match result {
-        Ok(Ok(Outcome::Sent { .. } | Outcome::Received { .. })) => "ok",
+        Ok(Ok(_)) => "ok",
         Ok(Err(e)) if e.is_checksum_report() => "checksum_mismatch",
         Err(e) if e.is_cancelled() => "cancelled",
         _ => "failed",

@@ -1,6 +1,6 @@
 //! The minimum rate a bulk transfer must keep (`[data] min_rate` over
 //! `[data] min_rate_window`): a peer that trickles bytes, or stops reading,
-//! loses its session within one window instead of holding a slot, reserved
+//! loses its session within two windows instead of holding a slot, reserved
 //! disk and a cache image for the size-scaled timeouts. Pure bookkeeping;
 //! the TCP driver asks it how long one blocking call may wait.
 
@@ -79,14 +79,11 @@ impl Pace {
         Ok(())
     }
 
-    /// How long one blocking read or write may wait at `now`: the rest of
-    /// the current window (`None`: no floor, wait as long as it takes).
-    pub fn budget(&self, now: Instant) -> Option<Duration> {
-        (self.min.bytes_per_sec > 0).then(|| {
-            (self.window_start + self.min.window)
-                .saturating_duration_since(now)
-                .max(Duration::from_millis(1))
-        })
+    /// How long one blocking read or write may wait: one window (`None`:
+    /// no floor). A call that waits that long without a byte ends the
+    /// current window, which then fails unless it already moved enough.
+    pub fn longest_wait(&self) -> Option<Duration> {
+        (self.min.bytes_per_sec > 0).then_some(self.min.window)
     }
 }
 
@@ -113,17 +110,9 @@ mod tests {
     }
 
     #[test]
-    fn the_budget_is_the_rest_of_the_window() {
+    fn a_blocking_call_waits_at_most_one_window() {
         let t0 = Instant::now();
-        let p = Pace::new(MIN, t0);
-        assert_eq!(
-            p.budget(t0 + Duration::from_secs(4)),
-            Some(Duration::from_secs(6))
-        );
-        assert_eq!(
-            p.budget(t0 + Duration::from_secs(11)),
-            Some(Duration::from_millis(1))
-        );
+        assert_eq!(Pace::new(MIN, t0).longest_wait(), Some(MIN.window));
         let off = Pace::new(
             MinRate {
                 bytes_per_sec: 0,
@@ -131,6 +120,9 @@ mod tests {
             },
             t0,
         );
-        assert_eq!(off.budget(t0), None);
+        assert_eq!(off.longest_wait(), None);
+        // A stalled peer: the timed-out wait at the window's end fails it.
+        let mut p = Pace::new(MIN, t0);
+        assert!(p.add(0, t0 + MIN.window).is_err());
     }
 }

@@ -186,13 +186,12 @@ impl Link {
         }
         let mut chunk = AlignedBuf::new(BULK_CHUNK).map_err(|e| self.err("allocate", e))?;
         let mut pace = Pace::new(self.min_rate, Instant::now());
+        // One wait per read at most a window: a stalled peer fails the
+        // floor within two windows, with no syscall per read to set it.
+        self.stream
+            .set_read_timeout(pace.longest_wait().or(Some(size_scaled_timeout(len))))
+            .map_err(|e| self.err("set timeout", e))?;
         while left > 0 {
-            self.stream
-                .set_read_timeout(
-                    pace.budget(Instant::now())
-                        .or(Some(size_scaled_timeout(len))),
-                )
-                .map_err(|e| self.err("set timeout", e))?;
             let want = (left as usize).min(BULK_CHUNK);
             let n = match self.stream.read(&mut chunk[..want]) {
                 Ok(0) => {
@@ -287,6 +286,12 @@ impl SourceIo<'_> {
         let snapshot = self.snapshot;
         let timeout = size_scaled_timeout(len);
         let mut pace = Pace::new(self.link.min_rate, Instant::now());
+        // Set once, before the zero-copy sender reads it: a reader that
+        // stops reading fails the floor within two windows.
+        self.link
+            .stream
+            .set_write_timeout(pace.longest_wait().or(Some(timeout)))
+            .map_err(|e| self.link.err("set timeout", e))?;
         let stream = self
             .link
             .stream
@@ -314,12 +319,10 @@ impl SourceIo<'_> {
                 Some(at) if (start..start + piece.len() as u64).contains(&at) => {
                     let mut copy = piece.to_vec();
                     copy[(at - start) as usize] ^= 0x01;
-                    rate.paced(copy.len(), |r| {
-                        self.send_grain(&copy[r], None, &mut pace, timeout)
-                    })?;
+                    rate.paced(copy.len(), |r| self.send_grain(&copy[r], None, &mut pace))?;
                 }
                 _ => rate.paced(piece.len(), |r| {
-                    self.send_grain(&piece[r], zc.as_mut(), &mut pace, timeout)
+                    self.send_grain(&piece[r], zc.as_mut(), &mut pace)
                 })?,
             }
             sent += piece.len();
@@ -342,20 +345,15 @@ impl SourceIo<'_> {
     }
 
     /// Sends one grain of the bulk (zero-copy when `zc` is given), keeping
-    /// the link's minimum rate: a blocking send waits at most the rest of
-    /// the window, and every byte and every timeout is measured.
+    /// the link's minimum rate: every byte and every send timeout is
+    /// measured.
     fn send_grain(
         &mut self,
         mut bytes: &[u8],
         mut zc: Option<&mut ZeroCopySender>,
         pace: &mut Pace,
-        timeout: Duration,
     ) -> Result<(), TcpError> {
         while !bytes.is_empty() {
-            self.link
-                .stream
-                .set_write_timeout(pace.budget(Instant::now()).or(Some(timeout)))
-                .map_err(|e| self.link.err("set timeout", e))?;
             let sent = match zc.as_deref_mut() {
                 Some(zc) => zc.send(bytes),
                 None => (&self.link.stream).write(bytes),

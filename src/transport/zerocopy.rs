@@ -24,6 +24,8 @@ const IPV6_RECVERR: libc::c_int = 25;
 /// Sends from memory with `MSG_ZEROCOPY` when the socket allows it.
 pub struct ZeroCopySender<'a> {
     stream: &'a TcpStream,
+    /// The socket's send timeout when the sender was made (read once).
+    send_timeout: Option<Duration>,
     enabled: bool,
     /// Zero-copy send calls made (each gets one notification id).
     issued: u32,
@@ -49,6 +51,7 @@ impl<'a> ZeroCopySender<'a> {
         };
         ZeroCopySender {
             stream,
+            send_timeout: stream.write_timeout().ok().flatten(),
             enabled: r == 0,
             issued: 0,
             completed: 0,
@@ -71,7 +74,7 @@ impl<'a> ZeroCopySender<'a> {
             let mut s = self.stream;
             return s.write(buf);
         }
-        let deadline = self.stream.write_timeout()?.map(|t| Instant::now() + t);
+        let deadline = self.send_timeout.map(|t| Instant::now() + t);
         loop {
             // SAFETY: `buf` is a valid slice that the caller keeps alive and
             // unchanged until `finish`.

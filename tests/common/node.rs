@@ -142,6 +142,16 @@ impl Node {
             .collect()
     }
 
+    /// The agent's status.
+    pub async fn status(&self) -> pb::AgentStatus {
+        self.client()
+            .await
+            .get_status(pb::GetStatusRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
     /// Asks this agent, as a source, for a TCP offer of its kvr1 snapshot.
     pub async fn open_offer(&self) -> pb::SyncOffer {
         pb::peer_client::PeerClient::connect(format!("http://{}", self.grpc()))
@@ -173,14 +183,21 @@ impl Node {
     }
 }
 
-/// A gRPC health client for the agent at `addr` (no token: health is open).
-pub async fn grpc_health(addr: &str) -> tonic_health::pb::health_client::HealthClient<Channel> {
+/// The gRPC health of the agent at `addr`, asked without a token (health
+/// is open for probes).
+pub async fn grpc_health(addr: &str) -> tonic_health::pb::health_check_response::ServingStatus {
     let channel = Channel::from_shared(format!("http://{addr}"))
         .unwrap()
         .connect()
         .await
         .expect("connect agent");
-    tonic_health::pb::health_client::HealthClient::new(channel)
+    let status = tonic_health::pb::health_client::HealthClient::new(channel)
+        .check(tonic_health::pb::HealthCheckRequest::default())
+        .await
+        .expect("health check")
+        .into_inner()
+        .status;
+    tonic_health::pb::health_check_response::ServingStatus::try_from(status).expect("a status")
 }
 
 /// Splits the lines of `header`'s section out of `config`: (its keys, the
