@@ -165,6 +165,13 @@ impl DirWatcher {
     /// Records activity; returns true when the directory must be watched
     /// and listed afresh (it was removed or renamed, or events were lost).
     fn on_event(&mut self, event: notify::Event) -> bool {
+        use notify::event::{AccessKind, AccessMode};
+        use notify::EventKind;
+        // Reads (the watcher's own validation, cache loads) change nothing;
+        // a writer closing the file does.
+        if matches!(event.kind, EventKind::Access(a) if a != AccessKind::Close(AccessMode::Write)) {
+            return false;
+        }
         let now = Instant::now();
         let mut dir_gone = event.need_rescan();
         for path in event.paths {

@@ -135,11 +135,15 @@ struct Watched {
 }
 
 fn start_watcher(dir: &Path) -> Watched {
+    start_watcher_rescanning(dir, Duration::from_secs(30))
+}
+
+fn start_watcher_rescanning(dir: &Path, rescan_interval: Duration) -> Watched {
     let metrics = Metrics::new();
     let catalog = Catalog::new(metrics.clone());
     let config = WatchConfig {
         debounce: Duration::from_millis(50),
-        rescan_interval: Duration::from_secs(30),
+        rescan_interval,
     };
     let w = DirWatcher::new(
         dir.to_owned(),
@@ -236,6 +240,36 @@ async fn watcher_offers_snapshot_renamed_into_place() {
         c.latest(Format::Kvr1).map(|e| e.info.seq) == Some(3)
     })
     .await;
+    w.stop().await;
+}
+
+#[tokio::test]
+async fn periodic_rescan_finds_a_change_the_kernel_does_not_report() {
+    // inotify reports no writes made through a shared mapping (inotify(7)),
+    // and a mapping made before the watch starts raises no open or close
+    // event: only the rescan can see this change (by the mtime the write
+    // fault sets; the directory is on the build disk, not a tmpfs).
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let path = dir.path().join("snap-4.kvr1");
+    std::fs::write(&path, gen_bytes(100_000, 4)).unwrap();
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .unwrap();
+    // SAFETY: this test is the only user of the file while it is mapped.
+    let mut map = unsafe { memmap2::MmapMut::map_mut(&file) }.unwrap();
+    drop(file); // the mapping keeps the file open: no close event yet
+    let w = start_watcher_rescanning(dir.path(), Duration::from_millis(200));
+    w.until("initial scan", |c| c.get(&path).is_some()).await;
+
+    map[50_000] ^= 0x01;
+    w.until("the rescan drops the changed file", |c| {
+        c.get(&path).is_none()
+    })
+    .await;
+    assert_eq!(w.rejected("checksum_mismatch"), 1);
+    drop(map);
     w.stop().await;
 }
 
