@@ -244,7 +244,7 @@ pub fn main() -> ExitCode {
     let quiet = !matches!(cli.command, Command::Agent(_));
     init_logging(if quiet { "warn" } else { "info" });
     match client_dialer(&cli) {
-        Ok(dialer) => client::set_dialer(dialer),
+        Ok(dialer) => client::set_dialer(dialer, cli.tls_cert.is_some()),
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::FAILURE;

@@ -23,16 +23,17 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 type Client = pb::orchestrator_client::OrchestratorClient<rpc::AgentChannel>;
 
-/// How client commands reach agents (from the global options).
-static DIALER: std::sync::OnceLock<rpc::Dialer> = std::sync::OnceLock::new();
+/// How client commands reach agents (from the global options), and whether
+/// a client certificate was given (for the advice on a broken connection).
+static DIALER: std::sync::OnceLock<(rpc::Dialer, bool)> = std::sync::OnceLock::new();
 
 /// Sets how client commands reach agents.
-pub fn set_dialer(dialer: rpc::Dialer) {
-    let _ = DIALER.set(dialer);
+pub fn set_dialer(dialer: rpc::Dialer, client_cert: bool) {
+    let _ = DIALER.set((dialer, client_cert));
 }
 
 async fn client(agent: &str) -> anyhow::Result<Client> {
-    let dialer = DIALER.get().context("client options not set")?;
+    let (dialer, _) = DIALER.get().context("client options not set")?;
     let channel = dialer
         .connect(agent, CONNECT_TIMEOUT)
         .await
@@ -45,12 +46,15 @@ fn status_err(what: &str, s: tonic::Status) -> anyhow::Error {
     // which is how a TLS mismatch shows.
     use tonic::Code;
     let broken = matches!(s.code(), Code::Unknown | Code::Internal | Code::Cancelled);
-    let hint = match DIALER.get().map(|d| d.tls.is_some()) {
-        Some(false) if broken => {
+    let hint = match DIALER.get().map(|(d, cert)| (d.tls.is_some(), *cert)) {
+        Some((false, _)) if broken => {
             "; if the agent serves TLS ([tls] in its config), pass --tls-ca"
         }
-        Some(true) if broken => {
+        Some((true, false)) if broken => {
             "; if the agent requires client certificates ([tls] client_auth), pass --tls-cert and --tls-key signed by its CA"
+        }
+        Some((true, true)) if broken => {
+            "; the agent may have refused this client certificate: it must be signed by the CA in the agent's [tls] ca_file"
         }
         _ => "",
     };
