@@ -13,13 +13,19 @@
 # primary forks (kvsync / Redis) | primary copy-on-write (kvsync / Redis).
 # Usage: scripts/redis-seed-demo.sh [KEYS=100000] [SIZE=100]
 #        (1 GB dataset: scripts/redis-seed-demo.sh 10000000 100)
+# KVSYNC_BIN=path uses that kvsync binary instead of building a release one.
+# Everything it starts (servers, agents) is stopped when it exits.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 keys=${1:-100000}
 size=${2:-100}
-bash scripts/deps.sh redis-server
-cargo build --locked --release --quiet
-bin=$PWD/target/release/kvsync
+bash scripts/deps.sh redis-server bc
+if [ -n "${KVSYNC_BIN:-}" ]; then
+    bin=$KVSYNC_BIN
+else
+    cargo build --locked --release --quiet
+    bin=$PWD/target/release/kvsync
+fi
 work=$(mktemp -d "${TMPDIR:-/tmp}/kvsync-redis.XXXXXX")
 cleanup() {
     for f in "$work"/*/redis.pid; do [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null || true; done
@@ -32,7 +38,10 @@ cleanup() {
 }
 trap cleanup EXIT
 
-base=$((20000 + RANDOM % 20000))
+# redis-server cannot listen on port 0: ports below the kernel's ephemeral
+# range, so that no client connection (redis-cli's) already holds one.
+low=$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range)
+base=$((10000 + RANDOM % (low - 10004)))
 P=$base; A=$((base + 1)); B=$((base + 2)); H=$((base + 3))
 server() { # NAME PORT [ARGS...]: a daemonized redis-server in $work/NAME
     local name=$1 port=$2; shift 2
@@ -40,7 +49,7 @@ server() { # NAME PORT [ARGS...]: a daemonized redis-server in $work/NAME
     redis-server --port "$port" --bind 127.0.0.1 --dir "$work/$name" --save "" --appendonly no \
         --daemonize yes --pidfile "$work/$name/redis.pid" --logfile "$work/$name/redis.log" "$@"
     for _ in $(seq 200); do redis-cli -p "$port" ping >/dev/null 2>&1 && return; sleep 0.05; done
-    echo "redis $name did not start" >&2; exit 1
+    echo "redis $name did not start on port $port:" >&2; tail -5 "$work/$name/redis.log" >&2; exit 1
 }
 field() { redis-cli -p "$1" info "$2" | tr -d '\r' | awk -F: -v k="$3" '$1 == k {print $2}'; }
 wait_link() { # PORT: until master_link_status:up
@@ -56,8 +65,15 @@ server helper $H --replicaof 127.0.0.1 $P   # a replica once: the backlog exists
 wait_link $H
 redis-cli -p $H shutdown nosave >/dev/null 2>&1 || true
 redis-cli -p $P debug populate "$keys" key "$size" >/dev/null
-redis-cli -p $P bgsave >/dev/null
+# The fork that served the helper may still be running: BGSAVE is refused
+# until it is reaped.
+for _ in $(seq 600); do
+    [ "$(redis-cli -p $P bgsave)" = "Background saving started" ] && break
+    sleep 0.05
+done
 while [ "$(field $P persistence rdb_bgsave_in_progress)" != 0 ]; do sleep 0.05; done
+[ "$(field $P persistence rdb_last_bgsave_status)" = ok ] && [ -f "$work/primary/dump.rdb" ] ||
+    { echo "the primary's BGSAVE failed" >&2; exit 1; }
 for i in $(seq 100); do redis-cli -p $P set "after:$i" "written after the save" >/dev/null; done
 dataset_mib=$(( $(field $P memory used_memory) / 1048576 ))
 echo "dataset: used_memory $dataset_mib MiB; RDB: $(stat -c %s "$work/primary/dump.rdb") bytes; $("$bin" verify "$work/primary/dump.rdb")"

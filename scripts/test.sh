@@ -3,8 +3,9 @@
 # it needs first, when missing, and ends with one summary line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# real Redis servers; network namespaces; systemd-analyze for the unit test
-bash scripts/deps.sh redis-server iproute2 systemd
+# real Redis servers; network namespaces; systemd-analyze for the unit test;
+# bc for the Redis seeding demo that tests/scripts.rs runs
+bash scripts/deps.sh redis-server iproute2 systemd bc
 log=$(mktemp)
 export KVSYNC_SKIP_LOG
 KVSYNC_SKIP_LOG=$(mktemp)

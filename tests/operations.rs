@@ -266,14 +266,7 @@ async fn admission_limits_refuse_the_next_sync_with_retry_advice() {
     );
     // Raised by a SIGHUP reload, the limit admits it; the running sync goes on.
     agent_config(root.path(), "replica", "max_incoming_syncs = 2");
-    replica.proc.signal(libc::SIGHUP);
-    wait_for("the reload", DEADLINE, || {
-        replica
-            .proc
-            .log()
-            .contains("SIGHUP: reloaded")
-            .then_some(())
-    });
+    reload(&replica).await;
     let second = start_sync(&replica, &other).await;
     assert_ne!(second, id);
     let status = replica.status().await;
@@ -300,6 +293,49 @@ async fn admission_limits_refuse_the_next_sync_with_retry_advice() {
     let p = wait_done(&second, &id).await;
     assert_eq!(p.phase, pb::Phase::Failed as i32);
     assert!(p.error.contains("max_outgoing_syncs"), "{}", p.error);
+    // Raised by a SIGHUP reload, the source serves the next one too.
+    agent_config(root.path(), "tight", "max_outgoing_syncs = 2");
+    reload(&tight).await;
+    let third = Node::start(root.path(), "r3", "", &[]);
+    sync_in_flight(&third, &tight).await;
+}
+
+/// Sends SIGHUP and waits until the agent says it reloaded.
+async fn reload(node: &Node) {
+    let before = node.proc.log().matches("SIGHUP: reloaded").count();
+    node.proc.signal(libc::SIGHUP);
+    wait_for("the reload", DEADLINE, || {
+        let log = node.proc.log();
+        assert!(!log.contains("not reloaded"), "{log}");
+        (log.matches("SIGHUP: reloaded").count() > before).then_some(())
+    });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cache_budget_refuses_what_does_not_fit_and_reloads_on_sighup() {
+    let root = tempfile::tempdir().unwrap();
+    let budget = |b: &str| format!("[cache]\nmemory_budget = \"{b}\"");
+    let source = config_node(root.path(), "source", &budget("1MiB"), &[], &[]);
+    let bytes = put_snapshot(&source.dir, "s.kvr1", 4 << 20, 7);
+    source.offered(7).await;
+    let replica = Node::start(root.path(), "replica", "", &[]);
+    let id = start_sync(&replica, &source).await;
+    let p = wait_done(&replica, &id).await;
+    assert_eq!(p.phase, pb::Phase::Failed as i32);
+    assert!(
+        p.error.contains("exceeds the cache memory budget") && p.error.contains("memory_budget"),
+        "{}",
+        p.error
+    );
+    assert!(!replica.dir.join("s.kvr1").exists());
+    assert_eq!(source.metric("kvsync_snapshot_cache_loads_total"), 0.0);
+
+    agent_config(root.path(), "source", &budget("64MiB"));
+    reload(&source).await;
+    let id = start_sync(&replica, &source).await;
+    let p = wait_done(&replica, &id).await;
+    assert_eq!(p.phase, pb::Phase::Succeeded as i32, "{p:?}");
+    assert_eq!(std::fs::read(replica.dir.join("s.kvr1")).unwrap(), bytes);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -420,19 +456,11 @@ async fn bearer_tokens_are_required_counted_and_reloaded_on_sighup() {
 
     // A new token, reloaded by both agents on SIGHUP: the old one stops working.
     std::fs::write(&tokens, "second-fleet-token-0002\n").unwrap();
-    source.proc.signal(libc::SIGHUP);
-    replica.proc.signal(libc::SIGHUP);
-    let reloaded = |n: &Node| {
-        let log = n.proc.log();
-        assert!(!log.contains("not reloaded"), "{log}");
-        log.contains("SIGHUP: reloaded")
-    };
-    wait_for("the reload", DEADLINE, || {
-        (reloaded(&source) && reloaded(&replica)).then_some(())
-    });
+    reload(&source).await;
+    reload(&replica).await;
     let old = root.path().join("old");
     std::fs::write(&old, "first-fleet-token-0001\n").unwrap();
-    assert!(!cli(Some(&old)).status.success());
+    assert!(String::from_utf8_lossy(&cli(Some(&old)).stderr).contains("not accepted"));
     sync();
 }
 
@@ -440,32 +468,38 @@ async fn bearer_tokens_are_required_counted_and_reloaded_on_sighup() {
 async fn rate_limit_holds_and_reloads_on_sighup() {
     let root = tempfile::tempdir().unwrap();
     let source = config_node(root.path(), "source", "rate_limit = \"32MiB\"", &[], &[]);
-    put_snapshot(&source.dir, "s.kvr1", 64 << 20, 6);
+    put_snapshot(&source.dir, "s.kvr1", 32 << 20, 6);
     source.offered(6).await;
     let replica = Node::start(root.path(), "replica", "", &[]);
-    let p = sync_ok(&replica, &source).await;
-    // 64 MiB at 32 MiB/s: never faster than 2 s, minus 10 %.
-    assert!(
-        p.duration_ms >= 1800,
-        "the limit was exceeded: {} ms",
-        p.duration_ms
-    );
+    // Never faster than the limit allows, minus 10 % for the burst.
+    let at_least = |p: pb::SyncProgress, ms: u64| {
+        assert!(
+            p.duration_ms >= ms,
+            "the limit was exceeded: {} ms",
+            p.duration_ms
+        );
+    };
+    // 32 MiB at 32 MiB/s.
+    at_least(sync_ok(&replica, &source).await, 900);
 
-    agent_config(root.path(), "source", "rate_limit = \"0\"");
-    source.proc.signal(libc::SIGHUP);
-    wait_for("the reload", DEADLINE, || {
-        source
-            .proc
-            .log()
-            .contains("configuration reloaded rate_limit=0")
-            .then_some(())
-    });
+    // Lowered by a reload: 16 MiB at 8 MiB/s (0.5 s at the old limit).
+    agent_config(root.path(), "source", "rate_limit = \"8MiB\"");
+    reload(&source).await;
+    put_snapshot(&source.dir, "t.kvr1", 16 << 20, 7);
+    source.offered(7).await;
+    at_least(sync_ok(&replica, &source).await, 1800);
 }
 
 /// Runs the CLI with `args`; returns (success, stdout, stderr).
 fn cli(args: &[&str]) -> (bool, String, String) {
+    cli_env(args, &[])
+}
+
+/// Runs the CLI with `args` and `env`; returns (success, stdout, stderr).
+fn cli_env(args: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
     let out = std::process::Command::new(kvsync_bin())
         .args(args)
+        .envs(env.iter().copied())
         .output()
         .unwrap();
     (
@@ -551,7 +585,7 @@ fn grpc_over_tls_and_mutual_tls_with_a_ca_made_in_the_test() {
         .concat(),
     );
     assert!(
-        !ok,
+        !ok && err.contains("refused this client certificate"),
         "the source accepted a certificate of another CA: {err}"
     );
     let with_cert = [
@@ -563,6 +597,17 @@ fn grpc_over_tls_and_mutual_tls_with_a_ca_made_in_the_test() {
         let (ok, out, _) = to_source(&with_cert);
         (ok && out.contains("\"seq\":9")).then_some(())
     });
+    // The same settings from the environment, as a service unit sets them.
+    let (ok, out, err) = cli_env(
+        &["snapshots", "--agent", &source.grpc(), "--json"],
+        &[
+            ("KVSYNC_TLS_CA", &ca),
+            ("KVSYNC_TLS_CERT", &fleet_cert),
+            ("KVSYNC_TLS_KEY", &fleet_key),
+            ("KVSYNC_TLS_SERVER_NAME", "source.kvsync.test"),
+        ],
+    );
+    assert!(ok && out.contains("\"seq\":9"), "{out}{err}");
 
     // Agent to agent: the replica dials the source over mTLS with its own
     // certificate and verifies the source by its configured name.

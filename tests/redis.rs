@@ -499,3 +499,73 @@ fn refusals_leave_the_replica_server_untouched() {
     );
     assert!(!rdir.join("dump.rdb").exists(), "nothing placed");
 }
+
+#[test]
+fn a_full_resync_is_a_failed_handoff() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let (primary, _) = loaded_primary(root, "1mb");
+    let rdir = root.join("replica-redis");
+    let replica_redis = Redis::start(
+        &rdir,
+        &["--pidfile", rdir.join("redis.pid").to_str().unwrap()],
+    );
+    // `[redis] stop`: after the transfer, more is written to the primary
+    // than its 1 MB backlog holds, then the replica's server is stopped.
+    // Its PSYNC from M+1 can only be answered with a full resync.
+    let stop = root.join("stop.sh");
+    std::fs::write(
+        &stop,
+        format!(
+            "redis-cli -p {} eval \"for i = 1, 40000 do redis.call('SET', 'fill:' .. i, 'pushes M+1 out of the backlog') end\" 0 >/dev/null\nkill $(cat {})\n",
+            primary.port,
+            rdir.join("redis.pid").display()
+        ),
+    )
+    .unwrap();
+    let full_before = primary.info("stats").num("sync_full");
+    let config = format!(
+        "{}stop = [\"sh\", \"{}\"]\n",
+        replica_config(&primary, replica_redis.port, &rdir, TCP),
+        stop.display()
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let source = agent(
+            root,
+            "source",
+            &primary.dir,
+            &source_config(&primary, TCP),
+            &[],
+        );
+        let replica = agent(root, "replica", &root.join("replica-agent"), &config, &[]);
+        let seq = kvsync::snapshot::verify_file(&primary.dir.join("dump.rdb"), None)
+            .unwrap()
+            .seq;
+        source.offered(seq).await;
+        let id = start_sync(&replica, &source).await;
+        let p = wait_done(&replica, &id).await;
+        assert_eq!(p.phase, pb::Phase::Failed as i32);
+        assert!(
+            p.error.contains("FULL resync") && p.error.contains(&format!("M = {seq}")),
+            "{}",
+            p.error
+        );
+        assert_eq!(
+            replica.metric(r#"kvsync_handoff_total{mode="redis",result="failed"}"#),
+            1.0
+        );
+        assert_eq!(
+            replica.metric(r#"kvsync_handoff_total{mode="redis",result="ok"}"#),
+            0.0
+        );
+    });
+    assert_eq!(primary.info("stats").num("sync_full"), full_before + 1);
+    assert_eq!(
+        primary
+            .cmd::<Option<String>>(&["GET", "fill:40000"])
+            .as_deref(),
+        Some("pushes M+1 out of the backlog"),
+        "the stop command ran"
+    );
+}

@@ -246,6 +246,67 @@ pub fn gen_snapshot(out: &Path, size: u64, seq: u64) {
     assert!(status.success(), "gen-snapshot failed");
 }
 
+/// Runs `bash scripts/<script> args` from the project root with `env`, and
+/// then checks that nothing it started outlives it: every run carries its
+/// own `KVSYNC_SCRIPT_RUN` value, which each process it starts inherits
+/// (daemons too), and a process still holding it once the script has
+/// exited (and a short grace for `SIGTERM`ed servers to exit) fails the test.
+pub fn run_script(script: &str, args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static RUNS: AtomicU64 = AtomicU64::new(0);
+    let run = format!(
+        "{}-{}",
+        std::process::id(),
+        RUNS.fetch_add(1, Ordering::Relaxed)
+    );
+    let out = Command::new("bash")
+        .arg(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("scripts")
+                .join(script),
+        )
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .envs(env.iter().copied())
+        .env("KVSYNC_SCRIPT_RUN", &run)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("run {script}: {e}"));
+    let needle = format!("KVSYNC_SCRIPT_RUN={run}");
+    let left = || -> Vec<(i32, String)> {
+        let Ok(dir) = std::fs::read_dir("/proc") else {
+            return Vec::new();
+        };
+        dir.flatten()
+            .filter_map(|e| Some((e.file_name().to_str()?.parse::<i32>().ok()?, e.path())))
+            .filter(|(_, p)| {
+                std::fs::read(p.join("environ"))
+                    .is_ok_and(|env| env.split(|b| *b == 0).any(|kv| kv == needle.as_bytes()))
+            })
+            .map(|(pid, p)| {
+                let cmd = std::fs::read(p.join("cmdline")).unwrap_or_default();
+                (pid, String::from_utf8_lossy(&cmd).replace('\0', " "))
+            })
+            .collect()
+    };
+    let grace = Instant::now() + Duration::from_secs(10);
+    loop {
+        let survivors = left();
+        if survivors.is_empty() {
+            break;
+        }
+        if Instant::now() > grace {
+            for (pid, _) in &survivors {
+                // SAFETY: kill(2) on a pid that carries this run's marker.
+                unsafe { libc::kill(*pid, libc::SIGKILL) };
+            }
+            panic!("{script} exited but left running: {survivors:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    out
+}
+
 /// Output of a command run in the soft-RoCE VM.
 pub struct VmRun {
     pub code: i32,
@@ -267,18 +328,14 @@ pub fn run_in_vm(cmd: &[&str], env: &[(&str, &str)], timeout_s: u32) -> Option<V
     if unsafe { libc::geteuid() } != 0 {
         return skip("the VM harness needs root".into());
     }
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/rxe-vm.sh");
-    let mut c = Command::new("bash");
-    c.arg(script).arg("--timeout").arg(timeout_s.to_string());
-    for (name, value) in env {
-        c.arg("--env").arg(name).env(name, value);
+    let timeout = timeout_s.to_string();
+    let mut args = vec!["--timeout", timeout.as_str()];
+    for (name, _) in env {
+        args.extend(["--env", name]);
     }
-    let out = c
-        .arg("--")
-        .args(cmd)
-        .stdin(Stdio::null())
-        .output()
-        .expect("run rxe-vm.sh");
+    args.push("--");
+    args.extend(cmd);
+    let out = run_script("rxe-vm.sh", &args, env);
     let run = VmRun {
         code: out.status.code().unwrap_or(-1),
         stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
