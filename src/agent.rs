@@ -135,6 +135,8 @@ impl RunningAgent {
             rate: Arc::new(RateLimiter::new(config.sync.rate_limit.as_u64())),
             peer_timeout: config.data.peer_timeout,
             min_rate: (&config.data).into(),
+            hello_timeout: config.data.hello_timeout,
+            pending: (&config.data).into(),
         };
         let data = start_data_plane(
             &config,

@@ -162,6 +162,14 @@ pub struct DataConfig {
     pub min_rate: ByteSize,
     #[serde(with = "humantime_serde")]
     pub min_rate_window: Duration,
+    /// How long a new data connection may take to prove its session; until
+    /// it has, it holds no thread and no memory beyond its socket.
+    #[serde(with = "humantime_serde")]
+    pub hello_timeout: Duration,
+    /// Data connections still proving their session, at most, in total and
+    /// from one address; more are closed at once.
+    pub max_pending_connections: usize,
+    pub max_pending_per_peer: usize,
 }
 
 /// Which data transport a sync uses.
@@ -381,6 +389,9 @@ impl Default for DataConfig {
             peer_timeout: Duration::from_secs(30),
             min_rate: ByteSize::mib(1),
             min_rate_window: Duration::from_secs(30),
+            hello_timeout: Duration::from_secs(5),
+            max_pending_connections: 64,
+            max_pending_per_peer: 8,
         }
     }
 }
@@ -555,6 +566,20 @@ impl Config {
         }
         if self.data.min_rate_window < Duration::from_secs(1) {
             p.bad("data.min_rate_window", "must be at least 1s".into());
+        }
+        if self.data.hello_timeout.is_zero() {
+            p.bad("data.hello_timeout", "must be greater than zero".into());
+        }
+        if self.data.max_pending_connections == 0 {
+            p.bad("data.max_pending_connections", "must be at least 1".into());
+        }
+        if self.data.max_pending_per_peer == 0
+            || self.data.max_pending_per_peer > self.data.max_pending_connections
+        {
+            p.bad(
+                "data.max_pending_per_peer",
+                "must be between 1 and data.max_pending_connections".into(),
+            );
         }
         let limit = self.sync.rate_limit.as_u64();
         if limit > 0 && self.data.min_rate.as_u64() > limit {

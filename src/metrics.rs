@@ -22,6 +22,18 @@ const DURATION_BUCKETS: &[f64] = &[
 ];
 
 /// The `reason` labels of `kvsync_transport_fallback_total`.
+/// Why the source closed a data connection before serving it: too many
+/// still proving their session (in total, or from that address), no proof
+/// within `data.hello_timeout`, a first message that is no proof, or a
+/// proof of no valid session.
+pub const REFUSAL_REASONS: &[&str] = &[
+    "pending_total",
+    "pending_per_peer",
+    "hello_timeout",
+    "bad_hello",
+    "bad_token",
+];
+
 pub const FALLBACK_REASONS: &[&str] = &[
     "unavailable",
     "connect",
@@ -76,6 +88,7 @@ pub struct Metrics {
     pub fullsync_in_progress: IntGaugeVec,
     pub handoff_total: IntCounterVec,
     pub data_auth_failures: IntCounter,
+    pub data_refused: IntCounterVec,
     pub grpc_auth_failures: IntCounter,
     pub last_success: GaugeVec,
     pub build_info: IntGaugeVec,
@@ -178,6 +191,13 @@ impl Metrics {
                 "kvsync_data_auth_failures_total",
                 "Data-plane connections refused for a bad session token"
             )),
+            data_refused: reg!(IntCounterVec::new(
+                Opts::new(
+                    "kvsync_data_connections_refused_total",
+                    "Data connections closed before they were served, by reason"
+                ),
+                &["reason"]
+            )),
             grpc_auth_failures: reg!(IntCounter::new(
                 "kvsync_grpc_auth_failures_total",
                 "Control-plane requests refused for a missing or bad bearer token"
@@ -236,6 +256,9 @@ impl Metrics {
         // Every fallback reason exists from the start, so rates work.
         for reason in FALLBACK_REASONS {
             m.transport_fallback.with_label_values(&[reason]);
+        }
+        for reason in REFUSAL_REASONS {
+            m.data_refused.with_label_values(&[reason]);
         }
         // Every series with a known label set exists from the start, so a
         // scrape tells "zero" from "missing" (and dashboards see zeros).

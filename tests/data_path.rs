@@ -142,6 +142,8 @@ async fn run(case: Case, kind: TransportKind, root: &Path) -> Run {
         rate: Arc::new(RateLimiter::new(0)),
         peer_timeout: Duration::from_secs(10),
         min_rate: MinRate::default(),
+        hello_timeout: DEADLINE,
+        pending: (&kvsync::config::DataConfig::default()).into(),
     };
     let conns = source::tcp_connections(listener, kind == TransportKind::Rdma);
     tokio::spawn(source::serve(conns, plane));

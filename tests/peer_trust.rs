@@ -272,6 +272,51 @@ async fn one_replica_cannot_take_every_session_of_a_source() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_offers_never_exceed_max_outgoing_syncs() {
+    let root = tempfile::tempdir().unwrap();
+    let source = Node::start(
+        root.path(),
+        "source",
+        "[sync]\nmax_outgoing_syncs = 4\nsession_token_ttl = \"5m\"\n",
+        &[],
+    );
+    put_snapshot(&source.dir, "s.kvr1", 4096, 3);
+    source.offered(3).await;
+    // 32 replicas ask at once, each on its own connection.
+    let asks = (0..32).map(|i| {
+        let addr = format!("http://{}", source.grpc());
+        async move {
+            pb::peer_client::PeerClient::connect(addr)
+                .await
+                .unwrap()
+                .open_full_sync(pb::OpenFullSyncRequest {
+                    format: "kvr1".into(),
+                    replica_node_id: format!("replica-{i}"),
+                    ..Default::default()
+                })
+                .await
+        }
+    });
+    let answers = futures::future::join_all(asks).await;
+    let admitted = answers.iter().filter(|a| a.is_ok()).count();
+    assert_eq!(admitted, 4, "{answers:?}");
+    for refused in answers.iter().filter_map(|a| a.as_ref().err()) {
+        assert_eq!(
+            refused.code(),
+            tonic::Code::ResourceExhausted,
+            "{refused:?}"
+        );
+        assert!(
+            refused.message().contains("sync.max_outgoing_syncs")
+                && refused.message().contains("retry"),
+            "{refused:?}"
+        );
+    }
+    // The source's own count: one cache reference per offer it holds.
+    assert_eq!(source.metric("kvsync_snapshot_cache_refs"), 4.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn orchestrator_and_peer_tokens_are_separate() {
     use kvsync::rpc::auth::ClientAuth;
     use tonic::service::interceptor::InterceptedService;
@@ -445,5 +490,145 @@ async fn a_replica_that_stops_reading_loses_the_session_within_the_window() {
     assert!(
         !matches!(end, Ok(Ok(_))),
         "the stuck replica never completes: {end:?}"
+    );
+}
+
+/// Open descriptors of process `pid`.
+fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count()
+}
+
+/// A TCP connection to `addr` from the loopback address `from`.
+fn connect_from(from: &str, addr: &str) -> std::net::TcpStream {
+    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    s.bind(
+        &format!("{from}:0")
+            .parse::<std::net::SocketAddr>()
+            .unwrap()
+            .into(),
+    )
+    .unwrap();
+    s.connect(&addr.parse::<std::net::SocketAddr>().unwrap().into())
+        .unwrap();
+    s.into()
+}
+
+/// Waits until the peer closes `s` (read returns 0 or an error).
+fn closed_by_peer(s: &mut std::net::TcpStream) {
+    use std::io::Read;
+    s.set_read_timeout(Some(DEADLINE)).unwrap();
+    let mut b = [0u8; 256];
+    loop {
+        match s.read(&mut b) {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {} // a refusal frame, then the close
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_and_malformed_data_connections_get_no_thread_and_cannot_stop_a_real_sync() {
+    let root = tempfile::tempdir().unwrap();
+    // TCP and the emulated fabric: both listeners of one source.
+    let source = Node::start_with(
+        root.path(),
+        "source",
+        "mode = \"auto\"\nrdma_provider = \"emulated\"",
+        "[data]\nhello_timeout = \"1s\"\n",
+        &[],
+    );
+    let bytes = put_snapshot(&source.dir, "s.kvr1", 8 << 20, 3);
+    source.offered(3).await;
+    let pid = source.proc.child.id();
+    let baseline = open_fds(pid);
+    let data = source.data();
+    let fabric = source.proc.addr("rdma");
+    let fabric = fabric
+        .strip_prefix("emulated:")
+        .expect("an emulated listener")
+        .to_string();
+    let refused = |reason: &str| {
+        source.metric(&format!(
+            "kvsync_data_connections_refused_total{{reason=\"{reason}\"}}"
+        ))
+    };
+
+    // 800 idle connections from another address, held open: 8 at a time
+    // may wait for their proof (the per-address cap), the rest are closed
+    // at once. Without the cap every one would wait out hello_timeout.
+    let flood: Vec<_> = (0..800).map(|_| connect_from("127.0.0.2", &data)).collect();
+    wait_for("the flood to be sorted", DEADLINE, || {
+        (refused("pending_per_peer") + refused("hello_timeout") == 800.0).then_some(())
+    });
+    assert!(refused("hello_timeout") <= 80.0, "most were closed at once");
+    // A real sync during the flood: an exact copy.
+    let replica = Node::start(root.path(), "replica", "", &[]);
+    sync_ok(&replica, &source).await;
+    assert_eq!(std::fs::read(replica.dir.join("s.kvr1")).unwrap(), bytes);
+    // The source holds none of them, though every one is still open here.
+    wait_for("the source to close the flood", DEADLINE, || {
+        (open_fds(pid) <= baseline + 8).then_some(())
+    });
+    assert_eq!(refused("pending_total"), 0.0);
+    drop(flood);
+
+    // On each listener: a proof sent a byte at a time is cut at
+    // hello_timeout (one deadline for the whole proof, not per read) ...
+    let tcp_hello = kvsync::blk3::Token::Sess { token: [7; 32] }.encode_frame();
+    let mut connect_request = vec![1u8]; // CONNECT, no work request, 32 bytes
+    connect_request.extend_from_slice(&[0; 20]);
+    connect_request.extend_from_slice(&32u32.to_be_bytes());
+    connect_request.extend_from_slice(&[7; 32]);
+    for (addr, hello) in [(&data, tcp_hello), (&fabric, connect_request)] {
+        let before = refused("hello_timeout");
+        let mut slow = connect_from("127.0.0.3", addr);
+        let mut drip = slow.try_clone().unwrap();
+        let dripping = std::thread::spawn(move || {
+            use std::io::Write;
+            for byte in hello {
+                if drip.write_all(&[byte]).is_err() {
+                    return;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(200));
+            }
+        });
+        closed_by_peer(&mut slow);
+        dripping.join().unwrap();
+        wait_for("the slow proof to be counted", DEADLINE, || {
+            (refused("hello_timeout") == before + 1.0).then_some(())
+        });
+    }
+    // ... and a message that is no proof, or announces 1 GiB, is refused
+    // at once.
+    let no_token = b"\0\0\0\x08GARBAGE!".to_vec();
+    let huge = (1u32 << 30).to_be_bytes().to_vec();
+    let mut huge_request = vec![1u8];
+    huge_request.extend_from_slice(&[0; 20]);
+    huge_request.extend_from_slice(&(1u32 << 30).to_be_bytes());
+    for (addr, first) in [
+        (&data, no_token),
+        (&data, huge),
+        (&fabric, b"GARBAGE!".repeat(4)),
+        (&fabric, huge_request),
+    ] {
+        use std::io::Write;
+        let before = refused("bad_hello");
+        let mut s = connect_from("127.0.0.4", addr);
+        s.write_all(&first).unwrap();
+        closed_by_peer(&mut s);
+        wait_for("the refusal to be counted", DEADLINE, || {
+            (refused("bad_hello") == before + 1.0).then_some(())
+        });
+    }
+    // Nothing was served to any of them.
+    assert_eq!(
+        source.metric(r#"kvsync_fullsync_total{result="ok",role="source",transport="tcp"}"#),
+        1.0
+    );
+    assert_eq!(
+        source.metric(r#"kvsync_fullsync_total{result="ok",role="source",transport="rdma"}"#),
+        0.0
     );
 }

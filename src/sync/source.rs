@@ -7,7 +7,10 @@
 //! frame, or the RDMA connect private data, must prove an offered,
 //! unexpired, unused token for that transport, or the connection is refused
 //! before any snapshot byte moves and counted), and the source-side metrics
-//! of each served session. An offer holds its cache reference from the
+//! of each served session. A connection's proof is read on the runtime
+//! under `data.hello_timeout`, with a cap on connections still proving
+//! one (in total and per address): it gets a thread, registered memory or
+//! a queue pair only once its proof is valid. An offer holds its cache reference from the
 //! moment it is made, so a snapshot deleted or replaced after the offer is
 //! still delivered exactly as offered.
 
@@ -20,7 +23,7 @@ use std::time::{Duration, Instant};
 use futures::{Stream, StreamExt};
 use rand::RngCore;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, info_span, warn};
+use tracing::{debug, info, info_span, warn};
 
 use crate::blk3::token::SESSION_TOKEN_LEN;
 use crate::blk3::BulkParams;
@@ -279,12 +282,85 @@ pub struct DataPlane {
     pub peer_timeout: Duration,
     /// The floor a replica must read at.
     pub min_rate: MinRate,
+    /// How long a connection may take to prove its session.
+    pub hello_timeout: Duration,
+    /// Connections still proving their session, at most.
+    pub pending: PendingLimits,
+}
+
+/// How many data connections may be proving their session at once.
+#[derive(Debug, Clone, Copy)]
+pub struct PendingLimits {
+    pub total: usize,
+    /// From one address.
+    pub per_peer: usize,
+}
+
+impl From<&crate::config::DataConfig> for PendingLimits {
+    fn from(c: &crate::config::DataConfig) -> PendingLimits {
+        PendingLimits {
+            total: c.max_pending_connections,
+            per_peer: c.max_pending_per_peer,
+        }
+    }
+}
+
+/// Connections still proving their session, in total and per address.
+struct Pending {
+    limits: PendingLimits,
+    counts: Mutex<(usize, HashMap<Option<IpAddr>, usize>)>,
+}
+
+/// One connection's place among the pending; given back on drop.
+struct PendingSlot {
+    pending: Arc<Pending>,
+    peer: Option<IpAddr>,
+}
+
+impl Pending {
+    /// A place for a connection from `peer`, or the refusal reason.
+    fn admit(self: &Arc<Self>, peer: Option<IpAddr>) -> Result<PendingSlot, &'static str> {
+        let mut counts = self.counts.lock().expect("pending lock");
+        let (total, per_peer) = &mut *counts;
+        if *total >= self.limits.total {
+            return Err("pending_total");
+        }
+        let from_peer = per_peer.entry(peer).or_insert(0);
+        if *from_peer >= self.limits.per_peer {
+            return Err("pending_per_peer");
+        }
+        *from_peer += 1;
+        *total += 1;
+        Ok(PendingSlot {
+            pending: self.clone(),
+            peer,
+        })
+    }
+}
+
+impl Drop for PendingSlot {
+    fn drop(&mut self) {
+        let mut counts = self.pending.counts.lock().expect("pending lock");
+        let (total, per_peer) = &mut *counts;
+        *total -= 1;
+        if let Some(n) = per_peer.get_mut(&self.peer) {
+            *n -= 1;
+            if *n == 0 {
+                per_peer.remove(&self.peer);
+            }
+        }
+    }
 }
 
 /// The one serve loop: takes accepted data connections, of any transport,
-/// until shutdown; each session runs on its own blocking thread.
+/// until shutdown. Each proves its session on the runtime; a proved
+/// session runs on its own blocking thread.
 pub async fn serve(mut incoming: impl Stream<Item = (Accepted, String)> + Unpin, plane: DataPlane) {
     let shutdown = plane.shutdown.clone();
+    let pending = Arc::new(Pending {
+        limits: plane.pending,
+        counts: Mutex::default(),
+    });
     loop {
         let (conn, peer) = tokio::select! {
             _ = shutdown.cancelled() => break,
@@ -293,49 +369,77 @@ pub async fn serve(mut incoming: impl Stream<Item = (Accepted, String)> + Unpin,
                 None => break,
             },
         };
-        let plane = plane.clone();
-        tokio::task::spawn_blocking(move || serve_connection(conn, &peer, &plane));
+        // Over the cap the connection is closed at once (dropped).
+        let slot = match pending.admit(conn.peer_ip()) {
+            Ok(slot) => slot,
+            Err(reason) => {
+                plane
+                    .metrics
+                    .data_refused
+                    .with_label_values(&[reason])
+                    .inc();
+                debug!(%peer, reason, "data connection closed: too many proving a session");
+                continue;
+            }
+        };
+        tokio::spawn(prove_and_serve(conn, peer, slot, plane.clone()));
     }
 }
 
 /// The refusal a replica sees for a bad session proof.
 const BAD_TOKEN: &str = "unknown, used or expired session token";
 
-/// Reads the connection's session proof, takes its offer, and serves it;
-/// refuses (and counts) a connection that cannot prove one.
-fn serve_connection(conn: Accepted, peer: &str, plane: &DataPlane) {
+/// Reads the connection's session proof (within `hello_timeout`) and takes
+/// its offer; refuses (and counts) a connection that cannot prove one, and
+/// hands a proved one to a blocking thread.
+async fn prove_and_serve(conn: Accepted, peer: String, slot: PendingSlot, plane: DataPlane) {
     let kind = conn.kind();
-    let refused = |why: &dyn std::fmt::Display| {
+    let refused = |reason: &str, why: &dyn std::fmt::Display| {
+        plane
+            .metrics
+            .data_refused
+            .with_label_values(&[reason])
+            .inc();
         plane.metrics.data_auth_failures.inc();
         warn!(%peer, transport = %kind, "data connection refused: {why}");
     };
-    let mut link = match conn.open(plane.peer_timeout, plane.min_rate, &plane.faults) {
-        Ok(link) => link,
-        Err(e) => return refused(&e),
-    };
-    let proof = match link.proof() {
-        Ok(p) => p,
-        Err(e) => {
-            refused(&e);
-            return link.refuse("the first frame must prove a session");
+    let proved = match tokio::time::timeout(plane.hello_timeout, conn.prove()).await {
+        Err(_) => {
+            let limit = plane.hello_timeout;
+            return refused(
+                "hello_timeout",
+                &format!("no session proof within {limit:?}"),
+            );
         }
+        Ok(Err(e)) => return refused("bad_hello", &e),
+        Ok(Ok(proved)) => proved,
     };
-    let Some(session) = plane.sessions.take(&proof, kind) else {
-        refused(&BAD_TOKEN);
-        return link.refuse(BAD_TOKEN);
+    let Some(session) = plane.sessions.take(proved.proof(), kind) else {
+        refused("bad_token", &BAD_TOKEN);
+        let _ = tokio::time::timeout(plane.hello_timeout, proved.refuse(BAD_TOKEN)).await;
+        return;
     };
-    // Shutdown stops a TCP session by shutting its socket.
-    let stop = link.canceller().map(|c| {
-        let shutdown = plane.shutdown.clone();
-        tokio::runtime::Handle::current().spawn(async move {
-            shutdown.cancelled().await;
-            c.cancel();
-        })
+    drop(slot);
+    tokio::task::spawn_blocking(move || {
+        // The whole session (its offer and its slots) lives until served.
+        let session = session;
+        let link = match proved.open(plane.peer_timeout, plane.min_rate, &plane.faults) {
+            Ok(link) => link,
+            Err(e) => return warn!(%peer, transport = %kind, "data connection failed to open: {e}"),
+        };
+        // Shutdown stops a TCP session by shutting its socket.
+        let stop = link.canceller().map(|c| {
+            let shutdown = plane.shutdown.clone();
+            tokio::runtime::Handle::current().spawn(async move {
+                shutdown.cancelled().await;
+                c.cancel();
+            })
+        });
+        serve_session(&plane, &session.offer, &peer, link);
+        if let Some(stop) = stop {
+            stop.abort();
+        }
     });
-    serve_session(plane, &session.offer, peer, link);
-    if let Some(stop) = stop {
-        stop.abort();
-    }
 }
 
 /// Runs one authenticated session with its logs and metrics.

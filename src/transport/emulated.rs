@@ -282,21 +282,23 @@ impl EmuQp {
         timeout: Duration,
         faults: EmuFaults,
     ) -> Result<EmuQp, FabricError> {
-        let call = |source| FabricError::Call {
-            call: "read connection request (emulated fabric)",
-            source,
-        };
-        stream.set_read_timeout(Some(timeout)).map_err(call)?;
-        let (h, private) = read_frame(&mut &stream).map_err(call)?;
-        if h.kind != CONNECT || private.len() > MAX_PRIVATE_DATA {
-            return Err(FabricError::Emulation(format!(
-                "expected a connection request, got message type {} with {} bytes",
-                h.kind,
-                private.len()
-            )));
-        }
-        stream.set_read_timeout(None).map_err(call)?;
-        EmuQp::new(stream, private, faults).map_err(call)
+        stream
+            .set_read_timeout(Some(timeout))
+            .map_err(request_err)?;
+        let (h, private) = read_frame(&mut &stream).map_err(request_err)?;
+        check_request(&h)?;
+        stream.set_read_timeout(None).map_err(request_err)?;
+        EmuQp::accepted(stream, private, faults).map_err(request_err)
+    }
+
+    /// Source side: a connection whose request (with `private` data) was
+    /// read by [`read_request`] and accepted by the caller.
+    pub fn accepted(
+        stream: TcpStream,
+        private: Vec<u8>,
+        faults: EmuFaults,
+    ) -> std::io::Result<EmuQp> {
+        EmuQp::new(stream, private, faults)
     }
 
     /// Sets the send-queue depth (default [`DEFAULT_SQ_DEPTH`]).
@@ -361,6 +363,53 @@ impl EmuQp {
 }
 
 /// Reads one frame (header + payload up to one token) from `r`.
+fn request_err(source: std::io::Error) -> FabricError {
+    FabricError::Call {
+        call: "read connection request (emulated fabric)",
+        source,
+    }
+}
+
+/// A connection request is CONNECT with at most [`MAX_PRIVATE_DATA`] bytes.
+fn check_request(h: &Header) -> Result<(), FabricError> {
+    if h.kind != CONNECT || h.len as usize > MAX_PRIVATE_DATA {
+        return Err(FabricError::Emulation(format!(
+            "expected a connection request, got message type {} with {} bytes",
+            h.kind, h.len
+        )));
+    }
+    Ok(())
+}
+
+/// Source side, on the runtime without a thread: reads an accepted
+/// stream's connection request and returns its private data (the session
+/// proof). Nothing else is set up until the caller accepts it.
+pub async fn read_request(stream: &mut tokio::net::TcpStream) -> Result<Vec<u8>, FabricError> {
+    use tokio::io::AsyncReadExt;
+    let mut h = [0u8; HEADER];
+    stream.read_exact(&mut h).await.map_err(request_err)?;
+    let h = Header::decode(&h);
+    check_request(&h)?;
+    let mut private = vec![0u8; h.len as usize];
+    stream.read_exact(&mut private).await.map_err(request_err)?;
+    Ok(private)
+}
+
+/// The REJECT message carrying `reason` (cut to the private-data size).
+fn reject_message(reason: &str) -> Vec<u8> {
+    let reason = &reason.as_bytes()[..reason.len().min(MAX_PRIVATE_DATA)];
+    let mut m = Header::simple(REJECT, 0, 0, reason.len()).encode().to_vec();
+    m.extend_from_slice(reason);
+    m
+}
+
+/// Source side: refuses a connection request read by [`read_request`].
+pub async fn reject_request(stream: &mut tokio::net::TcpStream, reason: &str) {
+    use tokio::io::AsyncWriteExt;
+    let _ = stream.write_all(&reject_message(reason)).await;
+    let _ = stream.shutdown().await;
+}
+
 fn read_frame(r: &mut impl Read) -> std::io::Result<(Header, Vec<u8>)> {
     let mut h = [0u8; HEADER];
     r.read_exact(&mut h)?;
@@ -745,11 +794,7 @@ impl Fabric for EmuQp {
     }
 
     fn reject(&mut self, reason: &str) {
-        let reason = &reason.as_bytes()[..reason.len().min(MAX_PRIVATE_DATA)];
-        let mut stream = &self.inner.stream;
-        let _ = stream
-            .write_all(&Header::simple(REJECT, 0, 0, reason.len()).encode())
-            .and_then(|_| stream.write_all(reason));
+        let _ = (&self.inner.stream).write_all(&reject_message(reason));
         let _ = self.inner.stream.shutdown(Shutdown::Both);
     }
 

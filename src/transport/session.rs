@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::info;
 
 use super::emulated::EmuQp;
-use super::fabric::Fabric;
+use super::fabric::{Fabric, FabricError};
 use super::pace::MinRate;
 use super::rdma::{self, RdmaError};
 use super::tcp::{self, CancelHandle, Link, TcpError};
@@ -176,7 +176,31 @@ pub enum Accepted {
     Verbs(Box<super::verbs::VerbsQp>),
 }
 
-/// An accepted connection whose session proof can be read.
+/// A connection whose session proof was read (on the runtime: no thread,
+/// no registered memory, no queue pair yet).
+pub struct Proved {
+    proof: Vec<u8>,
+    conn: ProvedConn,
+}
+
+enum ProvedConn {
+    /// With the bytes read past the proof.
+    Tcp(tokio::net::TcpStream, Vec<u8>),
+    Emulated(tokio::net::TcpStream),
+    #[cfg(feature = "rdma")]
+    Verbs(Box<super::verbs::VerbsQp>),
+}
+
+/// A session proof that could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ProofError {
+    #[error(transparent)]
+    Tcp(#[from] TcpError),
+    #[error(transparent)]
+    Fabric(#[from] FabricError),
+}
+
+/// An accepted connection whose session is being served.
 pub enum SourceLink {
     Tcp(Link),
     Emulated(EmuQp),
@@ -193,54 +217,83 @@ impl Accepted {
         }
     }
 
-    /// Makes the connection usable from a blocking thread; the emulated
-    /// fabric reads its connect request (with the proof) here.
+    /// The peer's address, where the transport tells it.
+    pub fn peer_ip(&self) -> Option<IpAddr> {
+        match self {
+            Accepted::Tcp(s) | Accepted::Emulated(s) => s.peer_addr().ok().map(|a| a.ip()),
+            #[cfg(feature = "rdma")]
+            Accepted::Verbs(_) => None,
+        }
+    }
+
+    /// Reads the session proof on the runtime: TCP's first frame, the
+    /// emulated connect request's private data, or the rdma_cm request's.
+    /// The caller bounds the wait.
+    pub async fn prove(self) -> Result<Proved, ProofError> {
+        Ok(match self {
+            Accepted::Tcp(mut s) => {
+                let (token, read_ahead) = tcp::read_hello(&mut s).await?;
+                Proved {
+                    proof: token.to_vec(),
+                    conn: ProvedConn::Tcp(s, read_ahead),
+                }
+            }
+            Accepted::Emulated(mut s) => Proved {
+                proof: super::emulated::read_request(&mut s).await?,
+                conn: ProvedConn::Emulated(s),
+            },
+            #[cfg(feature = "rdma")]
+            Accepted::Verbs(qp) => Proved {
+                proof: qp.private_data().to_vec(),
+                conn: ProvedConn::Verbs(qp),
+            },
+        })
+    }
+}
+
+impl Proved {
+    /// The session proof the peer presented.
+    pub fn proof(&self) -> &[u8] {
+        &self.proof
+    }
+
+    /// Refuses the connection with a reason the replica will show.
+    pub async fn refuse(self, reason: &str) {
+        match self.conn {
+            ProvedConn::Tcp(mut s, _) => tcp::refuse(&mut s, reason).await,
+            ProvedConn::Emulated(mut s) => super::emulated::reject_request(&mut s, reason).await,
+            #[cfg(feature = "rdma")]
+            ProvedConn::Verbs(mut qp) => qp.reject(reason),
+        }
+    }
+
+    /// Sets up the proved connection for its session on a blocking thread:
+    /// the socket, the emulated QP's threads, or the verbs resources.
     pub fn open(
         self,
         peer_timeout: Duration,
         min_rate: MinRate,
         faults: &Faults,
     ) -> Result<SourceLink, String> {
-        match self {
-            Accepted::Tcp(s) => blocking_data_socket(s, peer_timeout)
+        match self.conn {
+            ProvedConn::Tcp(s, read_ahead) => blocking_data_socket(s, peer_timeout)
                 .and_then(|s| Link::new(s, min_rate))
-                .map(SourceLink::Tcp)
+                .map(|l| SourceLink::Tcp(l.with_read_ahead(read_ahead)))
                 .map_err(|e| e.to_string()),
-            Accepted::Emulated(s) => blocking_data_socket(s, peer_timeout)
-                .map_err(|e| e.to_string())
-                .and_then(|s| {
-                    EmuQp::incoming(s, tcp::HELLO_TIMEOUT, faults.emu.clone())
-                        .map_err(|e| e.to_string())
-                })
-                .map(SourceLink::Emulated),
+            ProvedConn::Emulated(s) => blocking_data_socket(s, peer_timeout)
+                .and_then(|s| EmuQp::accepted(s, self.proof, faults.emu.clone()))
+                .map(SourceLink::Emulated)
+                .map_err(|e| e.to_string()),
             #[cfg(feature = "rdma")]
-            Accepted::Verbs(qp) => Ok(SourceLink::Verbs(*qp)),
+            ProvedConn::Verbs(mut qp) => {
+                qp.create_resources().map_err(|e| e.to_string())?;
+                Ok(SourceLink::Verbs(*qp))
+            }
         }
     }
 }
 
 impl SourceLink {
-    /// The session proof the replica presented: TCP's first frame, or the
-    /// RDMA connect's private data.
-    pub fn proof(&mut self) -> Result<Vec<u8>, TcpError> {
-        match self {
-            SourceLink::Tcp(link) => tcp::read_hello(link).map(|t| t.to_vec()),
-            SourceLink::Emulated(qp) => Ok(qp.private_data().to_vec()),
-            #[cfg(feature = "rdma")]
-            SourceLink::Verbs(qp) => Ok(qp.private_data().to_vec()),
-        }
-    }
-
-    /// Refuses the connection with a reason the replica will show.
-    pub fn refuse(self, reason: &str) {
-        match self {
-            SourceLink::Tcp(mut link) => tcp::refuse(&mut link, reason),
-            SourceLink::Emulated(mut qp) => qp.reject(reason),
-            #[cfg(feature = "rdma")]
-            SourceLink::Verbs(mut qp) => qp.reject(reason),
-        }
-    }
-
     /// A handle that stops a TCP session from another thread (RDMA
     /// sessions watch [`Serve::cancel`]).
     pub fn canceller(&self) -> Option<Canceller> {

@@ -32,8 +32,6 @@ use crate::cache::{CacheError, CacheRef};
 const BULK_CHUNK: usize = 4 << 20;
 /// Snapshots at least this large are sent with `MSG_ZEROCOPY`.
 const ZEROCOPY_MIN: u64 = 64 << 20;
-/// How long a new connection may take to prove its session.
-pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A TCP data-plane failure.
 #[derive(Debug, thiserror::Error)]
@@ -105,6 +103,13 @@ impl Link {
             cancelled: Arc::new(AtomicBool::new(false)),
             canceller,
         })
+    }
+
+    /// Bytes already read from the stream (past the session proof) that
+    /// the link's next read must see first.
+    pub fn with_read_ahead(mut self, bytes: Vec<u8>) -> Link {
+        self.buf = bytes;
+        self
     }
 
     pub fn cancel_handle(&self) -> CancelHandle {
@@ -221,23 +226,44 @@ fn is_timeout(e: &std::io::Error) -> bool {
     e.kind() == std::io::ErrorKind::WouldBlock
 }
 
-/// Reads the replica's session proof (the first frame).
-pub fn read_hello(link: &mut Link) -> Result<[u8; SESSION_TOKEN_LEN], TcpError> {
-    match link.read_token(Some(HELLO_TIMEOUT))? {
-        Some(Token::Sess { token }) => Ok(token),
-        Some(other) => Err(TcpError::NoHello(other.kind().to_string())),
-        None => Err(TcpError::NoHello(format!(
-            "nothing within {HELLO_TIMEOUT:?}"
-        ))),
+/// Reads the replica's session proof (the first frame) on the runtime,
+/// without a thread; returns it with any bytes read past it. A frame that
+/// is not a token (garbage, oversize) fails at its header.
+pub async fn read_hello(
+    stream: &mut tokio::net::TcpStream,
+) -> Result<([u8; SESSION_TOKEN_LEN], Vec<u8>), TcpError> {
+    use tokio::io::AsyncReadExt;
+    let mut buf = Vec::with_capacity(FRAME_HEADER_LEN + MAX_TOKEN_LEN);
+    loop {
+        if let Some((t, used)) = Token::decode_frame(&buf)? {
+            return match t {
+                Token::Sess { token } => Ok((token, buf.split_off(used))),
+                other => Err(TcpError::NoHello(other.kind().to_string())),
+            };
+        }
+        let mut chunk = [0u8; FRAME_HEADER_LEN + MAX_TOKEN_LEN];
+        match stream.read(&mut chunk).await {
+            Ok(0) => return Err(TcpError::Closed("waiting for the session proof")),
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            Err(e) => {
+                return Err(TcpError::Io {
+                    op: "read session proof",
+                    source: e,
+                })
+            }
+        }
     }
 }
 
 /// Refuses a connection with a reason the replica will show.
-pub fn refuse(link: &mut Link, reason: &str) {
-    let _ = link.send(&Token::Rdfl {
+pub async fn refuse(stream: &mut tokio::net::TcpStream, reason: &str) {
+    use tokio::io::AsyncWriteExt;
+    let frame = Token::Rdfl {
         reason: reason.to_string(),
-    });
-    let _ = link.stream.shutdown(Shutdown::Both);
+    }
+    .encode_frame();
+    let _ = stream.write_all(&frame).await;
+    let _ = stream.shutdown().await;
 }
 
 /// Source-side executor: tokens plus the bulk stream from memory.

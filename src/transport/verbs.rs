@@ -307,8 +307,9 @@ impl VerbsListener {
     }
 
     /// The next connection request, waiting up to `timeout` (`Ok(None)`
-    /// then). The request's QP is ready for receives; answer with
-    /// [`Fabric::accept`] or [`Fabric::reject`].
+    /// then). Nothing is allocated for it yet: check its private data (the
+    /// session proof) and [`Fabric::reject`] it, or call
+    /// [`VerbsQp::create_resources`] and then [`Fabric::accept`].
     pub fn accept(&self, timeout: Duration, soft: bool) -> Result<Option<VerbsQp>, FabricError> {
         let deadline = Instant::now() + timeout;
         loop {
@@ -335,7 +336,6 @@ impl VerbsListener {
             }
             let mut qp = VerbsQp::empty(e.id, channel, soft);
             qp.private = e.private;
-            qp.create_resources()?;
             return Ok(Some(qp));
         }
     }
@@ -448,7 +448,7 @@ impl VerbsQp {
     }
 
     /// PD, completion channel and queue, the RC QP, and the token buffers.
-    fn create_resources(&mut self) -> Result<(), FabricError> {
+    pub fn create_resources(&mut self) -> Result<(), FabricError> {
         // SAFETY: every handle is checked; Drop releases what was created.
         unsafe {
             let ctx = (*self.id).verbs;
