@@ -21,6 +21,7 @@ use tracing::{info, warn};
 use crate::cache::SnapshotCache;
 use crate::catalog::Catalog;
 use crate::config::{Config, RdmaProvider};
+use crate::conn_limit;
 use crate::control::orchestrator::OrchestratorService;
 use crate::control::peer::PeerService;
 use crate::metrics::{self, Metrics};
@@ -136,7 +137,10 @@ impl RunningAgent {
             peer_timeout: config.data.peer_timeout,
             min_rate: (&config.data).into(),
             hello_timeout: config.data.hello_timeout,
-            pending: (&config.data).into(),
+            pending: crate::conn_limit::Limits {
+                total: config.data.max_pending_connections,
+                per_peer: config.data.max_pending_per_peer,
+            },
         };
         let data = start_data_plane(
             &config,
@@ -189,7 +193,8 @@ impl RunningAgent {
         let health = start_grpc(
             services,
             prepared.server_tls,
-            grpc_listener,
+            (grpc_listener, &config.grpc),
+            metrics.clone(),
             &shutdown,
             &mut tasks,
         )
@@ -507,7 +512,8 @@ struct Services {
 async fn start_grpc(
     services: Services,
     server_tls: Option<ServerTlsConfig>,
-    listener: TcpListener,
+    (listener, limits): (TcpListener, &crate::config::GrpcConfig),
+    metrics: Arc<Metrics>,
     shutdown: &CancellationToken,
     tasks: &mut JoinSet<()>,
 ) -> Result<tonic_health::server::HealthReporter, AgentError> {
@@ -523,7 +529,13 @@ async fn start_grpc(
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()
         .map_err(|e| AgentError::Reflection(e.to_string()))?;
-    let mut server = tonic::transport::Server::builder();
+    // Slow or idle clients cannot starve others: bounded streams per
+    // connection, HTTP/2 keepalive to find dead ones, and (below) bounded
+    // connections in total and per address.
+    let mut server = tonic::transport::Server::builder()
+        .max_concurrent_streams(limits.max_streams_per_connection)
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(10)));
     if let Some(tls) = server_tls {
         server = server
             .tls_config(tls)
@@ -547,8 +559,35 @@ async fn start_grpc(
             peer_auth,
         ));
     let stop = shutdown.clone();
+    let counter = conn_limit::Counter::new(conn_limit::Limits {
+        total: limits.max_connections,
+        per_peer: limits.max_connections_per_peer,
+    });
     tasks.spawn(async move {
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        // A connection over a limit is closed at once (dropped).
+        let incoming = futures::StreamExt::filter_map(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            move |accepted| {
+                let admitted = accepted.map(|s| {
+                    let peer = s.peer_addr().ok().map(|a| a.ip());
+                    counter
+                        .admit(peer)
+                        .map(|slot| conn_limit::Counted::new(s, slot))
+                });
+                std::future::ready(match admitted {
+                    Ok(Ok(conn)) => Some(Ok(conn)),
+                    Ok(Err(over)) => {
+                        let reason = match over {
+                            conn_limit::Over::Total => "total",
+                            conn_limit::Over::PerPeer => "per_peer",
+                        };
+                        metrics.grpc_refused.with_label_values(&[reason]).inc();
+                        None
+                    }
+                    Err(e) => Some(Err(e)),
+                })
+            },
+        );
         if let Err(e) = router
             .serve_with_incoming_shutdown(incoming, stop.cancelled())
             .await

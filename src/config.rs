@@ -142,6 +142,12 @@ pub struct GrpcConfig {
     /// Serve gRPC without TLS on an address other hosts can reach. Without
     /// `[tls]`, only a loopback `listen` is accepted unless this is set.
     pub plaintext: bool,
+    /// Open connections, at most, in total and from one address; more are
+    /// closed at once.
+    pub max_connections: usize,
+    pub max_connections_per_peer: usize,
+    /// Requests in flight on one connection (HTTP/2 streams), at most.
+    pub max_streams_per_connection: u32,
 }
 
 /// Data plane settings.
@@ -377,6 +383,9 @@ impl Default for GrpcConfig {
         GrpcConfig {
             listen: "127.0.0.1:35101".into(),
             plaintext: false,
+            max_connections: 1024,
+            max_connections_per_peer: 64,
+            max_streams_per_connection: 128,
         }
     }
 }
@@ -566,6 +575,20 @@ impl Config {
         }
         if self.data.min_rate_window < Duration::from_secs(1) {
             p.bad("data.min_rate_window", "must be at least 1s".into());
+        }
+        if self.grpc.max_connections_per_peer == 0
+            || self.grpc.max_connections_per_peer > self.grpc.max_connections
+        {
+            p.bad(
+                "grpc.max_connections_per_peer",
+                "must be between 1 and grpc.max_connections".into(),
+            );
+        }
+        if self.grpc.max_streams_per_connection == 0 {
+            p.bad(
+                "grpc.max_streams_per_connection",
+                "must be at least 1".into(),
+            );
         }
         if self.data.hello_timeout.is_zero() {
             p.bad("data.hello_timeout", "must be greater than zero".into());

@@ -15,6 +15,7 @@
 //! - [`cache`] — the shared, budgeted snapshot buffers on the source.
 //! - [`peer_text`] — which strings from peers are acceptable, and escaping.
 //! - [`pem`] — reading and checking PEM files.
+//! - [`conn_limit`] — connections counted in total and per address.
 //! - [`rpc`] — gRPC plumbing shared by both ends: generated types, bearer
 //!   tokens, TLS settings, dialing an agent.
 //! - [`control`] — the gRPC services (orchestrator and peer).
@@ -37,6 +38,7 @@ pub mod cache;
 pub mod catalog;
 pub mod cli;
 pub mod config;
+pub mod conn_limit;
 pub mod control;
 #[doc(hidden)]
 pub mod fuzz_targets;

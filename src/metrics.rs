@@ -89,6 +89,7 @@ pub struct Metrics {
     pub handoff_total: IntCounterVec,
     pub data_auth_failures: IntCounter,
     pub data_refused: IntCounterVec,
+    pub grpc_refused: IntCounterVec,
     pub grpc_auth_failures: IntCounter,
     pub last_success: GaugeVec,
     pub build_info: IntGaugeVec,
@@ -198,6 +199,13 @@ impl Metrics {
                 ),
                 &["reason"]
             )),
+            grpc_refused: reg!(IntCounterVec::new(
+                Opts::new(
+                    "kvsync_grpc_connections_refused_total",
+                    "gRPC connections closed at once: over grpc.max_connections (total) or max_connections_per_peer (per_peer)"
+                ),
+                &["reason"]
+            )),
             grpc_auth_failures: reg!(IntCounter::new(
                 "kvsync_grpc_auth_failures_total",
                 "Control-plane requests refused for a missing or bad bearer token"
@@ -259,6 +267,9 @@ impl Metrics {
         }
         for reason in REFUSAL_REASONS {
             m.data_refused.with_label_values(&[reason]);
+        }
+        for reason in ["total", "per_peer"] {
+            m.grpc_refused.with_label_values(&[reason]);
         }
         // Every series with a known label set exists from the start, so a
         // scrape tells "zero" from "missing" (and dashboards see zeros).

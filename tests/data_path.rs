@@ -143,7 +143,10 @@ async fn run(case: Case, kind: TransportKind, root: &Path) -> Run {
         peer_timeout: Duration::from_secs(10),
         min_rate: MinRate::default(),
         hello_timeout: DEADLINE,
-        pending: (&kvsync::config::DataConfig::default()).into(),
+        pending: kvsync::conn_limit::Limits {
+            total: 64,
+            per_peer: 8,
+        },
     };
     let conns = source::tcp_connections(listener, kind == TransportKind::Rdma);
     tokio::spawn(source::serve(conns, plane));

@@ -529,7 +529,7 @@ fn closed_by_peer(s: &mut std::net::TcpStream) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn idle_and_malformed_data_connections_get_no_thread_and_cannot_stop_a_real_sync() {
+async fn idle_and_malformed_connections_get_no_thread_and_cannot_stop_a_real_sync() {
     let root = tempfile::tempdir().unwrap();
     // TCP and the emulated fabric: both listeners of one source.
     let source = Node::start_with(
@@ -563,16 +563,26 @@ async fn idle_and_malformed_data_connections_get_no_thread_and_cannot_stop_a_rea
         (refused("pending_per_peer") + refused("hello_timeout") == 800.0).then_some(())
     });
     assert!(refused("hello_timeout") <= 80.0, "most were closed at once");
+    // And 200 idle gRPC connections: 64 from one address stay open (the
+    // default grpc.max_connections_per_peer), the rest are closed at once.
+    let grpc_flood: Vec<_> = (0..200)
+        .map(|_| connect_from("127.0.0.2", &source.grpc()))
+        .collect();
+    wait_for("the gRPC flood to be sorted", DEADLINE, || {
+        let over = r#"kvsync_grpc_connections_refused_total{reason="per_peer"}"#;
+        (source.metric(over) == 136.0).then_some(())
+    });
     // A real sync during the flood: an exact copy.
     let replica = Node::start(root.path(), "replica", "", &[]);
     sync_ok(&replica, &source).await;
     assert_eq!(std::fs::read(replica.dir.join("s.kvr1")).unwrap(), bytes);
-    // The source holds none of them, though every one is still open here.
+    // The source holds none of the data connections and only the capped
+    // gRPC ones, though every one is still open here.
     wait_for("the source to close the flood", DEADLINE, || {
-        (open_fds(pid) <= baseline + 8).then_some(())
+        (open_fds(pid) <= baseline + 64 + 8).then_some(())
     });
     assert_eq!(refused("pending_total"), 0.0);
-    drop(flood);
+    drop((flood, grpc_flood));
 
     // On each listener: a proof sent a byte at a time is cut at
     // hello_timeout (one deadline for the whole proof, not per read) ...

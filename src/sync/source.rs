@@ -29,6 +29,7 @@ use crate::blk3::token::SESSION_TOKEN_LEN;
 use crate::blk3::BulkParams;
 use crate::cache::CacheRef;
 use crate::catalog::CatalogEntry;
+use crate::conn_limit;
 use crate::metrics::{unix_now, Metrics, Running};
 use crate::transport::pace::MinRate;
 use crate::transport::probe::Probe;
@@ -285,71 +286,7 @@ pub struct DataPlane {
     /// How long a connection may take to prove its session.
     pub hello_timeout: Duration,
     /// Connections still proving their session, at most.
-    pub pending: PendingLimits,
-}
-
-/// How many data connections may be proving their session at once.
-#[derive(Debug, Clone, Copy)]
-pub struct PendingLimits {
-    pub total: usize,
-    /// From one address.
-    pub per_peer: usize,
-}
-
-impl From<&crate::config::DataConfig> for PendingLimits {
-    fn from(c: &crate::config::DataConfig) -> PendingLimits {
-        PendingLimits {
-            total: c.max_pending_connections,
-            per_peer: c.max_pending_per_peer,
-        }
-    }
-}
-
-/// Connections still proving their session, in total and per address.
-struct Pending {
-    limits: PendingLimits,
-    counts: Mutex<(usize, HashMap<Option<IpAddr>, usize>)>,
-}
-
-/// One connection's place among the pending; given back on drop.
-struct PendingSlot {
-    pending: Arc<Pending>,
-    peer: Option<IpAddr>,
-}
-
-impl Pending {
-    /// A place for a connection from `peer`, or the refusal reason.
-    fn admit(self: &Arc<Self>, peer: Option<IpAddr>) -> Result<PendingSlot, &'static str> {
-        let mut counts = self.counts.lock().expect("pending lock");
-        let (total, per_peer) = &mut *counts;
-        if *total >= self.limits.total {
-            return Err("pending_total");
-        }
-        let from_peer = per_peer.entry(peer).or_insert(0);
-        if *from_peer >= self.limits.per_peer {
-            return Err("pending_per_peer");
-        }
-        *from_peer += 1;
-        *total += 1;
-        Ok(PendingSlot {
-            pending: self.clone(),
-            peer,
-        })
-    }
-}
-
-impl Drop for PendingSlot {
-    fn drop(&mut self) {
-        let mut counts = self.pending.counts.lock().expect("pending lock");
-        let (total, per_peer) = &mut *counts;
-        *total -= 1;
-        if let Some(n) = per_peer.get_mut(&self.peer) {
-            *n -= 1;
-            if *n == 0 {
-                per_peer.remove(&self.peer);
-            }
-        }
-    }
+    pub pending: conn_limit::Limits,
 }
 
 /// The one serve loop: takes accepted data connections, of any transport,
@@ -357,10 +294,7 @@ impl Drop for PendingSlot {
 /// session runs on its own blocking thread.
 pub async fn serve(mut incoming: impl Stream<Item = (Accepted, String)> + Unpin, plane: DataPlane) {
     let shutdown = plane.shutdown.clone();
-    let pending = Arc::new(Pending {
-        limits: plane.pending,
-        counts: Mutex::default(),
-    });
+    let pending = conn_limit::Counter::new(plane.pending);
     loop {
         let (conn, peer) = tokio::select! {
             _ = shutdown.cancelled() => break,
@@ -372,7 +306,11 @@ pub async fn serve(mut incoming: impl Stream<Item = (Accepted, String)> + Unpin,
         // Over the cap the connection is closed at once (dropped).
         let slot = match pending.admit(conn.peer_ip()) {
             Ok(slot) => slot,
-            Err(reason) => {
+            Err(over) => {
+                let reason = match over {
+                    conn_limit::Over::Total => "pending_total",
+                    conn_limit::Over::PerPeer => "pending_per_peer",
+                };
                 plane
                     .metrics
                     .data_refused
@@ -392,7 +330,7 @@ const BAD_TOKEN: &str = "unknown, used or expired session token";
 /// Reads the connection's session proof (within `hello_timeout`) and takes
 /// its offer; refuses (and counts) a connection that cannot prove one, and
 /// hands a proved one to a blocking thread.
-async fn prove_and_serve(conn: Accepted, peer: String, slot: PendingSlot, plane: DataPlane) {
+async fn prove_and_serve(conn: Accepted, peer: String, slot: conn_limit::Slot, plane: DataPlane) {
     let kind = conn.kind();
     let refused = |reason: &str, why: &dyn std::fmt::Display| {
         plane
