@@ -103,6 +103,8 @@ struct Prepared {
     /// Peer tokens, when `[auth] peer_token_file` separates them.
     peer_tokens: Option<Arc<Tokens>>,
     server_tls: Option<ServerTlsConfig>,
+    /// TLS of the TCP data listener, when the data plane is encrypted.
+    data_tls: Option<Arc<rustls::ServerConfig>>,
     dialer: Dialer,
 }
 
@@ -137,6 +139,7 @@ impl RunningAgent {
             peer_timeout: config.data.peer_timeout,
             min_rate: (&config.data).into(),
             hello_timeout: config.data.hello_timeout,
+            tls: prepared.data_tls.clone(),
             pending: crate::conn_limit::Limits {
                 total: config.data.max_pending_connections,
                 per_peer: config.data.max_pending_per_peer,
@@ -360,6 +363,11 @@ fn prepare(config: &Config) -> Result<Prepared, AgentError> {
         tls: tls::agent_client(&config.tls)?,
         tokens: peer_tokens.clone().unwrap_or_else(|| tokens.clone()),
         token_in_clear: config.auth.send_token_in_clear,
+        data_tls: if config.data_tls() {
+            tls::data_client(&config.tls)?
+        } else {
+            None
+        },
     };
     let swept = crate::install::sweep_stale(&config.snapshot_dir);
     if swept > 0 {
@@ -370,6 +378,11 @@ fn prepare(config: &Config) -> Result<Prepared, AgentError> {
         tokens,
         peer_tokens,
         server_tls,
+        data_tls: if config.data_tls() {
+            tls::data_server(&config.tls)?
+        } else {
+            None
+        },
         dialer,
     })
 }

@@ -234,6 +234,7 @@ fn client_dialer(cli: &Cli) -> anyhow::Result<crate::rpc::Dialer> {
         tls,
         tokens,
         token_in_clear: true,
+        data_tls: None,
     })
 }
 

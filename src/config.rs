@@ -59,6 +59,19 @@ pub struct TlsConfig {
     pub server_name: String,
 }
 
+impl Config {
+    /// Whether this agent encrypts its TCP data path (when its peer can).
+    pub fn data_tls(&self) -> bool {
+        self.data.tls != DataTls::Off && self.tls.enabled()
+    }
+
+    /// Whether this agent may use RDMA, which has no TLS: not when the data
+    /// plane must be encrypted, unless the fabric is declared trusted.
+    pub fn rdma_allowed_unencrypted(&self) -> bool {
+        self.data.tls != DataTls::Required || self.transport.rdma_unencrypted_ok
+    }
+}
+
 impl TlsConfig {
     /// True when any of the files is set (validation then requires all three).
     pub fn enabled(&self) -> bool {
@@ -176,6 +189,21 @@ pub struct DataConfig {
     /// from one address; more are closed at once.
     pub max_pending_connections: usize,
     pub max_pending_per_peer: usize,
+    /// TLS on the TCP data path (with the `[tls]` files).
+    pub tls: DataTls,
+}
+
+/// Whether the TCP data path is encrypted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DataTls {
+    /// On when `[tls]` is configured on both ends.
+    Auto,
+    /// Always: a peer without TLS is refused, and RDMA (which has no TLS)
+    /// is not used unless `[transport] rdma_unencrypted_ok`.
+    Required,
+    /// Never.
+    Off,
 }
 
 /// Which data transport a sync uses.
@@ -214,6 +242,9 @@ pub struct TransportConfig {
     /// With `mode = "rdma"`, retry a failed RDMA session over TCP (`auto`
     /// always does).
     pub fallback_to_tcp: bool,
+    /// With `[data] tls = "required"`, RDMA (unencrypted) may still be used:
+    /// the fabric is trusted (isolated, or IPsec/MACsec below it).
+    pub rdma_unencrypted_ok: bool,
     /// RDMA implementation: real verbs, or the userspace emulation.
     pub rdma_provider: RdmaProvider,
     /// Interface (name or address) for RDMA; empty picks one by score.
@@ -401,6 +432,7 @@ impl Default for DataConfig {
             hello_timeout: Duration::from_secs(5),
             max_pending_connections: 64,
             max_pending_per_peer: 8,
+            tls: DataTls::Auto,
         }
     }
 }
@@ -413,6 +445,7 @@ impl Default for TransportConfig {
             pipeline: 32,
             signal_batch: 8,
             fallback_to_tcp: true,
+            rdma_unencrypted_ok: false,
             rdma_provider: RdmaProvider::Verbs,
             interface: String::new(),
         }
@@ -588,6 +621,21 @@ impl Config {
             p.bad(
                 "grpc.max_streams_per_connection",
                 "must be at least 1".into(),
+            );
+        }
+        if self.data.tls == DataTls::Required && !self.tls.enabled() {
+            p.bad(
+                "data.tls",
+                "\"required\" needs [tls] cert_file, key_file and ca_file".into(),
+            );
+        }
+        if self.data.tls == DataTls::Required
+            && self.transport.mode == TransportMode::Rdma
+            && !self.transport.rdma_unencrypted_ok
+        {
+            p.bad(
+                "transport.mode",
+                "\"rdma\" with [data] tls = \"required\": RDMA has no TLS; use \"auto\" or \"tcp\", or set [transport] rdma_unencrypted_ok = true on a trusted fabric".into(),
             );
         }
         if self.data.hello_timeout.is_zero() {

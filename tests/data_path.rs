@@ -1,13 +1,16 @@
 //! The failure table: every data-path failure, run against every transport
-//! the host can run (TCP, and the emulated RDMA fabric — an emulation of RC
-//! queue pairs over TCP; real verbs run in the soft-RoCE VM), through the
-//! same code the agents use: the source's serve loop with its session table
-//! and cache, the replica's `DataLink` and `Receiver`. Each case expects the
-//! same outcome from both transports: the same job error, the same
-//! source-side result, and no temp file left behind.
+//! the host can run (TCP in plain text, TCP under TLS, and the emulated RDMA
+//! fabric — an emulation of RC queue pairs over TCP; real verbs run in the
+//! soft-RoCE VM), through the same code the agents use: the source's serve
+//! loop with its session table and cache, the replica's `DataLink` and
+//! `Receiver`. Each case expects the same outcome from every transport: the
+//! same job error, the same source-side result, and no temp file left
+//! behind.
+
+mod common;
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvsync::blk3::BulkParams;
@@ -39,6 +42,56 @@ enum Case {
     BadToken,
     /// The replica's disk cannot take the file (RLIMIT_FSIZE → EFBIG).
     NoRoom,
+    /// The source's certificate is not from the replica's CA (TLS only).
+    UntrustedSource,
+}
+
+/// How the bytes travel.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Wire {
+    Tcp,
+    Tls,
+    Emulated,
+}
+
+impl Wire {
+    fn kind(self) -> TransportKind {
+        match self {
+            Wire::Tcp | Wire::Tls => TransportKind::Tcp,
+            Wire::Emulated => TransportKind::Rdma,
+        }
+    }
+}
+
+/// The data plane's TLS settings, from a CA made for the test: the source
+/// is `localhost`.
+struct Tls {
+    server: Arc<rustls::ServerConfig>,
+    client: Arc<rustls::ClientConfig>,
+    /// A client that trusts another CA.
+    rogue: Arc<rustls::ClientConfig>,
+}
+
+impl Tls {
+    fn new(dir: &Path) -> Tls {
+        let pki = common::pki::Pki::new(dir, "fleet");
+        let (cert, key) = pki.issue("source", &["localhost"]);
+        let cfg = kvsync::config::TlsConfig {
+            cert_file: Some(cert),
+            key_file: Some(key),
+            ca_file: Some(pki.ca_file()),
+            ..Default::default()
+        };
+        let rogue = kvsync::config::TlsConfig {
+            ca_file: Some(common::pki::Pki::new(dir, "rogue").ca_file()),
+            ..Default::default()
+        };
+        Tls {
+            server: kvsync::rpc::tls::data_server(&cfg).unwrap().unwrap(),
+            client: kvsync::rpc::tls::data_client(&cfg).unwrap().unwrap(),
+            rogue: kvsync::rpc::tls::data_client(&rogue).unwrap().unwrap(),
+        }
+    }
 }
 
 /// The source-side faults that make `case` happen on `kind`.
@@ -55,6 +108,38 @@ fn faults(case: Case, kind: TransportKind) -> Faults {
     f
 }
 
+/// Forwards one connection to `to`, recording what the source sends: what
+/// an observer on the path sees.
+async fn recording_proxy(to: std::net::SocketAddr) -> (std::net::SocketAddr, Arc<Mutex<Vec<u8>>>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let record = seen.clone();
+    tokio::spawn(async move {
+        let (replica, _) = listener.accept().await.unwrap();
+        let source = tokio::net::TcpStream::connect(to).await.unwrap();
+        let (mut from_replica, mut to_replica) = replica.into_split();
+        let (mut from_source, mut to_source) = source.into_split();
+        let up = async {
+            let _ = tokio::io::copy(&mut from_replica, &mut to_source).await;
+            let _ = to_source.shutdown().await;
+        };
+        let down = async {
+            let mut buf = vec![0u8; 64 << 10];
+            while let Ok(n @ 1..) = from_source.read(&mut buf).await {
+                record.lock().unwrap().extend_from_slice(&buf[..n]);
+                if to_replica.write_all(&buf[..n]).await.is_err() {
+                    break;
+                }
+            }
+            let _ = to_replica.shutdown().await;
+        };
+        tokio::join!(up, down);
+    });
+    (addr, seen)
+}
+
 /// What one run of a case produced.
 struct Run {
     verdict: Result<Received, JobError>,
@@ -63,6 +148,8 @@ struct Run {
     source_bytes: u64,
     auth_failures: u64,
     temp_files: Vec<PathBuf>,
+    /// What the source sent over TCP, as seen on the path.
+    wire: Vec<u8>,
 }
 
 fn temp_files(dir: &Path) -> Vec<PathBuf> {
@@ -90,8 +177,9 @@ fn limit_file_size(bytes: Option<u64>) {
     }
 }
 
-async fn run(case: Case, kind: TransportKind, root: &Path) -> Run {
-    let dir = root.join(format!("{case:?}-{kind}"));
+async fn run(case: Case, wire: Wire, root: &Path, tls: &Tls) -> Run {
+    let kind = wire.kind();
+    let dir = root.join(format!("{case:?}-{wire:?}"));
     let (src_dir, dst_dir) = (dir.join("source"), dir.join("replica"));
     std::fs::create_dir_all(&src_dir).unwrap();
     std::fs::create_dir_all(&dst_dir).unwrap();
@@ -123,6 +211,7 @@ async fn run(case: Case, kind: TransportKind, root: &Path) -> Run {
         entry: entry.clone(),
         snapshot: cache.acquire(&entry).await.unwrap(),
         transport: kind,
+        tls: wire == Wire::Tls,
         expires: Instant::now() + DEADLINE,
     };
     let admitted = sessions.admit("replica@127.0.0.1").unwrap();
@@ -147,11 +236,22 @@ async fn run(case: Case, kind: TransportKind, root: &Path) -> Run {
             total: 64,
             per_peer: 8,
         },
+        // Plain connections are told from TLS ones by their first byte.
+        tls: Some(tls.server.clone()),
     };
     let conns = source::tcp_connections(listener, kind == TransportKind::Rdma);
     tokio::spawn(source::serve(conns, plane));
 
-    // The replica: dial, run into a Receiver, decide.
+    // The replica: dial (over TCP through a recording proxy), run into a
+    // Receiver, decide.
+    let (endpoint, wire_bytes) = match wire {
+        Wire::Emulated => (endpoint, Arc::default()),
+        Wire::Tcp | Wire::Tls => recording_proxy(endpoint).await,
+    };
+    let client = match case {
+        Case::UntrustedSource => &tls.rogue,
+        _ => &tls.client,
+    };
     let spec = DialSpec {
         endpoint,
         rdma: (kind == TransportKind::Rdma).then_some(RdmaProvider::Emulated),
@@ -160,6 +260,7 @@ async fn run(case: Case, kind: TransportKind, root: &Path) -> Run {
         local: None,
         soft: false,
         faults: Faults::default(),
+        tls: (wire == Wire::Tls).then(|| (client.clone(), "localhost".to_string())),
     };
     if case == Case::NoRoom {
         limit_file_size(Some(1 << 20));
@@ -167,7 +268,10 @@ async fn run(case: Case, kind: TransportKind, root: &Path) -> Run {
     let staging = kvsync::install::Staging::create(&dst_dir, "t", entry.info.format).unwrap();
     let verdict = tokio::task::spawn_blocking(move || {
         let mut receiver = Receiver::new(staging, |_| {});
-        let link = DataLink::dial(&spec).expect("dial");
+        let link = DataLink::dial(&spec).map_err(|message| JobError::DataConnect {
+            endpoint: spec.endpoint.to_string(),
+            message,
+        })?;
         let (result, _) = link.run(token, SIZE, &mut receiver, &Faults::default());
         receiver.finish(result)
     })
@@ -190,16 +294,17 @@ async fn run(case: Case, kind: TransportKind, root: &Path) -> Run {
         if let Some(l) = labels.iter().find(|l| total(l) > 0) {
             break Some(*l);
         }
-        if case == Case::BadToken && auth_failures() > 0 {
+        if matches!(case, Case::BadToken | Case::UntrustedSource) && auth_failures() > 0 {
             break None;
         }
         assert!(
             started.elapsed() < DEADLINE,
-            "{case:?} over {kind}: the source never ended"
+            "{case:?} over {wire:?}: the source never ended"
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
     shutdown.cancel();
+    let captured = wire_bytes.lock().unwrap().clone();
     Run {
         source_bytes: metrics
             .fullsync_bytes
@@ -209,12 +314,13 @@ async fn run(case: Case, kind: TransportKind, root: &Path) -> Run {
         auth_failures: auth_failures(),
         verdict,
         source_result,
+        wire: captured,
     }
 }
 
 /// Checks `run` against what `case` must produce on any transport.
-fn check(case: Case, kind: TransportKind, r: Run, original: &[u8]) {
-    let what = format!("{case:?} over {kind}");
+fn check(case: Case, wire: Wire, r: Run, original: &[u8]) {
+    let what = format!("{case:?} over {wire:?}");
     assert!(
         r.temp_files.is_empty() || case == Case::Clean,
         "{what}: {:?}",
@@ -237,6 +343,15 @@ fn check(case: Case, kind: TransportKind, r: Run, original: &[u8]) {
             );
             assert_eq!(r.source_result, Some("ok"), "{what}");
             assert_eq!(r.source_bytes, SIZE, "{what}");
+            // Snapshot bytes are readable on the path in plain TCP, never
+            // under TLS.
+            let sample = &original[(2 << 20)..(2 << 20) + 64];
+            let seen = r.wire.windows(sample.len()).any(|w| w == sample);
+            match wire {
+                Wire::Tcp => assert!(seen, "{what}: the capture sees the stream"),
+                Wire::Tls => assert!(!seen && r.wire.len() as u64 > SIZE, "{what}: encrypted"),
+                Wire::Emulated => {}
+            }
         }
         Case::CorruptByte => {
             assert!(
@@ -261,6 +376,16 @@ fn check(case: Case, kind: TransportKind, r: Run, original: &[u8]) {
             assert_eq!(r.auth_failures, 1, "{what}");
             assert_eq!(r.source_bytes, 0, "{what}");
         }
+        Case::UntrustedSource => {
+            assert!(
+                matches!(r.verdict, Err(JobError::DataConnect { .. }))
+                    && err.contains("TLS with the source's data endpoint")
+                    && err.contains("UnknownIssuer"),
+                "{what}: {err}"
+            );
+            assert_eq!(r.source_result, None, "{what}: no session was served");
+            assert_eq!(r.source_bytes, 0, "{what}");
+        }
         Case::NoRoom => {
             assert!(
                 matches!(r.verdict, Err(JobError::Install(_))),
@@ -278,6 +403,7 @@ fn check(case: Case, kind: TransportKind, r: Run, original: &[u8]) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_failure_behaves_the_same_on_every_transport() {
     let root = tempfile::tempdir().unwrap();
+    let tls = Tls::new(root.path());
     for case in [
         Case::Clean,
         Case::CorruptByte,
@@ -285,15 +411,18 @@ async fn every_failure_behaves_the_same_on_every_transport() {
         Case::BadToken,
         Case::NoRoom,
     ] {
-        for kind in [TransportKind::Tcp, TransportKind::Rdma] {
-            let r = run(case, kind, root.path()).await;
+        for wire in [Wire::Tcp, Wire::Tls, Wire::Emulated] {
+            let r = run(case, wire, root.path(), &tls).await;
             let original = std::fs::read(
                 root.path()
-                    .join(format!("{case:?}-{kind}"))
+                    .join(format!("{case:?}-{wire:?}"))
                     .join("source/s.kvr1"),
             )
             .unwrap();
-            check(case, kind, r, &original);
+            check(case, wire, r, &original);
         }
     }
+    // Only TLS has a certificate to distrust.
+    let r = run(Case::UntrustedSource, Wire::Tls, root.path(), &tls).await;
+    check(Case::UntrustedSource, Wire::Tls, r, &[]);
 }

@@ -611,15 +611,56 @@ fn grpc_over_tls_and_mutual_tls_with_a_ca_made_in_the_test() {
 
     // Agent to agent: the replica dials the source over mTLS with its own
     // certificate and verifies the source by its configured name.
+    // Both have [tls], so the data path is encrypted too, and the source's
+    // certificate is checked by the same name.
     let out = cli_sync(&["--tls-ca", &ca], &replica, &source);
+    let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
-        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("\"seq\":9"),
+        out.status.success() && stdout.contains("\"seq\":9") && stdout.contains("tcp (TLS) stream"),
         "{out:?}"
     );
     assert_eq!(
         std::fs::read(replica.dir.join("s.kvr1")).unwrap(),
         std::fs::read(source.dir.join("s.kvr1")).unwrap()
     );
+
+    // `[data] tls = "required"` on one end and "off" on the other: refused
+    // before any byte moves, with the reason and what to do.
+    let plain = |name: &str, data: &str, cert| {
+        Node::start(
+            root.path(),
+            name,
+            &format!("{}[data]\ntls = \"{data}\"\n", tls(cert, "")),
+            &[],
+        )
+    };
+    let replica_cert = fleet.issue("agent", &["localhost", "127.0.0.1"]);
+    for (source_tls, replica_tls, why) in [
+        (
+            "required",
+            "off",
+            "this source requires an encrypted data plane",
+        ),
+        (
+            "off",
+            "required",
+            "offered the data plane without TLS and this replica requires it",
+        ),
+    ] {
+        let source = plain(&format!("src-{source_tls}"), source_tls, &replica_cert);
+        let replica = plain(&format!("dst-{replica_tls}"), replica_tls, &replica_cert);
+        put_snapshot(&source.dir, "s.kvr1", 1 << 20, 4);
+        wait_for("the snapshot offered", DEADLINE, || {
+            let grpc = source.grpc();
+            let (ok, out, _) = cli(&["--tls-ca", &ca, "snapshots", "--agent", &grpc, "--json"]);
+            (ok && out.contains("\"seq\":4")).then_some(())
+        });
+        let out = cli_sync(&["--tls-ca", &ca], &replica, &source);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(!out.status.success() && stdout.contains(why), "{out:?}");
+        assert!(!replica.dir.join("s.kvr1").exists());
+        assert!(replica.temp_files().is_empty());
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

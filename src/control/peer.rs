@@ -13,7 +13,7 @@ use tracing::{info, warn};
 use super::ApiError;
 use crate::cache::SnapshotCache;
 use crate::catalog::{Catalog, CatalogEntry};
-use crate::config::Config;
+use crate::config::{Config, DataTls};
 use crate::rpc::pb;
 use crate::snapshot::{Format, SnapshotInfo};
 use crate::sync::source::{replica_key, DataEndpoints, Offer, Refusal, SessionTable};
@@ -77,7 +77,9 @@ impl PeerService {
                 req.format
             )));
         }
-        let transport = choose_transport(&self.data, &req)?;
+        let tls = data_tls(config, &req)?;
+        let transport = choose_transport(&self.data, &req, config.rdma_allowed_unencrypted())?;
+        let tls = tls && transport == TransportKind::Tcp;
         if self.draining.is_cancelled() {
             return Err(ApiError::Unavailable(
                 "this source is shutting down; retry against it after its restart".into(),
@@ -115,6 +117,7 @@ impl PeerService {
             entry: entry.clone(),
             snapshot,
             transport,
+            tls,
             expires: Instant::now() + ttl,
         };
         let token = self.sessions.insert(offer, admitted);
@@ -122,8 +125,15 @@ impl PeerService {
             (TransportKind::Rdma, Some(rdma)) => rdma,
             _ => advertised(self.data.tcp, local),
         };
-        info!(session = %id, replica = %req.replica_node_id, path = %entry.path.display(), seq = entry.info.seq, transport = transport.as_str(), %endpoint, "offered snapshot");
-        Ok(self.offer_message(id, token, &entry, transport, endpoint, backlog_bytes_left))
+        info!(session = %id, replica = %req.replica_node_id, path = %entry.path.display(), seq = entry.info.seq, transport = transport.as_str(), tls, %endpoint, "offered snapshot");
+        Ok(self.offer_message(
+            id,
+            token,
+            &entry,
+            (transport, tls),
+            endpoint,
+            backlog_bytes_left,
+        ))
     }
 
     /// The offer as the replica receives it.
@@ -132,7 +142,7 @@ impl PeerService {
         id: String,
         token: [u8; crate::blk3::token::SESSION_TOKEN_LEN],
         entry: &CatalogEntry,
-        transport: TransportKind,
+        (transport, tls): (TransportKind, bool),
         endpoint: SocketAddr,
         backlog_bytes_left: u64,
     ) -> pb::SyncOffer {
@@ -163,6 +173,7 @@ impl PeerService {
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default(),
+            data_tls: tls,
         }
     }
 }
@@ -192,11 +203,24 @@ async fn redis_preflight(config: &Config, info: &SnapshotInfo) -> Result<u64, Ap
     }
 }
 
+/// Whether the TCP data path is encrypted: when both ends can. A source
+/// that requires it refuses a replica that cannot.
+fn data_tls(config: &Config, req: &pb::OpenFullSyncRequest) -> Result<bool, ApiError> {
+    if config.data.tls == DataTls::Required && !req.data_tls {
+        return Err(ApiError::FailedPrecondition(
+            "this source requires an encrypted data plane ([data] tls = \"required\"); give the replica a [tls] configuration with the fleet's CA".into(),
+        ));
+    }
+    Ok(config.data_tls() && req.data_tls)
+}
+
 /// RDMA when both sides can and the replica did not ask for TCP; TCP
 /// otherwise. A replica that requires RDMA is told why it cannot have it.
+/// `unencrypted_ok`: this source may serve RDMA, which has no TLS.
 fn choose_transport(
     data: &DataEndpoints,
     req: &pb::OpenFullSyncRequest,
+    unencrypted_ok: bool,
 ) -> Result<TransportKind, ApiError> {
     let probe = &data.probe;
     let offers =
@@ -205,6 +229,8 @@ fn choose_transport(
     let preference = req.preference;
     let why_not = if !asked_rdma || preference == pb::TransportPreference::Tcp as i32 {
         Some("the replica did not ask for it".to_string())
+    } else if !unencrypted_ok {
+        Some("this source requires an encrypted data plane ([data] tls = \"required\") and RDMA has no TLS; set [transport] rdma_unencrypted_ok = true on a trusted fabric".to_string())
     } else if data.rdma.is_none() {
         Some(probe.reason.clone())
     } else if req.rdma_provider != probe.provider.as_str() {

@@ -21,6 +21,8 @@ pub struct Dialer {
     pub tokens: Arc<Tokens>,
     /// Present the token without TLS to addresses other than loopback.
     pub token_in_clear: bool,
+    /// TLS for the TCP data path to sources (`None`: plaintext only).
+    pub data_tls: Option<Arc<rustls::ClientConfig>>,
 }
 
 impl Dialer {
@@ -84,6 +86,7 @@ mod tests {
             tls: None,
             tokens: Tokens::load(Some(&file)).unwrap(),
             token_in_clear: false,
+            data_tls: None,
         };
         let t = Duration::from_millis(200);
         let err = dialer.connect("192.0.2.1:35101", t).await.err().unwrap();

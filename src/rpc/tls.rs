@@ -1,12 +1,17 @@
-//! TLS of the gRPC control plane.
+//! TLS settings from the agent's PEM files.
 //!
-//! Owns building tonic's server and client TLS settings from the PEM files
-//! (`[tls]` for agents, the `--tls-*` options for the CLI). A file without a
+//! Owns building tonic's server and client TLS settings for the gRPC
+//! control plane (`[tls]` for agents, the `--tls-*` options for the CLI),
+//! and the rustls settings of the TCP data plane (same files, TLS 1.3). A file without a
 //! usable certificate or key is refused when the agent starts (and by
 //! `check-config`, through `pem`), not at the first handshake.
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
+
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 
 use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
 
@@ -25,6 +30,63 @@ pub enum TlsError {
     /// Only some of the three files are set.
     #[error("TLS needs cert_file, key_file and ca_file together")]
     Incomplete,
+    /// rustls refused the certificates or key.
+    #[error("data-plane TLS: {0}")]
+    Rustls(String),
+}
+
+/// The data plane's crypto: TLS 1.3 only, AES-128-GCM preferred (the
+/// fastest suite with AES-NI), no session tickets (a session is one
+/// connection).
+fn data_provider() -> Arc<rustls::crypto::CryptoProvider> {
+    let mut provider = rustls::crypto::ring::default_provider();
+    provider
+        .cipher_suites
+        .sort_by_key(|s| s.suite() != rustls::CipherSuite::TLS13_AES_128_GCM_SHA256);
+    Arc::new(provider)
+}
+
+fn rustls_err(e: impl std::fmt::Display) -> TlsError {
+    TlsError::Rustls(e.to_string())
+}
+
+/// The data-plane server settings (a source's TCP data listener); `None`
+/// when `[tls]` is off. The session token authenticates the replica.
+pub fn data_server(cfg: &TlsConfig) -> Result<Option<Arc<rustls::ServerConfig>>, TlsError> {
+    let (Some(cert), Some(key)) = (&cfg.cert_file, &cfg.key_file) else {
+        return Ok(None);
+    };
+    let certs = CertificateDer::pem_slice_iter(&read_pem(cert, PemKind::Certificates)?)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(rustls_err)?;
+    let key =
+        PrivateKeyDer::from_pem_slice(&read_pem(key, PemKind::PrivateKey)?).map_err(rustls_err)?;
+    let mut config = rustls::ServerConfig::builder_with_provider(data_provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(rustls_err)?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .map_err(rustls_err)?;
+    config.send_tls13_tickets = 0;
+    Ok(Some(Arc::new(config)))
+}
+
+/// The data-plane client settings (a replica reaching a source): sources
+/// must chain to `ca_file`. `None` when `[tls]` is off.
+pub fn data_client(cfg: &TlsConfig) -> Result<Option<Arc<rustls::ClientConfig>>, TlsError> {
+    let Some(ca) = &cfg.ca_file else {
+        return Ok(None);
+    };
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(&read_pem(ca, PemKind::Certificates)?) {
+        roots.add(cert.map_err(rustls_err)?).map_err(rustls_err)?;
+    }
+    let config = rustls::ClientConfig::builder_with_provider(data_provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(rustls_err)?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(Some(Arc::new(config)))
 }
 
 /// The agent's identity (certificate chain and key) and the CA

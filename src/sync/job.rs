@@ -19,7 +19,7 @@ use tracing::{info, info_span, warn, Instrument};
 
 use crate::blk3::token::SESSION_TOKEN_LEN;
 use crate::blk3::Outcome;
-use crate::config::{Config, RdmaProvider, TransportMode};
+use crate::config::{Config, DataTls, RdmaProvider, TransportMode};
 use crate::handoff::{self, HandoffRecord};
 use crate::install::{self, InstallError, Staging};
 use crate::metrics::{unix_now, Metrics, Running};
@@ -225,7 +225,11 @@ impl TransportPlan {
         Ok(TransportPlan {
             mode,
             may_fall_back,
-            want_rdma: mode != TransportMode::Tcp && ctx.rdma.rdma_available,
+            // RDMA has no TLS: not when the data plane must be encrypted
+            // (config validation keeps mode = "rdma" out of that case).
+            want_rdma: mode != TransportMode::Tcp
+                && ctx.rdma.rdma_available
+                && ctx.config.rdma_allowed_unencrypted(),
         })
     }
 
@@ -304,6 +308,15 @@ async fn usable_offer(
 /// space `sync.min_free_after` keeps.
 fn check_offer(ctx: &JobContext, offer: &pb::SyncOffer) -> Result<(), JobError> {
     let config = &ctx.config;
+    if config.data.tls == DataTls::Required
+        && offer.transport == pb::Transport::Tcp as i32
+        && !offer.data_tls
+    {
+        return Err(JobError::BadOffer(format!(
+            "source {} offered the data plane without TLS and this replica requires it ([data] tls = \"required\"); give the source a [tls] configuration",
+            ctx.source
+        )));
+    }
     let allowed = &config.sync.allowed_sources;
     if !super::source_allowed(allowed, &ctx.source, Some(&offer.source_node_id)) {
         return Err(JobError::BadOffer(format!(
@@ -480,6 +493,7 @@ async fn negotiate(
         } else {
             String::new()
         },
+        data_tls: ctx.dialer.data_tls.is_some(),
     };
     let offer = ctx
         .or_cancel(peer.open_full_sync(request))
@@ -642,6 +656,16 @@ fn dial_spec(
             Some(ctx.config.transport.rdma_provider),
         ),
     };
+    let tls = match (&ctx.dialer.data_tls, offer.data_tls && rdma.is_none()) {
+        (Some(config), true) => Some((config.clone(), tls_name(ctx))),
+        (None, true) => {
+            return Err(JobError::BadOffer(
+                "the source offered TLS on the data plane, which this replica has no [tls] for"
+                    .into(),
+            ))
+        }
+        (_, false) => None,
+    };
     Ok(DialSpec {
         endpoint,
         rdma,
@@ -650,12 +674,30 @@ fn dial_spec(
         local,
         soft: ctx.rdma.soft,
         faults: ctx.faults.clone(),
+        tls,
     })
+}
+
+/// The name the source's certificate must carry: `[tls] server_name`, or
+/// the host of the source's address, as for gRPC.
+fn tls_name(ctx: &JobContext) -> String {
+    let name = &ctx.config.tls.server_name;
+    if !name.is_empty() {
+        return name.clone();
+    }
+    let host = ctx
+        .source
+        .rsplit_once(':')
+        .map_or(ctx.source.as_str(), |(host, _)| host);
+    host.trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_string()
 }
 
 /// How the status describes the data link.
 fn link_label(offer: &pb::SyncOffer, spec: &DialSpec) -> String {
     let how = match spec.rdma {
+        None if spec.tls.is_some() => "tcp (TLS) stream into staging file".to_string(),
         None => "tcp stream into staging file".to_string(),
         Some(RdmaProvider::Verbs) => format!("rdma verbs via {}", offer.rdma_device),
         Some(RdmaProvider::Emulated) => "rdma EMULATED fabric (not hardware)".to_string(),

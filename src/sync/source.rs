@@ -45,6 +45,8 @@ pub struct Offer {
     pub snapshot: CacheRef,
     /// The transport the token is valid on.
     pub transport: TransportKind,
+    /// TCP under TLS.
+    pub tls: bool,
     pub expires: Instant,
 }
 
@@ -287,6 +289,8 @@ pub struct DataPlane {
     pub hello_timeout: Duration,
     /// Connections still proving their session, at most.
     pub pending: conn_limit::Limits,
+    /// TLS of the TCP data path (`None`: plaintext only).
+    pub tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 /// The one serve loop: takes accepted data connections, of any transport,
@@ -341,22 +345,35 @@ async fn prove_and_serve(conn: Accepted, peer: String, slot: conn_limit::Slot, p
         plane.metrics.data_auth_failures.inc();
         warn!(%peer, transport = %kind, "data connection refused: {why}");
     };
-    let proved = match tokio::time::timeout(plane.hello_timeout, conn.prove()).await {
-        Err(_) => {
-            let limit = plane.hello_timeout;
-            return refused(
-                "hello_timeout",
-                &format!("no session proof within {limit:?}"),
-            );
-        }
-        Ok(Err(e)) => return refused("bad_hello", &e),
-        Ok(Ok(proved)) => proved,
-    };
+    let proved =
+        match tokio::time::timeout(plane.hello_timeout, conn.prove(plane.tls.as_ref())).await {
+            Err(_) => {
+                let limit = plane.hello_timeout;
+                return refused(
+                    "hello_timeout",
+                    &format!("no session proof within {limit:?}"),
+                );
+            }
+            Ok(Err(e)) => return refused("bad_hello", &e),
+            Ok(Ok(proved)) => proved,
+        };
     let Some(session) = plane.sessions.take(proved.proof(), kind) else {
         refused("bad_token", &BAD_TOKEN);
         let _ = tokio::time::timeout(plane.hello_timeout, proved.refuse(BAD_TOKEN)).await;
         return;
     };
+    // A session offered under TLS is served only under TLS (and the other
+    // way round): the offer said which.
+    if session.offer.tls != proved.encrypted() {
+        let why = if session.offer.tls {
+            "this session was offered with TLS; open the data connection with TLS"
+        } else {
+            "this session was offered without TLS"
+        };
+        refused("bad_hello", &why);
+        let _ = tokio::time::timeout(plane.hello_timeout, proved.refuse(why)).await;
+        return;
+    }
     drop(slot);
     tokio::task::spawn_blocking(move || {
         // The whole session (its offer and its slots) lives until served.

@@ -15,6 +15,7 @@ pub mod rdma;
 pub mod select;
 pub mod session;
 pub mod tcp;
+pub mod tls;
 #[cfg(feature = "rdma")]
 pub mod verbs;
 pub mod zerocopy;

@@ -10,6 +10,7 @@
 //! proof opens is the caller's.
 
 use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
@@ -64,6 +65,9 @@ pub struct DialSpec {
     /// The local RDMA device is a soft device.
     pub soft: bool,
     pub faults: Faults,
+    /// TCP under TLS: the settings, and the name the source's certificate
+    /// must carry.
+    pub tls: Option<(Arc<rustls::ClientConfig>, String)>,
 }
 
 /// A replica's connection to the source's data endpoint, not yet running.
@@ -95,13 +99,23 @@ impl DataLink {
     pub fn dial(spec: &DialSpec) -> Result<DataLink, String> {
         let cancel = CancellationToken::new;
         match spec.rdma {
-            None => std::net::TcpStream::connect_timeout(&spec.endpoint, CONNECT_TIMEOUT)
-                .and_then(|s| {
-                    super::detect_dead_peer(&s, spec.peer_timeout)?;
-                    Link::new(s, spec.min_rate)
-                })
-                .map(DataLink::Tcp)
-                .map_err(|e| e.to_string()),
+            None => {
+                let s = std::net::TcpStream::connect_timeout(&spec.endpoint, CONNECT_TIMEOUT)
+                    .map_err(|e| e.to_string())?;
+                super::detect_dead_peer(&s, spec.peer_timeout).map_err(|e| e.to_string())?;
+                let tls = match &spec.tls {
+                    Some((config, name)) => Some(
+                        super::tls::connect(config, name, &s, spec.peer_timeout)
+                            .map_err(|e| e.to_string())?,
+                    ),
+                    None => None,
+                };
+                let link = Link::new(s, spec.min_rate).map_err(|e| e.to_string())?;
+                Ok(DataLink::Tcp(match tls {
+                    Some(conn) => link.with_tls(conn),
+                    None => link,
+                }))
+            }
             Some(RdmaProvider::Emulated) => {
                 EmuQp::dial(spec.endpoint, CONNECT_TIMEOUT, spec.faults.emu.clone())
                     .and_then(|qp| qp.set_peer_timeout(spec.peer_timeout).map(|_| qp))
@@ -186,6 +200,10 @@ pub struct Proved {
 enum ProvedConn {
     /// With the bytes read past the proof.
     Tcp(tokio::net::TcpStream, Vec<u8>),
+    Tls(
+        Box<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>,
+        Vec<u8>,
+    ),
     Emulated(tokio::net::TcpStream),
     #[cfg(feature = "rdma")]
     Verbs(Box<super::verbs::VerbsQp>),
@@ -226,16 +244,37 @@ impl Accepted {
         }
     }
 
-    /// Reads the session proof on the runtime: TCP's first frame, the
+    /// Reads the session proof on the runtime: TCP's first frame (after
+    /// the TLS handshake, when the peer opens one and `tls` is set), the
     /// emulated connect request's private data, or the rdma_cm request's.
     /// The caller bounds the wait.
-    pub async fn prove(self) -> Result<Proved, ProofError> {
+    pub async fn prove(
+        self,
+        tls: Option<&Arc<rustls::ServerConfig>>,
+    ) -> Result<Proved, ProofError> {
         Ok(match self {
-            Accepted::Tcp(mut s) => {
-                let (token, read_ahead) = tcp::read_hello(&mut s).await?;
-                Proved {
-                    proof: token.to_vec(),
-                    conn: ProvedConn::Tcp(s, read_ahead),
+            Accepted::Tcp(s) => {
+                let io = |source| TcpError::Io {
+                    op: "TLS handshake",
+                    source,
+                };
+                match tls {
+                    Some(config) if super::tls::opens_with_tls(&s).await.map_err(io)? => {
+                        let mut t = super::tls::accept(config, s).await.map_err(io)?;
+                        let (token, read_ahead) = tcp::read_hello(&mut t).await?;
+                        Proved {
+                            proof: token.to_vec(),
+                            conn: ProvedConn::Tls(Box::new(t), read_ahead),
+                        }
+                    }
+                    _ => {
+                        let mut s = s;
+                        let (token, read_ahead) = tcp::read_hello(&mut s).await?;
+                        Proved {
+                            proof: token.to_vec(),
+                            conn: ProvedConn::Tcp(s, read_ahead),
+                        }
+                    }
                 }
             }
             Accepted::Emulated(mut s) => Proved {
@@ -257,10 +296,16 @@ impl Proved {
         &self.proof
     }
 
+    /// Whether the connection is encrypted (TLS).
+    pub fn encrypted(&self) -> bool {
+        matches!(self.conn, ProvedConn::Tls(..))
+    }
+
     /// Refuses the connection with a reason the replica will show.
     pub async fn refuse(self, reason: &str) {
         match self.conn {
             ProvedConn::Tcp(mut s, _) => tcp::refuse(&mut s, reason).await,
+            ProvedConn::Tls(mut t, _) => tcp::refuse(&mut *t, reason).await,
             ProvedConn::Emulated(mut s) => super::emulated::reject_request(&mut s, reason).await,
             #[cfg(feature = "rdma")]
             ProvedConn::Verbs(mut qp) => qp.reject(reason),
@@ -280,6 +325,13 @@ impl Proved {
                 .and_then(|s| Link::new(s, min_rate))
                 .map(|l| SourceLink::Tcp(l.with_read_ahead(read_ahead)))
                 .map_err(|e| e.to_string()),
+            ProvedConn::Tls(t, read_ahead) => {
+                let (s, conn) = t.into_inner();
+                blocking_data_socket(s, peer_timeout)
+                    .and_then(|s| Link::new(s, min_rate))
+                    .map(|l| SourceLink::Tcp(l.with_tls(conn).with_read_ahead(read_ahead)))
+                    .map_err(|e| e.to_string())
+            }
             ProvedConn::Emulated(s) => blocking_data_socket(s, peer_timeout)
                 .and_then(|s| EmuQp::accepted(s, self.proof, faults.emu.clone()))
                 .map(SourceLink::Emulated)

@@ -51,6 +51,9 @@ pub enum TcpError {
     /// The session was cancelled locally.
     #[error("cancelled")]
     Cancelled,
+    /// The TLS handshake failed (an untrusted or misnamed certificate).
+    #[error("{0}")]
+    Tls(String),
     /// The first frame was not a session proof.
     #[error("expected a SESS frame first, got {0}")]
     NoHello(String),
@@ -79,9 +82,12 @@ impl CancelHandle {
     }
 }
 
-/// One data connection: framing, deadlines, cancellation.
+/// One data connection: framing, deadlines, cancellation, and TLS when
+/// the session is encrypted (timeouts and shutdown act on the socket
+/// below it).
 pub struct Link {
     stream: TcpStream,
+    tls: Option<Box<rustls::Connection>>,
     /// The floor the bulk phase must keep, both ways.
     min_rate: MinRate,
     started: Instant,
@@ -97,12 +103,83 @@ impl Link {
         let canceller = Arc::new(stream.try_clone()?);
         Ok(Link {
             stream,
+            tls: None,
             min_rate,
             started: Instant::now(),
             buf: Vec::with_capacity(64),
             cancelled: Arc::new(AtomicBool::new(false)),
             canceller,
         })
+    }
+
+    /// Runs the link through `tls`, a connection whose handshake is done.
+    pub fn with_tls(mut self, tls: impl Into<rustls::Connection>) -> Link {
+        let mut tls = tls.into();
+        // Fewer, larger socket writes; records are 16 KiB either way.
+        tls.set_buffer_limit(Some(BULK_CHUNK));
+        self.tls = Some(Box::new(tls));
+        self
+    }
+
+    /// Whether the link is encrypted.
+    pub fn is_tls(&self) -> bool {
+        self.tls.is_some()
+    }
+
+    /// Reads plaintext: from the socket, or decrypted from its TLS records.
+    /// A socket timeout is returned as such (`WouldBlock`).
+    fn recv(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let Some(tls) = self.tls.as_deref_mut() else {
+            return (&self.stream).read(buf);
+        };
+        let mut sock = &self.stream;
+        loop {
+            match tls.reader().read(buf) {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                done => return done,
+            }
+            let eof = tls.read_tls(&mut sock)? == 0;
+            tls.process_new_packets()
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+            while tls.wants_write() {
+                tls.write_tls(&mut sock)?;
+            }
+            if eof {
+                return tls.reader().read(buf);
+            }
+        }
+    }
+
+    /// Writes some of `bytes`; returns how many it took. Under TLS they
+    /// are taken into the connection's buffer once what was buffered
+    /// before has reached the socket; a failure to send them shows at the
+    /// next call or at [`Link::flush`].
+    fn send_some(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        let Some(tls) = self.tls.as_deref_mut() else {
+            return (&self.stream).write(bytes);
+        };
+        let mut sock = &self.stream;
+        while tls.wants_write() {
+            tls.write_tls(&mut sock)?;
+        }
+        let n = tls.writer().write(bytes)?;
+        while tls.wants_write() {
+            if tls.write_tls(&mut sock).is_err() {
+                break;
+            }
+        }
+        Ok(n)
+    }
+
+    /// Sends everything buffered (TLS).
+    fn flush(&mut self) -> std::io::Result<()> {
+        if let Some(tls) = self.tls.as_deref_mut() {
+            let mut sock = &self.stream;
+            while tls.wants_write() {
+                tls.write_tls(&mut sock)?;
+            }
+        }
+        Ok(())
     }
 
     /// Bytes already read from the stream (past the session proof) that
@@ -134,9 +211,16 @@ impl Link {
     /// Sends one token frame.
     pub fn send(&mut self, t: &Token) -> Result<(), TcpError> {
         let frame = t.encode_frame();
-        self.stream
-            .write_all(&frame)
-            .map_err(|e| self.err("send token", e))
+        let mut left = &frame[..];
+        while !left.is_empty() {
+            match self.send_some(left) {
+                Ok(0) => return Err(TcpError::Closed("sending a token")),
+                Ok(n) => left = &left[n..],
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.err("send token", e)),
+            }
+        }
+        self.flush().map_err(|e| self.err("send token", e))
     }
 
     /// Reads one token frame; `Ok(None)` when `deadline` (session time)
@@ -158,7 +242,7 @@ impl Link {
                 .set_read_timeout(timeout)
                 .map_err(|e| self.err("set timeout", e))?;
             let mut chunk = [0u8; FRAME_HEADER_LEN + MAX_TOKEN_LEN];
-            match self.stream.read(&mut chunk) {
+            match self.recv(&mut chunk) {
                 Ok(0) => {
                     return Err(if self.cancelled.load(Ordering::SeqCst) {
                         TcpError::Cancelled
@@ -198,7 +282,7 @@ impl Link {
             .map_err(|e| self.err("set timeout", e))?;
         while left > 0 {
             let want = (left as usize).min(BULK_CHUNK);
-            let n = match self.stream.read(&mut chunk[..want]) {
+            let n = match self.recv(&mut chunk[..want]) {
                 Ok(0) => {
                     return Err(if self.cancelled.load(Ordering::SeqCst) {
                         TcpError::Cancelled
@@ -230,7 +314,7 @@ fn is_timeout(e: &std::io::Error) -> bool {
 /// without a thread; returns it with any bytes read past it. A frame that
 /// is not a token (garbage, oversize) fails at its header.
 pub async fn read_hello(
-    stream: &mut tokio::net::TcpStream,
+    stream: &mut (impl tokio::io::AsyncRead + Unpin),
 ) -> Result<([u8; SESSION_TOKEN_LEN], Vec<u8>), TcpError> {
     use tokio::io::AsyncReadExt;
     let mut buf = Vec::with_capacity(FRAME_HEADER_LEN + MAX_TOKEN_LEN);
@@ -256,7 +340,7 @@ pub async fn read_hello(
 }
 
 /// Refuses a connection with a reason the replica will show.
-pub async fn refuse(stream: &mut tokio::net::TcpStream, reason: &str) {
+pub async fn refuse(stream: &mut (impl tokio::io::AsyncWrite + Unpin), reason: &str) {
     use tokio::io::AsyncWriteExt;
     let frame = Token::Rdfl {
         reason: reason.to_string(),
@@ -326,7 +410,9 @@ impl SourceIo<'_> {
         // Only images above glibc's largest mmap threshold are sure to be
         // unmapped (never reused) when freed, so pages the kernel might
         // still hold after an aborted session can never carry other data.
-        let mut zc = (len >= ZEROCOPY_MIN).then(|| ZeroCopySender::new(&stream));
+        // Zero-copy sends the socket's own bytes: not under TLS.
+        let zero_copy = len >= ZEROCOPY_MIN && !self.link.is_tls();
+        let mut zc = zero_copy.then(|| ZeroCopySender::new(&stream));
         let mut sent = 0usize;
         while sent < len as usize {
             let loaded = snapshot.wait_loaded((sent + BULK_CHUNK).min(len as usize))?;
@@ -357,6 +443,9 @@ impl SourceIo<'_> {
                 return self.injected_stop(sent as u64);
             }
         }
+        self.link
+            .flush()
+            .map_err(|e| self.link.err("send snapshot", e))?;
         if let Some(zc) = zc.as_mut() {
             zc.finish(timeout)
                 .map_err(|e| self.link.err("wait for zero-copy completions", e))?;
@@ -382,7 +471,7 @@ impl SourceIo<'_> {
         while !bytes.is_empty() {
             let sent = match zc.as_deref_mut() {
                 Some(zc) => zc.send(bytes),
-                None => (&self.link.stream).write(bytes),
+                None => self.link.send_some(bytes),
             };
             match sent {
                 Ok(0) => return Err(TcpError::Closed("sending the snapshot")),
