@@ -27,7 +27,7 @@ fanout=${FANOUT:-1 2 4 8}
 vm=${BENCH_VM:-$([ "$(id -u)" = 0 ] && echo 1 || echo 0)}
 redis=${BENCH_REDIS:-1}
 
-bash scripts/deps.sh rsync
+bash scripts/deps.sh rsync openssl
 cargo build --locked --release --quiet
 cargo build --locked --release --quiet --example plain_copy
 bin=$PWD/target/release/kvsync
@@ -62,11 +62,11 @@ mode = "auto"
 rdma_provider = "emulated"
 EOF
 
-# start_agent NAME: sets GRPC_<NAME>, METRICS_<NAME>, PID_<NAME>.
+# start_agent NAME [CONFIG]: sets GRPC_<NAME>, METRICS_<NAME>, PID_<NAME>.
 start_agent() {
-    local name=$1
+    local name=$1 config=${2:-$work/agent.toml}
     mkdir -p "$work/$name"
-    KVSYNC_LOG=warn "$bin" agent --config "$work/agent.toml" --node-id "$name" \
+    KVSYNC_LOG=warn "$bin" agent --config "$config" --node-id "$name" \
         --snapshot-dir "$work/$name" --grpc-listen 127.0.0.1:0 \
         --data-listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 \
         > "$work/$name.out" 2> "$work/$name.log" &
@@ -84,10 +84,12 @@ start_agent() {
 }
 stop_agent() { eval "kill \$PID_$1"; }
 metric() { curl -s "http://$1/metrics" | awk -v m="$2" '$1 == m {print $2}'; }
+# Global CLI options for the agents at hand (TLS: --tls-ca).
+cli_opts=()
 # offered AGENT FILE: waits until the agent offers FILE.
 offered() {
     for _ in $(seq 1200); do
-        "$bin" snapshots --agent "$1" | grep -q "$2" && return
+        "$bin" "${cli_opts[@]}" snapshots --agent "$1" | grep -q "$2" && return
         sleep 0.05
     done
     echo "$2 never offered" >&2
@@ -96,7 +98,7 @@ offered() {
 # sync_secs REPLICA SOURCE TRANSPORT: one sync's duration (checks it succeeded over TRANSPORT).
 sync_secs() {
     local json
-    json=$("$bin" sync --agent "$1" --source "$2" --transport "$3" --wait --json)
+    json=$("$bin" "${cli_opts[@]}" sync --agent "$1" --source "$2" --transport "$3" --wait --json)
     echo "$json" | grep -q '"status":"succeeded"' || { echo "sync failed: $json" >&2; exit 1; }
     echo "$json" | grep -q "\"transport\":\"$3\"" || { echo "sync did not use $3: $json" >&2; exit 1; }
     echo "$json" | sed -E 's/.*"duration_ms":([0-9]+).*/\1/' | awk '{print $1 / 1000}'
@@ -155,6 +157,55 @@ done
 replica_rss=$(hwm_mib "$PID_replica")
 out ""
 out "Replica agent peak RSS over these syncs (TCP and emulated RDMA): $replica_rss MiB."
+out ""
+
+# 1b. TLS on the TCP data path vs plain TCP: agents with [tls] (a CA made
+# here) next to the plain ones, the same snapshot, alternating.
+tls_size=${sizes%% *}
+pki=$work/pki
+mkdir -p "$pki"
+openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 1 \
+    -subj "/CN=bench CA" -keyout "$pki/ca.key" -out "$pki/ca.pem" 2>/dev/null
+openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj "/CN=localhost" \
+    -keyout "$pki/agent.key" -out "$pki/agent.csr" 2>/dev/null
+openssl x509 -req -in "$pki/agent.csr" -CA "$pki/ca.pem" -CAkey "$pki/ca.key" -CAcreateserial \
+    -days 1 -extfile <(printf 'subjectAltName=DNS:localhost,IP:127.0.0.1') \
+    -out "$pki/agent.pem" 2>/dev/null
+{
+    cat "$work/agent.toml"
+    printf '[tls]\ncert_file = "%s"\nkey_file = "%s"\nca_file = "%s"\n' \
+        "$pki/agent.pem" "$pki/agent.key" "$pki/ca.pem"
+} > "$work/tls.toml"
+start_agent tlssrc "$work/tls.toml"
+start_agent tlsdst "$work/tls.toml"
+rm -f "$work"/source/*.kvr1 "$work"/replica/*.kvr1*
+"$bin" gen-snapshot --size "$tls_size" --seq 8 "$work/source/tls.kvr1" > /dev/null
+ln "$work/source/tls.kvr1" "$work/tlssrc/tls.kvr1"
+bytes=$(stat -c %s "$work/source/tls.kvr1")
+offered "$GRPC_source" tls.kvr1
+cli_opts=(--tls-ca "$pki/ca.pem")
+offered "$GRPC_tlssrc" tls.kvr1
+plain_s=(); tls_s=()
+for _ in $(seq "$runs"); do
+    cli_opts=()
+    plain_s+=("$(sync_secs "$GRPC_replica" "$GRPC_source" tcp)")
+    cli_opts=(--tls-ca "$pki/ca.pem")
+    tls_s+=("$(sync_secs "$GRPC_tlsdst" "$GRPC_tlssrc" tcp)")
+done
+cli_opts=()
+grep -q "(TLS)" <("$bin" --tls-ca "$pki/ca.pem" status --agent "$GRPC_tlsdst" --json) ||
+    { echo "the TLS agents did not use TLS" >&2; exit 1; }
+stop_agent tlssrc
+stop_agent tlsdst
+p=$(median "${plain_s[@]}"); t=$(median "${tls_s[@]}")
+out "### 1b. TLS on the TCP data path vs plain TCP"
+out ""
+ktls=$([ -d /sys/module/tls ] && echo "loaded, not used yet" || echo "not in this kernel")
+out "TLS 1.3, TLS13_AES_128_GCM_SHA256 (rustls with ring, in user space; kernel TLS: $ktls), same run, alternating:"
+out ""
+out "| snapshot | TLS | plain TCP | ratio |"
+out "|---|---|---|---|"
+out "| $tls_size | $(mbps "$bytes" "$t") MB/s | $(mbps "$bytes" "$p") MB/s | $(ratio "$p" "$t") |"
 out ""
 out "### 2. RDMA"
 out ""

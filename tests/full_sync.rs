@@ -387,6 +387,11 @@ async fn wrong_used_expired_or_other_transport_session_tokens_are_refused() {
     let reply = present_token(&source.data(), token);
     assert!(refused(&reply), "{reply:?}");
     assert_eq!(source.metric("kvsync_data_auth_failures_total"), 3.0);
+    // Guessed, replayed and other-transport tokens, counted by reason.
+    assert_eq!(
+        source.metric(r#"kvsync_data_connections_refused_total{reason="bad_token"}"#),
+        3.0
+    );
 
     // An expired token is refused (a source whose tokens live 300 ms; the
     // test waits until the expiry has passed, so nothing races it).

@@ -7,12 +7,13 @@
 //! frame, or the RDMA connect private data, must prove an offered,
 //! unexpired, unused token for that transport, or the connection is refused
 //! before any snapshot byte moves and counted), and the source-side metrics
-//! of each served session. A connection's proof is read on the runtime
-//! under `data.hello_timeout`, with a cap on connections still proving
-//! one (in total and per address): it gets a thread, registered memory or
-//! a queue pair only once its proof is valid. An offer holds its cache reference from the
-//! moment it is made, so a snapshot deleted or replaced after the offer is
-//! still delivered exactly as offered.
+//! of each served session. A connection's proof (after its TLS handshake,
+//! when it opens one) is read on the runtime under `data.hello_timeout`,
+//! with a cap on connections still proving one, in total and per address:
+//! it gets a thread, registered memory or a queue pair only once its proof
+//! is valid. An offer holds its cache reference from the moment it is
+//! made, so a snapshot deleted or replaced after the offer is still
+//! delivered exactly as offered.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -34,7 +35,7 @@ use crate::metrics::{unix_now, Metrics, Running};
 use crate::transport::pace::MinRate;
 use crate::transport::probe::Probe;
 use crate::transport::ratelimit::RateLimiter;
-use crate::transport::session::{Accepted, SessionResult, SourceLink};
+use crate::transport::session::{Accepted, Proved, SessionResult, SourceLink};
 use crate::transport::{Faults, Serve, TransportKind};
 
 /// A session offered to a replica, waiting for its data connection.
@@ -375,26 +376,28 @@ async fn prove_and_serve(conn: Accepted, peer: String, slot: conn_limit::Slot, p
         return;
     }
     drop(slot);
-    tokio::task::spawn_blocking(move || {
-        // The whole session (its offer and its slots) lives until served.
-        let session = session;
-        let link = match proved.open(plane.peer_timeout, plane.min_rate, &plane.faults) {
-            Ok(link) => link,
-            Err(e) => return warn!(%peer, transport = %kind, "data connection failed to open: {e}"),
-        };
-        // Shutdown stops a TCP session by shutting its socket.
-        let stop = link.canceller().map(|c| {
-            let shutdown = plane.shutdown.clone();
-            tokio::runtime::Handle::current().spawn(async move {
-                shutdown.cancelled().await;
-                c.cancel();
-            })
-        });
-        serve_session(&plane, &session.offer, &peer, link);
-        if let Some(stop) = stop {
-            stop.abort();
-        }
+    tokio::task::spawn_blocking(move || serve_proved(proved, session, &peer, &plane));
+}
+
+/// On a blocking thread: sets the proved connection up (socket, emulated
+/// QP threads, verbs resources) and serves its session; shutdown stops it.
+fn serve_proved(proved: Proved, session: Session, peer: &str, plane: &DataPlane) {
+    let link = match proved.open(plane.peer_timeout, plane.min_rate, &plane.faults) {
+        Ok(link) => link,
+        Err(e) => return warn!(%peer, "data connection failed to open: {e}"),
+    };
+    // Shutdown stops a TCP session by shutting its socket.
+    let stop = link.canceller().map(|c| {
+        let shutdown = plane.shutdown.clone();
+        tokio::runtime::Handle::current().spawn(async move {
+            shutdown.cancelled().await;
+            c.cancel();
+        })
     });
+    serve_session(plane, &session.offer, peer, link);
+    if let Some(stop) = stop {
+        stop.abort();
+    }
 }
 
 /// Runs one authenticated session with its logs and metrics.
