@@ -128,7 +128,7 @@ impl RunningAgent {
         let shutdown = CancellationToken::new();
         let draining = CancellationToken::new();
         let mut tasks = JoinSet::new();
-        let probe = probe::probe(&config.transport);
+        let probe = probe::probe_agent(&config);
         let plane = DataPlane {
             sessions: sessions.clone(),
             metrics: metrics.clone(),

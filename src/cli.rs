@@ -425,7 +425,7 @@ fn check_config(args: CheckConfigArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn probe(args: ProbeArgs) -> anyhow::Result<ExitCode> {
-    let transport = match &args.config {
+    let config = match &args.config {
         Some(file) => {
             let agent = AgentArgs {
                 config: Some(file.clone()),
@@ -435,11 +435,11 @@ fn probe(args: ProbeArgs) -> anyhow::Result<ExitCode> {
                 grpc_listen: None,
                 data_listen: None,
             };
-            load_config(&agent)?.transport
+            load_config(&agent)?
         }
         None => Default::default(),
     };
-    let p = crate::transport::probe::probe(&transport);
+    let p = crate::transport::probe::probe_agent(&config);
     if args.json {
         println!("{}", serde_json::to_string(&p)?);
         return Ok(ExitCode::SUCCESS);

@@ -537,6 +537,10 @@ fn agent_serves_metrics_with_catalog_gauges() {
             snaps.to_str().unwrap(),
             "--metrics-listen",
             "127.0.0.1:0",
+            "--grpc-listen",
+            "127.0.0.1:0",
+            "--data-listen",
+            "127.0.0.1:0",
         ],
         dir.path(),
     );

@@ -781,3 +781,33 @@ async fn traversal_attempts_and_oversize_fields_are_refused_without_harm() {
         .into_inner();
     assert_eq!(offer.snapshot_size, bytes.len() as u64);
 }
+
+#[test]
+fn required_tls_keeps_rdma_off_unless_the_fabric_is_declared_trusted() {
+    let root = tempfile::tempdir().unwrap();
+    let fleet = pki::Pki::new(root.path(), "fleet");
+    let (cert, key) = fleet.issue("agent", &["localhost"]);
+    let probe = |extra: &str| {
+        let config = root.path().join("probe.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[data]\ntls = \"required\"\n[tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\nca_file = \"{}\"\n[transport]\nmode = \"auto\"\nrdma_provider = \"emulated\"\n{extra}",
+                cert.display(),
+                key.display(),
+                fleet.ca_file().display()
+            ),
+        )
+        .unwrap();
+        let (ok, out, err) = cli(&["probe", "--config", config.to_str().unwrap()]);
+        assert!(ok, "{err}");
+        out
+    };
+    let out = probe("");
+    assert!(
+        out.contains("RDMA has no TLS") && out.contains("would use: tcp"),
+        "{out}"
+    );
+    let out = probe("rdma_unencrypted_ok = true\n");
+    assert!(out.contains("would use: rdma"), "{out}");
+}

@@ -78,7 +78,7 @@ impl PeerService {
             )));
         }
         let tls = data_tls(config, &req)?;
-        let transport = choose_transport(&self.data, &req, config.rdma_allowed_unencrypted())?;
+        let transport = choose_transport(&self.data, &req)?;
         let tls = tls && transport == TransportKind::Tcp;
         if self.draining.is_cancelled() {
             return Err(ApiError::Unavailable(
@@ -216,11 +216,9 @@ fn data_tls(config: &Config, req: &pb::OpenFullSyncRequest) -> Result<bool, ApiE
 
 /// RDMA when both sides can and the replica did not ask for TCP; TCP
 /// otherwise. A replica that requires RDMA is told why it cannot have it.
-/// `unencrypted_ok`: this source may serve RDMA, which has no TLS.
 fn choose_transport(
     data: &DataEndpoints,
     req: &pb::OpenFullSyncRequest,
-    unencrypted_ok: bool,
 ) -> Result<TransportKind, ApiError> {
     let probe = &data.probe;
     let offers =
@@ -229,8 +227,6 @@ fn choose_transport(
     let preference = req.preference;
     let why_not = if !asked_rdma || preference == pb::TransportPreference::Tcp as i32 {
         Some("the replica did not ask for it".to_string())
-    } else if !unencrypted_ok {
-        Some("this source requires an encrypted data plane ([data] tls = \"required\") and RDMA has no TLS; set [transport] rdma_unencrypted_ok = true on a trusted fabric".to_string())
     } else if data.rdma.is_none() {
         Some(probe.reason.clone())
     } else if req.rdma_provider != probe.provider.as_str() {

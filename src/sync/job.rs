@@ -225,11 +225,7 @@ impl TransportPlan {
         Ok(TransportPlan {
             mode,
             may_fall_back,
-            // RDMA has no TLS: not when the data plane must be encrypted
-            // (config validation keeps mode = "rdma" out of that case).
-            want_rdma: mode != TransportMode::Tcp
-                && ctx.rdma.rdma_available
-                && ctx.config.rdma_allowed_unencrypted(),
+            want_rdma: mode != TransportMode::Tcp && ctx.rdma.rdma_available,
         })
     }
 

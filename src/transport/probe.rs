@@ -93,6 +93,21 @@ pub fn is_soft(name: &str) -> bool {
     name.starts_with("rxe") || name.starts_with("siw")
 }
 
+/// Probes the host for an agent's configuration: as [`probe`], and RDMA,
+/// which has no TLS, is not used where the data plane must be encrypted
+/// (`[data] tls = "required"`) unless `rdma_unencrypted_ok` says the fabric
+/// is trusted.
+pub fn probe_agent(c: &crate::config::Config) -> Probe {
+    let mut p = probe(&c.transport);
+    if p.rdma_available && !c.rdma_allowed_unencrypted() {
+        p.fall_back_to_tcp(format!(
+            "{}; not used: [data] tls = \"required\" and RDMA has no TLS (set [transport] rdma_unencrypted_ok = true on a trusted fabric)",
+            p.reason
+        ));
+    }
+    p
+}
+
 /// Probes the host for the transport configuration `t`.
 pub fn probe(t: &TransportConfig) -> Probe {
     let ifaces = select::interfaces();
