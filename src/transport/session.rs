@@ -3,11 +3,13 @@
 //! [`Accepted`] connection, each one type over TCP, the emulated fabric and
 //! verbs, so the layers above write every step once.
 //!
-//! Owns dialing (with dead-peer detection), reading a connection's session
-//! proof (TCP's first frame, the RDMA connect's private data), refusing it,
-//! and handing a proved connection to the transport's BLK3 driver. What the
-//! replica does with the bytes is its [`Sink`]'s business; which session a
-//! proof opens is the caller's.
+//! Owns dialing (with dead-peer detection, and TLS when the offer asks for
+//! it), reading a connection's session proof on the runtime (TCP's first
+//! frame, after its TLS handshake when it opens one; the RDMA connect's
+//! private data) before anything else is set up for it ([`Proved`]),
+//! refusing it, and handing a proved connection to the transport's BLK3
+//! driver. What the replica does with the bytes is its [`Sink`]'s business;
+//! which session a proof opens is the caller's.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
