@@ -1,7 +1,9 @@
 //! Peers are not trusted: names a source sends never become syntax in a KV
 //! command, a record or a file path; a source cannot make a replica reserve
 //! more than it allows; an exposed listener must authenticate its callers;
-//! a replica only pulls from the sources it allows. Real agent processes.
+//! a replica only pulls from the sources it allows; idle, slow or malformed
+//! connections cost a source no thread and cannot crowd out real syncs;
+//! concurrent offers never pass the source's limits. Real agent processes.
 
 mod common;
 
