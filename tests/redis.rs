@@ -14,13 +14,28 @@ use common::node::*;
 use common::*;
 use kvsync::rpc::pb;
 
-/// A free TCP port on 127.0.0.1 (redis-server cannot bind port 0).
+/// A free TCP port on 127.0.0.1 for redis-server, which cannot bind port
+/// 0: below the kernel's ephemeral range, so no client connection of the
+/// suite can be holding it when the server binds.
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    use std::sync::atomic::{AtomicU16, Ordering};
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32768);
+    let start = 10_000 + (std::process::id() % 1000) as u16 * 16;
+    if low < start + 1000 {
+        // An unusual port range: any free port.
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        return l.local_addr().unwrap().port();
+    }
+    loop {
+        let port = start + NEXT.fetch_add(1, Ordering::Relaxed) % (low - start);
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
 }
 
 /// A redis-server: a child process, or a daemonized one found by pidfile.
