@@ -6,7 +6,9 @@
 //! after the source accepts MRINFO. The source sends straight from the
 //! shared in-memory snapshot, with `MSG_ZEROCOPY` for large snapshots; the
 //! replica hands the stream to its [`Sink`] chunk by chunk, never holding
-//! the whole snapshot in memory. Each session runs
+//! the whole snapshot in memory. An encrypted session runs the same link
+//! through a rustls connection (handshakes in `transport::tls`), without
+//! zero-copy. Each session runs
 //! on its own blocking thread; cancelling shuts the socket down, which
 //! unblocks any read or write at once.
 
