@@ -119,15 +119,17 @@ impl RunningAgent {
         let (data_listener, data_addr) = bind("data.tcp_listen", &config.data.tcp_listen).await?;
         let metrics = Metrics::new();
         let catalog = Catalog::new(metrics.clone());
+        let shutdown = CancellationToken::new();
         let cache = SnapshotCache::new(
             config.cache.memory_budget.as_u64(),
             config.cache.acquire_timeout,
             metrics.clone(),
         );
-        let sessions = Arc::new(SessionTable::new((&config.sync).into()));
-        let shutdown = CancellationToken::new();
-        let draining = CancellationToken::new();
+        cache.set_linger(config.cache.linger);
         let mut tasks = JoinSet::new();
+        tasks.spawn(cache.clone().expire(shutdown.clone()));
+        let sessions = Arc::new(SessionTable::new((&config.sync).into()));
+        let draining = CancellationToken::new();
         let probe = probe::probe_agent(&config);
         let plane = DataPlane {
             sessions: sessions.clone(),
@@ -270,12 +272,13 @@ impl RunningAgent {
 
     /// Applies what a SIGHUP reloads from a re-read configuration: the
     /// token file, the bandwidth limit, the admission limits (incoming,
-    /// outgoing, per replica) and the cache budget.
+    /// outgoing, per replica), the cache budget and its linger time.
     pub fn reload(&self, config: &Config) -> Result<(), String> {
         self.rate.set_rate(config.sync.rate_limit.as_u64());
         self.sessions.set_limits((&config.sync).into());
         self.syncs.set_max_incoming(config.sync.max_incoming_syncs);
         self.cache.set_budget(config.cache.memory_budget.as_u64());
+        self.cache.set_linger(config.cache.linger);
         let mut tokens = self.tokens.reload()?;
         if let Some(peer) = &self.peer_tokens {
             tokens += peer.reload()?;

@@ -10,10 +10,13 @@
 //! ([`CacheRef::wait_loaded`]) and wait for the final verdict
 //! ([`CacheRef::wait_complete`]) before declaring the transfer done, so
 //! loading and sending overlap. Concurrent acquirers share the load
-//! (refcount; "reusing snapshot buffer ref=N"); the last [`CacheRef`] dropped
-//! frees the memory; a replaced file is a new key, so holders of the old
-//! buffer keep reading consistent bytes. A memory budget makes new loads wait
-//! for space (up to `acquire_timeout`) or fail with a clear error.
+//! (refcount; "reusing snapshot buffer ref=N"). When the last [`CacheRef`]
+//! drops, a verified image lingers for `cache.linger` so that a straggler
+//! replica reuses it instead of paying for another load; then (or at once,
+//! when a new load needs its room in the budget) the memory is freed. A
+//! replaced file is a new key, so holders of the old buffer keep reading
+//! consistent bytes. A memory budget makes new loads wait for space (up to
+//! `acquire_timeout`) or fail with a clear error.
 //! Registering the buffer with a NIC is the transports' job.
 
 use std::collections::HashMap;
@@ -21,7 +24,7 @@ use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 use tracing::{info, warn};
@@ -154,6 +157,34 @@ impl Image {
 struct Slot {
     refs: usize,
     image: Arc<Image>,
+    /// Held by nobody since then, lingering.
+    idle_since: Option<Instant>,
+}
+
+impl Image {
+    fn verified(&self) -> bool {
+        matches!(*self.state.lock().expect("image lock"), LoadState::Verified)
+    }
+}
+
+impl State {
+    /// Frees lingering images, oldest first, until `size` more bytes fit
+    /// in `budget`; false when they cannot.
+    fn make_room(&mut self, size: u64, budget: u64) -> bool {
+        while self.reserved + size > budget {
+            let oldest = self
+                .slots
+                .iter()
+                .filter_map(|(k, s)| s.idle_since.map(|t| (t, k.clone())))
+                .min_by_key(|(t, _)| *t);
+            let Some((_, key)) = oldest else {
+                return false;
+            };
+            self.slots.remove(&key);
+            self.reserved -= key.size;
+        }
+        true
+    }
 }
 
 #[derive(Default)]
@@ -169,6 +200,8 @@ pub struct SnapshotCache {
     released: Notify,
     budget: AtomicU64,
     acquire_timeout: Duration,
+    /// How long an image nobody holds stays loaded.
+    linger: Mutex<Duration>,
     metrics: Arc<Metrics>,
 }
 
@@ -183,8 +216,14 @@ impl SnapshotCache {
             released: Notify::new(),
             budget: AtomicU64::new(budget),
             acquire_timeout,
+            linger: Mutex::new(Duration::ZERO),
             metrics,
         })
+    }
+
+    /// How long an image nobody holds stays loaded (zero: freed at once).
+    pub fn set_linger(&self, linger: Duration) {
+        *self.linger.lock().expect("linger lock") = linger;
     }
 
     /// Returns a reference to the snapshot, starting its load if it is not
@@ -200,6 +239,7 @@ impl SnapshotCache {
                 let mut st = self.state.lock().expect("cache lock");
                 if let Some(slot) = st.slots.get_mut(&key) {
                     slot.refs += 1;
+                    slot.idle_since = None;
                     let (image, refs) = (slot.image.clone(), slot.refs);
                     drop(st);
                     self.publish();
@@ -215,7 +255,7 @@ impl SnapshotCache {
                 if size > budget {
                     return Err(CacheError::TooLarge { size, budget });
                 }
-                if st.reserved + size <= budget {
+                if st.make_room(size, budget) {
                     // Open now: from here the inode is ours even if the file
                     // is deleted or replaced before the load reads it.
                     let file = open_checked(entry)?;
@@ -234,6 +274,7 @@ impl SnapshotCache {
                         Slot {
                             refs: 1,
                             image: image.clone(),
+                            idle_since: None,
                         },
                     );
                     st.reserved += size;
@@ -284,17 +325,58 @@ impl SnapshotCache {
     }
 
     fn release(&self, key: &CacheKey) {
+        let linger = *self.linger.lock().expect("linger lock");
         {
             let mut st = self.state.lock().expect("cache lock");
             let slot = st.slots.get_mut(key).expect("released key is present");
             slot.refs -= 1;
             if slot.refs == 0 {
-                st.slots.remove(key);
-                st.reserved -= key.size;
+                if !linger.is_zero() && slot.image.verified() {
+                    slot.idle_since = Some(Instant::now());
+                } else {
+                    st.slots.remove(key);
+                    st.reserved -= key.size;
+                }
             }
         }
         self.publish();
         self.released.notify_waiters();
+    }
+
+    /// Frees the images nobody has held for `cache.linger`; returns how
+    /// many.
+    pub fn sweep(&self) -> usize {
+        let linger = *self.linger.lock().expect("linger lock");
+        let freed = {
+            let mut st = self.state.lock().expect("cache lock");
+            let expired: Vec<CacheKey> = st
+                .slots
+                .iter()
+                .filter(|(_, s)| s.idle_since.is_some_and(|t| t.elapsed() >= linger))
+                .map(|(k, _)| k.clone())
+                .collect();
+            for key in &expired {
+                st.slots.remove(key);
+                st.reserved -= key.size;
+            }
+            expired.len()
+        };
+        if freed > 0 {
+            self.publish();
+            self.released.notify_waiters();
+        }
+        freed
+    }
+
+    /// Frees lingering images as they expire, until `shutdown`.
+    pub async fn expire(self: Arc<Self>, shutdown: tokio_util::sync::CancellationToken) {
+        let mut tick = tokio::time::interval(Duration::from_millis(250));
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tick.tick() => { self.sweep(); }
+            }
+        }
     }
 
     fn publish(&self) {

@@ -324,6 +324,10 @@ pub struct CacheConfig {
     /// How long a new session waits for budget before it is refused.
     #[serde(with = "humantime_serde")]
     pub acquire_timeout: Duration,
+    /// How long a loaded snapshot nobody holds stays in memory, so that a
+    /// straggler replica shares it (`0s`: freed at once).
+    #[serde(with = "humantime_serde")]
+    pub linger: Duration,
 }
 
 /// Snapshot directory watcher.
@@ -477,6 +481,7 @@ impl Default for CacheConfig {
         CacheConfig {
             memory_budget: ByteSize::gib(8),
             acquire_timeout: Duration::from_secs(60),
+            linger: Duration::from_secs(30),
         }
     }
 }

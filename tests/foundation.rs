@@ -493,6 +493,43 @@ async fn cache_budget_waits_then_fails_or_proceeds() {
     drop(held);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_released_image_lingers_for_stragglers_and_yields_to_new_loads() {
+    let dir = tmpdir();
+    let (a, b): (PathBuf, PathBuf) = (dir.path().join("a.kvr1"), dir.path().join("b.kvr1"));
+    write_snapshot(&a, 600_000, 1);
+    write_snapshot(&b, 600_000, 2);
+    let metrics = Metrics::new();
+    // Room for one image; released images linger.
+    let cache = SnapshotCache::new(1_000_000, Duration::from_millis(200), metrics.clone());
+    cache.set_linger(Duration::from_secs(3600));
+    // Only a verified image lingers: each holder here waits for its load.
+    let loaded = |r: kvsync::cache::CacheRef| async move {
+        tokio::task::spawn_blocking(move || {
+            r.wait_complete().unwrap();
+            r
+        })
+        .await
+        .unwrap()
+    };
+    drop(loaded(cache.acquire(&entry_for(&a)).await.unwrap()).await);
+    assert_eq!((cache.refs(), cache.entries()), (0, 1), "lingering");
+    // A straggler reuses it: no second load.
+    drop(cache.acquire(&entry_for(&a)).await.unwrap());
+    assert_eq!(metrics.cache_loads.get(), 1);
+    assert_eq!(metrics.cache_hits.get(), 1);
+    // Another snapshot needs the room: the lingering image gives it up at
+    // once instead of making the load wait.
+    let other = loaded(cache.acquire(&entry_for(&b)).await.unwrap()).await;
+    assert_eq!((cache.refs(), cache.entries()), (1, 1));
+    assert_eq!(metrics.cache_loads.get(), 2);
+    drop(other);
+    // Expired lingering images are freed by the sweep.
+    cache.set_linger(Duration::ZERO);
+    assert_eq!(cache.sweep(), 1);
+    assert_eq!((cache.entries(), metrics.cache_bytes.get()), (0, 0));
+}
+
 #[tokio::test]
 async fn cache_load_failure_reaches_every_holder() {
     let dir = tmpdir();

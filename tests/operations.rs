@@ -312,7 +312,7 @@ async fn reload(node: &Node) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_cache_budget_refuses_what_does_not_fit_and_reloads_on_sighup() {
+async fn the_cache_budget_and_linger_reload_on_sighup_and_the_budget_refuses_what_does_not_fit() {
     let root = tempfile::tempdir().unwrap();
     let budget = |b: &str| format!("[cache]\nmemory_budget = \"{b}\"");
     let source = config_node(root.path(), "source", &budget("1MiB"), &[], &[]);
@@ -330,12 +330,17 @@ async fn the_cache_budget_refuses_what_does_not_fit_and_reloads_on_sighup() {
     assert!(!replica.dir.join("s.kvr1").exists());
     assert_eq!(source.metric("kvsync_snapshot_cache_loads_total"), 0.0);
 
-    agent_config(root.path(), "source", &budget("64MiB"));
+    // Raised by a reload (and the linger time with it, to none).
+    let raised = format!("{}\nlinger = \"0s\"", budget("64MiB"));
+    agent_config(root.path(), "source", &raised);
     reload(&source).await;
     let id = start_sync(&replica, &source).await;
     let p = wait_done(&replica, &id).await;
     assert_eq!(p.phase, pb::Phase::Succeeded as i32, "{p:?}");
     assert_eq!(std::fs::read(replica.dir.join("s.kvr1")).unwrap(), bytes);
+    wait_for("the buffer freed at once (no linger)", DEADLINE, || {
+        (source.metric("kvsync_snapshot_cache_entries") == 0.0).then_some(())
+    });
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

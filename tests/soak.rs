@@ -41,7 +41,9 @@ async fn eight_replicas_round_after_round_install_exact_copies_and_leak_nothing(
     // RSS may drift by allocator caching, never by a snapshot's worth.
     let slack_kib = 4 * 1024;
     let root = tempfile::tempdir().unwrap();
-    let source = Node::start(root.path(), "source", "", &[]);
+    // Memory is freed as soon as a round ends (no linger), so every round
+    // checks that nothing leaked.
+    let source = Node::start(root.path(), "source", "[cache]\nlinger = \"0s\"\n", &[]);
     let replicas: Vec<Node> = (0..REPLICAS)
         .map(|i| Node::start(root.path(), &format!("r{i}"), "", &[]))
         .collect();
