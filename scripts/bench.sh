@@ -54,13 +54,16 @@ out() { echo "$*" | tee -a "$report"; }
 : > "$report"
 
 # Agents may use the emulated RDMA fabric; syncs choose with --transport.
-cat > "$work/agent.toml" <<EOF
+# The fan-out sources keep the default cache linger (stragglers share the
+# load); every other sync is measured cold, as a first sync is.
+cat > "$work/fan.toml" <<EOF
 [data]
 rdma_port = 0
 [transport]
 mode = "auto"
 rdma_provider = "emulated"
 EOF
+{ cat "$work/fan.toml"; printf '[cache]\nlinger = "0s"\n'; } > "$work/agent.toml"
 
 # start_agent NAME [CONFIG]: sets GRPC_<NAME>, METRICS_<NAME>, PID_<NAME>.
 start_agent() {
@@ -240,7 +243,7 @@ for i in $(seq "$max"); do start_agent "r$i"; done
 "$bin" gen-snapshot --size "$fan_size" --seq 9 "$work/fan.kvr1" > /dev/null
 bytes=$(stat -c %s "$work/fan.kvr1")
 for n in $fanout; do
-    start_agent "fan$n"
+    start_agent "fan$n" "$work/fan.toml"
     cp "$work/fan.kvr1" "$work/fan$n/fan.kvr1"
     eval "src=\$GRPC_fan$n; srcm=\$METRICS_fan$n; srcpid=\$PID_fan$n"
     offered "$src" fan.kvr1
