@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Fuzzes kvsync's decoders (BLK3 tokens and MRINFO, TCP framing, KVR1,
-# RDB head/aux fields/LZF/CRC) with cargo-fuzz for a bounded time each.
+# RDB head/aux fields/LZF/CRC, piece manifests, resume journals) with
+# cargo-fuzz for a bounded time each.
 #
 #   scripts/fuzz.sh                 # every target, FUZZ_SECONDS (60) each
 #   FUZZ_SECONDS=600 scripts/fuzz.sh rdb

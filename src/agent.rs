@@ -169,7 +169,7 @@ impl RunningAgent {
         tasks.spawn(
             DirWatcher::new(
                 config.snapshot_dir.clone(),
-                config.snapshot_format,
+                (config.snapshot_format, config.data.piece_size.as_u64()),
                 catalog.clone(),
                 metrics.clone(),
                 config.watch.clone(),
@@ -372,9 +372,12 @@ fn prepare(config: &Config) -> Result<Prepared, AgentError> {
             None
         },
     };
-    let swept = crate::install::sweep_stale(&config.snapshot_dir);
+    let swept = crate::journal::sweep(&config.snapshot_dir, config.data.resume_ttl, true);
     if swept > 0 {
-        info!(count = swept, "removed stale temp files of an earlier run");
+        info!(
+            count = swept,
+            "removed temp files of an earlier run that cannot be resumed"
+        );
     }
     Ok(Prepared {
         faults,

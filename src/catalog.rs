@@ -1,7 +1,7 @@
 //! The catalog: the verified snapshots this agent can offer as a source.
 //!
 //! Owns the in-memory list of valid snapshot files (path, format, size, mtime,
-//! seq M), answers "latest snapshot of format F", publishes a change
+//! seq M, piece manifest), answers "latest snapshot of format F", publishes a change
 //! generation that tests and sessions can await, and keeps the
 //! `kvsync_snapshot_latest_*` gauges true. It does not look at the disk: the
 //! watcher decides what goes in.
@@ -13,8 +13,9 @@ use std::time::SystemTime;
 
 use tokio::sync::watch;
 
+use crate::manifest::{Manifest, PieceHasher};
 use crate::metrics::Metrics;
-use crate::snapshot::{Format, SnapshotInfo};
+use crate::snapshot::{self, Format, SnapshotError, SnapshotInfo};
 
 /// One offered snapshot file.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -22,9 +23,29 @@ pub struct CatalogEntry {
     pub path: PathBuf,
     pub mtime: SystemTime,
     pub info: SnapshotInfo,
+    /// Its pieces' checksums, from the same read that validated it.
+    pub manifest: Arc<Manifest>,
 }
 
 impl CatalogEntry {
+    /// Validates the snapshot at `path` (modified at `mtime`) completely
+    /// and computes its piece manifest in the same read.
+    pub fn scan(
+        path: &Path,
+        format: Format,
+        piece_size: u64,
+        mtime: SystemTime,
+    ) -> Result<CatalogEntry, SnapshotError> {
+        let mut pieces = PieceHasher::new(piece_size);
+        let info = snapshot::verify_file_observed(path, Some(format), |b| pieces.update(b))?;
+        Ok(CatalogEntry {
+            path: path.to_owned(),
+            mtime,
+            manifest: Arc::new(pieces.finish(info.clone())),
+            info,
+        })
+    }
+
     pub fn format(&self) -> Format {
         self.info.format
     }

@@ -191,6 +191,16 @@ pub struct DataConfig {
     pub max_pending_per_peer: usize,
     /// TLS on the TCP data path (with the `[tls]` files).
     pub tls: DataTls,
+    /// Source: the size of the pieces its snapshots are checked and
+    /// resumed in (a power of two, 1 MiB to 256 MiB).
+    pub piece_size: ByteSize,
+    /// Replica: how often one damaged piece is fetched again before the
+    /// session fails (0 to 8).
+    pub piece_retries: u32,
+    /// Replica: how long a partly received snapshot with its journal is
+    /// kept for a sync to resume.
+    #[serde(with = "humantime_serde")]
+    pub resume_ttl: Duration,
 }
 
 /// Whether the TCP data path is encrypted.
@@ -437,6 +447,9 @@ impl Default for DataConfig {
             max_pending_connections: 64,
             max_pending_per_peer: 8,
             tls: DataTls::Auto,
+            piece_size: ByteSize::b(crate::manifest::DEFAULT_PIECE_SIZE),
+            piece_retries: 3,
+            resume_ttl: Duration::from_secs(3600),
         }
     }
 }
@@ -655,6 +668,15 @@ impl Config {
             p.bad(
                 "data.max_pending_per_peer",
                 "must be between 1 and data.max_pending_connections".into(),
+            );
+        }
+        if let Err(why) = crate::manifest::check_piece_size(self.data.piece_size.as_u64()) {
+            p.bad("data.piece_size", why);
+        }
+        if self.data.piece_retries > crate::blk3::MAX_PIECE_SENDS - 1 {
+            p.bad(
+                "data.piece_retries",
+                format!("must be at most {}", crate::blk3::MAX_PIECE_SENDS - 1),
             );
         }
         let limit = self.sync.rate_limit.as_u64();

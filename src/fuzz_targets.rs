@@ -1,6 +1,7 @@
 //! What the fuzz targets run (`fuzz/`, driven by `scripts/fuzz.sh`) and what
 //! the test suite replays their kept inputs through (`fuzz/regressions/`):
-//! every decoder that reads bytes from a peer or from a snapshot file. Bad
+//! every decoder that reads bytes from a peer, a snapshot or a resume
+//! journal. Bad
 //! input must come back as an error; a panic here is a bug.
 
 use crate::blk3::token::{Token, FRAME_HEADER_LEN, MAX_TOKEN_LEN};
@@ -16,6 +17,8 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("tcp_frames", tcp_frames),
     ("kvr1", kvr1),
     ("rdb", rdb),
+    ("manifest", manifest),
+    ("journal", journal),
 ];
 
 /// One BLK3 token (an RDMA receive, MRINFO among them): a token that
@@ -72,5 +75,25 @@ pub fn rdb(data: &[u8]) {
     let mut v = RdbVerifier::new(data.len() as u64);
     if data.chunks(step).all(|c| v.update(c).is_ok()) {
         let _ = v.finish();
+    }
+}
+
+/// A piece manifest as a source streams it: one that decodes describes
+/// its snapshot consistently and re-encodes to the same bytes.
+pub fn manifest(data: &[u8]) {
+    if let Ok(m) = crate::manifest::Manifest::decode(data) {
+        assert_eq!(m.pieces() as u64, m.info.size.div_ceil(m.piece_size));
+        assert_eq!(m.encode(), data);
+    }
+}
+
+/// A resume journal as found next to a temp file: one that decodes has a
+/// bitmap of its piece count and re-encodes to the same bytes.
+pub fn journal(data: &[u8]) {
+    if let Ok(j) = crate::journal::Journal::decode(data) {
+        assert_eq!(j.verified.len() as u64, j.size.div_ceil(j.piece_size));
+        let again =
+            crate::journal::Journal::decode(&j.encode()).expect("an encoded journal decodes");
+        assert_eq!(again, j);
     }
 }

@@ -1,19 +1,20 @@
 //! Durable install of a received snapshot (replica side, docs/ARCHITECTURE.md, "Receiving").
 //!
 //! Owns the temp file in the destination directory: created (and sized)
-//! before bytes arrive, fed in order while the snapshot's own checksum is
-//! computed on the same bytes, then fsync → rename into place → fsync of the
-//! directory. Until [`Staging::install`] succeeds, dropping the staging
-//! removes the temp file, so a failed or cancelled sync leaves the previous
-//! snapshot untouched and no debris. Stale temp files of a crashed agent are
-//! swept at start by [`sweep_stale`].
+//! before bytes arrive, written piece by piece at their offsets, then
+//! fsync → rename into place → fsync of the directory. Until
+//! [`Staging::install`] succeeds, dropping the staging removes the temp
+//! file (and its resume journal), so a failed or cancelled sync leaves the
+//! previous snapshot untouched and no debris, unless the staging was kept
+//! for a sync to resume ([`Staging::keep`]; `journal` sweeps what is not
+//! resumed in time).
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use crate::snapshot::{Corruption, Format, SnapshotInfo, Verifier};
+use crate::snapshot::Format;
 
 /// Mode of the files kvsync writes: owner and group only (the KV's
 /// group may read them; nobody else).
@@ -40,15 +41,9 @@ pub enum InstallError {
         path: PathBuf,
         source: std::io::Error,
     },
-    /// The received bytes are not the offered snapshot.
-    #[error("received snapshot is invalid: {0}")]
-    Corrupt(Corruption),
     /// Installing would replace a file kvsync did not write.
     #[error("{0} exists and was not installed by kvsync; refusing to replace it (move it away, or install elsewhere)")]
     Foreign(PathBuf),
-    /// The snapshot verified but is not the one that was offered.
-    #[error("received snapshot differs from the offer: {0}")]
-    NotOffered(String),
 }
 
 /// A temp file receiving one snapshot.
@@ -56,17 +51,15 @@ pub struct Staging {
     dir: PathBuf,
     path: PathBuf,
     file: File,
-    format: Format,
-    verifier: Option<Verifier>,
-    len: u64,
     written: u64,
-    installed: bool,
+    /// Installed, or kept for a sync to resume: not removed on drop.
+    keep: bool,
 }
 
 impl Staging {
     /// Creates the temp file for sync `id` in `dir` (proves the directory
     /// is writable before any byte moves).
-    pub fn create(dir: &Path, id: &str, format: Format) -> Result<Staging, InstallError> {
+    pub fn create(dir: &Path, id: &str) -> Result<Staging, InstallError> {
         let path = dir.join(format!("{TEMP_PREFIX}{id}{TEMP_SUFFIX}"));
         let file = OpenOptions::new()
             .read(true)
@@ -82,11 +75,29 @@ impl Staging {
             dir: dir.to_owned(),
             path,
             file,
-            format,
-            verifier: None,
-            len: 0,
             written: 0,
-            installed: false,
+            keep: false,
+        })
+    }
+
+    /// Opens the existing temp file `path` (a partial sync to resume).
+    pub fn reopen(path: &Path) -> Result<Staging, InstallError> {
+        let dir = path.parent().unwrap_or(Path::new(".")).to_owned();
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|source| InstallError::Io {
+                op: "open",
+                path: path.to_owned(),
+                source,
+            })?;
+        Ok(Staging {
+            dir,
+            path: path.to_owned(),
+            file,
+            written: 0,
+            keep: false,
         })
     }
 
@@ -97,9 +108,8 @@ impl Staging {
 
     /// Sizes the file for `len` bytes (reserving the disk space up front, so
     /// a full disk fails here rather than mid-transfer where possible).
+    /// Bytes already in the file stay.
     pub fn prepare(&mut self, len: u64) -> Result<(), InstallError> {
-        self.verifier = Some(Verifier::new(self.format, len).map_err(InstallError::Corrupt)?);
-        self.len = len;
         if len > 0 {
             // SAFETY: plain syscall on an owned fd.
             let r = unsafe {
@@ -119,31 +129,25 @@ impl Staging {
                 }
             }
         }
+        // A resumed file that was longer keeps nothing past the snapshot.
+        if self.file.metadata().map(|m| m.len()).unwrap_or(len) != len {
+            self.file.set_len(len).map_err(|e| self.io("size", e))?;
+        }
         Ok(())
     }
 
-    /// Appends the next received bytes (streaming receive), verifying them.
-    pub fn write(&mut self, bytes: &[u8]) -> Result<(), InstallError> {
+    /// Writes received bytes at `offset`.
+    pub fn write_at(&mut self, offset: u64, bytes: &[u8]) -> Result<(), InstallError> {
         self.file
-            .write_all_at(bytes, self.written)
+            .write_all_at(bytes, offset)
             .map_err(|e| self.io("write", e))?;
         self.written += bytes.len() as u64;
-        self.verifier
-            .as_mut()
-            .expect("prepare() before write()")
-            .update(bytes)
-            .map_err(InstallError::Corrupt)
+        Ok(())
     }
 
-    /// Feeds bytes that are already in the file (written through a shared
-    /// mapping of it) to the checksum, as if [`Staging::write`] had written them.
-    pub fn absorb(&mut self, bytes: &[u8]) -> Result<(), InstallError> {
-        self.written += bytes.len() as u64;
-        self.verifier
-            .as_mut()
-            .expect("prepare() before absorb()")
-            .update(bytes)
-            .map_err(InstallError::Corrupt)
+    /// Counts bytes that reached the file through a shared mapping of it.
+    pub fn absorbed(&mut self, len: u64) {
+        self.written += len;
     }
 
     /// The temp file (for a shared mapping of its prepared length).
@@ -151,19 +155,19 @@ impl Staging {
         &self.file
     }
 
-    /// Bytes written so far.
+    /// Bytes written in this session.
     pub fn written(&self) -> u64 {
         self.written
     }
 
-    /// Finishes the checksum over everything written.
-    pub fn verify(&mut self) -> Result<SnapshotInfo, InstallError> {
-        let verifier = match self.verifier.take() {
-            Some(v) => v,
-            // Empty transfer: verify zero bytes.
-            None => Verifier::new(self.format, 0).map_err(InstallError::Corrupt)?,
-        };
-        verifier.finish().map_err(InstallError::Corrupt)
+    /// Makes what was written durable (before a journal may claim it).
+    pub fn sync_data(&self) -> Result<(), InstallError> {
+        self.file.sync_data().map_err(|e| self.io("fdatasync", e))
+    }
+
+    /// Leaves the temp file in place when dropped, for a sync to resume.
+    pub fn keep(mut self) {
+        self.keep = true;
     }
 
     /// fsync → rename to `dir/name` → fsync dir. Returns the final path.
@@ -171,7 +175,8 @@ impl Staging {
         self.file.sync_all().map_err(|e| self.io("fsync", e))?;
         let dest = self.dir.join(name);
         std::fs::rename(&self.path, &dest).map_err(|e| self.io("rename", e))?;
-        self.installed = true;
+        self.keep = true;
+        let _ = std::fs::remove_file(crate::journal::journal_path(&self.path));
         sync_dir(&self.dir)?;
         Ok(dest)
     }
@@ -187,8 +192,8 @@ impl Staging {
 
 impl Drop for Staging {
     fn drop(&mut self) {
-        if !self.installed {
-            let _ = std::fs::remove_file(&self.path);
+        if !self.keep {
+            crate::journal::discard(&self.path);
         }
     }
 }
@@ -239,23 +244,6 @@ pub fn write_atomic(path: &Path, contents: &[u8]) -> Result<(), InstallError> {
     tmp.as_file().sync_all().map_err(|e| io("fsync", e))?;
     tmp.persist(path).map_err(|e| io("rename", e.error))?;
     sync_dir(dir)
-}
-
-/// Removes temp files a previous (crashed) agent left in `dir`; returns how
-/// many.
-pub fn sweep_stale(dir: &Path) -> usize {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return 0;
-    };
-    entries
-        .filter_map(|e| e.ok())
-        .filter(|e| {
-            let name = e.file_name();
-            let name = name.to_string_lossy();
-            name.starts_with(TEMP_PREFIX) && name.ends_with(TEMP_SUFFIX)
-        })
-        .filter(|e| std::fs::remove_file(e.path()).is_ok())
-        .count()
 }
 
 /// Hidden file in a snapshot directory listing, one per line, the names
@@ -331,13 +319,12 @@ mod tests {
     fn staged_snapshot_installs_durably() {
         let dir = tempfile::tempdir().unwrap();
         let bytes = snapshot(100_000, 8);
-        let mut s = Staging::create(dir.path(), "abc", Format::Kvr1).unwrap();
+        let mut s = Staging::create(dir.path(), "abc").unwrap();
         let tmp = s.path().to_owned();
         s.prepare(bytes.len() as u64).unwrap();
-        for c in bytes.chunks(7777) {
-            s.write(c).unwrap();
+        for (i, c) in bytes.chunks(7777).enumerate().rev() {
+            s.write_at(i as u64 * 7777, c).unwrap();
         }
-        assert_eq!(s.verify().unwrap().seq, 8);
         let dest = s.install("snap.kvr1").unwrap();
         assert_eq!(std::fs::read(&dest).unwrap(), bytes);
         use std::os::unix::fs::PermissionsExt;
@@ -349,9 +336,9 @@ mod tests {
     #[test]
     fn dropped_staging_removes_its_temp_file() {
         let dir = tempfile::tempdir().unwrap();
-        let mut s = Staging::create(dir.path(), "x", Format::Kvr1).unwrap();
+        let mut s = Staging::create(dir.path(), "x").unwrap();
         s.prepare(1000).unwrap();
-        s.write(&[1, 2, 3]).unwrap_err(); // bad magic, detected at once
+        s.write_at(0, &[1, 2, 3]).unwrap();
         let tmp = s.path().to_owned();
         assert!(tmp.exists());
         drop(s);
@@ -361,23 +348,25 @@ mod tests {
 
     #[test]
     fn unwritable_dir_is_reported() {
-        let err = Staging::create(Path::new("/proc/kvsync-nope"), "x", Format::Kvr1)
+        let err = Staging::create(Path::new("/proc/kvsync-nope"), "x")
             .err()
             .unwrap();
         assert!(err.to_string().contains("not writable"), "{err}");
     }
 
     #[test]
-    fn stale_temp_files_are_swept() {
+    fn a_kept_staging_stays_and_reopens_with_its_bytes() {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(
-            dir.path().join(format!("{TEMP_PREFIX}old{TEMP_SUFFIX}")),
-            b"x",
-        )
-        .unwrap();
-        std::fs::write(dir.path().join("keep.kvr1"), b"x").unwrap();
-        assert_eq!(sweep_stale(dir.path()), 1);
-        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+        let mut s = Staging::create(dir.path(), "k").unwrap();
+        s.prepare(10).unwrap();
+        s.write_at(2, b"abc").unwrap();
+        let path = s.path().to_owned();
+        s.keep();
+        let mut again = Staging::reopen(&path).unwrap();
+        again.prepare(10).unwrap();
+        assert_eq!(&std::fs::read(&path).unwrap()[2..5], b"abc");
+        drop(again);
+        assert!(!path.exists());
     }
 
     #[test]

@@ -9,6 +9,7 @@
 //! The modules follow that flow:
 //! - [`config`] — the TOML configuration and its validation.
 //! - [`snapshot`] — snapshot formats and their streaming verifiers.
+//! - [`manifest`] — a snapshot's identity and per-piece checksums.
 //! - [`catalog`] / [`watch`] — which snapshots this agent offers, and the
 //!   directory watcher that fills the catalog.
 //! - [`buf`] — page-aligned buffers for the data path.
@@ -23,7 +24,8 @@
 //! - [`transport`] — drivers that run BLK3 over TCP and RDMA (verbs, or the
 //!   emulated fabric), the RDMA probe and transport selection.
 //! - [`sync`] — replica sync jobs and the source role's sessions.
-//! - [`install`] — staging, verifying and durably installing received snapshots.
+//! - [`install`] — staging and durably installing received snapshots.
+//! - [`journal`] — what a partly received snapshot holds, for resuming.
 //! - [`handoff`] — handing the snapshot's sequence number to the local KV.
 //! - [`redis`] — Redis/Valkey: the source's backlog pre-flight and the
 //!   replica's seeding handoff.
@@ -44,6 +46,8 @@ pub mod control;
 pub mod fuzz_targets;
 pub mod handoff;
 pub mod install;
+pub mod journal;
+pub mod manifest;
 pub mod metrics;
 pub mod peer_text;
 pub mod pem;

@@ -83,6 +83,8 @@ pub struct Metrics {
     // Syncs.
     pub fullsync_total: IntCounterVec,
     pub fullsync_bytes: IntCounterVec,
+    pub resumed_bytes: IntCounter,
+    pub piece_refetch: IntCounterVec,
     pub fullsync_duration: HistogramVec,
     pub bulk_duration: Histogram,
     pub fullsync_in_progress: IntGaugeVec,
@@ -168,6 +170,17 @@ impl Metrics {
                     "Snapshot bytes moved by full syncs"
                 ),
                 &["role", "transport"]
+            )),
+            resumed_bytes: reg!(IntCounter::new(
+                "kvsync_resumed_bytes_total",
+                "Snapshot bytes a replica's sync found verified in place and did not move again"
+            )),
+            piece_refetch: reg!(IntCounterVec::new(
+                Opts::new(
+                    "kvsync_piece_refetch_total",
+                    "Pieces that failed their check on a replica and were fetched again"
+                ),
+                &["transport"]
             )),
             fullsync_duration: reg!(HistogramVec::new(
                 hist(
@@ -276,6 +289,7 @@ impl Metrics {
         for role in ["source", "replica"] {
             m.fullsync_in_progress.with_label_values(&[role]);
             for transport in ["tcp", "rdma"] {
+                m.piece_refetch.with_label_values(&[transport]);
                 m.fullsync_bytes.with_label_values(&[role, transport]);
                 for result in SYNC_RESULTS {
                     m.fullsync_total

@@ -23,7 +23,7 @@ use tracing::{debug, info, warn};
 use crate::catalog::{Catalog, CatalogEntry};
 use crate::config::WatchConfig;
 use crate::metrics::Metrics;
-use crate::snapshot::{self, Format};
+use crate::snapshot::Format;
 
 /// True for names that are never snapshots: hidden files, temp files of
 /// kvsync and of the KV (`temp-*.rdb`, `*.tmp`), handoff records.
@@ -46,6 +46,8 @@ struct Seen {
 pub struct DirWatcher {
     dir: PathBuf,
     format: Format,
+    /// Piece size of the manifests computed while validating.
+    piece_size: u64,
     catalog: Arc<Catalog>,
     metrics: Arc<Metrics>,
     config: WatchConfig,
@@ -59,7 +61,7 @@ pub struct DirWatcher {
 impl DirWatcher {
     pub fn new(
         dir: PathBuf,
-        format: Format,
+        (format, piece_size): (Format, u64),
         catalog: Arc<Catalog>,
         metrics: Arc<Metrics>,
         config: WatchConfig,
@@ -72,6 +74,7 @@ impl DirWatcher {
         DirWatcher {
             dir,
             format,
+            piece_size,
             catalog,
             metrics,
             config,
@@ -274,11 +277,13 @@ impl DirWatcher {
             self.pending.insert(path, instant_ago(age));
             return;
         }
-        let format = self.format;
+        let (format, piece_size) = (self.format, self.piece_size);
         let p = path.clone();
-        let verdict = tokio::task::spawn_blocking(move || snapshot::verify_file(&p, Some(format)))
-            .await
-            .expect("verify task does not panic");
+        let verdict = tokio::task::spawn_blocking(move || {
+            CatalogEntry::scan(&p, format, piece_size, seen.mtime)
+        })
+        .await
+        .expect("verify task does not panic");
         // The file may have changed while it was being read.
         let after = std::fs::metadata(&path).ok().map(|m| Seen {
             size: m.len(),
@@ -290,13 +295,10 @@ impl DirWatcher {
         }
         self.decided.insert(path.clone(), seen);
         match verdict {
-            Ok(info) => {
-                info!(path = %path.display(), seq = info.seq, size = info.size, format = %info.format, "snapshot offered");
-                self.catalog.upsert(CatalogEntry {
-                    path,
-                    mtime: seen.mtime,
-                    info,
-                });
+            Ok(entry) => {
+                let info = &entry.info;
+                info!(path = %path.display(), seq = info.seq, size = info.size, format = %info.format, pieces = entry.manifest.pieces(), "snapshot offered");
+                self.catalog.upsert(entry);
             }
             Err(e) => {
                 warn!(error = %e, "snapshot rejected; not offered");

@@ -5,7 +5,8 @@
 //! loop with its session table and cache, the replica's `DataLink` and
 //! `Receiver`. Each case expects the same outcome from every transport: the
 //! same job error, the same source-side result, and no temp file left
-//! behind.
+//! behind, except what a failed session keeps for the next one to resume
+//! (which each case then resumes).
 
 mod common;
 
@@ -19,6 +20,7 @@ use kvsync::catalog::CatalogEntry;
 use kvsync::config::RdmaProvider;
 use kvsync::metrics::Metrics;
 use kvsync::snapshot::kvr1::GenSpec;
+use kvsync::snapshot::Format;
 use kvsync::sync::job::JobError;
 use kvsync::sync::receive::{Received, Receiver};
 use kvsync::sync::source::{self, DataPlane, Limits, Offer, SessionTable};
@@ -34,9 +36,11 @@ const DEADLINE: Duration = Duration::from_secs(60);
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Case {
     Clean,
-    /// One byte flipped on the wire.
+    /// One byte flipped on the wire, once: its piece is fetched again.
     CorruptByte,
-    /// The source drops the connection after 1 MiB.
+    /// One byte flipped, and the replica allows no piece a second try.
+    CorruptNoRetry,
+    /// The source drops the connection after 1.5 MiB.
     Cut,
     /// The replica presents a token the source never offered.
     BadToken,
@@ -97,10 +101,12 @@ impl Tls {
 /// The source-side faults that make `case` happen on `kind`.
 fn faults(case: Case, kind: TransportKind) -> Faults {
     let mut f = Faults::default();
-    let (corrupt, cut) = (Some((2 << 20) + 5), Some(1 << 20));
+    let (corrupt, cut) = (Some((2 << 20) + 5), Some(3 << 19));
     match (case, kind) {
-        (Case::CorruptByte, TransportKind::Tcp) => f.corrupt_at = corrupt,
-        (Case::CorruptByte, TransportKind::Rdma) => f.emu.corrupt_at = corrupt,
+        (Case::CorruptByte | Case::CorruptNoRetry, TransportKind::Tcp) => f.corrupt_at = corrupt,
+        (Case::CorruptByte | Case::CorruptNoRetry, TransportKind::Rdma) => {
+            f.emu.corrupt_at = corrupt
+        }
         (Case::Cut, TransportKind::Tcp) => f.cut_after = cut,
         (Case::Cut, TransportKind::Rdma) => f.emu.cut_after = cut,
         _ => {}
@@ -147,6 +153,8 @@ struct Run {
     source_result: Option<&'static str>,
     source_bytes: u64,
     auth_failures: u64,
+    refetched: u32,
+    resumed_bytes: u64,
     temp_files: Vec<PathBuf>,
     /// What the source sent over TCP, as seen on the path.
     wire: Vec<u8>,
@@ -177,9 +185,10 @@ fn limit_file_size(bytes: Option<u64>) {
     }
 }
 
-async fn run(case: Case, wire: Wire, root: &Path, tls: &Tls) -> Run {
+/// Runs `case` over `wire` in `dir` (a source and a replica directory; a
+/// second run in the same directory finds what the first one kept).
+async fn run(case: Case, wire: Wire, dir: &Path, tls: &Tls) -> Run {
     let kind = wire.kind();
-    let dir = root.join(format!("{case:?}-{wire:?}"));
     let (src_dir, dst_dir) = (dir.join("source"), dir.join("replica"));
     std::fs::create_dir_all(&src_dir).unwrap();
     std::fs::create_dir_all(&dst_dir).unwrap();
@@ -192,11 +201,8 @@ async fn run(case: Case, wire: Wire, root: &Path, tls: &Tls) -> Run {
     }
     .write_file(&path)
     .unwrap();
-    let entry = Arc::new(CatalogEntry {
-        info: kvsync::snapshot::verify_file(&path, None).unwrap(),
-        mtime: std::fs::metadata(&path).unwrap().modified().unwrap(),
-        path: path.clone(),
-    });
+    let mtime = std::fs::metadata(&path).unwrap().modified().unwrap();
+    let entry = Arc::new(CatalogEntry::scan(&path, Format::Kvr1, 1 << 20, mtime).unwrap());
 
     // The source: cache, session table with one offer, the serve loop.
     let metrics = Metrics::new();
@@ -265,18 +271,22 @@ async fn run(case: Case, wire: Wire, root: &Path, tls: &Tls) -> Run {
     if case == Case::NoRoom {
         limit_file_size(Some(1 << 20));
     }
-    let staging = kvsync::install::Staging::create(&dst_dir, "t", entry.info.format).unwrap();
-    let verdict = tokio::task::spawn_blocking(move || {
-        let mut receiver = Receiver::new(staging, |_| {});
+    let retries = if case == Case::CorruptNoRetry { 0 } else { 3 };
+    let manifest = entry.manifest.clone();
+    let (verdict, refetched, resumed_bytes) = tokio::task::spawn_blocking(move || {
+        let mut receiver = Receiver::open(&dst_dir, "t", "source", manifest, retries, |_| {})?;
         let link = DataLink::dial(&spec).map_err(|message| JobError::DataConnect {
             endpoint: spec.endpoint.to_string(),
             message,
         })?;
         let (result, _) = link.run(token, SIZE, &mut receiver, &Faults::default());
-        receiver.finish(result)
+        let (refetched, resumed) = (receiver.refetched(), receiver.resumed_bytes());
+        Ok::<_, JobError>((receiver.finish(result), refetched, resumed))
     })
     .await
-    .unwrap();
+    .unwrap()
+    .unwrap_or_else(|e| (Err(e), 0, 0));
+    let dst_dir = dir.join("replica");
     limit_file_size(None);
 
     // The source's verdict, once its session has ended (a refused
@@ -312,20 +322,54 @@ async fn run(case: Case, wire: Wire, root: &Path, tls: &Tls) -> Run {
             .get(),
         temp_files: temp_files(&dst_dir),
         auth_failures: auth_failures(),
+        refetched,
+        resumed_bytes,
         verdict,
         source_result,
         wire: captured,
     }
 }
 
-/// Checks `run` against what `case` must produce on any transport.
-fn check(case: Case, wire: Wire, r: Run, original: &[u8]) {
-    let what = format!("{case:?} over {wire:?}");
+/// Checks that `r` delivered an exact copy of `original`.
+fn check_copy(what: &str, r: Run, original: &[u8]) {
+    let received = r.verdict.unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert_eq!(received.info.seq, 9, "{what}");
+    let installed = received.staging.install("got.kvr1").unwrap();
     assert!(
-        r.temp_files.is_empty() || case == Case::Clean,
-        "{what}: {:?}",
-        r.temp_files
+        std::fs::read(installed).unwrap() == original,
+        "{what}: exact copy"
     );
+    assert_eq!(r.source_result, Some("ok"), "{what}");
+}
+
+/// Checks `run` against what `case` must produce on any transport; a case
+/// that kept verified pieces is resumed in `dir` and must move only the rest.
+async fn check(case: Case, wire: Wire, r: Run, dir: &Path, tls: &Tls) {
+    let original = std::fs::read(dir.join("source/s.kvr1")).unwrap_or_default();
+    let what = format!("{case:?} over {wire:?}");
+    let kept = matches!(case, Case::Cut | Case::CorruptNoRetry);
+    let names: Vec<String> = r
+        .temp_files
+        .iter()
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    if kept {
+        // The partial file and its journal, for the next session.
+        assert_eq!(
+            names.len(),
+            2,
+            "{what}: {names:?} {:?}",
+            r.verdict.as_ref().err()
+        );
+        assert!(
+            names.iter().any(|n| n.ends_with(".journal")),
+            "{what}: {names:?}"
+        );
+    } else {
+        // A successful session's staging file waits for its install.
+        let ok = matches!(case, Case::Clean | Case::CorruptByte);
+        assert!(r.temp_files.is_empty() || ok, "{what}: {names:?}");
+    }
     let err = r
         .verdict
         .as_ref()
@@ -334,15 +378,8 @@ fn check(case: Case, wire: Wire, r: Run, original: &[u8]) {
         .unwrap_or_default();
     match case {
         Case::Clean => {
-            let received = r.verdict.unwrap_or_else(|e| panic!("{what}: {e}"));
-            assert_eq!(received.info.seq, 9, "{what}");
-            let installed = received.staging.install("got.kvr1").unwrap();
-            assert!(
-                std::fs::read(installed).unwrap() == original,
-                "{what}: exact copy"
-            );
-            assert_eq!(r.source_result, Some("ok"), "{what}");
             assert_eq!(r.source_bytes, SIZE, "{what}");
+            assert_eq!(r.refetched, 0, "{what}");
             // Snapshot bytes are readable on the path in plain TCP, never
             // under TLS.
             let sample = &original[(2 << 20)..(2 << 20) + 64];
@@ -352,10 +389,17 @@ fn check(case: Case, wire: Wire, r: Run, original: &[u8]) {
                 Wire::Tls => assert!(!seen && r.wire.len() as u64 > SIZE, "{what}: encrypted"),
                 Wire::Emulated => {}
             }
+            check_copy(&what, r, &original);
         }
         Case::CorruptByte => {
+            // Only the damaged piece (the third MiB) moves again.
+            assert_eq!(r.refetched, 1, "{what}");
+            assert_eq!(r.source_bytes, SIZE + (1 << 20), "{what}");
+            check_copy(&what, r, &original);
+        }
+        Case::CorruptNoRetry => {
             assert!(
-                matches!(r.verdict, Err(JobError::Checksum(_))),
+                matches!(r.verdict, Err(JobError::Checksum(_))) && err.contains("piece 2"),
                 "{what}: {err}"
             );
             assert_eq!(r.source_result, Some("checksum_mismatch"), "{what}");
@@ -396,6 +440,15 @@ fn check(case: Case, wire: Wire, r: Run, original: &[u8]) {
             assert_eq!(r.source_bytes, 0, "{what}: no byte moved");
         }
     }
+    if kept {
+        // Resumed: the verified pieces stay, only the others move.
+        let again = run(Case::Clean, wire, dir, tls).await;
+        let what = format!("{what}, resumed");
+        let resumed = again.resumed_bytes;
+        assert!(resumed >= 1 << 20, "{what}: resumed {resumed}");
+        assert_eq!(again.source_bytes, SIZE - resumed, "{what}");
+        check_copy(&what, again, &original);
+    }
 }
 
 // One test function: the NoRoom case changes a process-wide limit, so the
@@ -407,22 +460,19 @@ async fn every_failure_behaves_the_same_on_every_transport() {
     for case in [
         Case::Clean,
         Case::CorruptByte,
+        Case::CorruptNoRetry,
         Case::Cut,
         Case::BadToken,
         Case::NoRoom,
     ] {
         for wire in [Wire::Tcp, Wire::Tls, Wire::Emulated] {
-            let r = run(case, wire, root.path(), &tls).await;
-            let original = std::fs::read(
-                root.path()
-                    .join(format!("{case:?}-{wire:?}"))
-                    .join("source/s.kvr1"),
-            )
-            .unwrap();
-            check(case, wire, r, &original);
+            let dir = root.path().join(format!("{case:?}-{wire:?}"));
+            let r = run(case, wire, &dir, &tls).await;
+            check(case, wire, r, &dir, &tls).await;
         }
     }
     // Only TLS has a certificate to distrust.
-    let r = run(Case::UntrustedSource, Wire::Tls, root.path(), &tls).await;
-    check(Case::UntrustedSource, Wire::Tls, r, &[]);
+    let dir = root.path().join("untrusted");
+    let r = run(Case::UntrustedSource, Wire::Tls, &dir, &tls).await;
+    check(Case::UntrustedSource, Wire::Tls, r, &dir, &tls).await;
 }

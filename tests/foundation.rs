@@ -147,7 +147,7 @@ fn start_watcher_rescanning(dir: &Path, rescan_interval: Duration) -> Watched {
     };
     let w = DirWatcher::new(
         dir.to_owned(),
-        Format::Kvr1,
+        (Format::Kvr1, 1 << 20),
         catalog.clone(),
         metrics.clone(),
         config,
@@ -343,13 +343,8 @@ async fn watcher_survives_directory_removed_and_recreated() {
 // ---------------------------------------------------------------- cache
 
 fn entry_for(path: &Path) -> CatalogEntry {
-    let info = snapshot::verify_file(path, None).unwrap();
     let mtime = std::fs::metadata(path).unwrap().modified().unwrap();
-    CatalogEntry {
-        path: path.to_owned(),
-        mtime,
-        info,
-    }
+    CatalogEntry::scan(path, Format::Kvr1, 1 << 20, mtime).unwrap()
 }
 
 fn write_snapshot(path: &Path, size: u64, seq: u64) -> Vec<u8> {

@@ -429,19 +429,25 @@ async fn a_source_that_stops_sending_loses_the_session_within_the_window() {
 struct Stuck {
     file: std::fs::File,
     release: std::sync::mpsc::Receiver<()>,
+    want: kvsync::transport::Want,
 }
 
 impl kvsync::transport::Sink for Stuck {
+    fn want(&self) -> kvsync::transport::Want {
+        self.want.clone()
+    }
     fn prepare(&mut self, _len: u64) -> Result<(), String> {
         Ok(())
-    }
-    fn write(&mut self, _bytes: &[u8]) {
-        let _ = self.release.recv();
     }
     fn file(&self) -> &std::fs::File {
         &self.file
     }
-    fn absorb(&mut self, _bytes: &[u8]) {}
+    fn piece_bytes(&mut self, _index: u32, _bytes: &[u8], _in_file: bool) {
+        let _ = self.release.recv();
+    }
+    fn piece_done(&mut self, _index: u32) -> Result<(), String> {
+        Ok(())
+    }
     fn verify(&mut self) -> Result<(), String> {
         Err("this replica never verifies".into())
     }
@@ -461,11 +467,18 @@ async fn a_replica_that_stops_reading_loses_the_session_within_the_window() {
     let token: [u8; 32] = offer.session_token.as_slice().try_into().unwrap();
     let endpoint = offer.data_endpoint.clone();
     let size = offer.snapshot_size;
+    let piece_size = offer.piece_size;
     let file = tempfile::tempfile().unwrap();
     let reader = std::thread::spawn(move || {
+        let pieces = size.div_ceil(piece_size) as u32;
         let mut sink = Stuck {
             file,
             release: stuck,
+            want: kvsync::transport::Want {
+                piece_size,
+                need: vec![(0, pieces)],
+                retries: 0,
+            },
         };
         let mut link = kvsync::transport::tcp::Link::new(
             std::net::TcpStream::connect(endpoint).unwrap(),

@@ -181,10 +181,21 @@ impl Drop for Redis {
 fn agent(root: &Path, name: &str, snapshot_dir: &Path, config: &str, env: &[(&str, &str)]) -> Node {
     let path = root.join(format!("{name}.toml"));
     std::fs::create_dir_all(snapshot_dir).unwrap();
+    // `[data]` keys of `config` join the [data] section written here.
+    let (data, config) = match config.split_once("[data]\n") {
+        Some((before, after)) => {
+            let end = after.find("\n[").map_or(after.len(), |i| i + 1);
+            (
+                after[..end].to_string(),
+                format!("{before}{}", &after[end..]),
+            )
+        }
+        None => (String::new(), config.to_string()),
+    };
     std::fs::write(
         &path,
         format!(
-            "node_id = \"{name}\"\nsnapshot_dir = \"{}\"\nsnapshot_format = \"redis-rdb\"\n[grpc]\nlisten = \"127.0.0.1:0\"\n[data]\ntcp_listen = \"127.0.0.1:0\"\nrdma_port = 0\n[metrics]\nlisten = \"127.0.0.1:0\"\n[watch]\ndebounce = \"20ms\"\n[sync]\nretries = 0\n{config}",
+            "node_id = \"{name}\"\nsnapshot_dir = \"{}\"\nsnapshot_format = \"redis-rdb\"\n[grpc]\nlisten = \"127.0.0.1:0\"\n[data]\ntcp_listen = \"127.0.0.1:0\"\nrdma_port = 0\n{data}[metrics]\nlisten = \"127.0.0.1:0\"\n[watch]\ndebounce = \"20ms\"\n[sync]\nretries = 0\n{config}",
             snapshot_dir.display()
         ),
     )
@@ -423,6 +434,8 @@ fn replica_seeded_over_the_emulated_rdma_fabric_continues_with_a_partial_resync(
 }
 
 const TCP: &str = "mode = \"tcp\"";
+/// TCP, and a damaged piece fails the session at once (no second try).
+const TCP_NO_PIECE_RETRY: &str = "mode = \"tcp\"\n[data]\npiece_retries = 0\n";
 
 /// A source agent on `primary`'s dir (started with `env`) and a replica agent
 /// that seeds the server on `port`, both named with `tag`, once the source
@@ -490,16 +503,24 @@ fn refusals_leave_the_replica_server_untouched() {
     });
     drop(primary);
 
-    // A corrupted byte in flight: RDFL, nothing placed.
+    // A corrupted byte in flight, and no second try: RDFL, nothing placed.
     let (primary, _) = loaded_primary(&root.join("big"), "64mb");
     rt.block_on(async {
         let env = [("KVSYNC_FAULTS", "corrupt_at=100000")];
-        let (source, replica, _) =
-            source_and_replica(root, "2", &primary, replica_redis.port, &rdir, TCP, &env).await;
+        let (source, replica, _) = source_and_replica(
+            root,
+            "2",
+            &primary,
+            replica_redis.port,
+            &rdir,
+            TCP_NO_PIECE_RETRY,
+            &env,
+        )
+        .await;
         let id = start_sync(&replica, &source).await;
         let p = wait_done(&replica, &id).await;
         assert_eq!(p.result, "checksum_mismatch", "{p:?}");
-        assert!(replica.temp_files().is_empty());
+        assert!(p.error.contains("piece 0"), "{}", p.error);
     });
     // The server kept running, standalone, with its own data.
     assert_eq!(

@@ -18,7 +18,7 @@ mod tests;
 
 use std::time::Duration;
 
-pub use plan::{size_scaled_timeout, BulkParams, WriteOp, WritePlanner};
+pub use plan::{need_ranges, size_scaled_timeout, BulkParams, WriteOp, WritePlanner};
 pub use replica::Replica;
 pub use source::Source;
 pub use token::{Kind, Token, TokenError};
@@ -34,6 +34,33 @@ pub enum BulkMode {
 
 /// Timeout for handshake steps that do not scale with the snapshot.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Pieces the source may announce (PDON) without a reply: the receives
+/// the replica keeps posted for them, and the source's credits.
+pub const PIECE_WINDOW: u32 = 8;
+
+/// The most times a source sends one piece in a session (the first time
+/// and re-requests); a replica asking for more fails the session.
+pub const MAX_PIECE_SENDS: u32 = 9;
+
+/// Where the pieces of a snapshot lie.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pieces {
+    pub len: u64,
+    pub size: u64,
+}
+
+impl Pieces {
+    pub fn count(&self) -> u32 {
+        self.len.div_ceil(self.size) as u32
+    }
+
+    /// Offset and length of piece `index`.
+    pub fn range(&self, index: u32) -> (u64, u64) {
+        let offset = index as u64 * self.size;
+        (offset, self.size.min(self.len - offset))
+    }
+}
 
 /// What a machine asks its driver to do, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -52,17 +79,17 @@ pub enum Command {
         rkey: u32,
         writes: Vec<WriteOp>,
     },
-    /// Source, stream: send the `len` snapshot bytes. Answer with
-    /// [`Input::BulkSent`].
-    StreamBulk { len: u64 },
+    /// Source, stream: send the piece's bytes (after its PDON). No answer.
+    StreamPiece { index: u32, offset: u64, len: u64 },
     /// Replica: create the destination for `len` bytes (and register its
     /// memory for RDMA). Answer with [`Input::ReceiveReady`], or
     /// [`Input::ReceiveFailed`] when the bytes cannot be taken.
     PrepareReceive { len: u64 },
-    /// Replica, stream: read the `len` bulk bytes. Answer with
-    /// [`Input::BulkReceived`].
-    ReceiveBulk { len: u64 },
-    /// Replica: verify the received snapshot's checksum. Answer with
+    /// Replica: take piece `index` (its PDON arrived): read it from the
+    /// stream, or from the receive memory, and check it against the
+    /// manifest. Answer with [`Input::PieceChecked`].
+    TakePiece { index: u32, offset: u64, len: u64 },
+    /// Replica: every piece is in; verify the whole snapshot. Answer with
     /// [`Input::Verified`].
     Verify,
     /// The session is over.
@@ -77,14 +104,17 @@ pub enum Input {
     WriteCompleted {
         id: u64,
     },
-    BulkSent,
     ReceiveReady {
         addr: u64,
         rkey: u32,
     },
     /// The replica cannot take the snapshot (disk full, …); the reason.
     ReceiveFailed(String),
-    BulkReceived,
+    /// A piece's check against the manifest; `Err` carries the reason.
+    PieceChecked {
+        index: u32,
+        result: Result<(), String>,
+    },
     /// Checksum result; `Err` carries the reason.
     Verified(Result<(), String>),
 }
@@ -111,6 +141,16 @@ pub enum Blk3Error {
     /// The driver reported an input that makes no sense in this state.
     #[error("driver error: {input} while {state}")]
     BadInput { state: &'static str, input: String },
+    /// A piece token or NEED range that does not fit the session.
+    #[error("bad piece message: {0}")]
+    BadPiece(String),
+    /// One piece failed its check more often than the session allows.
+    #[error("{CHECKSUM_FAILED}: piece {index} failed its check {tries} times: {reason}")]
+    PieceRetries {
+        index: u32,
+        tries: u32,
+        reason: String,
+    },
     /// MRINFO advertised a region whose length is not the announced length.
     #[error("MRINFO length {mrinfo} differs from the announced snapshot length {announced}; refusing to write")]
     MrinfoLength { announced: u64, mrinfo: u64 },

@@ -1,8 +1,10 @@
-//! Bulk-phase planning: how a snapshot is cut into RDMA Writes, which of
-//! them are signalled, how many are in flight, and how long a wait may take.
+//! Bulk-phase planning: how pieces are cut into RDMA Writes, which of
+//! them are signalled, how many are in flight, how a replica asks for the
+//! pieces it lacks, and how long a wait may take.
 //!
 //! Pure arithmetic over lengths and counts; the drivers post what it plans.
 
+use std::collections::VecDeque;
 use std::time::Duration;
 
 /// One MiB.
@@ -73,95 +75,141 @@ pub struct UnexpectedCompletion {
     pub expected: Option<u64>,
 }
 
-/// Hands out chains of writes, keeping at most `pipeline` in flight.
+/// Cuts the pieces handed to it into chains of writes, keeping at most
+/// `pipeline` writes in flight. Every `signal_batch`-th write and the last
+/// write of each piece are signalled, so the last write posted always is.
 #[derive(Debug, Clone)]
 pub struct WritePlanner {
-    total: u64,
     params: BulkParams,
-    writes: u64,
-    /// Next write to post.
+    /// Pieces not fully posted: index, next offset, end.
+    pieces: VecDeque<(u32, u64, u64)>,
+    /// Next write id.
     next: u64,
     /// Writes known complete (all ids below this).
     completed: u64,
+    /// Signalled writes in flight, oldest first.
+    signaled: VecDeque<u64>,
 }
 
 impl WritePlanner {
-    pub fn new(total: u64, params: BulkParams) -> WritePlanner {
+    pub fn new(params: BulkParams) -> WritePlanner {
         WritePlanner {
-            total,
             params,
-            writes: total.div_ceil(params.chunk),
+            pieces: VecDeque::new(),
             next: 0,
             completed: 0,
+            signaled: VecDeque::new(),
         }
     }
 
-    /// Number of writes in the whole plan.
-    pub fn total_writes(&self) -> u64 {
-        self.writes
+    /// Queues the `len` bytes of piece `index` at `offset`.
+    pub fn push(&mut self, index: u32, offset: u64, len: u64) {
+        self.pieces.push_back((index, offset, offset + len));
     }
 
-    /// Number of signalled writes in the whole plan.
-    pub fn total_signaled(&self) -> u64 {
-        (0..self.writes).filter(|&i| self.is_signaled(i)).count() as u64
-    }
-
-    fn is_signaled(&self, id: u64) -> bool {
-        (id + 1).is_multiple_of(self.params.signal_batch as u64) || id + 1 == self.writes
-    }
-
-    /// The writes to post now (one linked chain), filling the pipeline.
-    pub fn next_chain(&mut self) -> Vec<WriteOp> {
-        let room = self.params.pipeline as u64 - (self.next - self.completed);
-        let end = (self.next + room).min(self.writes);
-        let chain = (self.next..end)
-            .map(|id| {
-                let offset = id * self.params.chunk;
-                WriteOp {
-                    id,
-                    offset,
-                    len: self.params.chunk.min(self.total - offset),
-                    signaled: self.is_signaled(id),
-                }
-            })
-            .collect();
-        self.next = end;
-        chain
+    /// The writes to post now, filling the pipeline: one linked chain per
+    /// piece, each with the piece's index when the chain ends it (so its
+    /// PDON can follow at once).
+    pub fn next_chains(&mut self) -> Vec<(Vec<WriteOp>, Option<u32>)> {
+        let mut room = self.params.pipeline as u64 - (self.next - self.completed);
+        let mut chains = Vec::new();
+        let mut chain = Vec::new();
+        while room > 0 {
+            let Some((index, offset, end)) = self.pieces.front_mut() else {
+                break;
+            };
+            let len = self.params.chunk.min(*end - *offset);
+            let last = *offset + len == *end;
+            let id = self.next;
+            chain.push(WriteOp {
+                id,
+                offset: *offset,
+                len,
+                signaled: last || (id + 1).is_multiple_of(self.params.signal_batch as u64),
+            });
+            *offset += len;
+            if chain.last().is_some_and(|w: &WriteOp| w.signaled) {
+                self.signaled.push_back(id);
+            }
+            self.next += 1;
+            room -= 1;
+            if last {
+                chains.push((std::mem::take(&mut chain), Some(*index)));
+                self.pieces.pop_front();
+            }
+        }
+        if !chain.is_empty() {
+            chains.push((chain, None));
+        }
+        chains
     }
 
     /// Records the completion of signalled write `id`: on a reliable
     /// connection every earlier write is complete too.
     pub fn complete(&mut self, id: u64) -> Result<(), UnexpectedCompletion> {
-        let expected = (self.completed..self.next).find(|&i| self.is_signaled(i));
+        let expected = self.signaled.front().copied();
         if expected != Some(id) {
             return Err(UnexpectedCompletion { id, expected });
         }
+        self.signaled.pop_front();
         self.completed = id + 1;
         Ok(())
     }
 
-    /// Bytes known written.
-    pub fn bytes_done(&self) -> u64 {
-        (self.completed * self.params.chunk).min(self.total)
+    /// Nothing queued and nothing in flight.
+    pub fn idle(&self) -> bool {
+        self.pieces.is_empty() && self.completed == self.next
     }
+}
 
-    /// Every write completed.
-    pub fn done(&self) -> bool {
-        self.completed == self.writes
+/// The ranges `(first, count)` of the pieces `wanted` says are needed, at
+/// most `max` of them: beyond that, the closest ranges are merged (asking
+/// again for the few verified pieces between them, which is harmless).
+pub fn need_ranges(wanted: impl IntoIterator<Item = bool>, max: usize) -> Vec<(u32, u32)> {
+    let mut ranges: Vec<(u32, u32)> = Vec::new();
+    for (i, want) in wanted.into_iter().enumerate() {
+        if !want {
+            continue;
+        }
+        let i = i as u32;
+        match ranges.last_mut() {
+            Some((first, count)) if *first + *count == i => *count += 1,
+            _ => ranges.push((i, 1)),
+        }
     }
+    while ranges.len() > max.max(1) {
+        // Merge across the smallest gap.
+        let k = (1..ranges.len())
+            .min_by_key(|&k| ranges[k].0 - (ranges[k - 1].0 + ranges[k - 1].1))
+            .expect("at least two ranges");
+        let (first, _) = ranges[k - 1];
+        let (f, c) = ranges.remove(k);
+        ranges[k - 1].1 = f + c - first;
+    }
+    ranges
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn run_plan(total: u64, params: BulkParams) -> (u64, u64, usize) {
-        let mut p = WritePlanner::new(total, params);
+    /// Pushes `pieces` of `size` bytes (the last `total % size`), completes
+    /// each signalled write as soon as it is posted's turn; returns (writes,
+    /// signalled, most in flight) and checks the bytes are covered once.
+    fn run_plan(total: u64, size: u64, params: BulkParams) -> (u64, u64, usize) {
+        let mut p = WritePlanner::new(params);
+        let count = total.div_ceil(size);
+        for i in 0..count {
+            p.push(i as u32, i * size, size.min(total - i * size));
+        }
         let (mut posted, mut signaled, mut max_in_flight) = (0u64, 0u64, 0usize);
-        let mut in_flight = std::collections::VecDeque::new();
+        let mut in_flight = VecDeque::new();
         let mut expect_offset = 0;
+        let mut done_pieces = Vec::new();
         loop {
-            for w in p.next_chain() {
+            let chains = p.next_chains();
+            done_pieces.extend(chains.iter().filter_map(|(_, piece)| *piece));
+            for w in chains.into_iter().flat_map(|(chain, _)| chain) {
                 assert_eq!(w.offset, expect_offset, "contiguous");
                 expect_offset += w.len;
                 posted += 1;
@@ -169,56 +217,90 @@ mod tests {
                 in_flight.push_back(w);
             }
             max_in_flight = max_in_flight.max(in_flight.len());
-            // Complete through the first signalled write in flight.
             let Some(pos) = in_flight.iter().position(|w| w.signaled) else {
                 break;
             };
             let w = in_flight[pos];
             in_flight.drain(..=pos);
             p.complete(w.id).unwrap();
-            if p.done() {
-                break;
-            }
         }
-        assert!(p.done());
+        assert!(
+            p.idle() && in_flight.is_empty(),
+            "the last write is signalled"
+        );
         assert_eq!(expect_offset, total);
-        assert_eq!(p.bytes_done(), total);
+        assert_eq!(done_pieces, (0..count as u32).collect::<Vec<_>>());
         (posted, signaled, max_in_flight)
     }
 
     #[test]
-    fn one_gib_at_defaults_is_256_writes_32_signalled() {
-        let p = WritePlanner::new(1 << 30, BulkParams::default());
-        assert_eq!((p.total_writes(), p.total_signaled()), (256, 32));
-        assert_eq!(run_plan(1 << 30, BulkParams::default()), (256, 32, 32));
-    }
-
-    #[test]
-    fn odd_sizes_and_uneven_batches() {
-        for (total, params) in [
-            (1, BulkParams::new(1, 1, 1)),
-            (MIB + 1, BulkParams::new(1, 10, 8)),
-            (37 * MIB + 5, BulkParams::new(4, 10, 3)),
-            (5 * MIB, BulkParams::new(32, 64, 64)),
-        ] {
-            let (posted, _, max) = run_plan(total, params);
-            assert_eq!(posted, total.div_ceil(params.chunk));
-            assert!(max <= params.pipeline as usize);
-        }
+    fn one_gib_in_16_mib_pieces_at_defaults() {
+        // 256 writes; every 8th and every piece's 4th: 64 signalled.
         assert_eq!(
-            WritePlanner::new(0, BulkParams::default()).total_writes(),
-            0
+            run_plan(1 << 30, 16 * MIB, BulkParams::default()),
+            (256, 64, 32)
         );
     }
 
     #[test]
+    fn odd_sizes_and_uneven_batches() {
+        for (total, size, params) in [
+            (1, MIB, BulkParams::new(1, 1, 1)),
+            (MIB + 1, MIB, BulkParams::new(1, 10, 8)),
+            (37 * MIB + 5, 2 * MIB, BulkParams::new(4, 10, 3)),
+            (5 * MIB, 16 * MIB, BulkParams::new(32, 64, 64)),
+        ] {
+            let (posted, _, max) = run_plan(total, size, params);
+            let per_piece = size.div_ceil(params.chunk.min(size));
+            assert!(posted >= total.div_ceil(params.chunk));
+            assert!(posted <= total.div_ceil(size) * per_piece);
+            assert!(max <= params.pipeline as usize);
+        }
+        let mut empty = WritePlanner::new(BulkParams::default());
+        assert!(empty.next_chains().is_empty());
+        assert!(empty.idle());
+    }
+
+    #[test]
     fn out_of_order_completion_is_refused() {
-        let mut p = WritePlanner::new(64 * MIB, BulkParams::default());
-        p.next_chain();
+        let mut p = WritePlanner::new(BulkParams::default());
+        p.push(0, 0, 64 * MIB);
+        p.next_chains();
         assert!(p.complete(3).is_err(), "unsignalled write");
         assert!(p.complete(15).is_err(), "skips the first signalled write");
         p.complete(7).unwrap();
         assert!(p.complete(7).is_err(), "twice");
+    }
+
+    #[test]
+    fn each_chain_ends_at_most_one_piece() {
+        let mut p = WritePlanner::new(BulkParams::new(1, 8, 8));
+        p.push(0, 0, 2 * MIB);
+        p.push(1, 2 * MIB, 3 * MIB);
+        p.push(2, 5 * MIB, 4 * MIB);
+        let chains = p.next_chains();
+        let shape: Vec<(usize, Option<u32>)> =
+            chains.iter().map(|(c, piece)| (c.len(), *piece)).collect();
+        // Pipeline of 8: pieces 0 and 1 whole, three writes of piece 2.
+        assert_eq!(shape, vec![(2, Some(0)), (3, Some(1)), (3, None)]);
+    }
+
+    #[test]
+    fn need_ranges_are_exact_until_merged() {
+        let bits = |s: &str| s.chars().map(|c| c == '1').collect::<Vec<_>>();
+        assert_eq!(need_ranges(bits("0110011"), 8), vec![(1, 2), (5, 2)]);
+        assert_eq!(need_ranges(bits("0000"), 8), vec![]);
+        assert_eq!(need_ranges(bits("1111"), 8), vec![(0, 4)]);
+        // Three ranges into two: the smallest gap (one piece) goes.
+        assert_eq!(need_ranges(bits("1000101"), 2), vec![(0, 1), (4, 3)]);
+        let many: Vec<bool> = (0..1000).map(|i| i % 3 == 0).collect();
+        let r = need_ranges(many.iter().copied(), 60);
+        assert_eq!(r.len(), 60);
+        for (i, want) in many.iter().enumerate() {
+            if *want {
+                assert!(r.iter().any(|&(f, c)| (f..f + c).contains(&(i as u32))));
+            }
+        }
     }
 
     #[test]

@@ -2,16 +2,22 @@
 //!
 //! Posts the SRDY, RDGO, BLK3 and BDON receives before anything else (so
 //! before CREA, and BDON's before MRINFO: an empty snapshot's BDON may follow
-//! its BLK3 header at once), the REPLMETA receive before running the
-//! checksum. A length announced by the source that differs from the
-//! offer is refused, and so is a snapshot the replica cannot make room for
-//! (RDFL instead of MRINFO, before any byte moves). An empty snapshot skips MRINFO and the bulk phase but
+//! its BLK3 header at once), [`PIECE_WINDOW`] PDON receives before MRINFO
+//! and NEED, a fresh one for each PDON before its reply returns the credit,
+//! and the REPLMETA receive before the final verification. A length
+//! announced by the source that differs from the offer is refused, and so
+//! is a snapshot the replica cannot make room for (RDFL instead of MRINFO,
+//! before any byte moves). Each piece is checked as its PDON arrives: PACK
+//! when it matches the manifest, PREQ to have it again, up to the
+//! session's retries. An empty snapshot skips MRINFO and the pieces but
 //! still receives BDON and REPLMETA, so M always arrives.
 
 use std::time::Duration;
 
 use super::plan::size_scaled_timeout;
-use super::{Blk3Error, BulkMode, Command, Core, Input, Kind, Outcome, Token, HANDSHAKE_TIMEOUT};
+use super::{
+    Blk3Error, Command, Core, Input, Kind, Outcome, Pieces, Token, HANDSHAKE_TIMEOUT, PIECE_WINDOW,
+};
 
 #[derive(Debug, Clone, Copy)]
 enum State {
@@ -20,7 +26,7 @@ enum State {
     WaitRdgo,
     WaitBlk3,
     WaitMemory,
-    WaitBulk,
+    Pieces,
     WaitBdon,
     WaitVerify,
     WaitReplmeta,
@@ -35,7 +41,7 @@ impl State {
             State::WaitRdgo => "waiting for RDGO",
             State::WaitBlk3 => "waiting for the BLK3 header",
             State::WaitMemory => "preparing receive memory",
-            State::WaitBulk => "receiving the bulk stream",
+            State::Pieces => "receiving pieces",
             State::WaitBdon => "waiting for BDON",
             State::WaitVerify => "verifying",
             State::WaitReplmeta => "waiting for REPLMETA",
@@ -48,30 +54,65 @@ impl State {
             State::Idle | State::WaitSrdy => Kind::Srdy,
             State::WaitRdgo => Kind::Rdgo,
             State::WaitBlk3 => Kind::Blk3,
-            State::WaitMemory | State::WaitBulk | State::WaitBdon => Kind::Bdon,
+            State::Pieces => Kind::Pdon,
+            State::WaitMemory | State::WaitBdon => Kind::Bdon,
             State::WaitVerify | State::WaitReplmeta | State::Done => Kind::Replmeta,
         }
     }
 }
 
-/// The replica side of one BLK3 session.
+/// The replica side of one BLK3 session: the same over every transport
+/// (taking a piece is the driver's business).
 #[derive(Debug)]
 pub struct Replica {
-    mode: BulkMode,
     /// Length from the offer; the BLK3 header must agree.
     offered_len: u64,
     len: u64,
+    pieces: Pieces,
+    /// What NEED asks for.
+    need: Vec<(u32, u32)>,
+    /// Per piece: 0 not needed (or verified), 1 wanted, 2 being taken.
+    wanted: Vec<u8>,
+    /// Pieces wanted or being taken.
+    left: u64,
+    /// Checks failed so far, per piece that failed one.
+    failures: std::collections::HashMap<u32, u32>,
+    /// Failed checks one piece may have before the session fails.
+    retries: u32,
     state: State,
     pub(super) core: Core,
 }
 
+const WANTED: u8 = 1;
+const TAKING: u8 = 2;
+
 impl Replica {
-    /// A session expecting a snapshot of `offered_len` bytes.
-    pub fn new(offered_len: u64, mode: BulkMode) -> Replica {
+    /// A session expecting a snapshot of `offered_len` bytes in pieces of
+    /// `piece_size`, asking for the pieces in `need` (ranges of `(first,
+    /// count)`, ascending; see [`super::need_ranges`]) and allowing each
+    /// `retries` failed checks.
+    pub fn new(offered_len: u64, piece_size: u64, need: Vec<(u32, u32)>, retries: u32) -> Replica {
+        let pieces = Pieces {
+            len: offered_len,
+            size: piece_size,
+        };
+        let mut wanted = vec![0u8; pieces.count() as usize];
+        for &(first, count) in &need {
+            let (a, b) = (
+                first as usize,
+                (first as usize + count as usize).min(wanted.len()),
+            );
+            wanted[a.min(b)..b].fill(WANTED);
+        }
         Replica {
-            mode,
             offered_len,
             len: 0,
+            pieces,
+            left: wanted.iter().filter(|&&w| w == WANTED).count() as u64,
+            need,
+            wanted,
+            failures: Default::default(),
+            retries,
             state: State::Idle,
             core: Core::default(),
         }
@@ -129,29 +170,65 @@ impl Replica {
                 }
             }
             (State::WaitMemory, Input::ReceiveReady { addr, rkey }) => {
+                for _ in 0..PIECE_WINDOW {
+                    self.core.push(Command::PostRecv(Kind::Pdon));
+                }
                 self.core.send(Token::Mrin {
                     addr,
                     rkey,
                     len: self.len,
                 });
-                match self.mode {
-                    BulkMode::Rdma(_) => {
-                        self.state = State::WaitBdon;
-                        self.core.wait("BDON", now, scaled);
-                    }
-                    BulkMode::Stream => {
-                        self.core.push(Command::ReceiveBulk { len: self.len });
-                        self.state = State::WaitBulk;
-                        self.core.wait("bulk stream", now, scaled);
-                    }
+                self.core.send(Token::Need {
+                    ranges: self.need.clone(),
+                });
+                if self.left == 0 {
+                    self.state = State::WaitBdon;
+                    self.core.wait("BDON", now, scaled);
+                } else {
+                    self.state = State::Pieces;
+                    self.core.wait("pieces", now, scaled);
                 }
             }
             (State::WaitMemory, Input::ReceiveFailed(reason)) => {
                 self.fail(Blk3Error::CannotReceive(reason));
             }
-            (State::WaitBulk, Input::BulkReceived) => {
-                self.state = State::WaitBdon;
-                self.core.wait("BDON", now, scaled);
+            (State::Pieces, Input::Received(Token::Pdon { index }))
+                if self.wanted.get(index as usize) == Some(&WANTED) =>
+            {
+                self.wanted[index as usize] = TAKING;
+                // The credit this PDON used comes back with the reply.
+                self.core.push(Command::PostRecv(Kind::Pdon));
+                let (offset, len) = self.pieces.range(index);
+                self.core.push(Command::TakePiece { index, offset, len });
+            }
+            (State::Pieces, Input::PieceChecked { index, result })
+                if self.wanted.get(index as usize) == Some(&TAKING) =>
+            {
+                match result {
+                    Ok(()) => {
+                        self.wanted[index as usize] = 0;
+                        self.left -= 1;
+                        self.core.send(Token::Pack { index });
+                        if self.left == 0 {
+                            self.state = State::WaitBdon;
+                            self.core.wait("BDON", now, scaled);
+                        }
+                    }
+                    Err(reason) => {
+                        let tries = self.failures.entry(index).or_insert(0);
+                        *tries += 1;
+                        if *tries > self.retries {
+                            let tries = *tries;
+                            return self.fail(Blk3Error::PieceRetries {
+                                index,
+                                tries,
+                                reason,
+                            });
+                        }
+                        self.wanted[index as usize] = WANTED;
+                        self.core.send(Token::Preq { index });
+                    }
+                }
             }
             (State::WaitBdon, Input::Received(Token::Bdon)) => {
                 self.core.push(Command::PostRecv(Kind::Replmeta));

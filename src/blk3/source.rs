@@ -1,17 +1,42 @@
 //! The BLK3 source state machine (sans-IO).
 //!
-//! SRDY → (CREA, RDPR) → RDGO + BLK3 header → (MRINFO, snapshot ready) →
-//! writes or stream → BDON → RDOK/RDFL → REPLMETA. Receives are posted before
-//! the message that provokes them: CREA and RDPR before SRDY, MRINFO before
-//! the BLK3 header, RDOK before BDON. The BLK3 header goes out before the
-//! snapshot is prepared (registered), so the replica sets up its memory in
-//! parallel. An MRINFO whose length is not the announced one is refused
-//! before any write.
+//! SRDY → (CREA, RDPR) → RDGO + BLK3 header → (MRINFO, NEED, snapshot
+//! ready) → pieces → BDON → RDOK/RDFL → REPLMETA. Receives are posted
+//! before the message that provokes them: CREA and RDPR before SRDY, MRINFO
+//! and NEED before the BLK3 header, each piece's reply before its PDON, RDOK
+//! before BDON. The BLK3 header goes out before the snapshot is prepared
+//! (registered), so the replica sets up its memory in parallel. An MRINFO
+//! whose length is not the announced one is refused before any write.
+//!
+//! The pieces NEED asks for go out in order, at most [`PIECE_WINDOW`]
+//! announced without a reply (the replica keeps that many PDON receives
+//! posted): over RDMA, a piece's writes and then its PDON on the same queue
+//! pair; over TCP, its PDON and then its bytes. PACK returns the credit;
+//! PREQ returns it and puts the piece first in line again, at most
+//! [`MAX_PIECE_SENDS`] sends per piece. BDON follows the last PACK.
 
+use std::collections::VecDeque;
 use std::time::Duration;
 
 use super::plan::{size_scaled_timeout, WritePlanner};
-use super::{Blk3Error, BulkMode, Command, Core, Input, Kind, Outcome, Token, HANDSHAKE_TIMEOUT};
+use super::{
+    Blk3Error, BulkMode, Command, Core, Input, Kind, Outcome, Pieces, Token, HANDSHAKE_TIMEOUT,
+    MAX_PIECE_SENDS, PIECE_WINDOW,
+};
+
+/// Pieces in flight: which to send, which await a reply, and the writes.
+#[derive(Debug)]
+struct Bulk {
+    queue: VecDeque<u32>,
+    /// Sent (or being written) and not answered.
+    unanswered: Vec<u32>,
+    /// Pieces still to be acknowledged.
+    left: u64,
+    /// Times each piece was sent, for pieces sent more than once.
+    resent: std::collections::HashMap<u32, u32>,
+    /// RDMA: the writes, and where they go.
+    writes: Option<(WritePlanner, u64, u32)>,
+}
 
 #[derive(Debug)]
 enum State {
@@ -20,14 +45,10 @@ enum State {
     WaitRdpr,
     WaitMrin {
         region: Option<(u64, u32)>,
+        need: Option<Vec<(u32, u32)>>,
         ready: bool,
     },
-    Writing {
-        planner: WritePlanner,
-        addr: u64,
-        rkey: u32,
-    },
-    Streaming,
+    Bulk(Bulk),
     WaitRdok,
     Done,
 }
@@ -39,8 +60,7 @@ impl State {
             State::WaitCrea => "waiting for CREA",
             State::WaitRdpr => "waiting for RDPR",
             State::WaitMrin { .. } => "waiting for MRINFO",
-            State::Writing { .. } => "writing",
-            State::Streaming => "streaming",
+            State::Bulk(_) => "sending pieces",
             State::WaitRdok => "waiting for RDOK",
             State::Done => "done",
         }
@@ -50,8 +70,10 @@ impl State {
         match self {
             State::Idle | State::WaitCrea => Kind::Crea,
             State::WaitRdpr => Kind::Rdpr,
-            State::WaitMrin { .. } => Kind::Mrin,
-            State::Writing { .. } | State::Streaming | State::WaitRdok | State::Done => Kind::Rdok,
+            State::WaitMrin { region: None, .. } => Kind::Mrin,
+            State::WaitMrin { .. } => Kind::Need,
+            State::Bulk(_) => Kind::Pack,
+            State::WaitRdok | State::Done => Kind::Rdok,
         }
     }
 }
@@ -61,17 +83,23 @@ impl State {
 pub struct Source {
     len: u64,
     seq: u64,
+    pieces: Pieces,
     mode: BulkMode,
     state: State,
     pub(super) core: Core,
 }
 
 impl Source {
-    /// A session sending a snapshot of `len` bytes with sequence number `seq`.
-    pub fn new(len: u64, seq: u64, mode: BulkMode) -> Source {
+    /// A session sending a snapshot of `len` bytes with sequence number
+    /// `seq`, in pieces of `piece_size` bytes.
+    pub fn new(len: u64, seq: u64, piece_size: u64, mode: BulkMode) -> Source {
         Source {
             len,
             seq,
+            pieces: Pieces {
+                len,
+                size: piece_size,
+            },
             mode,
             state: State::Idle,
             core: Core::default(),
@@ -87,21 +115,16 @@ impl Source {
         self.core.wait("CREA", now, HANDSHAKE_TIMEOUT);
     }
 
-    /// Bytes known to be in the replica's memory (RDMA) so far.
-    pub fn bytes_done(&self) -> u64 {
-        match &self.state {
-            State::Writing { planner, .. } => planner.bytes_done(),
-            State::WaitRdok | State::Done => self.len,
-            _ => 0,
-        }
-    }
-
     /// Feeds one input.
     pub fn handle(&mut self, input: Input, now: Duration) {
         if self.core.done {
             return;
         }
         let scaled = size_scaled_timeout(self.len);
+        let input_kind = match &input {
+            Input::Received(t) => t.kind(),
+            _ => Kind::Rdok,
+        };
         match (&mut self.state, input) {
             (_, Input::Received(Token::Rdfl { reason })) => {
                 self.core.finish(Err(Blk3Error::PeerFailed(reason)));
@@ -113,12 +136,14 @@ impl Source {
             (State::WaitRdpr, Input::Received(Token::Rdpr)) => {
                 if self.len > 0 {
                     self.core.push(Command::PostRecv(Kind::Mrin));
+                    self.core.push(Command::PostRecv(Kind::Need));
                 }
                 self.core.send(Token::Rdgo);
                 self.core.send(Token::Blk3 { len: self.len });
                 self.core.push(Command::PrepareSource);
                 self.state = State::WaitMrin {
                     region: None,
+                    need: None,
                     ready: false,
                 };
                 self.core.wait("MRINFO", now, scaled);
@@ -133,37 +158,48 @@ impl Source {
                     });
                 }
                 *region = Some((addr, rkey));
+            }
+            (State::WaitMrin { region, need, .. }, Input::Received(Token::Need { ranges }))
+                if region.is_some() && need.is_none() =>
+            {
+                *need = Some(ranges);
                 self.maybe_start_bulk(now);
             }
             (State::WaitMrin { ready, .. }, Input::SourceReady) if !*ready => {
                 *ready = true;
                 self.maybe_start_bulk(now);
             }
-            (
-                State::Writing {
-                    planner,
-                    addr,
-                    rkey,
-                },
-                Input::WriteCompleted { id },
-            ) => {
+            (State::Bulk(bulk), Input::WriteCompleted { id }) => {
+                let Some((planner, ..)) = bulk.writes.as_mut() else {
+                    return self.core.reject(
+                        "sending pieces",
+                        Kind::Pack,
+                        Input::WriteCompleted { id },
+                    );
+                };
                 if let Err(e) = planner.complete(id) {
                     return self.fail(e.into());
                 }
-                if planner.done() {
-                    return self.finish_bulk(now);
-                }
-                let writes = planner.next_chain();
-                if !writes.is_empty() {
-                    let (remote_addr, rkey) = (*addr, *rkey);
-                    self.core.push(Command::PostWrites {
-                        remote_addr,
-                        rkey,
-                        writes,
-                    });
-                }
+                self.pump(now);
             }
-            (State::Streaming, Input::BulkSent) => self.finish_bulk(now),
+            (State::Bulk(bulk), Input::Received(Token::Pack { index } | Token::Preq { index }))
+                if bulk.unanswered.contains(&index) =>
+            {
+                bulk.unanswered.retain(|&i| i != index);
+                if matches!(input_kind, Kind::Preq) {
+                    let sends = bulk.resent.entry(index).or_insert(1);
+                    if *sends >= MAX_PIECE_SENDS {
+                        return self.fail(Blk3Error::BadPiece(format!(
+                            "the replica asked for piece {index} more than {MAX_PIECE_SENDS} times"
+                        )));
+                    }
+                    *sends += 1;
+                    bulk.queue.push_front(index);
+                } else {
+                    bulk.left -= 1;
+                }
+                self.pump(now);
+            }
             (State::WaitRdok, Input::Received(Token::Rdok)) => {
                 self.core.send(Token::Replmeta { seq: self.seq });
                 self.core.finish(Ok(Outcome::Sent { len: self.len }));
@@ -181,9 +217,15 @@ impl Source {
         self.core.fail(err);
     }
 
-    /// Starts the bulk phase once MRINFO (if any bytes) and the snapshot are ready.
+    /// Starts sending pieces once MRINFO and NEED (if any bytes) are in
+    /// and the snapshot is ready.
     fn maybe_start_bulk(&mut self, now: Duration) {
-        let State::WaitMrin { region, ready } = &self.state else {
+        let State::WaitMrin {
+            region,
+            need,
+            ready,
+        } = &mut self.state
+        else {
             return;
         };
         if !*ready {
@@ -192,37 +234,93 @@ impl Source {
         if self.len == 0 {
             return self.finish_bulk(now);
         }
-        let Some((addr, rkey)) = *region else { return };
-        let scaled = size_scaled_timeout(self.len);
-        match self.mode {
-            BulkMode::Rdma(params) => {
-                let mut planner = WritePlanner::new(self.len, params);
-                let writes = planner.next_chain();
+        let (Some((addr, rkey)), Some(ranges)) = (*region, need.take()) else {
+            return;
+        };
+        let queue = match expand(&ranges, self.pieces.count()) {
+            Ok(queue) => queue,
+            Err(why) => return self.fail(Blk3Error::BadPiece(why)),
+        };
+        let writes = match self.mode {
+            BulkMode::Rdma(params) => Some((WritePlanner::new(params), addr, rkey)),
+            BulkMode::Stream => None,
+        };
+        self.state = State::Bulk(Bulk {
+            left: queue.len() as u64,
+            queue,
+            unanswered: Vec::new(),
+            resent: Default::default(),
+            writes,
+        });
+        self.core
+            .wait("piece replies", now, size_scaled_timeout(self.len));
+        self.pump(now);
+    }
+
+    /// Sends what the credits allow; BDON once every piece is acknowledged
+    /// and every write completed.
+    fn pump(&mut self, now: Duration) {
+        let State::Bulk(bulk) = &mut self.state else {
+            return;
+        };
+        let pieces = self.pieces;
+        while bulk.unanswered.len() < PIECE_WINDOW as usize {
+            let Some(index) = bulk.queue.pop_front() else {
+                break;
+            };
+            bulk.unanswered.push(index);
+            let (offset, len) = pieces.range(index);
+            match &mut bulk.writes {
+                Some((planner, ..)) => planner.push(index, offset, len),
+                None => {
+                    self.core.push(Command::PostRecv(Kind::Pack));
+                    self.core.send(Token::Pdon { index });
+                    self.core.push(Command::StreamPiece { index, offset, len });
+                }
+            }
+        }
+        if let Some((planner, remote_addr, rkey)) = &mut bulk.writes {
+            for (writes, ended) in planner.next_chains() {
                 self.core.push(Command::PostWrites {
-                    remote_addr: addr,
-                    rkey,
+                    remote_addr: *remote_addr,
+                    rkey: *rkey,
                     writes,
                 });
-                self.state = State::Writing {
-                    planner,
-                    addr,
-                    rkey,
-                };
-                self.core.wait("bulk write completions", now, scaled);
+                if let Some(index) = ended {
+                    self.core.push(Command::PostRecv(Kind::Pack));
+                    self.core.send(Token::Pdon { index });
+                }
             }
-            BulkMode::Stream => {
-                self.core.push(Command::StreamBulk { len: self.len });
-                self.state = State::Streaming;
-                self.core.wait("bulk stream", now, scaled);
-            }
+        }
+        let writing = bulk.writes.as_ref().is_some_and(|(p, ..)| !p.idle());
+        if bulk.left == 0 && !writing {
+            self.finish_bulk(now);
         }
     }
 
-    /// Every byte is out: post the RDOK receive, then send BDON.
+    /// Every piece is in: post the RDOK receive, then send BDON.
     fn finish_bulk(&mut self, now: Duration) {
         self.core.push(Command::PostRecv(Kind::Rdok));
         self.core.send(Token::Bdon);
         self.state = State::WaitRdok;
         self.core.wait("RDOK", now, size_scaled_timeout(self.len));
     }
+}
+
+/// The pieces NEED asks for, in order: ranges ascending, apart, inside
+/// the snapshot.
+fn expand(ranges: &[(u32, u32)], count: u32) -> Result<VecDeque<u32>, String> {
+    let mut queue = VecDeque::new();
+    let mut next = 0u64;
+    for &(first, n) in ranges {
+        let end = first as u64 + n as u64;
+        if n == 0 || (first as u64) < next || end > count as u64 {
+            return Err(format!(
+                "NEED range ({first}, {n}) is empty, out of order or past the last of {count} pieces"
+            ));
+        }
+        queue.extend(first..first + n);
+        next = end;
+    }
+    Ok(queue)
 }

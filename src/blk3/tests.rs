@@ -28,16 +28,25 @@ struct Sim {
     mode: BulkMode,
     len: u64,
     offered: u64,
+    piece_size: u64,
+    /// Pieces the replica asks for (`None`: all).
+    need: Option<Vec<(u32, u32)>>,
+    retries: u32,
+    /// Pieces whose check fails, and how many times.
+    bad: std::collections::HashMap<u32, u32>,
     verify: Result<(), String>,
     /// What the replica's driver answers to PrepareReceive (Err: no room).
     prepare: Result<(), String>,
     /// Rewrites tokens in flight (from source if the bool is true).
     tamper: Box<dyn FnMut(bool, Token) -> Option<Token>>,
-    /// The source's driver never completes writes (a stalled fabric).
+    /// The source's send queue stalls (a stalled fabric): no write and no
+    /// Send behind one completes.
     stall_writes: bool,
     /// This side's driver drops this receive post (a buggy driver).
     skip_post: Option<(Side, Kind)>,
 }
+
+const MIB: u64 = 1 << 20;
 
 impl Sim {
     fn new(mode: BulkMode, len: u64) -> Sim {
@@ -45,11 +54,22 @@ impl Sim {
             mode,
             len,
             offered: len,
+            piece_size: MIB,
+            need: None,
+            retries: 3,
+            bad: Default::default(),
             verify: Ok(()),
             prepare: Ok(()),
             tamper: Box::new(|_, t| Some(t)),
             stall_writes: false,
             skip_post: None,
+        }
+    }
+
+    fn pieces(&self) -> Pieces {
+        Pieces {
+            len: self.offered,
+            size: self.piece_size,
         }
     }
 }
@@ -58,8 +78,8 @@ struct Run {
     events: Vec<Event>,
     src: Option<Result<Outcome, Blk3Error>>,
     rep: Option<Result<Outcome, Blk3Error>>,
+    /// Bytes the source put on the wire (writes executed, pieces streamed).
     written: u64,
-    src_machine: Source,
     rep_machine: Replica,
     now: Duration,
 }
@@ -82,25 +102,46 @@ impl Run {
     }
 
     fn sent(&self, side: Side, kind: Kind) -> bool {
+        self.count_sent(side, kind) > 0
+    }
+
+    fn count_sent(&self, side: Side, kind: Kind) -> usize {
         self.events
             .iter()
-            .any(|e| matches!(e, Event::Cmd(s, Command::Send(t)) if *s == side && t.kind() == kind))
+            .filter(
+                |e| matches!(e, Event::Cmd(s, Command::Send(t)) if *s == side && t.kind() == kind),
+            )
+            .count()
     }
 }
 
 const SEQ: u64 = 4242;
 
+/// The source's send queue on the wire: writes and Sends, executed in order.
+enum Sq {
+    Write(WriteOp),
+    Send(Token),
+}
+
 fn simulate(mut sim: Sim) -> Run {
-    let mut src = Source::new(sim.len, SEQ, sim.mode);
-    let mut rep = Replica::new(sim.offered, sim.mode);
+    let pieces = sim.pieces();
+    let need = sim
+        .need
+        .clone()
+        .unwrap_or_else(|| need_ranges((0..pieces.count()).map(|_| true), 60));
+    let mut src = Source::new(sim.len, SEQ, sim.piece_size, sim.mode);
+    let mut rep = Replica::new(sim.offered, sim.piece_size, need, sim.retries);
     let mut now = Duration::ZERO;
     let mut events = Vec::new();
     let mut posted: [VecDeque<Kind>; 2] = [VecDeque::new(), VecDeque::new()];
     let mut inbox: [VecDeque<Input>; 2] = [VecDeque::new(), VecDeque::new()];
-    let mut pending_writes: VecDeque<WriteOp> = VecDeque::new();
+    let mut sq: VecDeque<Sq> = VecDeque::new();
     let (mut src_done, mut rep_done) = (None, None);
     let mut written = 0u64;
+    // Bytes of each piece that reached the replica since it last took it.
+    let mut landed: std::collections::HashMap<u32, u64> = Default::default();
     let mut region: Option<(u64, u32)> = None;
+    let rdma = matches!(sim.mode, BulkMode::Rdma(_));
 
     rep.start(now);
     src.start(now);
@@ -120,21 +161,10 @@ fn simulate(mut sim: Sim) -> Run {
                 match cmd {
                     Command::PostRecv(k) if sim.skip_post == Some((side, k)) => {}
                     Command::PostRecv(k) => posted[i].push_back(k),
+                    // RC: a source's Send goes behind its writes.
+                    Command::Send(t) if side == Side::Src && rdma => sq.push_back(Sq::Send(t)),
                     Command::Send(t) => {
-                        let peer = 1 - i;
-                        let from_src = side == Side::Src;
-                        let Some(t) = (sim.tamper)(from_src, t) else {
-                            continue;
-                        };
-                        if posted[peer].pop_front().is_none() {
-                            events.push(Event::Rnr(side, t.kind()));
-                            continue;
-                        }
-                        events.push(Event::Deliver(
-                            if from_src { Side::Rep } else { Side::Src },
-                            t.clone(),
-                        ));
-                        inbox[peer].push_back(Input::Received(t));
+                        deliver(&mut sim, &mut events, &mut posted, &mut inbox, side, t)
                     }
                     Command::PrepareSource => inbox[i].push_back(Input::SourceReady),
                     Command::PostWrites {
@@ -147,20 +177,21 @@ fn simulate(mut sim: Sim) -> Run {
                             region,
                             "writes go to the advertised region"
                         );
-                        pending_writes.extend(writes);
+                        sq.extend(writes.into_iter().map(Sq::Write));
                     }
-                    Command::StreamBulk { len } => {
+                    Command::StreamPiece { index, len, .. } => {
                         written += len;
-                        inbox[i].push_back(Input::BulkSent);
+                        *landed.entry(index).or_default() += len;
                     }
                     Command::PrepareReceive { .. } if sim.prepare.is_err() => {
                         let reason = sim.prepare.clone().unwrap_err();
                         inbox[i].push_back(Input::ReceiveFailed(reason));
                     }
                     Command::PrepareReceive { .. } => {
-                        let r = match sim.mode {
-                            BulkMode::Rdma(_) => (0x7f00_0000_1000, 0xabcd),
-                            BulkMode::Stream => (0, 0),
+                        let r = if rdma {
+                            (0x7f00_0000_1000, 0xabcd)
+                        } else {
+                            (0, 0)
                         };
                         region = Some(r);
                         inbox[i].push_back(Input::ReceiveReady {
@@ -168,7 +199,22 @@ fn simulate(mut sim: Sim) -> Run {
                             rkey: r.1,
                         });
                     }
-                    Command::ReceiveBulk { .. } => inbox[i].push_back(Input::BulkReceived),
+                    Command::TakePiece { index, len, .. } => {
+                        // Every byte of the piece is there before its PDON.
+                        assert_eq!(
+                            landed.remove(&index),
+                            Some(len),
+                            "piece {index} taken before it landed"
+                        );
+                        let result = match sim.bad.get_mut(&index) {
+                            Some(n) if *n > 0 => {
+                                *n -= 1;
+                                Err(format!("piece {index} crc mismatch"))
+                            }
+                            _ => Ok(()),
+                        };
+                        inbox[i].push_back(Input::PieceChecked { index, result });
+                    }
                     Command::Verify => inbox[i].push_back(Input::Verified(sim.verify.clone())),
                     Command::Done(r) => match side {
                         Side::Src => src_done = Some(r),
@@ -177,14 +223,28 @@ fn simulate(mut sim: Sim) -> Run {
                 }
             }
         }
-        // The fabric executes writes in order, completing signalled ones.
-        if !sim.stall_writes {
-            while let Some(w) = pending_writes.pop_front() {
-                written += w.len;
-                progressed = true;
-                if w.signaled {
-                    inbox[Side::Src as usize].push_back(Input::WriteCompleted { id: w.id });
+        // The fabric executes the send queue in order, up to one signalled
+        // write's completion per round.
+        {
+            while let Some(item) = sq.pop_front() {
+                if sim.stall_writes && matches!(item, Sq::Write(_)) {
+                    sq.push_front(item);
                     break;
+                }
+                progressed = true;
+                match item {
+                    Sq::Send(t) => {
+                        deliver(&mut sim, &mut events, &mut posted, &mut inbox, Side::Src, t)
+                    }
+                    Sq::Write(w) => {
+                        written += w.len;
+                        let index = (w.offset / sim.piece_size) as u32;
+                        *landed.entry(index).or_default() += w.len;
+                        if w.signaled {
+                            inbox[Side::Src as usize].push_back(Input::WriteCompleted { id: w.id });
+                            break;
+                        }
+                    }
                 }
             }
         }
@@ -214,10 +274,35 @@ fn simulate(mut sim: Sim) -> Run {
         src: src_done,
         rep: rep_done,
         written,
-        src_machine: src,
         rep_machine: rep,
         now,
     }
+}
+
+/// Delivers `t` from `side` to its peer, or records RNR when the peer has
+/// no receive posted.
+fn deliver(
+    sim: &mut Sim,
+    events: &mut Vec<Event>,
+    posted: &mut [VecDeque<Kind>; 2],
+    inbox: &mut [VecDeque<Input>; 2],
+    side: Side,
+    t: Token,
+) {
+    let peer = 1 - side as usize;
+    let from_src = side == Side::Src;
+    let Some(t) = (sim.tamper)(from_src, t) else {
+        return;
+    };
+    if posted[peer].pop_front().is_none() {
+        events.push(Event::Rnr(side, t.kind()));
+        return;
+    }
+    events.push(Event::Deliver(
+        if from_src { Side::Rep } else { Side::Src },
+        t.clone(),
+    ));
+    inbox[peer].push_back(Input::Received(t));
 }
 
 fn rdma(chunk_mb: u32, pipeline: u32, batch: u32) -> BulkMode {
@@ -233,7 +318,8 @@ fn full_session_over_rdma_and_stream() {
         assert_eq!(run.src, Some(Ok(Outcome::Sent { len })));
         assert_eq!(run.rep, Some(Ok(Outcome::Received { len, seq: SEQ })));
         assert_eq!(run.written, len);
-        assert_eq!(run.src_machine.bytes_done(), len);
+        assert_eq!(run.count_sent(Side::Src, Kind::Pdon), 11);
+        assert_eq!(run.count_sent(Side::Rep, Kind::Pack), 11);
     }
 }
 
@@ -244,7 +330,9 @@ fn token_order_follows_the_design() {
         .events
         .iter()
         .filter_map(|e| match e {
-            Event::Cmd(s, Command::Send(t)) => Some((*s, t.kind())),
+            Event::Cmd(s, Command::Send(t)) if !matches!(t.kind(), Kind::Pdon | Kind::Pack) => {
+                Some((*s, t.kind()))
+            }
             _ => None,
         })
         .collect();
@@ -259,6 +347,7 @@ fn token_order_follows_the_design() {
             (Src, Rdgo),
             (Src, Blk3),
             (Rep, Mrin),
+            (Rep, Need),
             (Src, Bdon),
             (Rep, Rdok),
             (Src, Replmeta)
@@ -280,11 +369,24 @@ fn receives_are_posted_before_the_messages_that_provoke_them() {
         .position(|e| matches!(e, Event::Cmd(Side::Rep, Command::Send(Token::Mrin { .. }))))
         .unwrap();
     assert!(post(Side::Rep, Kind::Bdon) < mrin);
+    // The PDON window is posted before MRINFO; each reply's receive is
+    // posted on the source before the PDON that provokes it.
+    let pdon_posts = run
+        .events
+        .iter()
+        .take(mrin)
+        .filter(|e| **e == Event::Cmd(Side::Rep, Command::PostRecv(Kind::Pdon)))
+        .count();
+    assert_eq!(pdon_posts, PIECE_WINDOW as usize);
+    for index in 0..3 {
+        assert!(post(Side::Src, Kind::Pack) < send(Side::Src, Token::Pdon { index }));
+    }
     assert!(post(Side::Rep, Kind::Replmeta) < run.pos_cmd(Side::Rep, &Command::Verify));
     // Source: CREA/RDPR before SRDY, MRINFO before BLK3, RDOK before BDON.
     let srdy = send(Side::Src, Token::Srdy);
     assert!(post(Side::Src, Kind::Crea) < srdy && post(Side::Src, Kind::Rdpr) < srdy);
     assert!(post(Side::Src, Kind::Mrin) < send(Side::Src, Token::Blk3 { len: 3 << 20 }));
+    assert!(post(Side::Src, Kind::Need) < send(Side::Src, Token::Blk3 { len: 3 << 20 }));
     assert!(post(Side::Src, Kind::Rdok) < send(Side::Src, Token::Bdon));
     // The header goes out before the snapshot is prepared (registered).
     assert!(
@@ -295,15 +397,12 @@ fn receives_are_posted_before_the_messages_that_provoke_them() {
 
 #[test]
 fn harness_detects_a_missing_receive() {
-    // A replica that did not post its REPLMETA receive before RDOK: the
-    // source's REPLMETA meets no receive, as on a real RC queue pair.
+    // A source that did not post its RDOK receive before BDON: the
+    // replica's RDOK meets no receive, as on a real RC queue pair.
     let mut sim = Sim::new(BulkMode::Stream, 1000);
-    sim.skip_post = Some((Side::Rep, Kind::Replmeta));
+    sim.skip_post = Some((Side::Src, Kind::Rdok));
     let run = simulate(sim);
-    assert_eq!(
-        run.rnr().first(),
-        Some(&&Event::Rnr(Side::Src, Kind::Replmeta))
-    );
+    assert_eq!(run.rnr().first(), Some(&&Event::Rnr(Side::Rep, Kind::Rdok)));
 }
 
 #[test]
@@ -441,7 +540,7 @@ fn stalled_bulk_times_out_after_the_size_scaled_timeout() {
     assert_eq!(
         run.src,
         Some(Err(Blk3Error::Timeout {
-            waiting_for: "bulk write completions",
+            waiting_for: "piece replies",
             after: scaled
         }))
     );
@@ -477,7 +576,7 @@ fn replica_times_out_waiting_for_bdon() {
 
 #[test]
 fn completion_out_of_plan_fails_the_source() {
-    let mut src = Source::new(8 << 20, 1, rdma(1, 8, 4));
+    let mut src = Source::new(8 << 20, 1, MIB, rdma(1, 8, 4));
     src.start(Duration::ZERO);
     src.handle(Input::Received(Token::Crea), Duration::ZERO);
     src.handle(Input::Received(Token::Rdpr), Duration::ZERO);
@@ -486,6 +585,12 @@ fn completion_out_of_plan_fails_the_source() {
             addr: 1,
             rkey: 2,
             len: 8 << 20,
+        }),
+        Duration::ZERO,
+    );
+    src.handle(
+        Input::Received(Token::Need {
+            ranges: vec![(0, 8)],
         }),
         Duration::ZERO,
     );
@@ -499,8 +604,10 @@ fn completion_out_of_plan_fails_the_source() {
 }
 
 #[test]
-fn one_gib_at_defaults_posts_256_writes_32_signalled() {
-    let run = simulate(Sim::new(BulkMode::Rdma(BulkParams::default()), 1 << 30));
+fn one_gib_at_defaults_posts_256_writes_64_signalled() {
+    let mut sim = Sim::new(BulkMode::Rdma(BulkParams::default()), 1 << 30);
+    sim.piece_size = 16 * MIB;
+    let run = simulate(sim);
     let writes: Vec<&WriteOp> = run
         .events
         .iter()
@@ -511,7 +618,8 @@ fn one_gib_at_defaults_posts_256_writes_32_signalled() {
         .flatten()
         .collect();
     assert_eq!(writes.len(), 256);
-    assert_eq!(writes.iter().filter(|w| w.signaled).count(), 32);
+    // Every 8th, and each piece's last (every 4th).
+    assert_eq!(writes.iter().filter(|w| w.signaled).count(), 64);
     assert_eq!(
         run.rep,
         Some(Ok(Outcome::Received {
@@ -527,8 +635,8 @@ proptest::proptest! {
     #[test]
     fn invariants_hold_under_token_mutation(
         len in 0u64..(40 << 20),
-        victim in 0usize..12,
-        replacement in 0usize..11,
+        victim in 0usize..40,
+        replacement in 0usize..15,
         stream in proptest::bool::ANY,
     ) {
         let mode = if stream { BulkMode::Stream } else { rdma(1, 4, 2) };
@@ -538,6 +646,8 @@ proptest::proptest! {
             Token::Srdy, Token::Crea, Token::Rdpr, Token::Rdgo, Token::Blk3 { len: 7 },
             Token::Mrin { addr: 1, rkey: 1, len: 1 }, Token::Bdon, Token::Rdok,
             Token::Rdfl { reason: "x".into() }, Token::Replmeta { seq: 1 }, Token::Sess { token: [0; 32] },
+            Token::Need { ranges: vec![(0, 1)] }, Token::Pdon { index: 1 }, Token::Pack { index: 0 },
+            Token::Preq { index: 2 },
         ];
         sim.tamper = Box::new(move |_, t| {
             n += 1;
@@ -547,7 +657,7 @@ proptest::proptest! {
         let delivered_before = |at: usize, pred: &dyn Fn(&Token) -> bool| {
             run.events[..at].iter().any(|e| matches!(e, Event::Deliver(Side::Src, t) if pred(t)))
         };
-        if let Some(first) = run.position(|e| matches!(e, Event::Cmd(Side::Src, Command::PostWrites { .. } | Command::StreamBulk { .. }))) {
+        if let Some(first) = run.position(|e| matches!(e, Event::Cmd(Side::Src, Command::PostWrites { .. } | Command::StreamPiece { .. }))) {
             let valid_mrinfo = delivered_before(first, &|t| matches!(t, Token::Mrin { len: l, .. } if *l == len));
             proptest::prop_assert!(valid_mrinfo);
         }
@@ -566,5 +676,188 @@ proptest::proptest! {
             run.src,
             run.rep
         );
+    }
+}
+
+/// PDONs delivered to the replica and not answered yet, at each event.
+fn unanswered_high_water(run: &Run) -> usize {
+    let (mut open, mut high) = (0i64, 0i64);
+    for e in &run.events {
+        match e {
+            Event::Deliver(Side::Rep, Token::Pdon { .. }) => open += 1,
+            Event::Deliver(Side::Src, Token::Pack { .. } | Token::Preq { .. }) => open -= 1,
+            _ => {}
+        }
+        high = high.max(open);
+    }
+    high as usize
+}
+
+#[test]
+fn a_damaged_piece_is_fetched_again_alone() {
+    for mode in [rdma(1, 4, 2), BulkMode::Stream] {
+        let len = 10 * MIB + 3;
+        let mut sim = Sim::new(mode, len);
+        sim.bad.insert(4, 1);
+        let run = simulate(sim);
+        assert!(run.rnr().is_empty(), "{:?}", run.rnr());
+        assert_eq!(run.rep, Some(Ok(Outcome::Received { len, seq: SEQ })));
+        assert_eq!(run.count_sent(Side::Rep, Kind::Preq), 1);
+        assert!(run.events.contains(&Event::Cmd(
+            Side::Rep,
+            Command::Send(Token::Preq { index: 4 })
+        )));
+        assert_eq!(run.written, len + MIB, "only piece 4 moves twice");
+    }
+}
+
+#[test]
+fn a_piece_failing_past_its_retries_fails_the_session() {
+    for mode in [rdma(1, 4, 2), BulkMode::Stream] {
+        let mut sim = Sim::new(mode, 4 * MIB);
+        sim.retries = 2;
+        sim.bad.insert(1, 3);
+        let run = simulate(sim);
+        assert!(
+            matches!(
+                &run.rep,
+                Some(Err(Blk3Error::PieceRetries {
+                    index: 1,
+                    tries: 3,
+                    ..
+                }))
+            ),
+            "{:?}",
+            run.rep
+        );
+        // The source reads it as the replica's failed verification.
+        assert!(
+            matches!(&run.src, Some(Err(e)) if e.is_checksum_report()),
+            "{:?}",
+            run.src
+        );
+        assert!(!run.sent(Side::Src, Kind::Bdon));
+    }
+}
+
+#[test]
+fn the_source_caps_how_often_one_piece_is_sent() {
+    let mut sim = Sim::new(BulkMode::Stream, 2 * MIB);
+    sim.retries = 100;
+    sim.bad.insert(0, 100);
+    let run = simulate(sim);
+    assert!(
+        matches!(&run.src, Some(Err(Blk3Error::BadPiece(why))) if why.contains("more than 9 times")),
+        "{:?}",
+        run.src
+    );
+    assert_eq!(
+        run.count_sent(Side::Src, Kind::Pdon),
+        MAX_PIECE_SENDS as usize + 1
+    );
+}
+
+#[test]
+fn only_the_pieces_asked_for_move() {
+    for mode in [rdma(1, 4, 2), BulkMode::Stream] {
+        let len = 5 * MIB;
+        let mut sim = Sim::new(mode, len);
+        sim.need = Some(vec![(1, 1), (3, 2)]);
+        let run = simulate(sim);
+        assert_eq!(run.rep, Some(Ok(Outcome::Received { len, seq: SEQ })));
+        assert_eq!(run.written, 3 * MIB);
+        // Nothing needed: the handshake still runs, no byte moves.
+        let mut sim = Sim::new(mode, len);
+        sim.need = Some(vec![]);
+        let run = simulate(sim);
+        assert_eq!(run.rep, Some(Ok(Outcome::Received { len, seq: SEQ })));
+        assert_eq!(run.written, 0);
+        assert!(run.sent(Side::Rep, Kind::Mrin) && run.sent(Side::Src, Kind::Bdon));
+    }
+}
+
+#[test]
+fn a_need_outside_the_snapshot_or_out_of_order_is_refused() {
+    for bad in [
+        vec![(0, 6)],
+        vec![(2, 1), (1, 1)],
+        vec![(1, 0)],
+        vec![(0, 2), (1, 2)],
+    ] {
+        let mut sim = Sim::new(BulkMode::Stream, 5 * MIB);
+        sim.need = Some(bad.clone());
+        let run = simulate(sim);
+        assert!(
+            matches!(&run.src, Some(Err(Blk3Error::BadPiece(_)))),
+            "{bad:?}: {:?}",
+            run.src
+        );
+        assert_eq!(run.written, 0, "{bad:?}");
+    }
+}
+
+#[test]
+fn a_piece_token_out_of_turn_is_refused() {
+    // A PDON for a piece the replica did not ask for.
+    let mut sim = Sim::new(BulkMode::Stream, 3 * MIB);
+    sim.need = Some(vec![(0, 1)]);
+    sim.tamper = Box::new(|from_src, t| match t {
+        Token::Pdon { .. } if from_src => Some(Token::Pdon { index: 2 }),
+        t => Some(t),
+    });
+    let run = simulate(sim);
+    assert!(
+        matches!(
+            run.rep,
+            Some(Err(Blk3Error::Unexpected {
+                got: Kind::Pdon,
+                ..
+            }))
+        ),
+        "{:?}",
+        run.rep
+    );
+    // A PACK for a piece the source never announced.
+    let mut sim = Sim::new(BulkMode::Stream, 3 * MIB);
+    sim.tamper = Box::new(|from_src, t| match t {
+        Token::Pack { .. } if !from_src => Some(Token::Pack { index: 77 }),
+        t => Some(t),
+    });
+    let run = simulate(sim);
+    assert!(
+        matches!(run.src, Some(Err(Blk3Error::Unexpected { .. }))),
+        "{:?}",
+        run.src
+    );
+}
+
+proptest::proptest! {
+    /// The piece-token window: whatever the size, piece size, transport,
+    /// resumed pieces and damaged pieces, no token ever meets a missing
+    /// receive, no more than PIECE_WINDOW PDONs are unanswered, and the
+    /// session ends well exactly when no piece fails past its retries.
+    #[test]
+    fn piece_window_never_overruns_the_posted_receives(
+        pieces in 1u32..40,
+        tail in 0u64..MIB,
+        have in proptest::collection::vec(proptest::bool::ANY, 40),
+        bad in proptest::collection::vec((0u32..40, 1u32..4), 0..4),
+        stream in proptest::bool::ANY,
+        pipeline in 1u32..8,
+    ) {
+        let len = (pieces as u64 - 1) * MIB + tail.max(1);
+        let mode = if stream { BulkMode::Stream } else { rdma(1, pipeline, 2) };
+        let mut sim = Sim::new(mode, len);
+        let count = sim.pieces().count();
+        sim.need = Some(need_ranges((0..count).map(|i| !have[i as usize]), 60));
+        for (i, n) in &bad {
+            sim.bad.insert(i % count, *n);
+        }
+        let fails = sim.bad.iter().any(|(i, n)| *n > sim.retries && !have[*i as usize]);
+        let run = simulate(sim);
+        proptest::prop_assert!(run.rnr().is_empty(), "RNR: {:?}", run.rnr());
+        proptest::prop_assert!(unanswered_high_water(&run) <= PIECE_WINDOW as usize);
+        proptest::prop_assert_eq!(matches!(run.rep, Some(Ok(_))), !fails, "{:?}", run.rep);
+        proptest::prop_assert!(run.src.is_some() && run.rep.is_some());
     }
 }

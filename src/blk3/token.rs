@@ -26,6 +26,10 @@ pub enum Kind {
     Rdok,
     Rdfl,
     Replmeta,
+    Need,
+    Pdon,
+    Pack,
+    Preq,
 }
 
 impl Kind {
@@ -43,11 +47,15 @@ impl Kind {
             Kind::Rdok => b"RDOK",
             Kind::Rdfl => b"RDFL",
             Kind::Replmeta => b"REPL",
+            Kind::Need => b"NEED",
+            Kind::Pdon => b"PDON",
+            Kind::Pack => b"PACK",
+            Kind::Preq => b"PREQ",
         }
     }
 
     fn from_magic(m: &[u8]) -> Option<Kind> {
-        const ALL: [Kind; 11] = [
+        const ALL: [Kind; 15] = [
             Kind::Sess,
             Kind::Srdy,
             Kind::Crea,
@@ -59,6 +67,10 @@ impl Kind {
             Kind::Rdok,
             Kind::Rdfl,
             Kind::Replmeta,
+            Kind::Need,
+            Kind::Pdon,
+            Kind::Pack,
+            Kind::Preq,
         ];
         ALL.into_iter().find(|k| k.magic() == m)
     }
@@ -100,7 +112,21 @@ pub enum Token {
     Rdfl { reason: String },
     /// Source → replica: the snapshot's sequence number M.
     Replmeta { seq: u64 },
+    /// Replica → source, after MRINFO: the pieces to send, as ranges of
+    /// `(first, count)` in ascending order (at most [`MAX_NEED_RANGES`]).
+    Need { ranges: Vec<(u32, u32)> },
+    /// Source → replica: piece `index` is in your memory (RDMA: sent
+    /// after its writes, which RC delivers first) or follows (TCP).
+    Pdon { index: u32 },
+    /// Replica → source: piece `index` matched the manifest (one credit back).
+    Pack { index: u32 },
+    /// Replica → source: piece `index` did not; send it again (one credit back).
+    Preq { index: u32 },
 }
+
+/// Most ranges one NEED carries (more are merged, asking for a few
+/// verified pieces again).
+pub const MAX_NEED_RANGES: usize = 60;
 
 /// Why bytes are not a token.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -137,6 +163,10 @@ impl Token {
             Token::Rdok => Kind::Rdok,
             Token::Rdfl { .. } => Kind::Rdfl,
             Token::Replmeta { .. } => Kind::Replmeta,
+            Token::Need { .. } => Kind::Need,
+            Token::Pdon { .. } => Kind::Pdon,
+            Token::Pack { .. } => Kind::Pack,
+            Token::Preq { .. } => Kind::Preq,
         }
     }
 
@@ -164,6 +194,15 @@ impl Token {
                     end -= 1;
                 }
                 out.extend_from_slice(&reason.as_bytes()[..end]);
+            }
+            Token::Need { ranges } => {
+                for (first, count) in ranges.iter().take(MAX_NEED_RANGES) {
+                    out.extend_from_slice(&first.to_be_bytes());
+                    out.extend_from_slice(&count.to_be_bytes());
+                }
+            }
+            Token::Pdon { index } | Token::Pack { index } | Token::Preq { index } => {
+                out.extend_from_slice(&index.to_be_bytes())
             }
             _ => {}
         }
@@ -193,6 +232,7 @@ impl Token {
             }
         };
         let be64 = |s: &[u8]| u64::from_be_bytes(s.try_into().expect("8 bytes"));
+        let be32 = |s: &[u8]| u32::from_be_bytes(s.try_into().expect("4 bytes"));
         Ok(match kind {
             Kind::Sess => {
                 exact(SESSION_TOKEN_LEN)?;
@@ -216,6 +256,30 @@ impl Token {
                     addr: be64(&p[..8]),
                     rkey: u32::from_be_bytes(p[8..12].try_into().expect("4 bytes")),
                     len: be64(&p[12..20]),
+                }
+            }
+            Kind::Need => {
+                if !p.len().is_multiple_of(8) || p.len() / 8 > MAX_NEED_RANGES {
+                    return Err(TokenError::BadLength {
+                        kind,
+                        got: p.len(),
+                        expected: 8 * (p.len() / 8).min(MAX_NEED_RANGES),
+                    });
+                }
+                Token::Need {
+                    ranges: p
+                        .chunks_exact(8)
+                        .map(|r| (be32(&r[..4]), be32(&r[4..])))
+                        .collect(),
+                }
+            }
+            Kind::Pdon | Kind::Pack | Kind::Preq => {
+                exact(4)?;
+                let index = be32(p);
+                match kind {
+                    Kind::Pdon => Token::Pdon { index },
+                    Kind::Pack => Token::Pack { index },
+                    _ => Token::Preq { index },
                 }
             }
             Kind::Rdfl => Token::Rdfl {
@@ -290,6 +354,13 @@ mod tests {
                 reason: "checksum mismatch".into(),
             },
             Token::Replmeta { seq: u64::MAX },
+            Token::Need {
+                ranges: vec![(0, 3), (9, u32::MAX - 9)],
+            },
+            Token::Need { ranges: vec![] },
+            Token::Pdon { index: 7 },
+            Token::Pack { index: u32::MAX },
+            Token::Preq { index: 0 },
         ]
     }
 
@@ -344,6 +415,20 @@ mod tests {
         ));
         assert!(matches!(
             Token::decode(b"MRIN\0"),
+            Err(TokenError::BadLength { .. })
+        ));
+        assert!(matches!(
+            Token::decode(b"NEED\0\0\0\0\0\0\0"),
+            Err(TokenError::BadLength { .. })
+        ));
+        let mut long = b"NEED".to_vec();
+        long.resize(4 + 8 * (MAX_NEED_RANGES + 1), 0);
+        assert!(matches!(
+            Token::decode(&long),
+            Err(TokenError::BadLength { .. })
+        ));
+        assert!(matches!(
+            Token::decode(b"PDON\0\0\0"),
             Err(TokenError::BadLength { .. })
         ));
         for bad in [

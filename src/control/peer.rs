@@ -174,9 +174,14 @@ impl PeerService {
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default(),
             data_tls: tls,
+            piece_size: entry.manifest.piece_size,
+            manifest_digest: entry.manifest.digest(),
         }
     }
 }
+
+/// Bytes per part of a streamed manifest.
+const MANIFEST_PART: usize = 1 << 20;
 
 /// For an RDB, when the local primary is configured: does its backlog still
 /// hold M+1? Refused with what to do otherwise; the slack left otherwise.
@@ -275,6 +280,31 @@ impl pb::peer_server::Peer for PeerService {
                 Err(e.into())
             }
         }
+    }
+
+    type GetManifestStream =
+        futures::stream::Iter<std::vec::IntoIter<Result<pb::ManifestPart, Status>>>;
+
+    async fn get_manifest(
+        &self,
+        request: Request<pb::GetManifestRequest>,
+    ) -> Result<Response<Self::GetManifestStream>, Status> {
+        let id = request.into_inner().session_id;
+        if id.len() > MAX_NAME {
+            return Err(ApiError::InvalidArgument(format!(
+                "session_id longer than {MAX_NAME} bytes"
+            ))
+            .into());
+        }
+        let manifest = self.sessions.manifest(&id).ok_or_else(|| {
+            Status::not_found("no such offered session (it expired, or its data connection already began); ask for a new offer")
+        })?;
+        let parts: Vec<_> = manifest
+            .encode()
+            .chunks(MANIFEST_PART)
+            .map(|c| Ok(pb::ManifestPart { data: c.to_vec() }))
+            .collect();
+        Ok(Response::new(futures::stream::iter(parts)))
     }
 
     async fn report_result(

@@ -236,6 +236,16 @@ const READ_DEPTH: usize = 3;
 ///
 /// With `format = None` the format is detected from the first bytes.
 pub fn verify_file(path: &Path, format: Option<Format>) -> Result<SnapshotInfo, SnapshotError> {
+    verify_file_observed(path, format, |_| {})
+}
+
+/// [`verify_file`], showing every byte read to `observe` as it passes (the
+/// watcher computes the piece manifest in the same pass).
+pub fn verify_file_observed(
+    path: &Path,
+    format: Option<Format>,
+    mut observe: impl FnMut(&[u8]),
+) -> Result<SnapshotInfo, SnapshotError> {
     let io = |source| SnapshotError::Io {
         path: path.to_owned(),
         source,
@@ -267,6 +277,7 @@ pub fn verify_file(path: &Path, format: Option<Format>) -> Result<SnapshotInfo, 
                 got: seen,
             })
         } else {
+            observe(chunk);
             verifier.update(chunk)
         };
         step.map_err(|c| failure = Some(c)).is_ok()

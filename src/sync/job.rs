@@ -21,7 +21,8 @@ use crate::blk3::token::SESSION_TOKEN_LEN;
 use crate::blk3::Outcome;
 use crate::config::{Config, DataTls, RdmaProvider, TransportMode};
 use crate::handoff::{self, HandoffRecord};
-use crate::install::{self, InstallError, Staging};
+use crate::install::{self, InstallError};
+use crate::manifest::Manifest;
 use crate::metrics::{unix_now, Metrics, Running};
 use crate::rpc::{self, pb, AgentChannel, Dialer};
 use crate::snapshot::SnapshotInfo;
@@ -250,17 +251,17 @@ async fn receive(
         } else if plan.want_rdma {
             info!("the source offers tcp only; using tcp");
         }
-        let received = transfer(ctx, &offer).await;
+        let received = transfer(ctx, peer, &offer).await;
         return settle(peer, offer, received).await;
     }
-    match transfer(ctx, &offer).await {
+    match transfer(ctx, peer, &offer).await {
         Ok(received) => Ok((offer, received)),
         Err(e) => match e.fallback_reason() {
             Some(reason) if plan.may_fall_back => {
                 fell_back(ctx, reason, &e.to_string());
                 decline(peer, &offer, &e.to_string()).await;
                 let offer = negotiate(ctx, peer, false, false).await?;
-                let received = transfer(ctx, &offer).await;
+                let received = transfer(ctx, peer, &offer).await;
                 settle(peer, offer, received).await
             }
             _ => settle(peer, offer, Err(e)).await,
@@ -564,22 +565,84 @@ fn progress_reporter(ctx: &JobContext, total: u64) -> impl Fn(u64) + Send + Sync
     }
 }
 
-/// One BLK3 session on the offered transport, into a fresh staging file.
+/// The offered snapshot's piece manifest, fetched from the source and
+/// checked against the offer: its digest, piece size and identity.
+async fn fetch_manifest(
+    ctx: &JobContext,
+    peer: &mut PeerClient,
+    offer: &pb::SyncOffer,
+) -> Result<Manifest, JobError> {
+    let bad = |why: String| JobError::BadOffer(format!("piece manifest: {why}"));
+    crate::manifest::check_piece_size(offer.piece_size).map_err(bad)?;
+    // What a manifest of this snapshot can weigh: its header and 4 bytes a piece.
+    let most = 1024 + 4 * Manifest::count_for(offer.snapshot_size, offer.piece_size);
+    let request = pb::GetManifestRequest {
+        session_id: offer.session_id.clone(),
+    };
+    let unreachable = |s: tonic::Status| JobError::Unreachable {
+        source_addr: ctx.source.clone(),
+        message: format!("fetching the piece manifest: {}", s.message()),
+    };
+    let mut parts = ctx
+        .or_cancel(peer.get_manifest(request))
+        .await?
+        .map_err(unreachable)?
+        .into_inner();
+    let mut bytes = Vec::new();
+    while let Some(part) = ctx.or_cancel(parts.message()).await?.map_err(unreachable)? {
+        bytes.extend_from_slice(&part.data);
+        if bytes.len() as u64 > most {
+            return Err(bad(format!("more than the {most} bytes it can hold")));
+        }
+    }
+    let manifest = Manifest::decode(&bytes).map_err(|e| bad(e.to_string()))?;
+    let info = &manifest.info;
+    if manifest.digest() != offer.manifest_digest
+        || manifest.piece_size != offer.piece_size
+        || (info.size, info.seq, info.checksum) != (offer.snapshot_size, offer.seq, offer.checksum)
+        || info.format.as_str() != offer.format
+    {
+        return Err(bad(
+            "it describes another snapshot than the offer (the source changed it?)".into(),
+        ));
+    }
+    Ok(manifest)
+}
+
+/// One BLK3 session on the offered transport, into a staging file that
+/// resumes what an earlier attempt verified of the same snapshot.
 /// Cancelling stops the session and still waits for its thread, so the
 /// staging file is gone by the time the sync reports "cancelled".
-async fn transfer(ctx: &JobContext, offer: &pb::SyncOffer) -> Result<Received, JobError> {
+async fn transfer(
+    ctx: &JobContext,
+    peer: &mut PeerClient,
+    offer: &pb::SyncOffer,
+) -> Result<Received, JobError> {
     let kind = if offer.transport == pb::Transport::Rdma as i32 {
         TransportKind::Rdma
     } else {
         TransportKind::Tcp
     };
-    let staging = Staging::create(
-        &ctx.config.snapshot_dir,
-        &format!("{}-{kind}", ctx.id),
-        ctx.config.snapshot_format,
-    )
-    .map_err(JobError::NotWritable)?;
-    let mut receiver = Receiver::new(staging, progress_reporter(ctx, offer.snapshot_size));
+    let manifest = Arc::new(fetch_manifest(ctx, peer, offer).await?);
+    let (dir, id, source, retries) = (
+        ctx.config.snapshot_dir.clone(),
+        ctx.id.clone(),
+        offer.source_node_id.clone(),
+        ctx.config.data.piece_retries,
+    );
+    let progress = progress_reporter(ctx, offer.snapshot_size);
+    let check = Receiver::check_label(&manifest);
+    let mut receiver = ctx
+        .or_cancel(tokio::task::spawn_blocking(move || {
+            Receiver::open(&dir, &id, &source, manifest, retries, progress)
+        }))
+        .await?
+        .map_err(|e| JobError::Panicked(panic_text(e)))??;
+    let resumed = receiver.resumed_bytes();
+    ctx.progress.send_modify(|p| {
+        p.resumed_bytes = resumed;
+        p.check = check;
+    });
     let spec = dial_spec(ctx, offer, kind)?;
     let label = link_label(offer, &spec);
     ctx.progress.send_modify(|p| p.detail = label.clone());
@@ -617,6 +680,14 @@ async fn transfer(ctx: &JobContext, offer: &pb::SyncOffer) -> Result<Received, J
         .fullsync_bytes
         .with_label_values(&["replica", kind.as_str()])
         .inc_by(receiver.written());
+    ctx.metrics.resumed_bytes.inc_by(resumed);
+    let refetched = receiver.refetched();
+    ctx.metrics
+        .piece_refetch
+        .with_label_values(&[kind.as_str()])
+        .inc_by(refetched as u64);
+    ctx.progress
+        .send_modify(|p| p.pieces_refetched += refetched);
     if let Some(memory) = memory {
         ctx.progress
             .send_modify(|p| p.detail = format!("{label}; receive memory: {memory}"));

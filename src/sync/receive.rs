@@ -1,21 +1,34 @@
 //! The replica's receiving end of one data session, for every transport.
 //!
 //! [`Receiver`] is the [`Sink`] the TCP and RDMA drivers feed: it owns the
-//! staging file, the streaming checksum, the first local failure (a full
-//! disk, a write error, corrupt bytes) and the verified snapshot's info, and
-//! at the end makes the one install decision ([`Receiver::finish`]): a
-//! verified staging file, or the job error that says why not. Dropping it
-//! before install removes the temp file.
+//! staging file, the check of every piece against the source's manifest as
+//! it lands, the resume journal (updated every [`JOURNAL_EVERY`] verified
+//! pieces, after the temp file is synced), the first local failure (a full
+//! disk, a write error), and at the end makes the one install decision
+//! ([`Receiver::finish`]): a verified staging file, or the job error that
+//! says why not. A failed session that verified pieces keeps its staging
+//! file and journal for the next attempt to resume ([`Receiver::open`]
+//! finds them); any other failure removes the temp file.
 
-use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::Arc;
 
-use crate::blk3::{Blk3Error, Outcome};
+use tracing::{info, warn};
+
+use crate::blk3::token::MAX_NEED_RANGES;
+use crate::blk3::{need_ranges, Blk3Error, Outcome};
 use crate::install::{InstallError, Staging};
-use crate::snapshot::SnapshotInfo;
+use crate::journal::{self, Journal};
+use crate::manifest::Manifest;
+use crate::snapshot::{Format, SnapshotInfo};
 use crate::transport::session::SessionResult;
-use crate::transport::Sink;
+use crate::transport::{Sink, Want};
 
 use super::error::JobError;
+
+/// Verified pieces between two journal updates.
+pub const JOURNAL_EVERY: u32 = 8;
 
 /// A verified snapshot in its staging file, ready to install.
 pub struct Received {
@@ -24,9 +37,25 @@ pub struct Received {
     pub info: SnapshotInfo,
 }
 
-/// Takes a session's bytes into a staging file and decides what they are.
+/// The piece being received: its index, running CRC32 and bytes so far.
+struct Current {
+    index: u32,
+    crc: crc32fast::Hasher,
+    got: u64,
+}
+
+/// Takes a session's pieces into a staging file and decides what they are.
 pub struct Receiver {
     staging: Staging,
+    manifest: Arc<Manifest>,
+    /// Which pieces are verified (resumed ones included); the journal's bitmap.
+    journal: Journal,
+    current: Option<Current>,
+    /// Pieces verified since the journal was last written.
+    unjournaled: u32,
+    retries: u32,
+    resumed_bytes: u64,
+    refetched: u32,
     /// Bytes handed over by the transport (also after a local failure).
     received: u64,
     progress: Box<dyn Fn(u64) + Send + Sync>,
@@ -35,20 +64,82 @@ pub struct Receiver {
 }
 
 impl Receiver {
-    /// Receives into `staging`, reporting the bytes received to `progress`.
-    pub fn new(staging: Staging, progress: impl Fn(u64) + Send + Sync + 'static) -> Receiver {
-        Receiver {
+    /// A receiver for `manifest`'s snapshot from `source` (the source
+    /// agent's node id) into `dir`: it
+    /// resumes the partial sync a journal there describes (after checking
+    /// every piece the journal claims), or starts a temp file for sync
+    /// `id`. Bytes received so far go to `progress`.
+    pub fn open(
+        dir: &Path,
+        id: &str,
+        source: &str,
+        manifest: Arc<Manifest>,
+        retries: u32,
+        progress: impl Fn(u64) + Send + Sync + 'static,
+    ) -> Result<Receiver, JobError> {
+        let resumed = journal::find(dir, source, &manifest).and_then(|(path, journal)| {
+            match check_claims(&path, &manifest, &journal) {
+                Ok(()) => match Staging::reopen(&path) {
+                    Ok(staging) => Some((staging, journal)),
+                    Err(e) => {
+                        warn!(error = %e, "cannot reopen the partial sync; starting over");
+                        journal::discard(&path);
+                        None
+                    }
+                },
+                Err(why) => {
+                    warn!(path = %path.display(), "the resume journal is wrong ({why}); starting over");
+                    journal::discard(&path);
+                    None
+                }
+            }
+        });
+        let (staging, journal) = match resumed {
+            Some((staging, journal)) => {
+                info!(path = %staging.path().display(), bytes = journal.verified_bytes(), "resuming a partial sync");
+                (staging, journal)
+            }
+            None => {
+                let stale = dir.join(format!(
+                    "{}{id}{}",
+                    crate::install::TEMP_PREFIX,
+                    crate::install::TEMP_SUFFIX
+                ));
+                journal::discard(&stale);
+                let staging = Staging::create(dir, id).map_err(JobError::NotWritable)?;
+                (staging, Journal::new(source, &manifest))
+            }
+        };
+        let resumed_bytes = journal.verified_bytes();
+        Ok(Receiver {
             staging,
+            manifest,
+            journal,
+            current: None,
+            unjournaled: 0,
+            retries,
+            resumed_bytes,
+            refetched: 0,
             received: 0,
             progress: Box::new(progress),
             failure: None,
             info: None,
-        }
+        })
     }
 
-    /// Bytes written to the staging file.
+    /// Bytes written to the staging file in this session.
     pub fn written(&self) -> u64 {
         self.staging.written()
+    }
+
+    /// Bytes of verified pieces found in place when the session began.
+    pub fn resumed_bytes(&self) -> u64 {
+        self.resumed_bytes
+    }
+
+    /// Pieces that failed their check and were asked for again.
+    pub fn refetched(&self) -> u32 {
+        self.refetched
     }
 
     /// Keeps the first local failure and returns its text for the peer.
@@ -58,71 +149,186 @@ impl Receiver {
         reason
     }
 
-    fn landed(
-        &mut self,
-        bytes: &[u8],
-        stage: impl FnOnce(&mut Staging, &[u8]) -> Result<(), InstallError>,
-    ) {
-        self.received += bytes.len() as u64;
-        if self.failure.is_none() {
-            if let Err(e) = stage(&mut self.staging, bytes) {
-                self.fail(e);
-            }
-        }
-        (self.progress)(self.received);
+    /// Syncs the temp file, then records the verified pieces in the journal.
+    fn write_journal(&mut self) -> Result<(), String> {
+        self.unjournaled = 0;
+        self.staging.sync_data().map_err(|e| e.to_string())?;
+        self.journal
+            .write(self.staging.path())
+            .map_err(|e| format!("write the resume journal: {e}"))
     }
 
     /// The install decision for a session that ended with `result`.
-    pub fn finish(self, result: SessionResult) -> Result<Received, JobError> {
+    pub fn finish(mut self, result: SessionResult) -> Result<Received, JobError> {
         let verdict = match result {
             Err(e) if e.is_cancelled() => return Err(JobError::Cancelled),
-            Err(e) => return Err(JobError::Transport(e)),
-            Ok(v) => v,
+            Err(e) => Err(JobError::Transport(e)),
+            Ok(v) => Ok(v),
         };
-        match (verdict, self.failure) {
-            (Ok(outcome), None) => Ok(Received {
-                outcome,
-                info: self.info.expect("a verified session has its snapshot info"),
-                staging: self.staging,
-            }),
-            // The bytes were bad: the source or the wire is to blame.
-            (Err(Blk3Error::Checksum(reason)), Some(InstallError::Corrupt(_)) | None) => {
-                Err(JobError::Checksum(reason))
+        let err = match (verdict, self.failure.take()) {
+            (Ok(Ok(outcome)), None) => {
+                return Ok(Received {
+                    outcome,
+                    info: self.info.expect("a verified session has its snapshot info"),
+                    staging: self.staging,
+                })
             }
             // This host could not take them (disk full, I/O error).
-            (_, Some(local)) => Err(JobError::Install(local)),
-            (Err(e), None) => Err(JobError::Protocol(e)),
+            (_, Some(local)) => return Err(JobError::Install(local)),
+            // The bytes were bad: the source or the wire is to blame.
+            (Ok(Err(e @ (Blk3Error::Checksum(_) | Blk3Error::PieceRetries { .. }))), None) => {
+                JobError::Checksum(e.to_string())
+            }
+            (Ok(Err(e)), None) => JobError::Protocol(e),
+            (Err(e), None) => e,
+        };
+        self.keep_for_resume();
+        Err(err)
+    }
+
+    /// After a failed session: keeps the staging file and its journal when
+    /// it holds verified pieces, so the next attempt moves only the rest.
+    fn keep_for_resume(mut self) {
+        let verified = self.journal.verified_bytes();
+        if verified == 0 {
+            return;
         }
+        match self.write_journal() {
+            Ok(()) => {
+                info!(path = %self.staging.path().display(), bytes = verified, "kept the verified pieces for the sync to resume");
+                self.staging.keep();
+            }
+            Err(e) => warn!(error = %e, "cannot keep the partial sync for resuming"),
+        }
+    }
+
+    /// What the status says about how the bytes were verified.
+    pub fn check_label(manifest: &Manifest) -> String {
+        let info = &manifest.info;
+        let own = match info.format {
+            Format::Kvr1 => "its KVR1 crc32 trailer",
+            Format::RedisRdb if info.checksum == 0 => {
+                "no RDB checksum (saved with rdbchecksum no): the manifest is its only check"
+            }
+            Format::RedisRdb => "its RDB crc64 trailer",
+        };
+        format!(
+            "crc32 of each of {} pieces of {} MiB against the source's manifest; the source verified {own}",
+            manifest.pieces(),
+            manifest.piece_size >> 20
+        )
     }
 }
 
+/// Reads back every piece `journal` claims from `partial` and checks it
+/// against the manifest: a journal that claims what the file does not hold
+/// is not trusted at all.
+fn check_claims(partial: &Path, manifest: &Manifest, journal: &Journal) -> Result<(), String> {
+    let file = std::fs::File::open(partial).map_err(|e| e.to_string())?;
+    let len = file.metadata().map_err(|e| e.to_string())?.len();
+    if len != manifest.info.size && journal.verified_bytes() > 0 {
+        return Err(format!(
+            "the temp file has {len} bytes, the snapshot {}",
+            manifest.info.size
+        ));
+    }
+    let mut buf = vec![0u8; (4 << 20).min(manifest.piece_size as usize)];
+    for (index, _) in journal.verified.iter().enumerate().filter(|(_, v)| **v) {
+        let (offset, plen) = manifest.range(index as u32);
+        let mut crc = crc32fast::Hasher::new();
+        let mut at = 0;
+        while at < plen {
+            let n = (plen - at).min(buf.len() as u64) as usize;
+            file.read_exact_at(&mut buf[..n], offset + at)
+                .map_err(|e| format!("read piece {index}: {e}"))?;
+            crc.update(&buf[..n]);
+            at += n as u64;
+        }
+        if crc.finalize() != manifest.crcs[index] {
+            return Err(format!("piece {index} is not what the manifest says"));
+        }
+    }
+    Ok(())
+}
+
 impl Sink for Receiver {
+    fn want(&self) -> Want {
+        Want {
+            piece_size: self.manifest.piece_size,
+            need: need_ranges(self.journal.verified.iter().map(|v| !v), MAX_NEED_RANGES),
+            retries: self.retries,
+        }
+    }
+
     fn prepare(&mut self, len: u64) -> Result<(), String> {
         self.staging.prepare(len).map_err(|e| self.fail(e))
     }
 
-    fn write(&mut self, bytes: &[u8]) {
-        self.landed(bytes, Staging::write);
-    }
-
-    fn file(&self) -> &File {
+    fn file(&self) -> &std::fs::File {
         self.staging.file()
     }
 
-    fn absorb(&mut self, bytes: &[u8]) {
-        self.landed(bytes, Staging::absorb);
+    fn piece_bytes(&mut self, index: u32, bytes: &[u8], in_file: bool) {
+        let current = match &mut self.current {
+            Some(c) if c.index == index => c,
+            slot => slot.insert(Current {
+                index,
+                crc: crc32fast::Hasher::new(),
+                got: 0,
+            }),
+        };
+        let offset = self.manifest.range(index).0 + current.got;
+        current.crc.update(bytes);
+        current.got += bytes.len() as u64;
+        self.received += bytes.len() as u64;
+        if self.failure.is_none() {
+            if in_file {
+                self.staging.absorbed(bytes.len() as u64);
+            } else if let Err(e) = self.staging.write_at(offset, bytes) {
+                self.fail(e);
+            }
+        }
+        (self.progress)(self.resumed_bytes + self.received);
+    }
+
+    /// After a local failure every piece is passed on unmarked: the
+    /// session ends at [`Sink::verify`] with that failure.
+    fn piece_done(&mut self, index: u32) -> Result<(), String> {
+        let (offset, len) = self.manifest.range(index);
+        let current = self.current.take().filter(|c| c.index == index);
+        if self.failure.is_some() {
+            return Ok(());
+        }
+        let (got, crc) = current.map_or((0, 0), |c| (c.got, c.crc.finalize()));
+        let want = self.manifest.crcs[index as usize];
+        if got != len || crc != want {
+            self.refetched += 1;
+            // Progress counts its bytes again when they come again.
+            self.received -= got;
+            return Err(format!(
+                "piece {index} (bytes {offset}..{}) has crc32 {crc:#010x} over {got} bytes; the manifest says {want:#010x} over {len}",
+                offset + len
+            ));
+        }
+        self.journal.verified[index as usize] = true;
+        self.unjournaled += 1;
+        if self.unjournaled >= JOURNAL_EVERY {
+            if let Err(e) = self.write_journal() {
+                warn!(error = %e, "resume journal not updated");
+            }
+        }
+        Ok(())
     }
 
     fn verify(&mut self) -> Result<(), String> {
         if let Some(e) = &self.failure {
             return Err(e.to_string());
         }
-        match self.staging.verify() {
-            Ok(info) => {
-                self.info = Some(info);
-                Ok(())
-            }
-            Err(e) => Err(self.fail(e)),
+        let missing = self.journal.verified.iter().filter(|v| !**v).count();
+        if missing > 0 {
+            return Err(format!("{missing} pieces never verified"));
         }
+        self.info = Some(self.manifest.info.clone());
+        Ok(())
     }
 }

@@ -229,6 +229,16 @@ impl SessionTable {
         offers.len() < before
     }
 
+    /// The piece manifest of the offered (not yet used) session `id`.
+    pub fn manifest(&self, id: &str) -> Option<Arc<crate::manifest::Manifest>> {
+        let now = Instant::now();
+        let offers = self.offers.lock().expect("sessions lock");
+        offers
+            .values()
+            .find(|(o, _)| o.id == id && o.expires > now)
+            .map(|(o, _)| o.entry.manifest.clone())
+    }
+
     /// Sessions moving bytes now.
     pub fn serving(&self) -> usize {
         self.serving.load(Ordering::SeqCst)
@@ -413,6 +423,7 @@ fn serve_session(plane: &DataPlane, offer: &Offer, peer: &str, link: SourceLink)
     let result = link.serve(Serve {
         snapshot: &offer.snapshot,
         seq: offer.entry.info.seq,
+        piece_size: offer.entry.manifest.piece_size,
         params: plane.bulk,
         faults: &plane.faults,
         rate: &plane.rate,

@@ -57,7 +57,7 @@ pub struct EmuFaults {
     pub drop_send: Option<u32>,
     /// Hold the n-th Send back this long before it goes out.
     pub delay_send: Option<(u32, Duration)>,
-    /// Flip the low bit of the byte at this offset of the written data.
+    /// Flip the low bit of the byte at this offset of the written data, once.
     pub corrupt_at: Option<u64>,
     /// Cut the connection once this many bytes have been written.
     pub cut_after: Option<u64>,
@@ -335,7 +335,7 @@ impl EmuQp {
             let faults = self.faults.clone();
             std::thread::Builder::new()
                 .name("kvsync-emu-tx".into())
-                .spawn(move || write_loop(&inner, rx, &faults))
+                .spawn(move || write_loop(&inner, rx, faults))
                 .map_err(spawn_err)?
         };
         self.threads = vec![reader, writer];
@@ -527,7 +527,7 @@ fn read_loop(inner: &Inner, out: &mpsc::Sender<Out>) {
 }
 
 /// Sends this side's messages in order, applying the injected faults.
-fn write_loop(inner: &Inner, rx: mpsc::Receiver<Out>, faults: &EmuFaults) {
+fn write_loop(inner: &Inner, rx: mpsc::Receiver<Out>, mut faults: EmuFaults) {
     let mut stream = &inner.stream;
     let mut written: u64 = 0;
     let mut sends = 0u32;
@@ -575,6 +575,8 @@ fn write_loop(inner: &Inner, rx: mpsc::Receiver<Out>, faults: &EmuFaults) {
                 let mut r = stream.write_all(&header.encode());
                 match faults.corrupt_at {
                     Some(at) if (offset..end).contains(&at) => {
+                        // Once: the piece written again arrives intact.
+                        faults.corrupt_at = None;
                         tracing::warn!(at, "emulated fabric fault: corrupting a written chunk");
                         let mut copy = data[..keep].to_vec();
                         if let Some(b) = copy.get_mut((at - offset) as usize) {

@@ -38,6 +38,8 @@ pub struct Serve<'a> {
     /// Exactly the offered bytes (the cache image the offer holds).
     pub snapshot: &'a CacheRef,
     pub seq: u64,
+    /// The piece size of the snapshot's manifest.
+    pub piece_size: u64,
     /// Bulk parameters of RDMA sessions (soft-device caps applied).
     pub params: BulkParams,
     pub faults: &'a Faults,
@@ -48,21 +50,35 @@ pub struct Serve<'a> {
     pub cancel: CancellationToken,
 }
 
+/// What a replica session asks its source for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Want {
+    /// The piece size of the snapshot's manifest.
+    pub piece_size: u64,
+    /// The pieces it lacks, as NEED ranges.
+    pub need: Vec<(u32, u32)>,
+    /// Failed checks one piece may have.
+    pub retries: u32,
+}
+
 /// Where a replica session puts the snapshot it receives. Drivers only move
-/// bytes and report them here, in order; the sink owns the destination, the
-/// checksum and the first local failure, identically for every transport.
+/// bytes and report them here, piece by piece; the sink owns the
+/// destination, the checks and the first local failure, identically for
+/// every transport.
 pub trait Sink: Send {
+    /// The pieces to ask for.
+    fn want(&self) -> Want;
     /// Makes room for `len` bytes. `Err` carries the reason the session
     /// ends with (RDFL before any byte moves).
     fn prepare(&mut self, len: u64) -> Result<(), String>;
-    /// The next received bytes, written to the prepared file.
-    fn write(&mut self, bytes: &[u8]);
     /// The prepared file, for receive memory mapped over it (RDMA).
     fn file(&self) -> &std::fs::File;
-    /// The next received bytes, already in the file through a shared
-    /// mapping of it.
-    fn absorb(&mut self, bytes: &[u8]);
-    /// Verifies everything received; `Err` is the reason for RDFL.
+    /// The next bytes of piece `index`, in order: written to the prepared
+    /// file, or (`in_file`) already there through a shared mapping of it.
+    fn piece_bytes(&mut self, index: u32, bytes: &[u8], in_file: bool);
+    /// Piece `index` is complete: checks it; `Err` says why it is bad.
+    fn piece_done(&mut self, index: u32) -> Result<(), String>;
+    /// Every piece is in: verifies the whole; `Err` is the reason for RDFL.
     fn verify(&mut self) -> Result<(), String>;
 }
 

@@ -6,7 +6,7 @@
 //! buffer — and the replica's receive memory: a `MAP_SHARED` mapping of the
 //! file its [`Sink`] prepared, registered for remote write (zero-copy into the page
 //! cache), or, when the fabric refuses to register file pages, an anonymous
-//! page-aligned buffer written to the file after BDON. Which path was used is
+//! page-aligned buffer whose pieces are written to the file as their PDONs arrive. Which path was used is
 //! logged and reported. Protocol decisions stay in `blk3`; queue-pair
 //! mechanics stay in the fabrics.
 
@@ -23,7 +23,7 @@ use super::ratelimit::RateLimiter;
 use super::{drive, Executor, Serve, Sink, CONNECT_TIMEOUT};
 use crate::blk3::token::SESSION_TOKEN_LEN;
 use crate::blk3::{
-    Blk3Error, BulkMode, BulkParams, Command, Input, Outcome, Replica, Source, Token, TokenError,
+    Blk3Error, BulkMode, Command, Input, Outcome, Replica, Source, Token, TokenError,
 };
 use crate::buf::AlignedBuf;
 use crate::cache::{CacheError, CacheRef};
@@ -216,8 +216,10 @@ struct SourceIo<'a, F> {
     faults: &'a RdmaFaults,
     rate: &'a RateLimiter,
     progress: &'a AtomicU64,
-    /// End offsets of signalled writes in flight, oldest first.
+    /// Signalled writes in flight with the bytes posted up to each, oldest first.
     signaled_ends: VecDeque<(u64, u64)>,
+    /// Bytes posted in this session (resent pieces count again).
+    posted_bytes: u64,
     stats: WriteStats,
     bulk_started: Option<Instant>,
 }
@@ -277,7 +279,7 @@ impl<F: Fabric> Executor for SourceIo<'_, F> {
                 let region = self
                     .region
                     .ok_or(RdmaError::Unsupported("writes before registration"))?;
-                let end = writes.last().map_or(0, |w| w.offset + w.len);
+                let end = writes.iter().map(|w| w.offset + w.len).max().unwrap_or(0);
                 self.bulk_started.get_or_insert_with(Instant::now);
                 // The agent's bandwidth limit, paid per chunk before posting.
                 let bytes: u64 = writes.iter().map(|w| w.len).sum();
@@ -285,8 +287,11 @@ impl<F: Fabric> Executor for SourceIo<'_, F> {
                     .paced(bytes as usize, |_| Ok::<_, RdmaError>(()))?;
                 // Writes go out as soon as the cache has loaded their range.
                 self.snapshot.wait_loaded(end as usize)?;
-                for w in writes.iter().filter(|w| w.signaled) {
-                    self.signaled_ends.push_back((w.id, w.offset + w.len));
+                for w in &writes {
+                    self.posted_bytes += w.len;
+                    if w.signaled {
+                        self.signaled_ends.push_back((w.id, self.posted_bytes));
+                    }
                 }
                 self.stats.posted += writes.len() as u64;
                 self.stats.signaled += writes.iter().filter(|w| w.signaled).count() as u64;
@@ -300,8 +305,8 @@ impl<F: Fabric> Executor for SourceIo<'_, F> {
                     .post_writes(&region, remote_addr, rkey, &writes)?;
                 Ok(None)
             }
-            Command::StreamBulk { .. } => Err(RdmaError::Unsupported("StreamBulk")),
-            Command::PrepareReceive { .. } | Command::ReceiveBulk { .. } | Command::Verify => {
+            Command::StreamPiece { .. } => Err(RdmaError::Unsupported("StreamPiece")),
+            Command::PrepareReceive { .. } | Command::TakePiece { .. } | Command::Verify => {
                 Err(RdmaError::Unsupported("replica command"))
             }
             Command::Done(_) => Ok(None),
@@ -350,10 +355,16 @@ pub fn run_source<F: Fabric>(qp: F, s: Serve) -> SourceRun {
         rate: s.rate,
         progress: s.progress,
         signaled_ends: VecDeque::new(),
+        posted_bytes: 0,
         stats: WriteStats::default(),
         bulk_started: None,
     };
-    let mut machine = Source::new(s.snapshot.len() as u64, s.seq, BulkMode::Rdma(s.params));
+    let mut machine = Source::new(
+        s.snapshot.len() as u64,
+        s.seq,
+        s.piece_size,
+        BulkMode::Rdma(s.params),
+    );
     machine.start(io.now());
     let result = drive(&mut machine, &mut io);
     // Tear the connection down before the snapshot reference can go.
@@ -368,7 +379,7 @@ pub fn run_source<F: Fabric>(qp: F, s: Serve) -> SourceRun {
 enum RecvMemory {
     /// A shared mapping of the temp file, registered: bytes land in the page cache.
     Mapped(MmapMut),
-    /// An anonymous buffer, written to the temp file after BDON.
+    /// An anonymous buffer, each piece written to the temp file when its PDON arrives.
     Heap(AlignedBuf),
 }
 
@@ -438,18 +449,19 @@ impl<F: Fabric> ReplicaIo<'_, F> {
             call: "allocate receive memory",
             source,
         })?;
-        // SAFETY: as above; the buffer is only read as bytes after BDON.
+        // SAFETY: as above; the buffer is only read, a piece at a time, after the PDON that follows its writes.
         let region = unsafe { self.link.qp.register(buf.as_mut_ptr(), len, true) }?;
         self.memory = Some(RecvMemory::Heap(buf));
         Ok(region)
     }
 
-    /// Hands what the source wrote to the sink: bytes already in the file
-    /// through the mapping, or the anonymous buffer to be written.
-    fn land(&mut self) {
+    /// Hands one piece the source wrote to the sink: bytes already in the
+    /// file through the mapping, or to be written from the anonymous buffer.
+    fn land(&mut self, index: u32, offset: u64, len: u64) {
+        let range = offset as usize..(offset + len) as usize;
         match &self.memory {
-            Some(RecvMemory::Mapped(map)) => self.sink.absorb(map),
-            Some(RecvMemory::Heap(buf)) => self.sink.write(buf),
+            Some(RecvMemory::Mapped(map)) => self.sink.piece_bytes(index, &map[range], true),
+            Some(RecvMemory::Heap(buf)) => self.sink.piece_bytes(index, &buf[range], false),
             None => {}
         }
     }
@@ -485,16 +497,21 @@ impl<F: Fabric> Executor for ReplicaIo<'_, F> {
                     rkey: region.rkey,
                 }))
             }
+            Command::TakePiece { index, offset, len } => {
+                // The PDON came after the piece's writes on this RC queue
+                // pair: every byte of the piece is in place.
+                self.land(index, offset, len);
+                let result = self.sink.piece_done(index);
+                Ok(Some(Input::PieceChecked { index, result }))
+            }
             Command::Verify => {
                 // The source must not change what is verified and installed.
                 if let Some(region) = self.region.take() {
                     self.link.qp.revoke(&region)?;
                 }
-                self.land();
                 Ok(Some(Input::Verified(self.sink.verify())))
             }
-            Command::ReceiveBulk { .. } => Err(RdmaError::Unsupported("ReceiveBulk")),
-            Command::PrepareSource | Command::StreamBulk { .. } | Command::PostWrites { .. } => {
+            Command::PrepareSource | Command::StreamPiece { .. } | Command::PostWrites { .. } => {
                 Err(RdmaError::Unsupported("source command"))
             }
             Command::Done(_) => Ok(None),
@@ -534,7 +551,8 @@ pub fn run_replica<F: Fabric>(
         sink,
         faults,
     };
-    let mut machine = Replica::new(offered_len, BulkMode::Rdma(BulkParams::default()));
+    let want = io.sink.want();
+    let mut machine = Replica::new(offered_len, want.piece_size, want.need, want.retries);
     machine.start(io.now());
     let result = drive(&mut machine, &mut io);
     io.link.close();

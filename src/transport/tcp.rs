@@ -34,6 +34,8 @@ use crate::cache::{CacheError, CacheRef};
 const BULK_CHUNK: usize = 4 << 20;
 /// Snapshots at least this large are sent with `MSG_ZEROCOPY`.
 const ZEROCOPY_MIN: u64 = 64 << 20;
+/// How long a closing side waits for its peer to close too.
+const DRAIN: Duration = Duration::from_secs(5);
 
 /// A TCP data-plane failure.
 #[derive(Debug, thiserror::Error)]
@@ -92,6 +94,10 @@ pub struct Link {
     tls: Option<Box<rustls::Connection>>,
     /// The floor the bulk phase must keep, both ways.
     min_rate: MinRate,
+    /// The bulk phase's pace, kept across its pieces.
+    pace: Option<Pace>,
+    /// The replica's read buffer, kept across pieces.
+    chunk: Option<AlignedBuf>,
     started: Instant,
     buf: Vec<u8>,
     cancelled: Arc<AtomicBool>,
@@ -107,6 +113,8 @@ impl Link {
             stream,
             tls: None,
             min_rate,
+            pace: None,
+            chunk: None,
             started: Instant::now(),
             buf: Vec::with_capacity(64),
             cancelled: Arc::new(AtomicBool::new(false)),
@@ -264,8 +272,36 @@ impl Link {
         }
     }
 
+    /// Closes our direction and reads (discarding) until the peer closes
+    /// its own, for at most [`DRAIN`]: what we sent last, an RDFL above
+    /// all, reaches the peer instead of being reset away with data we left
+    /// unread.
+    fn close_and_drain(&mut self) {
+        let _ = self.stream.shutdown(Shutdown::Write);
+        let end = Instant::now() + DRAIN;
+        let mut sink = [0u8; 64 << 10];
+        while let Some(left) = end.checked_duration_since(Instant::now()) {
+            if self.stream.set_read_timeout(Some(left)).is_err() {
+                break;
+            }
+            match (&self.stream).read(&mut sink) {
+                Ok(0) => break,
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => break,
+            }
+        }
+    }
+
+    /// The bulk phase's pace: started by its first piece, kept after.
+    fn pace(&mut self) -> &mut Pace {
+        let min_rate = self.min_rate;
+        self.pace
+            .get_or_insert_with(|| Pace::new(min_rate, Instant::now()))
+    }
+
     /// Reads exactly `len` raw bulk bytes, handing them to `sink` in
-    /// pieces, at no less than the link's minimum rate.
+    /// parts, at no less than the link's minimum rate.
     fn read_bulk(&mut self, len: u64, mut sink: impl FnMut(&[u8])) -> Result<(), TcpError> {
         let mut left = len;
         // Bytes read past the last frame belong to the bulk.
@@ -275,12 +311,15 @@ impl Link {
             self.buf.drain(..n);
             left -= n as u64;
         }
-        let mut chunk = AlignedBuf::new(BULK_CHUNK).map_err(|e| self.err("allocate", e))?;
-        let mut pace = Pace::new(self.min_rate, Instant::now());
+        let mut chunk = match self.chunk.take() {
+            Some(chunk) => chunk,
+            None => AlignedBuf::new(BULK_CHUNK).map_err(|e| self.err("allocate", e))?,
+        };
         // One wait per read at most a window: a stalled peer fails the
         // floor within two windows, with no syscall per read to set it.
+        let wait = self.pace().longest_wait();
         self.stream
-            .set_read_timeout(pace.longest_wait().or(Some(size_scaled_timeout(len))))
+            .set_read_timeout(wait.or(Some(size_scaled_timeout(len))))
             .map_err(|e| self.err("set timeout", e))?;
         while left > 0 {
             let want = (left as usize).min(BULK_CHUNK);
@@ -299,8 +338,9 @@ impl Link {
             };
             sink(&chunk[..n]);
             left -= n as u64;
-            pace.add(n as u64, Instant::now())?;
+            self.pace().add(n as u64, Instant::now())?;
         }
+        self.chunk = Some(chunk);
         Ok(())
     }
 }
@@ -352,13 +392,19 @@ pub async fn refuse(stream: &mut (impl tokio::io::AsyncWrite + Unpin), reason: &
     let _ = stream.shutdown().await;
 }
 
-/// Source-side executor: tokens plus the bulk stream from memory.
+/// Source-side executor: tokens plus the pieces streamed from memory.
 struct SourceIo<'a> {
     link: &'a mut Link,
     snapshot: &'a CacheRef,
     faults: &'a Faults,
     rate: &'a RateLimiter,
     progress: &'a AtomicU64,
+    /// Zero-copy sends over a clone of the socket (large images, no TLS).
+    zc: Option<ZeroCopySender<'a>>,
+    /// Bulk bytes sent in this session (resent pieces count again).
+    sent: u64,
+    /// `corrupt_at` fires once: the piece it damaged goes out clean again.
+    corrupted: bool,
 }
 
 impl Executor for SourceIo<'_> {
@@ -370,15 +416,19 @@ impl Executor for SourceIo<'_> {
 
     fn execute(&mut self, cmd: Command) -> Result<Option<Input>, TcpError> {
         match cmd {
+            Command::Send(Token::Bdon) => {
+                self.finish_bulk()?;
+                self.link.send(&Token::Bdon).map(|_| None)
+            }
             Command::Send(t) => self.link.send(&t).map(|_| None),
             Command::PostRecv(_) => Ok(None),
             Command::PrepareSource => Ok(Some(Input::SourceReady)),
-            Command::StreamBulk { len } => {
-                self.stream_bulk(len)?;
-                Ok(Some(Input::BulkSent))
+            Command::StreamPiece { offset, len, .. } => {
+                self.stream_piece(offset, len)?;
+                Ok(None)
             }
             Command::PostWrites { .. } => Err(TcpError::Unsupported("PostWrites")),
-            Command::PrepareReceive { .. } | Command::ReceiveBulk { .. } | Command::Verify => {
+            Command::PrepareReceive { .. } | Command::TakePiece { .. } | Command::Verify => {
                 Err(TcpError::Unsupported("replica command"))
             }
             Command::Done(_) => Ok(None),
@@ -391,65 +441,57 @@ impl Executor for SourceIo<'_> {
 }
 
 impl SourceIo<'_> {
-    /// Sends each range as soon as the cache has loaded it (zero-copy for
-    /// large snapshots); reports the end only once the whole image has
-    /// verified and the kernel released every page.
-    fn stream_bulk(&mut self, len: u64) -> Result<(), TcpError> {
+    /// Sends the `len` bytes at `offset` as soon as the cache has loaded
+    /// them, zero-copy for large images.
+    fn stream_piece(&mut self, offset: u64, len: u64) -> Result<(), TcpError> {
         let snapshot = self.snapshot;
-        let timeout = size_scaled_timeout(len);
-        let mut pace = Pace::new(self.link.min_rate, Instant::now());
-        // Set once, before the zero-copy sender reads it: a reader that
-        // stops reading fails the floor within two windows.
-        self.link
-            .stream
-            .set_write_timeout(pace.longest_wait().or(Some(timeout)))
-            .map_err(|e| self.link.err("set timeout", e))?;
-        let stream = self
-            .link
-            .stream
-            .try_clone()
-            .map_err(|e| self.link.err("clone socket", e))?;
-        // Only images above glibc's largest mmap threshold are sure to be
-        // unmapped (never reused) when freed, so pages the kernel might
-        // still hold after an aborted session can never carry other data.
-        // Zero-copy sends the socket's own bytes: not under TLS.
-        let zero_copy = len >= ZEROCOPY_MIN && !self.link.is_tls();
-        let mut zc = zero_copy.then(|| ZeroCopySender::new(&stream));
-        let mut sent = 0usize;
-        while sent < len as usize {
-            let loaded = snapshot.wait_loaded((sent + BULK_CHUNK).min(len as usize))?;
-            let chunk = &loaded[sent..];
-            let (start, end) = (sent as u64, (sent + chunk.len()) as u64);
+        let end = (offset + len) as usize;
+        let mut at = offset as usize;
+        while at < end {
+            let loaded = snapshot.wait_loaded((at + BULK_CHUNK).min(end))?;
+            let chunk = &loaded[at..(at + BULK_CHUNK).min(end)];
+            let start = self.sent;
             let stop = [self.faults.stall_after, self.faults.cut_after]
                 .into_iter()
                 .flatten()
                 .min();
-            let piece = match stop {
-                Some(at) if at < end => &chunk[..at.saturating_sub(start) as usize],
+            let part = match stop {
+                Some(stop) if stop < start + chunk.len() as u64 => {
+                    &chunk[..stop.saturating_sub(start) as usize]
+                }
                 _ => chunk,
             };
             let rate = self.rate;
+            let first = at as u64;
             match self.faults.corrupt_at {
-                Some(at) if (start..start + piece.len() as u64).contains(&at) => {
-                    let mut copy = piece.to_vec();
-                    copy[(at - start) as usize] ^= 0x01;
-                    rate.paced(copy.len(), |r| self.send_grain(&copy[r], None, &mut pace))?;
+                Some(bad)
+                    if !self.corrupted && (first..first + part.len() as u64).contains(&bad) =>
+                {
+                    self.corrupted = true;
+                    let mut copy = part.to_vec();
+                    copy[(bad - first) as usize] ^= 0x01;
+                    rate.paced(copy.len(), |r| self.send_grain(&copy[r], false))?;
                 }
-                _ => rate.paced(piece.len(), |r| {
-                    self.send_grain(&piece[r], zc.as_mut(), &mut pace)
-                })?,
+                _ => rate.paced(part.len(), |r| self.send_grain(&part[r], true))?,
             }
-            sent += piece.len();
-            self.progress.store(sent as u64, Ordering::Relaxed);
-            if piece.len() < chunk.len() {
-                return self.injected_stop(sent as u64);
+            self.sent += part.len() as u64;
+            at += part.len();
+            self.progress.store(self.sent, Ordering::Relaxed);
+            if part.len() < chunk.len() {
+                return self.injected_stop(self.sent);
             }
         }
+        Ok(())
+    }
+
+    /// Before BDON: everything buffered is out, the kernel released every
+    /// zero-copy page, and the whole image verified on load.
+    fn finish_bulk(&mut self) -> Result<(), TcpError> {
         self.link
             .flush()
             .map_err(|e| self.link.err("send snapshot", e))?;
-        if let Some(zc) = zc.as_mut() {
-            zc.finish(timeout)
+        if let Some(zc) = self.zc.as_mut() {
+            zc.finish(size_scaled_timeout(self.snapshot.len() as u64))
                 .map_err(|e| self.link.err("wait for zero-copy completions", e))?;
             tracing::debug!(
                 zero_copy = zc.enabled(),
@@ -457,21 +499,16 @@ impl SourceIo<'_> {
                 "bulk sent"
             );
         }
-        snapshot.wait_complete()?;
+        self.snapshot.wait_complete()?;
         Ok(())
     }
 
-    /// Sends one grain of the bulk (zero-copy when `zc` is given), keeping
-    /// the link's minimum rate: every byte and every send timeout is
-    /// measured.
-    fn send_grain(
-        &mut self,
-        mut bytes: &[u8],
-        mut zc: Option<&mut ZeroCopySender>,
-        pace: &mut Pace,
-    ) -> Result<(), TcpError> {
+    /// Sends one grain of the bulk (zero-copy when the session has it and
+    /// `zero_copy`), keeping the link's minimum rate: every byte and every
+    /// send timeout is measured.
+    fn send_grain(&mut self, mut bytes: &[u8], zero_copy: bool) -> Result<(), TcpError> {
         while !bytes.is_empty() {
-            let sent = match zc.as_deref_mut() {
+            let sent = match self.zc.as_mut().filter(|_| zero_copy) {
                 Some(zc) => zc.send(bytes),
                 None => self.link.send_some(bytes),
             };
@@ -479,21 +516,24 @@ impl SourceIo<'_> {
                 Ok(0) => return Err(TcpError::Closed("sending the snapshot")),
                 Ok(n) => {
                     bytes = &bytes[n..];
-                    pace.add(n as u64, Instant::now())?;
+                    self.link.pace().add(n as u64, Instant::now())?;
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) if is_timeout(&e) => pace.add(0, Instant::now())?,
+                Err(e) if is_timeout(&e) => self.link.pace().add(0, Instant::now())?,
                 Err(e) => return Err(self.link.err("send snapshot", e)),
             }
         }
         Ok(())
     }
 
-    /// Applies `stall_after` / `cut_after` once `sent` bytes are out.
+    /// Applies `stall_after` / `cut_after` once `sent` bytes are out. The
+    /// cut is an orderly close: the replica receives every byte sent before
+    /// it, so tests can count what a resumed session moves.
     fn injected_stop(&mut self, sent: u64) -> Result<(), TcpError> {
         if self.faults.cut_after.is_some_and(|c| c <= sent) {
             tracing::warn!(sent, "fault injection: cutting the connection");
-            let _ = self.link.stream.shutdown(Shutdown::Both);
+            let _ = self.link.flush();
+            self.link.close_and_drain();
             return Err(TcpError::Closed("fault injection cut the connection"));
         }
         tracing::warn!(sent, "fault injection: stalling until the peer leaves");
@@ -508,16 +548,36 @@ impl SourceIo<'_> {
 }
 
 /// Serves one authenticated session: runs the source machine, streaming
-/// the snapshot (exactly the offered bytes) as the cache loads it.
+/// the pieces the replica needs (of exactly the offered bytes) as the
+/// cache loads them.
 pub fn run_source(link: &mut Link, s: &Serve) -> Result<Result<Outcome, Blk3Error>, TcpError> {
-    let mut machine = Source::new(s.snapshot.len() as u64, s.seq, BulkMode::Stream);
+    let len = s.snapshot.len() as u64;
+    let mut machine = Source::new(len, s.seq, s.piece_size, BulkMode::Stream);
     machine.start(link.now());
+    // Set once, before the zero-copy sender reads it: a reader that stops
+    // reading fails the floor within two windows.
+    let wait = link.pace().longest_wait();
+    link.stream
+        .set_write_timeout(wait.or(Some(size_scaled_timeout(len))))
+        .map_err(|e| link.err("set timeout", e))?;
+    let stream = link
+        .stream
+        .try_clone()
+        .map_err(|e| link.err("clone socket", e))?;
+    // Only images above glibc's largest mmap threshold are sure to be
+    // unmapped (never reused) when freed, so pages the kernel might still
+    // hold after an aborted session can never carry other data. Zero-copy
+    // sends the socket's own bytes: not under TLS.
+    let zero_copy = len >= ZEROCOPY_MIN && !link.is_tls();
     let mut io = SourceIo {
         link,
         snapshot: s.snapshot,
         faults: s.faults,
         rate: s.rate,
         progress: s.progress,
+        zc: zero_copy.then(|| ZeroCopySender::new(&stream)),
+        sent: 0,
+        corrupted: false,
     };
     drive(&mut machine, &mut io)
 }
@@ -543,13 +603,15 @@ impl Executor for ReplicaIo<'_> {
                 Ok(()) => Input::ReceiveReady { addr: 0, rkey: 0 },
                 Err(reason) => Input::ReceiveFailed(reason),
             })),
-            Command::ReceiveBulk { len } => {
+            Command::TakePiece { index, len, .. } => {
                 let sink = &mut *self.sink;
-                self.link.read_bulk(len, |bytes| sink.write(bytes))?;
-                Ok(Some(Input::BulkReceived))
+                self.link
+                    .read_bulk(len, |bytes| sink.piece_bytes(index, bytes, false))?;
+                let result = self.sink.piece_done(index);
+                Ok(Some(Input::PieceChecked { index, result }))
             }
             Command::Verify => Ok(Some(Input::Verified(self.sink.verify()))),
-            Command::PrepareSource | Command::StreamBulk { .. } | Command::PostWrites { .. } => {
+            Command::PrepareSource | Command::StreamPiece { .. } | Command::PostWrites { .. } => {
                 Err(TcpError::Unsupported("source command"))
             }
             Command::Done(_) => Ok(None),
@@ -570,8 +632,14 @@ pub fn run_replica(
     offered_len: u64,
     sink: &mut dyn Sink,
 ) -> Result<Result<Outcome, Blk3Error>, TcpError> {
-    let mut machine = Replica::new(offered_len, BulkMode::Stream);
+    let want = sink.want();
+    let mut machine = Replica::new(offered_len, want.piece_size, want.need, want.retries);
     machine.start(link.now());
     link.send(&Token::Sess { token })?;
-    drive(&mut machine, &mut ReplicaIo { link, sink })
+    let result = drive(&mut machine, &mut ReplicaIo { link, sink });
+    if matches!(result, Ok(Err(_))) {
+        // We sent RDFL while the source may still be sending pieces.
+        link.close_and_drain();
+    }
+    result
 }

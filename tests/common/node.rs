@@ -55,7 +55,9 @@ impl Node {
     ) -> Node {
         // One attempt per sync unless a test asks for retries: tests check
         // what each failure does.
-        let extra = if extra.contains("[sync]\n") {
+        let extra = if take_section(extra, "[sync]\n").0.contains("retries =") {
+            extra.to_string()
+        } else if extra.contains("[sync]\n") {
             extra.replacen("[sync]\n", "[sync]\nretries = 0\n", 1)
         } else {
             format!("{extra}\n[sync]\nretries = 0\n")
@@ -164,6 +166,24 @@ impl Node {
             .await
             .unwrap()
             .into_inner()
+    }
+
+    /// The piece manifest of an offer this agent made.
+    pub async fn manifest(&self, offer: &pb::SyncOffer) -> kvsync::manifest::Manifest {
+        let mut parts = pb::peer_client::PeerClient::connect(format!("http://{}", self.grpc()))
+            .await
+            .unwrap()
+            .get_manifest(pb::GetManifestRequest {
+                session_id: offer.session_id.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let mut bytes = Vec::new();
+        while let Some(part) = parts.message().await.unwrap() {
+            bytes.extend_from_slice(&part.data);
+        }
+        kvsync::manifest::Manifest::decode(&bytes).unwrap()
     }
 
     /// Waits until this agent holds no snapshot in its cache (every offer

@@ -1,0 +1,383 @@
+//! The resume journal of a partly received snapshot (replica side,
+//! docs/ARCHITECTURE.md, "Pieces and resume").
+//!
+//! Next to each temp file `.kvsync-recv-<id>.partial` that may be resumed
+//! lies `.kvsync-recv-<id>.journal`: the source it came from, the identity
+//! of the snapshot (size, seq, checksum, piece size, manifest digest) and
+//! a bitmap of the pieces verified in it, with a CRC32 of its own. It is
+//! replaced atomically (write, fsync, rename), always after the temp file
+//! itself was synced, so it never claims bytes that are not on disk. This
+//! module owns the format, finding the journal a sync can resume, and the
+//! sweep that removes what cannot be resumed.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
+
+use crate::install::{TEMP_PREFIX, TEMP_SUFFIX};
+use crate::manifest::Manifest;
+
+const MAGIC: &[u8; 4] = b"KVSJ";
+const VERSION: u8 = 1;
+/// Suffix of journal files (the temp file's name with this in place of
+/// its own suffix).
+pub const JOURNAL_SUFFIX: &str = ".journal";
+
+/// Why a journal cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum JournalError {
+    #[error("not a kvsync journal")]
+    Magic,
+    #[error("journal version {0} is not one this build reads")]
+    Version(u8),
+    #[error("journal truncated")]
+    Truncated,
+    #[error("journal checksum does not match its bytes")]
+    Checksum,
+    #[error("journal is inconsistent: {0}")]
+    Inconsistent(&'static str),
+}
+
+/// What a temp file holds of which snapshot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Journal {
+    /// The source agent's node id.
+    pub source: String,
+    pub size: u64,
+    pub seq: u64,
+    pub checksum: u64,
+    pub piece_size: u64,
+    /// [`Manifest::digest`] of the snapshot's manifest.
+    pub digest: u32,
+    /// Per piece: verified and synced in the temp file.
+    pub verified: Vec<bool>,
+}
+
+impl Journal {
+    /// An empty journal for `manifest`'s snapshot from `source`.
+    pub fn new(source: &str, manifest: &Manifest) -> Journal {
+        Journal {
+            source: source.to_string(),
+            size: manifest.info.size,
+            seq: manifest.info.seq,
+            checksum: manifest.info.checksum,
+            piece_size: manifest.piece_size,
+            digest: manifest.digest(),
+            verified: vec![false; manifest.pieces() as usize],
+        }
+    }
+
+    /// Whether this journal is of `manifest`'s snapshot from `source`.
+    pub fn matches(&self, source: &str, manifest: &Manifest) -> bool {
+        let fresh = Journal::new(source, manifest);
+        (
+            &self.source,
+            self.size,
+            self.seq,
+            self.checksum,
+            self.piece_size,
+            self.digest,
+            self.verified.len(),
+        ) == (
+            &fresh.source,
+            fresh.size,
+            fresh.seq,
+            fresh.checksum,
+            fresh.piece_size,
+            fresh.digest,
+            fresh.verified.len(),
+        )
+    }
+
+    /// Bytes of the verified pieces.
+    pub fn verified_bytes(&self) -> u64 {
+        self.verified
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| **v)
+            .map(|(i, _)| self.piece_size.min(self.size - i as u64 * self.piece_size))
+            .sum()
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(64 + self.source.len() + self.verified.len() / 8);
+        out.extend_from_slice(MAGIC);
+        out.push(VERSION);
+        let source = &self.source.as_bytes()[..self.source.len().min(u16::MAX as usize)];
+        out.extend_from_slice(&(source.len() as u16).to_be_bytes());
+        out.extend_from_slice(source);
+        for v in [self.size, self.seq, self.checksum, self.piece_size] {
+            out.extend_from_slice(&v.to_be_bytes());
+        }
+        out.extend_from_slice(&self.digest.to_be_bytes());
+        out.extend_from_slice(&(self.verified.len() as u32).to_be_bytes());
+        let mut bits = vec![0u8; self.verified.len().div_ceil(8)];
+        for (i, v) in self.verified.iter().enumerate() {
+            if *v {
+                bits[i / 8] |= 1 << (i % 8);
+            }
+        }
+        out.extend_from_slice(&bits);
+        let crc = crc32fast::hash(&out);
+        out.extend_from_slice(&crc.to_be_bytes());
+        out
+    }
+
+    pub fn decode(b: &[u8]) -> Result<Journal, JournalError> {
+        if b.len() < 4 || &b[..4] != MAGIC {
+            return Err(JournalError::Magic);
+        }
+        if b.len() < 9 {
+            return Err(JournalError::Truncated);
+        }
+        let (body, tail) = b.split_at(b.len() - 4);
+        if crc32fast::hash(body) != u32::from_be_bytes(tail.try_into().expect("4 bytes")) {
+            return Err(JournalError::Checksum);
+        }
+        let mut r = &body[4..];
+        let mut take = |n: usize| -> Result<&[u8], JournalError> {
+            if r.len() < n {
+                return Err(JournalError::Truncated);
+            }
+            let (head, rest) = r.split_at(n);
+            r = rest;
+            Ok(head)
+        };
+        let version = take(1)?[0];
+        if version != VERSION {
+            return Err(JournalError::Version(version));
+        }
+        let n = u16::from_be_bytes(take(2)?.try_into().expect("2")) as usize;
+        let source = std::str::from_utf8(take(n)?)
+            .map_err(|_| JournalError::Inconsistent("source is not UTF-8"))?
+            .to_string();
+        let mut u64s = [0u64; 4];
+        for v in &mut u64s {
+            *v = u64::from_be_bytes(take(8)?.try_into().expect("8"));
+        }
+        let [size, seq, checksum, piece_size] = u64s;
+        let digest = u32::from_be_bytes(take(4)?.try_into().expect("4"));
+        let count = u32::from_be_bytes(take(4)?.try_into().expect("4")) as u64;
+        if piece_size == 0 || count != size.div_ceil(piece_size) {
+            return Err(JournalError::Inconsistent(
+                "piece count does not fit the size",
+            ));
+        }
+        let bits = take(count.div_ceil(8) as usize)?;
+        if !r.is_empty() {
+            return Err(JournalError::Inconsistent("bytes after the bitmap"));
+        }
+        let verified = (0..count as usize)
+            .map(|i| bits[i / 8] & (1 << (i % 8)) != 0)
+            .collect();
+        Ok(Journal {
+            source,
+            size,
+            seq,
+            checksum,
+            piece_size,
+            digest,
+            verified,
+        })
+    }
+
+    /// Replaces the journal of the temp file `partial` atomically and
+    /// durably. The caller has synced the temp file first.
+    pub fn write(&self, partial: &Path) -> std::io::Result<()> {
+        use std::io::Write;
+        let path = journal_path(partial);
+        let mut next = path.clone().into_os_string();
+        next.push(".new");
+        let next = PathBuf::from(next);
+        let mut f = std::fs::File::create(&next)?;
+        f.write_all(&self.encode())?;
+        f.sync_data()?;
+        std::fs::rename(&next, &path)
+    }
+
+    /// The journal of the temp file `partial`.
+    pub fn read(partial: &Path) -> Result<Journal, String> {
+        let path = journal_path(partial);
+        let bytes = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        Journal::decode(&bytes).map_err(|e| format!("{}: {e}", path.display()))
+    }
+}
+
+/// The journal file of the temp file `partial`.
+pub fn journal_path(partial: &Path) -> PathBuf {
+    let name = partial
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let stem = name.strip_suffix(TEMP_SUFFIX).unwrap_or(&name);
+    partial.with_file_name(format!("{stem}{JOURNAL_SUFFIX}"))
+}
+
+/// Removes a temp file and its journal.
+pub fn discard(partial: &Path) {
+    let _ = std::fs::remove_file(partial);
+    let _ = std::fs::remove_file(journal_path(partial));
+}
+
+/// kvsync's temp files in `dir`.
+fn partials(dir: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| {
+            let name = p.file_name().map(|n| n.to_string_lossy().into_owned());
+            name.is_some_and(|n| n.starts_with(TEMP_PREFIX) && n.ends_with(TEMP_SUFFIX))
+        })
+        .collect()
+}
+
+/// The temp file in `dir` holding part of `manifest`'s snapshot from
+/// `source`, with its journal. A journal of the same source for another
+/// snapshot (the source's snapshot changed) is discarded with its temp
+/// file: never a mix of two snapshots.
+pub fn find(dir: &Path, source: &str, manifest: &Manifest) -> Option<(PathBuf, Journal)> {
+    let mut found = None;
+    for partial in partials(dir) {
+        let Ok(journal) = Journal::read(&partial) else {
+            continue;
+        };
+        if journal.source != source {
+            continue;
+        }
+        if found.is_none() && journal.matches(source, manifest) {
+            found = Some((partial, journal));
+        } else {
+            tracing::info!(path = %partial.display(), "the source's snapshot changed since this partial sync; discarding it");
+            discard(&partial);
+        }
+    }
+    found
+}
+
+/// Removes temp files that cannot be resumed: at start (`at_start`), those
+/// without a valid journal; always, those whose journal is older than
+/// `ttl`; and journals without a temp file. Returns how many temp files
+/// went.
+pub fn sweep(dir: &Path, ttl: Duration, at_start: bool) -> usize {
+    let now = SystemTime::now();
+    let age = |p: &Path| {
+        std::fs::metadata(p)
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| now.duration_since(t).ok())
+    };
+    let mut removed = 0;
+    for partial in partials(dir) {
+        let journal = journal_path(&partial);
+        let keep = match Journal::read(&partial) {
+            Ok(_) => {
+                age(&journal).is_some_and(|a| a < ttl) || age(&partial).is_some_and(|a| a < ttl)
+            }
+            // No journal yet: a running sync's, unless this is a start.
+            Err(_) => !at_start && age(&partial).is_some_and(|a| a < ttl),
+        };
+        if !keep {
+            discard(&partial);
+            removed += 1;
+        }
+    }
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for e in entries.filter_map(|e| e.ok()) {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if let Some(stem) = name
+                .strip_prefix(TEMP_PREFIX)
+                .and_then(|n| n.strip_suffix(JOURNAL_SUFFIX))
+            {
+                let partial = dir.join(format!("{TEMP_PREFIX}{stem}{TEMP_SUFFIX}"));
+                if !partial.exists() {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
+    }
+    removed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::manifest::PieceHasher;
+    use crate::snapshot::{Format, SnapshotInfo};
+    use proptest::prelude::*;
+
+    fn manifest(size: u64, seq: u64) -> Manifest {
+        let mut h = PieceHasher::new(1 << 20);
+        h.update(&vec![1u8; size as usize]);
+        h.finish(SnapshotInfo {
+            format: Format::Kvr1,
+            size,
+            seq,
+            checksum: 5,
+            records: 1,
+            created_ms: 0,
+            repl_id: None,
+        })
+    }
+
+    #[test]
+    fn round_trip_and_damage() {
+        let mut j = Journal::new("10.0.0.1:7000", &manifest(5 << 20, 9));
+        j.verified[0] = true;
+        j.verified[3] = true;
+        let enc = j.encode();
+        assert_eq!(Journal::decode(&enc).unwrap(), j);
+        assert_eq!(j.verified_bytes(), 2 << 20);
+        for i in 0..enc.len() {
+            let mut bad = enc.clone();
+            bad[i] ^= 0x10;
+            assert!(Journal::decode(&bad).is_err(), "flip at {i}");
+        }
+        for cut in 0..enc.len() {
+            assert!(Journal::decode(&enc[..cut]).is_err(), "cut at {cut}");
+        }
+    }
+
+    #[test]
+    fn find_resumes_the_same_snapshot_and_drops_another() {
+        let dir = tempfile::tempdir().unwrap();
+        let partial = dir.path().join(format!("{TEMP_PREFIX}a{TEMP_SUFFIX}"));
+        std::fs::write(&partial, b"x").unwrap();
+        let m = manifest(3 << 20, 1);
+        Journal::new("src:1", &m).write(&partial).unwrap();
+        assert!(find(dir.path(), "other:1", &m).is_none());
+        assert!(partial.exists(), "another source's partial stays");
+        assert_eq!(find(dir.path(), "src:1", &m).unwrap().0, partial);
+        // The source's snapshot changed: the partial goes.
+        assert!(find(dir.path(), "src:1", &manifest(3 << 20, 2)).is_none());
+        assert!(!partial.exists() && !journal_path(&partial).exists());
+    }
+
+    #[test]
+    fn sweep_keeps_only_what_can_be_resumed() {
+        let dir = tempfile::tempdir().unwrap();
+        let with = dir.path().join(format!("{TEMP_PREFIX}w{TEMP_SUFFIX}"));
+        let without = dir.path().join(format!("{TEMP_PREFIX}n{TEMP_SUFFIX}"));
+        let orphan = dir.path().join(format!("{TEMP_PREFIX}o{JOURNAL_SUFFIX}"));
+        std::fs::write(&with, b"x").unwrap();
+        std::fs::write(&without, b"x").unwrap();
+        std::fs::write(&orphan, b"x").unwrap();
+        Journal::new("s", &manifest(1 << 20, 1))
+            .write(&with)
+            .unwrap();
+        let hour = Duration::from_secs(3600);
+        assert_eq!(sweep(dir.path(), hour, false), 0, "a running sync's");
+        assert_eq!(sweep(dir.path(), hour, true), 1);
+        assert!(with.exists() && !without.exists() && !orphan.exists());
+        assert_eq!(sweep(dir.path(), Duration::ZERO, false), 1, "past the ttl");
+        assert!(!with.exists() && !journal_path(&with).exists());
+    }
+
+    proptest! {
+        #[test]
+        fn decoder_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+            let _ = Journal::decode(&bytes);
+        }
+    }
+}
