@@ -128,6 +128,11 @@ impl RunningAgent {
         cache.set_linger(config.cache.linger);
         let mut tasks = JoinSet::new();
         tasks.spawn(cache.clone().expire(shutdown.clone()));
+        tasks.spawn(crate::journal::sweep_every(
+            config.snapshot_dir.clone(),
+            config.data.resume_ttl,
+            shutdown.clone(),
+        ));
         let sessions = Arc::new(SessionTable::new((&config.sync).into()));
         let draining = CancellationToken::new();
         let probe = probe::probe_agent(&config);

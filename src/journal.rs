@@ -300,6 +300,32 @@ pub fn sweep(dir: &Path, ttl: Duration, at_start: bool) -> usize {
     removed
 }
 
+/// Sweeps `dir` (see [`sweep`]) every quarter of `ttl` (1 s to 10 min)
+/// until `shutdown`, so partial syncs nobody resumed go after `ttl`.
+pub async fn sweep_every(
+    dir: PathBuf,
+    ttl: Duration,
+    shutdown: tokio_util::sync::CancellationToken,
+) {
+    let period = (ttl / 4).clamp(Duration::from_secs(1), Duration::from_secs(600));
+    let mut tick = tokio::time::interval(period);
+    tick.tick().await;
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tick.tick() => {
+                let dir = dir.clone();
+                let removed = tokio::task::spawn_blocking(move || sweep(&dir, ttl, false))
+                    .await
+                    .unwrap_or(0);
+                if removed > 0 {
+                    tracing::info!(count = removed, ?ttl, "removed partial syncs not resumed within data.resume_ttl");
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -605,3 +605,35 @@ fn a_full_resync_is_a_failed_handoff() {
         "the stop command ran"
     );
 }
+
+#[test]
+fn an_rdb_without_its_own_checksum_is_verified_piece_by_piece() {
+    // `rdbchecksum no` writes a zero trailer: the RDB cannot check itself.
+    // The manifest still catches a flipped byte, and the status says which
+    // check applied.
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let primary = Redis::start(&root.join("primary"), &["--rdbchecksum", "no"]);
+    primary.make_backlog(root);
+    primary.fill("key", 20_000, "value-of-some-length");
+    let rdb = primary.bgsave();
+    let info = kvsync::snapshot::verify_file(&rdb, None).unwrap();
+    assert_eq!(info.checksum, 0, "saved without a checksum");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let tcp = "[transport]\nmode = \"tcp\"\n";
+        let env = [("KVSYNC_FAULTS", "corrupt_at=4000")];
+        let source = agent(root, "source", &primary.dir, tcp, &env);
+        let replica = agent(root, "replica", &root.join("replica"), tcp, &[]);
+        source.offered(info.seq).await;
+        let p = sync_ok(&replica, &source).await;
+        assert_eq!(p.pieces_refetched, 1, "{p:?}");
+        assert!(
+            p.check
+                .contains("no RDB checksum (saved with rdbchecksum no)"),
+            "{}",
+            p.check
+        );
+        assert!(std::fs::read(&p.installed_path).unwrap() == std::fs::read(&rdb).unwrap());
+    });
+}

@@ -71,7 +71,12 @@ async fn a_damaged_piece_past_its_retries_fails_and_keeps_the_previous_snapshot(
     let source = Node::start(root.path(), "source", PIECES, &env);
     put_snapshot(&source.dir, "s.kvr1", SIZE, 21);
     source.offered(21).await;
-    let replica = Node::start(root.path(), "replica", "[data]\npiece_retries = 0\n", &[]);
+    let replica = Node::start(
+        root.path(),
+        "replica",
+        "[data]\npiece_retries = 0\nresume_ttl = \"3s\"\n",
+        &[],
+    );
     let previous = put_snapshot(&replica.dir, "s.kvr1", 4096, 20);
     let id = start_sync(&replica, &source).await;
     let p = wait_done(&replica, &id).await;
@@ -100,6 +105,14 @@ async fn a_damaged_piece_past_its_retries_fails_and_keeps_the_previous_snapshot(
     let temps = replica.temp_files();
     assert_eq!(temps.len(), 2, "{temps:?}");
     assert!(temps.iter().any(|t| t.ends_with(".journal")), "{temps:?}");
+    // Not resumed within data.resume_ttl: swept.
+    wait_for("the partial sync to be swept", DEADLINE, || {
+        replica.temp_files().is_empty().then_some(())
+    });
+    assert!(replica
+        .proc
+        .log()
+        .contains("not resumed within data.resume_ttl"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -202,19 +215,37 @@ async fn a_killed_replica_and_a_restarted_source_resume_where_they_stopped() {
     assert_eq!(replica.temp_files().len(), 2, "kept for resuming");
     let source = Node::start(root.path(), "source", PIECES, &[]);
     source.offered(5).await;
-    let p = sync_ok(&replica, &source).await;
-    assert!(installed(&p) == std::fs::read(source.dir.join("s.kvr1")).unwrap());
-    assert!(p.resumed_bytes >= 16 * MIB, "{p:?}");
+    // As an operator runs it: `kvsync sync --wait --json`.
+    let out = cli_sync(&[], &replica, &source);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let resumed = v["resumed_bytes"].as_u64().unwrap();
+    assert!(resumed >= 16 * MIB, "{v}");
+    assert_eq!(v["pieces_refetched"], 0, "{v}");
+    let got = std::fs::read(v["installed_path"].as_str().unwrap()).unwrap();
+    assert!(got == std::fs::read(source.dir.join("s.kvr1")).unwrap());
     let sent = wait_for("the source to count", DEADLINE, || {
         let t = tcp_bytes_sent(&source);
         (t > 0.0).then_some(t)
     });
-    assert_eq!(sent, (SIZE - p.resumed_bytes) as f64, "only the rest moved");
+    assert_eq!(sent, (SIZE - resumed) as f64, "only the rest moved");
     assert!(
         replica.temp_files().is_empty(),
         "{:?}",
         replica.temp_files()
     );
+    // `kvsync status` says so too.
+    let status = std::process::Command::new(kvsync_bin())
+        .args(["status", "--agent", &replica.grpc()])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&status.stdout);
+    let said = format!("(resumed {resumed} bytes, 0 piece(s) fetched again)");
+    assert!(text.contains(&said), "{text}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -178,6 +178,10 @@ pub fn progress_json(p: &pb::SyncProgress) -> serde_json::Value {
         "handoff": p.handoff,
         "detail": p.detail,
         "fallback_reason": p.fallback_reason,
+        "resumed_bytes": p.resumed_bytes,
+        "pieces_refetched": p.pieces_refetched,
+        "check": p.check,
+        "attempts": p.attempts,
         "error": p.error,
     })
 }
@@ -197,6 +201,13 @@ fn print_summary(p: &pb::SyncProgress, as_json: bool) {
             transport_name(p.transport),
             p.seq
         );
+        if p.resumed_bytes > 0 || p.pieces_refetched > 0 {
+            println!(
+                "resumed:   {} bytes already verified in place; {} piece(s) fetched again",
+                p.resumed_bytes, p.pieces_refetched
+            );
+        }
+        println!("verified:  {}", p.check);
         println!("installed: {}", p.installed_path);
         println!("handoff:   {}", p.handoff);
     } else {
@@ -254,11 +265,17 @@ pub async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
             println!("  (none)");
         }
         for p in list.iter() {
-            let what = if p.error.is_empty() {
+            let mut what = if p.error.is_empty() {
                 p.installed_path.clone()
             } else {
                 p.error.clone()
             };
+            if p.resumed_bytes > 0 || p.pieces_refetched > 0 {
+                what = format!(
+                    "(resumed {} bytes, {} piece(s) fetched again) {what}",
+                    p.resumed_bytes, p.pieces_refetched
+                );
+            }
             println!(
                 "  {}  {:<12} {:>14}/{:<14} {:<4} from {}  {}",
                 p.sync_id,
