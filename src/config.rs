@@ -1007,6 +1007,17 @@ memory_budget = 0
     }
 
     #[test]
+    fn piece_size_and_retries_are_bounded() {
+        let mut c = valid();
+        c.data.piece_size = ByteSize::mib(3);
+        c.data.piece_retries = 9;
+        assert_eq!(problem_keys(&c), ["data.piece_size", "data.piece_retries"]);
+        c.data.piece_size = ByteSize::mib(1);
+        c.data.piece_retries = 8;
+        c.validate().unwrap();
+    }
+
+    #[test]
     fn grpc_reachable_from_other_hosts_needs_tls_or_explicit_plaintext() {
         let mut c = valid();
         c.grpc.listen = "0.0.0.0:35101".into();
