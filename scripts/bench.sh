@@ -13,8 +13,11 @@
 #   3. fan-out: 1, 2, 4, 8 replicas of one snapshot at once
 #   4. `kvsync verify` vs a sequential read
 #   5. seeding a Redis replica vs Redis's own full sync (BENCH_REDIS=1)
+#   6. pieces and resume: the piece checksum candidates; a sync whose replica
+#      agent was killed at 75 % and restarted, resumed, vs a full sync
 #
 # Knobs: SIZES="1GiB 4GiB" RUNS=3 FAN_SIZE=1GiB FANOUT="1 2 4 8"
+#        RESUME_SIZE=4GiB
 #        BENCH_DIR=/dev/shm (tmpfs: takes the disk out) BENCH_VM BENCH_REDIS
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,12 +27,13 @@ sizes=${SIZES:-1GiB 4GiB}
 runs=${RUNS:-3}
 fan_size=${FAN_SIZE:-1GiB}
 fanout=${FANOUT:-1 2 4 8}
+resume_size=${RESUME_SIZE:-4GiB}
 vm=${BENCH_VM:-$([ "$(id -u)" = 0 ] && echo 1 || echo 0)}
 redis=${BENCH_REDIS:-1}
 
 bash scripts/deps.sh rsync openssl
 cargo build --locked --release --quiet
-cargo build --locked --release --quiet --example plain_copy
+cargo build --locked --release --quiet --example plain_copy --example crc_speed
 bin=$PWD/target/release/kvsync
 copy=$PWD/target/release/examples/plain_copy
 work=$(mktemp -d "${BENCH_DIR:-${TMPDIR:-/tmp}}/kvsync-bench.XXXXXX")
@@ -286,6 +290,45 @@ if [ "$redis" = 1 ]; then
     out "$(bash scripts/redis-seed-demo.sh 10000000 100 | tail -1)"
     out ""
 fi
+
+# 6. Pieces and resume. A full sync, then one whose replica agent is
+# SIGKILLed once 75 % has arrived and restarted; the sync started again
+# resumes. Alternating, each from an empty replica directory.
+out "### 6. Pieces and resume"
+out ""
+out "Piece checksum candidates, one core over 256 MiB in memory (examples/crc_speed.rs): $(target/release/examples/crc_speed | awk '{printf "%s%s %s MB/s", sep, $1, $2; sep="; "}')."
+out ""
+start_agent rsrc
+start_agent rdst
+"$bin" gen-snapshot --size "$resume_size" --seq 10 "$work/rsrc/resume.kvr1" > /dev/null
+bytes=$(stat -c %s "$work/rsrc/resume.kvr1")
+offered "$GRPC_rsrc" resume.kvr1
+running_bytes() {
+    "$bin" status --agent "$1" --json |
+        python3 -c 'import json, sys; r = json.load(sys.stdin)["running"]; print(r[0]["bytes"] if r else 0)'
+}
+full_s=(); resumed_s=(); kept=()
+for _ in $(seq "$runs"); do
+    rm -rf "${work:?}/rdst"/resume.kvr1* "$work"/rdst/.kvsync-*
+    full_s+=("$(sync_secs "$GRPC_rdst" "$GRPC_rsrc" tcp)")
+    rm -rf "${work:?}/rdst"/resume.kvr1* "$work"/rdst/.kvsync-*
+    "$bin" sync --agent "$GRPC_rdst" --source "$GRPC_rsrc" --transport tcp > /dev/null
+    until [ "$(running_bytes "$GRPC_rdst")" -ge $((bytes * 3 / 4)) ]; do sleep 0.02; done
+    kill -9 "$PID_rdst"
+    wait "$PID_rdst" 2>/dev/null || true
+    start_agent rdst
+    json=$("$bin" sync --agent "$GRPC_rdst" --source "$GRPC_rsrc" --transport tcp --wait --json)
+    echo "$json" | grep -q '"status":"succeeded"' || { echo "resumed sync failed: $json" >&2; exit 1; }
+    resumed_s+=("$(echo "$json" | sed -E 's/.*"duration_ms":([0-9]+).*/\1/' | awk '{print $1 / 1000}')")
+    kept+=("$(echo "$json" | sed -E 's/.*"resumed_bytes":([0-9]+).*/\1/')")
+done
+stop_agent rsrc
+stop_agent rdst
+f=$(median "${full_s[@]}"); r=$(median "${resumed_s[@]}"); k=$(median "${kept[@]}")
+out "| snapshot | full sync | resumed attempt (replica agent killed at 75 %, restarted) | resumed / full | found verified in place |"
+out "|---|---|---|---|---|"
+out "| $resume_size | $f s | $r s | $(ratio "$r" "$f") | $(awk -v k="$k" -v b="$bytes" 'BEGIN {printf "%.0f %%", 100 * k / b}') |"
+out ""
 
 if [ "$write" = 1 ]; then
     python3 - "$report" <<'EOF'
