@@ -19,7 +19,9 @@ fn best(f: impl Fn(&[u8]) -> u32, buf: &[u8]) -> f64 {
 }
 
 fn main() {
-    let buf: Vec<u8> = (0..LEN).map(|i| (i as u64).wrapping_mul(0x9e37_79b9) as u8).collect();
+    let buf: Vec<u8> = (0..LEN)
+        .map(|i| (i as u64).wrapping_mul(0x9e37_79b9) as u8)
+        .collect();
     let castagnoli = crc::Crc::<u32>::new(&crc::CRC_32_ISCSI);
     println!("crc32fast {:.0}", best(crc32fast::hash, &buf));
     println!("crc32c {:.0}", best(|b| castagnoli.checksum(b), &buf));

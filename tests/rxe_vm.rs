@@ -5,7 +5,8 @@
 //! rdma_cm connections, that kvsync's probe finds rxe0 (soft, capped) and
 //! `auto` picks RDMA there, and that real agents sync 0-byte-payload, odd
 //! and 32 MiB snapshots by RDMA Writes over rxe0 — with a source addressed as
-//! 127.0.0.1 reached through the interface address, and a real remote
+//! 127.0.0.1 reached through the interface address, a piece damaged in the
+//! replica's memory written again alone over rxe0, and a real remote
 //! access error (wrong rkey) falling back to TCP — and a real Redis replica
 //! seeded over rxe0 that continues with a partial resync. On the host the
 //! probe finds nothing and `auto` picks TCP.
@@ -88,6 +89,12 @@ for spec in "36 1" "1234567 2" "33554432 3"; do
     cmp /tmp/kv/src/s$2.kvr1 /tmp/kv/dst/s$2.kvr1 && echo "identical"
     head -1 /tmp/kv/dst/s$2.kvr1.replmeta
 done
+echo "== damaged piece"
+# The replica's driver damages piece 1 (of two) in its receive memory once:
+# only that piece is written again over rxe0, no fallback.
+DMG=$(DIR=/tmp/kv/dmg start_agent dmg rdma false KVSYNC_FAULTS=rdma_damage_piece=1 | grpc) || exit 1
+"$K" sync --agent $DMG --source $SRC --wait --json
+cmp /tmp/kv/src/s3.kvr1 /tmp/kv/dmg/s3.kvr1 && echo "identical"
 echo "== fallback"
 "$K" gen-snapshot --size 4194304 --seq 9 /tmp/kv/bad/b9.kvr1 > /dev/null
 offered $BAD 9
@@ -233,6 +240,23 @@ fn soft_roce_vm_has_active_rxe0_and_real_verbs() {
         assert!(sec.contains("identical"), "{sec}");
         assert!(sec.contains(&format!("REPLMETA {seq}")), "{sec}");
     }
+
+    // A damaged piece is written again over rxe0 alone.
+    let dmg = section(out, "damaged piece");
+    let v: serde_json::Value = serde_json::from_str(
+        dmg.lines()
+            .find(|l| l.starts_with('{'))
+            .expect("damaged piece JSON"),
+    )
+    .unwrap();
+    assert_eq!(
+        (v["status"].as_str(), v["transport"].as_str()),
+        (Some("succeeded"), Some("rdma")),
+        "{v}"
+    );
+    assert_eq!(v["pieces_refetched"], 1, "{v}");
+    assert_eq!(v["fallback_reason"], "", "{v}");
+    assert!(dmg.contains("identical"), "{dmg}");
 
     // A real remote access error from rxe0, then TCP.
     let fb = section(out, "fallback");

@@ -173,8 +173,8 @@ pub fn drive<M: Machine, E: Executor>(
 /// Faults injected into the data plane for fault tests, from the
 /// `KVSYNC_FAULTS` environment variable: `corrupt_at=N,stall_after=N,cut_after=N`
 /// for TCP sources; `rdma_corrupt_at=N,rdma_cut_after=N,rdma_drop_send=N` for
-/// the emulated fabric; `rdma_bad_rkey=1` (source) and `rdma_no_file_mr=1`
-/// (replica) for the RDMA driver. Read only by builds with the cargo
+/// the emulated fabric; `rdma_bad_rkey=1` (source), `rdma_no_file_mr=1` and
+/// `rdma_damage_piece=N` (replica) for the RDMA driver. Read only by builds with the cargo
 /// feature `faults` (the test suite's); the agent logs loudly when any is
 /// active.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -223,6 +223,7 @@ impl Faults {
                 "rdma_drop_send" => f.emu.drop_send = Some(n as u32),
                 "rdma_bad_rkey" => f.rdma.bad_rkey = n != 0,
                 "rdma_no_file_mr" => f.rdma.no_file_mr = n != 0,
+                "rdma_damage_piece" => f.rdma.damage_piece = Some(n as u32),
                 _ => return Err(format!("unknown fault {k:?}")),
             }
         }

@@ -336,6 +336,9 @@ pub struct RdmaFaults {
     pub bad_rkey: bool,
     /// Replica: do not try to register the temp file mapping.
     pub no_file_mr: bool,
+    /// Replica: flip a byte of this piece in the receive memory once it
+    /// has landed, the first time (damage in flight, on any fabric).
+    pub damage_piece: Option<u32>,
 }
 
 /// What a source session produced.
@@ -403,6 +406,8 @@ struct ReplicaIo<'a, F: Fabric> {
     token: [u8; SESSION_TOKEN_LEN],
     sink: &'a mut dyn Sink,
     faults: &'a RdmaFaults,
+    /// `faults.damage_piece` until it has fired.
+    damage: Option<u32>,
 }
 
 impl<F: Fabric> ReplicaIo<'_, F> {
@@ -459,6 +464,18 @@ impl<F: Fabric> ReplicaIo<'_, F> {
     /// file through the mapping, or to be written from the anonymous buffer.
     fn land(&mut self, index: u32, offset: u64, len: u64) {
         let range = offset as usize..(offset + len) as usize;
+        if self.damage == Some(index) && len > 0 {
+            self.damage = None;
+            warn!(
+                index,
+                "fault injection: damaging a piece in the receive memory"
+            );
+            match &mut self.memory {
+                Some(RecvMemory::Mapped(map)) => map[range.start] ^= 0x01,
+                Some(RecvMemory::Heap(buf)) => buf[range.start] ^= 0x01,
+                None => {}
+            }
+        }
         match &self.memory {
             Some(RecvMemory::Mapped(map)) => self.sink.piece_bytes(index, &map[range], true),
             Some(RecvMemory::Heap(buf)) => self.sink.piece_bytes(index, &buf[range], false),
@@ -550,6 +567,7 @@ pub fn run_replica<F: Fabric>(
         token,
         sink,
         faults,
+        damage: faults.damage_piece,
     };
     let want = io.sink.want();
     let mut machine = Replica::new(offered_len, want.piece_size, want.need, want.retries);

@@ -211,6 +211,7 @@ fn replica_io<'a>(
         token: TOKEN,
         sink,
         faults,
+        damage: faults.damage_piece,
     }
 }
 
@@ -289,16 +290,27 @@ async fn a_corrupted_chunk_is_fetched_again_alone_over_rdma() {
         corrupt_at: Some((2 << 20) + 5),
         ..Default::default()
     };
-    for no_file_mr in [false, true] {
+    // Damaged on the wire (the fabric), or in the receive memory (the
+    // replica driver's fault, which also runs on real verbs).
+    let damaged = RdmaFaults {
+        damage_piece: Some(2),
+        ..Default::default()
+    };
+    for (no_file_mr, fabric, replica) in [
+        (false, fabric.clone(), RdmaFaults::default()),
+        (true, fabric, RdmaFaults::default()),
+        (false, EmuFaults::default(), damaged.clone()),
+        (true, EmuFaults::default(), damaged),
+    ] {
         let replica = RdmaFaults {
             no_file_mr,
-            ..Default::default()
+            ..replica
         };
         let (entry, p) = plain_session(
             dir.path(),
             3 << 20,
             BulkParams::new(1, 8, 2),
-            fabric.clone(),
+            fabric,
             RdmaFaults::default(),
             replica,
         )
