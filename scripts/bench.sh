@@ -224,7 +224,7 @@ out "$emu_row"
 out ""
 if [ "$vm" = 1 ]; then
     vm_log=$work/vm.log
-    if CI=true cargo test --locked --release --quiet --test rxe_vm -- --nocapture > "$vm_log" 2>&1; then
+    if CI=true cargo test --locked --release --quiet --features faults --test rxe_vm -- --nocapture > "$vm_log" 2>&1; then
         line=$(grep -m1 -o 'ib_write_bw -R.*' "$vm_log" || true)
         out "Soft-RoCE VM (rxe0, qemu TCG, 2 vCPUs), same VM boot: ${line:-no ratio line printed; see tests/rxe_vm.rs}"
     else
@@ -293,12 +293,14 @@ fi
 
 # 6. Pieces and resume. A full sync, then one whose replica agent is
 # SIGKILLed once 75 % has arrived and restarted; the sync started again
-# resumes. Alternating, each from an empty replica directory.
+# resumes. Alternating, each from an empty replica directory. The source
+# keeps the default cache linger, as a source whose replica just dropped
+# out does: both kinds of sync find its image loaded.
 out "### 6. Pieces and resume"
 out ""
 out "Piece checksum candidates, one core over 256 MiB in memory (examples/crc_speed.rs): $(target/release/examples/crc_speed | awk '{printf "%s%s %s MB/s", sep, $1, $2; sep="; "}')."
 out ""
-start_agent rsrc
+start_agent rsrc "$work/fan.toml"
 start_agent rdst
 "$bin" gen-snapshot --size "$resume_size" --seq 10 "$work/rsrc/resume.kvr1" > /dev/null
 bytes=$(stat -c %s "$work/rsrc/resume.kvr1")

@@ -349,7 +349,8 @@ impl RunningAgent {
 }
 
 /// Reads and checks what must be right before anything binds: the snapshot
-/// directory, fault injection, tokens and TLS files; sweeps stale temp files.
+/// directory, fault injection, tokens and TLS files; sweeps temp files that
+/// cannot be resumed.
 fn prepare(config: &Config) -> Result<Prepared, AgentError> {
     if let Err(source) = std::fs::create_dir_all(&config.snapshot_dir) {
         return Err(AgentError::SnapshotDir {

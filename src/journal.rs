@@ -6,9 +6,10 @@
 //! of the snapshot (size, seq, checksum, piece size, manifest digest) and
 //! a bitmap of the pieces verified in it, with a CRC32 of its own. It is
 //! replaced atomically (write, fsync, rename), always after the temp file
-//! itself was synced, so it never claims bytes that are not on disk. This
-//! module owns the format, finding the journal a sync can resume, and the
-//! sweep that removes what cannot be resumed.
+//! itself was synced, so it never claims bytes that are not on disk; a
+//! [`Writer`] does that off the receiving thread. This module owns the
+//! format, writing it, finding the journal a sync can resume, and the sweep
+//! that removes what cannot be resumed.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
@@ -199,6 +200,55 @@ impl Journal {
         let path = journal_path(partial);
         let bytes = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
         Journal::decode(&bytes).map_err(|e| format!("{}: {e}", path.display()))
+    }
+}
+
+/// Keeps a temp file's journal up to date on a thread of its own: each
+/// update syncs the temp file, then replaces the journal; updates that
+/// queue up while one is written are coalesced into the newest. The
+/// receiving thread never waits for the disk.
+pub struct Writer {
+    updates: Option<std::sync::mpsc::Sender<Journal>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Writer {
+    /// A writer for the temp file `partial`, open as `file`.
+    pub fn start(file: std::fs::File, partial: PathBuf) -> std::io::Result<Writer> {
+        let (updates, queued) = std::sync::mpsc::channel::<Journal>();
+        let thread = std::thread::Builder::new()
+            .name("kvsync-journal".into())
+            .spawn(move || {
+                while let Ok(mut journal) = queued.recv() {
+                    while let Ok(newer) = queued.try_recv() {
+                        journal = newer;
+                    }
+                    if let Err(e) = file.sync_data().and_then(|_| journal.write(&partial)) {
+                        tracing::warn!(error = %e, "resume journal not updated");
+                    }
+                }
+            })?;
+        Ok(Writer {
+            updates: Some(updates),
+            thread: Some(thread),
+        })
+    }
+
+    /// Queues `journal` to be written once the temp file is synced.
+    pub fn update(&self, journal: Journal) {
+        if let Some(updates) = &self.updates {
+            let _ = updates.send(journal);
+        }
+    }
+}
+
+impl Drop for Writer {
+    /// Writes what is queued, then stops: nothing is written after.
+    fn drop(&mut self) {
+        drop(self.updates.take());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
     }
 }
 

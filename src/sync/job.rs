@@ -1,12 +1,14 @@
 //! One replica-side full sync, end to end: choose the transport → negotiate
-//! with the source over gRPC → connect the data plane → run BLK3 into a
-//! [`Receiver`] (the same for every transport) → verify → fsync, rename,
-//! fsync dir → handoff → report. An RDMA session
-//! that fails (connect, completion error, timeout, RDFL) is retried over TCP
-//! within the same job when the mode allows it, counted by reason and shown
-//! in the status. Progress goes to a watch channel; every failure (and
-//! cancel) drops the staging file, so the previous snapshot and the KV stay
-//! untouched, and ends with a typed [`JobError`] in the sync's status.
+//! with the source over gRPC → fetch and check the piece manifest → connect
+//! the data plane → run BLK3 into a [`Receiver`] (the same for every
+//! transport, resuming what an earlier attempt verified) → verify → fsync,
+//! rename, fsync dir → handoff → report. An RDMA session that fails
+//! (connect, completion error, timeout, RDFL) is retried over TCP within the
+//! same job when the mode allows it, counted by reason and shown in the
+//! status. Progress goes to a watch channel; a failure leaves the previous
+//! snapshot and the KV untouched (the staging file goes, or stays with its
+//! journal when it holds verified pieces to resume) and ends with a typed
+//! [`JobError`] in the sync's status.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

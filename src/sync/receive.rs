@@ -2,17 +2,23 @@
 //!
 //! [`Receiver`] is the [`Sink`] the TCP and RDMA drivers feed: it owns the
 //! staging file, the check of every piece against the source's manifest as
-//! it lands, the resume journal (updated every [`JOURNAL_EVERY`] verified
-//! pieces, after the temp file is synced), the first local failure (a full
+//! it lands, the resume journal (queued for a `journal::Writer` every
+//! [`JOURNAL_EVERY`] verified pieces), the first local failure (a full
 //! disk, a write error), and at the end makes the one install decision
 //! ([`Receiver::finish`]): a verified staging file, or the job error that
 //! says why not. A failed session that verified pieces keeps its staging
 //! file and journal for the next attempt to resume ([`Receiver::open`]
-//! finds them); any other failure removes the temp file.
+//! finds them); any other failure removes the temp file. The pieces a
+//! journal claims are read back and checked on a thread of their own while
+//! the session fetches the rest; a journal that claimed what the file does
+//! not hold fails the session at its end and is discarded, so the next
+//! attempt starts over.
 
 use std::os::unix::fs::FileExt;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::thread::JoinHandle;
 
 use tracing::{info, warn};
 
@@ -37,6 +43,55 @@ pub struct Received {
     pub info: SnapshotInfo,
 }
 
+/// The read-back check of a journal's pieces, on its own thread; dropped
+/// unfinished, it stops at its next piece.
+struct ClaimsCheck {
+    thread: Option<JoinHandle<Result<(), String>>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl ClaimsCheck {
+    fn start(
+        partial: &Path,
+        manifest: &Arc<Manifest>,
+        journal: &Journal,
+    ) -> std::io::Result<ClaimsCheck> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (path, manifest, journal, flag) = (
+            partial.to_owned(),
+            manifest.clone(),
+            journal.clone(),
+            stop.clone(),
+        );
+        let thread = std::thread::Builder::new()
+            .name("kvsync-claims".into())
+            .spawn(move || {
+                let started = std::time::Instant::now();
+                let verdict = check_claims(&path, &manifest, &journal, &flag);
+                info!(bytes = journal.verified_bytes(), elapsed = ?started.elapsed(), ok = verdict.is_ok(), "resumed pieces read back and checked");
+                verdict
+            })?;
+        Ok(ClaimsCheck {
+            thread: Some(thread),
+            stop,
+        })
+    }
+
+    /// The check's verdict, once it is done.
+    fn wait(mut self) -> Result<(), String> {
+        let thread = self.thread.take().expect("joined once");
+        thread
+            .join()
+            .unwrap_or_else(|_| Err("the resume check panicked".into()))
+    }
+}
+
+impl Drop for ClaimsCheck {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
 /// The piece being received: its index, running CRC32 and bytes so far.
 struct Current {
     index: u32,
@@ -46,15 +101,22 @@ struct Current {
 
 /// Takes a session's pieces into a staging file and decides what they are.
 pub struct Receiver {
+    /// Writes the journal beside the transfer; stopped before the end.
+    /// First, so that on drop it stops before the staging file goes.
+    journal_writer: Option<journal::Writer>,
     staging: Staging,
     manifest: Arc<Manifest>,
     /// Which pieces are verified (resumed ones included); the journal's bitmap.
     journal: Journal,
     current: Option<Current>,
-    /// Pieces verified since the journal was last written.
+    /// Pieces verified since the journal was last queued for writing.
     unjournaled: u32,
     retries: u32,
     resumed_bytes: u64,
+    /// The read-back check of the resumed pieces, while it runs.
+    claims: Option<ClaimsCheck>,
+    /// The journal claimed what the file does not hold: never keep it.
+    lied: bool,
     refetched: u32,
     /// Bytes handed over by the transport (also after a local failure).
     received: u64,
@@ -77,9 +139,9 @@ impl Receiver {
         retries: u32,
         progress: impl Fn(u64) + Send + Sync + 'static,
     ) -> Result<Receiver, JobError> {
-        let resumed = journal::find(dir, source, &manifest).and_then(|(path, journal)| {
-            match check_claims(&path, &manifest, &journal) {
-                Ok(()) => match Staging::reopen(&path) {
+        let resumed =
+            journal::find(dir, source, &manifest).and_then(
+                |(path, journal)| match Staging::reopen(&path) {
                     Ok(staging) => Some((staging, journal)),
                     Err(e) => {
                         warn!(error = %e, "cannot reopen the partial sync; starting over");
@@ -87,17 +149,13 @@ impl Receiver {
                         None
                     }
                 },
-                Err(why) => {
-                    warn!(path = %path.display(), "the resume journal is wrong ({why}); starting over");
-                    journal::discard(&path);
-                    None
-                }
-            }
-        });
-        let (staging, journal) = match resumed {
+            );
+        let (staging, journal, claims) = match resumed {
             Some((staging, journal)) => {
                 info!(path = %staging.path().display(), bytes = journal.verified_bytes(), "resuming a partial sync");
-                (staging, journal)
+                let check = ClaimsCheck::start(staging.path(), &manifest, &journal)
+                    .map_err(|e| JobError::Panicked(format!("start the resume check: {e}")))?;
+                (staging, journal, Some(check))
             }
             None => {
                 let stale = dir.join(format!(
@@ -107,18 +165,26 @@ impl Receiver {
                 ));
                 journal::discard(&stale);
                 let staging = Staging::create(dir, id).map_err(JobError::NotWritable)?;
-                (staging, Journal::new(source, &manifest))
+                (staging, Journal::new(source, &manifest), None)
             }
         };
         let resumed_bytes = journal.verified_bytes();
+        let journal_writer = staging
+            .file()
+            .try_clone()
+            .and_then(|file| journal::Writer::start(file, staging.path().to_owned()))
+            .map_err(|e| JobError::Panicked(format!("start the journal writer: {e}")))?;
         Ok(Receiver {
             staging,
             manifest,
             journal,
             current: None,
             unjournaled: 0,
+            journal_writer: Some(journal_writer),
             retries,
             resumed_bytes,
+            claims,
+            lied: false,
             refetched: 0,
             received: 0,
             progress: Box::new(progress),
@@ -142,6 +208,20 @@ impl Receiver {
         self.refetched
     }
 
+    /// Waits for the read-back check of the resumed pieces, once; `Err`
+    /// when the journal claimed what the file does not hold.
+    fn claims_checked(&mut self) -> Result<(), String> {
+        let Some(check) = self.claims.take() else {
+            return Ok(());
+        };
+        let verdict = check.wait();
+        if let Err(why) = &verdict {
+            warn!(path = %self.staging.path().display(), "the resume journal is wrong ({why}); discarding the partial sync, the next attempt starts over");
+            self.lied = true;
+        }
+        verdict
+    }
+
     /// Keeps the first local failure and returns its text for the peer.
     fn fail(&mut self, e: InstallError) -> String {
         let reason = e.to_string();
@@ -149,9 +229,10 @@ impl Receiver {
         reason
     }
 
-    /// Syncs the temp file, then records the verified pieces in the journal.
+    /// Stops the journal writer (writing what it has queued), then syncs the
+    /// temp file and records the verified pieces in the journal.
     fn write_journal(&mut self) -> Result<(), String> {
-        self.unjournaled = 0;
+        drop(self.journal_writer.take());
         self.staging.sync_data().map_err(|e| e.to_string())?;
         self.journal
             .write(self.staging.path())
@@ -167,11 +248,13 @@ impl Receiver {
         };
         let err = match (verdict, self.failure.take()) {
             (Ok(Ok(outcome)), None) => {
+                // Nothing may write the journal once the install removes it.
+                drop(self.journal_writer.take());
                 return Ok(Received {
                     outcome,
                     info: self.info.expect("a verified session has its snapshot info"),
                     staging: self.staging,
-                })
+                });
             }
             // This host could not take them (disk full, I/O error).
             (_, Some(local)) => return Err(JobError::Install(local)),
@@ -190,7 +273,7 @@ impl Receiver {
     /// it holds verified pieces, so the next attempt moves only the rest.
     fn keep_for_resume(mut self) {
         let verified = self.journal.verified_bytes();
-        if verified == 0 {
+        if verified == 0 || self.claims_checked().is_err() || self.lied {
             return;
         }
         match self.write_journal() {
@@ -223,7 +306,12 @@ impl Receiver {
 /// Reads back every piece `journal` claims from `partial` and checks it
 /// against the manifest: a journal that claims what the file does not hold
 /// is not trusted at all.
-fn check_claims(partial: &Path, manifest: &Manifest, journal: &Journal) -> Result<(), String> {
+fn check_claims(
+    partial: &Path,
+    manifest: &Manifest,
+    journal: &Journal,
+    stop: &AtomicBool,
+) -> Result<(), String> {
     let file = std::fs::File::open(partial).map_err(|e| e.to_string())?;
     let len = file.metadata().map_err(|e| e.to_string())?.len();
     if len != manifest.info.size && journal.verified_bytes() > 0 {
@@ -232,8 +320,14 @@ fn check_claims(partial: &Path, manifest: &Manifest, journal: &Journal) -> Resul
             manifest.info.size
         ));
     }
-    let mut buf = vec![0u8; (4 << 20).min(manifest.piece_size as usize)];
+    // Page-aligned: the kernel's copy into an unaligned buffer is several
+    // times slower (BENCHMARKS.md, verification).
+    let mut buf = crate::buf::AlignedBuf::new((4 << 20).min(manifest.piece_size as usize))
+        .map_err(|e| format!("allocate: {e}"))?;
     for (index, _) in journal.verified.iter().enumerate().filter(|(_, v)| **v) {
+        if stop.load(Ordering::Relaxed) {
+            return Err("stopped".into());
+        }
         let (offset, plen) = manifest.range(index as u32);
         let mut crc = crc32fast::Hasher::new();
         let mut at = 0;
@@ -313,8 +407,9 @@ impl Sink for Receiver {
         self.journal.verified[index as usize] = true;
         self.unjournaled += 1;
         if self.unjournaled >= JOURNAL_EVERY {
-            if let Err(e) = self.write_journal() {
-                warn!(error = %e, "resume journal not updated");
+            self.unjournaled = 0;
+            if let Some(writer) = &self.journal_writer {
+                writer.update(self.journal.clone());
             }
         }
         Ok(())
@@ -324,6 +419,9 @@ impl Sink for Receiver {
         if let Some(e) = &self.failure {
             return Err(e.to_string());
         }
+        self.claims_checked().map_err(|why| {
+            format!("the resume journal was wrong ({why}); the partial sync was discarded")
+        })?;
         let missing = self.journal.verified.iter().filter(|v| !**v).count();
         if missing > 0 {
             return Err(format!("{missing} pieces never verified"));
