@@ -24,6 +24,9 @@ pub const SNAPSHOT_MODE: u32 = 0o640;
 pub const TEMP_PREFIX: &str = ".kvsync-recv-";
 /// Suffix of kvsync's temp files.
 pub const TEMP_SUFFIX: &str = ".partial";
+/// Suffix of a temp file's resume journal (`journal`), which takes the
+/// temp file's name with this in place of [`TEMP_SUFFIX`].
+pub const JOURNAL_SUFFIX: &str = ".journal";
 
 /// Why staging or installing failed.
 #[derive(Debug, thiserror::Error)]
@@ -176,7 +179,7 @@ impl Staging {
         let dest = self.dir.join(name);
         std::fs::rename(&self.path, &dest).map_err(|e| self.io("rename", e))?;
         self.keep = true;
-        let _ = std::fs::remove_file(crate::journal::journal_path(&self.path));
+        let _ = std::fs::remove_file(journal_path(&self.path));
         sync_dir(&self.dir)?;
         Ok(dest)
     }
@@ -193,9 +196,25 @@ impl Staging {
 impl Drop for Staging {
     fn drop(&mut self) {
         if !self.keep {
-            crate::journal::discard(&self.path);
+            discard(&self.path);
         }
     }
+}
+
+/// The journal file of the temp file `partial`.
+pub fn journal_path(partial: &Path) -> PathBuf {
+    let name = partial
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let stem = name.strip_suffix(TEMP_SUFFIX).unwrap_or(&name);
+    partial.with_file_name(format!("{stem}{JOURNAL_SUFFIX}"))
+}
+
+/// Removes a temp file and its journal.
+pub fn discard(partial: &Path) {
+    let _ = std::fs::remove_file(partial);
+    let _ = std::fs::remove_file(journal_path(partial));
 }
 
 /// fsync a directory so a rename in it is durable.

@@ -8,20 +8,22 @@
 //! replaced atomically (write, fsync, rename), always after the temp file
 //! itself was synced, so it never claims bytes that are not on disk; a
 //! [`Writer`] does that off the receiving thread. This module owns the
-//! format, writing it, finding the journal a sync can resume, and the sweep
-//! that removes what cannot be resumed.
+//! format, writing it, finding the journal a sync can resume, checking what
+//! it claims against the file ([`ClaimsCheck`]), and the sweep that removes
+//! what cannot be resumed.
 
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime};
 
-use crate::install::{TEMP_PREFIX, TEMP_SUFFIX};
+use crate::install::{discard, journal_path, JOURNAL_SUFFIX, TEMP_PREFIX, TEMP_SUFFIX};
 use crate::manifest::Manifest;
 
 const MAGIC: &[u8; 4] = b"KVSJ";
 const VERSION: u8 = 1;
-/// Suffix of journal files (the temp file's name with this in place of
-/// its own suffix).
-pub const JOURNAL_SUFFIX: &str = ".journal";
 
 /// Why a journal cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -252,20 +254,96 @@ impl Drop for Writer {
     }
 }
 
-/// The journal file of the temp file `partial`.
-pub fn journal_path(partial: &Path) -> PathBuf {
-    let name = partial
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let stem = name.strip_suffix(TEMP_SUFFIX).unwrap_or(&name);
-    partial.with_file_name(format!("{stem}{JOURNAL_SUFFIX}"))
+/// The read-back check of the pieces a journal claims, on a thread of its
+/// own (a resumed session runs beside it); dropped unfinished, it stops at
+/// its next piece.
+pub struct ClaimsCheck {
+    thread: Option<JoinHandle<Result<(), String>>>,
+    stop: Arc<AtomicBool>,
 }
 
-/// Removes a temp file and its journal.
-pub fn discard(partial: &Path) {
-    let _ = std::fs::remove_file(partial);
-    let _ = std::fs::remove_file(journal_path(partial));
+impl ClaimsCheck {
+    pub fn start(
+        partial: &Path,
+        manifest: &Arc<Manifest>,
+        journal: &Journal,
+    ) -> std::io::Result<ClaimsCheck> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (path, manifest, journal, flag) = (
+            partial.to_owned(),
+            manifest.clone(),
+            journal.clone(),
+            stop.clone(),
+        );
+        let thread = std::thread::Builder::new()
+            .name("kvsync-claims".into())
+            .spawn(move || {
+                let started = std::time::Instant::now();
+                let verdict = check_claims(&path, &manifest, &journal, &flag);
+                tracing::info!(bytes = journal.verified_bytes(), elapsed = ?started.elapsed(), ok = verdict.is_ok(), "resumed pieces read back and checked");
+                verdict
+            })?;
+        Ok(ClaimsCheck {
+            thread: Some(thread),
+            stop,
+        })
+    }
+
+    /// The check's verdict, once it is done.
+    pub fn wait(mut self) -> Result<(), String> {
+        let thread = self.thread.take().expect("joined once");
+        thread
+            .join()
+            .unwrap_or_else(|_| Err("the resume check panicked".into()))
+    }
+}
+
+impl Drop for ClaimsCheck {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Reads back every piece `journal` claims from `partial` and checks it
+/// against the manifest: a journal that claims what the file does not hold
+/// is not trusted at all.
+fn check_claims(
+    partial: &Path,
+    manifest: &Manifest,
+    journal: &Journal,
+    stop: &AtomicBool,
+) -> Result<(), String> {
+    let file = std::fs::File::open(partial).map_err(|e| e.to_string())?;
+    let len = file.metadata().map_err(|e| e.to_string())?.len();
+    if len != manifest.info.size && journal.verified_bytes() > 0 {
+        return Err(format!(
+            "the temp file has {len} bytes, the snapshot {}",
+            manifest.info.size
+        ));
+    }
+    // Page-aligned: the kernel's copy into an unaligned buffer is several
+    // times slower (BENCHMARKS.md, verification).
+    let mut buf = crate::buf::AlignedBuf::new((4 << 20).min(manifest.piece_size as usize))
+        .map_err(|e| format!("allocate: {e}"))?;
+    for (index, _) in journal.verified.iter().enumerate().filter(|(_, v)| **v) {
+        if stop.load(Ordering::Relaxed) {
+            return Err("stopped".into());
+        }
+        let (offset, plen) = manifest.range(index as u32);
+        let mut crc = crc32fast::Hasher::new();
+        let mut at = 0;
+        while at < plen {
+            let n = (plen - at).min(buf.len() as u64) as usize;
+            file.read_exact_at(&mut buf[..n], offset + at)
+                .map_err(|e| format!("read piece {index}: {e}"))?;
+            crc.update(&buf[..n]);
+            at += n as u64;
+        }
+        if crc.finalize() != manifest.crcs[index] {
+            return Err(format!("piece {index} is not what the manifest says"));
+        }
+    }
+    Ok(())
 }
 
 /// kvsync's temp files in `dir`.

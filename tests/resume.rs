@@ -303,7 +303,7 @@ async fn a_journal_that_lies_is_detected_and_the_sync_starts_over() {
     // A truncated journal is no journal: the start-up sweep removes its file.
     let root = tempfile::tempdir().unwrap();
     let dir = killed_midway(root.path(), 5).await;
-    let journal = kvsync::journal::journal_path(&partial(&dir));
+    let journal = kvsync::install::journal_path(&partial(&dir));
     let bytes = std::fs::read(&journal).unwrap();
     std::fs::write(&journal, &bytes[..bytes.len() / 2]).unwrap();
     let replica = Node::start(root.path(), "replica", "", &[]);

@@ -14,18 +14,15 @@
 //! not hold fails the session at its end and is discarded, so the next
 //! attempt starts over.
 
-use std::os::unix::fs::FileExt;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 
 use tracing::{info, warn};
 
 use crate::blk3::token::MAX_NEED_RANGES;
 use crate::blk3::{need_ranges, Blk3Error, Outcome};
 use crate::install::{InstallError, Staging};
-use crate::journal::{self, Journal};
+use crate::journal::{self, ClaimsCheck, Journal};
 use crate::manifest::Manifest;
 use crate::snapshot::{Format, SnapshotInfo};
 use crate::transport::session::SessionResult;
@@ -41,55 +38,6 @@ pub struct Received {
     pub staging: Staging,
     pub outcome: Outcome,
     pub info: SnapshotInfo,
-}
-
-/// The read-back check of a journal's pieces, on its own thread; dropped
-/// unfinished, it stops at its next piece.
-struct ClaimsCheck {
-    thread: Option<JoinHandle<Result<(), String>>>,
-    stop: Arc<AtomicBool>,
-}
-
-impl ClaimsCheck {
-    fn start(
-        partial: &Path,
-        manifest: &Arc<Manifest>,
-        journal: &Journal,
-    ) -> std::io::Result<ClaimsCheck> {
-        let stop = Arc::new(AtomicBool::new(false));
-        let (path, manifest, journal, flag) = (
-            partial.to_owned(),
-            manifest.clone(),
-            journal.clone(),
-            stop.clone(),
-        );
-        let thread = std::thread::Builder::new()
-            .name("kvsync-claims".into())
-            .spawn(move || {
-                let started = std::time::Instant::now();
-                let verdict = check_claims(&path, &manifest, &journal, &flag);
-                info!(bytes = journal.verified_bytes(), elapsed = ?started.elapsed(), ok = verdict.is_ok(), "resumed pieces read back and checked");
-                verdict
-            })?;
-        Ok(ClaimsCheck {
-            thread: Some(thread),
-            stop,
-        })
-    }
-
-    /// The check's verdict, once it is done.
-    fn wait(mut self) -> Result<(), String> {
-        let thread = self.thread.take().expect("joined once");
-        thread
-            .join()
-            .unwrap_or_else(|_| Err("the resume check panicked".into()))
-    }
-}
-
-impl Drop for ClaimsCheck {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-    }
 }
 
 /// The piece being received: its index, running CRC32 and bytes so far.
@@ -127,10 +75,10 @@ pub struct Receiver {
 
 impl Receiver {
     /// A receiver for `manifest`'s snapshot from `source` (the source
-    /// agent's node id) into `dir`: it
-    /// resumes the partial sync a journal there describes (after checking
-    /// every piece the journal claims), or starts a temp file for sync
-    /// `id`. Bytes received so far go to `progress`.
+    /// agent's node id) into `dir`: it resumes the partial sync a journal
+    /// there describes (checking the pieces it claims beside the transfer),
+    /// or starts a temp file for sync `id`. Bytes received so far go to
+    /// `progress`.
     pub fn open(
         dir: &Path,
         id: &str,
@@ -145,7 +93,7 @@ impl Receiver {
                     Ok(staging) => Some((staging, journal)),
                     Err(e) => {
                         warn!(error = %e, "cannot reopen the partial sync; starting over");
-                        journal::discard(&path);
+                        crate::install::discard(&path);
                         None
                     }
                 },
@@ -163,7 +111,7 @@ impl Receiver {
                     crate::install::TEMP_PREFIX,
                     crate::install::TEMP_SUFFIX
                 ));
-                journal::discard(&stale);
+                crate::install::discard(&stale);
                 let staging = Staging::create(dir, id).map_err(JobError::NotWritable)?;
                 (staging, Journal::new(source, &manifest), None)
             }
@@ -301,48 +249,6 @@ impl Receiver {
             manifest.piece_size >> 20
         )
     }
-}
-
-/// Reads back every piece `journal` claims from `partial` and checks it
-/// against the manifest: a journal that claims what the file does not hold
-/// is not trusted at all.
-fn check_claims(
-    partial: &Path,
-    manifest: &Manifest,
-    journal: &Journal,
-    stop: &AtomicBool,
-) -> Result<(), String> {
-    let file = std::fs::File::open(partial).map_err(|e| e.to_string())?;
-    let len = file.metadata().map_err(|e| e.to_string())?.len();
-    if len != manifest.info.size && journal.verified_bytes() > 0 {
-        return Err(format!(
-            "the temp file has {len} bytes, the snapshot {}",
-            manifest.info.size
-        ));
-    }
-    // Page-aligned: the kernel's copy into an unaligned buffer is several
-    // times slower (BENCHMARKS.md, verification).
-    let mut buf = crate::buf::AlignedBuf::new((4 << 20).min(manifest.piece_size as usize))
-        .map_err(|e| format!("allocate: {e}"))?;
-    for (index, _) in journal.verified.iter().enumerate().filter(|(_, v)| **v) {
-        if stop.load(Ordering::Relaxed) {
-            return Err("stopped".into());
-        }
-        let (offset, plen) = manifest.range(index as u32);
-        let mut crc = crc32fast::Hasher::new();
-        let mut at = 0;
-        while at < plen {
-            let n = (plen - at).min(buf.len() as u64) as usize;
-            file.read_exact_at(&mut buf[..n], offset + at)
-                .map_err(|e| format!("read piece {index}: {e}"))?;
-            crc.update(&buf[..n]);
-            at += n as u64;
-        }
-        if crc.finalize() != manifest.crcs[index] {
-            return Err(format!("piece {index} is not what the manifest says"));
-        }
-    }
-    Ok(())
 }
 
 impl Sink for Receiver {
