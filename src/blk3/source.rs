@@ -121,10 +121,6 @@ impl Source {
             return;
         }
         let scaled = size_scaled_timeout(self.len);
-        let input_kind = match &input {
-            Input::Received(t) => t.kind(),
-            _ => Kind::Rdok,
-        };
         match (&mut self.state, input) {
             (_, Input::Received(Token::Rdfl { reason })) => {
                 self.core.finish(Err(Blk3Error::PeerFailed(reason)));
@@ -182,22 +178,25 @@ impl Source {
                 }
                 self.pump(now);
             }
-            (State::Bulk(bulk), Input::Received(Token::Pack { index } | Token::Preq { index }))
+            (State::Bulk(bulk), Input::Received(Token::Pack { index }))
                 if bulk.unanswered.contains(&index) =>
             {
                 bulk.unanswered.retain(|&i| i != index);
-                if matches!(input_kind, Kind::Preq) {
-                    let sends = bulk.resent.entry(index).or_insert(1);
-                    if *sends >= MAX_PIECE_SENDS {
-                        return self.fail(Blk3Error::BadPiece(format!(
-                            "the replica asked for piece {index} more than {MAX_PIECE_SENDS} times"
-                        )));
-                    }
-                    *sends += 1;
-                    bulk.queue.push_front(index);
-                } else {
-                    bulk.left -= 1;
+                bulk.left -= 1;
+                self.pump(now);
+            }
+            (State::Bulk(bulk), Input::Received(Token::Preq { index }))
+                if bulk.unanswered.contains(&index) =>
+            {
+                bulk.unanswered.retain(|&i| i != index);
+                let sends = bulk.resent.entry(index).or_insert(1);
+                if *sends >= MAX_PIECE_SENDS {
+                    return self.fail(Blk3Error::BadPiece(format!(
+                        "the replica asked for piece {index} more than {MAX_PIECE_SENDS} times"
+                    )));
                 }
+                *sends += 1;
+                bulk.queue.push_front(index);
                 self.pump(now);
             }
             (State::WaitRdok, Input::Received(Token::Rdok)) => {

@@ -1,7 +1,8 @@
 //! The agent-to-agent service, served by every agent in its source role:
 //! `OpenFullSync` turns a replica's request into a session offer (holding the
-//! snapshot in the cache from that moment) and `ReportResult` records how it
-//! ended. Which bytes move, and how, is the data plane's business.
+//! snapshot in the cache from that moment), `GetManifest` streams the offered
+//! snapshot's piece manifest, and `ReportResult` records how it ended. Which
+//! bytes move, and how, is the data plane's business.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
