@@ -4,11 +4,12 @@
 //! Owns the mapping from BLK3 commands to queue-pair work — tokens by
 //! Send/Recv, the bulk by chained RDMA Writes from the shared snapshot
 //! buffer — and the replica's receive memory: a `MAP_SHARED` mapping of the
-//! file its [`Sink`] prepared, registered for remote write (zero-copy into the page
-//! cache), or, when the fabric refuses to register file pages, an anonymous
-//! page-aligned buffer whose pieces are written to the file as their PDONs arrive. Which path was used is
-//! logged and reported. Protocol decisions stay in `blk3`; queue-pair
-//! mechanics stay in the fabrics.
+//! file its [`Sink`] prepared, registered for remote write (zero-copy into
+//! the page cache), or, when the fabric refuses to register file pages, an
+//! anonymous page-aligned buffer whose pieces are written to the file as
+//! their PDONs arrive. Which path was used is logged and reported.
+//! Protocol decisions stay in `blk3`; queue-pair mechanics stay in the
+//! fabrics.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -382,7 +383,8 @@ pub fn run_source<F: Fabric>(qp: F, s: Serve) -> SourceRun {
 enum RecvMemory {
     /// A shared mapping of the temp file, registered: bytes land in the page cache.
     Mapped(MmapMut),
-    /// An anonymous buffer, each piece written to the temp file when its PDON arrives.
+    /// An anonymous buffer, each piece written to the temp file when its
+    /// PDON arrives.
     Heap(AlignedBuf),
 }
 
@@ -454,7 +456,8 @@ impl<F: Fabric> ReplicaIo<'_, F> {
             call: "allocate receive memory",
             source,
         })?;
-        // SAFETY: as above; the buffer is only read, a piece at a time, after the PDON that follows its writes.
+        // SAFETY: as above; the buffer is only read, a piece at a time,
+        // after the PDON that follows its writes.
         let region = unsafe { self.link.qp.register(buf.as_mut_ptr(), len, true) }?;
         self.memory = Some(RecvMemory::Heap(buf));
         Ok(region)

@@ -555,8 +555,9 @@ pub fn run_source(link: &mut Link, s: &Serve) -> Result<Result<Outcome, Blk3Erro
     let mut machine = Source::new(len, s.seq, s.piece_size, BulkMode::Stream);
     machine.start(link.now());
     // Set once, before the zero-copy sender reads it: a reader that stops
-    // reading fails the floor within two windows.
-    let wait = link.pace().longest_wait();
+    // reading fails the floor within two windows. The pace itself starts
+    // with the first piece, not with the handshake.
+    let wait = Pace::new(link.min_rate, Instant::now()).longest_wait();
     link.stream
         .set_write_timeout(wait.or(Some(size_scaled_timeout(len))))
         .map_err(|e| link.err("set timeout", e))?;
