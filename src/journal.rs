@@ -71,24 +71,11 @@ impl Journal {
 
     /// Whether this journal is of `manifest`'s snapshot from `source`.
     pub fn matches(&self, source: &str, manifest: &Manifest) -> bool {
-        let fresh = Journal::new(source, manifest);
-        (
-            &self.source,
-            self.size,
-            self.seq,
-            self.checksum,
-            self.piece_size,
-            self.digest,
-            self.verified.len(),
-        ) == (
-            &fresh.source,
-            fresh.size,
-            fresh.seq,
-            fresh.checksum,
-            fresh.piece_size,
-            fresh.digest,
-            fresh.verified.len(),
-        )
+        let info = &manifest.info;
+        self.source == source
+            && (self.size, self.seq, self.checksum) == (info.size, info.seq, info.checksum)
+            && (self.piece_size, self.digest) == (manifest.piece_size, manifest.digest())
+            && self.verified.len() == manifest.pieces() as usize
     }
 
     /// Bytes of the verified pieces.

@@ -48,6 +48,8 @@ pub struct Manifest {
     pub piece_size: u64,
     /// CRC32 of each piece, in order.
     pub crcs: Vec<u32>,
+    /// The CRC32 that ends the encoding, computed once.
+    digest: u32,
 }
 
 impl Manifest {
@@ -68,6 +70,13 @@ impl Manifest {
 
     /// The encoded manifest (ends with the CRC32 of what precedes it).
     pub fn encode(&self) -> Vec<u8> {
+        let mut out = self.encode_body();
+        out.extend_from_slice(&self.digest.to_be_bytes());
+        out
+    }
+
+    /// The encoding without its closing CRC32.
+    fn encode_body(&self) -> Vec<u8> {
         let info = &self.info;
         let mut out = Vec::with_capacity(80 + 4 * self.crcs.len());
         out.extend_from_slice(MAGIC);
@@ -95,15 +104,12 @@ impl Manifest {
         for crc in &self.crcs {
             out.extend_from_slice(&crc.to_be_bytes());
         }
-        let digest = crc32fast::hash(&out);
-        out.extend_from_slice(&digest.to_be_bytes());
         out
     }
 
     /// The CRC32 that ends the encoding: what offers and journals quote.
     pub fn digest(&self) -> u32 {
-        let enc = self.encode();
-        u32::from_be_bytes(enc[enc.len() - 4..].try_into().expect("4 bytes"))
+        self.digest
     }
 
     /// Decodes and checks a manifest: its own checksum, its piece size,
@@ -182,6 +188,7 @@ impl Manifest {
                 .chunks_exact(4)
                 .map(|c| u32::from_be_bytes(c.try_into().expect("4 bytes")))
                 .collect(),
+            digest: stored,
         })
     }
 }
@@ -264,11 +271,14 @@ impl PieceHasher {
         if self.in_piece > 0 {
             self.end_piece();
         }
-        Manifest {
+        let mut manifest = Manifest {
             info,
             piece_size: self.piece_size,
             crcs: self.crcs,
-        }
+            digest: 0,
+        };
+        manifest.digest = crc32fast::hash(&manifest.encode_body());
+        manifest
     }
 }
 

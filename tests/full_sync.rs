@@ -584,13 +584,7 @@ fn cli_sync_wait_json_summary() {
     let replica = Node::start(root.path(), "replica", "", &[]);
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(source.offered(88));
-    let out = cli_sync(&[], &replica, &source);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = cli_sync_ok(&replica, &source);
     assert_eq!(v["status"], "succeeded");
     assert_eq!(v["bytes"], 2 << 20);
     assert_eq!(v["seq"], 88);

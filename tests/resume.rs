@@ -219,13 +219,7 @@ async fn a_killed_replica_and_a_restarted_source_resume_where_they_stopped() {
     let source = Node::start(root.path(), "source", PIECES, &[]);
     source.offered(5).await;
     // As an operator runs it: `kvsync sync --wait --json`.
-    let out = cli_sync(&[], &replica, &source);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = cli_sync_ok(&replica, &source);
     let resumed = v["resumed_bytes"].as_u64().unwrap();
     assert!(resumed >= 16 * MIB, "{v}");
     assert_eq!(v["pieces_refetched"], 0, "{v}");

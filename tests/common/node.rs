@@ -357,3 +357,14 @@ pub fn cli_sync(global: &[&str], replica: &Node, source: &Node) -> std::process:
         .output()
         .unwrap()
 }
+
+/// `kvsync sync --wait --json` that must succeed: its JSON summary.
+pub fn cli_sync_ok(replica: &Node, source: &Node) -> serde_json::Value {
+    let out = cli_sync(&[], replica, source);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
