@@ -24,6 +24,7 @@ use crate::config::{Config, RdmaProvider};
 use crate::conn_limit;
 use crate::control::orchestrator::OrchestratorService;
 use crate::control::peer::PeerService;
+use crate::fanout::FanoutManager;
 use crate::metrics::{self, Metrics};
 use crate::rpc::auth::{ServerAuth, Tokens};
 use crate::rpc::{pb, tls, Dialer};
@@ -165,9 +166,17 @@ impl RunningAgent {
             metrics.clone(),
             data.probe.clone(),
             prepared.faults,
-            prepared.dialer,
+            prepared.dialer.clone(),
             shutdown.clone(),
             draining.clone(),
+        );
+        let relays = syncs.relays().clone();
+        let fanouts = FanoutManager::new(
+            catalog.clone(),
+            config.snapshot_format,
+            metrics.clone(),
+            prepared.dialer,
+            shutdown.clone(),
         );
         let metrics_addr =
             start_metrics(&config, &metrics, &draining, &shutdown, &mut tasks).await?;
@@ -189,6 +198,9 @@ impl RunningAgent {
                 syncs: syncs.clone(),
                 sessions: sessions.clone(),
                 data: data.clone(),
+                relays: relays.clone(),
+                metrics: metrics.clone(),
+                fanouts,
             },
             peer: PeerService {
                 config: config.clone(),
@@ -197,6 +209,7 @@ impl RunningAgent {
                 sessions: sessions.clone(),
                 data: data.clone(),
                 draining: draining.clone(),
+                relays,
             },
             auth: ServerAuth::pair(&prepared.tokens, prepared.peer_tokens.as_ref(), &metrics),
         };
@@ -549,10 +562,18 @@ async fn start_grpc(
     health
         .set_serving::<pb::peer_server::PeerServer<PeerService>>()
         .await;
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    // Reflection in both versions clients speak: v1 (grpcurl) and
+    // v1alpha (grpcio-reflection, older tools).
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let reflection_v1 = reflection()
         .build_v1()
+        .map_err(|e| AgentError::Reflection(e.to_string()))?;
+    let reflection_v1alpha = reflection()
+        .build_v1alpha()
         .map_err(|e| AgentError::Reflection(e.to_string()))?;
     // Slow or idle clients cannot starve others: bounded streams per
     // connection, HTTP/2 keepalive to find dead ones, and (below) bounded
@@ -573,7 +594,8 @@ async fn start_grpc(
     } = services;
     let router = server
         .add_service(health_service)
-        .add_service(reflection)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
         .add_service(InterceptedService::new(
             pb::orchestrator_server::OrchestratorServer::new(orchestrator)
                 .max_decoding_message_size(MAX_REQUEST_BYTES),

@@ -29,8 +29,10 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 use tracing::{info, warn};
 
+use crate::arrivals::Arrivals;
 use crate::buf::AlignedBuf;
 use crate::catalog::{system_time_ns, CatalogEntry};
+use crate::manifest::Manifest;
 use crate::metrics::Metrics;
 use crate::snapshot::{Corruption, Verifier};
 
@@ -87,6 +89,13 @@ pub enum CacheError {
     /// The shared load failed (for every holder).
     #[error(transparent)]
     Load(Arc<CacheError>),
+    /// A relayed snapshot's receive ended before this piece came.
+    #[error("this agent's own sync of the relayed snapshot ended: {0}")]
+    RelayEnded(String),
+    /// A verified piece of a relayed snapshot no longer matches its
+    /// manifest in the staging file.
+    #[error("{path}: piece {index} changed after it was verified")]
+    PieceChanged { path: PathBuf, index: u32 },
 }
 
 /// How far the background load got.
@@ -229,10 +238,50 @@ impl SnapshotCache {
     /// Returns a reference to the snapshot, starting its load if it is not
     /// loaded or loading yet. Does not wait for the load.
     pub async fn acquire(self: &Arc<Self>, entry: &CatalogEntry) -> Result<CacheRef, CacheError> {
-        let key = CacheKey::of(entry);
+        let e = entry.clone();
+        self.acquire_with(CacheKey::of(entry), move || {
+            // Open now: from here the inode is ours even if the file is
+            // deleted or replaced before the load reads it.
+            let file = open_checked(&e)?;
+            Ok(Box::new(move |image: &Arc<Image>| fill(image, &file, &e)))
+        })
+        .await
+    }
+
+    /// Returns a reference to the image of a snapshot this agent is still
+    /// receiving (it relays it): each piece is read from the staging file
+    /// once the receiver verified it, and checked against the manifest
+    /// again on its way in. Sessions send each piece as soon as it is there.
+    pub async fn acquire_relay(self: &Arc<Self>, feed: RelayFeed) -> Result<CacheRef, CacheError> {
+        let key = CacheKey {
+            path: feed.path.clone(),
+            size: feed.manifest.info.size,
+            mtime_ns: 0,
+        };
+        self.acquire_with(key, move || {
+            let file = feed.file.try_clone().map_err(|source| CacheError::Io {
+                path: feed.path.clone(),
+                source,
+            })?;
+            Ok(Box::new(move |image: &Arc<Image>| {
+                fill_relay(image, &file, &feed)
+            }))
+        })
+        .await
+    }
+
+    /// The shared part of acquiring: a reference to the image under `key`,
+    /// or a new one, within the budget, filled by what `open` returns on a
+    /// blocking thread.
+    async fn acquire_with(
+        self: &Arc<Self>,
+        key: CacheKey,
+        open: impl FnOnce() -> Result<Loader, CacheError>,
+    ) -> Result<CacheRef, CacheError> {
         let size = key.size;
         let started = tokio::time::Instant::now();
         let deadline = started + self.acquire_timeout;
+        let mut open = Some(open);
         loop {
             let released = self.released.notified();
             {
@@ -244,7 +293,7 @@ impl SnapshotCache {
                     drop(st);
                     self.publish();
                     self.metrics.cache_hits.inc();
-                    info!(path = %entry.path.display(), "reusing snapshot buffer ref={refs}");
+                    info!(path = %key.path.display(), "reusing snapshot buffer ref={refs}");
                     return Ok(CacheRef {
                         image,
                         cache: self.clone(),
@@ -256,11 +305,10 @@ impl SnapshotCache {
                     return Err(CacheError::TooLarge { size, budget });
                 }
                 if st.make_room(size, budget) {
-                    // Open now: from here the inode is ours even if the file
-                    // is deleted or replaced before the load reads it.
-                    let file = open_checked(entry)?;
+                    let open = open.take().expect("a load is opened once");
+                    let loader = open()?;
                     let buf = AlignedBuf::new(size as usize).map_err(|source| CacheError::Io {
-                        path: entry.path.clone(),
+                        path: key.path.clone(),
                         source,
                     })?;
                     let image = Arc::new(Image {
@@ -281,8 +329,8 @@ impl SnapshotCache {
                     drop(st);
                     self.publish();
                     self.metrics.cache_loads.inc();
-                    let (img, e) = (image.clone(), entry.clone());
-                    tokio::task::spawn_blocking(move || load(&img, file, &e));
+                    let (img, path) = (image.clone(), key.path.clone());
+                    tokio::task::spawn_blocking(move || load(&img, &path, loader));
                     return Ok(CacheRef {
                         image,
                         cache: self.clone(),
@@ -454,13 +502,16 @@ fn open_checked(entry: &CatalogEntry) -> Result<std::fs::File, CacheError> {
     Ok(file)
 }
 
-/// Fills `image` from `file`, verifying as it goes, publishing progress.
-fn load(image: &Image, file: std::fs::File, entry: &CatalogEntry) {
+/// Fills an image on a blocking thread; `Err` fails it for every holder.
+type Loader = Box<dyn FnOnce(&Arc<Image>) -> Result<(), CacheError> + Send>;
+
+/// Runs `loader` and publishes its verdict.
+fn load(image: &Arc<Image>, path: &std::path::Path, loader: Loader) {
     let started = std::time::Instant::now();
-    match fill(image, &file, entry) {
+    match loader(image) {
         Ok(()) => {
             image.publish(image.len(), Some(LoadState::Verified));
-            info!(path = %entry.path.display(), bytes = image.len(), elapsed = ?started.elapsed(), "snapshot loaded into cache");
+            info!(path = %path.display(), bytes = image.len(), elapsed = ?started.elapsed(), "snapshot loaded into cache");
         }
         Err(e) => {
             warn!(error = %e, "snapshot load failed");
@@ -470,18 +521,21 @@ fn load(image: &Image, file: std::fs::File, entry: &CatalogEntry) {
     }
 }
 
-fn fill(image: &Image, file: &std::fs::File, entry: &CatalogEntry) -> Result<(), CacheError> {
-    let path = &entry.path;
-    let len = image.len();
-    let mut verifier =
-        Verifier::new(entry.format(), len as u64).map_err(|corruption| CacheError::Corrupt {
-            path: path.clone(),
-            corruption,
-        })?;
+/// Reads `[offset, offset + len)` of `file` into the same range of the
+/// image, handing each chunk read to `chunk` (which may publish it).
+fn read_into(
+    image: &Image,
+    file: &std::fs::File,
+    path: &std::path::Path,
+    (offset, len): (usize, usize),
+    mut chunk: impl FnMut(&[u8], usize) -> Result<(), CacheError>,
+) -> Result<(), CacheError> {
+    assert!(offset + len <= image.len(), "read inside the image");
     let ptr = image.buf.as_ptr() as *mut u8;
-    let mut done = 0usize;
-    while done < len {
-        let want = (len - done).min(LOAD_CHUNK);
+    let mut done = offset;
+    let end = offset + len;
+    while done < end {
+        let want = (end - done).min(LOAD_CHUNK);
         // SAFETY: `ptr + done .. + want` lies inside the allocation, above
         // the published watermark, so no reader looks at it yet.
         let n = unsafe {
@@ -498,34 +552,169 @@ fn fill(image: &Image, file: &std::fs::File, entry: &CatalogEntry) -> Result<(),
                 continue;
             }
             return Err(CacheError::Io {
-                path: path.clone(),
+                path: path.to_owned(),
                 source: e,
             });
         }
         if n == 0 {
-            return Err(CacheError::Changed { path: path.clone() });
+            return Err(CacheError::Changed {
+                path: path.to_owned(),
+            });
         }
         let n = n as usize;
         // SAFETY: just written by pread.
-        let chunk = unsafe { std::slice::from_raw_parts(ptr.add(done), n) };
-        verifier
-            .update(chunk)
-            .map_err(|corruption| CacheError::Corrupt {
-                path: path.clone(),
-                corruption,
-            })?;
+        let bytes = unsafe { std::slice::from_raw_parts(ptr.add(done), n) };
         done += n;
-        image.publish(done, None);
+        chunk(bytes, done)?;
     }
-    let info = verifier
-        .finish()
-        .map_err(|corruption| CacheError::Corrupt {
-            path: path.clone(),
-            corruption,
-        })?;
+    Ok(())
+}
+
+/// Fills `image` from a snapshot file, verifying it with its own checksum
+/// as it goes and publishing each chunk.
+fn fill(image: &Arc<Image>, file: &std::fs::File, entry: &CatalogEntry) -> Result<(), CacheError> {
+    let path = &entry.path;
+    let corrupt = |corruption| CacheError::Corrupt {
+        path: path.clone(),
+        corruption,
+    };
+    let mut verifier = Verifier::new(entry.format(), image.len() as u64).map_err(corrupt)?;
+    read_into(image, file, path, (0, image.len()), |bytes, done| {
+        verifier.update(bytes).map_err(corrupt)?;
+        image.publish(done, None);
+        Ok(())
+    })?;
+    let info = verifier.finish().map_err(corrupt)?;
     // Same size and mtime but other bytes: rewritten in place.
     if info.checksum != entry.info.checksum {
         return Err(CacheError::Changed { path: path.clone() });
     }
     Ok(())
+}
+
+/// A snapshot this agent is receiving, as a relay image's source.
+pub struct RelayFeed {
+    /// The staging file's path (the image's key) and an open handle to it.
+    pub path: PathBuf,
+    pub file: std::fs::File,
+    pub manifest: Arc<Manifest>,
+    pub arrivals: Arc<Arrivals>,
+}
+
+/// Fills a relay image piece by piece, in order: each once the receiver
+/// verified it, read from the staging file and checked against the
+/// manifest before it is published. Stops when nobody holds the image.
+fn fill_relay(
+    image: &Arc<Image>,
+    file: &std::fs::File,
+    feed: &RelayFeed,
+) -> Result<(), CacheError> {
+    let (path, manifest) = (&feed.path, &feed.manifest);
+    for index in 0..manifest.pieces() {
+        feed.arrivals.wait(index).map_err(CacheError::RelayEnded)?;
+        // Only the loader's own reference is left: the image was dropped.
+        if Arc::strong_count(image) == 1 {
+            return Err(CacheError::RelayEnded("nobody holds the image".into()));
+        }
+        let (offset, len) = manifest.range(index);
+        let mut crc = crc32fast::Hasher::new();
+        read_into(
+            image,
+            file,
+            path,
+            (offset as usize, len as usize),
+            |b, _| {
+                crc.update(b);
+                Ok(())
+            },
+        )?;
+        if crc.finalize() != manifest.crcs[index as usize] {
+            return Err(CacheError::PieceChanged {
+                path: path.clone(),
+                index,
+            });
+        }
+        image.publish((offset + len) as usize, None);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::manifest::PieceHasher;
+    use crate::snapshot::{Format, SnapshotInfo};
+    use std::os::unix::fs::FileExt;
+
+    const PIECE: u64 = 1 << 20;
+
+    /// A 4-piece staging file and its manifest, and a relay image of it
+    /// nobody verified a piece of yet.
+    async fn relay_image() -> (tempfile::NamedTempFile, Arc<Arrivals>, CacheRef, Vec<u8>) {
+        let bytes: Vec<u8> = (0..4 * PIECE).map(|i| (i * 7 % 251) as u8).collect();
+        let mut hasher = PieceHasher::new(PIECE);
+        hasher.update(&bytes);
+        let info = SnapshotInfo {
+            format: Format::Kvr1,
+            size: bytes.len() as u64,
+            seq: 3,
+            checksum: 9,
+            records: 0,
+            created_ms: 0,
+            repl_id: None,
+        };
+        let manifest = Arc::new(hasher.finish(info));
+        let file = tempfile::NamedTempFile::new().unwrap();
+        file.as_file().write_all_at(&bytes, 0).unwrap();
+        let arrivals = Arc::new(Arrivals::new(vec![false; 4]));
+        let cache = SnapshotCache::new(1 << 30, Duration::from_secs(5), Metrics::new());
+        let image = cache
+            .acquire_relay(RelayFeed {
+                path: file.path().to_owned(),
+                file: file.as_file().try_clone().unwrap(),
+                manifest,
+                arrivals: arrivals.clone(),
+            })
+            .await
+            .unwrap();
+        (file, arrivals, image, bytes)
+    }
+
+    #[tokio::test]
+    async fn a_relay_image_holds_only_verified_pieces_and_checks_them_again() {
+        let (file, arrivals, image, bytes) = relay_image().await;
+        let image = Arc::new(image);
+        let reader = {
+            let image = image.clone();
+            std::thread::spawn(move || image.wait_loaded(2 * PIECE as usize).map(<[u8]>::to_vec))
+        };
+        arrivals.mark(0);
+        arrivals.mark(1);
+        assert_eq!(reader.join().unwrap().unwrap(), bytes[..2 * PIECE as usize]);
+        // Piece 2 changed on disk after the receiver verified it: never served.
+        file.as_file().write_all_at(b"X", 2 * PIECE + 5).unwrap();
+        arrivals.mark(2);
+        let err = image.wait_complete().unwrap_err();
+        assert!(err.to_string().contains("piece 2 changed"), "{err}");
+        assert!(image.wait_loaded(3 * PIECE as usize).is_err());
+    }
+
+    #[tokio::test]
+    async fn a_relay_image_fails_when_its_receive_ends_and_completes_when_it_finishes() {
+        let (_file, arrivals, image, _) = relay_image().await;
+        arrivals.mark(0);
+        arrivals.end("the relay's own sync failed: cut");
+        let err = image.wait_complete().unwrap_err();
+        assert!(err.to_string().contains("cut"), "{err}");
+        assert!(
+            image.wait_loaded(PIECE as usize).is_ok(),
+            "what it had stays"
+        );
+
+        let (_file, arrivals, image, bytes) = relay_image().await;
+        for i in [3, 1, 0, 2] {
+            arrivals.mark(i);
+        }
+        assert_eq!(image.wait_complete().unwrap(), bytes);
+    }
 }

@@ -69,6 +69,13 @@ pub enum Command {
     /// With --wait, follow the sync to its end; exit status 0 only when it
     /// succeeded.
     Sync(SyncArgs),
+    /// Seed many replicas with the source's latest snapshot through a tree
+    /// of relays: each replica pulls from its parent, which passes on
+    /// verified pieces while it still receives them.
+    ///
+    /// With --wait, follow the fan-out to its end; exit status 0 only when
+    /// every replica succeeded.
+    Fanout(FanoutArgs),
     /// Show an agent's status: snapshots, running and recent syncs.
     Status(StatusArgs),
     /// List the snapshots an agent offers.
@@ -97,15 +104,38 @@ pub struct SyncArgs {
     /// gRPC address of the source agent (host:port).
     #[arg(long)]
     pub source: String,
-    /// Transport preference.
+    #[command(flatten)]
+    pub run: RunArgs,
+}
+
+/// How a started sync or fan-out runs and is shown.
+#[derive(Debug, clap::Args)]
+pub struct RunArgs {
+    /// Transport preference (of every sync).
     #[arg(long, value_enum, default_value = "auto")]
     pub transport: TransportArg,
-    /// Follow the sync until it ends.
+    /// Follow it until it ends.
     #[arg(long)]
     pub wait: bool,
     /// Print a JSON summary instead of text.
     #[arg(long)]
     pub json: bool,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct FanoutArgs {
+    /// gRPC address of the origin agent (host:port): it runs the fan-out,
+    /// and the replicas reach it at this address.
+    #[arg(long)]
+    pub source: String,
+    /// gRPC address of a replica agent (host:port); repeat for each.
+    #[arg(long = "replica", required = true)]
+    pub replicas: Vec<String>,
+    /// Replicas each node (the origin too) serves.
+    #[arg(long, default_value_t = 2)]
+    pub degree: u32,
+    #[command(flatten)]
+    pub run: RunArgs,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -256,6 +286,7 @@ pub fn main() -> ExitCode {
         Command::GenSnapshot(args) => gen_snapshot(args),
         Command::Verify(args) => return verify(args),
         Command::Sync(args) => runtime().and_then(|rt| rt.block_on(client::sync(args))),
+        Command::Fanout(args) => runtime().and_then(|rt| rt.block_on(client::fanout(args))),
         Command::Status(args) => runtime().and_then(|rt| rt.block_on(client::status(args))),
         Command::Snapshots(args) => runtime().and_then(|rt| rt.block_on(client::snapshots(args))),
         Command::Cancel(args) => runtime().and_then(|rt| rt.block_on(client::cancel(args))),

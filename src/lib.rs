@@ -14,6 +14,8 @@
 //!   directory watcher that fills the catalog.
 //! - [`buf`] — page-aligned buffers for the data path.
 //! - [`cache`] — the shared, budgeted snapshot buffers on the source.
+//! - [`arrivals`] — which pieces of a snapshot being received are verified
+//!   (what a relay may pass on).
 //! - [`peer_text`] — which strings from peers are acceptable, and escaping.
 //! - [`pem`] — reading and checking PEM files.
 //! - [`conn_limit`] — connections counted in total and per address.
@@ -24,6 +26,7 @@
 //! - [`transport`] — drivers that run BLK3 over TCP and RDMA (verbs, or the
 //!   emulated fabric), the RDMA probe and transport selection.
 //! - [`sync`] — replica sync jobs and the source role's sessions.
+//! - [`fanout`] — seeding many replicas through a tree of relays.
 //! - [`install`] — staging and durably installing received snapshots.
 //! - [`journal`] — what a partly received snapshot holds, for resuming.
 //! - [`handoff`] — handing the snapshot's sequence number to the local KV.
@@ -34,6 +37,7 @@
 //! - [`cli`] — the `kvsync` command line.
 
 pub mod agent;
+pub mod arrivals;
 pub mod blk3;
 pub mod buf;
 pub mod cache;
@@ -42,6 +46,7 @@ pub mod cli;
 pub mod config;
 pub mod conn_limit;
 pub mod control;
+pub mod fanout;
 #[doc(hidden)]
 pub mod fuzz_targets;
 pub mod handoff;

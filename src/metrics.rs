@@ -84,6 +84,7 @@ pub struct Metrics {
     pub fullsync_total: IntCounterVec,
     pub fullsync_bytes: IntCounterVec,
     pub resumed_bytes: IntCounter,
+    pub relay_bytes: IntCounter,
     pub piece_refetch: IntCounterVec,
     pub fullsync_duration: HistogramVec,
     pub bulk_duration: Histogram,
@@ -174,6 +175,10 @@ impl Metrics {
             resumed_bytes: reg!(IntCounter::new(
                 "kvsync_resumed_bytes_total",
                 "Snapshot bytes a replica's sync found verified in place and did not move again"
+            )),
+            relay_bytes: reg!(IntCounter::new(
+                "kvsync_relay_bytes_total",
+                "Snapshot bytes this agent sent of snapshots it received from another agent (relay fan-out)"
             )),
             piece_refetch: reg!(IntCounterVec::new(
                 Opts::new(

@@ -219,6 +219,7 @@ async fn run(case: Case, wire: Wire, dir: &Path, tls: &Tls) -> Run {
         transport: kind,
         tls: wire == Wire::Tls,
         expires: Instant::now() + DEADLINE,
+        origin: None,
     };
     let admitted = sessions.admit("replica@127.0.0.1").unwrap();
     let mut token = sessions.insert(offer, admitted);

@@ -283,6 +283,7 @@ async fn source_unreachable_or_without_snapshot() {
         .start_full_sync(pb::StartFullSyncRequest {
             source: dead.to_string(),
             transport: 0,
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -318,6 +319,7 @@ async fn source_unreachable_or_without_snapshot() {
         .start_full_sync(pb::StartFullSyncRequest {
             source: "no port".into(),
             transport: 0,
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -440,6 +442,7 @@ async fn unwritable_snapshot_dir_is_refused_before_transfer() {
         .start_full_sync(pb::StartFullSyncRequest {
             source: source.grpc(),
             transport: 0,
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -504,6 +507,7 @@ async fn cancel_mid_transfer_and_repeated_start() {
         .start_full_sync(pb::StartFullSyncRequest {
             source: source.grpc(),
             transport: 0,
+            ..Default::default()
         })
         .await
         .unwrap()

@@ -178,6 +178,7 @@ async fn sigterm_mid_transfer_drains_then_cancels_cleanly() {
                 .start_full_sync(pb::StartFullSyncRequest {
                     source: s.grpc(),
                     transport: 0,
+                    ..Default::default()
                 })
                 .await
             {
@@ -256,6 +257,7 @@ async fn admission_limits_refuse_the_next_sync_with_retry_advice() {
         .start_full_sync(pb::StartFullSyncRequest {
             source: other.grpc(),
             transport: 0,
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -360,6 +362,7 @@ async fn a_sync_retries_with_backoff_until_a_late_source_comes_up() {
         .start_full_sync(pb::StartFullSyncRequest {
             source: source_addr.clone(),
             transport: 0,
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -697,12 +700,14 @@ async fn traversal_attempts_and_oversize_fields_are_refused_without_harm() {
         let req = pb::StartFullSyncRequest {
             source: source.into(),
             transport: 0,
+            ..Default::default()
         };
         invalid(c.start_full_sync(req).await, source);
     }
     let req = pb::StartFullSyncRequest {
         source: "127.0.0.1:1".into(),
         transport: 99,
+        ..Default::default()
     };
     invalid(c.start_full_sync(req).await, "transport 99");
     for id in ["../../etc/passwd", "", long.as_str(), "a\0b"] {
@@ -721,6 +726,7 @@ async fn traversal_attempts_and_oversize_fields_are_refused_without_harm() {
     let huge = pb::StartFullSyncRequest {
         source: "y".repeat(1 << 20),
         transport: 0,
+        ..Default::default()
     };
     let status = c.start_full_sync(huge).await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::OutOfRange, "{status:?}");

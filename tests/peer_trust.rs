@@ -205,6 +205,7 @@ async fn a_replica_pulls_only_from_allowed_sources() {
         .start_full_sync(pb::StartFullSyncRequest {
             source: source.grpc(),
             transport: pb::TransportPreference::Auto as i32,
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -357,6 +358,7 @@ async fn orchestrator_and_peer_tokens_are_separate() {
         .start_full_sync(pb::StartFullSyncRequest {
             source: "127.0.0.1:1".into(),
             transport: 0,
+            ..Default::default()
         })
         .await
         .unwrap_err();

@@ -34,6 +34,7 @@ async fn sync_with(
         .start_full_sync(pb::StartFullSyncRequest {
             source: source.grpc(),
             transport: transport as i32,
+            ..Default::default()
         })
         .await
         .unwrap()

@@ -1,4 +1,4 @@
-//! The CLI's gRPC client commands (`sync`, `status`, `snapshots`, `cancel`)
+//! The CLI's gRPC client commands (`sync`, `fanout`, `status`, `snapshots`, `cancel`)
 //! and `demo`, which runs two agents in this process and syncs between them.
 //!
 //! Owns how progress and results are shown: a progress bar with bytes, rate
@@ -13,7 +13,7 @@ use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
-use super::{DemoArgs, StatusArgs, SyncArgs, TransportArg};
+use super::{DemoArgs, FanoutArgs, StatusArgs, SyncArgs, TransportArg};
 use crate::agent::RunningAgent;
 use crate::config::{Config, TransportMode};
 use crate::rpc::{self, is_terminal, pb, phase_name, transport_name};
@@ -61,24 +61,29 @@ fn status_err(what: &str, s: tonic::Status) -> anyhow::Error {
     anyhow::anyhow!("{what}: {} ({:?}){hint}", s.message(), s.code())
 }
 
-/// `kvsync sync`.
-pub async fn sync(args: SyncArgs) -> anyhow::Result<ExitCode> {
-    let mut c = client(&args.agent).await?;
-    let transport = match args.transport {
+fn preference(t: TransportArg) -> pb::TransportPreference {
+    match t {
         TransportArg::Auto => pb::TransportPreference::Auto,
         TransportArg::Tcp => pb::TransportPreference::Tcp,
         TransportArg::Rdma => pb::TransportPreference::Rdma,
-    };
+    }
+}
+
+/// `kvsync sync`.
+pub async fn sync(args: SyncArgs) -> anyhow::Result<ExitCode> {
+    let mut c = client(&args.agent).await?;
+    let transport = preference(args.run.transport);
     let started = c
         .start_full_sync(pb::StartFullSyncRequest {
             source: args.source.clone(),
             transport: transport as i32,
+            ..Default::default()
         })
         .await
         .map_err(|s| status_err("sync refused", s))?
         .into_inner();
-    if !args.wait {
-        if args.json {
+    if !args.run.wait {
+        if args.run.json {
             println!(
                 "{}",
                 json!({ "sync_id": started.sync_id, "created": started.created })
@@ -96,8 +101,8 @@ pub async fn sync(args: SyncArgs) -> anyhow::Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
-    let last = follow(&mut c, &started.sync_id, !args.json).await?;
-    print_summary(&last, args.json);
+    let last = follow(&mut c, &started.sync_id, !args.run.json).await?;
+    print_summary(&last, args.run.json);
     Ok(exit_code(&last))
 }
 
@@ -215,6 +220,123 @@ fn print_summary(p: &pb::SyncProgress, as_json: bool) {
     }
 }
 
+/// `kvsync fanout`.
+pub async fn fanout(args: FanoutArgs) -> anyhow::Result<ExitCode> {
+    let mut c = client(&args.source).await?;
+    let started = c
+        .start_fanout(pb::StartFanoutRequest {
+            origin: args.source.clone(),
+            replicas: args.replicas.clone(),
+            degree: args.degree,
+            transport: preference(args.run.transport) as i32,
+        })
+        .await
+        .map_err(|s| status_err("fan-out refused", s))?
+        .into_inner();
+    if !args.run.wait {
+        if args.run.json {
+            println!("{}", json!({ "fanout_id": started.fanout_id }));
+        } else {
+            println!("fan-out {} started", started.fanout_id);
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let mut stream = c
+        .watch_fanout(pb::WatchFanoutRequest {
+            fanout_id: started.fanout_id.clone(),
+        })
+        .await
+        .map_err(|s| status_err("cannot watch the fan-out", s))?
+        .into_inner();
+    let mut last: Option<pb::FanoutStatus> = None;
+    let mut shown = std::collections::HashMap::new();
+    while let Some(item) = stream.next().await {
+        let s = item.map_err(|s| status_err("lost the fan-out's progress stream", s))?;
+        if !args.run.json {
+            for n in &s.nodes {
+                let phase = n.progress.as_ref().map_or(0, |p| p.phase);
+                if shown.insert(n.replica.clone(), phase) != Some(phase) && phase != 0 {
+                    eprintln!("{}: {} (from {})", n.replica, phase_name(phase), n.parent);
+                }
+            }
+        }
+        let done = s.done;
+        last = Some(s);
+        if done {
+            break;
+        }
+    }
+    let last = last.context("the agent ended the fan-out's stream before it finished")?;
+    if args.run.json {
+        println!("{}", fanout_json(&last));
+    } else {
+        print_fanout(&last);
+    }
+    let all = last.succeeded as usize == last.nodes.len();
+    Ok(if all {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// A fan-out's status as JSON: its tree, each replica's sync and the sums.
+pub fn fanout_json(s: &pb::FanoutStatus) -> serde_json::Value {
+    let snapshot = s.snapshot.unwrap_or_default();
+    json!({
+        "fanout_id": s.fanout_id,
+        "origin": s.origin,
+        "snapshot": { "size": snapshot.size, "seq": snapshot.seq, "checksum": snapshot.checksum },
+        "degree": s.degree,
+        "done": s.done,
+        "succeeded": s.succeeded,
+        "failed": s.failed,
+        "origin_bytes_sent": s.origin_bytes_sent,
+        "duration_ms": s.duration_ms,
+        "nodes": s.nodes.iter().map(|n| json!({
+            "replica": n.replica,
+            "parent": n.parent,
+            "depth": n.depth,
+            "role": n.role,
+            "sync_id": n.sync_id,
+            "relay_bytes": n.relay_bytes,
+            "error": n.error,
+            "sync": n.progress.as_ref().map(progress_json),
+        })).collect::<Vec<_>>(),
+    })
+}
+
+fn print_fanout(s: &pb::FanoutStatus) {
+    let seq = s.snapshot.as_ref().map_or(0, |i| i.seq);
+    println!(
+        "fan-out {} of seq {seq} from {} (degree {}): {} of {} replicas succeeded in {:.2} s; the origin sent {} bytes",
+        s.fanout_id,
+        s.origin,
+        s.degree,
+        s.succeeded,
+        s.nodes.len(),
+        s.duration_ms as f64 / 1000.0,
+        s.origin_bytes_sent
+    );
+    for n in &s.nodes {
+        let (phase, error) = match &n.progress {
+            Some(p) => (phase_name(p.phase), p.error.as_str()),
+            None => ("not started", n.error.as_str()),
+        };
+        let error = if n.error.is_empty() { error } else { &n.error };
+        println!(
+            "  {:indent$}{:<22} {:<5} {:<10} from {:<22} relayed {:>12} bytes  {error}",
+            "",
+            n.replica,
+            n.role,
+            phase,
+            n.parent,
+            n.relay_bytes,
+            indent = 2 * (n.depth.saturating_sub(1) as usize)
+        );
+    }
+}
+
 /// `kvsync status`.
 pub async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
     let mut c = client(&args.agent).await?;
@@ -235,6 +357,11 @@ pub async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
             "rdma_available": s.rdma_available,
             "rdma_detail": s.rdma_detail,
             "data_tcp_endpoint": s.data_tcp_endpoint,
+            "relay_bytes": s.relay_bytes,
+            "relaying": s.relaying.iter().map(|r| {
+                let id = r.snapshot.unwrap_or_default();
+                json!({ "seq": id.seq, "size": id.size, "checksum": id.checksum, "origin_node_id": r.origin_node_id, "state": r.state })
+            }).collect::<Vec<_>>(),
         });
         println!("{v}");
         return Ok(ExitCode::SUCCESS);
@@ -249,6 +376,13 @@ pub async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
         "serving {} session(s) as a source; data endpoint {}",
         s.serving_sessions, s.data_tcp_endpoint
     );
+    for r in &s.relaying {
+        let id = r.snapshot.unwrap_or_default();
+        println!(
+            "relaying seq {} ({} bytes) of {} ({}); {} bytes relayed so far",
+            id.seq, id.size, r.origin_node_id, r.state, s.relay_bytes
+        );
+    }
     println!("\nlatest snapshots:");
     if s.latest_snapshots.is_empty() {
         println!("  (none)");
@@ -381,6 +515,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
         .start_full_sync(pb::StartFullSyncRequest {
             source: source.grpc_addr.to_string(),
             transport: pb::TransportPreference::Tcp as i32,
+            ..Default::default()
         })
         .await
         .map_err(|s| status_err("sync refused", s))?

@@ -1,6 +1,8 @@
 //! The orchestrator-facing service, served by every agent: start, watch and
-//! cancel full syncs into this agent, read its status and its catalog.
-//! Thin: requests are checked and handed to the sync manager and catalog.
+//! cancel full syncs into this agent, start and watch fan-outs of its
+//! snapshot to many replicas, read its status and its catalog. Thin:
+//! requests are checked and handed to the sync manager, the fan-out
+//! manager and the catalog.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -9,10 +11,13 @@ use futures::Stream;
 use tonic::{Request, Response, Status};
 
 use crate::catalog::{Catalog, CatalogEntry};
+use crate::fanout::FanoutManager;
+use crate::rpc::auth::ClientAuth;
 use crate::rpc::{is_terminal, pb};
 use crate::snapshot::Format;
+use crate::sync::relay::RelayTable;
 use crate::sync::source::{DataEndpoints, SessionTable};
-use crate::sync::SyncManager;
+use crate::sync::{Pull, SyncManager};
 
 /// The orchestrator-facing service, with the handles it needs.
 pub struct OrchestratorService {
@@ -25,6 +30,11 @@ pub struct OrchestratorService {
     /// Served sessions, for the status.
     pub sessions: Arc<SessionTable>,
     pub data: Arc<DataEndpoints>,
+    /// What this agent relays, for the status.
+    pub relays: Arc<RelayTable>,
+    pub metrics: Arc<crate::metrics::Metrics>,
+    /// The fan-outs this agent runs as their origin.
+    pub fanouts: Arc<FanoutManager>,
 }
 
 /// Longest accepted sync id.
@@ -52,6 +62,26 @@ pub fn entry_to_pb(e: &CatalogEntry) -> pb::SnapshotEntry {
 }
 
 type ProgressStream = Pin<Box<dyn Stream<Item = Result<pb::SyncProgress, Status>> + Send>>;
+type FanoutStream = Pin<Box<dyn Stream<Item = Result<pb::FanoutStatus, Status>> + Send>>;
+
+/// A watched value as a stream: the current state first, then every
+/// change, ending after the state `last` says is the final one.
+fn follow<T: Clone + Send + Sync + 'static>(
+    rx: tokio::sync::watch::Receiver<T>,
+    last: fn(&T) -> bool,
+) -> Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>> {
+    Box::pin(futures::stream::unfold(
+        (rx, true, false),
+        move |(mut rx, first, ended)| async move {
+            if ended || (!first && rx.changed().await.is_err()) {
+                return None;
+            }
+            let v = rx.borrow_and_update().clone();
+            let end = last(&v);
+            Some((Ok(v), (rx, false, end)))
+        },
+    ))
+}
 
 #[tonic::async_trait]
 impl pb::orchestrator_server::Orchestrator for OrchestratorService {
@@ -73,7 +103,12 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
                 probe.reason
             )));
         }
-        let (sync_id, created) = self.syncs.start(&req.source, preference)?;
+        let (sync_id, created) = self.syncs.start(Pull {
+            source: req.source,
+            upstream: req.upstream,
+            want: req.snapshot,
+            preference,
+        })?;
         Ok(Response::new(pb::StartFullSyncResponse {
             sync_id,
             created,
@@ -89,18 +124,44 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         let id = request.into_inner().sync_id;
         check_id(&id)?;
         let rx = self.syncs.watch(&id)?;
-        // The current state first, then every change, ending after the
-        // terminal state.
-        let stream =
-            futures::stream::unfold((rx, true, false), |(mut rx, first, ended)| async move {
-                if ended || (!first && rx.changed().await.is_err()) {
-                    return None;
-                }
-                let p = rx.borrow_and_update().clone();
-                let end = is_terminal(p.phase);
-                Some((Ok(p), (rx, false, end)))
-            });
-        Ok(Response::new(Box::pin(stream)))
+        Ok(Response::new(follow(rx, |p| is_terminal(p.phase))))
+    }
+
+    async fn start_fanout(
+        &self,
+        request: Request<pb::StartFanoutRequest>,
+    ) -> Result<Response<pb::StartFanoutResponse>, Status> {
+        let auth = ClientAuth::of(&request);
+        let local = request.local_addr();
+        let req = request.into_inner();
+        let transport = pb::TransportPreference::try_from(req.transport).map_err(|_| {
+            Status::invalid_argument(format!("unknown transport preference {}", req.transport))
+        })?;
+        // Unless told otherwise, replicas reach the origin where the caller did.
+        let origin = match (req.origin.trim(), local) {
+            ("", Some(local)) => local.to_string(),
+            (origin, _) => origin.to_string(),
+        };
+        let fanout_id = self.fanouts.start(crate::fanout::Request {
+            origin,
+            replicas: req.replicas.iter().map(|r| r.trim().to_string()).collect(),
+            degree: req.degree,
+            transport,
+            auth,
+        })?;
+        Ok(Response::new(pb::StartFanoutResponse { fanout_id }))
+    }
+
+    type WatchFanoutStream = FanoutStream;
+
+    async fn watch_fanout(
+        &self,
+        request: Request<pb::WatchFanoutRequest>,
+    ) -> Result<Response<FanoutStream>, Status> {
+        let id = request.into_inner().fanout_id;
+        check_id(&id)?;
+        let rx = self.fanouts.watch(&id)?;
+        Ok(Response::new(follow(rx, |s| s.done)))
     }
 
     async fn get_status(
@@ -128,6 +189,8 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             rdma_available: probe.rdma_available,
             rdma_detail: probe.reason.clone(),
             data_tcp_endpoint: data.tcp.to_string(),
+            relaying: self.relays.list(),
+            relay_bytes: self.metrics.relay_bytes.get(),
         }))
     }
 

@@ -1,6 +1,7 @@
 //! The agent-to-agent service, served by every agent in its source role:
 //! `OpenFullSync` turns a replica's request into a session offer (holding the
-//! snapshot in the cache from that moment), `GetManifest` streams the offered
+//! snapshot in the cache from that moment) — of this agent's own snapshot,
+//! or of one it relays from another agent — `GetManifest` streams the offered
 //! snapshot's piece manifest, and `ReportResult` records how it ended. Which
 //! bytes move, and how, is the data plane's business.
 
@@ -12,11 +13,12 @@ use tonic::{Request, Response, Status};
 use tracing::{info, warn};
 
 use super::ApiError;
-use crate::cache::SnapshotCache;
+use crate::cache::{CacheError, CacheRef, RelayFeed, SnapshotCache};
 use crate::catalog::{Catalog, CatalogEntry};
 use crate::config::{Config, DataTls};
 use crate::rpc::pb;
 use crate::snapshot::{Format, SnapshotInfo};
+use crate::sync::relay::{is_snapshot, RelaySource, RelayTable};
 use crate::sync::source::{replica_key, DataEndpoints, Offer, Refusal, SessionTable};
 use crate::sync::{new_id, unix_ms};
 use crate::transport::TransportKind;
@@ -58,6 +60,8 @@ pub struct PeerService {
     pub data: Arc<DataEndpoints>,
     /// Cancelled when the agent starts draining: no new offers.
     pub draining: CancellationToken,
+    /// What this agent relays from other agents.
+    pub relays: Arc<RelayTable>,
 }
 
 impl PeerService {
@@ -97,14 +101,10 @@ impl PeerService {
                 ),
             })
         })?;
-        let entry = self.catalog.latest(format).ok_or_else(|| {
-            ApiError::NoSnapshot(format!(
-                "no valid {format} snapshot in {} yet; save one on the primary first",
-                config.snapshot_dir.display()
-            ))
-        })?;
-        let backlog_bytes_left = redis_preflight(config, &entry.info).await?;
-        let snapshot = self.cache.acquire(&entry).await?;
+        let mut chosen = self.choose(format, req.snapshot.as_ref())?;
+        let backlog_bytes_left = redis_preflight(config, &chosen.entry.info).await?;
+        let snapshot = self.hold(&mut chosen).await?;
+        let Chosen { entry, origin, .. } = chosen;
         let ttl = config.sync.session_token_ttl;
         let id = new_id();
         let replica = if req.replica_node_id.is_empty() {
@@ -120,21 +120,93 @@ impl PeerService {
             transport,
             tls,
             expires: Instant::now() + ttl,
+            origin: origin.clone(),
         };
         let token = self.sessions.insert(offer, admitted);
         let endpoint = match (transport, self.data.rdma) {
             (TransportKind::Rdma, Some(rdma)) => rdma,
             _ => advertised(self.data.tcp, local),
         };
-        info!(session = %id, replica = %req.replica_node_id, path = %entry.path.display(), seq = entry.info.seq, transport = transport.as_str(), tls, %endpoint, "offered snapshot");
-        Ok(self.offer_message(
+        info!(session = %id, replica = %req.replica_node_id, path = %entry.path.display(), seq = entry.info.seq, transport = transport.as_str(), tls, %endpoint, relayed_from = ?origin, "offered snapshot");
+        let mut offer = self.offer_message(
             id,
             token,
             &entry,
             (transport, tls),
             endpoint,
             backlog_bytes_left,
-        ))
+        );
+        offer.origin_node_id = origin.unwrap_or_default();
+        Ok(offer)
+    }
+
+    /// The snapshot to offer: `want`, or the newest (this agent's own, or
+    /// one it relays, whichever is newer).
+    fn choose(&self, format: Format, want: Option<&pb::SnapshotId>) -> Result<Chosen, ApiError> {
+        let own = match want {
+            Some(id) => self
+                .catalog
+                .list()
+                .into_iter()
+                .filter(|e| e.format() == format && is_snapshot(&e.info, id))
+                .max_by_key(|e| e.mtime),
+            None => self.catalog.latest(format),
+        };
+        // A relayed snapshot keeps its origin even once installed here (the
+        // watcher then lists it too), so that partial syncs resume across
+        // relays.
+        let relayed = self.relays.find(format, want).filter(|r| {
+            own.as_ref()
+                .is_none_or(|e| r.manifest.info.seq >= e.info.seq)
+        });
+        let Some(relayed) = relayed else {
+            let entry = own.ok_or_else(|| match want {
+                Some(id) => ApiError::NoSnapshot(format!(
+                    "this agent does not have {format} snapshot seq {} ({} bytes, checksum {:#x}), or no longer: it was superseded",
+                    id.seq, id.size, id.checksum
+                )),
+                None => ApiError::NoSnapshot(format!(
+                    "no valid {format} snapshot in {} yet; save one on the primary first",
+                    self.config.snapshot_dir.display()
+                )),
+            })?;
+            return Ok(Chosen {
+                entry,
+                origin: None,
+                feed: None,
+            });
+        };
+        let (entry, feed) = match relayed.source {
+            RelaySource::Feed(feed) => {
+                let entry = CatalogEntry {
+                    path: feed.path.clone(),
+                    mtime: std::time::SystemTime::UNIX_EPOCH,
+                    info: relayed.manifest.info.clone(),
+                    manifest: relayed.manifest.clone(),
+                };
+                (entry, Some(feed))
+            }
+            RelaySource::File(entry) => (entry, None),
+        };
+        Ok(Chosen {
+            entry: Arc::new(entry),
+            origin: Some(relayed.origin),
+            feed,
+        })
+    }
+
+    /// Takes the chosen snapshot's reference in the cache (loading it, or
+    /// starting its relay image). A relayed file that changed is no longer
+    /// relayed.
+    async fn hold(&self, chosen: &mut Chosen) -> Result<CacheRef, ApiError> {
+        let held = match chosen.feed.take() {
+            Some(feed) => self.cache.acquire_relay(feed).await,
+            None => self.cache.acquire(&chosen.entry).await,
+        };
+        if let (Err(CacheError::Changed { .. }), Some(_)) = (&held, &chosen.origin) {
+            self.relays.withdraw(&chosen.entry.info);
+        }
+        Ok(held?)
     }
 
     /// The offer as the replica receives it.
@@ -177,8 +249,19 @@ impl PeerService {
             data_tls: tls,
             piece_size: entry.manifest.piece_size,
             manifest_digest: entry.manifest.digest(),
+            // Set by `offer` for a relayed snapshot.
+            origin_node_id: String::new(),
         }
     }
+}
+
+/// The snapshot an offer is for.
+struct Chosen {
+    entry: Arc<CatalogEntry>,
+    /// The agent that made it, when this agent relays it.
+    origin: Option<String>,
+    /// Its relay image's source, while this agent still receives it.
+    feed: Option<RelayFeed>,
 }
 
 /// Bytes per part of a streamed manifest.

@@ -161,6 +161,16 @@ impl ClientAuth {
     pub fn new(token: Option<String>) -> ClientAuth {
         ClientAuth(token.and_then(|t| format!("Bearer {t}").parse().ok()))
     }
+
+    /// The `authorization` header of a request, to present it again.
+    pub fn of<T>(req: &Request<T>) -> ClientAuth {
+        ClientAuth(req.metadata().get("authorization").cloned())
+    }
+
+    /// Whether a token is presented.
+    pub fn is_some(&self) -> bool {
+        self.0.is_some()
+    }
 }
 
 impl Interceptor for ClientAuth {

@@ -30,7 +30,19 @@ impl Dialer {
     /// A token is never sent in clear text off this host unless
     /// `token_in_clear` says so.
     pub async fn connect(&self, addr: &str, timeout: Duration) -> Result<AgentChannel, String> {
-        if self.tls.is_none() && self.tokens.enabled() && !self.token_in_clear && !is_local(addr) {
+        self.connect_as(addr, timeout, self.tokens.client()).await
+    }
+
+    /// Opens a channel that presents `auth` instead of this agent's token
+    /// (a caller's token passed on, for calls made on its behalf), under
+    /// the same clear-text rule.
+    pub async fn connect_as(
+        &self,
+        addr: &str,
+        timeout: Duration,
+        auth: ClientAuth,
+    ) -> Result<AgentChannel, String> {
+        if self.tls.is_none() && auth.is_some() && !self.token_in_clear && !is_local(addr) {
             return Err(format!(
                 "refusing to send this agent's token in clear text to {addr}: set [tls], or [auth] send_token_in_clear = true on a trusted network"
             ));
@@ -46,7 +58,7 @@ impl Dialer {
                 .map_err(|e| format!("TLS settings: {}", error_chain(&e)))?;
         }
         let channel = endpoint.connect().await.map_err(|e| error_chain(&e))?;
-        Ok(InterceptedService::new(channel, self.tokens.client()))
+        Ok(InterceptedService::new(channel, auth))
     }
 }
 

@@ -110,6 +110,21 @@ impl JobError {
         }
     }
 
+    /// The source (not this agent, and not an operator) is why the attempt
+    /// failed: another source may do better.
+    pub(super) fn blames_source(&self) -> bool {
+        match self {
+            JobError::Unreachable { .. }
+            | JobError::Refused { .. }
+            | JobError::BadOffer(_)
+            | JobError::DataConnect { .. }
+            | JobError::Protocol(_)
+            | JobError::Checksum(_) => true,
+            JobError::Transport(_) => self.is_transient(),
+            _ => false,
+        }
+    }
+
     /// Why an RDMA attempt that failed this way is retried over TCP
     /// (`kvsync_transport_fallback_total{reason}`), or `None` when the
     /// failure is not the transport's (cancel, local disk, handoff).

@@ -21,6 +21,7 @@ use tracing::{info, info_span, warn, Instrument};
 
 use crate::blk3::token::SESSION_TOKEN_LEN;
 use crate::blk3::Outcome;
+use crate::catalog::CatalogEntry;
 use crate::config::{Config, DataTls, RdmaProvider, TransportMode};
 use crate::handoff::{self, HandoffRecord};
 use crate::install::{self, InstallError};
@@ -34,6 +35,7 @@ use crate::transport::{select, Faults, TransportKind};
 
 pub use super::error::JobError;
 use super::receive::{Received, Receiver};
+use super::relay::RelayTable;
 
 /// A Peer client presenting this agent's token.
 type PeerClient = pb::peer_client::PeerClient<AgentChannel>;
@@ -44,7 +46,13 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Everything one job needs.
 pub struct JobContext {
     pub id: String,
+    /// The source of the current attempt.
     pub source: String,
+    /// Where to turn when `source` fails, nearest first (a fan-out's
+    /// relays up to the origin).
+    pub upstream: Vec<String>,
+    /// Exactly this snapshot (`None`: the source's latest).
+    pub want: Option<pb::SnapshotId>,
     pub preference: pb::TransportPreference,
     pub config: Config,
     pub metrics: Arc<Metrics>,
@@ -55,6 +63,8 @@ pub struct JobContext {
     pub dialer: Dialer,
     pub progress: watch::Sender<pb::SyncProgress>,
     pub cancel: CancellationToken,
+    /// Where the snapshot is offered to further replicas as it arrives.
+    pub relays: Arc<RelayTable>,
 }
 
 impl JobContext {
@@ -85,13 +95,13 @@ pub fn check_writable(dir: &Path) -> Result<(), InstallError> {
 }
 
 /// Runs the job to its end and returns the final progress record.
-pub async fn run(ctx: JobContext) -> pb::SyncProgress {
+pub async fn run(mut ctx: JobContext) -> pb::SyncProgress {
     let span = info_span!("sync", id = %ctx.id, source = %ctx.source);
     async {
         let m = ctx.metrics.clone();
         let _running = Running::start(m.fullsync_in_progress.with_label_values(&["replica"]));
         let started = Instant::now();
-        let result = with_retries(&ctx).await;
+        let result = with_retries(&mut ctx).await;
         let transport = match ctx.progress.borrow().transport {
             t if t == pb::Transport::Rdma as i32 => TransportKind::Rdma,
             _ => TransportKind::Tcp,
@@ -141,9 +151,12 @@ pub async fn run(ctx: JobContext) -> pb::SyncProgress {
 
 /// Runs attempts until one succeeds, a failure is permanent, or the
 /// configured retries are used up; waits with exponential backoff and
-/// jitter in between. Status shows the attempts and the last error.
-async fn with_retries(ctx: &JobContext) -> Result<(), JobError> {
-    let sync = &ctx.config.sync;
+/// jitter in between. A failure the source is to blame for moves the next
+/// attempt to the next upstream source at once, when there is one (a
+/// fan-out's failed relay), resuming what was verified. Status shows the
+/// attempts, the sources given up and the last error.
+async fn with_retries(ctx: &mut JobContext) -> Result<(), JobError> {
+    let sync = ctx.config.sync.clone();
     let mut checksum_failures = 0;
     let mut attempt_no = 0u32;
     loop {
@@ -153,6 +166,19 @@ async fn with_retries(ctx: &JobContext) -> Result<(), JobError> {
             Ok(()) => return Ok(()),
             Err(e) => e,
         };
+        if err.blames_source() && !ctx.upstream.is_empty() {
+            let next = ctx.upstream.remove(0);
+            let left = std::mem::replace(&mut ctx.source, next.clone());
+            warn!(error = %err, from = %left, to = %next, "source failed; pulling from its upstream instead");
+            ctx.progress.send_modify(|p| {
+                p.last_error = err.to_string();
+                p.abandoned_sources.push(left);
+                p.source = next;
+                p.phase = pb::Phase::Negotiating as i32;
+                p.bytes_done = 0;
+            });
+            continue;
+        }
         if matches!(err, JobError::Checksum(_)) {
             checksum_failures += 1;
         }
@@ -384,6 +410,8 @@ async fn install(
         staging,
         outcome,
         info,
+        manifest,
+        relay,
     } = received;
     if info.checksum != offer.checksum || info.seq != offer.seq {
         return Err(JobError::Checksum(format!(
@@ -418,6 +446,20 @@ async fn install(
     ctx.progress
         .send_modify(|p| p.installed_path = installed.display().to_string());
     info!(path = %installed.display(), seq = info.seq, "snapshot installed");
+    if let Some(relay) = relay {
+        // Further replicas are now served from the installed file.
+        match std::fs::metadata(&installed).and_then(|m| m.modified()) {
+            Ok(mtime) => relay.installed(CatalogEntry {
+                path: installed.clone(),
+                mtime,
+                info: info.clone(),
+                manifest,
+            }),
+            Err(e) => {
+                warn!(error = %e, "cannot stat the installed snapshot; no longer relaying it")
+            }
+        }
+    }
     Ok((installed, info))
 }
 
@@ -493,6 +535,7 @@ async fn negotiate(
             String::new()
         },
         data_tls: ctx.dialer.data_tls.is_some(),
+        snapshot: ctx.want,
     };
     let offer = ctx
         .or_cancel(peer.open_full_sync(request))
@@ -520,11 +563,25 @@ async fn negotiate(
             offer.source_node_id.chars().take(64).collect::<String>()
         )));
     }
+    if !offer.origin_node_id.is_empty() && !crate::peer_text::is_plain_name(&offer.origin_node_id) {
+        return Err(JobError::BadOffer(
+            "origin node id is not a plain name (letters, digits, '.', '_', '-')".into(),
+        ));
+    }
     if offer.format != format.as_str() {
         return Err(JobError::BadOffer(format!(
             "format {} but this agent installs {format}",
             offer.format
         )));
+    }
+    if let Some(want) = &ctx.want {
+        if (offer.snapshot_size, offer.seq, offer.checksum) != (want.size, want.seq, want.checksum)
+        {
+            return Err(JobError::BadOffer(format!(
+                "it offers seq {} ({} bytes, checksum {:#x}), not the requested seq {} ({} bytes, checksum {:#x})",
+                offer.seq, offer.snapshot_size, offer.checksum, want.seq, want.size, want.checksum
+            )));
+        }
     }
     let rdma_offered = offer.transport == pb::Transport::Rdma as i32;
     if !(offer.transport == pb::Transport::Tcp as i32 || (rdma && rdma_offered)) {
@@ -541,6 +598,16 @@ async fn negotiate(
     });
     info!(session = %offer.session_id, size = offer.snapshot_size, seq = offer.seq, endpoint = %offer.data_endpoint, transport = %rpc::transport_name(offer.transport), backlog_bytes_left = offer.backlog_bytes_left, "offer received");
     Ok(offer)
+}
+
+/// The node id of the agent whose snapshot the offer is: the relay's origin,
+/// or the source itself. Partial syncs resume by it.
+fn origin_of(offer: &pb::SyncOffer) -> &str {
+    if offer.origin_node_id.is_empty() {
+        &offer.source_node_id
+    } else {
+        &offer.origin_node_id
+    }
 }
 
 fn session_token(offer: &pb::SyncOffer) -> [u8; SESSION_TOKEN_LEN] {
@@ -626,17 +693,22 @@ async fn transfer(
         TransportKind::Tcp
     };
     let manifest = Arc::new(fetch_manifest(ctx, peer, offer).await?);
-    let (dir, id, source, retries) = (
+    let origin = origin_of(offer).to_string();
+    let (dir, id, relays, retries) = (
         ctx.config.snapshot_dir.clone(),
         ctx.id.clone(),
-        offer.source_node_id.clone(),
+        ctx.relays.clone(),
         ctx.config.data.piece_retries,
     );
     let progress = progress_reporter(ctx, offer.snapshot_size);
     let check = Receiver::check_label(&manifest);
     let mut receiver = ctx
         .or_cancel(tokio::task::spawn_blocking(move || {
-            Receiver::open(&dir, &id, &source, manifest, retries, progress)
+            let mut receiver = Receiver::open(&dir, &id, &origin, manifest, retries, progress)?;
+            receiver
+                .relay_in(&relays, &origin)
+                .map_err(|e| JobError::Panicked(format!("offer the snapshot as a relay: {e}")))?;
+            Ok::<_, JobError>(receiver)
         }))
         .await?
         .map_err(|e| JobError::Panicked(panic_text(e)))??;

@@ -5,11 +5,12 @@
 //! watchable [`pb::SyncProgress`], cancellation, and the list of recent
 //! finished syncs. The job itself lives in [`job`], its receiving end in
 //! [`receive`], why it failed in [`error`]; the source role (offers and the data listeners) in
-//! [`source`].
+//! [`source`], and what this agent passes on to other replicas in [`relay`].
 
 pub mod error;
 pub mod job;
 pub mod receive;
+pub mod relay;
 pub mod source;
 
 use std::collections::{HashMap, VecDeque};
@@ -86,10 +87,26 @@ pub struct SyncManager {
     shutdown: CancellationToken,
     /// Cancelled when the agent starts draining: no new syncs.
     draining: CancellationToken,
+    /// What this agent passes on to other replicas.
+    relays: Arc<relay::RelayTable>,
+}
+
+/// What to pull, and from where.
+#[derive(Debug, Clone, Default)]
+pub struct Pull {
+    /// The source's gRPC address (`host:port`).
+    pub source: String,
+    /// Where to turn when the source fails, nearest first.
+    pub upstream: Vec<String>,
+    /// Exactly this snapshot (`None`: the source's latest).
+    pub want: Option<pb::SnapshotId>,
+    pub preference: pb::TransportPreference,
 }
 
 /// Longest accepted source address.
 const MAX_ADDR_LEN: usize = 256;
+/// Most upstream sources of one sync (a fan-out tree's depth).
+const MAX_UPSTREAM: usize = 16;
 
 impl SyncManager {
     pub fn new(
@@ -102,6 +119,7 @@ impl SyncManager {
         draining: CancellationToken,
     ) -> Arc<SyncManager> {
         Arc::new(SyncManager {
+            relays: Arc::default(),
             metrics,
             rdma,
             faults,
@@ -114,14 +132,20 @@ impl SyncManager {
         })
     }
 
-    /// Starts pulling from `source` (a gRPC `host:port`), or returns the
-    /// sync already running from it. Returns (id, created).
-    pub fn start(
-        self: &Arc<Self>,
-        source: &str,
-        preference: pb::TransportPreference,
-    ) -> Result<(String, bool), SyncError> {
-        let source = self.check_source(source)?;
+    /// Starts a pull, or returns the sync already running from the same
+    /// source. Returns (id, created).
+    pub fn start(self: &Arc<Self>, pull: Pull) -> Result<(String, bool), SyncError> {
+        let source = self.check_source(&pull.source)?;
+        let upstream = pull
+            .upstream
+            .iter()
+            .map(|u| self.check_source(u).map(str::to_string))
+            .collect::<Result<Vec<_>, _>>()?;
+        if upstream.len() > MAX_UPSTREAM {
+            return Err(SyncError::InvalidArgument(format!(
+                "at most {MAX_UPSTREAM} upstream sources"
+            )));
+        }
         let mut jobs = self.jobs.lock().expect("jobs lock");
         if let Some((id, _)) = jobs.running.iter().find(|(_, r)| r.source == source) {
             return Ok((id.clone(), false));
@@ -159,7 +183,10 @@ impl SyncManager {
         let ctx = job::JobContext {
             id: id.clone(),
             source: source.to_string(),
-            preference,
+            upstream,
+            want: pull.want,
+            preference: pull.preference,
+            relays: self.relays.clone(),
             config: self.config.clone(),
             metrics: self.metrics.clone(),
             rdma: self.rdma.clone(),
@@ -180,12 +207,7 @@ impl SyncManager {
     /// The trimmed source address, if a sync may pull from it now.
     fn check_source<'a>(&self, source: &'a str) -> Result<&'a str, SyncError> {
         let source = source.trim();
-        if source.is_empty()
-            || source.len() > MAX_ADDR_LEN
-            || source.contains(['/', ' '])
-            || crate::peer_text::has_control(source)
-            || !source.contains(':')
-        {
+        if !is_agent_addr(source) {
             return Err(SyncError::InvalidArgument(format!(
                 "source must be the source agent's gRPC address host:port, got {source:?}"
             )));
@@ -223,6 +245,11 @@ impl SyncManager {
             .find(|p| p.sync_id == id)
             .map(|p| watch::channel(p.clone()).1)
             .ok_or_else(|| SyncError::NotFound(id.to_string()))
+    }
+
+    /// What this agent's jobs offer to other replicas as they receive it.
+    pub fn relays(&self) -> &Arc<relay::RelayTable> {
+        &self.relays
     }
 
     /// Changes how many syncs may run at once (running ones continue).
@@ -274,6 +301,15 @@ impl SyncManager {
             r.cancel.cancel();
         }
     }
+}
+
+/// Whether `addr` has the form of an agent's gRPC address (`host:port`).
+pub fn is_agent_addr(addr: &str) -> bool {
+    !addr.is_empty()
+        && addr.len() <= MAX_ADDR_LEN
+        && !addr.contains(['/', ' '])
+        && !crate::peer_text::has_control(addr)
+        && addr.contains(':')
 }
 
 /// A short random id (hex).

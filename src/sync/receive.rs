@@ -12,13 +12,16 @@
 //! journal claims are read back and checked on a thread of their own while
 //! the session fetches the rest; a journal that claimed what the file does
 //! not hold fails the session at its end and is discarded, so the next
-//! attempt starts over.
+//! attempt starts over. A receiver registered as a relay
+//! ([`Receiver::relay_in`]) marks each verified piece in its [`Arrivals`],
+//! so other replicas can be sent it while the rest still arrives.
 
 use std::path::Path;
 use std::sync::Arc;
 
 use tracing::{info, warn};
 
+use crate::arrivals::Arrivals;
 use crate::blk3::token::MAX_NEED_RANGES;
 use crate::blk3::{need_ranges, Blk3Error, Outcome};
 use crate::install::{InstallError, Staging};
@@ -29,6 +32,7 @@ use crate::transport::session::SessionResult;
 use crate::transport::{Sink, Want};
 
 use super::error::JobError;
+use super::relay::{Registration, RelayTable};
 
 /// Verified pieces between two journal updates.
 pub const JOURNAL_EVERY: u32 = 8;
@@ -38,6 +42,19 @@ pub struct Received {
     pub staging: Staging,
     pub outcome: Outcome,
     pub info: SnapshotInfo,
+    pub manifest: Arc<Manifest>,
+    /// Its entry in the relay table, while other replicas may pull it.
+    pub relay: Option<Registration>,
+}
+
+/// Ends the arrivals when the receiver goes, however it goes: a relay
+/// image waiting for a piece that will not come stops waiting.
+struct EndArrivals(Arc<Arrivals>);
+
+impl Drop for EndArrivals {
+    fn drop(&mut self) {
+        self.0.end("the relay's own sync of this snapshot stopped");
+    }
 }
 
 /// The piece being received: its index, running CRC32 and bytes so far.
@@ -71,6 +88,9 @@ pub struct Receiver {
     progress: Box<dyn Fn(u64) + Send + Sync>,
     failure: Option<InstallError>,
     info: Option<SnapshotInfo>,
+    /// The verified pieces, for other replicas this agent relays them to.
+    arrivals: EndArrivals,
+    relay: Option<Registration>,
 }
 
 impl Receiver {
@@ -117,6 +137,7 @@ impl Receiver {
             }
         };
         let resumed_bytes = journal.verified_bytes();
+        let arrivals = EndArrivals(Arc::new(Arrivals::new(journal.verified.clone())));
         let journal_writer = staging
             .file()
             .try_clone()
@@ -138,7 +159,24 @@ impl Receiver {
             progress: Box::new(progress),
             failure: None,
             info: None,
+            arrivals,
+            relay: None,
         })
+    }
+
+    /// Offers the snapshot to other replicas while it arrives: registers it
+    /// in `relays` as agent `origin`'s, until this receiver fails or the
+    /// snapshot is installed.
+    pub fn relay_in(&mut self, relays: &Arc<RelayTable>, origin: &str) -> std::io::Result<()> {
+        let file = self.staging.file().try_clone()?;
+        let path = self.staging.path().to_owned();
+        self.relay = Some(relays.receiving(
+            origin,
+            self.manifest.clone(),
+            (path, file),
+            self.arrivals.0.clone(),
+        ));
+        Ok(())
     }
 
     /// Bytes written to the staging file in this session.
@@ -202,10 +240,17 @@ impl Receiver {
                     outcome,
                     info: self.info.expect("a verified session has its snapshot info"),
                     staging: self.staging,
+                    manifest: self.manifest,
+                    relay: self.relay,
                 });
             }
             // This host could not take them (disk full, I/O error).
-            (_, Some(local)) => return Err(JobError::Install(local)),
+            (_, Some(local)) => {
+                self.arrivals
+                    .0
+                    .end(format!("the relay cannot store it: {local}"));
+                return Err(JobError::Install(local));
+            }
             // The bytes were bad: the source or the wire is to blame.
             (Ok(Err(e @ (Blk3Error::Checksum(_) | Blk3Error::PieceRetries { .. }))), None) => {
                 JobError::Checksum(e.to_string())
@@ -213,6 +258,9 @@ impl Receiver {
             (Ok(Err(e)), None) => JobError::Protocol(e),
             (Err(e), None) => e,
         };
+        self.arrivals
+            .0
+            .end(format!("the relay's own sync failed: {err}"));
         self.keep_for_resume();
         Err(err)
     }
@@ -311,6 +359,7 @@ impl Sink for Receiver {
             ));
         }
         self.journal.verified[index as usize] = true;
+        self.arrivals.0.mark(index);
         self.unjournaled += 1;
         if self.unjournaled >= JOURNAL_EVERY {
             self.unjournaled = 0;

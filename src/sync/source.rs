@@ -49,6 +49,8 @@ pub struct Offer {
     /// TCP under TLS.
     pub tls: bool,
     pub expires: Instant,
+    /// The agent whose snapshot this is, when this agent relays it.
+    pub origin: Option<String>,
 }
 
 /// One unit of a counter, held until dropped.
@@ -434,6 +436,9 @@ fn serve_session(plane: &DataPlane, offer: &Offer, peer: &str, link: SourceLink)
     m.fullsync_bytes
         .with_label_values(&["source", transport])
         .inc_by(sent);
+    if offer.origin.is_some() {
+        m.relay_bytes.inc_by(sent);
+    }
     let label = served_label(&result);
     match &result {
         Ok(Ok(_)) => {

@@ -277,6 +277,7 @@ pub async fn start_sync(replica: &Node, source: &Node) -> String {
         .start_full_sync(pb::StartFullSyncRequest {
             source: source.grpc(),
             transport: 0,
+            ..Default::default()
         })
         .await
         .expect("start sync")

@@ -1,0 +1,205 @@
+//! Relay fan-out between real agent processes, started with the `kvsync
+//! fanout` command: six replicas seeded through a tree of degree 2 get
+//! exact copies while the origin sends the snapshot only twice, over TCP
+//! and over the emulated RDMA fabric; a relay
+//! killed mid-transfer leaves its children to pull from further up and
+//! resume what they verified. Caches and serving state are released at
+//! the end.
+
+mod common;
+
+use std::process::{Command, Output};
+
+use common::node::*;
+use common::*;
+use kvsync::rpc::pb;
+
+const MIB: u64 = 1 << 20;
+/// Every agent's extra config: 1 MiB pieces.
+const PIECES: &str = "[data]\npiece_size = \"1MiB\"\n";
+
+/// `kvsync fanout --source <origin> --replica … --degree 2 --wait --json`.
+fn fanout_command(origin: &Node, replicas: &[Node]) -> Command {
+    let mut cmd = Command::new(kvsync_bin());
+    cmd.args(["fanout", "--source", &origin.grpc(), "--degree", "2"]);
+    for r in replicas {
+        cmd.args(["--replica", &r.grpc()]);
+    }
+    cmd.args(["--wait", "--json"]);
+    cmd
+}
+
+/// The fan-out's JSON summary from the command's output.
+fn summary(out: &Output) -> serde_json::Value {
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "fanout printed no JSON ({e}): {}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })
+}
+
+/// The summary's node for `replica`.
+fn node<'a>(s: &'a serde_json::Value, replica: &Node) -> &'a serde_json::Value {
+    s["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["replica"] == replica.grpc().as_str())
+        .unwrap_or_else(|| panic!("{} is not in {s}", replica.grpc()))
+}
+
+/// `[transport]` of agents on the emulated RDMA fabric (an emulation of RC
+/// queue pairs, not hardware).
+const EMULATED: &str = "mode = \"rdma\"\nrdma_provider = \"emulated\"";
+
+fn start_nodes(root: &std::path::Path, n: usize, transport: &str, extra: &str) -> Vec<Node> {
+    (0..n)
+        .map(|i| Node::start_with(root, &format!("r{i}"), transport, extra, &[]))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn six_replicas_through_relays_get_exact_copies_while_the_origin_sends_two() {
+    for (transport, label) in [("mode = \"tcp\"", "tcp"), (EMULATED, "rdma")] {
+        six_replicas_of_degree_two(transport, label).await;
+    }
+}
+
+async fn six_replicas_of_degree_two(transport: &str, label: &str) {
+    let root = tempfile::tempdir().unwrap();
+    let size = 24 * MIB;
+    let origin = Node::start_with(root.path(), "origin", transport, PIECES, &[]);
+    let bytes = put_snapshot(&origin.dir, "s.kvr1", size, 9);
+    origin.offered(9).await;
+    let replicas = start_nodes(root.path(), 6, transport, PIECES);
+
+    let out = fanout_command(&origin, &replicas).output().unwrap();
+    let s = summary(&out);
+    assert!(out.status.success(), "{s}");
+    assert_eq!(
+        (s["succeeded"].as_u64(), s["failed"].as_u64()),
+        (Some(6), Some(0)),
+        "{s}"
+    );
+    assert_eq!(s["snapshot"]["seq"], 9);
+
+    // The tree: the origin feeds r0 and r1; r0 feeds r2 and r3, r1 r4 and r5.
+    for (i, r) in replicas.iter().enumerate() {
+        let n = node(&s, r);
+        let (parent, role, depth) = match i {
+            0 | 1 => (origin.grpc(), "relay", 1),
+            2 | 3 => (replicas[0].grpc(), "leaf", 2),
+            _ => (replicas[1].grpc(), "leaf", 2),
+        };
+        assert_eq!(n["parent"], parent.as_str(), "r{i}: {n}");
+        assert_eq!(
+            (n["role"].as_str(), n["depth"].as_u64()),
+            (Some(role), Some(depth))
+        );
+        let sync = &n["sync"];
+        assert_eq!(sync["status"], "succeeded", "r{i}: {n}");
+        assert_eq!(sync["transport"], label, "r{i}: {n}");
+        let installed = sync["installed_path"].as_str().unwrap();
+        assert!(
+            std::fs::read(installed).unwrap() == bytes,
+            "r{i}: exact copy"
+        );
+        assert_eq!(replmeta_seq(installed), Some(9));
+    }
+
+    // The origin sent the snapshot twice; each relay forwarded it twice.
+    assert_eq!(s["origin_bytes_sent"].as_u64(), Some(2 * size), "{s}");
+    for r in &replicas[..2] {
+        assert_eq!(node(&s, r)["relay_bytes"].as_u64(), Some(2 * size), "{s}");
+        assert_eq!(r.metric("kvsync_relay_bytes_total"), (2 * size) as f64);
+        let relaying = r.status().await.relaying;
+        assert_eq!(relaying.len(), 1, "{relaying:?}");
+        assert_eq!(relaying[0].origin_node_id, "origin");
+        assert_eq!(relaying[0].state, "installed");
+    }
+    for r in &replicas[2..] {
+        assert_eq!(r.metric("kvsync_relay_bytes_total"), 0.0);
+    }
+    // Nothing holds a snapshot any more.
+    origin.wait_released();
+    for r in &replicas {
+        r.wait_released();
+        assert!(r.temp_files().is_empty(), "{:?}", r.temp_files());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_killed_mid_transfer_leaves_its_children_to_resume_from_the_origin() {
+    let root = tempfile::tempdir().unwrap();
+    let size = 32 * MIB;
+    // The origin sends 16 MiB/s in all: the transfer takes seconds.
+    let origin = Node::start(
+        root.path(),
+        "origin",
+        &format!("{PIECES}[sync]\nrate_limit = \"16MiB\"\n"),
+        &[],
+    );
+    let bytes = put_snapshot(&origin.dir, "s.kvr1", size, 4);
+    origin.offered(4).await;
+    let mut replicas = start_nodes(root.path(), 4, "mode = \"tcp\"", PIECES);
+    let fanout = fanout_command(&origin, &replicas)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+
+    // r2 and r3 pull from r0; once r2 holds a few pieces, r0 dies (while it
+    // still receives: it is reported failed, not succeeded, below).
+    let child = replicas[2].client().await;
+    wait_for_async("r2 to receive 4 MiB from r0", DEADLINE, || {
+        let mut c = child.clone();
+        async move {
+            let s = c
+                .get_status(pb::GetStatusRequest {})
+                .await
+                .ok()?
+                .into_inner();
+            s.running.iter().find(|p| p.bytes_done >= 4 * MIB).map(drop)
+        }
+    })
+    .await;
+    replicas[0].proc.signal(libc::SIGKILL);
+    replicas[0].proc.wait_exit();
+
+    let out = fanout.wait_with_output().unwrap();
+    let s = summary(&out);
+    assert!(!out.status.success(), "one replica failed: {s}");
+    assert_eq!(
+        (s["succeeded"].as_u64(), s["failed"].as_u64()),
+        (Some(3), Some(1)),
+        "{s}"
+    );
+    assert!(
+        !node(&s, &replicas[0])["error"].as_str().unwrap().is_empty(),
+        "{s}"
+    );
+    for (i, r) in replicas.iter().enumerate().skip(1) {
+        let sync = &node(&s, r)["sync"];
+        assert_eq!(sync["status"], "succeeded", "r{i}: {s}");
+        let installed = sync["installed_path"].as_str().unwrap();
+        assert!(
+            std::fs::read(installed).unwrap() == bytes,
+            "r{i}: exact copy"
+        );
+    }
+    // r2 turned to the origin and kept what it had verified from r0.
+    let r2 = replicas[2].status().await;
+    let p = r2.recent.first().expect("r2's sync");
+    assert_eq!(p.source, origin.grpc(), "{p:?}");
+    assert_eq!(p.abandoned_sources, vec![replicas[0].grpc()], "{p:?}");
+    assert!(p.resumed_bytes >= 4 * MIB, "{p:?}");
+
+    // Serving state and caches are released everywhere still running.
+    origin.wait_released();
+    for r in &mut replicas[1..] {
+        r.wait_released();
+        assert!(r.temp_files().is_empty(), "{:?}", r.temp_files());
+    }
+}
