@@ -15,9 +15,12 @@
 #   5. seeding a Redis replica vs Redis's own full sync (BENCH_REDIS=1)
 #   6. pieces and resume: the piece checksum candidates; a sync whose replica
 #      agent was killed at 75 % and restarted, resumed, vs a full sync
+#   7. relay fan-out on a network that is the bottleneck: one network
+#      namespace per agent, egress limited with tc; 1 replica alone vs a
+#      star vs a relay tree (scripts/bench-fanout.sh; needs root)
 #
 # Knobs: SIZES="1GiB 4GiB" RUNS=3 FAN_SIZE=1GiB FANOUT="1 2 4 8"
-#        RESUME_SIZE=4GiB
+#        RESUME_SIZE=4GiB RELAY_REPLICAS=8 RELAY_SIZE=512MiB RELAY_RATE=400mbit
 #        BENCH_DIR=/dev/shm (tmpfs: takes the disk out) BENCH_VM BENCH_REDIS
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +31,9 @@ runs=${RUNS:-3}
 fan_size=${FAN_SIZE:-1GiB}
 fanout=${FANOUT:-1 2 4 8}
 resume_size=${RESUME_SIZE:-4GiB}
+relay_replicas=${RELAY_REPLICAS:-8}
+relay_size=${RELAY_SIZE:-512MiB}
+relay_rate=${RELAY_RATE:-400mbit}
 vm=${BENCH_VM:-$([ "$(id -u)" = 0 ] && echo 1 || echo 0)}
 redis=${BENCH_REDIS:-1}
 
@@ -330,6 +336,16 @@ f=$(median "${full_s[@]}"); r=$(median "${resumed_s[@]}"); k=$(median "${kept[@]
 out "| snapshot | full sync | resumed attempt (replica agent killed at 75 %, restarted) | resumed / full | found verified in place |"
 out "|---|---|---|---|---|"
 out "| $resume_size | $f s | $r s | $(ratio "$r" "$f") | $(awk -v k="$k" -v b="$bytes" 'BEGIN {printf "%.0f %%", 100 * k / b}') |"
+out ""
+
+# 7. Relay fan-out, network-bound (its own namespaces; needs root).
+out "### 7. Relay fan-out: $relay_replicas replicas of a $relay_size snapshot, each host's egress limited to $relay_rate"
+out ""
+out "| mode | wall time | / 1 replica | the origin sent |"
+out "|---|---|---|---|"
+out "$(bash scripts/bench-fanout.sh "$bin" "$relay_replicas" "$relay_size" "$relay_rate")"
+out ""
+out "Targets: tree ≤ 2 × one replica; tree ≤ 0.35 × the star."
 out ""
 
 if [ "$write" = 1 ]; then

@@ -104,7 +104,6 @@ impl PeerService {
         let mut chosen = self.choose(format, req.snapshot.as_ref())?;
         let backlog_bytes_left = redis_preflight(config, &chosen.entry.info).await?;
         let snapshot = self.hold(&mut chosen).await?;
-        let Chosen { entry, origin, .. } = chosen;
         let ttl = config.sync.session_token_ttl;
         let id = new_id();
         let replica = if req.replica_node_id.is_empty() {
@@ -115,29 +114,27 @@ impl PeerService {
         let offer = Offer {
             id: id.clone(),
             replica,
-            entry: entry.clone(),
+            entry: chosen.entry.clone(),
             snapshot,
             transport,
             tls,
             expires: Instant::now() + ttl,
-            origin: origin.clone(),
+            origin: chosen.origin.clone(),
         };
         let token = self.sessions.insert(offer, admitted);
         let endpoint = match (transport, self.data.rdma) {
             (TransportKind::Rdma, Some(rdma)) => rdma,
             _ => advertised(self.data.tcp, local),
         };
-        info!(session = %id, replica = %req.replica_node_id, path = %entry.path.display(), seq = entry.info.seq, transport = transport.as_str(), tls, %endpoint, relayed_from = ?origin, "offered snapshot");
-        let mut offer = self.offer_message(
+        info!(session = %id, replica = %req.replica_node_id, path = %chosen.entry.path.display(), seq = chosen.entry.info.seq, transport = transport.as_str(), tls, %endpoint, relayed_from = ?chosen.origin, "offered snapshot");
+        Ok(self.offer_message(
             id,
             token,
-            &entry,
+            &chosen,
             (transport, tls),
             endpoint,
             backlog_bytes_left,
-        );
-        offer.origin_node_id = origin.unwrap_or_default();
-        Ok(offer)
+        ))
     }
 
     /// The snapshot to offer: `want`, or the newest (this agent's own, or
@@ -170,8 +167,14 @@ impl PeerService {
                     self.config.snapshot_dir.display()
                 )),
             })?;
+            let name = entry
+                .path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
             return Ok(Chosen {
                 entry,
+                name,
                 origin: None,
                 feed: None,
             });
@@ -190,6 +193,7 @@ impl PeerService {
         };
         Ok(Chosen {
             entry: Arc::new(entry),
+            name: relayed.name,
             origin: Some(relayed.origin),
             feed,
         })
@@ -214,13 +218,14 @@ impl PeerService {
         &self,
         id: String,
         token: [u8; crate::blk3::token::SESSION_TOKEN_LEN],
-        entry: &CatalogEntry,
+        chosen: &Chosen,
         (transport, tls): (TransportKind, bool),
         endpoint: SocketAddr,
         backlog_bytes_left: u64,
     ) -> pb::SyncOffer {
         let (config, format) = (&self.config, self.config.snapshot_format);
         let ttl = config.sync.session_token_ttl;
+        let entry = &chosen.entry;
         pb::SyncOffer {
             session_id: id,
             session_token: token.to_vec(),
@@ -241,16 +246,11 @@ impl PeerService {
             rdma_device: self.data.probe.device.clone().unwrap_or_default(),
             backlog_bytes_left,
             source_node_id: config.node_id.clone(),
-            snapshot_name: entry
-                .path
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default(),
+            snapshot_name: chosen.name.clone(),
             data_tls: tls,
             piece_size: entry.manifest.piece_size,
             manifest_digest: entry.manifest.digest(),
-            // Set by `offer` for a relayed snapshot.
-            origin_node_id: String::new(),
+            origin_node_id: chosen.origin.clone().unwrap_or_default(),
         }
     }
 }
@@ -258,6 +258,8 @@ impl PeerService {
 /// The snapshot an offer is for.
 struct Chosen {
     entry: Arc<CatalogEntry>,
+    /// Its file name at its origin.
+    name: String,
     /// The agent that made it, when this agent relays it.
     origin: Option<String>,
     /// Its relay image's source, while this agent still receives it.

@@ -693,7 +693,7 @@ async fn transfer(
         TransportKind::Tcp
     };
     let manifest = Arc::new(fetch_manifest(ctx, peer, offer).await?);
-    let origin = origin_of(offer).to_string();
+    let (origin, name) = (origin_of(offer).to_string(), offer.snapshot_name.clone());
     let (dir, id, relays, retries) = (
         ctx.config.snapshot_dir.clone(),
         ctx.id.clone(),
@@ -706,7 +706,7 @@ async fn transfer(
         .or_cancel(tokio::task::spawn_blocking(move || {
             let mut receiver = Receiver::open(&dir, &id, &origin, manifest, retries, progress)?;
             receiver
-                .relay_in(&relays, &origin)
+                .relay_in(&relays, (&origin, &name))
                 .map_err(|e| JobError::Panicked(format!("offer the snapshot as a relay: {e}")))?;
             Ok::<_, JobError>(receiver)
         }))

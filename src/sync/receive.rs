@@ -165,13 +165,17 @@ impl Receiver {
     }
 
     /// Offers the snapshot to other replicas while it arrives: registers it
-    /// in `relays` as agent `origin`'s, until this receiver fails or the
-    /// snapshot is installed.
-    pub fn relay_in(&mut self, relays: &Arc<RelayTable>, origin: &str) -> std::io::Result<()> {
+    /// in `relays` as agent `origin`'s (`name` there), until this receiver
+    /// fails or the snapshot is installed.
+    pub fn relay_in(
+        &mut self,
+        relays: &Arc<RelayTable>,
+        origin_and_name: (&str, &str),
+    ) -> std::io::Result<()> {
         let file = self.staging.file().try_clone()?;
         let path = self.staging.path().to_owned();
         self.relay = Some(relays.receiving(
-            origin,
+            origin_and_name,
             self.manifest.clone(),
             (path, file),
             self.arrivals.0.clone(),

@@ -53,6 +53,8 @@ enum Held {
 struct Entry {
     manifest: Arc<Manifest>,
     origin: String,
+    /// Its file name at the origin.
+    name: String,
     held: Held,
     /// Tells a registration's guard whether the entry is still its own.
     generation: u64,
@@ -71,6 +73,8 @@ pub struct Relayed {
     pub manifest: Arc<Manifest>,
     /// The node id of the agent whose snapshot it is.
     pub origin: String,
+    /// Its file name there (a plain name, or empty).
+    pub name: String,
     pub source: RelaySource,
 }
 
@@ -81,12 +85,13 @@ pub struct RelayTable {
 }
 
 impl RelayTable {
-    /// Registers the snapshot `manifest` describes, from agent `origin`,
-    /// arriving in the staging file `path`. It stays offered while the
-    /// returned guard lives, or after [`Registration::installed`].
+    /// Registers the snapshot `manifest` describes, from agent `origin`
+    /// (where it is called `name`), arriving in the staging file `path`. It
+    /// stays offered while the returned guard lives, or after
+    /// [`Registration::installed`]. A name that is not plain is not passed on.
     pub fn receiving(
         self: &Arc<Self>,
-        origin: &str,
+        (origin, name): (&str, &str),
         manifest: Arc<Manifest>,
         (path, file): (PathBuf, std::fs::File),
         arrivals: Arc<Arrivals>,
@@ -100,6 +105,11 @@ impl RelayTable {
             Entry {
                 manifest,
                 origin: origin.to_string(),
+                name: if crate::peer_text::is_plain_name(name) {
+                    name.to_string()
+                } else {
+                    String::new()
+                },
                 held: Held::Receiving {
                     path,
                     file: Arc::new(file),
@@ -138,6 +148,7 @@ impl RelayTable {
         Some(Relayed {
             manifest: entry.manifest.clone(),
             origin: entry.origin.clone(),
+            name: entry.name.clone(),
             source,
         })
     }
@@ -228,7 +239,12 @@ mod tests {
     fn register(table: &Arc<RelayTable>, seq: u64) -> Registration {
         let file = tempfile::tempfile().unwrap();
         let arrivals = Arc::new(Arrivals::new(vec![false]));
-        table.receiving("origin", manifest(seq), ("/x".into(), file), arrivals)
+        table.receiving(
+            ("origin", "s.kvr1"),
+            manifest(seq),
+            ("/x".into(), file),
+            arrivals,
+        )
     }
 
     #[test]
