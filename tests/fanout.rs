@@ -203,3 +203,100 @@ async fn a_relay_killed_mid_transfer_leaves_its_children_to_resume_from_the_orig
         assert!(r.temp_files().is_empty(), "{:?}", r.temp_files());
     }
 }
+
+#[test]
+fn across_hosts_a_fanout_heals_around_a_killed_relay_with_the_callers_token() {
+    let Some(hosts) = common::netns::Hosts::create_n("fan-out across hosts", 7) else {
+        return;
+    };
+    let root = tempfile::tempdir().unwrap();
+    let tcp = "mode = \"tcp\"";
+    // Every agent on its own host's address, with a bearer token; the
+    // origin sends 16 MiB/s in all.
+    let origin_extra = format!("{PIECES}[sync]\nrate_limit = \"16MiB\"\n");
+    let origin = hosts.run_in(0, || {
+        Node::start_at(root.path(), "origin", &hosts.ip(0), tcp, &origin_extra, &[])
+    });
+    let mut replicas: Vec<Node> = (1..7)
+        .map(|h| {
+            hosts.run_in(h, || {
+                Node::start_at(
+                    root.path(),
+                    &format!("r{}", h - 1),
+                    &hosts.ip(h),
+                    tcp,
+                    PIECES,
+                    &[],
+                )
+            })
+        })
+        .collect();
+    let bytes = put_snapshot(&origin.dir, "s.kvr1", 32 * MIB, 8);
+    let tokens = root.path().join("origin.tokens");
+    let fanout = hosts.run_in(0, || {
+        block_on(origin.offered(8));
+        let mut cmd = fanout_command(&origin, &replicas);
+        cmd.arg("--token-file")
+            .arg(&tokens)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    });
+    // r2 and r3 pull from r0 (host 1) across the bridge; r0 dies mid-transfer.
+    hosts.run_in(3, || {
+        block_on(async {
+            let child = replicas[2].client().await;
+            wait_for_async("r2 to receive 4 MiB from r0", DEADLINE, || {
+                let mut c = child.clone();
+                async move {
+                    let s = c
+                        .get_status(pb::GetStatusRequest {})
+                        .await
+                        .ok()?
+                        .into_inner();
+                    s.running.iter().find(|p| p.bytes_done >= 4 * MIB).map(drop)
+                }
+            })
+            .await
+        })
+    });
+    replicas[0].proc.signal(libc::SIGKILL);
+    replicas[0].proc.wait_exit();
+    let out = fanout.wait_with_output().unwrap();
+    let s = summary(&out);
+    assert_eq!(
+        (s["succeeded"].as_u64(), s["failed"].as_u64()),
+        (Some(5), Some(1)),
+        "{s}"
+    );
+    for (i, r) in replicas.iter().enumerate().skip(1) {
+        let sync = &node(&s, r)["sync"];
+        assert_eq!(sync["status"], "succeeded", "r{i}: {s}");
+        assert!(
+            std::fs::read(r.dir.join("s.kvr1")).unwrap() == bytes,
+            "r{i}: exact copy"
+        );
+    }
+    for i in [2, 3] {
+        let sync = &node(&s, &replicas[i])["sync"];
+        assert_eq!(
+            sync["source"],
+            origin.grpc().as_str(),
+            "r{i} turned to the origin: {s}"
+        );
+    }
+    hosts.run_in(0, || origin.wait_released());
+    for (i, r) in replicas.iter_mut().enumerate().skip(1) {
+        hosts.run_in(i + 1, || r.wait_released());
+    }
+}
+
+/// A runtime for async helpers on a namespace thread.
+fn block_on<T>(f: impl std::future::Future<Output = T>) -> T {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(f)
+}

@@ -1,5 +1,5 @@
-//! Two hosts for tests: network namespaces joined by a veth pair, each with
-//! an `eth0` carrying a real address. Test code (and the processes it
+//! Hosts for tests: network namespaces on one bridge, each with an `eth0`
+//! carrying a real address. Test code (and the processes it
 //! starts) runs inside one of them with [`Hosts::run_in`].
 
 use std::os::fd::AsRawFd;
@@ -8,8 +8,10 @@ use std::process::Command;
 /// The addresses of host 0 and host 1 on their `eth0`.
 pub const IPS: [&str; 2] = ["10.77.0.1", "10.77.0.2"];
 
+/// Hosts on one bridge, each in its own network namespace.
 pub struct Hosts {
-    names: [String; 2],
+    names: Vec<String>,
+    bridge: String,
 }
 
 fn ip(args: &[&str]) -> Result<(), String> {
@@ -32,6 +34,13 @@ impl Hosts {
     /// Creates the two hosts; `None`, with the reason printed, when this
     /// process may not create network namespaces.
     pub fn create(test: &str) -> Option<Hosts> {
+        Hosts::create_n(test, 2)
+    }
+
+    /// Creates `n` hosts (at most 250) on one bridge, host `i` at
+    /// [`Hosts::ip`]`(i)`; `None`, with the reason printed, when this
+    /// process may not create network namespaces.
+    pub fn create_n(test: &str, n: usize) -> Option<Hosts> {
         use std::sync::atomic::{AtomicU32, Ordering};
         static N: AtomicU32 = AtomicU32::new(0);
         let id = format!(
@@ -39,36 +48,54 @@ impl Hosts {
             std::process::id(),
             N.fetch_add(1, Ordering::Relaxed)
         );
-        let hosts = Hosts {
-            names: [format!("kvsync-{id}-a"), format!("kvsync-{id}-b")],
-        };
-        if let Err(e) = ip(&["netns", "add", &hosts.names[0]]) {
+        let bridge = format!("kvb{id}");
+        if let Err(e) = ip(&["link", "add", &bridge, "type", "bridge"]) {
             super::skip(
                 "network namespaces",
-                &format!("{test}: cannot create network namespaces ({e}); run as root"),
+                &format!(
+                    "{test}: cannot create a bridge and network namespaces ({e}); run as root"
+                ),
             );
             return None;
         }
-        let (a, b) = (&hosts.names[0], &hosts.names[1]);
-        let (va, vb) = (format!("kv{id}a"), format!("kv{id}b"));
-        let steps: Vec<Vec<&str>> = vec![
-            vec!["netns", "add", b],
-            vec!["link", "add", &va, "type", "veth", "peer", "name", &vb],
-            vec!["link", "set", &va, "netns", a],
-            vec!["link", "set", &vb, "netns", b],
-            vec!["-n", a, "link", "set", &va, "name", "eth0"],
-            vec!["-n", b, "link", "set", &vb, "name", "eth0"],
-        ];
-        for step in steps {
-            ip(&step).unwrap_or_else(|e| panic!("{e}"));
-        }
-        for (ns, addr) in [(a, IPS[0]), (b, IPS[1])] {
-            let cidr = format!("{addr}/24");
-            ip(&["-n", ns, "addr", "add", &cidr, "dev", "eth0"]).unwrap();
-            ip(&["-n", ns, "link", "set", "eth0", "up"]).unwrap();
-            ip(&["-n", ns, "link", "set", "lo", "up"]).unwrap();
+        let hosts = Hosts {
+            names: (0..n).map(|i| format!("kvsync-{id}-{i}")).collect(),
+            bridge,
+        };
+        ip(&["link", "set", &hosts.bridge, "up"]).unwrap();
+        for (i, ns) in hosts.names.iter().enumerate() {
+            let (host_end, bridge_end) = (format!("kv{id}h{i}"), format!("kv{id}p{i}"));
+            let cidr = format!("{}/24", hosts.ip(i));
+            let steps: Vec<Vec<&str>> = vec![
+                vec!["netns", "add", ns],
+                vec![
+                    "link",
+                    "add",
+                    &host_end,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    &bridge_end,
+                ],
+                vec!["link", "set", &host_end, "netns", ns],
+                vec!["-n", ns, "link", "set", &host_end, "name", "eth0"],
+                vec!["-n", ns, "addr", "add", &cidr, "dev", "eth0"],
+                vec!["-n", ns, "link", "set", "eth0", "up"],
+                vec!["-n", ns, "link", "set", "lo", "up"],
+                vec!["link", "set", &bridge_end, "master", &hosts.bridge],
+                vec!["link", "set", &bridge_end, "up"],
+            ];
+            for step in steps {
+                ip(&step).unwrap_or_else(|e| panic!("{e}"));
+            }
         }
         Some(hosts)
+    }
+
+    /// Host `i`'s address on its `eth0`.
+    pub fn ip(&self, i: usize) -> String {
+        format!("10.77.0.{}", i + 1)
     }
 
     /// Runs `f` on a thread inside host `host`'s network namespace; sockets
@@ -107,5 +134,6 @@ impl Drop for Hosts {
         for ns in &self.names {
             let _ = ip(&["netns", "del", ns]);
         }
+        let _ = ip(&["link", "del", &self.bridge]);
     }
 }
