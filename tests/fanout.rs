@@ -285,6 +285,11 @@ fn across_hosts_a_fanout_heals_around_a_killed_relay_with_the_callers_token() {
             origin.grpc().as_str(),
             "r{i} turned to the origin: {s}"
         );
+        assert_eq!(
+            sync["abandoned_sources"][0],
+            replicas[0].grpc().as_str(),
+            "{s}"
+        );
     }
     hosts.run_in(0, || origin.wait_released());
     for (i, r) in replicas.iter_mut().enumerate().skip(1) {

@@ -187,6 +187,7 @@ pub fn progress_json(p: &pb::SyncProgress) -> serde_json::Value {
         "pieces_refetched": p.pieces_refetched,
         "check": p.check,
         "attempts": p.attempts,
+        "abandoned_sources": p.abandoned_sources,
         "error": p.error,
     })
 }

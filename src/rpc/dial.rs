@@ -51,7 +51,12 @@ impl Dialer {
         let mut endpoint = Endpoint::from_shared(format!("{scheme}://{addr}"))
             .map_err(|e| format!("bad address {addr:?}: {e}"))?
             .connect_timeout(timeout)
-            .tcp_nodelay(true);
+            .tcp_nodelay(true)
+            // A peer that vanished (no FIN, no RST) ends long-lived streams
+            // such as WatchSync instead of leaving them waiting.
+            .http2_keep_alive_interval(Duration::from_secs(30))
+            .keep_alive_timeout(Duration::from_secs(10))
+            .keep_alive_while_idle(true);
         if let Some(tls) = &self.tls {
             endpoint = endpoint
                 .tls_config(tls.clone())
