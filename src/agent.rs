@@ -180,6 +180,18 @@ impl RunningAgent {
         );
         let metrics_addr =
             start_metrics(&config, &metrics, &draining, &shutdown, &mut tasks).await?;
+        let redis = &config.redis;
+        if let Some(addr) = redis.local_server(config.handoff.mode) {
+            if !redis.health_interval.is_zero() {
+                tasks.spawn(crate::kv_health::watch(
+                    addr.to_string(),
+                    redis.password.clone(),
+                    redis.health_interval,
+                    metrics.clone(),
+                    shutdown.clone(),
+                ));
+            }
+        }
         tasks.spawn(
             DirWatcher::new(
                 config.snapshot_dir.clone(),

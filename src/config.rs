@@ -123,6 +123,24 @@ pub struct RedisConfig {
     /// Replica: the command that stops the server; empty sends
     /// `SHUTDOWN NOSAVE` to `server_addr`.
     pub stop: Vec<String>,
+    /// How often the local server's replication state is read into the
+    /// `kvsync_kv_*` metrics (`0s` turns it off).
+    #[serde(with = "humantime_serde")]
+    pub health_interval: Duration,
+}
+
+impl RedisConfig {
+    /// The local server whose replication health the agent reports: the
+    /// primary it pre-flights, or the replica a `redis` handoff seeds.
+    pub fn local_server(&self, handoff: HandoffMode) -> Option<&str> {
+        if !self.primary_addr.is_empty() {
+            Some(&self.primary_addr)
+        } else if handoff == HandoffMode::Redis {
+            Some(&self.server_addr)
+        } else {
+            None
+        }
+    }
 }
 
 impl Default for RedisConfig {
@@ -136,6 +154,7 @@ impl Default for RedisConfig {
             primary: String::new(),
             start: Vec::new(),
             stop: Vec::new(),
+            health_interval: Duration::from_secs(5),
         }
     }
 }

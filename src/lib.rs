@@ -32,6 +32,7 @@
 //! - [`handoff`] — handing the snapshot's sequence number to the local KV.
 //! - [`redis`] — Redis/Valkey: the source's backlog pre-flight and the
 //!   replica's seeding handoff.
+//! - [`kv_health`] — the local KV server's replication health as metrics.
 //! - [`metrics`] — every Prometheus handle and the `/metrics` endpoint.
 //! - [`agent`] — wires the parts into a running agent.
 //! - [`cli`] — the `kvsync` command line.
@@ -52,6 +53,7 @@ pub mod fuzz_targets;
 pub mod handoff;
 pub mod install;
 pub mod journal;
+pub mod kv_health;
 pub mod manifest;
 pub mod metrics;
 pub mod peer_text;

@@ -99,6 +99,14 @@ pub struct Metrics {
     pub up_since: Gauge,
     pub rdma_available: IntGauge,
     pub rdma_device_info: IntGaugeVec,
+    // The local KV's replication health (`kv_health`), by server address:
+    // no series at all on an agent without a local KV.
+    pub kv_up: IntGaugeVec,
+    pub kv_link_up: IntGaugeVec,
+    pub kv_replication_offset: IntGaugeVec,
+    pub kv_replica_lag_bytes: IntGaugeVec,
+    pub kv_full_syncs: IntCounterVec,
+    pub kv_partial_syncs: IntCounterVec,
     pub transport_fallback: IntCounterVec,
 }
 
@@ -260,6 +268,48 @@ impl Metrics {
                     "RDMA devices found by the probe (value is always 1)"
                 ),
                 &["device", "soft"]
+            )),
+            kv_up: reg!(IntGaugeVec::new(
+                Opts::new(
+                    "kvsync_kv_up",
+                    "1 when the local KV server answered the last health poll"
+                ),
+                &["server"]
+            )),
+            kv_link_up: reg!(IntGaugeVec::new(
+                Opts::new(
+                    "kvsync_kv_link_up",
+                    "1 when the local KV server answers and, if it is a replica, its link to its primary is up"
+                ),
+                &["server"]
+            )),
+            kv_replication_offset: reg!(IntGaugeVec::new(
+                Opts::new(
+                    "kvsync_kv_replication_offset",
+                    "The local KV server's replication offset (master_repl_offset on a primary, slave_repl_offset on a replica)"
+                ),
+                &["server"]
+            )),
+            kv_replica_lag_bytes: reg!(IntGaugeVec::new(
+                Opts::new(
+                    "kvsync_kv_replica_lag_bytes",
+                    "Bytes a replica of the local primary has yet to acknowledge"
+                ),
+                &["server", "replica"]
+            )),
+            kv_full_syncs: reg!(IntCounterVec::new(
+                Opts::new(
+                    "kvsync_kv_full_syncs_total",
+                    "Full resyncs the local primary served (its sync_full)"
+                ),
+                &["server"]
+            )),
+            kv_partial_syncs: reg!(IntCounterVec::new(
+                Opts::new(
+                    "kvsync_kv_partial_syncs_total",
+                    "Partial resyncs the local primary accepted (its sync_partial_ok)"
+                ),
+                &["server"]
             )),
             registry,
         };

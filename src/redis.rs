@@ -100,12 +100,22 @@ async fn connect(
 
 /// `INFO <section>` of the server at `addr`.
 pub async fn info(addr: &str, password: &str, section: &str) -> Result<Info, RedisError> {
+    infos(addr, password, &[section]).await
+}
+
+/// `INFO` of several sections of the server at `addr`, over one
+/// connection, merged.
+pub async fn infos(addr: &str, password: &str, sections: &[&str]) -> Result<Info, RedisError> {
     let mut con = connect(addr, password).await?;
-    let text: String = redis::cmd("INFO")
-        .arg(section)
-        .query_async(&mut con)
-        .await
-        .map_err(|e| server_err(addr, e))?;
+    let mut text = String::new();
+    for section in sections {
+        let part: String = redis::cmd("INFO")
+            .arg(*section)
+            .query_async(&mut con)
+            .await
+            .map_err(|e| server_err(addr, e))?;
+        text.push_str(&part);
+    }
     Ok(Info::parse(&text))
 }
 

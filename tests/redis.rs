@@ -637,3 +637,131 @@ fn an_rdb_without_its_own_checksum_is_verified_piece_by_piece() {
         assert!(std::fs::read(&p.installed_path).unwrap() == std::fs::read(&rdb).unwrap());
     });
 }
+
+/// The value of `series` in `node`'s scrape, once `ok` holds for it.
+fn wait_metric(node: &Node, series: &str, what: &str, ok: impl Fn(f64) -> bool) -> f64 {
+    wait_for(what, DEADLINE, || {
+        metric_value(&node.proc.metrics(), series).filter(|v| ok(*v))
+    })
+}
+
+#[test]
+fn replication_health_of_both_servers_reaches_prometheus() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let primary = Redis::start(&root.join("primary"), &[]);
+    let port = primary.port.to_string();
+    let rdir = root.join("replica-redis");
+    let mut replica = Redis::start(&rdir, &["--replicaof", "127.0.0.1", &port]);
+    wait_for("the replica's link", DEADLINE, || {
+        (replica.info("replication").get("master_link_status") == Some("up")).then_some(())
+    });
+    let fast = "[redis]\nhealth_interval = \"100ms\"\n";
+    let source = agent(
+        root,
+        "source",
+        &root.join("source-agent"),
+        &source_config(&primary, TCP).replace("[redis]\n", fast),
+        &[],
+    );
+    let replica_agent = agent(
+        root,
+        "replica",
+        &root.join("replica-agent"),
+        &replica_config(&primary, replica.port, &rdir, TCP).replace("[redis]\n", fast),
+        &[],
+    );
+    let (p, r) = (
+        format!("server=\"{}\"", primary.addr()),
+        format!("server=\"{}\"", replica.addr()),
+    );
+    let up = |node: &Node, server: &str, want: f64, what: &str| {
+        wait_metric(node, &format!("kvsync_kv_link_up{{{server}}}"), what, |v| {
+            v == want
+        });
+    };
+    up(
+        &replica_agent,
+        &r,
+        1.0,
+        "the replica agent to see its link up",
+    );
+    up(&source, &p, 1.0, "the source agent to see its primary");
+    wait_metric(
+        &replica_agent,
+        &format!("kvsync_kv_replication_offset{{{r}}}"),
+        "the replica's offset",
+        |v| v > 0.0,
+    );
+    // What the dashboard and the alert rules ask of the kv_* series, the
+    // two agents export.
+    let exported = format!("{}{}", source.proc.metrics(), replica_agent.proc.metrics());
+    for file in [
+        include_str!("../grafana/kvsync-dashboard.json"),
+        include_str!("../deploy/kvsync-alerts.yml"),
+    ] {
+        let names = file
+            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .filter(|w| w.starts_with("kvsync_kv_"));
+        for name in names {
+            assert!(
+                exported.contains(&format!("\n{name}{{")),
+                "{name} is not exported"
+            );
+        }
+    }
+
+    // The replica stops acknowledging: its lag on the primary grows by what
+    // is written meanwhile, and drains once it runs again.
+    let lag = format!(
+        "kvsync_kv_replica_lag_bytes{{replica=\"127.0.0.1:{}\",{p}}}",
+        replica.port
+    );
+    wait_metric(&source, &lag, "the replica's lag series", |_| true);
+    let pid = replica.child.as_ref().unwrap().id() as i32;
+    // SAFETY: signalling a process this test started.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    primary.fill("while-paused", 5000, "a-value-of-some-length-to-lag-behind");
+    wait_metric(&source, &lag, "the lag to grow while paused", |v| {
+        v > 100_000.0
+    });
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    wait_metric(&source, &lag, "the lag to drain", |v| v < 100_000.0);
+
+    // A new replica makes the primary run a full resync: counted.
+    let full = format!("kvsync_kv_full_syncs_total{{{p}}}");
+    let before = wait_metric(&source, &full, "the full-sync counter", |_| true);
+    let newcomer = Redis::start(&root.join("newcomer"), &["--replicaof", "127.0.0.1", &port]);
+    wait_metric(&source, &full, "the full resync to be counted", |v| {
+        v == before + 1.0
+    });
+    drop(newcomer);
+
+    // The primary goes away: the replica's link is down, its server is up.
+    drop(primary);
+    up(
+        &replica_agent,
+        &r,
+        0.0,
+        "the replica agent to see its link down",
+    );
+    assert_eq!(
+        metric_value(
+            &replica_agent.proc.metrics(),
+            &format!("kvsync_kv_up{{{r}}}")
+        ),
+        Some(1.0)
+    );
+    // The replica's server stops: down too.
+    replica.child.take().map(|mut c| {
+        c.kill().unwrap();
+        c.wait().unwrap()
+    });
+    wait_metric(
+        &replica_agent,
+        &format!("kvsync_kv_up{{{r}}}"),
+        "the replica agent to see its server down",
+        |v| v == 0.0,
+    );
+}
