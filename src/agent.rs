@@ -20,7 +20,7 @@ use tracing::{info, warn};
 
 use crate::cache::SnapshotCache;
 use crate::catalog::Catalog;
-use crate::config::{Config, RdmaProvider};
+use crate::config::{Config, HandoffMode, RdmaProvider};
 use crate::conn_limit;
 use crate::control::orchestrator::OrchestratorService;
 use crate::control::peer::PeerService;
@@ -191,6 +191,18 @@ impl RunningAgent {
                     shutdown.clone(),
                 ));
             }
+        }
+        if config.handoff.mode == HandoffMode::Redis
+            && !redis.consistency_interval.is_zero()
+            && !redis.primary.is_empty()
+        {
+            tasks.spawn(crate::kv_check::every(
+                (redis.primary.clone(), redis.server_addr.clone()),
+                redis.password.clone(),
+                (redis.consistency_interval, redis.consistency_sample),
+                metrics.clone(),
+                shutdown.clone(),
+            ));
         }
         tasks.spawn(
             DirWatcher::new(

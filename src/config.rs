@@ -127,6 +127,11 @@ pub struct RedisConfig {
     /// `kvsync_kv_*` metrics (`0s` turns it off).
     #[serde(with = "humantime_serde")]
     pub health_interval: Duration,
+    /// Replica (handoff mode `redis`): how often a sample of keys is
+    /// compared with `primary` (`0s`: never), and how many keys.
+    #[serde(with = "humantime_serde")]
+    pub consistency_interval: Duration,
+    pub consistency_sample: usize,
 }
 
 impl RedisConfig {
@@ -155,6 +160,8 @@ impl Default for RedisConfig {
             start: Vec::new(),
             stop: Vec::new(),
             health_interval: Duration::from_secs(5),
+            consistency_interval: Duration::ZERO,
+            consistency_sample: 1000,
         }
     }
 }

@@ -33,6 +33,7 @@
 //! - [`redis`] — Redis/Valkey: the source's backlog pre-flight and the
 //!   replica's seeding handoff.
 //! - [`kv_health`] — the local KV server's replication health as metrics.
+//! - [`kv_check`] — comparing a replica's keys with its primary's.
 //! - [`metrics`] — every Prometheus handle and the `/metrics` endpoint.
 //! - [`agent`] — wires the parts into a running agent.
 //! - [`cli`] — the `kvsync` command line.
@@ -53,6 +54,7 @@ pub mod fuzz_targets;
 pub mod handoff;
 pub mod install;
 pub mod journal;
+pub mod kv_check;
 pub mod kv_health;
 pub mod manifest;
 pub mod metrics;

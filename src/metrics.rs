@@ -107,6 +107,7 @@ pub struct Metrics {
     pub kv_replica_lag_bytes: IntGaugeVec,
     pub kv_full_syncs: IntCounterVec,
     pub kv_partial_syncs: IntCounterVec,
+    pub kv_consistency_mismatches: IntCounterVec,
     pub transport_fallback: IntCounterVec,
 }
 
@@ -308,6 +309,13 @@ impl Metrics {
                 Opts::new(
                     "kvsync_kv_partial_syncs_total",
                     "Partial resyncs the local primary accepted (its sync_partial_ok)"
+                ),
+                &["server"]
+            )),
+            kv_consistency_mismatches: reg!(IntCounterVec::new(
+                Opts::new(
+                    "kvsync_kv_consistency_mismatches_total",
+                    "Sampled keys whose value on the local replica differed from its primary's (periodic consistency check)"
                 ),
                 &["server"]
             )),

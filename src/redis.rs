@@ -73,7 +73,7 @@ impl Info {
     }
 }
 
-fn server_err(addr: &str, e: impl std::fmt::Display) -> RedisError {
+pub(crate) fn server_err(addr: &str, e: impl std::fmt::Display) -> RedisError {
     RedisError::Server {
         addr: addr.to_string(),
         message: e.to_string(),
@@ -81,7 +81,7 @@ fn server_err(addr: &str, e: impl std::fmt::Display) -> RedisError {
 }
 
 /// A connection to `addr` (with `password` when set).
-async fn connect(
+pub(crate) async fn connect(
     addr: &str,
     password: &str,
 ) -> Result<redis::aio::MultiplexedConnection, RedisError> {

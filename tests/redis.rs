@@ -668,7 +668,10 @@ fn replication_health_of_both_servers_reaches_prometheus() {
         root,
         "replica",
         &root.join("replica-agent"),
-        &replica_config(&primary, replica.port, &rdir, TCP).replace("[redis]\n", fast),
+        &replica_config(&primary, replica.port, &rdir, TCP).replace(
+            "[redis]\n",
+            &format!("{fast}consistency_interval = \"1s\"\n"),
+        ),
         &[],
     );
     let (p, r) = (
@@ -763,5 +766,98 @@ fn replication_health_of_both_servers_reaches_prometheus() {
         &format!("kvsync_kv_up{{{r}}}"),
         "the replica agent to see its server down",
         |v| v == 0.0,
+    );
+}
+
+/// `kvsync check-replica --primary P --replica R --sample 100000 --json`:
+/// (succeeded, report).
+fn check_replica(primary: &Redis, replica: &Redis) -> (bool, serde_json::Value) {
+    let out = Command::new(kvsync_bin())
+        .args(["check-replica", "--primary", &primary.addr()])
+        .args(["--replica", &replica.addr(), "--sample", "100000", "--json"])
+        .output()
+        .unwrap();
+    let report = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!("{e}: {}", String::from_utf8_lossy(&out.stderr));
+    });
+    (out.status.success(), report)
+}
+
+#[test]
+fn check_replica_ignores_writes_in_flight_and_finds_exactly_the_planted_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let primary = Redis::start(&root.join("primary"), &[]);
+    let port = primary.port.to_string();
+    primary.fill("key", 3000, "v");
+    for i in 0..200 {
+        let (h, s, z) = (format!("hash:{i}"), format!("set:{i}"), format!("zset:{i}"));
+        let _: () = primary.cmd(&["HSET", &h, "a", "1", "b", "2"]);
+        let _: () = primary.cmd(&["SADD", &s, "m1", "m2", "m3"]);
+        let _: () = primary.cmd(&["ZADD", &z, "1", "m", "2", "n"]);
+    }
+    let rdir = root.join("replica-redis");
+    let replica = Redis::start(&rdir, &["--replicaof", "127.0.0.1", &port]);
+    wait_for("the replica's link", DEADLINE, || {
+        (replica.info("replication").get("master_link_status") == Some("up")).then_some(())
+    });
+
+    // A writer keeps changing keys (never back to an old value) while the
+    // check runs: in flight, not a mismatch.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (stop, mut con) = (stop.clone(), primary.con());
+        std::thread::spawn(move || {
+            let mut i = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let mut p = redis::pipe();
+                for j in 0..50 {
+                    p.cmd("INCR")
+                        .arg(format!("counter:{}", (i * 50 + j) % 300))
+                        .ignore();
+                    p.cmd("SET")
+                        .arg(format!("key:{}", (i * 7 + j) % 3000))
+                        .arg(i)
+                        .ignore();
+                }
+                let _: () = p.query(&mut con).unwrap();
+                i += 1;
+            }
+        })
+    };
+    let (ok, report) = check_replica(&primary, &replica);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    writer.join().unwrap();
+    assert!(ok, "{report}");
+    assert_eq!(report["mismatches"], serde_json::json!([]), "{report}");
+    assert!(report["checked"].as_u64().unwrap() >= 3600, "{report}");
+
+    // Keys written on the replica behind the primary's back.
+    let _: () = replica.cmd(&["CONFIG", "SET", "replica-read-only", "no"]);
+    let _: () = replica.cmd(&["SET", "key:5", "planted"]);
+    let _: () = replica.cmd(&["HSET", "hash:7", "a", "999"]);
+    let _: () = replica.cmd(&["SADD", "set:3", "extra"]);
+    let (ok, report) = check_replica(&primary, &replica);
+    assert!(!ok, "{report}");
+    assert_eq!(
+        report["mismatches"],
+        serde_json::json!(["hash:7", "key:5", "set:3"]),
+        "{report}"
+    );
+
+    // The replica's agent finds them too, on its own, and counts them.
+    let config = replica_config(&primary, replica.port, &rdir, TCP).replace(
+        "[redis]\n",
+        "[redis]\nconsistency_interval = \"100ms\"\nhealth_interval = \"0s\"\n",
+    );
+    let agent = agent(root, "replica", &root.join("replica-agent"), &config, &[]);
+    let series = format!(
+        "kvsync_kv_consistency_mismatches_total{{server=\"{}\"}}",
+        replica.addr()
+    );
+    wait_for(
+        "the agent's check to count the planted keys",
+        DEADLINE,
+        || metric_value(&agent.proc.metrics(), &series).filter(|v| *v >= 3.0),
     );
 }
