@@ -178,7 +178,7 @@ pub struct CheckReplicaArgs {
     /// The replica server (host:port).
     #[arg(long)]
     pub replica: String,
-    /// Keys to compare, at most (SCAN order on the primary).
+    /// Keys to compare, at most: every key when the primary holds no more, else a random sample.
     #[arg(long, default_value_t = 1000)]
     pub sample: usize,
     /// The servers' password (AUTH), if they require one.

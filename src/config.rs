@@ -127,6 +127,17 @@ pub struct RedisConfig {
     /// `kvsync_kv_*` metrics (`0s` turns it off).
     #[serde(with = "humantime_serde")]
     pub health_interval: Duration,
+    /// Source: the backlog guard. The primary's write rate is measured over
+    /// `rate_window` (`0s`: not measured); a seeding is estimated to take
+    /// the RDB's size at the rate this agent last served a session (else
+    /// `expected_transfer_rate`) plus its size at `expected_load_rate`; the
+    /// backlog must hold what was written since the save plus that rate
+    /// over that time, times `backlog_safety`, or the offer is refused.
+    #[serde(with = "humantime_serde")]
+    pub rate_window: Duration,
+    pub expected_transfer_rate: ByteSize,
+    pub expected_load_rate: ByteSize,
+    pub backlog_safety: f64,
     /// Replica (handoff mode `redis`): how often a sample of keys is
     /// compared with `primary` (`0s`: never), and how many keys.
     #[serde(with = "humantime_serde")]
@@ -160,6 +171,10 @@ impl Default for RedisConfig {
             start: Vec::new(),
             stop: Vec::new(),
             health_interval: Duration::from_secs(5),
+            rate_window: Duration::from_secs(2),
+            expected_transfer_rate: ByteSize::mib(100),
+            expected_load_rate: ByteSize::mib(100),
+            backlog_safety: 2.0,
             consistency_interval: Duration::ZERO,
             consistency_sample: 1000,
         }

@@ -1,7 +1,8 @@
 //! An independent consistency check of a Redis/Valkey replica against its
 //! primary, which does not trust the replication link it checks.
 //!
-//! [`check`] samples keys on the primary (`SCAN`), reads each one's
+//! [`check`] samples keys on the primary (all of them when there are no
+//! more than the sample, else `RANDOMKEY`), reads each one's
 //! serialized value (`DUMP`) on both servers and compares them. A write in
 //! flight is not a mismatch: a round reads the primary's offset, its
 //! values, waits until the replica has processed that offset, reads the
@@ -92,12 +93,25 @@ async fn round(
     Ok(changed)
 }
 
-/// Up to `sample` keys of the server, in `SCAN` order.
+/// Up to `sample` keys of the server: all of them (`SCAN`) when it holds
+/// no more, else a random sample (`RANDOMKEY`, repeats dropped), so that
+/// periodic checks look at different keys each time.
 async fn sample_keys(
     con: &mut MultiplexedConnection,
     addr: &str,
     sample: usize,
 ) -> Result<Vec<String>, RedisError> {
+    let err = |e| server_err(addr, e);
+    let size: usize = redis::cmd("DBSIZE").query_async(con).await.map_err(err)?;
+    if size > sample {
+        let mut pipe = redis::pipe();
+        for _ in 0..sample {
+            pipe.cmd("RANDOMKEY");
+        }
+        let keys: Vec<Option<String>> = pipe.query_async(con).await.map_err(err)?;
+        let unique: std::collections::BTreeSet<String> = keys.into_iter().flatten().collect();
+        return Ok(unique.into_iter().collect());
+    }
     let mut keys = Vec::new();
     let mut cursor = 0u64;
     loop {
@@ -107,10 +121,13 @@ async fn sample_keys(
             .arg(1000)
             .query_async(con)
             .await
-            .map_err(|e| server_err(addr, e))?;
+            .map_err(err)?;
         keys.extend(batch);
         cursor = next;
-        if cursor == 0 || keys.len() >= sample {
+        if cursor == 0 {
+            // A key written meanwhile may make SCAN return more, or twice.
+            keys.sort();
+            keys.dedup();
             keys.truncate(sample);
             return Ok(keys);
         }

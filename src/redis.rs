@@ -126,6 +126,34 @@ pub struct Preflight {
     pub backlog_bytes_left: u64,
 }
 
+/// How long a seeding is expected to take, and how much the primary
+/// writes meanwhile.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Foresight {
+    /// The primary's write rate, bytes per second.
+    pub write_rate: f64,
+    /// Moving and loading the RDB, bytes per second each.
+    pub transfer_rate: u64,
+    pub load_rate: u64,
+    pub safety: f64,
+}
+
+impl Foresight {
+    /// Seconds a seeding of `size` bytes is expected to take.
+    pub fn seconds(&self, size: u64) -> f64 {
+        size as f64 / self.transfer_rate.max(1) as f64 + size as f64 / self.load_rate.max(1) as f64
+    }
+
+    /// The backlog a seeding of an RDB of `size` bytes saved at `seq` needs
+    /// when the primary is at `master`: what was written since the save,
+    /// plus what the primary writes during the seeding, times the safety
+    /// factor.
+    pub fn backlog_needed(&self, master: u64, seq: u64, size: u64) -> u64 {
+        let ahead = self.write_rate * self.seconds(size) * self.safety;
+        master.saturating_sub(seq) + ahead.ceil() as u64
+    }
+}
+
 /// Decides from the primary's `INFO replication` whether a replica loading
 /// an RDB saved at (`repl_id`, `seq`) can continue with a partial resync.
 pub fn check_backlog(repl: &Info, repl_id: &str, seq: u64) -> Result<Preflight, RedisError> {
@@ -166,14 +194,54 @@ pub fn check_backlog(repl: &Info, repl_id: &str, seq: u64) -> Result<Preflight, 
     })
 }
 
-/// The source's pre-flight check against its local primary.
+/// The source's pre-flight check against its local primary: M+1 is still
+/// in the backlog, and (the backlog guard) the backlog is large enough to
+/// still hold it when the replica asks, at the write rate measured over
+/// `rate_window`. `served_rate` is the rate this agent last served a
+/// session at, if it has served one.
 pub async fn preflight(
     cfg: &RedisConfig,
     snapshot: &SnapshotInfo,
+    served_rate: Option<u64>,
 ) -> Result<Preflight, RedisError> {
     let repl_id = snapshot.repl_id.as_deref().unwrap_or("");
-    let repl = info(&cfg.primary_addr, &cfg.password, "replication").await?;
-    check_backlog(&repl, repl_id, snapshot.seq)
+    let (addr, password) = (&cfg.primary_addr, &cfg.password);
+    let first = info(addr, password, "replication").await?;
+    let checked = check_backlog(&first, repl_id, snapshot.seq)?;
+    if cfg.rate_window.is_zero() {
+        return Ok(checked);
+    }
+    tokio::time::sleep(cfg.rate_window).await;
+    let repl = info(addr, password, "replication").await?;
+    let checked = check_backlog(&repl, repl_id, snapshot.seq)?;
+    let master = repl.num("master_repl_offset");
+    let written = master.saturating_sub(first.num("master_repl_offset"));
+    let foresight = Foresight {
+        write_rate: written as f64 / cfg.rate_window.as_secs_f64(),
+        transfer_rate: served_rate.unwrap_or(cfg.expected_transfer_rate.as_u64()),
+        load_rate: cfg.expected_load_rate.as_u64(),
+        safety: cfg.backlog_safety,
+    };
+    let needed = foresight.backlog_needed(master, snapshot.seq, snapshot.size);
+    let size = repl.num("repl_backlog_size");
+    if needed > size {
+        return Err(RedisError::Precondition(format!(
+            "the primary writes {:.0} bytes/s; seeding this {}-byte RDB is expected to take {:.1} s (transfer at {} bytes/s, load at {} bytes/s), so with a safety factor of {} its backlog must hold {needed} bytes, and repl-backlog-size is {size}: raise repl-backlog-size to at least {needed} (CONFIG SET repl-backlog-size {needed}) and retry",
+            foresight.write_rate,
+            snapshot.size,
+            foresight.seconds(snapshot.size),
+            foresight.transfer_rate,
+            foresight.load_rate,
+            foresight.safety
+        )));
+    }
+    info!(
+        write_rate = foresight.write_rate,
+        needed,
+        backlog = size,
+        "backlog guard passed"
+    );
+    Ok(checked)
 }
 
 /// Runs `argv` (with placeholders replaced) to completion within `timeout`.
@@ -337,6 +405,25 @@ pub async fn seed(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_backlog_needed_grows_with_the_write_rate_and_the_seeding_time() {
+        let quiet = Foresight {
+            write_rate: 0.0,
+            transfer_rate: 100 << 20,
+            load_rate: 100 << 20,
+            safety: 2.0,
+        };
+        // Only what was written since the save.
+        assert_eq!(quiet.backlog_needed(1_500, 1_000, 1 << 30), 500);
+        assert!((quiet.seconds(1 << 30) - 20.48).abs() < 0.01);
+        // 1 MB/s for 20.48 s, twice over.
+        let busy = Foresight {
+            write_rate: 1e6,
+            ..quiet
+        };
+        assert_eq!(busy.backlog_needed(1_500, 1_000, 1 << 30), 500 + 40_960_000);
+    }
 
     fn repl(first: u64, histlen: u64, master: u64) -> Info {
         Info::parse(&format!(

@@ -210,7 +210,7 @@ fn agent(root: &Path, name: &str, snapshot_dir: &Path, config: &str, env: &[(&st
 /// `[transport]` and `[redis]` of a source watching `primary`.
 fn source_config(primary: &Redis, transport: &str) -> String {
     format!(
-        "[transport]\n{transport}\n[redis]\nprimary_addr = \"{}\"\n",
+        "[transport]\n{transport}\n[redis]\nprimary_addr = \"{}\"\nrate_window = \"300ms\"\n",
         primary.addr()
     )
 }
@@ -848,16 +848,95 @@ fn check_replica_ignores_writes_in_flight_and_finds_exactly_the_planted_keys() {
     // The replica's agent finds them too, on its own, and counts them.
     let config = replica_config(&primary, replica.port, &rdir, TCP).replace(
         "[redis]\n",
-        "[redis]\nconsistency_interval = \"100ms\"\nhealth_interval = \"0s\"\n",
+        "[redis]\nconsistency_interval = \"100ms\"\nconsistency_sample = 100000\nhealth_interval = \"0s\"\n",
     );
     let agent = agent(root, "replica", &root.join("replica-agent"), &config, &[]);
     let series = format!(
         "kvsync_kv_consistency_mismatches_total{{server=\"{}\"}}",
         replica.addr()
     );
-    wait_for(
-        "the agent's check to count the planted keys",
-        DEADLINE,
-        || metric_value(&agent.proc.metrics(), &series).filter(|v| *v >= 3.0),
+    let deadline = std::time::Instant::now() + DEADLINE;
+    while metric_value(&agent.proc.metrics(), &series).is_none_or(|v| v < 3.0) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the agent's check did not count the planted keys:\n{}",
+            agent.proc.log()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn a_primary_writing_faster_than_its_backlog_can_hold_is_refused_before_anything_moves() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let rdir = root.join("replica-redis");
+    let replica_redis = Redis::start(
+        &rdir,
+        &["--pidfile", rdir.join("redis.pid").to_str().unwrap()],
+    );
+    let _: () = replica_redis.cmd(&["SET", "mine", "1"]);
+    let (primary, _) = loaded_primary(&root.join("busy"), "1mb");
+    // A writer keeps the primary busy while the offer is made.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (stop, mut con) = (stop.clone(), primary.con());
+        std::thread::spawn(move || {
+            let mut i = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let _: () = redis::cmd("SET")
+                    .arg(format!("busy:{}", i % 100))
+                    .arg(i)
+                    .query(&mut con)
+                    .unwrap();
+                i += 1;
+            }
+        })
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        // Seeding is expected to run at 1 MiB/s: seconds for this RDB.
+        let slow = "[redis]\nexpected_transfer_rate = \"1MiB\"\nexpected_load_rate = \"1MiB\"\n";
+        let source = agent(
+            root,
+            "source",
+            &primary.dir,
+            &source_config(&primary, TCP).replace("[redis]\n", slow),
+            &[],
+        );
+        let replica = agent(
+            root,
+            "replica",
+            &root.join("replica-agent"),
+            &replica_config(&primary, replica_redis.port, &rdir, TCP),
+            &[],
+        );
+        let seq = kvsync::snapshot::verify_file(&primary.dir.join("dump.rdb"), None)
+            .unwrap()
+            .seq;
+        source.offered(seq).await;
+        let id = start_sync(&replica, &source).await;
+        let p = wait_done(&replica, &id).await;
+        assert_eq!(p.phase, pb::Phase::Failed as i32, "{p:?}");
+        assert!(
+            p.error.contains("FailedPrecondition")
+                && p.error.contains("its backlog must hold")
+                && p.error.contains("CONFIG SET repl-backlog-size"),
+            "{}",
+            p.error
+        );
+        assert_eq!(
+            source.metric("kvsync_snapshot_cache_loads_total"),
+            0.0,
+            "refused before loading"
+        );
+        assert!(replica.temp_files().is_empty());
+    });
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    writer.join().unwrap();
+    assert_eq!(
+        replica_redis.cmd::<String>(&["GET", "mine"]),
+        "1",
+        "the replica's server is untouched"
     );
 }

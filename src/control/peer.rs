@@ -102,7 +102,8 @@ impl PeerService {
             })
         })?;
         let mut chosen = self.choose(format, req.snapshot.as_ref())?;
-        let backlog_bytes_left = redis_preflight(config, &chosen.entry.info).await?;
+        let served_rate = self.sessions.served_rate();
+        let backlog_bytes_left = redis_preflight(config, &chosen.entry.info, served_rate).await?;
         let snapshot = self.hold(&mut chosen).await?;
         let ttl = config.sync.session_token_ttl;
         let id = new_id();
@@ -271,12 +272,16 @@ const MANIFEST_PART: usize = 1 << 20;
 
 /// For an RDB, when the local primary is configured: does its backlog still
 /// hold M+1? Refused with what to do otherwise; the slack left otherwise.
-async fn redis_preflight(config: &Config, info: &SnapshotInfo) -> Result<u64, ApiError> {
+async fn redis_preflight(
+    config: &Config,
+    info: &SnapshotInfo,
+    served_rate: Option<u64>,
+) -> Result<u64, ApiError> {
     let redis = &config.redis;
     if info.format != Format::RedisRdb || redis.primary_addr.is_empty() {
         return Ok(0);
     }
-    match crate::redis::preflight(redis, info).await {
+    match crate::redis::preflight(redis, info, served_rate).await {
         Ok(p) => {
             info!(
                 seq = info.seq,
