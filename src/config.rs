@@ -785,6 +785,20 @@ impl Config {
                 format!("expected host:port, got {:?}", r.primary_addr),
             );
         }
+        if !(r.backlog_safety.is_finite() && r.backlog_safety >= 1.0) {
+            p.bad(
+                "redis.backlog_safety",
+                format!("must be at least 1, got {}", r.backlog_safety),
+            );
+        }
+        for (key, rate) in [
+            ("redis.expected_transfer_rate", r.expected_transfer_rate),
+            ("redis.expected_load_rate", r.expected_load_rate),
+        ] {
+            if rate.as_u64() == 0 {
+                p.bad(key, "must be greater than zero".into());
+            }
+        }
         if h.mode == HandoffMode::Redis {
             self.check_redis_handoff(p);
         }
@@ -1012,6 +1026,9 @@ signal_batch = 8
 mode = "command"
 [cache]
 memory_budget = 0
+[redis]
+backlog_safety = 0.5
+expected_transfer_rate = "0"
 "#,
         )
         .unwrap();
@@ -1025,10 +1042,12 @@ memory_budget = 0
             "transport.signal_batch",
             "handoff.command_addr",
             "cache.memory_budget",
+            "redis.backlog_safety",
+            "redis.expected_transfer_rate",
         ] {
             assert!(keys.contains(&key), "{key} missing from {keys:?}");
         }
-        assert_eq!(problems.len(), 7, "{problems:?}");
+        assert_eq!(problems.len(), 9, "{problems:?}");
     }
 
     fn valid() -> Config {
