@@ -42,7 +42,7 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// Finished fan-outs kept for WatchFanout.
 const KEEP_FINISHED: usize = 32;
 
-/// What a fan-out is asked to do, checked.
+/// What a fan-out is asked to do.
 pub struct Request {
     /// The origin's gRPC address as the replicas reach it.
     pub origin: String,
