@@ -31,7 +31,7 @@ const BATCH: usize = 500;
 /// What a check found.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Report {
-    /// Keys compared.
+    /// Keys sampled (the unsettled ones included).
     pub checked: usize,
     /// Keys whose value differs on the replica (sorted).
     pub mismatches: Vec<String>,
