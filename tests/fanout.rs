@@ -10,6 +10,7 @@ mod common;
 
 use std::process::{Command, Output};
 
+use common::netns::block_on;
 use common::node::*;
 use common::*;
 use kvsync::rpc::pb;
@@ -53,6 +54,24 @@ fn node<'a>(s: &'a serde_json::Value, replica: &Node) -> &'a serde_json::Value {
 /// `[transport]` of agents on the emulated RDMA fabric (an emulation of RC
 /// queue pairs, not hardware).
 const EMULATED: &str = "mode = \"rdma\"\nrdma_provider = \"emulated\"";
+
+/// Waits until a sync running on `node` has received `bytes`.
+async fn receiving(node: &Node, bytes: u64) {
+    let client = node.client().await;
+    wait_for_async(
+        &format!("{} to receive {bytes} bytes", node.grpc()),
+        DEADLINE,
+        || {
+            let mut c = client.clone();
+            async move {
+                let s = c.get_status(pb::GetStatusRequest {}).await.ok()?;
+                let s = s.into_inner();
+                s.running.iter().find(|p| p.bytes_done >= bytes).map(drop)
+            }
+        },
+    )
+    .await;
+}
 
 fn start_nodes(root: &std::path::Path, n: usize, transport: &str, extra: &str) -> Vec<Node> {
     (0..n)
@@ -152,19 +171,7 @@ async fn a_relay_killed_mid_transfer_leaves_its_children_to_resume_from_the_orig
 
     // r2 and r3 pull from r0; once r2 holds a few pieces, r0 dies (while it
     // still receives: it is reported failed, not succeeded, below).
-    let child = replicas[2].client().await;
-    wait_for_async("r2 to receive 4 MiB from r0", DEADLINE, || {
-        let mut c = child.clone();
-        async move {
-            let s = c
-                .get_status(pb::GetStatusRequest {})
-                .await
-                .ok()?
-                .into_inner();
-            s.running.iter().find(|p| p.bytes_done >= 4 * MIB).map(drop)
-        }
-    })
-    .await;
+    receiving(&replicas[2], 4 * MIB).await;
     replicas[0].proc.signal(libc::SIGKILL);
     replicas[0].proc.wait_exit();
 
@@ -244,23 +251,7 @@ fn across_hosts_a_fanout_heals_around_a_killed_relay_with_the_callers_token() {
             .unwrap()
     });
     // r2 and r3 pull from r0 (host 1) across the bridge; r0 dies mid-transfer.
-    hosts.run_in(3, || {
-        block_on(async {
-            let child = replicas[2].client().await;
-            wait_for_async("r2 to receive 4 MiB from r0", DEADLINE, || {
-                let mut c = child.clone();
-                async move {
-                    let s = c
-                        .get_status(pb::GetStatusRequest {})
-                        .await
-                        .ok()?
-                        .into_inner();
-                    s.running.iter().find(|p| p.bytes_done >= 4 * MIB).map(drop)
-                }
-            })
-            .await
-        })
-    });
+    hosts.run_in(3, || block_on(receiving(&replicas[2], 4 * MIB)));
     replicas[0].proc.signal(libc::SIGKILL);
     replicas[0].proc.wait_exit();
     let out = fanout.wait_with_output().unwrap();
@@ -295,13 +286,4 @@ fn across_hosts_a_fanout_heals_around_a_killed_relay_with_the_callers_token() {
     for (i, r) in replicas.iter_mut().enumerate().skip(1) {
         hosts.run_in(i + 1, || r.wait_released());
     }
-}
-
-/// A runtime for async helpers on a namespace thread.
-fn block_on<T>(f: impl std::future::Future<Output = T>) -> T {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-        .block_on(f)
 }

@@ -74,6 +74,12 @@ impl Redis {
         r
     }
 
+    /// A replica's server, standalone until a handoff seeds it (its pidfile
+    /// lets the handoff's start and stop find it).
+    fn standalone_replica(dir: &Path) -> Redis {
+        Redis::start(dir, &["--pidfile", dir.join("redis.pid").to_str().unwrap()])
+    }
+
     fn addr(&self) -> String {
         format!("127.0.0.1:{}", self.port)
     }
@@ -173,6 +179,45 @@ impl Drop for Redis {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
             let _ = c.wait();
+        }
+    }
+}
+
+/// A thread writing to a server until dropped: `write(con, i)` for
+/// i = 0, 1, 2, …
+struct Writer {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Writer {
+    fn start(
+        server: &Redis,
+        mut write: impl FnMut(&mut redis::Connection, u64) + Send + 'static,
+    ) -> Writer {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (stopped, mut con) = (stop.clone(), server.con());
+        let thread = std::thread::spawn(move || {
+            let mut i = 0u64;
+            while !stopped.load(std::sync::atomic::Ordering::Relaxed) {
+                write(&mut con, i);
+                i += 1;
+            }
+        });
+        Writer {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(Err(panic)) = self.thread.take().map(|t| t.join()) {
+            if !std::thread::panicking() {
+                std::panic::resume_unwind(panic);
+            }
         }
     }
 }
@@ -358,10 +403,7 @@ fn seeds_a_replica_with_a_partial_resync(transport: &str, expect: pb::Transport)
 
     // The replica's server runs standalone with data of its own.
     let rdir = root.join("replica-redis");
-    let replica_redis = Redis::start(
-        &rdir,
-        &["--pidfile", rdir.join("redis.pid").to_str().unwrap()],
-    );
+    let replica_redis = Redis::standalone_replica(&rdir);
     let _: () = replica_redis.cmd(&["SET", "stale", "1"]);
     let port = replica_redis.port;
 
@@ -475,10 +517,7 @@ fn refusals_leave_the_replica_server_untouched() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
     let rdir = root.join("replica-redis");
-    let replica_redis = Redis::start(
-        &rdir,
-        &["--pidfile", rdir.join("redis.pid").to_str().unwrap()],
-    );
+    let replica_redis = Redis::standalone_replica(&rdir);
     let _: () = replica_redis.cmd(&["SET", "mine", "1"]);
     let rt = tokio::runtime::Runtime::new().unwrap();
 
@@ -542,10 +581,7 @@ fn a_full_resync_is_a_failed_handoff() {
     let root = dir.path();
     let (primary, _) = loaded_primary(root, "1mb");
     let rdir = root.join("replica-redis");
-    let replica_redis = Redis::start(
-        &rdir,
-        &["--pidfile", rdir.join("redis.pid").to_str().unwrap()],
-    );
+    let replica_redis = Redis::standalone_replica(&rdir);
     // `[redis] stop`: after the transfer, more is written to the primary
     // than its 1 MB backlog holds, then the replica's server is stopped.
     // Its PSYNC from M+1 can only be answered with a full resync.
@@ -804,30 +840,21 @@ fn check_replica_ignores_writes_in_flight_and_finds_exactly_the_planted_keys() {
 
     // A writer keeps changing keys (never back to an old value) while the
     // check runs: in flight, not a mismatch.
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let writer = {
-        let (stop, mut con) = (stop.clone(), primary.con());
-        std::thread::spawn(move || {
-            let mut i = 0u64;
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                let mut p = redis::pipe();
-                for j in 0..50 {
-                    p.cmd("INCR")
-                        .arg(format!("counter:{}", (i * 50 + j) % 300))
-                        .ignore();
-                    p.cmd("SET")
-                        .arg(format!("key:{}", (i * 7 + j) % 3000))
-                        .arg(i)
-                        .ignore();
-                }
-                let _: () = p.query(&mut con).unwrap();
-                i += 1;
-            }
-        })
-    };
+    let writer = Writer::start(&primary, |con, i| {
+        let mut p = redis::pipe();
+        for j in 0..50 {
+            p.cmd("INCR")
+                .arg(format!("counter:{}", (i * 50 + j) % 300))
+                .ignore();
+            p.cmd("SET")
+                .arg(format!("key:{}", (i * 7 + j) % 3000))
+                .arg(i)
+                .ignore();
+        }
+        let _: () = p.query(con).unwrap();
+    });
     let (ok, report) = check_replica(&primary, &replica);
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    writer.join().unwrap();
+    drop(writer);
     assert!(ok, "{report}");
     assert_eq!(report["mismatches"], serde_json::json!([]), "{report}");
     assert!(report["checked"].as_u64().unwrap() >= 3600, "{report}");
@@ -855,15 +882,12 @@ fn check_replica_ignores_writes_in_flight_and_finds_exactly_the_planted_keys() {
         "kvsync_kv_consistency_mismatches_total{{server=\"{}\"}}",
         replica.addr()
     );
-    let deadline = std::time::Instant::now() + DEADLINE;
-    while metric_value(&agent.proc.metrics(), &series).is_none_or(|v| v < 3.0) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the agent's check did not count the planted keys:\n{}",
-            agent.proc.log()
-        );
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
+    wait_metric(
+        &agent,
+        &series,
+        "the agent's check to count the planted keys",
+        |v| v >= 3.0,
+    );
 }
 
 #[test]
@@ -871,28 +895,17 @@ fn a_primary_writing_faster_than_its_backlog_can_hold_is_refused_before_anything
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
     let rdir = root.join("replica-redis");
-    let replica_redis = Redis::start(
-        &rdir,
-        &["--pidfile", rdir.join("redis.pid").to_str().unwrap()],
-    );
+    let replica_redis = Redis::standalone_replica(&rdir);
     let _: () = replica_redis.cmd(&["SET", "mine", "1"]);
     let (primary, _) = loaded_primary(&root.join("busy"), "1mb");
     // A writer keeps the primary busy while the offer is made.
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let writer = {
-        let (stop, mut con) = (stop.clone(), primary.con());
-        std::thread::spawn(move || {
-            let mut i = 0u64;
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                let _: () = redis::cmd("SET")
-                    .arg(format!("busy:{}", i % 100))
-                    .arg(i)
-                    .query(&mut con)
-                    .unwrap();
-                i += 1;
-            }
-        })
-    };
+    let writer = Writer::start(&primary, |con, i| {
+        let _: () = redis::cmd("SET")
+            .arg(format!("busy:{}", i % 100))
+            .arg(i)
+            .query(con)
+            .unwrap();
+    });
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         // Seeding is expected to run at 1 MiB/s: seconds for this RDB.
@@ -932,8 +945,7 @@ fn a_primary_writing_faster_than_its_backlog_can_hold_is_refused_before_anything
         );
         assert!(replica.temp_files().is_empty());
     });
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    writer.join().unwrap();
+    drop(writer);
     assert_eq!(
         replica_redis.cmd::<String>(&["GET", "mine"]),
         "1",

@@ -6,21 +6,12 @@
 
 mod common;
 
-use common::netns::{Hosts, IPS};
+use common::netns::{block_on, Hosts, IPS};
 use common::node::*;
 use common::*;
 use kvsync::rpc::pb;
 
 const EMULATED: &str = "mode = \"auto\"\nrdma_provider = \"emulated\"";
-
-/// A runtime for async helpers on a namespace thread.
-fn block_on<T>(f: impl std::future::Future<Output = T>) -> T {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-        .block_on(f)
-}
 
 /// Starts a sync that prefers `transport` and follows it to its end.
 async fn sync_with(

@@ -49,6 +49,12 @@ fn check_id(id: &str) -> Result<(), Status> {
     Ok(())
 }
 
+/// A request's transport preference, if it is one.
+fn preference(t: i32) -> Result<pb::TransportPreference, Status> {
+    pb::TransportPreference::try_from(t)
+        .map_err(|_| Status::invalid_argument(format!("unknown transport preference {t}")))
+}
+
 /// Catalog entry → wire form.
 pub fn entry_to_pb(e: &CatalogEntry) -> pb::SnapshotEntry {
     pb::SnapshotEntry {
@@ -90,9 +96,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         request: Request<pb::StartFullSyncRequest>,
     ) -> Result<Response<pb::StartFullSyncResponse>, Status> {
         let req = request.into_inner();
-        let preference = pb::TransportPreference::try_from(req.transport).map_err(|_| {
-            Status::invalid_argument(format!("unknown transport preference {}", req.transport))
-        })?;
+        let preference = preference(req.transport)?;
         let probe = &self.data.probe;
         if preference == pb::TransportPreference::Rdma
             && !probe.rdma_available
@@ -134,9 +138,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         let auth = ClientAuth::of(&request);
         let local = request.local_addr();
         let req = request.into_inner();
-        let transport = pb::TransportPreference::try_from(req.transport).map_err(|_| {
-            Status::invalid_argument(format!("unknown transport preference {}", req.transport))
-        })?;
+        let transport = preference(req.transport)?;
         // Unless told otherwise, replicas reach the origin where the caller did.
         let origin = match (req.origin.trim(), local) {
             ("", Some(local)) => local.to_string(),

@@ -137,3 +137,12 @@ impl Drop for Hosts {
         let _ = ip(&["link", "del", &self.bridge]);
     }
 }
+
+/// A runtime for async helpers on a namespace thread.
+pub fn block_on<T>(f: impl std::future::Future<Output = T>) -> T {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(f)
+}
