@@ -18,6 +18,7 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::ServerTlsConfig;
 use tracing::{info, warn};
 
+use crate::backlog::BacklogGuard;
 use crate::cache::SnapshotCache;
 use crate::catalog::Catalog;
 use crate::config::{Config, HandoffMode, RdmaProvider};
@@ -181,6 +182,11 @@ impl RunningAgent {
         let metrics_addr =
             start_metrics(&config, &metrics, &draining, &shutdown, &mut tasks).await?;
         let redis = &config.redis;
+        let backlog = if redis.primary_addr.is_empty() {
+            None
+        } else {
+            Some(BacklogGuard::start(redis.clone(), &config.snapshot_dir, metrics.clone()).await)
+        };
         if let Some(addr) = redis.local_server(config.handoff.mode) {
             if !redis.health_interval.is_zero() {
                 tasks.spawn(crate::kv_health::watch(
@@ -225,6 +231,7 @@ impl RunningAgent {
                 relays: relays.clone(),
                 metrics: metrics.clone(),
                 fanouts,
+                backlog: backlog.clone(),
             },
             peer: PeerService {
                 config: config.clone(),
@@ -234,6 +241,7 @@ impl RunningAgent {
                 data: data.clone(),
                 draining: draining.clone(),
                 relays,
+                backlog,
             },
             auth: ServerAuth::pair(&prepared.tokens, prepared.peer_tokens.as_ref(), &metrics),
         };

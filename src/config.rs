@@ -138,6 +138,12 @@ pub struct RedisConfig {
     pub expected_transfer_rate: ByteSize,
     pub expected_load_rate: ByteSize,
     pub backlog_safety: f64,
+    /// Source: instead of refusing, raise the primary's `repl-backlog-size`
+    /// (`CONFIG SET`) to what a seeding needs, up to `max_backlog`, and put
+    /// the operator's value back once no seeding needs it (Redis 7.0 and
+    /// later, Valkey: older servers lose the backlog on a resize).
+    pub grow_backlog: bool,
+    pub max_backlog: ByteSize,
     /// Replica (handoff mode `redis`): how often a sample of keys is
     /// compared with `primary` (`0s`: never), and how many keys.
     #[serde(with = "humantime_serde")]
@@ -175,6 +181,8 @@ impl Default for RedisConfig {
             expected_transfer_rate: ByteSize::mib(100),
             expected_load_rate: ByteSize::mib(100),
             backlog_safety: 2.0,
+            grow_backlog: false,
+            max_backlog: ByteSize::gib(1),
             consistency_interval: Duration::ZERO,
             consistency_sample: 1000,
         }
@@ -798,6 +806,12 @@ impl Config {
             if rate.as_u64() == 0 {
                 p.bad(key, "must be greater than zero".into());
             }
+        }
+        if r.grow_backlog && r.max_backlog.as_u64() == 0 {
+            p.bad(
+                "redis.max_backlog",
+                "must be greater than zero when redis.grow_backlog is on".into(),
+            );
         }
         if h.mode == HandoffMode::Redis {
             self.check_redis_handoff(p);

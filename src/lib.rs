@@ -32,6 +32,8 @@
 //! - [`handoff`] — handing the snapshot's sequence number to the local KV.
 //! - [`redis`] — Redis/Valkey: the source's backlog pre-flight and the
 //!   replica's seeding handoff.
+//! - [`backlog`] — the source's hold on its primary's replication backlog
+//!   while seedings run (refuse, or grow and restore; watch).
 //! - [`kv_health`] — the local KV server's replication health as metrics.
 //! - [`kv_check`] — comparing a replica's keys with its primary's.
 //! - [`metrics`] — every Prometheus handle and the `/metrics` endpoint.
@@ -40,6 +42,7 @@
 
 pub mod agent;
 pub mod arrivals;
+pub mod backlog;
 pub mod blk3;
 pub mod buf;
 pub mod cache;

@@ -108,6 +108,9 @@ pub struct Metrics {
     pub kv_full_syncs: IntCounterVec,
     pub kv_partial_syncs: IntCounterVec,
     pub kv_consistency_mismatches: IntCounterVec,
+    // The backlog guard (`backlog`), by the primary's address.
+    pub kv_backlog_grown_bytes: IntGaugeVec,
+    pub kv_backlog_at_risk: IntCounterVec,
     pub transport_fallback: IntCounterVec,
 }
 
@@ -316,6 +319,20 @@ impl Metrics {
                 Opts::new(
                     "kvsync_kv_consistency_mismatches_total",
                     "Sampled keys whose value on the local replica differed from its primary's (periodic consistency check)"
+                ),
+                &["server"]
+            )),
+            kv_backlog_grown_bytes: reg!(IntGaugeVec::new(
+                Opts::new(
+                    "kvsync_kv_backlog_grown_bytes",
+                    "The repl-backlog-size this agent set on the local primary for running seedings (0: the operator's own value is in force)"
+                ),
+                &["server"]
+            )),
+            kv_backlog_at_risk: reg!(IntCounterVec::new(
+                Opts::new(
+                    "kvsync_kv_backlog_at_risk_total",
+                    "Seedings during which the local primary's backlog was about to lose, or lost, the offset the replica will ask for"
                 ),
                 &["server"]
             )),

@@ -194,54 +194,112 @@ pub fn check_backlog(repl: &Info, repl_id: &str, seq: u64) -> Result<Preflight, 
     })
 }
 
-/// The source's pre-flight check against its local primary: M+1 is still
-/// in the backlog, and (the backlog guard) the backlog is large enough to
-/// still hold it when the replica asks, at the write rate measured over
-/// `rate_window`. `served_rate` is the rate this agent last served a
-/// session at, if it has served one.
-pub async fn preflight(
+/// What the backlog guard measured on the local primary.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sizing {
+    /// M+1 is still in the backlog, with this much slack.
+    pub checked: Preflight,
+    /// The backlog the seeding needs, and the one the primary has.
+    pub needed: u64,
+    pub size: u64,
+    pub foresight: Foresight,
+}
+
+impl Sizing {
+    /// Why the backlog is too small, with the figures behind it.
+    pub fn shortfall(&self, rdb_size: u64) -> String {
+        let f = &self.foresight;
+        format!(
+            "the primary writes {:.0} bytes/s; seeding this {rdb_size}-byte RDB is expected to take {:.1} s (transfer at {} bytes/s, load at {} bytes/s), so with a safety factor of {} its backlog must hold {} bytes, and repl-backlog-size is {}",
+            f.write_rate,
+            f.seconds(rdb_size),
+            f.transfer_rate,
+            f.load_rate,
+            f.safety,
+            self.needed,
+            self.size
+        )
+    }
+}
+
+/// The source's pre-flight measurement of its local primary: M+1 is still
+/// in the backlog (or an error says why not), and the backlog a seeding
+/// needs to still hold it when the replica asks, at the write rate measured
+/// over `rate_window`. `served_rate` is the rate this agent last served a
+/// session at, if it has served one. Whether a shortfall is refused or
+/// the backlog grown is the guard's business (`backlog`).
+pub async fn measure(
     cfg: &RedisConfig,
     snapshot: &SnapshotInfo,
     served_rate: Option<u64>,
-) -> Result<Preflight, RedisError> {
+) -> Result<Sizing, RedisError> {
     let repl_id = snapshot.repl_id.as_deref().unwrap_or("");
     let (addr, password) = (&cfg.primary_addr, &cfg.password);
     let first = info(addr, password, "replication").await?;
-    let checked = check_backlog(&first, repl_id, snapshot.seq)?;
-    if cfg.rate_window.is_zero() {
-        return Ok(checked);
+    let mut repl = first.clone();
+    let mut checked = check_backlog(&first, repl_id, snapshot.seq)?;
+    if !cfg.rate_window.is_zero() {
+        tokio::time::sleep(cfg.rate_window).await;
+        repl = info(addr, password, "replication").await?;
+        checked = check_backlog(&repl, repl_id, snapshot.seq)?;
     }
-    tokio::time::sleep(cfg.rate_window).await;
-    let repl = info(addr, password, "replication").await?;
-    let checked = check_backlog(&repl, repl_id, snapshot.seq)?;
     let master = repl.num("master_repl_offset");
     let written = master.saturating_sub(first.num("master_repl_offset"));
     let foresight = Foresight {
-        write_rate: written as f64 / cfg.rate_window.as_secs_f64(),
+        write_rate: written as f64 / cfg.rate_window.as_secs_f64().max(1e-3),
         transfer_rate: served_rate.unwrap_or(cfg.expected_transfer_rate.as_u64()),
         load_rate: cfg.expected_load_rate.as_u64(),
         safety: cfg.backlog_safety,
     };
-    let needed = foresight.backlog_needed(master, snapshot.seq, snapshot.size);
-    let size = repl.num("repl_backlog_size");
-    if needed > size {
-        return Err(RedisError::Precondition(format!(
-            "the primary writes {:.0} bytes/s; seeding this {}-byte RDB is expected to take {:.1} s (transfer at {} bytes/s, load at {} bytes/s), so with a safety factor of {} its backlog must hold {needed} bytes, and repl-backlog-size is {size}: raise repl-backlog-size to at least {needed} (CONFIG SET repl-backlog-size {needed}) and retry",
-            foresight.write_rate,
-            snapshot.size,
-            foresight.seconds(snapshot.size),
-            foresight.transfer_rate,
-            foresight.load_rate,
-            foresight.safety
-        )));
-    }
-    info!(
-        write_rate = foresight.write_rate,
-        needed,
-        backlog = size,
-        "backlog guard passed"
-    );
-    Ok(checked)
+    Ok(Sizing {
+        checked,
+        needed: foresight.backlog_needed(master, snapshot.seq, snapshot.size),
+        size: repl.num("repl_backlog_size"),
+        foresight,
+    })
+}
+
+/// The server's `repl-backlog-size`.
+pub async fn backlog_size(addr: &str, password: &str) -> Result<u64, RedisError> {
+    let mut con = connect(addr, password).await?;
+    let pair: Vec<String> = redis::cmd("CONFIG")
+        .arg("GET")
+        .arg("repl-backlog-size")
+        .query_async(&mut con)
+        .await
+        .map_err(|e| server_err(addr, e))?;
+    pair.get(1).and_then(|v| v.parse().ok()).ok_or_else(|| {
+        server_err(
+            addr,
+            format!("CONFIG GET repl-backlog-size answered {pair:?}"),
+        )
+    })
+}
+
+/// Sets the server's `repl-backlog-size` to `bytes`.
+pub async fn set_backlog_size(addr: &str, password: &str, bytes: u64) -> Result<(), RedisError> {
+    let mut con = connect(addr, password).await?;
+    redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("repl-backlog-size")
+        .arg(bytes)
+        .query_async::<()>(&mut con)
+        .await
+        .map_err(|e| server_err(addr, e))
+}
+
+/// Whether the server described by `INFO server` keeps its backlog's
+/// history when `repl-backlog-size` changes: Redis 7.0 and later (its
+/// backlog shares the replication buffer), and every Valkey (which reports
+/// a `redis_version` of 7.2). Older servers free the backlog on a resize.
+pub fn resize_keeps_history(server: &Info) -> bool {
+    let version = server.get("redis_version").unwrap_or("");
+    let major: u64 = version
+        .split('.')
+        .next()
+        .and_then(|m| m.parse().ok())
+        .unwrap_or(0);
+    major >= 7 || server.get("valkey_version").is_some()
 }
 
 /// Runs `argv` (with placeholders replaced) to completion within `timeout`.
@@ -438,6 +496,17 @@ mod tests {
         // The previous id still works up to second_repl_offset.
         assert!(check_backlog(&repl(1, 500, 500), "bbbb", 50).is_ok());
         assert!(check_backlog(&repl(1, 500, 500), "bbbb", 200).is_err());
+    }
+
+    #[test]
+    fn only_servers_that_keep_the_backlog_on_a_resize_may_be_grown() {
+        let server = |v: &str| Info::parse(&format!("# Server\r\n{v}\r\n"));
+        assert!(resize_keeps_history(&server("redis_version:7.0.15")));
+        assert!(resize_keeps_history(&server(
+            "redis_version:7.2.4\r\nvalkey_version:8.0.1"
+        )));
+        assert!(!resize_keeps_history(&server("redis_version:6.2.14")));
+        assert!(!resize_keeps_history(&server("")));
     }
 
     #[test]

@@ -220,6 +220,7 @@ async fn run(case: Case, wire: Wire, dir: &Path, tls: &Tls) -> Run {
         tls: wire == Wire::Tls,
         expires: Instant::now() + DEADLINE,
         origin: None,
+        backlog: None,
     };
     let admitted = sessions.admit("replica@127.0.0.1").unwrap();
     let mut token = sessions.insert(offer, admitted);

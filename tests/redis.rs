@@ -498,17 +498,51 @@ async fn source_and_replica(
         &source_config(primary, transport),
         env,
     );
-    let replica = agent(
+    let replica = replica_agent(root, tag, primary, (port, rdir), transport);
+    let seq = offered_rdb(&source, primary).await;
+    (source, replica, seq)
+}
+
+/// A replica agent (named with `tag`) that seeds the server on `port`
+/// (its files in `rdir`) from `primary`.
+fn replica_agent(
+    root: &Path,
+    tag: &str,
+    primary: &Redis,
+    (port, rdir): (u16, &Path),
+    transport: &str,
+) -> Node {
+    agent(
         root,
         &format!("replica{tag}"),
         &root.join(format!("replica-agent{tag}")),
         &replica_config(primary, port, rdir, transport),
         &[],
-    );
+    )
+}
+
+/// Waits until `source` offers `primary`'s RDB; its M.
+async fn offered_rdb(source: &Node, primary: &Redis) -> u64 {
     let seq = kvsync::snapshot::verify_file(&primary.dir.join("dump.rdb"), None)
         .unwrap()
         .seq;
     source.offered(seq).await;
+    seq
+}
+
+/// A source agent on `primary`'s dir with `source` config, and a replica
+/// agent seeding the server on `port` over TCP, once the source offers the
+/// primary's RDB; with the RDB's M.
+async fn seeding(
+    root: &Path,
+    primary: &Redis,
+    source: &str,
+    port: u16,
+    rdir: &Path,
+) -> (Node, Node, u64) {
+    let source = agent(root, "source", &primary.dir, source, &[]);
+    let replica = replica_agent(root, "", primary, (port, rdir), TCP);
+    let seq = offered_rdb(&source, primary).await;
     (source, replica, seq)
 }
 
@@ -611,10 +645,7 @@ fn a_full_resync_is_a_failed_handoff() {
             &[],
         );
         let replica = agent(root, "replica", &root.join("replica-agent"), &config, &[]);
-        let seq = kvsync::snapshot::verify_file(&primary.dir.join("dump.rdb"), None)
-            .unwrap()
-            .seq;
-        source.offered(seq).await;
+        let seq = offered_rdb(&source, &primary).await;
         let id = start_sync(&replica, &source).await;
         let p = wait_done(&replica, &id).await;
         assert_eq!(p.phase, pb::Phase::Failed as i32);
@@ -910,31 +941,22 @@ fn a_primary_writing_faster_than_its_backlog_can_hold_is_refused_before_anything
     rt.block_on(async {
         // Seeding is expected to run at 1 MiB/s: seconds for this RDB.
         let slow = "[redis]\nexpected_transfer_rate = \"1MiB\"\nexpected_load_rate = \"1MiB\"\n";
-        let source = agent(
+        let (source, replica, _) = seeding(
             root,
-            "source",
-            &primary.dir,
+            &primary,
             &source_config(&primary, TCP).replace("[redis]\n", slow),
-            &[],
-        );
-        let replica = agent(
-            root,
-            "replica",
-            &root.join("replica-agent"),
-            &replica_config(&primary, replica_redis.port, &rdir, TCP),
-            &[],
-        );
-        let seq = kvsync::snapshot::verify_file(&primary.dir.join("dump.rdb"), None)
-            .unwrap()
-            .seq;
-        source.offered(seq).await;
+            replica_redis.port,
+            &rdir,
+        )
+        .await;
         let id = start_sync(&replica, &source).await;
         let p = wait_done(&replica, &id).await;
         assert_eq!(p.phase, pb::Phase::Failed as i32, "{p:?}");
         assert!(
             p.error.contains("FailedPrecondition")
                 && p.error.contains("its backlog must hold")
-                && p.error.contains("CONFIG SET repl-backlog-size"),
+                && p.error.contains("CONFIG SET repl-backlog-size")
+                && p.error.contains("grow_backlog = true"),
             "{}",
             p.error
         );
@@ -951,4 +973,191 @@ fn a_primary_writing_faster_than_its_backlog_can_hold_is_refused_before_anything
         "1",
         "the replica's server is untouched"
     );
+}
+
+/// The primary's `repl-backlog-size`.
+fn backlog_size(primary: &Redis) -> u64 {
+    let pair: Vec<String> = primary.cmd(&["CONFIG", "GET", "repl-backlog-size"]);
+    pair[1].parse().unwrap()
+}
+
+/// A writer setting 50 keys of 1 KiB (`seeding:<n>`) every 50 ms, about
+/// 1 MB/s: a 1 MB backlog holding M+1 overruns within a second, sooner
+/// than a seeding of a few MB at a few MiB/s ends, but after the offer.
+fn steady_writer(primary: &Redis) -> Writer {
+    let value = "w".repeat(1024);
+    Writer::start(primary, move |con, i| {
+        let mut p = redis::pipe();
+        for j in 0..50 {
+            p.cmd("SET")
+                .arg(format!("seeding:{}", i * 50 + j))
+                .arg(&value)
+                .ignore();
+        }
+        let _: () = p.query(con).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    })
+}
+
+/// A source that grows the backlog, its transfers held to `rate`.
+fn growing_source(primary: &Redis, rate: &str) -> String {
+    format!(
+        "rate_limit = \"{rate}\"\n{}grow_backlog = true\nexpected_transfer_rate = \"{rate}\"\n",
+        source_config(primary, TCP)
+    )
+}
+
+#[test]
+fn a_backlog_too_small_for_the_writes_during_a_seeding_is_grown_then_restored() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let (primary, _) = loaded_primary(root, "1mb");
+    let original = backlog_size(&primary);
+    let rdir = root.join("replica-redis");
+    let replica_redis = Redis::standalone_replica(&rdir);
+    let port = replica_redis.port;
+    let stats = primary.info("stats");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let writer = rt.block_on(async {
+        let (source, replica, seq) = seeding(
+            root,
+            &primary,
+            &growing_source(&primary, "2MiB"),
+            port,
+            &rdir,
+        )
+        .await;
+        let writer = steady_writer(&primary);
+        let p = sync_ok(&replica, &source).await;
+        assert!(p.handoff.contains("partial resync accepted"), "{p:?}");
+        let written = primary.info("replication").num("master_repl_offset") - seq;
+        assert!(
+            written > original,
+            "the writes during the seeding ({written} bytes) overran the operator's backlog"
+        );
+        let log = source.proc.log();
+        assert!(
+            log.contains("raised the primary's repl-backlog-size"),
+            "{log}"
+        );
+        // The replica's report ended the lease: the operator's value is back.
+        assert_eq!(backlog_size(&primary), original, "{log}");
+        assert!(!primary.dir.join(kvsync::backlog::RECORD).exists());
+        assert_eq!(
+            source.metric(&format!(
+                "kvsync_kv_backlog_grown_bytes{{server=\"{}\"}}",
+                primary.addr()
+            )),
+            0.0
+        );
+        writer
+    });
+    drop(writer);
+    let after = primary.info("stats");
+    assert_eq!(after.num("sync_full"), stats.num("sync_full"));
+    assert_eq!(
+        after.num("sync_partial_ok"),
+        stats.num("sync_partial_ok") + 1
+    );
+    // Every key written during the seeding reached the replica.
+    let written: u64 = primary.cmd(&["DBSIZE"]);
+    wait_for("the replica to catch up", DEADLINE, || {
+        (replica_redis.cmd::<u64>(&["DBSIZE"]) == written).then_some(())
+    });
+    let last: Vec<String> = primary.cmd(&["KEYS", "seeding:*"]);
+    assert!(last.len() > 1000, "the writer ran during the seeding");
+    for key in last.iter().step_by(97) {
+        assert_eq!(
+            replica_redis.cmd::<Option<String>>(&["GET", key]),
+            primary.cmd::<Option<String>>(&["GET", key]),
+            "{key}"
+        );
+    }
+}
+
+#[test]
+fn an_agent_killed_holding_a_grown_backlog_restores_it_when_it_starts_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let (primary, _) = loaded_primary(root, "1mb");
+    let original = backlog_size(&primary);
+    let rdir = root.join("replica-redis");
+    let replica_redis = Redis::standalone_replica(&rdir);
+    let _: () = replica_redis.cmd(&["SET", "mine", "1"]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        // Slow enough that the source dies mid-transfer.
+        let config = growing_source(&primary, "1MiB");
+        let (mut source, replica, _) =
+            seeding(root, &primary, &config, replica_redis.port, &rdir).await;
+        let writer = steady_writer(&primary);
+        let id = start_sync(&replica, &source).await;
+        wait_for("the backlog to grow", DEADLINE, || {
+            (backlog_size(&primary) > original).then_some(())
+        });
+        assert!(primary.dir.join(kvsync::backlog::RECORD).exists());
+        source.proc.signal(libc::SIGKILL);
+        source.proc.wait_exit();
+        let p = wait_done(&replica, &id).await;
+        assert_eq!(p.phase, pb::Phase::Failed as i32, "{p:?}");
+        assert!(backlog_size(&primary) > original, "nobody restored it yet");
+
+        let _again = agent(root, "source", &primary.dir, &config, &[]);
+        wait_for(
+            "the restarted agent to restore the backlog",
+            DEADLINE,
+            || (backlog_size(&primary) == original).then_some(()),
+        );
+        assert!(!primary.dir.join(kvsync::backlog::RECORD).exists());
+        assert!(replica.temp_files().is_empty());
+        drop(writer);
+    });
+    assert_eq!(replica_redis.cmd::<String>(&["GET", "mine"]), "1");
+}
+
+#[test]
+fn a_burst_of_writes_that_pushes_m_out_of_the_backlog_is_reported_before_the_handoff() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let (primary, _) = loaded_primary(root, "1mb");
+    let rdir = root.join("replica-redis");
+    let replica_redis = Redis::standalone_replica(&rdir);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        // The primary is quiet when the offer is made: the guard passes.
+        let config = format!("rate_limit = \"1MiB\"\n{}", source_config(&primary, TCP));
+        let (source, replica, seq) =
+            seeding(root, &primary, &config, replica_redis.port, &rdir).await;
+        let id = start_sync(&replica, &source).await;
+        wait_for_async("the transfer to begin", DEADLINE, || async {
+            let s = replica.status().await;
+            s.running.iter().find(|p| p.bytes_done > 0).map(drop)
+        })
+        .await;
+        // Then 2 MB are written: M+1 leaves the 1 MB backlog.
+        primary.fill("burst", 2_000, &"b".repeat(1024));
+        let warning = wait_for_async("the source to warn", DEADLINE, || async {
+            source.status().await.warnings.into_iter().next()
+        })
+        .await;
+        assert!(
+            warning.contains(&format!("lost offset {}", seq + 1)),
+            "{warning}"
+        );
+        assert!(
+            replica.status().await.running.len() == 1,
+            "warned while the transfer still runs"
+        );
+        let series = format!(
+            "kvsync_kv_backlog_at_risk_total{{server=\"{}\"}}",
+            primary.addr()
+        );
+        assert_eq!(source.metric(&series), 1.0);
+        assert!(source.proc.log().contains("full resync"));
+        // The handoff then meets the full resync it was warned of.
+        let p = wait_done(&replica, &id).await;
+        assert_eq!(p.phase, pb::Phase::Failed as i32, "{p:?}");
+        assert!(p.error.contains("FULL resync"), "{}", p.error);
+        assert!(source.status().await.warnings.is_empty());
+    });
 }

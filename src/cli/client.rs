@@ -363,6 +363,7 @@ pub async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
                 let id = r.snapshot.unwrap_or_default();
                 json!({ "seq": id.seq, "size": id.size, "checksum": id.checksum, "origin_node_id": r.origin_node_id, "state": r.state })
             }).collect::<Vec<_>>(),
+            "warnings": s.warnings,
         });
         println!("{v}");
         return Ok(ExitCode::SUCCESS);
@@ -383,6 +384,9 @@ pub async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
             "relaying seq {} ({} bytes) of {} ({}); {} bytes relayed so far",
             id.seq, id.size, r.origin_node_id, r.state, s.relay_bytes
         );
+    }
+    for w in &s.warnings {
+        println!("WARNING: {w}");
     }
     println!("\nlatest snapshots:");
     if s.latest_snapshots.is_empty() {

@@ -35,6 +35,8 @@ pub struct OrchestratorService {
     pub metrics: Arc<crate::metrics::Metrics>,
     /// The fan-outs this agent runs as their origin.
     pub fanouts: Arc<FanoutManager>,
+    /// The local primary's backlog guard, for its warnings.
+    pub backlog: Option<Arc<crate::backlog::BacklogGuard>>,
 }
 
 /// Longest accepted sync id.
@@ -193,6 +195,11 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             data_tcp_endpoint: data.tcp.to_string(),
             relaying: self.relays.list(),
             relay_bytes: self.metrics.relay_bytes.get(),
+            warnings: self
+                .backlog
+                .as_ref()
+                .map(|b| b.warnings())
+                .unwrap_or_default(),
         }))
     }
 

@@ -13,6 +13,7 @@ use tonic::{Request, Response, Status};
 use tracing::{info, warn};
 
 use super::ApiError;
+use crate::backlog::{BacklogGuard, Lease};
 use crate::cache::{CacheError, CacheRef, RelayFeed, SnapshotCache};
 use crate::catalog::{Catalog, CatalogEntry};
 use crate::config::{Config, DataTls};
@@ -62,9 +63,44 @@ pub struct PeerService {
     pub draining: CancellationToken,
     /// What this agent relays from other agents.
     pub relays: Arc<RelayTable>,
+    /// The local primary's backlog, when `[redis] primary_addr` is set.
+    pub backlog: Option<Arc<BacklogGuard>>,
 }
 
 impl PeerService {
+    /// For an RDB, when the local primary is configured: the backlog guard's
+    /// lease for session `id` (refused with what to do when the backlog
+    /// cannot hold M+1 through the seeding), and the slack it has now.
+    async fn lease_backlog(
+        &self,
+        id: &str,
+        info: &SnapshotInfo,
+    ) -> Result<(Option<Lease>, u64), ApiError> {
+        let Some(guard) = self
+            .backlog
+            .as_ref()
+            .filter(|_| info.format == Format::RedisRdb)
+        else {
+            return Ok((None, 0));
+        };
+        match guard.lease(id, info, self.sessions.served_rate()).await {
+            Ok((lease, p)) => {
+                info!(
+                    seq = info.seq,
+                    backlog_bytes_left = p.backlog_bytes_left,
+                    "redis pre-flight passed"
+                );
+                Ok((Some(lease), p.backlog_bytes_left))
+            }
+            Err(e @ crate::redis::RedisError::Precondition(_)) => {
+                Err(ApiError::FailedPrecondition(e.to_string()))
+            }
+            Err(e) => Err(ApiError::FailedPrecondition(format!(
+                "cannot check the primary's replication backlog: {e}"
+            ))),
+        }
+    }
+
     /// `local` is the address the replica reached us on, `remote` the
     /// replica's.
     async fn offer(
@@ -102,11 +138,10 @@ impl PeerService {
             })
         })?;
         let mut chosen = self.choose(format, req.snapshot.as_ref())?;
-        let served_rate = self.sessions.served_rate();
-        let backlog_bytes_left = redis_preflight(config, &chosen.entry.info, served_rate).await?;
+        let id = new_id();
+        let (backlog, backlog_bytes_left) = self.lease_backlog(&id, &chosen.entry.info).await?;
         let snapshot = self.hold(&mut chosen).await?;
         let ttl = config.sync.session_token_ttl;
-        let id = new_id();
         let replica = if req.replica_node_id.is_empty() {
             "unnamed".to_string()
         } else {
@@ -121,6 +156,7 @@ impl PeerService {
             tls,
             expires: Instant::now() + ttl,
             origin: chosen.origin.clone(),
+            backlog,
         };
         let token = self.sessions.insert(offer, admitted);
         let endpoint = match (transport, self.data.rdma) {
@@ -270,35 +306,6 @@ struct Chosen {
 /// Bytes per part of a streamed manifest.
 const MANIFEST_PART: usize = 1 << 20;
 
-/// For an RDB, when the local primary is configured: does its backlog still
-/// hold M+1? Refused with what to do otherwise; the slack left otherwise.
-async fn redis_preflight(
-    config: &Config,
-    info: &SnapshotInfo,
-    served_rate: Option<u64>,
-) -> Result<u64, ApiError> {
-    let redis = &config.redis;
-    if info.format != Format::RedisRdb || redis.primary_addr.is_empty() {
-        return Ok(0);
-    }
-    match crate::redis::preflight(redis, info, served_rate).await {
-        Ok(p) => {
-            info!(
-                seq = info.seq,
-                backlog_bytes_left = p.backlog_bytes_left,
-                "redis pre-flight passed"
-            );
-            Ok(p.backlog_bytes_left)
-        }
-        Err(e @ crate::redis::RedisError::Precondition(_)) => {
-            Err(ApiError::FailedPrecondition(e.to_string()))
-        }
-        Err(e) => Err(ApiError::FailedPrecondition(format!(
-            "cannot check the primary's replication backlog: {e}"
-        ))),
-    }
-}
-
 /// Whether the TCP data path is encrypted: when both ends can. A source
 /// that requires it refuses a replica that cannot.
 fn data_tls(config: &Config, req: &pb::OpenFullSyncRequest) -> Result<bool, ApiError> {
@@ -408,6 +415,9 @@ impl pb::peer_server::Peer for PeerService {
                 "session_id longer than {MAX_NAME} bytes"
             ))
             .into());
+        }
+        if let Some(guard) = &self.backlog {
+            guard.release(&r.session_id).await;
         }
         if r.ok {
             info!(session = %r.session_id, "replica reports success");

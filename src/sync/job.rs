@@ -217,17 +217,15 @@ async fn attempt(ctx: &JobContext) -> Result<(), JobError> {
         })?;
     let mut peer = pb::peer_client::PeerClient::new(channel);
     let (offer, received) = receive(ctx, &mut peer, &plan).await?;
-    let installed = install(ctx, &offer, received).await?;
-    hand_off(ctx, &offer, installed).await?;
-    // Tell the source (best effort; the sync already succeeded).
-    let _ = peer
-        .report_result(pb::ReportResultRequest {
-            session_id: offer.session_id,
-            ok: true,
-            error: String::new(),
-        })
-        .await;
-    Ok(())
+    let done = async {
+        let installed = install(ctx, &offer, received).await?;
+        hand_off(ctx, &offer, installed).await
+    }
+    .await;
+    // A Redis primary's source holds its backlog until it hears.
+    let error = done.as_ref().err().map(|e| e.to_string());
+    report(&mut peer, &offer, error.as_deref()).await;
+    done
 }
 
 /// Which transport an attempt asks for, and whether it may fall back.
@@ -376,10 +374,16 @@ fn check_offer(ctx: &JobContext, offer: &pb::SyncOffer) -> Result<(), JobError> 
 /// Hands an offer back to its source (best effort, briefly), so it
 /// releases the snapshot at once instead of when the token expires.
 async fn decline(peer: &mut PeerClient, offer: &pb::SyncOffer, why: &str) {
+    report(peer, offer, Some(why)).await;
+}
+
+/// Tells the source how its offer ended, `error` or success (best effort,
+/// briefly).
+async fn report(peer: &mut PeerClient, offer: &pb::SyncOffer, error: Option<&str>) {
     let report = peer.report_result(pb::ReportResultRequest {
         session_id: offer.session_id.clone(),
-        ok: false,
-        error: why.chars().take(1024).collect(),
+        ok: error.is_none(),
+        error: error.unwrap_or("").chars().take(1024).collect(),
     });
     let _ = tokio::time::timeout(Duration::from_secs(5), report).await;
 }

@@ -51,6 +51,8 @@ pub struct Offer {
     pub expires: Instant,
     /// The agent whose snapshot this is, when this agent relays it.
     pub origin: Option<String>,
+    /// The primary's backlog, held for a Redis seeding.
+    pub backlog: Option<crate::backlog::Lease>,
 }
 
 /// One unit of a counter, held until dropped.
