@@ -13,6 +13,10 @@
 # primary forks (kvsync / Redis) | primary copy-on-write (kvsync / Redis).
 # Usage: scripts/redis-seed-demo.sh [KEYS=100000] [SIZE=100]
 #        (1 GB dataset: scripts/redis-seed-demo.sh 10000000 100)
+# Under write load: WRITE_RATE=<bytes/s> runs a writer (examples/redis_writer,
+# 1 KiB values) against the primary from just before the kvsync seeding to
+# the end, through both seedings; BACKLOG (default 256mb) sets the primary's repl-backlog-size,
+# and the source agent may grow it ([redis] grow_backlog).
 # KVSYNC_BIN=path uses that kvsync binary instead of building a release one.
 # Everything it starts (servers, agents) is stopped when it exits.
 set -euo pipefail
@@ -20,11 +24,16 @@ cd "$(dirname "$0")/.."
 keys=${1:-100000}
 size=${2:-100}
 bash scripts/deps.sh redis-server bc
+write_rate=${WRITE_RATE:-0}
+backlog=${BACKLOG:-256mb}
 if [ -n "${KVSYNC_BIN:-}" ]; then
     bin=$KVSYNC_BIN
 else
     cargo build --locked --release --quiet
     bin=$PWD/target/release/kvsync
+fi
+if [ "$write_rate" != 0 ]; then
+    cargo build --locked --release --quiet --example redis_writer
 fi
 work=$(mktemp -d "${TMPDIR:-/tmp}/kvsync-redis.XXXXXX")
 cleanup() {
@@ -60,7 +69,7 @@ now() { date +%s.%N; }
 
 echo "== primary: $keys keys of $size bytes"
 # No diskless-sync delay: Redis's own full sync starts at once (fair timing).
-server primary $P --repl-backlog-size 256mb --repl-diskless-sync-delay 0 --enable-debug-command yes
+server primary $P --repl-backlog-size "$backlog" --repl-diskless-sync-delay 0 --enable-debug-command yes
 server helper $H --replicaof 127.0.0.1 $P   # a replica once: the backlog exists
 wait_link $H
 redis-cli -p $H shutdown nosave >/dev/null 2>&1 || true
@@ -98,7 +107,8 @@ snapshot_dir = \"$work/primary\"
 snapshot_format = \"redis-rdb\"
 $common
 [redis]
-primary_addr = \"127.0.0.1:$P\"")
+primary_addr = \"127.0.0.1:$P\"
+grow_backlog = true")
 mkdir -p "$work/replica-agent" "$work/a"
 dst=$(agent replica "node_id = \"replica\"
 snapshot_dir = \"$work/replica-agent\"
@@ -116,13 +126,18 @@ start = [\"redis-server\", \"--port\", \"$A\", \"--bind\", \"127.0.0.1\", \"--di
 server a $A   # the replica's server, standalone until seeded
 for _ in $(seq 400); do "$bin" snapshots --agent "$src" | grep -q dump.rdb && break; sleep 0.05; done
 
+load=""
+if [ "$write_rate" != 0 ]; then
+    target/release/examples/redis_writer "127.0.0.1:$P" "$write_rate" 1024 &
+    load=", writer $((write_rate / 1048576)) MiB/s, backlog $backlog"
+fi
 stats() { echo "sync_full=$(field $P stats sync_full) sync_partial_ok=$(field $P stats sync_partial_ok) total_forks=$(field $P stats total_forks)"; }
 echo "== kvsync seeding (primary before: $(stats))"
 forks0=$(field $P stats total_forks)
 t0=$(now)
 "$bin" sync --agent "$dst" --source "$src" --wait --json
 t1=$(now)
-echo "primary after: $(stats)"
+echo "primary after: $(stats); repl-backlog-size $(redis-cli -p $P config get repl-backlog-size | tail -1)"
 seed_s=$(echo "$t1 - $t0" | bc)
 seed_forks=$(( $(field $P stats total_forks) - forks0 ))
 
@@ -140,6 +155,6 @@ cow_mib=$(( $(field $P persistence rdb_last_cow_size) / 1048576 ))
 echo "== keys: primary $(redis-cli -p $P dbsize), kvsync-seeded $(redis-cli -p $A dbsize), full-synced $(redis-cli -p $B dbsize)"
 rdb_mib=$(( $(stat -c %s "$work/primary/dump.rdb") / 1048576 ))
 awk -v s="$seed_s" -v f="$full_s" -v k="$keys" -v z="$size" -v r="$rdb_mib" -v m="$dataset_mib" -v c="$(nproc)" \
-    -v sf="$seed_forks" -v ff="$full_forks" -v cow="$cow_mib" 'BEGIN {
-    printf "| %d keys x %d B (used_memory %d MiB, RDB %d MiB) | %.2f s | %.2f s | %.2f | %d / %d | 0 / %d MiB | %d cores |\n",
-        k, z, m, r, s, f, s/f, sf, ff, cow, c }'
+    -v sf="$seed_forks" -v ff="$full_forks" -v cow="$cow_mib" -v load="$load" 'BEGIN {
+    printf "| %d keys x %d B (used_memory %d MiB, RDB %d MiB)%s | %.2f s | %.2f s | %.2f | %d / %d | 0 / %d MiB | %d cores |\n",
+        k, z, m, r, load, s, f, s/f, sf, ff, cow, c }'

@@ -16,6 +16,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -43,12 +44,17 @@ struct Record {
     repl_backlog_size: u64,
 }
 
-#[derive(Default)]
 struct State {
     /// The operator's value while kvsync's is in force.
     original: Option<Record>,
-    /// Live leases by session id, with their watchers.
-    leases: HashMap<String, tokio::task::AbortHandle>,
+    /// Live leases by session id.
+    leases: HashMap<String, Leased>,
+}
+
+/// A live lease: its RDB's size and its watcher.
+struct Leased {
+    size: u64,
+    watch: tokio::task::AbortHandle,
 }
 
 /// The guard of one agent's local primary.
@@ -60,6 +66,9 @@ pub struct BacklogGuard {
     state: tokio::sync::Mutex<State>,
     /// What the watchers found, by session, for the status.
     warnings: Mutex<BTreeMap<String, String>>,
+    /// Bytes per second of RDB a replica last loaded (its size over its
+    /// reported handoff time); 0 before any report.
+    loaded_rate: AtomicU64,
     runtime: tokio::runtime::Handle,
 }
 
@@ -75,7 +84,7 @@ impl Drop for Lease {
         let (guard, session, grace) = (self.guard.clone(), self.session.clone(), self.grace);
         self.guard.runtime.spawn(async move {
             tokio::time::sleep(grace).await;
-            guard.release(&session).await;
+            guard.release(&session, None).await;
         });
     }
 }
@@ -131,6 +140,7 @@ impl BacklogGuard {
                 leases: HashMap::new(),
             }),
             warnings: Mutex::new(BTreeMap::new()),
+            loaded_rate: AtomicU64::new(0),
             runtime: tokio::runtime::Handle::current(),
         });
         guard.restore(&mut *guard.state.lock().await).await;
@@ -146,7 +156,8 @@ impl BacklogGuard {
         snapshot: &SnapshotInfo,
         served_rate: Option<u64>,
     ) -> Result<(Lease, Preflight), RedisError> {
-        let sizing = redis::measure(&self.cfg, snapshot, served_rate).await?;
+        let loaded_rate = Some(self.loaded_rate.load(Ordering::Relaxed)).filter(|r| *r > 0);
+        let sizing = redis::measure(&self.cfg, snapshot, (served_rate, loaded_rate)).await?;
         let mut state = self.state.lock().await;
         if sizing.needed > sizing.size {
             let shortfall = sizing.shortfall(snapshot.size);
@@ -170,11 +181,12 @@ impl BacklogGuard {
             snapshot.clone(),
             sizing.foresight,
         ));
-        if let Some(old) = state
-            .leases
-            .insert(session.to_string(), watch.abort_handle())
-        {
-            old.abort();
+        let leased = Leased {
+            size: snapshot.size,
+            watch: watch.abort_handle(),
+        };
+        if let Some(old) = state.leases.insert(session.to_string(), leased) {
+            old.watch.abort();
         }
         let load = snapshot.size as f64 / sizing.foresight.load_rate.max(1) as f64;
         let lease = Lease {
@@ -227,13 +239,18 @@ impl BacklogGuard {
         Ok(())
     }
 
-    /// Ends the lease of `session` (once; later calls do nothing); the
-    /// last one puts the operator's backlog size back.
-    pub async fn release(&self, session: &str) {
+    /// Ends the lease of `session` (once; later calls do nothing), with
+    /// the replica's handoff time when it reported a success; the last
+    /// lease puts the operator's backlog size back.
+    pub async fn release(&self, session: &str, handoff: Option<Duration>) {
         let mut state = self.state.lock().await;
-        if let Some(watch) = state.leases.remove(session) {
-            watch.abort();
+        if let Some(leased) = state.leases.remove(session) {
+            leased.watch.abort();
             self.warnings.lock().expect("warnings lock").remove(session);
+            if let Some(took) = handoff.filter(|d| !d.is_zero()) {
+                let rate = leased.size as f64 / took.as_secs_f64();
+                self.loaded_rate.store(rate as u64, Ordering::Relaxed);
+            }
         }
         if state.leases.is_empty() {
             self.restore(&mut state).await;

@@ -130,7 +130,8 @@ pub struct RedisConfig {
     /// Source: the backlog guard. The primary's write rate is measured over
     /// `rate_window` (`0s`: not measured); a seeding is estimated to take
     /// the RDB's size at the rate this agent last served a session (else
-    /// `expected_transfer_rate`) plus its size at `expected_load_rate`; the
+    /// `expected_transfer_rate`) plus its size at the rate a replica last
+    /// reported loading one (else `expected_load_rate`); the
     /// backlog must hold what was written since the save plus that rate
     /// over that time, times `backlog_safety`, or the offer is refused.
     #[serde(with = "humantime_serde")]
@@ -179,7 +180,7 @@ impl Default for RedisConfig {
             health_interval: Duration::from_secs(5),
             rate_window: Duration::from_secs(2),
             expected_transfer_rate: ByteSize::mib(100),
-            expected_load_rate: ByteSize::mib(100),
+            expected_load_rate: ByteSize::mib(32),
             backlog_safety: 2.0,
             grow_backlog: false,
             max_backlog: ByteSize::gib(1),

@@ -225,13 +225,15 @@ impl Sizing {
 /// The source's pre-flight measurement of its local primary: M+1 is still
 /// in the backlog (or an error says why not), and the backlog a seeding
 /// needs to still hold it when the replica asks, at the write rate measured
-/// over `rate_window`. `served_rate` is the rate this agent last served a
-/// session at, if it has served one. Whether a shortfall is refused or
-/// the backlog grown is the guard's business (`backlog`).
+/// over `rate_window`. `measured` are the transfer and load rates this
+/// agent last saw (the rate it served a session at, and the RDB's size over
+/// a replica's reported handoff time), where it has them; the configured
+/// expectations stand in otherwise. Whether a shortfall is refused or the
+/// backlog grown is the guard's business (`backlog`).
 pub async fn measure(
     cfg: &RedisConfig,
     snapshot: &SnapshotInfo,
-    served_rate: Option<u64>,
+    measured: (Option<u64>, Option<u64>),
 ) -> Result<Sizing, RedisError> {
     let repl_id = snapshot.repl_id.as_deref().unwrap_or("");
     let (addr, password) = (&cfg.primary_addr, &cfg.password);
@@ -247,8 +249,8 @@ pub async fn measure(
     let written = master.saturating_sub(first.num("master_repl_offset"));
     let foresight = Foresight {
         write_rate: written as f64 / cfg.rate_window.as_secs_f64().max(1e-3),
-        transfer_rate: served_rate.unwrap_or(cfg.expected_transfer_rate.as_u64()),
-        load_rate: cfg.expected_load_rate.as_u64(),
+        transfer_rate: measured.0.unwrap_or(cfg.expected_transfer_rate.as_u64()),
+        load_rate: measured.1.unwrap_or(cfg.expected_load_rate.as_u64()),
         safety: cfg.backlog_safety,
     };
     Ok(Sizing {

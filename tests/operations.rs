@@ -773,6 +773,7 @@ async fn traversal_attempts_and_oversize_fields_are_refused_without_harm() {
             session_id: long.clone(),
             ok: false,
             error: "e".into(),
+            handoff_ms: 0,
         })
         .await,
         "session id length",

@@ -268,6 +268,7 @@ async fn one_replica_cannot_take_every_session_of_a_source() {
             session_id: held.session_id,
             ok: false,
             error: "not needed".into(),
+            handoff_ms: 0,
         })
         .await
         .unwrap();

@@ -7,7 +7,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tonic::{Request, Response, Status};
 use tracing::{info, warn};
@@ -417,7 +417,8 @@ impl pb::peer_server::Peer for PeerService {
             .into());
         }
         if let Some(guard) = &self.backlog {
-            guard.release(&r.session_id).await;
+            let handoff = Duration::from_millis(r.handoff_ms);
+            guard.release(&r.session_id, r.ok.then_some(handoff)).await;
         }
         if r.ok {
             info!(session = %r.session_id, "replica reports success");

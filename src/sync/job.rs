@@ -223,9 +223,10 @@ async fn attempt(ctx: &JobContext) -> Result<(), JobError> {
     }
     .await;
     // A Redis primary's source holds its backlog until it hears.
-    let error = done.as_ref().err().map(|e| e.to_string());
-    report(&mut peer, &offer, error.as_deref()).await;
-    done
+    let outcome = done.as_ref().copied().map_err(ToString::to_string);
+    let outcome = outcome.as_ref().copied().map_err(String::as_str);
+    report(&mut peer, &offer, outcome).await;
+    done.map(drop)
 }
 
 /// Which transport an attempt asks for, and whether it may fall back.
@@ -374,16 +375,17 @@ fn check_offer(ctx: &JobContext, offer: &pb::SyncOffer) -> Result<(), JobError> 
 /// Hands an offer back to its source (best effort, briefly), so it
 /// releases the snapshot at once instead of when the token expires.
 async fn decline(peer: &mut PeerClient, offer: &pb::SyncOffer, why: &str) {
-    report(peer, offer, Some(why)).await;
+    report(peer, offer, Err(why)).await;
 }
 
-/// Tells the source how its offer ended, `error` or success (best effort,
-/// briefly).
-async fn report(peer: &mut PeerClient, offer: &pb::SyncOffer, error: Option<&str>) {
+/// Tells the source how its offer ended: the handoff's duration, or the
+/// error (best effort, briefly).
+async fn report(peer: &mut PeerClient, offer: &pb::SyncOffer, outcome: Result<Duration, &str>) {
     let report = peer.report_result(pb::ReportResultRequest {
         session_id: offer.session_id.clone(),
-        ok: error.is_none(),
-        error: error.unwrap_or("").chars().take(1024).collect(),
+        ok: outcome.is_ok(),
+        error: outcome.err().unwrap_or("").chars().take(1024).collect(),
+        handoff_ms: outcome.map_or(0, |d| d.as_millis() as u64),
     });
     let _ = tokio::time::timeout(Duration::from_secs(5), report).await;
 }
@@ -472,8 +474,9 @@ async fn hand_off(
     ctx: &JobContext,
     offer: &pb::SyncOffer,
     (installed, info): (PathBuf, SnapshotInfo),
-) -> Result<(), JobError> {
+) -> Result<Duration, JobError> {
     ctx.phase(pb::Phase::HandingOff);
+    let start = std::time::Instant::now();
     let config = &ctx.config;
     let record = HandoffRecord {
         path: installed.clone(),
@@ -491,7 +494,7 @@ async fn hand_off(
         .inc();
     let done = handoff.map_err(|source| JobError::Handoff { installed, source })?;
     ctx.progress.send_modify(|p| p.handoff = done);
-    Ok(())
+    Ok(start.elapsed())
 }
 
 /// Records a fallback to TCP: metric, status, log.
