@@ -21,7 +21,7 @@ use tracing::{info, warn};
 use crate::backlog::BacklogGuard;
 use crate::cache::SnapshotCache;
 use crate::catalog::Catalog;
-use crate::config::{Config, HandoffMode, RdmaProvider};
+use crate::config::{Config, RdmaProvider};
 use crate::conn_limit;
 use crate::control::orchestrator::OrchestratorService;
 use crate::control::peer::PeerService;
@@ -198,7 +198,7 @@ impl RunningAgent {
                 ));
             }
         }
-        if config.handoff.mode == HandoffMode::Redis
+        if config.handoff.mode.is_redis()
             && !redis.consistency_interval.is_zero()
             && !redis.primary.is_empty()
         {

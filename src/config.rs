@@ -150,6 +150,10 @@ pub struct RedisConfig {
     #[serde(with = "humantime_serde")]
     pub consistency_interval: Duration,
     pub consistency_sample: usize,
+    /// Replica (handoff mode `redis-replicate`): where the agent listens,
+    /// for one connection from the local server, while it serves it the
+    /// RDB as its master (a fresh port per sync with port 0).
+    pub seed_listen: String,
 }
 
 impl RedisConfig {
@@ -158,7 +162,7 @@ impl RedisConfig {
     pub fn local_server(&self, handoff: HandoffMode) -> Option<&str> {
         if !self.primary_addr.is_empty() {
             Some(&self.primary_addr)
-        } else if handoff == HandoffMode::Redis {
+        } else if handoff.is_redis() {
             Some(&self.server_addr)
         } else {
             None
@@ -186,6 +190,7 @@ impl Default for RedisConfig {
             max_backlog: ByteSize::gib(1),
             consistency_interval: Duration::ZERO,
             consistency_sample: 1000,
+            seed_listen: "127.0.0.1:0".into(),
         }
     }
 }
@@ -357,6 +362,28 @@ pub enum HandoffMode {
     Exec,
     /// Redis/Valkey restart with `replicaof`.
     Redis,
+    /// Redis/Valkey seeded over the replication protocol by the agent,
+    /// without a restart.
+    #[serde(rename = "redis-replicate")]
+    RedisReplicate,
+}
+
+impl HandoffMode {
+    /// The name in the configuration and the `mode` metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HandoffMode::File => "file",
+            HandoffMode::Command => "command",
+            HandoffMode::Exec => "exec",
+            HandoffMode::Redis => "redis",
+            HandoffMode::RedisReplicate => "redis-replicate",
+        }
+    }
+
+    /// A mode that seeds a Redis/Valkey server.
+    pub fn is_redis(self) -> bool {
+        matches!(self, HandoffMode::Redis | HandoffMode::RedisReplicate)
+    }
 }
 
 /// Handoff settings.
@@ -814,7 +841,7 @@ impl Config {
                 "must be greater than zero when redis.grow_backlog is on".into(),
             );
         }
-        if h.mode == HandoffMode::Redis {
+        if h.mode.is_redis() {
             self.check_redis_handoff(p);
         }
     }
@@ -822,10 +849,11 @@ impl Config {
     /// `[redis]` as the redis handoff needs it.
     fn check_redis_handoff(&self, p: &mut Problems) {
         let r = &self.redis;
+        let mode = self.handoff.mode.as_str();
         if self.snapshot_format != Format::RedisRdb {
             p.bad(
                 "handoff.mode",
-                "mode \"redis\" needs snapshot_format = \"redis-rdb\"".into(),
+                format!("mode \"{mode}\" needs snapshot_format = \"redis-rdb\""),
             );
         }
         for (key, value) in [
@@ -835,9 +863,18 @@ impl Config {
             if !is_host_port(value) {
                 p.bad(
                     key,
-                    format!("mode \"redis\" needs host:port, got {value:?}"),
+                    format!("mode \"{mode}\" needs host:port, got {value:?}"),
                 );
             }
+        }
+        if self.handoff.mode == HandoffMode::RedisReplicate {
+            if r.seed_listen.parse::<SocketAddr>().is_err() {
+                p.bad(
+                    "redis.seed_listen",
+                    format!("expected ip:port, got {:?}", r.seed_listen),
+                );
+            }
+            return;
         }
         if !r.dir.is_absolute() {
             p.bad(

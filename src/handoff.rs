@@ -109,6 +109,12 @@ pub async fn hand_off(
             HandoffMode::Redis => {
                 Ok(crate::redis::seed(redis, deadline, &record.path, &record.info).await?)
             }
+            HandoffMode::RedisReplicate => {
+                Ok(
+                    crate::redis_seed::replicate(redis, deadline, &record.path, &record.info)
+                        .await?,
+                )
+            }
         }
     };
     tokio::time::timeout(deadline, work)

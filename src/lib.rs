@@ -32,6 +32,8 @@
 //! - [`handoff`] — handing the snapshot's sequence number to the local KV.
 //! - [`redis`] — Redis/Valkey: the source's backlog pre-flight and the
 //!   replica's seeding handoff.
+//! - [`redis_seed`] — the `redis-replicate` handoff: the agent as a one-shot
+//!   master that streams the RDB to the running replica server.
 //! - [`backlog`] — the source's hold on its primary's replication backlog
 //!   while seedings run (refuse, or grow and restore; watch).
 //! - [`kv_health`] — the local KV server's replication health as metrics.
@@ -64,6 +66,7 @@ pub mod metrics;
 pub mod peer_text;
 pub mod pem;
 pub mod redis;
+pub mod redis_seed;
 pub mod rpc;
 pub mod snapshot;
 pub mod sync;

@@ -44,6 +44,9 @@ pub enum RedisError {
         full_before: u64,
         full_after: u64,
     },
+    /// The `redis-replicate` seed failed.
+    #[error("redis-replicate seed: {0}")]
+    Seed(String),
     /// A wait ran out of time.
     #[error("timed out after {after:?} waiting for {what}")]
     Timeout { what: String, after: Duration },
@@ -347,7 +350,7 @@ async fn run(
 }
 
 /// Polls `check` every 20 ms until it yields a value or `timeout` passes.
-async fn until<T, F: std::future::Future<Output = Option<T>>>(
+pub(crate) async fn until<T, F: std::future::Future<Output = Option<T>>>(
     what: &str,
     timeout: Duration,
     mut check: impl FnMut() -> F,
@@ -430,12 +433,31 @@ pub async fn seed(
     info!(dir = %cfg.dir.display(), dbfilename = %cfg.dbfilename, seq = snapshot.seq, "RDB in place; starting the server");
     run("start", &cfg.start, cfg, timeout).await?;
 
+    confirm_partial(cfg, timeout, &before, snapshot).await
+}
+
+/// Waits until the local server's link to `cfg.primary` is up, then
+/// confirms from the primary's counters (`before` = its `INFO stats` when
+/// the handoff began) that it continued with a partial resync.
+pub(crate) async fn confirm_partial(
+    cfg: &RedisConfig,
+    timeout: Duration,
+    before: &Info,
+    snapshot: &SnapshotInfo,
+) -> Result<String, RedisError> {
     let (server, password) = (cfg.server_addr.clone(), cfg.password.clone());
+    let primary_port = cfg
+        .primary
+        .rsplit_once(':')
+        .map_or("", |(_, p)| p)
+        .to_string();
     until("master_link_status:up on the local server", timeout, || {
-        let (server, password) = (server.clone(), password.clone());
+        let (server, password, port) = (server.clone(), password.clone(), primary_port.clone());
         async move {
             let repl = info(&server, &password, "replication").await.ok()?;
-            (repl.get("master_link_status") == Some("up")).then_some(())
+            (repl.get("master_link_status") == Some("up")
+                && repl.get("master_port") == Some(port.as_str()))
+            .then_some(())
         }
     })
     .await?;

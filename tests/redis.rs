@@ -1161,3 +1161,211 @@ fn a_burst_of_writes_that_pushes_m_out_of_the_backlog_is_reported_before_the_han
         assert!(source.status().await.warnings.is_empty());
     });
 }
+
+/// The replica agent's config: `redis-replicate` handoff seeding the server
+/// on `port` without restarting it.
+fn replicate_config(primary: &Redis, port: u16) -> String {
+    format!(
+        "[transport]\n{TCP}\n[handoff]\nmode = \"redis-replicate\"\ntimeout = \"60s\"\n[redis]\nserver_addr = \"127.0.0.1:{port}\"\nprimary = \"{}\"\n",
+        primary.addr()
+    )
+}
+
+/// A source on `primary` and a `redis-replicate` replica agent for the
+/// server on `port`, once the source offers the RDB; with its M.
+async fn replicating(root: &Path, primary: &Redis, port: u16) -> (Node, Node, u64) {
+    let source = agent(
+        root,
+        "source",
+        &primary.dir,
+        &source_config(primary, TCP),
+        &[],
+    );
+    let replica = agent(
+        root,
+        "replica",
+        &root.join("replica-agent"),
+        &replicate_config(primary, port),
+        &[],
+    );
+    let seq = offered_rdb(&source, primary).await;
+    (source, replica, seq)
+}
+
+#[test]
+fn a_running_replica_is_seeded_over_the_replication_protocol_without_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let (primary, _) = loaded_primary(root, "64mb");
+    let stats = primary.info("stats");
+    // A running server with data of its own, never restarted.
+    let replica_redis = Redis::start(&root.join("replica-redis"), &[]);
+    let _: () = replica_redis.cmd(&["SET", "stale", "1"]);
+    let pid = replica_redis.info("server").num("process_id");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let writer = rt.block_on(async {
+        let (source, replica, seq) = replicating(root, &primary, replica_redis.port).await;
+        let writer = steady_writer(&primary);
+        let p = sync_ok(&replica, &source).await;
+        assert!(p.handoff.contains("partial resync accepted"), "{p:?}");
+        assert!(
+            primary.info("replication").num("master_repl_offset") > seq,
+            "written during the seeding"
+        );
+        assert_eq!(
+            replica.metric(r#"kvsync_handoff_total{mode="redis-replicate",result="ok"}"#),
+            1.0
+        );
+        writer
+    });
+    drop(writer);
+    assert_eq!(
+        replica_redis.info("server").num("process_id"),
+        pid,
+        "never restarted"
+    );
+    let after = primary.info("stats");
+    assert_eq!(after.num("sync_full"), stats.num("sync_full"));
+    assert_eq!(
+        after.num("sync_partial_ok"),
+        stats.num("sync_partial_ok") + 1
+    );
+    let repl = replica_redis.info("replication");
+    assert_eq!(
+        repl.get("master_port"),
+        Some(primary.port.to_string().as_str())
+    );
+    let written: u64 = primary.cmd(&["DBSIZE"]);
+    wait_for("the replica to catch up", DEADLINE, || {
+        (replica_redis.cmd::<u64>(&["DBSIZE"]) == written).then_some(())
+    });
+    assert_eq!(replica_redis.cmd::<Option<String>>(&["GET", "stale"]), None);
+    let keys: Vec<String> = primary.cmd(&["KEYS", "seeding:*"]);
+    assert!(!keys.is_empty(), "the writer ran during the seeding");
+    for key in keys.iter().step_by(37).chain(["hash:7".to_string()].iter()) {
+        assert_eq!(
+            replica_redis.cmd::<Vec<u8>>(&["DUMP", key]),
+            primary.cmd::<Vec<u8>>(&["DUMP", key]),
+            "{key}"
+        );
+    }
+}
+
+#[test]
+fn a_replica_reseeded_with_swapdb_serves_its_old_data_while_it_loads_and_the_seed_admits_one_connection(
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let (primary, _) = loaded_primary(root, "64mb");
+    // A replica of this primary, to be seeded again (a lagging replica's
+    // case): its data is of the same history, so with swapdb it keeps
+    // serving it while the new copy loads. Loading is slowed
+    // (key-load-delay, µs per key) so the test can read and knock during it.
+    let replica_redis = Redis::start(
+        &root.join("replica-redis"),
+        &[
+            "--repl-diskless-load",
+            "swapdb",
+            "--replicaof",
+            "127.0.0.1",
+            &primary.port.to_string(),
+        ],
+    );
+    wait_for("the replica's first sync", DEADLINE, || {
+        (replica_redis.info("replication").get("master_link_status") == Some("up")).then_some(())
+    });
+    let _: () = replica_redis.cmd(&["CONFIG", "SET", "key-load-delay", "20"]);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = {
+        let (stop, mut con) = (stop.clone(), replica_redis.con());
+        std::thread::spawn(move || {
+            let (mut reads, mut errors) = (0u64, Vec::new());
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                match redis::cmd("GET")
+                    .arg("key:1")
+                    .query::<Option<String>>(&mut con)
+                {
+                    Ok(Some(_)) => reads += 1,
+                    Ok(None) => errors.push("key:1 missing".to_string()),
+                    Err(e) => errors.push(e.to_string()),
+                }
+            }
+            (reads, errors)
+        })
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let (source, replica, _) = replicating(root, &primary, replica_redis.port).await;
+        let id = start_sync(&replica, &source).await;
+        // The seed's address, once it serves; a second connection to it
+        // is turned away.
+        let seed = wait_for("the seed to listen", DEADLINE, || {
+            let log = replica.proc.log();
+            let line = log.lines().find(|l| l.contains("serving the RDB"))?;
+            let addr = line.split("seed=").nth(1)?.split_whitespace().next()?;
+            Some(addr.to_string())
+        });
+        // Sent: the server now loads it (slowly, for seconds).
+        wait_for("the RDB to be sent", DEADLINE, || {
+            replica
+                .proc
+                .log()
+                .contains("RDB sent to the local server")
+                .then_some(())
+        });
+
+        let mut knock = std::net::TcpStream::connect(&seed).unwrap();
+        let mut answer = String::new();
+        std::io::Read::read_to_string(&mut knock, &mut answer).unwrap();
+        assert!(
+            answer.starts_with("-ERR this kvsync seed serves one replica"),
+            "{answer:?}"
+        );
+        let p = wait_done(&replica, &id).await;
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(p.phase, pb::Phase::Succeeded as i32, "{p:?}");
+    });
+    let (reads, errors) = reader.join().unwrap();
+    assert!(reads > 0, "the reader ran during the seeding");
+    assert_eq!(
+        errors,
+        Vec::<String>::new(),
+        "served throughout, never an error"
+    );
+}
+
+#[test]
+fn a_server_that_refuses_replicaof_fails_the_handoff_and_is_left_as_it_was() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let (primary, _) = loaded_primary(root, "64mb");
+    let replica_redis = Redis::start(
+        &root.join("replica-redis"),
+        &[
+            "--rename-command",
+            "REPLICAOF",
+            "kvsync-may-not",
+            "--rename-command",
+            "SLAVEOF",
+            "nor-this",
+        ],
+    );
+    let _: () = replica_redis.cmd(&["SET", "mine", "1"]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let (source, replica, _) = replicating(root, &primary, replica_redis.port).await;
+        let id = start_sync(&replica, &source).await;
+        let p = wait_done(&replica, &id).await;
+        assert_eq!(p.phase, pb::Phase::Failed as i32, "{p:?}");
+        assert!(p.error.contains("refused REPLICAOF"), "{}", p.error);
+        assert_eq!(
+            replica.metric(r#"kvsync_handoff_total{mode="redis-replicate",result="failed"}"#),
+            1.0
+        );
+    });
+    assert_eq!(replica_redis.cmd::<String>(&["GET", "mine"]), "1");
+    assert_eq!(
+        replica_redis.info("replication").get("role"),
+        Some("master")
+    );
+}

@@ -483,14 +483,14 @@ async fn hand_off(
         info,
         source: format!("{}@{}", offer.source_node_id, ctx.source),
     };
-    let mode = format!("{:?}", config.handoff.mode).to_lowercase();
+    let mode = config.handoff.mode.as_str();
     let handoff = ctx
         .or_cancel(handoff::hand_off(&config.handoff, &config.redis, &record))
         .await?;
     let result = if handoff.is_ok() { "ok" } else { "failed" };
     ctx.metrics
         .handoff_total
-        .with_label_values(&[mode.as_str(), result])
+        .with_label_values(&[mode, result])
         .inc();
     let done = handoff.map_err(|source| JobError::Handoff { installed, source })?;
     ctx.progress.send_modify(|p| p.handoff = done);
