@@ -7,7 +7,8 @@
 //! size needed — or, with `[redis] grow_backlog`, `repl-backlog-size` is
 //! raised to it (up to `max_backlog`, and only on servers that keep the
 //! backlog's history when it is resized). The operator's value is written to
-//! `<snapshot_dir>/.kvsync-redis-backlog` before the first raise and put
+//! `[redis] backlog_record` (by default `<snapshot_dir>/.kvsync-redis-backlog`)
+//! before the first raise and put
 //! back when the last lease ends; an agent killed while holding one puts it
 //! back when it starts again. While a lease lives its backlog is watched: a
 //! burst of writes about to push M+1 out (or one that did) is logged, shown
@@ -27,8 +28,8 @@ use crate::metrics::Metrics;
 use crate::redis::{self, Foresight, Info, Preflight, RedisError};
 use crate::snapshot::SnapshotInfo;
 
-/// The record of the operator's `repl-backlog-size`, in the snapshot dir
-/// (hidden, so the watcher skips it).
+/// The default record of the operator's `repl-backlog-size`, in the
+/// snapshot dir (hidden, so the watcher skips it).
 pub const RECORD: &str = ".kvsync-redis-backlog";
 
 /// How often a leased backlog is read.
@@ -113,8 +114,8 @@ pub fn risk(repl: &Info, seq: u64, rate: f64, remaining: f64) -> Option<Risk> {
 }
 
 impl BacklogGuard {
-    /// The guard of the primary at `cfg.primary_addr`, its record in
-    /// `snapshot_dir`. A record left by a killed agent is loaded, and the
+    /// The guard of the primary at `cfg.primary_addr`, its record at
+    /// `cfg.backlog_record` or in `snapshot_dir`. A record left by a killed agent is loaded, and the
     /// operator's value put back at once (or at the next release, if the
     /// primary does not answer now).
     pub async fn start(
@@ -122,7 +123,11 @@ impl BacklogGuard {
         snapshot_dir: &Path,
         metrics: Arc<Metrics>,
     ) -> Arc<BacklogGuard> {
-        let record = snapshot_dir.join(RECORD);
+        let record = if cfg.backlog_record.as_os_str().is_empty() {
+            snapshot_dir.join(RECORD)
+        } else {
+            cfg.backlog_record.clone()
+        };
         let original = read_record(&record);
         // Both series exist from the start, at zero.
         metrics

@@ -145,6 +145,10 @@ pub struct RedisConfig {
     /// later, Valkey: older servers lose the backlog on a resize).
     pub grow_backlog: bool,
     pub max_backlog: ByteSize,
+    /// Source: where the operator's `repl-backlog-size` is remembered while
+    /// kvsync's is in force; empty means `<snapshot_dir>/.kvsync-redis-backlog`.
+    /// Set it when the agent may only read the primary's directory.
+    pub backlog_record: PathBuf,
     /// Replica (handoff mode `redis`): how often a sample of keys is
     /// compared with `primary` (`0s`: never), and how many keys.
     #[serde(with = "humantime_serde")]
@@ -188,6 +192,7 @@ impl Default for RedisConfig {
             backlog_safety: 2.0,
             grow_backlog: false,
             max_backlog: ByteSize::gib(1),
+            backlog_record: PathBuf::new(),
             consistency_interval: Duration::ZERO,
             consistency_sample: 1000,
             seed_listen: "127.0.0.1:0".into(),
@@ -834,6 +839,12 @@ impl Config {
             if rate.as_u64() == 0 {
                 p.bad(key, "must be greater than zero".into());
             }
+        }
+        if !r.backlog_record.as_os_str().is_empty() && !r.backlog_record.is_absolute() {
+            p.bad(
+                "redis.backlog_record",
+                format!("must be an absolute path, got {:?}", r.backlog_record),
+            );
         }
         if r.grow_backlog && r.max_backlog.as_u64() == 0 {
             p.bad(

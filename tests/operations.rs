@@ -81,17 +81,28 @@ fn systemd_unit_verifies_and_has_what_rdma_and_draining_need() {
     };
     assert!(out.status.success());
     // Verify with ExecStart pointing at the built binary (verify checks it).
+    // The Redis drop-in beside it, where systemd looks for drop-ins.
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("kvsync.service");
     std::fs::write(&path, unit.replace("/usr/local/bin/kvsync", kvsync_bin())).unwrap();
+    let dropins = dir.path().join("kvsync.service.d");
+    std::fs::create_dir(&dropins).unwrap();
+    std::fs::write(
+        dropins.join("redis.conf"),
+        include_str!("../deploy/kvsync-redis.conf"),
+    )
+    .unwrap();
     let out = std::process::Command::new("systemd-analyze")
         .arg("verify")
         .arg(&path)
+        .env("SYSTEMD_UNIT_PATH", format!("{}:", dir.path().display()))
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
-        out.status.success() && !stderr.contains("kvsync.service:"),
+        out.status.success()
+            && !stderr.contains("kvsync.service:")
+            && !stderr.contains("redis.conf:"),
         "systemd-analyze verify:\n{stderr}"
     );
 }

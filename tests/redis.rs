@@ -48,9 +48,30 @@ struct Redis {
 impl Redis {
     /// Starts a server in `dir` with `extra` arguments and waits for PING.
     fn start(dir: &Path, extra: &[&str]) -> Redis {
+        Redis::start_as(dir, extra, None)
+    }
+
+    /// Like [`Redis::start`], as `user` when given, the way Debian's unit
+    /// runs it: `dir` is `0750 user:user`, and the server's umask 007.
+    fn start_as(dir: &Path, extra: &[&str], user: Option<&str>) -> Redis {
         std::fs::create_dir_all(dir).unwrap();
         let port = free_port();
-        let child = Command::new("redis-server")
+        let mut command = Command::new("redis-server");
+        if let Some(user) = user {
+            std::os::unix::fs::chown(dir, Some(uid(user)), Some(gid(user))).unwrap();
+            std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o750))
+                .unwrap();
+            command = Command::new("setpriv");
+            command
+                .args(["--reuid", user, "--regid", user, "--clear-groups", "--"])
+                .args([
+                    "sh",
+                    "-c",
+                    "umask 007 && exec redis-server \"$@\"",
+                    "redis-server",
+                ]);
+        }
+        let child = command
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
             .args([
                 "--dir",
@@ -224,6 +245,18 @@ impl Drop for Writer {
 
 /// A kvsync agent with `config` (TOML) in `root/name.toml`.
 fn agent(root: &Path, name: &str, snapshot_dir: &Path, config: &str, env: &[(&str, &str)]) -> Node {
+    agent_as(root, name, snapshot_dir, config, env, &[])
+}
+
+/// Like [`agent`], run through `wrapper` (e.g. `setpriv` as another user).
+fn agent_as(
+    root: &Path,
+    name: &str,
+    snapshot_dir: &Path,
+    config: &str,
+    env: &[(&str, &str)],
+    wrapper: &[&str],
+) -> Node {
     let path = root.join(format!("{name}.toml"));
     std::fs::create_dir_all(snapshot_dir).unwrap();
     // `[data]` keys of `config` join the [data] section written here.
@@ -246,7 +279,12 @@ fn agent(root: &Path, name: &str, snapshot_dir: &Path, config: &str, env: &[(&st
     )
     .unwrap();
     Node {
-        proc: AgentProcess::start_env(&["--config", path.to_str().unwrap()], env, root),
+        proc: AgentProcess::start_wrapped(
+            wrapper,
+            &["--config", path.to_str().unwrap()],
+            env,
+            root,
+        ),
         dir: snapshot_dir.to_owned(),
         token: None,
     }
@@ -1367,5 +1405,99 @@ fn a_server_that_refuses_replicaof_fails_the_handoff_and_is_left_as_it_was() {
     assert_eq!(
         replica_redis.info("replication").get("role"),
         Some("master")
+    );
+}
+
+/// `id -u user` (or `-g`).
+fn id(flag: &str, user: &str) -> u32 {
+    let out = Command::new("id").args([flag, user]).output().unwrap();
+    assert!(out.status.success(), "no user {user}");
+    String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+}
+
+fn uid(user: &str) -> u32 {
+    id("-u", user)
+}
+
+fn gid(user: &str) -> u32 {
+    id("-g", user)
+}
+
+#[test]
+fn agents_run_as_nobody_seed_a_server_run_as_redis_with_debians_modes() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return skip(
+            "users",
+            "running the servers and agents as other users needs root",
+        );
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    std::fs::set_permissions(root, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    // The primary runs as redis: its dir 0750 redis:redis, its dump 0660.
+    let primary = Redis::start_as(
+        &root.join("primary"),
+        &["--repl-backlog-size", "64mb"],
+        Some("redis"),
+    );
+    primary.make_backlog(root);
+    primary.fill("key", 10_000, "value");
+    let rdb = primary.bgsave();
+    let mode =
+        std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&rdb).unwrap().permissions());
+    assert_eq!(mode & 0o777, 0o660, "Debian's modes");
+    let replica_redis = Redis::start_as(&root.join("replica-redis"), &[], Some("redis"));
+    let _: () = replica_redis.cmd(&["SET", "mine", "1"]);
+    // Both agents run as nobody; the source also in group redis (the
+    // drop-in's SupplementaryGroups), with its record outside the
+    // primary's dir.
+    let state = root.join("state");
+    let replica_dir = root.join("replica-agent");
+    for d in [&state, &replica_dir] {
+        std::fs::create_dir_all(d).unwrap();
+        std::os::unix::fs::chown(d, Some(uid("nobody")), Some(gid("nobody"))).unwrap();
+    }
+    let source_as = [
+        "setpriv", "--reuid", "nobody", "--regid", "nogroup", "--groups", "redis", "--",
+    ];
+    let replica_as = [
+        "setpriv",
+        "--reuid",
+        "nobody",
+        "--regid",
+        "nogroup",
+        "--clear-groups",
+        "--",
+    ];
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let config = format!(
+            "{}backlog_record = \"{}\"\n",
+            source_config(&primary, TCP),
+            state.join("redis-backlog").display()
+        );
+        let source = agent_as(root, "source", &primary.dir, &config, &[], &source_as);
+        let replica = agent_as(
+            root,
+            "replica",
+            &replica_dir,
+            &replicate_config(&primary, replica_redis.port),
+            &[],
+            &replica_as,
+        );
+        offered_rdb(&source, &primary).await;
+        let p = sync_ok(&replica, &source).await;
+        assert!(p.handoff.contains("partial resync accepted"), "{p:?}");
+        let owner =
+            std::os::unix::fs::MetadataExt::uid(&std::fs::metadata(&p.installed_path).unwrap());
+        assert_eq!(owner, uid("nobody"), "installed by the unprivileged agent");
+    });
+    assert_eq!(replica_redis.cmd::<Option<String>>(&["GET", "mine"]), None);
+    assert_eq!(
+        replica_redis
+            .cmd::<Option<String>>(&["GET", "key:9999"])
+            .as_deref(),
+        Some("value")
     );
 }

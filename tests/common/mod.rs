@@ -96,8 +96,28 @@ impl AgentProcess {
 
     /// Like [`AgentProcess::start`], with extra environment variables.
     pub fn start_env(args: &[&str], env: &[(&str, &str)], log_dir: &Path) -> AgentProcess {
+        AgentProcess::start_wrapped(&[], args, env, log_dir)
+    }
+
+    /// Like [`AgentProcess::start_env`], run through `wrapper` (a command
+    /// and its arguments, e.g. `setpriv` to run as another user) when it
+    /// is not empty.
+    pub fn start_wrapped(
+        wrapper: &[&str],
+        args: &[&str],
+        env: &[(&str, &str)],
+        log_dir: &Path,
+    ) -> AgentProcess {
         let stderr_log = log_dir.join(format!("agent-{}.log", std::process::id() ^ rand_u32()));
-        let child = Command::new(kvsync_bin())
+        let mut command = match wrapper {
+            [] => Command::new(kvsync_bin()),
+            [program, rest @ ..] => {
+                let mut c = Command::new(program);
+                c.args(rest).arg(kvsync_bin());
+                c
+            }
+        };
+        let child = command
             .arg("agent")
             .args(args)
             .env("KVSYNC_LOG", "info,kvsync=debug")
