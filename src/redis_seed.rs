@@ -328,6 +328,25 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn the_seed_takes_only_the_servers_connection_and_turns_others_away() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let seed = listener.local_addr().unwrap();
+        // A peer at another address knocks first.
+        let stranger = tokio::net::TcpSocket::new_v4().unwrap();
+        stranger.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+        let mut stranger = stranger.connect(seed).await.unwrap();
+        let server = TcpStream::connect(seed).await.unwrap();
+        let ip = "127.0.0.1".parse().unwrap();
+        let taken = accept_one(&listener, ip, Duration::from_secs(10))
+            .await
+            .unwrap();
+        assert_eq!(taken.peer_addr().unwrap(), server.local_addr().unwrap());
+        let mut answer = String::new();
+        stranger.read_to_string(&mut answer).await.unwrap();
+        assert!(answer.starts_with("-ERR"), "{answer:?}");
+    }
+
+    #[tokio::test]
     async fn commands_are_read_in_both_forms_and_bounded() {
         assert_eq!(
             parse(b"*3\r\n$5\r\nPSYNC\r\n$1\r\n?\r\n$2\r\n-1\r\n")

@@ -43,6 +43,8 @@ struct Redis {
     port: u16,
     dir: PathBuf,
     child: Option<Child>,
+    /// Its `--requirepass`, if it was started with one.
+    password: Option<String>,
 }
 
 impl Redis {
@@ -90,6 +92,10 @@ impl Redis {
             port,
             dir: dir.to_owned(),
             child: Some(child),
+            password: extra
+                .windows(2)
+                .find(|w| w[0] == "--requirepass")
+                .map(|w| w[1].to_string()),
         };
         r.wait_up();
         r
@@ -105,8 +111,17 @@ impl Redis {
         format!("127.0.0.1:{}", self.port)
     }
 
+    /// A URL for the server, with its password.
+    fn url(&self) -> String {
+        let auth = self
+            .password
+            .as_ref()
+            .map_or(String::new(), |p| format!(":{p}@"));
+        format!("redis://{auth}{}/", self.addr())
+    }
+
     fn con(&self) -> redis::Connection {
-        redis::Client::open(format!("redis://{}/", self.addr()))
+        redis::Client::open(self.url())
             .unwrap()
             .get_connection()
             .unwrap()
@@ -117,7 +132,7 @@ impl Redis {
             &format!("redis on {} to answer PING", self.port),
             DEADLINE,
             || {
-                let c = redis::Client::open(format!("redis://{}/", self.addr())).ok()?;
+                let c = redis::Client::open(self.url()).ok()?;
                 let mut con = c.get_connection().ok()?;
                 redis::cmd("PING").query::<String>(&mut con).ok()
             },
@@ -138,10 +153,12 @@ impl Redis {
 
     /// Creates the replication backlog: a replica attaches once and leaves.
     fn make_backlog(&self, root: &Path) {
-        let helper = Redis::start(
-            &root.join("helper"),
-            &["--replicaof", "127.0.0.1", &self.port.to_string()],
-        );
+        let port = self.port.to_string();
+        let mut args = vec!["--replicaof", "127.0.0.1", &port];
+        if let Some(password) = &self.password {
+            args.extend(["--masterauth", password]);
+        }
+        let helper = Redis::start(&root.join("helper"), &args);
         wait_for("the helper replica's link", DEADLINE, || {
             (helper.info("replication").get("master_link_status") == Some("up")).then_some(())
         });
@@ -474,6 +491,7 @@ fn seeds_a_replica_with_a_partial_resync(transport: &str, expect: pb::Transport)
         port,
         dir: rdir.clone(),
         child: None,
+        password: None,
     };
     wait_for("the replica to catch up", DEADLINE, || {
         let p: u64 = primary.cmd(&["DBSIZE"]);
@@ -1494,6 +1512,54 @@ fn agents_run_as_nobody_seed_a_server_run_as_redis_with_debians_modes() {
         assert_eq!(owner, uid("nobody"), "installed by the unprivileged agent");
     });
     assert_eq!(replica_redis.cmd::<Option<String>>(&["GET", "mine"]), None);
+    assert_eq!(
+        replica_redis
+            .cmd::<Option<String>>(&["GET", "key:9999"])
+            .as_deref(),
+        Some("value")
+    );
+}
+
+#[test]
+fn a_replica_with_masterauth_is_seeded_with_the_fleets_password() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let secret = ["--requirepass", "fleet-secret"];
+    let primary = Redis::start(
+        &root.join("primary"),
+        &[&secret[..], &["--repl-backlog-size", "64mb"]].concat(),
+    );
+    primary.make_backlog(root);
+    primary.fill("key", 10_000, "value");
+    primary.bgsave();
+    let replica_redis = Redis::start(
+        &root.join("replica-redis"),
+        &[&secret[..], &["--masterauth", "fleet-secret"]].concat(),
+    );
+    let password = "password = \"fleet-secret\"\n";
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let source = agent(
+            root,
+            "source",
+            &primary.dir,
+            &format!("{}{password}", source_config(&primary, TCP)),
+            &[],
+        );
+        let replica = agent(
+            root,
+            "replica",
+            &root.join("replica-agent"),
+            &format!(
+                "{}{password}",
+                replicate_config(&primary, replica_redis.port)
+            ),
+            &[],
+        );
+        offered_rdb(&source, &primary).await;
+        let p = sync_ok(&replica, &source).await;
+        assert!(p.handoff.contains("partial resync accepted"), "{p:?}");
+    });
     assert_eq!(
         replica_redis
             .cmd::<Option<String>>(&["GET", "key:9999"])
