@@ -293,10 +293,17 @@ if [ "$redis" = 1 ]; then
     out ""
     out "| dataset | kvsync seeding | Redis full sync | ratio | primary forks (kvsync / Redis) | primary CoW (kvsync / Redis) | notes |"
     out "|---|---|---|---|---|---|---|"
-    out "$(bash scripts/redis-seed-demo.sh 10000000 100 | tail -1)"
+    rows=$(AVAILABILITY=1 bash scripts/redis-seed-demo.sh 10000000 100 | grep '^| ')
+    out "$(echo "$rows" | head -1)"
     # Under write load: a writer at 4 MiB/s from just before the seeding,
     # a 32 MB backlog the source grows ([redis] grow_backlog).
-    out "$(WRITE_RATE=$((4 << 20)) BACKLOG=32mb bash scripts/redis-seed-demo.sh 10000000 100 | tail -1)"
+    out "$(WRITE_RATE=$((4 << 20)) BACKLOG=32mb bash scripts/redis-seed-demo.sh 10000000 100 | grep '^| ' | head -1)"
+    out ""
+    out "Seconds a client polling the replica saw errors (\`-LOADING\`) or no server, same run:"
+    out ""
+    out "| dataset | \`redis\` handoff (restart) | \`redis-replicate\`, swapdb, replica of the same primary | Redis full sync | notes |"
+    out "|---|---|---|---|---|"
+    out "$(echo "$rows" | tail -1)"
     out ""
 fi
 

@@ -17,6 +17,12 @@
 # 1 KiB values) against the primary from just before the kvsync seeding to
 # the end, through both seedings; BACKLOG (default 256mb) sets the primary's repl-backlog-size,
 # and the source agent may grow it ([redis] grow_backlog).
+# AVAILABILITY=1 also measures what a client polling each replica sees
+# (examples/redis_poller: seconds of errors such as -LOADING, or no
+# connection) during the `redis` seeding, Redis's full sync, and a third
+# seeding with `redis-replicate` of a server already replicating the primary
+# with repl-diskless-load swapdb; a second markdown row: dataset | redis |
+# redis-replicate + swapdb | Redis full sync | cores.
 # KVSYNC_BIN=path uses that kvsync binary instead of building a release one.
 # Everything it starts (servers, agents) is stopped when it exits.
 set -euo pipefail
@@ -34,6 +40,10 @@ else
 fi
 if [ "$write_rate" != 0 ]; then
     cargo build --locked --release --quiet --example redis_writer
+fi
+availability=${AVAILABILITY:-0}
+if [ "$availability" = 1 ]; then
+    cargo build --locked --release --quiet --example redis_poller
 fi
 work=$(mktemp -d "${TMPDIR:-/tmp}/kvsync-redis.XXXXXX")
 cleanup() {
@@ -66,6 +76,17 @@ wait_link() { # PORT: until master_link_status:up
     echo "replica on $1 never linked" >&2; exit 1
 }
 now() { date +%s.%N; }
+poll() { # PORT: a client polling the server on PORT, until unpoll PORT
+    [ "$availability" = 1 ] || return 0
+    target/release/examples/redis_poller "127.0.0.1:$1" key:1 "$work/stop.$1" >"$work/poll.$1" &
+    echo $! >"$work/poller.$1"
+}
+unpoll() { # PORT: stops its poller; prints the seconds it saw the server unavailable
+    [ "$availability" = 1 ] || return 0
+    touch "$work/stop.$1"
+    wait "$(cat "$work/poller.$1")"
+    sed -E 's/.*unavailable_s=([0-9.]+).*/\1/' "$work/poll.$1"
+}
 
 echo "== primary: $keys keys of $size bytes"
 # No diskless-sync delay: Redis's own full sync starts at once (fair timing).
@@ -134,19 +155,24 @@ fi
 stats() { echo "sync_full=$(field $P stats sync_full) sync_partial_ok=$(field $P stats sync_partial_ok) total_forks=$(field $P stats total_forks)"; }
 echo "== kvsync seeding (primary before: $(stats))"
 forks0=$(field $P stats total_forks)
+poll $A
 t0=$(now)
 "$bin" sync --agent "$dst" --source "$src" --wait --json
 t1=$(now)
+down_redis=$(unpoll $A)
 echo "primary after: $(stats); repl-backlog-size $(redis-cli -p $P config get repl-backlog-size | tail -1)"
 seed_s=$(echo "$t1 - $t0" | bc)
 seed_forks=$(( $(field $P stats total_forks) - forks0 ))
 
 echo "== Redis full sync of an empty replica (primary before: $(stats))"
 forks0=$(field $P stats total_forks)
+server b $B
+poll $B
 t0=$(now)
-server b $B --replicaof 127.0.0.1 $P
+redis-cli -p $B replicaof 127.0.0.1 $P >/dev/null
 wait_link $B
 t1=$(now)
+down_full=$(unpoll $B)
 echo "primary after: $(stats); rdb_last_cow_size=$(field $P persistence rdb_last_cow_size)"
 full_s=$(echo "$t1 - $t0" | bc)
 full_forks=$(( $(field $P stats total_forks) - forks0 ))
@@ -158,3 +184,28 @@ awk -v s="$seed_s" -v f="$full_s" -v k="$keys" -v z="$size" -v r="$rdb_mib" -v m
     -v sf="$seed_forks" -v ff="$full_forks" -v cow="$cow_mib" -v load="$load" 'BEGIN {
     printf "| %d keys x %d B (used_memory %d MiB, RDB %d MiB)%s | %.2f s | %.2f s | %.2f | %d / %d | 0 / %d MiB | %d cores |\n",
         k, z, m, r, load, s, f, s/f, sf, ff, cow, c }'
+
+[ "$availability" = 1 ] || exit 0
+echo "== redis-replicate of a replica of the primary (repl-diskless-load swapdb)"
+C=$((base + 4))
+server c $C --repl-diskless-load swapdb --replicaof 127.0.0.1 $P
+wait_link $C
+mkdir -p "$work/replica2-agent"
+dst2=$(agent replica2 "node_id = \"replica2\"
+snapshot_dir = \"$work/replica2-agent\"
+snapshot_format = \"redis-rdb\"
+$common
+[handoff]
+mode = \"redis-replicate\"
+timeout = \"1h\"
+[redis]
+server_addr = \"127.0.0.1:$C\"
+primary = \"127.0.0.1:$P\"")
+echo "primary before: $(stats)"
+poll $C
+"$bin" sync --agent "$dst2" --source "$src" --wait --json
+down_replicate=$(unpoll $C)
+echo "primary after: $(stats)"
+awk -v k="$keys" -v z="$size" -v m="$dataset_mib" -v load="$load" -v c="$(nproc)" \
+    -v a="$down_redis" -v b="$down_replicate" -v f="$down_full" 'BEGIN {
+    printf "| %d keys x %d B (used_memory %d MiB)%s | %.2f s | %.2f s | %.2f s | %d cores |\n", k, z, m, load, a, b, f, c }'
