@@ -75,20 +75,32 @@ pub async fn replicate(
             // Any other connection meanwhile is turned away.
             _ = turn_away(&listener) => unreachable!("turn_away never returns"),
         };
-        serving.abort();
-        loaded
+        // The seed connection stays open until the server leaves it for
+        // the primary, so it never tries to reconnect to the seed.
+        let serving = serving.abort_handle();
+        if loaded.is_err() {
+            serving.abort();
+        }
+        loaded.map(|()| serving)
     }
     .await;
     drop(listener);
-    if let Err(e) = seeded {
-        restore_role(&mut con, server, &was).await;
-        return Err(e);
-    }
     let (host, port) = cfg.primary.rsplit_once(':').unwrap_or((&cfg.primary, ""));
     let port: u16 = port
         .parse()
         .map_err(|_| server_err(&cfg.primary, "no port"))?;
-    replicaof(&mut con, server, host, port).await?;
+    let followed = match seeded {
+        Ok(serving) => {
+            let followed = replicaof(&mut con, server, host, port).await;
+            serving.abort();
+            followed
+        }
+        Err(e) => Err(e),
+    };
+    if let Err(e) = followed {
+        restore_role(&mut con, server, &was).await;
+        return Err(e);
+    }
     confirm_partial(cfg, timeout, &before, snapshot).await
 }
 
