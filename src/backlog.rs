@@ -67,8 +67,10 @@ pub struct BacklogGuard {
     state: tokio::sync::Mutex<State>,
     /// What the watchers found, by session, for the status.
     warnings: Mutex<BTreeMap<String, String>>,
-    /// Bytes per second of RDB a replica last loaded (its size over its
-    /// reported handoff time); 0 before any report.
+    /// What the last seedings showed, bytes per second (0: not yet): the
+    /// rate a session was served at, and the RDB's size over a replica's
+    /// reported handoff time.
+    served_rate: AtomicU64,
     loaded_rate: AtomicU64,
     runtime: tokio::runtime::Handle,
 }
@@ -78,6 +80,28 @@ pub struct Lease {
     guard: Arc<BacklogGuard>,
     session: String,
     grace: Duration,
+}
+
+impl Lease {
+    /// Its session was served: `bytes` in `took`.
+    pub fn served(&self, bytes: u64, took: Duration) {
+        learn(&self.guard.served_rate, bytes, took);
+    }
+}
+
+/// A learned rate, once there is one.
+fn known(rate: &AtomicU64) -> Option<u64> {
+    Some(rate.load(Ordering::Relaxed)).filter(|r| *r > 0)
+}
+
+/// Learns the rate of `bytes` in `took` (a zero time teaches nothing).
+fn learn(rate: &AtomicU64, bytes: u64, took: Duration) {
+    if !took.is_zero() {
+        rate.store(
+            (bytes as f64 / took.as_secs_f64()) as u64,
+            Ordering::Relaxed,
+        );
+    }
 }
 
 impl Drop for Lease {
@@ -145,6 +169,7 @@ impl BacklogGuard {
                 leases: HashMap::new(),
             }),
             warnings: Mutex::new(BTreeMap::new()),
+            served_rate: AtomicU64::new(0),
             loaded_rate: AtomicU64::new(0),
             runtime: tokio::runtime::Handle::current(),
         });
@@ -159,10 +184,9 @@ impl BacklogGuard {
         self: &Arc<Self>,
         session: &str,
         snapshot: &SnapshotInfo,
-        served_rate: Option<u64>,
     ) -> Result<(Lease, Preflight), RedisError> {
-        let loaded_rate = Some(self.loaded_rate.load(Ordering::Relaxed)).filter(|r| *r > 0);
-        let sizing = redis::measure(&self.cfg, snapshot, (served_rate, loaded_rate)).await?;
+        let measured = (known(&self.served_rate), known(&self.loaded_rate));
+        let sizing = redis::measure(&self.cfg, snapshot, measured).await?;
         let mut state = self.state.lock().await;
         if sizing.needed > sizing.size {
             let shortfall = sizing.shortfall(snapshot.size);
@@ -252,9 +276,8 @@ impl BacklogGuard {
         if let Some(leased) = state.leases.remove(session) {
             leased.watch.abort();
             self.warnings.lock().expect("warnings lock").remove(session);
-            if let Some(took) = handoff.filter(|d| !d.is_zero()) {
-                let rate = leased.size as f64 / took.as_secs_f64();
-                self.loaded_rate.store(rate as u64, Ordering::Relaxed);
+            if let Some(took) = handoff {
+                learn(&self.loaded_rate, leased.size, took);
             }
         }
         if state.leases.is_empty() {

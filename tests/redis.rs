@@ -221,35 +221,35 @@ impl Drop for Redis {
     }
 }
 
-/// A thread writing to a server until dropped: `write(con, i)` for
-/// i = 0, 1, 2, …
-struct Writer {
+/// A client thread working on a server until dropped: `step(con, i)` for
+/// i = 0, 1, 2, … (a writer, or a reader).
+struct Client {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
-impl Writer {
+impl Client {
     fn start(
         server: &Redis,
-        mut write: impl FnMut(&mut redis::Connection, u64) + Send + 'static,
-    ) -> Writer {
+        mut step: impl FnMut(&mut redis::Connection, u64) + Send + 'static,
+    ) -> Client {
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (stopped, mut con) = (stop.clone(), server.con());
         let thread = std::thread::spawn(move || {
             let mut i = 0u64;
             while !stopped.load(std::sync::atomic::Ordering::Relaxed) {
-                write(&mut con, i);
+                step(&mut con, i);
                 i += 1;
             }
         });
-        Writer {
+        Client {
             stop,
             thread: Some(thread),
         }
     }
 }
 
-impl Drop for Writer {
+impl Drop for Client {
     fn drop(&mut self) {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
         if let Some(Err(panic)) = self.thread.take().map(|t| t.join()) {
@@ -927,7 +927,7 @@ fn check_replica_ignores_writes_in_flight_and_finds_exactly_the_planted_keys() {
 
     // A writer keeps changing keys (never back to an old value) while the
     // check runs: in flight, not a mismatch.
-    let writer = Writer::start(&primary, |con, i| {
+    let writer = Client::start(&primary, |con, i| {
         let mut p = redis::pipe();
         for j in 0..50 {
             p.cmd("INCR")
@@ -986,7 +986,7 @@ fn a_primary_writing_faster_than_its_backlog_can_hold_is_refused_before_anything
     let _: () = replica_redis.cmd(&["SET", "mine", "1"]);
     let (primary, _) = loaded_primary(&root.join("busy"), "1mb");
     // A writer keeps the primary busy while the offer is made.
-    let writer = Writer::start(&primary, |con, i| {
+    let writer = Client::start(&primary, |con, i| {
         let _: () = redis::cmd("SET")
             .arg(format!("busy:{}", i % 100))
             .arg(i)
@@ -1040,9 +1040,9 @@ fn backlog_size(primary: &Redis) -> u64 {
 /// A writer setting 50 keys of 1 KiB (`seeding:<n>`) every 50 ms, about
 /// 1 MB/s: a 1 MB backlog holding M+1 overruns within a second, sooner
 /// than a seeding of a few MB at a few MiB/s ends, but after the offer.
-fn steady_writer(primary: &Redis) -> Writer {
+fn steady_writer(primary: &Redis) -> Client {
     let value = "w".repeat(1024);
-    Writer::start(primary, move |con, i| {
+    Client::start(primary, move |con, i| {
         let mut p = redis::pipe();
         for j in 0..50 {
             p.cmd("SET")
@@ -1331,22 +1331,18 @@ fn a_replica_reseeded_with_swapdb_serves_its_old_data_while_it_loads_and_the_see
         (replica_redis.info("replication").get("master_link_status") == Some("up")).then_some(())
     });
     let _: () = replica_redis.cmd(&["CONFIG", "SET", "key-load-delay", "20"]);
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // A client reads throughout; what it saw, (good reads, errors).
+    let seen = std::sync::Arc::new(std::sync::Mutex::new((0u64, Vec::<String>::new())));
     let reader = {
-        let (stop, mut con) = (stop.clone(), replica_redis.con());
-        std::thread::spawn(move || {
-            let (mut reads, mut errors) = (0u64, Vec::new());
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                match redis::cmd("GET")
-                    .arg("key:1")
-                    .query::<Option<String>>(&mut con)
-                {
-                    Ok(Some(_)) => reads += 1,
-                    Ok(None) => errors.push("key:1 missing".to_string()),
-                    Err(e) => errors.push(e.to_string()),
-                }
+        let seen = seen.clone();
+        Client::start(&replica_redis, move |con, _| {
+            let read = redis::cmd("GET").arg("key:1").query::<Option<String>>(con);
+            let mut seen = seen.lock().unwrap();
+            match read {
+                Ok(Some(_)) => seen.0 += 1,
+                Ok(None) => seen.1.push("key:1 missing".to_string()),
+                Err(e) => seen.1.push(e.to_string()),
             }
-            (reads, errors)
         })
     };
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -1378,10 +1374,10 @@ fn a_replica_reseeded_with_swapdb_serves_its_old_data_while_it_loads_and_the_see
             "{answer:?}"
         );
         let p = wait_done(&replica, &id).await;
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        drop(reader);
         assert_eq!(p.phase, pb::Phase::Succeeded as i32, "{p:?}");
     });
-    let (reads, errors) = reader.join().unwrap();
+    let (reads, errors) = seen.lock().unwrap().clone();
     assert!(reads > 0, "the reader ran during the seeding");
     assert_eq!(
         errors,

@@ -83,7 +83,7 @@ impl PeerService {
         else {
             return Ok((None, 0));
         };
-        match guard.lease(id, info, self.sessions.served_rate()).await {
+        match guard.lease(id, info).await {
             Ok((lease, p)) => {
                 info!(
                     seq = info.seq,

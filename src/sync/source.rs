@@ -141,9 +141,6 @@ pub struct SessionTable {
     /// Offered, prepared or served sessions per replica.
     per_replica: Arc<Mutex<HashMap<String, usize>>>,
     limits: Mutex<Limits>,
-    /// Bytes per second of the last session served to its end (0: none
-    /// yet), for the Redis backlog guard's estimate.
-    served_rate: AtomicU64,
 }
 
 impl SessionTable {
@@ -154,7 +151,6 @@ impl SessionTable {
             serving: Arc::default(),
             per_replica: Arc::default(),
             limits: Mutex::new(limits),
-            served_rate: AtomicU64::new(0),
         }
     }
 
@@ -245,17 +241,6 @@ impl SessionTable {
             .values()
             .find(|(o, _)| o.id == id && o.expires > now)
             .map(|(o, _)| o.entry.manifest.clone())
-    }
-
-    /// The rate (bytes per second) the last successful session was served
-    /// at, once one was.
-    pub fn served_rate(&self) -> Option<u64> {
-        Some(self.served_rate.load(Ordering::Relaxed)).filter(|r| *r > 0)
-    }
-
-    fn record_rate(&self, bytes: u64, elapsed: Duration) {
-        let rate = bytes as f64 / elapsed.as_secs_f64().max(1e-3);
-        self.served_rate.store(rate as u64, Ordering::Relaxed);
     }
 
     /// Sessions moving bytes now.
@@ -460,7 +445,9 @@ fn serve_session(plane: &DataPlane, offer: &Offer, peer: &str, link: SourceLink)
     match &result {
         Ok(Ok(_)) => {
             info!(bytes = sent, elapsed = ?started.elapsed(), "session served");
-            plane.sessions.record_rate(sent, started.elapsed());
+            if let Some(lease) = &offer.backlog {
+                lease.served(sent, started.elapsed());
+            }
             m.last_success
                 .with_label_values(&["source"])
                 .set(unix_now());
