@@ -176,7 +176,7 @@ for size in $sizes; do
         t1=$(now)
         rsync_s+=("$(awk -v a="$t0" -v b="$t1" 'BEGIN {print b - a}')")
         rm -rf "$work/rsync.out" "$work/copy.out"
-        [ "$size" = "${sizes%% *}" ] && emu_s+=("$(sync_secs "$GRPC_replica" "$GRPC_source" rdma)")
+        section 2 && [ "$size" = "${sizes%% *}" ] && emu_s+=("$(sync_secs "$GRPC_replica" "$GRPC_source" rdma)")
     done
     s=$(median "${sync_s[@]}"); c=$(median "${copy_s[@]}"); r=$(median "${rsync_s[@]}")
     out "| $size | $(mbps "$bytes" "$s") MB/s | $(mbps "$bytes" "$c") MB/s | $(mbps "$bytes" "$r") MB/s | $(ratio "$c" "$s") | $(ratio "$r" "$s") |"

@@ -487,7 +487,7 @@ impl Drop for CacheRef {
 }
 
 /// Opens the entry's file and checks it is still the offered one.
-fn open_checked(entry: &CatalogEntry) -> Result<std::fs::File, CacheError> {
+pub(crate) fn open_checked(entry: &CatalogEntry) -> Result<std::fs::File, CacheError> {
     let path = &entry.path;
     let io = |source| CacheError::Io {
         path: path.clone(),

@@ -261,7 +261,14 @@ pub struct DataConfig {
     /// kept for a sync to resume.
     #[serde(with = "humantime_serde")]
     pub resume_ttl: Duration,
+    /// Replica: TCP connections one sync runs on at once, each carrying
+    /// its share of the pieces (1 to [`MAX_TCP_STREAMS`]). More than one
+    /// helps where one stream is limited by its window: long, fat links.
+    pub tcp_streams: u32,
 }
+
+/// The most TCP streams one sync runs on.
+pub const MAX_TCP_STREAMS: u32 = 16;
 
 /// Whether the TCP data path is encrypted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -532,6 +539,7 @@ impl Default for DataConfig {
             piece_size: ByteSize::b(crate::manifest::DEFAULT_PIECE_SIZE),
             piece_retries: 3,
             resume_ttl: Duration::from_secs(3600),
+            tcp_streams: 1,
         }
     }
 }
@@ -759,6 +767,12 @@ impl Config {
             p.bad(
                 "data.piece_retries",
                 format!("must be at most {}", crate::blk3::MAX_PIECE_SENDS - 1),
+            );
+        }
+        if !(1..=MAX_TCP_STREAMS).contains(&self.data.tcp_streams) {
+            p.bad(
+                "data.tcp_streams",
+                format!("must be between 1 and {MAX_TCP_STREAMS}"),
             );
         }
         let limit = self.sync.rate_limit.as_u64();

@@ -148,6 +148,20 @@ impl Staging {
         Ok(())
     }
 
+    /// Moves the `n` received bytes waiting in `pipe` into the file at
+    /// `offset`, inside the kernel.
+    pub fn splice_at(
+        &mut self,
+        offset: u64,
+        pipe: &crate::transport::splice::Pipe,
+        n: usize,
+    ) -> Result<(), InstallError> {
+        pipe.drain_to(&self.file, offset, n)
+            .map_err(|e| self.io("write", e))?;
+        self.written += n as u64;
+        Ok(())
+    }
+
     /// Counts bytes that reached the file through a shared mapping of it.
     pub fn absorbed(&mut self, len: u64) {
         self.written += len;

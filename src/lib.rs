@@ -1,7 +1,8 @@
 //! kvsync — a replication sidecar that moves full KV snapshots between hosts.
 //!
 //! An agent runs next to every KV server. On a source it watches the snapshot
-//! directory and serves snapshots from a shared in-memory cache; on a replica
+//! directory and serves snapshots from the page cache (TCP) or a shared
+//! in-memory image (RDMA, TLS, relays); on a replica
 //! it pulls a snapshot, verifies its checksum, installs it durably and hands
 //! its sequence number M to the local KV. `docs/ARCHITECTURE.md`
 //! walks through the whole flow.
@@ -14,6 +15,8 @@
 //!   directory watcher that fills the catalog.
 //! - [`buf`] — page-aligned buffers for the data path.
 //! - [`cache`] — the shared, budgeted snapshot buffers on the source.
+//! - [`served`] — what a source session sends from: a cache image, or the
+//!   snapshot file itself through the kernel's page cache (plain TCP).
 //! - [`arrivals`] — which pieces of a snapshot being received are verified
 //!   (what a relay may pass on).
 //! - [`peer_text`] — which strings from peers are acceptable, and escaping.
@@ -68,6 +71,7 @@ pub mod pem;
 pub mod redis;
 pub mod redis_seed;
 pub mod rpc;
+pub mod served;
 pub mod snapshot;
 pub mod sync;
 pub mod transport;

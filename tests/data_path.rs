@@ -10,6 +10,7 @@
 
 mod common;
 
+use kvsync::served::{Served, SnapshotFile};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -215,12 +216,18 @@ async fn run(case: Case, wire: Wire, dir: &Path, tls: &Tls) -> Run {
         id: "s1".into(),
         replica: "r".into(),
         entry: entry.clone(),
-        snapshot: cache.acquire(&entry).await.unwrap(),
+        // As a source holds them: plain TCP sends the file, the rest memory.
+        snapshot: if kind == TransportKind::Tcp && wire != Wire::Tls {
+            Served::File(SnapshotFile::open(&entry).unwrap())
+        } else {
+            Served::Image(cache.acquire(&entry).await.unwrap())
+        },
         transport: kind,
         tls: wire == Wire::Tls,
         expires: Instant::now() + DEADLINE,
         origin: None,
         backlog: None,
+        streams: 1,
     };
     let admitted = sessions.admit("replica@127.0.0.1").unwrap();
     let mut token = sessions.insert(offer, admitted);

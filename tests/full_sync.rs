@@ -85,7 +85,16 @@ async fn syncs_small_odd_and_64mib_snapshots_byte_identical() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_replicas_and_a_straggler_share_one_cache_load() {
     let root = tempfile::tempdir().unwrap();
-    let source = Node::start(root.path(), "source", "[cache]\nlinger = \"5s\"\n", &[]);
+    // RDMA sessions (here over the emulated fabric) send from the cache;
+    // TCP ones send the file from the kernel's page cache.
+    let emulated = "mode = \"auto\"\nrdma_provider = \"emulated\"";
+    let source = Node::start_with(
+        root.path(),
+        "source",
+        emulated,
+        "[cache]\nlinger = \"5s\"\n",
+        &[],
+    );
     let bytes = put_snapshot(&source.dir, "s.kvr1", 16 << 20, 7);
     source.offered(7).await;
     // An offer held open keeps the snapshot loaded, so the four pulls are
@@ -94,17 +103,24 @@ async fn four_replicas_and_a_straggler_share_one_cache_load() {
         .await
         .unwrap();
     let held = peer
-        .open_full_sync(pb::OpenFullSyncRequest::default())
+        .open_full_sync(pb::OpenFullSyncRequest {
+            transports: vec![pb::Transport::Rdma as i32],
+            rdma_reachable: true,
+            preference: pb::TransportPreference::Rdma as i32,
+            rdma_provider: "emulated".into(),
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner();
     let replicas: Vec<Node> = (0..4)
-        .map(|i| Node::start(root.path(), &format!("r{i}"), "", &[]))
+        .map(|i| Node::start_with(root.path(), &format!("r{i}"), emulated, "", &[]))
         .collect();
     let ids = futures::future::join_all(replicas.iter().map(|r| start_sync(r, &source))).await;
     for (r, id) in replicas.iter().zip(&ids) {
         let p = wait_done(r, id).await;
         assert_eq!(p.phase, pb::Phase::Succeeded as i32, "{}", p.error);
+        assert_eq!(p.transport, pb::Transport::Rdma as i32);
         assert!(std::fs::read(r.dir.join("s.kvr1")).unwrap() == bytes);
     }
     assert_eq!(
@@ -115,9 +131,16 @@ async fn four_replicas_and_a_straggler_share_one_cache_load() {
     assert_eq!(source.metric("kvsync_snapshot_cache_hits_total"), 4.0);
     assert!(source.proc.log().contains("reusing snapshot buffer ref="));
     // Use the held token and hang up: that session ends and releases too.
-    let straggler = Node::start(root.path(), "straggler", "", &[]);
+    let straggler = Node::start_with(root.path(), "straggler", emulated, "", &[]);
     let token: [u8; 32] = held.session_token.as_slice().try_into().unwrap();
-    assert_eq!(present_token(&held.data_endpoint, token), Token::Srdy);
+    {
+        use kvsync::transport::fabric::Fabric;
+        let endpoint = held.data_endpoint.parse().unwrap();
+        let mut qp =
+            kvsync::transport::emulated::EmuQp::dial(endpoint, DEADLINE, Default::default())
+                .unwrap();
+        qp.connect(&token, DEADLINE).unwrap();
+    }
     wait_for("every reference released", DEADLINE, || {
         (source.metric("kvsync_snapshot_cache_refs") == 0.0).then_some(())
     });
@@ -380,10 +403,26 @@ async fn wrong_used_expired_or_other_transport_session_tokens_are_refused() {
     let reply = present_token(&offer.data_endpoint, token);
     assert!(refused(&reply), "{reply:?}");
 
-    // A token offered for RDMA does not open a TCP session.
+    // A token granted two TCP streams opens exactly two connections.
     let mut peer = PeerClient::connect(format!("http://{}", source.grpc()))
         .await
         .unwrap();
+    let ask = |n| pb::OpenFullSyncRequest {
+        tcp_streams: n,
+        ..Default::default()
+    };
+    let two = peer.open_full_sync(ask(2)).await.unwrap().into_inner();
+    assert_eq!(two.tcp_streams, 2);
+    let token: [u8; 32] = two.session_token.as_slice().try_into().unwrap();
+    assert_eq!(present_token(&two.data_endpoint, token), Token::Srdy);
+    assert_eq!(present_token(&two.data_endpoint, token), Token::Srdy);
+    let reply = present_token(&two.data_endpoint, token);
+    assert!(refused(&reply), "{reply:?}");
+    // More than the most is granted the most.
+    let many = peer.open_full_sync(ask(99)).await.unwrap().into_inner();
+    assert_eq!(many.tcp_streams, kvsync::config::MAX_TCP_STREAMS);
+
+    // A token offered for RDMA does not open a TCP session.
     let rdma_offer = peer
         .open_full_sync(pb::OpenFullSyncRequest {
             transports: vec![pb::Transport::Tcp as i32, pb::Transport::Rdma as i32],
@@ -399,11 +438,11 @@ async fn wrong_used_expired_or_other_transport_session_tokens_are_refused() {
     let token: [u8; 32] = rdma_offer.session_token.as_slice().try_into().unwrap();
     let reply = present_token(&source.data(), token);
     assert!(refused(&reply), "{reply:?}");
-    assert_eq!(source.metric("kvsync_data_auth_failures_total"), 3.0);
-    // Guessed, replayed and other-transport tokens, counted by reason.
+    assert_eq!(source.metric("kvsync_data_auth_failures_total"), 4.0);
+    // Guessed, replayed (twice) and other-transport tokens, by reason.
     assert_eq!(
         source.metric(r#"kvsync_data_connections_refused_total{reason="bad_token"}"#),
-        3.0
+        4.0
     );
 
     // An expired token is refused (a source whose tokens live 300 ms; the

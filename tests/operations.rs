@@ -108,13 +108,21 @@ fn systemd_unit_verifies_and_has_what_rdma_and_draining_need() {
 }
 
 fn agent_config(root: &Path, name: &str, sync: &str) -> String {
+    agent_config_with(root, name, "mode = \"tcp\"", sync)
+}
+
+/// The emulated RDMA fabric: sessions served from the snapshot cache.
+const EMULATED: &str = "mode = \"auto\"\nrdma_provider = \"emulated\"";
+
+/// [`agent_config`] with its own `[transport]` section.
+fn agent_config_with(root: &Path, name: &str, transport: &str, sync: &str) -> String {
     let dir = root.join(name);
     std::fs::create_dir_all(&dir).unwrap();
     let path = root.join(format!("{name}.toml"));
     std::fs::write(
         &path,
         format!(
-            "node_id = \"{name}\"\nsnapshot_dir = \"{}\"\n[grpc]\nlisten = \"127.0.0.1:0\"\n[data]\ntcp_listen = \"127.0.0.1:0\"\n[metrics]\nlisten = \"127.0.0.1:0\"\n[transport]\nmode = \"tcp\"\n[sync]\n{sync}\n",
+            "node_id = \"{name}\"\nsnapshot_dir = \"{}\"\n[grpc]\nlisten = \"127.0.0.1:0\"\n[data]\ntcp_listen = \"127.0.0.1:0\"\nrdma_port = 0\n[metrics]\nlisten = \"127.0.0.1:0\"\n[transport]\n{transport}\n[sync]\n{sync}\n",
             dir.display()
         ),
     )
@@ -328,10 +336,19 @@ async fn reload(node: &Node) {
 async fn the_cache_budget_and_linger_reload_on_sighup_and_the_budget_refuses_what_does_not_fit() {
     let root = tempfile::tempdir().unwrap();
     let budget = |b: &str| format!("[cache]\nmemory_budget = \"{b}\"");
-    let source = config_node(root.path(), "source", &budget("1MiB"), &[], &[]);
+    // Over the emulated fabric: RDMA sends from the cache (TCP from the file).
+    let emulated = |name: &str, sync: &str| {
+        let config = agent_config_with(root.path(), name, EMULATED, sync);
+        Node {
+            proc: AgentProcess::start_env(&["--config", &config], &[], root.path()),
+            dir: root.path().join(name),
+            token: None,
+        }
+    };
+    let source = emulated("source", &budget("1MiB"));
     let bytes = put_snapshot(&source.dir, "s.kvr1", 4 << 20, 7);
     source.offered(7).await;
-    let replica = Node::start(root.path(), "replica", "", &[]);
+    let replica = emulated("replica", "");
     let id = start_sync(&replica, &source).await;
     let p = wait_done(&replica, &id).await;
     assert_eq!(p.phase, pb::Phase::Failed as i32);
@@ -345,7 +362,7 @@ async fn the_cache_budget_and_linger_reload_on_sighup_and_the_budget_refuses_wha
 
     // Raised by a reload (and the linger time with it, to none).
     let raised = format!("{}\nlinger = \"0s\"", budget("64MiB"));
-    agent_config(root.path(), "source", &raised);
+    agent_config_with(root.path(), "source", EMULATED, &raised);
     reload(&source).await;
     let id = start_sync(&replica, &source).await;
     let p = wait_done(&replica, &id).await;

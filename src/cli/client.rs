@@ -354,6 +354,7 @@ pub async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
             "running": s.running.iter().map(progress_json).collect::<Vec<_>>(),
             "recent": s.recent.iter().map(progress_json).collect::<Vec<_>>(),
             "serving_sessions": s.serving_sessions,
+            "admitted_sessions": s.admitted_sessions,
             "transports": s.transports,
             "rdma_available": s.rdma_available,
             "rdma_detail": s.rdma_detail,
@@ -375,8 +376,8 @@ pub async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
         s.rdma_detail
     );
     println!(
-        "serving {} session(s) as a source; data endpoint {}",
-        s.serving_sessions, s.data_tcp_endpoint
+        "serving {} session(s) as a source ({} admitted); data endpoint {}",
+        s.serving_sessions, s.admitted_sessions, s.data_tcp_endpoint
     );
     for r in &s.relaying {
         let id = r.snapshot.unwrap_or_default();

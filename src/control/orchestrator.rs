@@ -185,6 +185,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             running: self.syncs.running(),
             recent: self.syncs.recent(),
             serving_sessions: self.sessions.serving() as u32,
+            admitted_sessions: self.sessions.admitted() as u32,
             transports: if data.rdma.is_some() {
                 vec!["tcp".into(), format!("rdma ({})", probe.provider)]
             } else {

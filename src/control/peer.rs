@@ -14,10 +14,11 @@ use tracing::{info, warn};
 
 use super::ApiError;
 use crate::backlog::{BacklogGuard, Lease};
-use crate::cache::{CacheError, CacheRef, RelayFeed, SnapshotCache};
+use crate::cache::{CacheError, RelayFeed, SnapshotCache};
 use crate::catalog::{Catalog, CatalogEntry};
-use crate::config::{Config, DataTls};
+use crate::config::{Config, DataTls, MAX_TCP_STREAMS};
 use crate::rpc::pb;
+use crate::served::{Served, SnapshotFile};
 use crate::snapshot::{Format, SnapshotInfo};
 use crate::sync::relay::{is_snapshot, RelaySource, RelayTable};
 use crate::sync::source::{replica_key, DataEndpoints, Offer, Refusal, SessionTable};
@@ -140,12 +141,16 @@ impl PeerService {
         let mut chosen = self.choose(format, req.snapshot.as_ref())?;
         let id = new_id();
         let (backlog, backlog_bytes_left) = self.lease_backlog(&id, &chosen.entry.info).await?;
-        let snapshot = self.hold(&mut chosen).await?;
+        let snapshot = self.hold(&mut chosen, (transport, tls)).await?;
         let ttl = config.sync.session_token_ttl;
         let replica = if req.replica_node_id.is_empty() {
             "unnamed".to_string()
         } else {
             req.replica_node_id.clone()
+        };
+        let streams = match transport {
+            TransportKind::Tcp => req.tcp_streams.clamp(1, MAX_TCP_STREAMS),
+            TransportKind::Rdma => 1,
         };
         let offer = Offer {
             id: id.clone(),
@@ -157,18 +162,19 @@ impl PeerService {
             expires: Instant::now() + ttl,
             origin: chosen.origin.clone(),
             backlog,
+            streams,
         };
         let token = self.sessions.insert(offer, admitted);
         let endpoint = match (transport, self.data.rdma) {
             (TransportKind::Rdma, Some(rdma)) => rdma,
             _ => advertised(self.data.tcp, local),
         };
-        info!(session = %id, replica = %req.replica_node_id, path = %chosen.entry.path.display(), seq = chosen.entry.info.seq, transport = transport.as_str(), tls, %endpoint, relayed_from = ?chosen.origin, "offered snapshot");
+        info!(session = %id, replica = %req.replica_node_id, path = %chosen.entry.path.display(), seq = chosen.entry.info.seq, transport = transport.as_str(), tls, streams, %endpoint, relayed_from = ?chosen.origin, "offered snapshot");
         Ok(self.offer_message(
             id,
             token,
             &chosen,
-            (transport, tls),
+            (transport, tls, streams),
             endpoint,
             backlog_bytes_left,
         ))
@@ -236,13 +242,22 @@ impl PeerService {
         })
     }
 
-    /// Takes the chosen snapshot's reference in the cache (loading it, or
-    /// starting its relay image). A relayed file that changed is no longer
-    /// relayed.
-    async fn hold(&self, chosen: &mut Chosen) -> Result<CacheRef, ApiError> {
+    /// Holds the chosen snapshot's bytes for a session over `transport`:
+    /// a plain TCP session of a file on disk sends the file itself (the
+    /// kernel's page cache is the shared copy); any other takes its
+    /// reference in the cache (loading it, or starting its relay image). A
+    /// relayed file that changed is no longer relayed.
+    async fn hold(
+        &self,
+        chosen: &mut Chosen,
+        (transport, tls): (TransportKind, bool),
+    ) -> Result<Served, ApiError> {
         let held = match chosen.feed.take() {
-            Some(feed) => self.cache.acquire_relay(feed).await,
-            None => self.cache.acquire(&chosen.entry).await,
+            Some(feed) => self.cache.acquire_relay(feed).await.map(Served::Image),
+            None if transport == TransportKind::Tcp && !tls => {
+                SnapshotFile::open(&chosen.entry).map(Served::File)
+            }
+            None => self.cache.acquire(&chosen.entry).await.map(Served::Image),
         };
         if let (Err(CacheError::Changed { .. }), Some(_)) = (&held, &chosen.origin) {
             self.relays.withdraw(&chosen.entry.info);
@@ -256,7 +271,7 @@ impl PeerService {
         id: String,
         token: [u8; crate::blk3::token::SESSION_TOKEN_LEN],
         chosen: &Chosen,
-        (transport, tls): (TransportKind, bool),
+        (transport, tls, streams): (TransportKind, bool, u32),
         endpoint: SocketAddr,
         backlog_bytes_left: u64,
     ) -> pb::SyncOffer {
@@ -288,6 +303,7 @@ impl PeerService {
             piece_size: entry.manifest.piece_size,
             manifest_digest: entry.manifest.digest(),
             origin_node_id: chosen.origin.clone().unwrap_or_default(),
+            tcp_streams: streams,
         }
     }
 }

@@ -22,7 +22,7 @@ use tracing::{info, info_span, warn, Instrument};
 use crate::blk3::token::SESSION_TOKEN_LEN;
 use crate::blk3::Outcome;
 use crate::catalog::CatalogEntry;
-use crate::config::{Config, DataTls, RdmaProvider, TransportMode};
+use crate::config::{Config, DataTls, RdmaProvider, TransportMode, MAX_TCP_STREAMS};
 use crate::handoff::{self, HandoffRecord};
 use crate::install::{self, InstallError};
 use crate::manifest::Manifest;
@@ -543,6 +543,7 @@ async fn negotiate(
         },
         data_tls: ctx.dialer.data_tls.is_some(),
         snapshot: ctx.want,
+        tcp_streams: ctx.config.data.tcp_streams,
     };
     let offer = ctx
         .or_cancel(peer.open_full_sync(request))
@@ -725,15 +726,23 @@ async fn transfer(
         p.check = check;
     });
     let spec = dial_spec(ctx, offer, kind)?;
-    let label = link_label(offer, &spec);
+    let streams = match kind {
+        TransportKind::Tcp => offer.tcp_streams.clamp(1, MAX_TCP_STREAMS),
+        TransportKind::Rdma => 1,
+    };
+    let label = link_label(offer, &spec, streams);
     ctx.progress.send_modify(|p| p.detail = label.clone());
     let endpoint = spec.endpoint.to_string();
-    let link = ctx
-        .or_cancel(tokio::task::spawn_blocking(move || DataLink::dial(&spec)))
+    let mut links = ctx
+        .or_cancel(tokio::task::spawn_blocking(move || {
+            (0..streams)
+                .map(|_| DataLink::dial(&spec))
+                .collect::<Result<Vec<_>, _>>()
+        }))
         .await?
         .map_err(|e| JobError::Panicked(panic_text(e)))?
         .map_err(|message| JobError::DataConnect { endpoint, message })?;
-    let canceller = link.canceller();
+    let cancellers: Vec<_> = links.iter().map(DataLink::canceller).collect();
 
     ctx.phase(pb::Phase::Transferring);
     let bulk_started = Instant::now();
@@ -742,14 +751,21 @@ async fn transfer(
         offer.snapshot_size,
         ctx.faults.clone(),
     );
-    let mut run = tokio::task::spawn_blocking(move || {
-        let (result, memory) = link.run(token, total, &mut receiver, &faults);
-        (result, memory, receiver)
+    let mut run = tokio::task::spawn_blocking(move || match links.len() {
+        1 => {
+            let link = links.pop().expect("one link");
+            let (result, memory) = link.run(token, total, &mut receiver, &faults);
+            (result, memory, receiver)
+        }
+        _ => {
+            let (result, receiver) = super::streams::run(links, token, total, receiver, &faults);
+            (result, None, receiver)
+        }
     });
     let joined = tokio::select! {
         r = &mut run => r,
         _ = ctx.cancel.cancelled() => {
-            canceller.cancel();
+            cancellers.iter().for_each(|c| c.cancel());
             run.await
         }
     };
@@ -843,10 +859,11 @@ fn tls_name(ctx: &JobContext) -> String {
 }
 
 /// How the status describes the data link.
-fn link_label(offer: &pb::SyncOffer, spec: &DialSpec) -> String {
+fn link_label(offer: &pb::SyncOffer, spec: &DialSpec, streams: u32) -> String {
+    let tls = if spec.tls.is_some() { " (TLS)" } else { "" };
     let how = match spec.rdma {
-        None if spec.tls.is_some() => "tcp (TLS) stream into staging file".to_string(),
-        None => "tcp stream into staging file".to_string(),
+        None if streams > 1 => format!("tcp{tls}, {streams} streams, into staging file"),
+        None => format!("tcp{tls} stream into staging file"),
         Some(RdmaProvider::Verbs) => format!("rdma verbs via {}", offer.rdma_device),
         Some(RdmaProvider::Emulated) => "rdma EMULATED fabric (not hardware)".to_string(),
     };

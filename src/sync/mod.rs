@@ -4,7 +4,8 @@
 //! (or returning the running one for the same source), their progress as a
 //! watchable [`pb::SyncProgress`], cancellation, and the list of recent
 //! finished syncs. The job itself lives in [`job`], its receiving end in
-//! [`receive`], why it failed in [`error`]; the source role (offers and the data listeners) in
+//! [`receive`] (run on several TCP streams at once by [`streams`]), why it
+//! failed in [`error`]; the source role (offers and the data listeners) in
 //! [`source`], and what this agent passes on to other replicas in [`relay`].
 
 pub mod error;
@@ -12,6 +13,7 @@ pub mod job;
 pub mod receive;
 pub mod relay;
 pub mod source;
+pub mod streams;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};

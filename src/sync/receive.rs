@@ -17,7 +17,7 @@
 //! so other replicas can be sent it while the rest still arrives.
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use tracing::{info, warn};
 
@@ -29,6 +29,7 @@ use crate::journal::{self, ClaimsCheck, Journal};
 use crate::manifest::Manifest;
 use crate::snapshot::{Format, SnapshotInfo};
 use crate::transport::session::SessionResult;
+use crate::transport::splice::Pipe;
 use crate::transport::{Sink, Want};
 
 use super::error::JobError;
@@ -70,6 +71,9 @@ pub struct Receiver {
     /// First, so that on drop it stops before the staging file goes.
     journal_writer: Option<journal::Writer>,
     staging: Staging,
+    /// The staging file, mapped read-only once prepared: where bytes
+    /// spliced into it are checked.
+    landed: Option<memmap2::Mmap>,
     manifest: Arc<Manifest>,
     /// Which pieces are verified (resumed ones included); the journal's bitmap.
     journal: Journal,
@@ -145,6 +149,7 @@ impl Receiver {
             .map_err(|e| JobError::Panicked(format!("start the journal writer: {e}")))?;
         Ok(Receiver {
             staging,
+            landed: None,
             manifest,
             journal,
             current: None,
@@ -285,6 +290,73 @@ impl Receiver {
         }
     }
 
+    /// Where the next bytes of piece `index` go (starting the piece when
+    /// they are its first).
+    fn next_offset(&mut self, index: u32) -> u64 {
+        let got = match &self.current {
+            Some(c) if c.index == index => c.got,
+            _ => {
+                self.current = Some(Current {
+                    index,
+                    crc: crc32fast::Hasher::new(),
+                    got: 0,
+                });
+                0
+            }
+        };
+        self.manifest.range(index).0 + got
+    }
+
+    /// Counts and checksums the current piece's next `bytes`.
+    fn took(&mut self, bytes: &[u8]) {
+        let current = self.current.as_mut().expect("a piece is being received");
+        current.crc.update(bytes);
+        current.got += bytes.len() as u64;
+        self.received += bytes.len() as u64;
+        (self.progress)(self.resumed_bytes + self.received);
+    }
+
+    /// The missing pieces in `n` shares of about equal count, in order,
+    /// for a session's streams (a share may be empty).
+    pub fn shares(&self, n: u32) -> Vec<Vec<(u32, u32)>> {
+        let verified = &self.journal.verified;
+        let missing: Vec<u32> = (0..verified.len() as u32)
+            .filter(|&i| !verified[i as usize])
+            .collect();
+        let mut parts = missing.chunks(missing.len().div_ceil(n as usize).max(1));
+        (0..n)
+            .map(|_| {
+                // Chunks are never empty.
+                parts.next().map_or(Vec::new(), |part| {
+                    let span = part[0]..=part[part.len() - 1];
+                    let wanted = verified
+                        .iter()
+                        .enumerate()
+                        .map(|(i, v)| !v && span.contains(&(i as u32)));
+                    need_ranges(wanted, MAX_NEED_RANGES)
+                })
+            })
+            .collect()
+    }
+
+    /// A stream's end: its share `need` arrived and verified, and nothing
+    /// failed here. The whole is verified once every stream has ended.
+    fn share_verified(&self, need: &[(u32, u32)]) -> Result<(), String> {
+        if let Some(e) = &self.failure {
+            return Err(e.to_string());
+        }
+        let verified = &self.journal.verified;
+        let missing = need
+            .iter()
+            .flat_map(|&(first, count)| first..first + count)
+            .filter(|&i| !verified[i as usize])
+            .count();
+        if missing > 0 {
+            return Err(format!("{missing} pieces of this stream never verified"));
+        }
+        Ok(())
+    }
+
     /// What the status says about how the bytes were verified.
     pub fn check_label(manifest: &Manifest) -> String {
         let info = &manifest.info;
@@ -312,8 +384,30 @@ impl Sink for Receiver {
         }
     }
 
+    /// Once per receiver: the streams of a session each ask.
     fn prepare(&mut self, len: u64) -> Result<(), String> {
-        self.staging.prepare(len).map_err(|e| self.fail(e))
+        if self.landed.is_some() {
+            return Ok(());
+        }
+        self.staging.prepare(len).map_err(|e| self.fail(e))?;
+        if len > 0 {
+            // SAFETY: the staging file is this session's alone and stays
+            // `len` long until the receiver is dropped; the map is only read.
+            let map = unsafe {
+                memmap2::MmapOptions::new()
+                    .len(len as usize)
+                    .map(self.staging.file())
+            };
+            let map = map.map_err(|source| {
+                self.fail(InstallError::Io {
+                    op: "map",
+                    path: self.staging.path().to_owned(),
+                    source,
+                })
+            })?;
+            self.landed = Some(map);
+        }
+        Ok(())
     }
 
     fn file(&self) -> &std::fs::File {
@@ -321,18 +415,7 @@ impl Sink for Receiver {
     }
 
     fn piece_bytes(&mut self, index: u32, bytes: &[u8], in_file: bool) {
-        let current = match &mut self.current {
-            Some(c) if c.index == index => c,
-            slot => slot.insert(Current {
-                index,
-                crc: crc32fast::Hasher::new(),
-                got: 0,
-            }),
-        };
-        let offset = self.manifest.range(index).0 + current.got;
-        current.crc.update(bytes);
-        current.got += bytes.len() as u64;
-        self.received += bytes.len() as u64;
+        let offset = self.next_offset(index);
         if self.failure.is_none() {
             if in_file {
                 self.staging.absorbed(bytes.len() as u64);
@@ -340,7 +423,29 @@ impl Sink for Receiver {
                 self.fail(e);
             }
         }
-        (self.progress)(self.resumed_bytes + self.received);
+        self.took(bytes);
+    }
+
+    /// The bytes go from the pipe into the staging file inside the kernel,
+    /// and are checked through the read-only mapping, still in cache. After
+    /// a local failure they are thrown away.
+    fn piece_from_pipe(&mut self, index: u32, pipe: &Pipe, n: usize) -> std::io::Result<()> {
+        let offset = self.next_offset(index);
+        if self.failure.is_some() {
+            pipe.discard(n)?;
+        } else if let Err(e) = self.staging.splice_at(offset, pipe, n) {
+            self.fail(e);
+        }
+        // Prepared (and so mapped) before any piece comes.
+        let landed = self.landed.take();
+        match &landed {
+            Some(map) if self.failure.is_none() => {
+                self.took(&map[offset as usize..offset as usize + n])
+            }
+            _ => self.received += n as u64,
+        }
+        self.landed = landed;
+        Ok(())
     }
 
     /// After a local failure every piece is passed on unmarked: the
@@ -387,5 +492,81 @@ impl Sink for Receiver {
         }
         self.info = Some(self.manifest.info.clone());
         Ok(())
+    }
+}
+
+/// One stream's view of a receiver that several streams of one session
+/// feed: the share of the pieces it asks for and the piece it is taking.
+/// Every step runs on the receiver under its lock, so a piece's bytes,
+/// check and journal entry are handled exactly as for a single stream.
+pub struct Share<'a> {
+    receiver: &'a Mutex<Receiver>,
+    need: Vec<(u32, u32)>,
+    current: Option<Current>,
+    file: std::fs::File,
+}
+
+impl<'a> Share<'a> {
+    /// A stream asking for `need` (see [`Receiver::shares`]).
+    pub fn new(receiver: &'a Mutex<Receiver>, need: Vec<(u32, u32)>) -> std::io::Result<Share<'a>> {
+        let file = lock(receiver).staging.file().try_clone()?;
+        Ok(Share {
+            receiver,
+            need,
+            current: None,
+            file,
+        })
+    }
+
+    /// Runs `f` on the receiver with this stream's piece as its current one.
+    fn with<T>(&mut self, f: impl FnOnce(&mut Receiver) -> T) -> T {
+        let mut receiver = lock(self.receiver);
+        std::mem::swap(&mut receiver.current, &mut self.current);
+        let out = f(&mut receiver);
+        std::mem::swap(&mut receiver.current, &mut self.current);
+        out
+    }
+}
+
+/// The receiver, also after another stream panicked holding it (that
+/// stream's session then fails; the receiver's state stays consistent).
+fn lock(receiver: &Mutex<Receiver>) -> std::sync::MutexGuard<'_, Receiver> {
+    receiver
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Sink for Share<'_> {
+    fn want(&self) -> Want {
+        let receiver = lock(self.receiver);
+        Want {
+            piece_size: receiver.manifest.piece_size,
+            need: self.need.clone(),
+            retries: receiver.retries,
+        }
+    }
+
+    fn prepare(&mut self, len: u64) -> Result<(), String> {
+        self.with(|r| r.prepare(len))
+    }
+
+    fn file(&self) -> &std::fs::File {
+        &self.file
+    }
+
+    fn piece_bytes(&mut self, index: u32, bytes: &[u8], in_file: bool) {
+        self.with(|r| r.piece_bytes(index, bytes, in_file))
+    }
+
+    fn piece_from_pipe(&mut self, index: u32, pipe: &Pipe, n: usize) -> std::io::Result<()> {
+        self.with(|r| r.piece_from_pipe(index, pipe, n))
+    }
+
+    fn piece_done(&mut self, index: u32) -> Result<(), String> {
+        self.with(|r| r.piece_done(index))
+    }
+
+    fn verify(&mut self) -> Result<(), String> {
+        lock(self.receiver).share_verified(&self.need)
     }
 }

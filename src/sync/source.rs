@@ -28,10 +28,10 @@ use tracing::{debug, info, info_span, warn};
 
 use crate::blk3::token::SESSION_TOKEN_LEN;
 use crate::blk3::BulkParams;
-use crate::cache::CacheRef;
 use crate::catalog::CatalogEntry;
 use crate::conn_limit;
 use crate::metrics::{unix_now, Metrics, Running};
+use crate::served::Served;
 use crate::transport::pace::MinRate;
 use crate::transport::probe::Probe;
 use crate::transport::ratelimit::RateLimiter;
@@ -43,7 +43,8 @@ pub struct Offer {
     pub id: String,
     pub replica: String,
     pub entry: Arc<CatalogEntry>,
-    pub snapshot: CacheRef,
+    /// Its bytes, held for the session.
+    pub snapshot: Served,
     /// The transport the token is valid on.
     pub transport: TransportKind,
     /// TCP under TLS.
@@ -53,6 +54,8 @@ pub struct Offer {
     pub origin: Option<String>,
     /// The primary's backlog, held for a Redis seeding.
     pub backlog: Option<crate::backlog::Lease>,
+    /// Data connections the session runs on at once (TCP streams; 1 for RDMA).
+    pub streams: u32,
 }
 
 /// One unit of a counter, held until dropped.
@@ -105,12 +108,22 @@ pub enum Refusal {
     ReplicaBusy(usize),
 }
 
-/// An offer whose data connection proved its token: being served until
-/// dropped.
+/// A data connection that proved an offer's token: served until dropped.
+/// The streams of one session share its offer and its admission.
 pub struct Session {
-    pub offer: Offer,
-    _serving: Slot,
-    _replica: ReplicaSlot,
+    pub offer: Arc<Offer>,
+    _serving: Arc<Slot>,
+    _replica: Arc<ReplicaSlot>,
+}
+
+/// An offer waiting for its data connections.
+struct Waiting {
+    offer: Arc<Offer>,
+    /// Data connections it still accepts.
+    streams_left: u32,
+    /// Its one count as served, from its first connection on.
+    serving: Option<Arc<Slot>>,
+    replica: Arc<ReplicaSlot>,
 }
 
 /// Limits on the sessions a source offers and serves at once.
@@ -134,7 +147,7 @@ impl From<&crate::config::SyncConfig> for Limits {
 /// Offered sessions by token, the sessions being prepared and served, and
 /// the limits on them, in total and per replica.
 pub struct SessionTable {
-    offers: Mutex<HashMap<[u8; SESSION_TOKEN_LEN], (Offer, ReplicaSlot)>>,
+    offers: Mutex<HashMap<[u8; SESSION_TOKEN_LEN], Waiting>>,
     /// Offers being prepared (admitted, not yet inserted).
     pending: Arc<AtomicUsize>,
     serving: Arc<AtomicUsize>,
@@ -162,10 +175,7 @@ impl SessionTable {
     pub fn admit(&self, replica: &str) -> Result<Admission, Refusal> {
         let offers = self.offers.lock().expect("sessions lock");
         let limits = *self.limits.lock().expect("limits lock");
-        let active = offers.len()
-            + self.pending.load(Ordering::SeqCst)
-            + self.serving.load(Ordering::SeqCst);
-        if active >= limits.total {
+        if self.active(&offers) >= limits.total {
             return Err(Refusal::Busy(limits.total));
         }
         let mut counts = self.per_replica.lock().expect("replica counts lock");
@@ -195,24 +205,46 @@ impl SessionTable {
         rand::rng().fill_bytes(&mut token);
         let Admission { pending, replica } = admitted;
         let mut offers = self.offers.lock().expect("sessions lock");
-        offers.insert(token, (offer, replica));
+        let streams_left = offer.streams.max(1);
+        offers.insert(
+            token,
+            Waiting {
+                offer: Arc::new(offer),
+                streams_left,
+                serving: None,
+                replica: Arc::new(replica),
+            },
+        );
         drop(pending);
         token
     }
 
     /// Takes the offer for `token` if it exists, has not expired and was
-    /// made for `transport`. A token works once; the session counts as
-    /// served until the returned value drops.
+    /// made for `transport`. A token works for as many connections as the
+    /// offer has streams (once, mostly); a misused one not at all. The
+    /// session counts as served until its last connection's value drops.
     pub fn take(&self, token: &[u8], transport: TransportKind) -> Option<Session> {
         let token: &[u8; SESSION_TOKEN_LEN] = token.get(..SESSION_TOKEN_LEN)?.try_into().ok()?;
         let mut offers = self.offers.lock().expect("sessions lock");
-        let (offer, replica) = offers.remove(token)?;
-        let fits = offer.expires > Instant::now() && offer.transport == transport;
-        fits.then(|| Session {
-            offer,
-            _serving: Slot::take(&self.serving),
-            _replica: replica,
-        })
+        let waiting = offers.get_mut(token)?;
+        let offer = &waiting.offer;
+        if offer.expires <= Instant::now() || offer.transport != transport {
+            offers.remove(token);
+            return None;
+        }
+        let serving = waiting
+            .serving
+            .get_or_insert_with(|| Arc::new(Slot::take(&self.serving)));
+        let session = Session {
+            offer: offer.clone(),
+            _serving: serving.clone(),
+            _replica: waiting.replica.clone(),
+        };
+        waiting.streams_left -= 1;
+        if waiting.streams_left == 0 {
+            offers.remove(token);
+        }
+        Some(session)
     }
 
     /// Drops expired offers (releasing their cache references).
@@ -220,7 +252,7 @@ impl SessionTable {
         let now = Instant::now();
         let mut offers = self.offers.lock().expect("sessions lock");
         let before = offers.len();
-        offers.retain(|_, (o, _)| o.expires > now);
+        offers.retain(|_, w| w.offer.expires > now);
         before - offers.len()
     }
 
@@ -229,7 +261,7 @@ impl SessionTable {
     pub fn withdraw(&self, id: &str) -> bool {
         let mut offers = self.offers.lock().expect("sessions lock");
         let before = offers.len();
-        offers.retain(|_, (o, _)| o.id != id);
+        offers.retain(|_, w| w.offer.id != id);
         offers.len() < before
     }
 
@@ -239,8 +271,22 @@ impl SessionTable {
         let offers = self.offers.lock().expect("sessions lock");
         offers
             .values()
-            .find(|(o, _)| o.id == id && o.expires > now)
-            .map(|(o, _)| o.entry.manifest.clone())
+            .find(|w| w.offer.id == id && w.offer.expires > now)
+            .map(|w| w.offer.entry.manifest.clone())
+    }
+
+    /// Sessions admitted: offered and not yet taken (or being admitted),
+    /// or being served; what `sync.max_outgoing_syncs` limits.
+    pub fn admitted(&self) -> usize {
+        self.active(&self.offers.lock().expect("sessions lock"))
+    }
+
+    /// Admitted sessions, given the offers held (one whose first stream
+    /// runs counts as served).
+    fn active(&self, offers: &HashMap<[u8; SESSION_TOKEN_LEN], Waiting>) -> usize {
+        offers.values().filter(|w| w.serving.is_none()).count()
+            + self.pending.load(Ordering::SeqCst)
+            + self.serving.load(Ordering::SeqCst)
     }
 
     /// Sessions moving bytes now.
@@ -423,7 +469,7 @@ fn serve_session(plane: &DataPlane, offer: &Offer, peer: &str, link: SourceLink)
     let _running = Running::start(m.fullsync_in_progress.with_label_values(&["source"]));
     let started = Instant::now();
     let progress = AtomicU64::new(0);
-    info!(%peer, bytes = offer.snapshot.len(), seq = offer.entry.info.seq, "serving snapshot over {transport}");
+    info!(%peer, bytes = offer.snapshot.len(), from = if offer.snapshot.image().is_some() { "memory" } else { "file" }, seq = offer.entry.info.seq, "serving snapshot over {transport}");
     let result = link.serve(Serve {
         snapshot: &offer.snapshot,
         seq: offer.entry.info.seq,

@@ -14,6 +14,7 @@ pub mod ratelimit;
 pub mod rdma;
 pub mod select;
 pub mod session;
+pub mod splice;
 pub mod tcp;
 pub mod tls;
 #[cfg(feature = "rdma")]
@@ -27,7 +28,7 @@ use std::sync::atomic::AtomicU64;
 use tokio_util::sync::CancellationToken;
 
 use crate::blk3::{Blk3Error, BulkParams, Command, Input, Machine, Outcome};
-use crate::cache::CacheRef;
+use crate::served::Served;
 use ratelimit::RateLimiter;
 
 /// How long establishing a data connection may take.
@@ -35,8 +36,8 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What a source session sends, and under which limits.
 pub struct Serve<'a> {
-    /// Exactly the offered bytes (the cache image the offer holds).
-    pub snapshot: &'a CacheRef,
+    /// Exactly the offered bytes (the cache image or file the offer holds).
+    pub snapshot: &'a Served,
     pub seq: u64,
     /// The piece size of the snapshot's manifest.
     pub piece_size: u64,
@@ -76,6 +77,21 @@ pub trait Sink: Send {
     /// The next bytes of piece `index`, in order: written to the prepared
     /// file, or (`in_file`) already there through a shared mapping of it.
     fn piece_bytes(&mut self, index: u32, bytes: &[u8], in_file: bool);
+    /// The next `n` bytes of piece `index`, waiting in `pipe` (plain TCP).
+    /// A sink over a file moves them there inside the kernel and checks
+    /// them where they landed; this default reads them out and hands them
+    /// to [`Sink::piece_bytes`].
+    fn piece_from_pipe(
+        &mut self,
+        index: u32,
+        pipe: &splice::Pipe,
+        n: usize,
+    ) -> std::io::Result<()> {
+        let mut buf = vec![0u8; n];
+        pipe.read_into(&mut buf)?;
+        self.piece_bytes(index, &buf, false);
+        Ok(())
+    }
     /// Piece `index` is complete: checks it; `Err` says why it is bad.
     fn piece_done(&mut self, index: u32) -> Result<(), String>;
     /// Every piece is in: verifies the whole; `Err` is the reason for RDFL.

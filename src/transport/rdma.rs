@@ -351,9 +351,17 @@ pub struct SourceRun {
 /// Serves one session on an accepted-but-not-yet-established queue pair
 /// whose private data already proved the session: runs the source machine.
 pub fn run_source<F: Fabric>(qp: F, s: Serve) -> SourceRun {
+    let Some(image) = s.snapshot.image() else {
+        return SourceRun {
+            result: Err(RdmaError::Unsupported(
+                "an RDMA session needs the snapshot in memory",
+            )),
+            stats: WriteStats::default(),
+        };
+    };
     let mut io = SourceIo {
         link: Link::new(qp, s.cancel),
-        snapshot: s.snapshot,
+        snapshot: image,
         region: None,
         faults: &s.faults.rdma,
         rate: s.rate,
@@ -364,7 +372,7 @@ pub fn run_source<F: Fabric>(qp: F, s: Serve) -> SourceRun {
         bulk_started: None,
     };
     let mut machine = Source::new(
-        s.snapshot.len() as u64,
+        image.len() as u64,
         s.seq,
         s.piece_size,
         BulkMode::Rdma(s.params),

@@ -370,7 +370,7 @@ impl SourceLink {
 
 fn serve_rdma<F: Fabric>(qp: F, s: Serve) -> SessionResult {
     let provider = qp.provider();
-    let bytes = s.snapshot.len() as u64;
+    let bytes = s.snapshot.len();
     let run = rdma::run_source(qp, s);
     info!(
         writes = run.stats.posted,

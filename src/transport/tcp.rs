@@ -3,10 +3,12 @@
 //! Owns the blocking socket drivers for both roles. Tokens travel as frames
 //! (`u32` length + token); the replica's first frame is `SESS` with the
 //! one-time session token; the bulk phase is the raw snapshot bytes right
-//! after the source accepts MRINFO. The source sends straight from the
-//! shared in-memory snapshot, with `MSG_ZEROCOPY` for large snapshots; the
-//! replica hands the stream to its [`Sink`] chunk by chunk, never holding
-//! the whole snapshot in memory. An encrypted session runs the same link
+//! after the source accepts MRINFO. The source sends a snapshot file with
+//! `sendfile` (the kernel's page cache is the shared copy, checked
+//! unchanged around every piece), or a cache image straight from memory,
+//! with `MSG_ZEROCOPY` for large ones; the
+//! replica splices the stream through a pipe into its [`Sink`]'s file
+//! (one copy, into the page cache), never holding the snapshot in memory. An encrypted session runs the same link
 //! through a rustls connection (handshakes in `transport::tls`), without
 //! zero-copy. Each session runs
 //! on its own blocking thread; cancelling shuts the socket down, which
@@ -14,12 +16,14 @@
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::pace::{MinRate, Pace, TooSlow};
 use super::ratelimit::RateLimiter;
+use super::splice::Pipe;
 use super::zerocopy::ZeroCopySender;
 use super::{drive, Executor, Faults, Serve, Sink};
 use crate::blk3::token::{FRAME_HEADER_LEN, MAX_TOKEN_LEN, SESSION_TOKEN_LEN};
@@ -28,7 +32,8 @@ use crate::blk3::{
     TokenError,
 };
 use crate::buf::AlignedBuf;
-use crate::cache::{CacheError, CacheRef};
+use crate::cache::CacheError;
+use crate::served::{Served, SnapshotFile};
 
 /// Bytes per socket write/read in the bulk phase.
 const BULK_CHUNK: usize = 4 << 20;
@@ -96,8 +101,8 @@ pub struct Link {
     min_rate: MinRate,
     /// The bulk phase's pace, kept across its pieces.
     pace: Option<Pace>,
-    /// The replica's read buffer, kept across pieces.
-    chunk: Option<AlignedBuf>,
+    /// Where the replica receives the bulk, kept across pieces.
+    into: Option<Landing>,
     started: Instant,
     buf: Vec<u8>,
     cancelled: Arc<AtomicBool>,
@@ -114,7 +119,7 @@ impl Link {
             tls: None,
             min_rate,
             pace: None,
-            chunk: None,
+            into: None,
             started: Instant::now(),
             buf: Vec::with_capacity(64),
             cancelled: Arc::new(AtomicBool::new(false)),
@@ -300,20 +305,24 @@ impl Link {
             .get_or_insert_with(|| Pace::new(min_rate, Instant::now()))
     }
 
-    /// Reads exactly `len` raw bulk bytes, handing them to `sink` in
-    /// parts, at no less than the link's minimum rate.
-    fn read_bulk(&mut self, len: u64, mut sink: impl FnMut(&[u8])) -> Result<(), TcpError> {
+    /// Reads exactly `len` raw bulk bytes of piece `index` into `sink`,
+    /// at no less than the link's minimum rate: spliced into its file
+    /// through a pipe on a plain link, through a buffer under TLS.
+    fn read_bulk(&mut self, len: u64, index: u32, sink: &mut dyn Sink) -> Result<(), TcpError> {
         let mut left = len;
         // Bytes read past the last frame belong to the bulk.
         if !self.buf.is_empty() {
             let n = (self.buf.len() as u64).min(left) as usize;
-            sink(&self.buf[..n]);
+            sink.piece_bytes(index, &self.buf[..n], false);
             self.buf.drain(..n);
             left -= n as u64;
         }
-        let mut chunk = match self.chunk.take() {
-            Some(chunk) => chunk,
-            None => AlignedBuf::new(BULK_CHUNK).map_err(|e| self.err("allocate", e))?,
+        let mut into = match (self.into.take(), &self.tls) {
+            (Some(into), _) => into,
+            (None, None) => Landing::Pipe(Pipe::new().map_err(|e| self.err("create a pipe", e))?),
+            (None, Some(_)) => {
+                Landing::Buffer(AlignedBuf::new(BULK_CHUNK).map_err(|e| self.err("allocate", e))?)
+            }
         };
         // One wait per read at most a window: a stalled peer fails the
         // floor within two windows, with no syscall per read to set it.
@@ -323,7 +332,11 @@ impl Link {
             .map_err(|e| self.err("set timeout", e))?;
         while left > 0 {
             let want = (left as usize).min(BULK_CHUNK);
-            let n = match self.recv(&mut chunk[..want]) {
+            let read = match &mut into {
+                Landing::Pipe(pipe) => pipe.fill_from(self.stream.as_raw_fd(), want),
+                Landing::Buffer(chunk) => self.recv(&mut chunk[..want]),
+            };
+            let n = match read {
                 Ok(0) => {
                     return Err(if self.cancelled.load(Ordering::SeqCst) {
                         TcpError::Cancelled
@@ -336,13 +349,27 @@ impl Link {
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => 0,
                 Err(e) => return Err(self.err("receive snapshot", e)),
             };
-            sink(&chunk[..n]);
+            match &into {
+                _ if n == 0 => {}
+                Landing::Pipe(pipe) => sink
+                    .piece_from_pipe(index, pipe, n)
+                    .map_err(|e| self.err("receive snapshot", e))?,
+                Landing::Buffer(chunk) => sink.piece_bytes(index, &chunk[..n], false),
+            }
             left -= n as u64;
             self.pace().add(n as u64, Instant::now())?;
         }
-        self.chunk = Some(chunk);
+        self.into = Some(into);
         Ok(())
     }
+}
+
+/// Where a replica's link receives the bulk, kept across pieces.
+enum Landing {
+    /// A plain link: a pipe the kernel splices the socket's bytes through.
+    Pipe(Pipe),
+    /// An encrypted link: a buffer for the decrypted bytes.
+    Buffer(AlignedBuf),
 }
 
 /// A blocking socket call that ran out of its own time (`SO_RCVTIMEO` /
@@ -392,10 +419,10 @@ pub async fn refuse(stream: &mut (impl tokio::io::AsyncWrite + Unpin), reason: &
     let _ = stream.shutdown().await;
 }
 
-/// Source-side executor: tokens plus the pieces streamed from memory.
+/// Source-side executor: tokens plus the pieces, from the file or memory.
 struct SourceIo<'a> {
     link: &'a mut Link,
-    snapshot: &'a CacheRef,
+    snapshot: &'a Served,
     faults: &'a Faults,
     rate: &'a RateLimiter,
     progress: &'a AtomicU64,
@@ -441,44 +468,100 @@ impl Executor for SourceIo<'_> {
 }
 
 impl SourceIo<'_> {
-    /// Sends the `len` bytes at `offset` as soon as the cache has loaded
-    /// them, zero-copy for large images.
+    /// Sends the `len` bytes at `offset`: from the file (checked unchanged
+    /// before and after), or from the image as soon as the cache has
+    /// loaded them.
     fn stream_piece(&mut self, offset: u64, len: u64) -> Result<(), TcpError> {
-        let snapshot = self.snapshot;
-        let end = (offset + len) as usize;
-        let mut at = offset as usize;
+        if let Served::File(file) = self.snapshot {
+            file.check()?;
+        }
+        let end = offset + len;
+        let mut at = offset;
         while at < end {
-            let loaded = snapshot.wait_loaded((at + BULK_CHUNK).min(end))?;
-            let chunk = &loaded[at..(at + BULK_CHUNK).min(end)];
+            let chunk = (end - at).min(BULK_CHUNK as u64);
             let start = self.sent;
             let stop = [self.faults.stall_after, self.faults.cut_after]
                 .into_iter()
                 .flatten()
                 .min();
             let part = match stop {
-                Some(stop) if stop < start + chunk.len() as u64 => {
-                    &chunk[..stop.saturating_sub(start) as usize]
-                }
+                Some(stop) if stop < start + chunk => stop.saturating_sub(start),
                 _ => chunk,
             };
-            let rate = self.rate;
-            let first = at as u64;
-            match self.faults.corrupt_at {
-                Some(bad)
-                    if !self.corrupted && (first..first + part.len() as u64).contains(&bad) =>
-                {
-                    self.corrupted = true;
-                    let mut copy = part.to_vec();
-                    copy[(bad - first) as usize] ^= 0x01;
-                    rate.paced(copy.len(), |r| self.send_grain(&copy[r], false))?;
-                }
-                _ => rate.paced(part.len(), |r| self.send_grain(&part[r], true))?,
-            }
-            self.sent += part.len() as u64;
-            at += part.len();
+            self.send_range(at, part as usize)?;
+            self.sent += part;
+            at += part;
             self.progress.store(self.sent, Ordering::Relaxed);
-            if part.len() < chunk.len() {
+            if part < chunk {
                 return self.injected_stop(self.sent);
+            }
+        }
+        if let Served::File(file) = self.snapshot {
+            file.check()?;
+        }
+        Ok(())
+    }
+
+    /// Sends the `n` bytes at `at`, paced by the agent's rate limit
+    /// (a `corrupt_at` fault sends a damaged copy instead, once).
+    fn send_range(&mut self, at: u64, n: usize) -> Result<(), TcpError> {
+        let (snapshot, rate) = (self.snapshot, self.rate);
+        let end = at + n as u64;
+        if let Some(bad) = self
+            .faults
+            .corrupt_at
+            .filter(|bad| !self.corrupted && (at..end).contains(bad))
+        {
+            self.corrupted = true;
+            let mut copy = vec![0u8; n];
+            match snapshot {
+                Served::Image(image) => {
+                    copy.copy_from_slice(&image.wait_loaded(end as usize)?[at as usize..])
+                }
+                Served::File(file) => file.read_at(&mut copy, at)?,
+            }
+            copy[(bad - at) as usize] ^= 0x01;
+            return rate.paced(n, |r| self.send_grain(&copy[r], false));
+        }
+        match snapshot {
+            Served::Image(image) => {
+                let bytes = &image.wait_loaded(end as usize)?[at as usize..];
+                rate.paced(n, |r| self.send_grain(&bytes[r], true))
+            }
+            Served::File(file) => {
+                rate.paced(n, |r| self.send_file(file, at + r.start as u64, r.len()))
+            }
+        }
+    }
+
+    /// Sends `len` bytes of the file at `offset` with `sendfile`: the
+    /// kernel moves them from its page cache, keeping the link's minimum
+    /// rate as [`SourceIo::send_grain`] does.
+    fn send_file(&mut self, file: &SnapshotFile, offset: u64, len: usize) -> Result<(), TcpError> {
+        let mut off = offset as libc::off_t;
+        let end = offset + len as u64;
+        let sock = self.link.stream.as_raw_fd();
+        while (off as u64) < end {
+            let want = (end - off as u64) as usize;
+            // SAFETY: both descriptors stay open for the call (the link and
+            // the offer own them); the kernel writes only `off`.
+            let n = unsafe { libc::sendfile(sock, file.fd(), &mut off, want) };
+            if n > 0 {
+                self.link.pace().add(n as u64, Instant::now())?;
+                continue;
+            }
+            if n == 0 {
+                // The file ended early: it was truncated under us.
+                file.check()?;
+                return Err(TcpError::Snapshot(CacheError::Changed {
+                    path: file.path().to_owned(),
+                }));
+            }
+            let e = std::io::Error::last_os_error();
+            match e.kind() {
+                std::io::ErrorKind::Interrupted => {}
+                _ if is_timeout(&e) => self.link.pace().add(0, Instant::now())?,
+                _ => return Err(self.link.err("send snapshot", e)),
             }
         }
         Ok(())
@@ -491,7 +574,7 @@ impl SourceIo<'_> {
             .flush()
             .map_err(|e| self.link.err("send snapshot", e))?;
         if let Some(zc) = self.zc.as_mut() {
-            zc.finish(size_scaled_timeout(self.snapshot.len() as u64))
+            zc.finish(size_scaled_timeout(self.snapshot.len()))
                 .map_err(|e| self.link.err("wait for zero-copy completions", e))?;
             tracing::debug!(
                 zero_copy = zc.enabled(),
@@ -499,7 +582,12 @@ impl SourceIo<'_> {
                 "bulk sent"
             );
         }
-        self.snapshot.wait_complete()?;
+        match self.snapshot {
+            Served::Image(image) => {
+                image.wait_complete()?;
+            }
+            Served::File(file) => file.check()?,
+        }
         Ok(())
     }
 
@@ -551,7 +639,7 @@ impl SourceIo<'_> {
 /// the pieces the replica needs (of exactly the offered bytes) as the
 /// cache loads them.
 pub fn run_source(link: &mut Link, s: &Serve) -> Result<Result<Outcome, Blk3Error>, TcpError> {
-    let len = s.snapshot.len() as u64;
+    let len = s.snapshot.len();
     let mut machine = Source::new(len, s.seq, s.piece_size, BulkMode::Stream);
     machine.start(link.now());
     // Set once, before the zero-copy sender reads it: a reader that stops
@@ -568,8 +656,9 @@ pub fn run_source(link: &mut Link, s: &Serve) -> Result<Result<Outcome, Blk3Erro
     // Only images above glibc's largest mmap threshold are sure to be
     // unmapped (never reused) when freed, so pages the kernel might still
     // hold after an aborted session can never carry other data. Zero-copy
-    // sends the socket's own bytes: not under TLS.
-    let zero_copy = len >= ZEROCOPY_MIN && !link.is_tls();
+    // sends the socket's own bytes: not under TLS. A file goes by
+    // `sendfile`, which does not copy either.
+    let zero_copy = len >= ZEROCOPY_MIN && !link.is_tls() && matches!(s.snapshot, Served::Image(_));
     let mut io = SourceIo {
         link,
         snapshot: s.snapshot,
@@ -605,9 +694,7 @@ impl Executor for ReplicaIo<'_> {
                 Err(reason) => Input::ReceiveFailed(reason),
             })),
             Command::TakePiece { index, len, .. } => {
-                let sink = &mut *self.sink;
-                self.link
-                    .read_bulk(len, |bytes| sink.piece_bytes(index, bytes, false))?;
+                self.link.read_bulk(len, index, self.sink)?;
                 let result = self.sink.piece_done(index);
                 Ok(Some(Input::PieceChecked { index, result }))
             }

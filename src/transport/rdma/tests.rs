@@ -86,7 +86,7 @@ fn session(
         run_source(
             qp,
             Serve {
-                snapshot: &snap,
+                snapshot: &crate::served::Served::Image(snap),
                 seq: 42,
                 piece_size,
                 params,
