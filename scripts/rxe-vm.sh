@@ -11,6 +11,8 @@
 # library is available unchanged; /tmp inside is a fresh tmpfs (but the
 # top directory of the working directory stays visible when it is in /tmp). eth0 gets
 # 10.0.2.15/24 and `rdma link add rxe0 type rxe netdev eth0` brings up rxe0.
+# veth and sch_netem are loaded too, for links with a delay between network
+# namespaces inside the VM (scripts/bench-rtt.sh).
 # COMMAND runs in the current working directory with the named environment
 # variables passed through; its output is printed here and its exit status is
 # this script's. The VM is always powered off, under a hard time limit, and
@@ -66,7 +68,7 @@ if [ ! -f "$kroot/.unpacked" ]; then
 fi
 
 # --- initramfs: busybox + the modules, rebuilt when its inputs change --------
-modules="virtio_pci virtio_net 9p 9pnet_virtio crc32_generic crc32-pclmul ib_core ib_uverbs rdma_rxe ib_cm iw_cm rdma_cm rdma_ucm"
+modules="virtio_pci virtio_net 9p 9pnet_virtio crc32_generic crc32-pclmul ib_core ib_uverbs rdma_rxe ib_cm iw_cm rdma_cm rdma_ucm veth sch_netem"
 read -r -d '' init <<'INIT' || true
 #!/bin/busybox sh
 /bin/busybox mkdir -p /proc /sys /dev /host

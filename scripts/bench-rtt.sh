@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# One sync over a long link: 1 TCP stream vs 4 ([data] tcp_streams), side by
+# side, alternating. Two agents in two network namespaces joined by a veth
+# pair whose both ends delay every packet (tc netem), so the round trip is
+# RTT_MS. Needs root and a kernel with veth and sch_netem: bench.sh runs it
+# inside the soft-RoCE VM (scripts/rxe-vm.sh), whose Debian kernel has both.
+#
+#   scripts/bench-rtt.sh KVSYNC_BIN [SIZE] [RUNS] [RTT_MS]
+#
+# Prints one Markdown table row: | RTT | snapshot | 1 stream | 4 streams | 4 / 1 |
+set -euo pipefail
+bin=$1
+size=${2:-256MiB}
+runs=${3:-3}
+rtt=${4:-100}
+work=$(mktemp -d /tmp/kvsync-rtt.XXXXXX)
+pids=()
+cleanup() {
+    for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+    ip link del rtt-a 2>/dev/null || true
+    rm -rf "$work"
+}
+trap cleanup EXIT
+
+# The replica's namespace, held by a process; its end of the veth pair.
+unshare -n sleep infinity &
+holder=$!
+pids+=("$holder")
+ns() { nsenter -t "$holder" -n "$@"; }
+ip link add rtt-a type veth peer name rtt-b
+ip link set rtt-b netns "$holder"
+ip addr add 10.77.0.1/24 dev rtt-a
+ip link set rtt-a up
+ns ip addr add 10.77.0.2/24 dev rtt-b
+ns ip link set rtt-b up
+ns ip link set lo up
+half=$((rtt / 2))
+tc qdisc add dev rtt-a root netem delay "${half}ms" limit 100000
+ns tc qdisc add dev rtt-b root netem delay "${half}ms" limit 100000
+
+echo "kvsync-rtt-bench-token-0123456789" > "$work/token"
+# agent NAME IP STREAMS [ns]: starts an agent; sets GRPC_<NAME>.
+agent() {
+    local name=$1 ip=$2 streams=$3
+    mkdir -p "$work/$name"
+    cat > "$work/$name.toml" <<EOF
+node_id = "$name"
+snapshot_dir = "$work/$name"
+[grpc]
+listen = "$ip:0"
+plaintext = true
+[data]
+tcp_listen = "$ip:0"
+tcp_streams = $streams
+[metrics]
+listen = "127.0.0.1:0"
+[auth]
+token_file = "$work/token"
+send_token_in_clear = true
+[transport]
+mode = "tcp"
+[cache]
+linger = "0s"
+EOF
+    shift 3
+    KVSYNC_LOG=warn "$@" "$bin" agent --config "$work/$name.toml" > "$work/$name.out" 2> "$work/$name.log" &
+    pids+=($!)
+    for _ in $(seq 600); do
+        grep -q ready "$work/$name.out" 2>/dev/null && break
+        sleep 0.05
+    done
+    local grpc
+    grpc=$(grep -o 'grpc=[^ ]*' "$work/$name.out" | cut -d= -f2)
+    [ -n "$grpc" ] || { echo "agent $name did not start" >&2; cat "$work/$name.log" >&2; exit 1; }
+    eval "GRPC_$name=$grpc"
+}
+agent source 10.77.0.1 1
+agent one 10.77.0.2 1 nsenter -t "$holder" -n
+agent four 10.77.0.2 4 nsenter -t "$holder" -n
+cli=("$bin" --token-file "$work/token")
+"$bin" gen-snapshot --size "$size" --seq 3 "$work/source/s.kvr1" > /dev/null
+for _ in $(seq 600); do
+    "${cli[@]}" snapshots --agent "$GRPC_source" | grep -q s.kvr1 && break
+    sleep 0.05
+done
+# secs REPLICA: one sync's seconds (the CLI reaches the replica in its namespace).
+secs() {
+    local json
+    json=$(ns "${cli[@]}" sync --agent "$1" --source "$GRPC_source" --transport tcp --wait --json)
+    echo "$json" | grep -q '"status":"succeeded"' || { echo "sync failed: $json" >&2; exit 1; }
+    rm -f "$work"/one/s.kvr1* "$work"/four/s.kvr1*
+    echo "$json" | sed -E 's/.*"duration_ms":([0-9]+).*/\1/' | awk '{print $1 / 1000}'
+}
+median() { printf '%s\n' "$@" | sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
+one_s=(); four_s=()
+for _ in $(seq "$runs"); do
+    one_s+=("$(secs "$GRPC_one")")
+    four_s+=("$(secs "$GRPC_four")")
+done
+bytes=$(stat -c %s "$work/source/s.kvr1")
+o=$(median "${one_s[@]}"); f=$(median "${four_s[@]}")
+mbps() { awk -v b="$bytes" -v s="$1" 'BEGIN {printf "%.0f", b / s / 1e6}'; }
+echo "| ${rtt} ms | $size | $(mbps "$o") MB/s | $(mbps "$f") MB/s | $(awk -v a="$o" -v b="$f" 'BEGIN {printf "%.2f", a / b}') |"
+echo "rtt bench runs: one ${one_s[*]} s; four ${four_s[*]} s" >&2
