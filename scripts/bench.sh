@@ -19,11 +19,15 @@
 #   7. relay fan-out on a network that is the bottleneck: one network
 #      namespace per agent, egress limited with tc; 1 replica alone vs a
 #      star vs a relay tree (scripts/bench-fanout.sh; needs root)
+#   8. a long link: 1 vs 4 TCP streams across a veth pair delayed with
+#      netem, inside the soft-RoCE VM's Debian kernel (scripts/bench-rtt.sh;
+#      as root, BENCH_VM=1)
 #
 # Knobs: SIZES="1GiB 4GiB" RUNS=3 FAN_SIZE=1GiB FANOUT="1 2 4 8"
 #        RESUME_SIZE=4GiB RELAY_REPLICAS=8 RELAY_SIZE=512MiB RELAY_RATE=400mbit
 #        BENCH_DIR=/dev/shm (tmpfs: takes the disk out) BENCH_VM BENCH_REDIS
-#        SECTIONS="1 1b 2 3 4 5 6 7" (which sections to run; --write needs all)
+#        RTT_MS=100 RTT_SIZE=128MiB RTT_RUNS=5
+#        SECTIONS="1 1b 2 3 4 5 6 7 8" (which sections to run; --write needs all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 write=0
@@ -38,7 +42,7 @@ relay_size=${RELAY_SIZE:-512MiB}
 relay_rate=${RELAY_RATE:-400mbit}
 vm=${BENCH_VM:-$([ "$(id -u)" = 0 ] && echo 1 || echo 0)}
 redis=${BENCH_REDIS:-1}
-sections=" ${SECTIONS:-1 1b 2 3 4 5 6 7} "
+sections=" ${SECTIONS:-1 1b 2 3 4 5 6 7 8} "
 section() { [[ "$sections" == *" $1 "* ]]; }
 if [ "$write" = 1 ] && [ -n "${SECTIONS:-}" ]; then
     echo "--write replaces the whole report: run every section" >&2
@@ -407,6 +411,31 @@ out "|---|---|---|---|"
 out "$(bash scripts/bench-fanout.sh "$bin" "$relay_replicas" "$relay_size" "$relay_rate")"
 out ""
 out "Targets: tree ≤ 2 × one replica; tree ≤ 0.35 × the star."
+out ""
+fi
+
+if section 8; then
+out "### 8. A long link: one session on 1 vs 4 TCP streams"
+out ""
+if [ "$vm" = 1 ]; then
+    rtt_log=$work/rtt.log
+    out "Two agents in two network namespaces inside the soft-RoCE VM (qemu TCG, 2 vCPUs), a veth pair delayed with netem on both ends; median of ${RTT_RUNS:-5} alternating runs:"
+    out ""
+    out "| round trip | snapshot | 1 stream | 4 streams | 4 / 1 |"
+    out "|---|---|---|---|---|"
+    if row=$(bash scripts/rxe-vm.sh --timeout 900 -- bash scripts/bench-rtt.sh target/release/kvsync \
+        "${RTT_SIZE:-128MiB}" "${RTT_RUNS:-5}" "${RTT_MS:-100}" 2> "$rtt_log"); then
+        out "$(echo "$row" | grep '^| ' | tail -1)"
+        out ""
+        out "Each run: $(grep -o 'rtt bench runs: .*' "$rtt_log" | cut -d: -f2-)."
+    else
+        out "| the VM run failed: $(tail -3 "$rtt_log" | tr '\n' ' ') | | | | |"
+    fi
+    out ""
+    out "Target: 4 streams ≥ 2 × one stream."
+else
+    out "Skipped (needs root for the VM; BENCH_VM=1)."
+fi
 out ""
 fi
 
