@@ -102,4 +102,4 @@ bytes=$(stat -c %s "$work/source/s.kvr1")
 o=$(median "${one_s[@]}"); f=$(median "${four_s[@]}")
 mbps() { awk -v b="$bytes" -v s="$1" 'BEGIN {printf "%.0f", b / s / 1e6}'; }
 echo "| ${rtt} ms | $size | $(mbps "$o") MB/s | $(mbps "$f") MB/s | $(awk -v a="$o" -v b="$f" 'BEGIN {printf "%.2f", a / b}') |"
-echo "rtt bench runs: one ${one_s[*]} s; four ${four_s[*]} s" >&2
+echo "rtt bench runs: one ${one_s[*]}; four ${four_s[*]}"

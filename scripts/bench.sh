@@ -211,7 +211,7 @@ out "| snapshot | 1 stream | 4 streams | 4 / 1 |"
 out "|---|---|---|---|"
 out "${streams_rows%$'\n'}"
 out ""
-out "Replica agent peak RSS over these syncs (TCP and emulated RDMA): $replica_rss MiB."
+out "Replica agent peak RSS over these syncs ($(section 2 && echo "TCP and emulated RDMA" || echo TCP)): $replica_rss MiB."
 out ""
 fi
 
@@ -327,7 +327,7 @@ for n in $fanout; do
     stop_agent "fan$n"
 done
 out ""
-out "Target: source peak RSS ≤ snapshot size + 256 MiB at 8 replicas ($(( bytes / 1048576 + 256 )) MiB here); cache loads 1."
+out "Targets: source peak RSS ≤ snapshot size + 256 MiB at 8 replicas ($(( bytes / 1048576 + 256 )) MiB here); one read of the file: TCP sends it from the page cache (cache loads 0), RDMA would load it once."
 out ""
 fi
 
@@ -427,7 +427,7 @@ if [ "$vm" = 1 ]; then
         "${RTT_SIZE:-128MiB}" "${RTT_RUNS:-5}" "${RTT_MS:-100}" 2> "$rtt_log"); then
         out "$(echo "$row" | grep '^| ' | tail -1)"
         out ""
-        out "Each run: $(grep -o 'rtt bench runs: .*' "$rtt_log" | cut -d: -f2-)."
+        out "Each run, seconds: $(echo "$row" | grep -o 'rtt bench runs: .*' | cut -d: -f2-)."
     else
         out "| the VM run failed: $(tail -3 "$rtt_log" | tr '\n' ' ') | | | | |"
     fi

@@ -2,7 +2,7 @@
 //!
 //! An agent runs next to every KV server. On a source it watches the snapshot
 //! directory and serves snapshots from the page cache (TCP) or a shared
-//! in-memory image (RDMA, TLS, relays); on a replica
+//! in-memory image (RDMA, relays still receiving); on a replica
 //! it pulls a snapshot, verifies its checksum, installs it durably and hands
 //! its sequence number M to the local KV. `docs/ARCHITECTURE.md`
 //! walks through the whole flow.
@@ -16,7 +16,7 @@
 //! - [`buf`] — page-aligned buffers for the data path.
 //! - [`cache`] — the shared, budgeted snapshot buffers on the source.
 //! - [`served`] — what a source session sends from: a cache image, or the
-//!   snapshot file itself through the kernel's page cache (plain TCP).
+//!   snapshot file itself through the kernel's page cache (TCP).
 //! - [`arrivals`] — which pieces of a snapshot being received are verified
 //!   (what a relay may pass on).
 //! - [`peer_text`] — which strings from peers are acceptable, and escaping.

@@ -1,12 +1,13 @@
 //! What a source session sends its bytes from.
 //!
 //! Owns the choice between the two homes of an offered snapshot's bytes:
-//! its image in the shared cache ([`CacheRef`]: RDMA registers it, TLS
-//! encrypts from it, a relay fills it as pieces verify), or, for a plain
-//! TCP session of a snapshot file on disk, the file itself
-//! ([`SnapshotFile`]): the kernel sends it from its page cache with
-//! `sendfile`, so concurrent replicas share one read of the disk and the
-//! agent neither allocates, zeroes, copies nor checksums the bytes again.
+//! its image in the shared cache ([`CacheRef`]: RDMA registers it, a relay
+//! fills it as pieces verify), or, for a TCP session of a snapshot file on
+//! disk, the file itself ([`SnapshotFile`]): the kernel sends it from its
+//! page cache with `sendfile` (under TLS the session reads each range to
+//! encrypt it), so concurrent replicas share one read of the disk and the
+//! agent neither allocates nor zeroes an image, nor checksums the bytes
+//! again.
 //! The file was validated when it was cataloged and the replica checks
 //! every piece against the manifest; what this module guards is that the
 //! bytes sent are still the offered file's: the descriptor is opened while
@@ -28,7 +29,7 @@ use crate::catalog::CatalogEntry;
 pub enum Served {
     /// An image in the shared cache.
     Image(CacheRef),
-    /// The snapshot file, sent by the kernel (plain TCP only).
+    /// The snapshot file (TCP only).
     File(SnapshotFile),
 }
 

@@ -216,8 +216,8 @@ async fn run(case: Case, wire: Wire, dir: &Path, tls: &Tls) -> Run {
         id: "s1".into(),
         replica: "r".into(),
         entry: entry.clone(),
-        // As a source holds them: plain TCP sends the file, the rest memory.
-        snapshot: if kind == TransportKind::Tcp && wire != Wire::Tls {
+        // As a source holds them: TCP sends the file, RDMA the cache image.
+        snapshot: if kind == TransportKind::Tcp {
             Served::File(SnapshotFile::open(&entry).unwrap())
         } else {
             Served::Image(cache.acquire(&entry).await.unwrap())

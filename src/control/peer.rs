@@ -16,7 +16,7 @@ use super::ApiError;
 use crate::backlog::{BacklogGuard, Lease};
 use crate::cache::{CacheError, RelayFeed, SnapshotCache};
 use crate::catalog::{Catalog, CatalogEntry};
-use crate::config::{Config, DataTls, MAX_TCP_STREAMS};
+use crate::config::{Config, DataTls};
 use crate::rpc::pb;
 use crate::served::{Served, SnapshotFile};
 use crate::snapshot::{Format, SnapshotInfo};
@@ -141,17 +141,14 @@ impl PeerService {
         let mut chosen = self.choose(format, req.snapshot.as_ref())?;
         let id = new_id();
         let (backlog, backlog_bytes_left) = self.lease_backlog(&id, &chosen.entry.info).await?;
-        let snapshot = self.hold(&mut chosen, (transport, tls)).await?;
+        let snapshot = self.hold(&mut chosen, transport).await?;
         let ttl = config.sync.session_token_ttl;
         let replica = if req.replica_node_id.is_empty() {
             "unnamed".to_string()
         } else {
             req.replica_node_id.clone()
         };
-        let streams = match transport {
-            TransportKind::Tcp => req.tcp_streams.clamp(1, MAX_TCP_STREAMS),
-            TransportKind::Rdma => 1,
-        };
+        let streams = crate::sync::streams::granted(transport, req.tcp_streams);
         let offer = Offer {
             id: id.clone(),
             replica,
@@ -243,18 +240,14 @@ impl PeerService {
     }
 
     /// Holds the chosen snapshot's bytes for a session over `transport`:
-    /// a plain TCP session of a file on disk sends the file itself (the
-    /// kernel's page cache is the shared copy); any other takes its
-    /// reference in the cache (loading it, or starting its relay image). A
-    /// relayed file that changed is no longer relayed.
-    async fn hold(
-        &self,
-        chosen: &mut Chosen,
-        (transport, tls): (TransportKind, bool),
-    ) -> Result<Served, ApiError> {
+    /// a TCP session of a file on disk sends the file itself (the kernel's
+    /// page cache is the shared copy); RDMA and a relay still receiving
+    /// take a reference in the cache (loading it, or starting its relay
+    /// image). A relayed file that changed is no longer relayed.
+    async fn hold(&self, chosen: &mut Chosen, transport: TransportKind) -> Result<Served, ApiError> {
         let held = match chosen.feed.take() {
             Some(feed) => self.cache.acquire_relay(feed).await.map(Served::Image),
-            None if transport == TransportKind::Tcp && !tls => {
+            None if transport == TransportKind::Tcp => {
                 SnapshotFile::open(&chosen.entry).map(Served::File)
             }
             None => self.cache.acquire(&chosen.entry).await.map(Served::Image),

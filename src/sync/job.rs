@@ -22,7 +22,7 @@ use tracing::{info, info_span, warn, Instrument};
 use crate::blk3::token::SESSION_TOKEN_LEN;
 use crate::blk3::Outcome;
 use crate::catalog::CatalogEntry;
-use crate::config::{Config, DataTls, RdmaProvider, TransportMode, MAX_TCP_STREAMS};
+use crate::config::{Config, DataTls, RdmaProvider, TransportMode};
 use crate::handoff::{self, HandoffRecord};
 use crate::install::{self, InstallError};
 use crate::manifest::Manifest;
@@ -726,10 +726,7 @@ async fn transfer(
         p.check = check;
     });
     let spec = dial_spec(ctx, offer, kind)?;
-    let streams = match kind {
-        TransportKind::Tcp => offer.tcp_streams.clamp(1, MAX_TCP_STREAMS),
-        TransportKind::Rdma => 1,
-    };
+    let streams = super::streams::granted(kind, offer.tcp_streams);
     let label = link_label(offer, &spec, streams);
     ctx.progress.send_modify(|p| p.detail = label.clone());
     let endpoint = spec.endpoint.to_string();

@@ -14,7 +14,10 @@
 //! not hold fails the session at its end and is discarded, so the next
 //! attempt starts over. A receiver registered as a relay
 //! ([`Receiver::relay_in`]) marks each verified piece in its [`Arrivals`],
-//! so other replicas can be sent it while the rest still arrives.
+//! so other replicas can be sent it while the rest still arrives. Bytes a
+//! plain TCP link splices into the staging file are checked through a
+//! read-only mapping of it; the streams of a multi-stream session feed the
+//! one receiver through a [`Share`] each.
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -307,6 +310,24 @@ impl Receiver {
         self.manifest.range(index).0 + got
     }
 
+    /// Unmaps a checked piece's pages from the read-only mapping: they stay
+    /// in the page cache, but leave this process's RSS, and the kernel can
+    /// write them back and reclaim them like any unmapped file page.
+    fn unmap_landed(&self, offset: u64, len: u64) {
+        if let Some(map) = &self.landed {
+            // SAFETY: a shared, read-only mapping of the staging file, read
+            // only through slices that do not outlive a call; after
+            // MADV_DONTNEED a read faults the same file pages back in.
+            let _ = unsafe {
+                map.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    offset as usize,
+                    len as usize,
+                )
+            };
+        }
+    }
+
     /// Counts and checksums the current piece's next `bytes`.
     fn took(&mut self, bytes: &[u8]) {
         let current = self.current.as_mut().expect("a piece is being received");
@@ -452,6 +473,7 @@ impl Sink for Receiver {
     /// session ends at [`Sink::verify`] with that failure.
     fn piece_done(&mut self, index: u32) -> Result<(), String> {
         let (offset, len) = self.manifest.range(index);
+        self.unmap_landed(offset, len);
         let current = self.current.take().filter(|c| c.index == index);
         if self.failure.is_some() {
             return Ok(());

@@ -12,10 +12,21 @@ use std::sync::Mutex;
 
 use crate::blk3::token::SESSION_TOKEN_LEN;
 use crate::blk3::Blk3Error;
+use crate::config::MAX_TCP_STREAMS;
 use crate::transport::session::{Canceller, DataLink, SessionResult};
-use crate::transport::Faults;
+use crate::transport::{Faults, TransportKind};
 
 use super::receive::{Receiver, Share};
+
+/// The streams a session over `transport` runs on when `asked` for (0:
+/// a peer that does not know streams): TCP up to [`MAX_TCP_STREAMS`],
+/// RDMA one.
+pub fn granted(transport: TransportKind, asked: u32) -> u32 {
+    match transport {
+        TransportKind::Tcp => asked.clamp(1, MAX_TCP_STREAMS),
+        TransportKind::Rdma => 1,
+    }
+}
 
 /// Runs the session proved by `token` over `links` (two or more) into
 /// `receiver`; returns its verdict and the receiver for the install decision.

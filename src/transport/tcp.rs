@@ -5,14 +5,16 @@
 //! one-time session token; the bulk phase is the raw snapshot bytes right
 //! after the source accepts MRINFO. The source sends a snapshot file with
 //! `sendfile` (the kernel's page cache is the shared copy, checked
-//! unchanged around every piece), or a cache image straight from memory,
-//! with `MSG_ZEROCOPY` for large ones; the
-//! replica splices the stream through a pipe into its [`Sink`]'s file
-//! (one copy, into the page cache), never holding the snapshot in memory. An encrypted session runs the same link
-//! through a rustls connection (handshakes in `transport::tls`), without
-//! zero-copy. Each session runs
-//! on its own blocking thread; cancelling shuts the socket down, which
-//! unblocks any read or write at once.
+//! unchanged around every piece), or a relay's cache image straight from
+//! memory, with `MSG_ZEROCOPY` for large ones; the replica splices the
+//! stream through a pipe into its [`Sink`]'s file (one copy, into the page
+//! cache), never holding the snapshot in memory. An encrypted session runs
+//! the same link through a rustls connection (handshakes in
+//! `transport::tls`): the source reads each range of the file into a
+//! buffer to encrypt it, the replica decrypts into one; no zero-copy, no
+//! splicing. Each session runs on its own blocking
+//! thread; cancelling shuts the socket down, which unblocks any read or
+//! write at once.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
@@ -102,7 +104,7 @@ pub struct Link {
     /// The bulk phase's pace, kept across its pieces.
     pace: Option<Pace>,
     /// Where the replica receives the bulk, kept across pieces.
-    into: Option<Landing>,
+    landing: Option<Landing>,
     started: Instant,
     buf: Vec<u8>,
     cancelled: Arc<AtomicBool>,
@@ -119,7 +121,7 @@ impl Link {
             tls: None,
             min_rate,
             pace: None,
-            into: None,
+            landing: None,
             started: Instant::now(),
             buf: Vec::with_capacity(64),
             cancelled: Arc::new(AtomicBool::new(false)),
@@ -317,7 +319,7 @@ impl Link {
             self.buf.drain(..n);
             left -= n as u64;
         }
-        let mut into = match (self.into.take(), &self.tls) {
+        let mut into = match (self.landing.take(), &self.tls) {
             (Some(into), _) => into,
             (None, None) => Landing::Pipe(Pipe::new().map_err(|e| self.err("create a pipe", e))?),
             (None, Some(_)) => {
@@ -359,7 +361,7 @@ impl Link {
             left -= n as u64;
             self.pace().add(n as u64, Instant::now())?;
         }
-        self.into = Some(into);
+        self.landing = Some(into);
         Ok(())
     }
 }
@@ -432,6 +434,8 @@ struct SourceIo<'a> {
     sent: u64,
     /// `corrupt_at` fires once: the piece it damaged goes out clean again.
     corrupted: bool,
+    /// File bytes on their way into TLS records (encrypted sessions).
+    plaintext: Vec<u8>,
 }
 
 impl Executor for SourceIo<'_> {
@@ -527,6 +531,15 @@ impl SourceIo<'_> {
             Served::Image(image) => {
                 let bytes = &image.wait_loaded(end as usize)?[at as usize..];
                 rate.paced(n, |r| self.send_grain(&bytes[r], true))
+            }
+            // TLS encrypts in user space: read the range, then send it.
+            Served::File(file) if self.link.is_tls() => {
+                let mut plaintext = std::mem::take(&mut self.plaintext);
+                plaintext.resize(n, 0);
+                file.read_at(&mut plaintext, at)?;
+                let sent = rate.paced(n, |r| self.send_grain(&plaintext[r], false));
+                self.plaintext = plaintext;
+                sent
             }
             Served::File(file) => {
                 rate.paced(n, |r| self.send_file(file, at + r.start as u64, r.len()))
@@ -668,6 +681,7 @@ pub fn run_source(link: &mut Link, s: &Serve) -> Result<Result<Outcome, Blk3Erro
         zc: zero_copy.then(|| ZeroCopySender::new(&stream)),
         sent: 0,
         corrupted: false,
+        plaintext: Vec::new(),
     };
     drive(&mut machine, &mut io)
 }
