@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# A/B of two kvsync binaries: full syncs over TCP of one snapshot between
-# two agents of each, alternating A and B, cold cache (linger 0s). Prints
-# each run, the medians, B/A, and the CPU time each agent used per sync.
+# A/B of two kvsync binaries: full syncs of one snapshot between two agents
+# of each, alternating A and B, cold cache (linger 0s), over TCP or
+# (TRANSPORT=rdma) the emulated RDMA fabric. Prints each run, the medians,
+# B/A, and the CPU time each agent used per sync.
 #
 #   scripts/bench-ab.sh OLD_BIN NEW_BIN        # e.g. a worktree's build vs this one
 #   RUNS=15 SIZE=1GiB AB_DIR=/dev/shm B_CONFIG='[data]\npiece_size = "64MiB"\n' scripts/bench-ab.sh A B
+#   TRANSPORT=rdma scripts/bench-ab.sh A B
 set -euo pipefail
 A=$(realpath "$1") B=$(realpath "$2")
-runs=${RUNS:-9} size=${SIZE:-1GiB}
+runs=${RUNS:-9} size=${SIZE:-1GiB} transport=${TRANSPORT:-tcp}
 work=$(mktemp -d "${AB_DIR:-${TMPDIR:-/tmp}}/kvsync-ab.XXXXXX")
 pids=()
 cleanup() {
@@ -17,6 +19,8 @@ cleanup() {
 }
 trap cleanup EXIT
 printf '[cache]\nlinger = "0s"\n' > "$work/a.toml"
+[ "$transport" = rdma ] &&
+    printf '[data]\nrdma_port = 0\n[transport]\nmode = "auto"\nrdma_provider = "emulated"\n' >> "$work/a.toml"
 { cat "$work/a.toml"; printf "${B_CONFIG:-}"; } > "$work/b.toml"
 # start BIN CONFIG NAME: prints the agent's gRPC address.
 start() {
@@ -40,7 +44,7 @@ done
 # one BIN REPLICA SOURCE: one sync's milliseconds.
 one() {
     rm -f "$work"/adst/s.kvr1* "$work"/bdst/s.kvr1*
-    "$1" sync --agent "$2" --source "$3" --transport tcp --wait --json |
+    "$1" sync --agent "$2" --source "$3" --transport "$transport" --wait --json |
         sed -E 's/.*"duration_ms":([0-9]+).*/\1/'
 }
 ticks() { awk '{print $14 + $15}' "/proc/$(cat "$work/$1.pid")/stat"; }

@@ -244,7 +244,11 @@ impl PeerService {
     /// page cache is the shared copy); RDMA and a relay still receiving
     /// take a reference in the cache (loading it, or starting its relay
     /// image). A relayed file that changed is no longer relayed.
-    async fn hold(&self, chosen: &mut Chosen, transport: TransportKind) -> Result<Served, ApiError> {
+    async fn hold(
+        &self,
+        chosen: &mut Chosen,
+        transport: TransportKind,
+    ) -> Result<Served, ApiError> {
         let held = match chosen.feed.take() {
             Some(feed) => self.cache.acquire_relay(feed).await.map(Served::Image),
             None if transport == TransportKind::Tcp => {
