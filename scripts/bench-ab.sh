@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # A/B of two kvsync binaries: full syncs of one snapshot between two agents
 # of each, alternating A and B, cold cache (linger 0s), over TCP or
-# (TRANSPORT=rdma) the emulated RDMA fabric. Prints each run, the medians,
-# B/A, and the CPU time each agent used per sync.
+# (TRANSPORT=rdma) the emulated RDMA fabric, with TLS=1 under TLS (a CA and
+# certificate from bench-pki.sh). Prints each run, the medians, B/A,
+# and the CPU time each agent used per sync.
 #
 #   scripts/bench-ab.sh OLD_BIN NEW_BIN        # e.g. a worktree's build vs this one
 #   RUNS=15 SIZE=1GiB AB_DIR=/dev/shm B_CONFIG='[data]\npiece_size = "64MiB"\n' scripts/bench-ab.sh A B
 #   TRANSPORT=rdma scripts/bench-ab.sh A B
+#   TLS=1 scripts/bench-ab.sh A B
 set -euo pipefail
 A=$(realpath "$1") B=$(realpath "$2")
 runs=${RUNS:-9} size=${SIZE:-1GiB} transport=${TRANSPORT:-tcp}
@@ -21,6 +23,12 @@ trap cleanup EXIT
 printf '[cache]\nlinger = "0s"\n' > "$work/a.toml"
 [ "$transport" = rdma ] &&
     printf '[data]\nrdma_port = 0\n[transport]\nmode = "auto"\nrdma_provider = "emulated"\n' >> "$work/a.toml"
+cli=()
+if [ "${TLS:-0}" = 1 ]; then
+    pki=$work/pki
+    bash "$(dirname "$0")/bench-pki.sh" "$pki" >> "$work/a.toml"
+    cli=(--tls-ca "$pki/ca.pem")
+fi
 { cat "$work/a.toml"; printf "${B_CONFIG:-}"; } > "$work/b.toml"
 # start BIN CONFIG NAME: prints the agent's gRPC address.
 start() {
@@ -39,12 +47,12 @@ for n in asrc adst bsrc bdst; do pids+=("$(cat "$work/$n.pid")"); done
 cp "$work/asrc/s.kvr1" "$work/bsrc/s.kvr1"
 bytes=$(stat -c %s "$work/asrc/s.kvr1")
 for g in "$asrc" "$bsrc"; do
-    for _ in $(seq 600); do "$B" snapshots --agent "$g" | grep -q s.kvr1 && break; sleep 0.05; done
+    for _ in $(seq 600); do "$B" "${cli[@]}" snapshots --agent "$g" | grep -q s.kvr1 && break; sleep 0.05; done
 done
 # one BIN REPLICA SOURCE: one sync's milliseconds.
 one() {
     rm -f "$work"/adst/s.kvr1* "$work"/bdst/s.kvr1*
-    "$1" sync --agent "$2" --source "$3" --transport "$transport" --wait --json |
+    "$1" "${cli[@]}" sync --agent "$2" --source "$3" --transport "$transport" --wait --json |
         sed -E 's/.*"duration_ms":([0-9]+).*/\1/'
 }
 ticks() { awk '{print $14 + $15}' "/proc/$(cat "$work/$1.pid")/stat"; }

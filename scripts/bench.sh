@@ -220,19 +220,7 @@ if section 1b; then
 # here) next to the plain ones, the same snapshot, alternating.
 tls_size=${sizes%% *}
 pki=$work/pki
-mkdir -p "$pki"
-openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 1 \
-    -subj "/CN=bench CA" -keyout "$pki/ca.key" -out "$pki/ca.pem" 2>/dev/null
-openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj "/CN=localhost" \
-    -keyout "$pki/agent.key" -out "$pki/agent.csr" 2>/dev/null
-openssl x509 -req -in "$pki/agent.csr" -CA "$pki/ca.pem" -CAkey "$pki/ca.key" -CAcreateserial \
-    -days 1 -extfile <(printf 'subjectAltName=DNS:localhost,IP:127.0.0.1') \
-    -out "$pki/agent.pem" 2>/dev/null
-{
-    cat "$work/agent.toml"
-    printf '[tls]\ncert_file = "%s"\nkey_file = "%s"\nca_file = "%s"\n' \
-        "$pki/agent.pem" "$pki/agent.key" "$pki/ca.pem"
-} > "$work/tls.toml"
+{ cat "$work/agent.toml"; bash scripts/bench-pki.sh "$pki"; } > "$work/tls.toml"
 start_agent tlssrc "$work/tls.toml"
 start_agent tlsdst "$work/tls.toml"
 rm -f "$work"/source/*.kvr1 "$work"/replica/*.kvr1*
@@ -243,11 +231,22 @@ offered "$GRPC_source" tls.kvr1
 cli_opts=(--tls-ca "$pki/ca.pem")
 offered "$GRPC_tlssrc" tls.kvr1
 plain_s=(); tls_s=()
+# CPU ticks of each agent over the measured syncs.
+declare -A ticks=([source]=0 [replica]=0 [tlssrc]=0 [tlsdst]=0)
+# timed REPLICA SOURCE: one sync over TCP, its seconds appended to $3's array.
+timed() {
+    local a b s
+    a=$(eval "cpu_ticks \$PID_$1"); b=$(eval "cpu_ticks \$PID_$2")
+    s=$(eval "sync_secs \$GRPC_$1 \$GRPC_$2 tcp")
+    ticks[$1]=$(( ticks[$1] + $(eval "cpu_ticks \$PID_$1") - a ))
+    ticks[$2]=$(( ticks[$2] + $(eval "cpu_ticks \$PID_$2") - b ))
+    eval "$3+=($s)"
+}
 for _ in $(seq "$runs"); do
     cli_opts=()
-    plain_s+=("$(sync_secs "$GRPC_replica" "$GRPC_source" tcp)")
+    timed replica source plain_s
     cli_opts=(--tls-ca "$pki/ca.pem")
-    tls_s+=("$(sync_secs "$GRPC_tlsdst" "$GRPC_tlssrc" tcp)")
+    timed tlsdst tlssrc tls_s
 done
 cli_opts=()
 grep -q "(TLS)" <("$bin" --tls-ca "$pki/ca.pem" status --agent "$GRPC_tlsdst" --json) ||
@@ -263,6 +262,14 @@ out ""
 out "| snapshot | TLS | plain TCP | ratio |"
 out "|---|---|---|---|"
 out "| $tls_size | $(mbps "$bytes" "$t") MB/s | $(mbps "$bytes" "$p") MB/s | $(ratio "$p" "$t") |"
+out ""
+moved=$(( bytes * runs ))
+out "CPU seconds per GiB moved (user + system, each agent over the runs above; steadier than the rates here):"
+out ""
+out "| | source | replica |"
+out "|---|---|---|"
+out "| TLS | $(cpu_per_gib "${ticks[tlssrc]}" "$moved") | $(cpu_per_gib "${ticks[tlsdst]}" "$moved") |"
+out "| plain TCP | $(cpu_per_gib "${ticks[source]}" "$moved") | $(cpu_per_gib "${ticks[replica]}" "$moved") |"
 out ""
 fi
 

@@ -114,7 +114,7 @@ impl DataLink {
                 };
                 let link = Link::new(s, spec.min_rate).map_err(|e| e.to_string())?;
                 Ok(DataLink::Tcp(match tls {
-                    Some(conn) => link.with_tls(conn),
+                    Some(conn) => link.with_tls(conn).map_err(|e| e.to_string())?,
                     None => link,
                 }))
             }
@@ -331,7 +331,8 @@ impl Proved {
                 let (s, conn) = t.into_inner();
                 blocking_data_socket(s, peer_timeout)
                     .and_then(|s| Link::new(s, min_rate))
-                    .map(|l| SourceLink::Tcp(l.with_tls(conn).with_read_ahead(read_ahead)))
+                    .and_then(|l| l.with_tls(conn))
+                    .map(|l| SourceLink::Tcp(l.with_read_ahead(read_ahead)))
                     .map_err(|e| e.to_string())
             }
             ProvedConn::Emulated(s) => blocking_data_socket(s, peer_timeout)

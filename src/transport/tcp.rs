@@ -16,7 +16,7 @@
 //! thread; cancelling shuts the socket down, which unblocks any read or
 //! write at once.
 
-use std::io::{Read, Write};
+use std::io::{BufReader, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -39,6 +39,8 @@ use crate::served::{Served, SnapshotFile};
 
 /// Bytes per socket write/read in the bulk phase.
 const BULK_CHUNK: usize = 4 << 20;
+/// Bytes per socket read under TLS (rustls takes a record or less at a time).
+const TLS_READ: usize = 256 << 10;
 /// Snapshots at least this large are sent with `MSG_ZEROCOPY`.
 const ZEROCOPY_MIN: u64 = 64 << 20;
 /// How long a closing side waits for its peer to close too.
@@ -98,7 +100,7 @@ impl CancelHandle {
 /// below it).
 pub struct Link {
     stream: TcpStream,
-    tls: Option<Box<rustls::Connection>>,
+    tls: Option<Box<Tls>>,
     /// The floor the bulk phase must keep, both ways.
     min_rate: MinRate,
     /// The bulk phase's pace, kept across its pieces.
@@ -130,12 +132,16 @@ impl Link {
     }
 
     /// Runs the link through `tls`, a connection whose handshake is done.
-    pub fn with_tls(mut self, tls: impl Into<rustls::Connection>) -> Link {
-        let mut tls = tls.into();
+    pub fn with_tls(mut self, tls: impl Into<rustls::Connection>) -> std::io::Result<Link> {
+        let mut conn = tls.into();
         // Fewer, larger socket writes; records are 16 KiB either way.
-        tls.set_buffer_limit(Some(BULK_CHUNK));
-        self.tls = Some(Box::new(tls));
-        self
+        conn.set_buffer_limit(Some(BULK_CHUNK));
+        // rustls reads a record or less per call: it reads from this
+        // buffer, refilled by one large socket read (the same socket, so
+        // the same timeouts).
+        let rx = BufReader::with_capacity(TLS_READ, self.stream.try_clone()?);
+        self.tls = Some(Box::new(Tls { conn, rx }));
+        Ok(self)
     }
 
     /// Whether the link is encrypted.
@@ -146,7 +152,7 @@ impl Link {
     /// Reads plaintext: from the socket, or decrypted from its TLS records.
     /// A socket timeout is returned as such (`WouldBlock`).
     fn recv(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let Some(tls) = self.tls.as_deref_mut() else {
+        let Some(Tls { conn: tls, rx }) = self.tls.as_deref_mut() else {
             return (&self.stream).read(buf);
         };
         let mut sock = &self.stream;
@@ -155,7 +161,7 @@ impl Link {
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
                 done => return done,
             }
-            let eof = tls.read_tls(&mut sock)? == 0;
+            let eof = tls.read_tls(rx)? == 0;
             tls.process_new_packets()
                 .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
             while tls.wants_write() {
@@ -167,12 +173,30 @@ impl Link {
         }
     }
 
+    /// Reads plaintext until `buf` is full, the peer has been silent for
+    /// the socket's timeout, or the stream ends (what came before a
+    /// failure is returned first). Under TLS a single read gives a record
+    /// at most: the receiver writes and checks chunks, not records.
+    fn recv_full(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let mut got = 0;
+        while got < buf.len() {
+            match self.recv(&mut buf[got..]) {
+                Ok(0) => break,
+                Ok(n) => got += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) if got > 0 => break,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(got)
+    }
+
     /// Writes some of `bytes`; returns how many it took. Under TLS they
     /// are taken into the connection's buffer once what was buffered
     /// before has reached the socket; a failure to send them shows at the
     /// next call or at [`Link::flush`].
     fn send_some(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        let Some(tls) = self.tls.as_deref_mut() else {
+        let Some(Tls { conn: tls, .. }) = self.tls.as_deref_mut() else {
             return (&self.stream).write(bytes);
         };
         let mut sock = &self.stream;
@@ -190,7 +214,7 @@ impl Link {
 
     /// Sends everything buffered (TLS).
     fn flush(&mut self) -> std::io::Result<()> {
-        if let Some(tls) = self.tls.as_deref_mut() {
+        if let Some(Tls { conn: tls, .. }) = self.tls.as_deref_mut() {
             let mut sock = &self.stream;
             while tls.wants_write() {
                 tls.write_tls(&mut sock)?;
@@ -336,7 +360,7 @@ impl Link {
             let want = (left as usize).min(BULK_CHUNK);
             let read = match &mut into {
                 Landing::Pipe(pipe) => pipe.fill_from(self.stream.as_raw_fd(), want),
-                Landing::Buffer(chunk) => self.recv(&mut chunk[..want]),
+                Landing::Buffer(chunk) => self.recv_full(&mut chunk[..want]),
             };
             let n = match read {
                 Ok(0) => {
@@ -364,6 +388,13 @@ impl Link {
         self.landing = Some(into);
         Ok(())
     }
+}
+
+/// An encrypted link's TLS state.
+struct Tls {
+    conn: rustls::Connection,
+    /// What was read from the socket and not yet given to `conn`.
+    rx: BufReader<TcpStream>,
 }
 
 /// Where a replica's link receives the bulk, kept across pieces.
