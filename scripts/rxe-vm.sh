@@ -3,7 +3,7 @@
 # through soft-RoCE (rdma_rxe on the VM's virtual NIC), for testing RDMA code
 # on machines without an RDMA NIC or kernel RDMA support.
 #
-# Usage: scripts/rxe-vm.sh [--timeout SECONDS] [--env NAME ...] -- COMMAND [ARG ...]
+# Usage: scripts/rxe-vm.sh [--hosts 2] [--timeout SECONDS] [--env NAME ...] -- COMMAND [ARG ...]
 #
 # The VM boots Debian's stock kernel (downloaded once with `apt-get download`
 # and unpacked, never installed) from a tiny busybox initramfs, mounts the
@@ -18,8 +18,18 @@
 # this script's. The VM is always powered off, under a hard time limit, and
 # no qemu process is left behind.
 #
-# Exit status: the command's; 3 when the harness cannot run here (not root,
-# packages or kernel unavailable); 125 when the VM failed to run the command.
+# --hosts 2: two such VMs, a and b, booted side by side and joined by a
+# second virtual link (a qemu datagram socket between them): there eth1 has
+# 10.9.0.1/24 in a and 10.9.0.2/24 in b, and rxe0 is on eth1, while eth0
+# keeps user-mode NAT (no RDMA). COMMAND runs in both, with KVSYNC_VM_HOST
+# (a or b), KVSYNC_VM_ADDR (its own eth1 address) and KVSYNC_VM_PEER (the
+# other's) set; a's output is printed, then b's, each after a line
+# "=== vm a" / "=== vm b". Both VMs share one time limit and both are
+# always killed at the end.
+#
+# Exit status: the command's (with two hosts: a's if it failed, else b's); 3
+# when the harness cannot run here (not root, packages or kernel
+# unavailable); 125 when a VM failed to run the command.
 #
 # Environment: KVSYNC_VM_CACHE (default /var/cache/kvsync-vm) holds the
 # kernel and initramfs; KVSYNC_VM_MEM (default 2G); KVSYNC_VM_ACCEL (tcg, or
@@ -27,16 +37,19 @@
 set -euo pipefail
 
 timeout_s=170
+hosts=1
 pass_env=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --timeout) timeout_s=$2; shift 2 ;;
+        --hosts) hosts=$2; shift 2 ;;
         --env) pass_env+=("$2"); shift 2 ;;
         --) shift; break ;;
         *) echo "rxe-vm: unknown option $1 (use -- before the command)" >&2; exit 2 ;;
     esac
 done
-[ $# -gt 0 ] || { echo "usage: rxe-vm.sh [--timeout S] [--env NAME] -- COMMAND..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: rxe-vm.sh [--hosts 2] [--timeout S] [--env NAME] -- COMMAND..." >&2; exit 2; }
+case "$hosts" in 1|2) ;; *) echo "rxe-vm: --hosts is 1 or 2" >&2; exit 2 ;; esac
 [ "$(id -u)" -eq 0 ] || { echo "rxe-vm: must run as root (it installs packages and shares / into the VM)" >&2; exit 3; }
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -91,8 +104,16 @@ if [ -n "$bind" ]; then /bin/busybox mkdir -p "/host$bind"; /bin/busybox mount -
 /bin/busybox ip link set eth0 up
 /bin/busybox ip addr add 10.0.2.15/24 dev eth0
 /bin/busybox ip route add default via 10.0.2.2
+# Two hosts: eth1 is the link between them, and carries rxe0.
+rxe_on=eth0
+link_ip=$(/bin/busybox sed -n 's/.*kvsync_ip=\([^ ]*\).*/\1/p' /proc/cmdline)
+if [ -n "$link_ip" ]; then
+    /bin/busybox ip link set eth1 up
+    /bin/busybox ip addr add "$link_ip" dev eth1
+    rxe_on=eth1
+fi
 job=$(/bin/busybox sed -n 's/.*kvsync_job=\([^ ]*\).*/\1/p' /proc/cmdline)
-/bin/busybox chroot /host /usr/bin/rdma link add rxe0 type rxe netdev eth0 > /dev/ttyS0 2>&1 || fail "rdma link add failed"
+/bin/busybox chroot /host /usr/bin/rdma link add rxe0 type rxe netdev $rxe_on > /dev/ttyS0 2>&1 || fail "rdma link add failed"
 /bin/busybox chroot /host /bin/bash "$job" > /dev/ttyS1 2>&1
 echo "KVSYNC_VM_EXIT=$?" > /dev/ttyS1
 /bin/busybox sync
@@ -123,24 +144,31 @@ flock -u 9
 
 # --- the job: cwd, environment, command --------------------------------------
 jobdir=$(mktemp -d "$cache/job.XXXXXX")
-qemu_pid=""
+qemu_pids=()
 cleanup() {
-    [ -n "$qemu_pid" ] && kill -9 "$qemu_pid" 2>/dev/null || true
+    for p in "${qemu_pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
     rm -rf "$jobdir"
 }
 trap cleanup EXIT
-{
-    echo "#!/bin/bash"
-    echo "export PATH=$(printf '%q' "$PATH") HOME=/tmp"
-    for name in "${pass_env[@]}"; do
-        [ -n "${!name+x}" ] && echo "export $name=$(printf '%q' "${!name}")"
-    done
-    echo "cd $(printf '%q' "$PWD") || exit 126"
-    printf 'exec'
-    printf ' %q' "$@"
-    echo
-} > "$jobdir/job.sh"
-chmod 0755 "$jobdir" "$jobdir/job.sh"
+# job NAME [VAR=VALUE ...]: the script the VM NAME runs.
+job() {
+    local name=$1; shift
+    {
+        echo "#!/bin/bash"
+        echo "export PATH=$(printf '%q' "$PATH") HOME=/tmp"
+        for name_var in "${pass_env[@]}"; do
+            [ -n "${!name_var+x}" ] && echo "export $name_var=$(printf '%q' "${!name_var}")"
+        done
+        for kv in "$@"; do echo "export $(printf '%q' "$kv")"; done
+        echo "cd $(printf '%q' "$PWD") || exit 126"
+        printf 'exec'
+        printf ' %q' "${cmd[@]}"
+        echo
+    } > "$jobdir/$name.sh"
+    chmod 0755 "$jobdir/$name.sh"
+}
+cmd=("$@")
+chmod 0755 "$jobdir"
 
 # Keep the working directory visible when it is under /tmp (tmpfs inside).
 bind=""
@@ -153,32 +181,93 @@ case "$accel" in
     kvm) accel_args=(-accel kvm -cpu host) ;;
     *) accel_args=(-accel tcg,thread=multi -cpu max) ;;
 esac
-: > "$jobdir/out"
-timeout --kill-after=5 "$timeout_s" qemu-system-x86_64 \
-    "${accel_args[@]}" -smp 2 -m "${KVSYNC_VM_MEM:-2G}" \
-    -kernel "$kroot/boot/vmlinuz-$kver" -initrd "$initrd" \
-    -append "console=ttyS0 quiet panic=-1 kvsync_job=$jobdir/job.sh${bind:+ kvsync_bind=$bind}" \
-    -nographic -no-reboot -nodefaults \
-    -serial "file:$jobdir/console" -serial "file:$jobdir/out" \
-    -netdev user,id=n0 -device virtio-net-pci,netdev=n0 \
-    -virtfs local,path=/,mount_tag=host,security_model=none,readonly=on,multidevs=remap \
-    </dev/null >/dev/null 2>"$jobdir/qemu.err" &
-qemu_pid=$!
-set +e
-wait "$qemu_pid"
-qemu_rc=$?
-set -e
-qemu_pid=""
-
-code=$(sed -n 's/^KVSYNC_VM_EXIT=\([0-9]*\).*/\1/p' "$jobdir/out" | tail -n 1)
-sed '/^KVSYNC_VM_EXIT=/d' "$jobdir/out" | tr -d '\r'
-if [ -z "$code" ]; then
-    if [ "$qemu_rc" -eq 124 ] || [ "$qemu_rc" -eq 137 ]; then
-        echo "rxe-vm: the VM hit the ${timeout_s}s time limit and was killed" >&2
-    else
-        echo "rxe-vm: the VM ended without running the command (qemu exit $qemu_rc)" >&2
-    fi
-    tail -n 30 "$jobdir/console" "$jobdir/qemu.err" >&2 2>/dev/null || true
-    exit 125
+# boot NAME APPEND [QEMU ARG ...]: starts the VM NAME running NAME.sh.
+boot() {
+    local name=$1 append=$2; shift 2
+    : > "$jobdir/$name.out"
+    timeout --kill-after=5 "$timeout_s" qemu-system-x86_64 \
+        "${accel_args[@]}" -smp 2 -m "${KVSYNC_VM_MEM:-2G}" \
+        -kernel "$kroot/boot/vmlinuz-$kver" -initrd "$initrd" \
+        -append "console=ttyS0 quiet panic=-1 kvsync_job=$jobdir/$name.sh${bind:+ kvsync_bind=$bind}$append" \
+        -nographic -no-reboot -nodefaults \
+        -serial "file:$jobdir/$name.console" -serial "file:$jobdir/$name.out" \
+        -netdev user,id=n0 -device virtio-net-pci,netdev=n0 \
+        "$@" \
+        -virtfs local,path=/,mount_tag=host,security_model=none,readonly=on,multidevs=remap \
+        </dev/null >/dev/null 2>"$jobdir/$name.qemu.err" &
+    qemu_pids+=($!)
+}
+# link SELF OTHER MAC: qemu arguments for the second NIC, a datagram socket
+# to the other VM's.
+link() {
+    link_args=(-netdev "dgram,id=n1,local.type=unix,local.path=$jobdir/$1.sock,remote.type=unix,remote.path=$jobdir/$2.sock"
+        -device "virtio-net-pci,netdev=n1,mac=$3")
+}
+if [ "$hosts" = 1 ]; then
+    names=(vm)
+    job vm
+    boot vm ""
+else
+    names=(a b)
+    job a KVSYNC_VM_HOST=a KVSYNC_VM_ADDR=10.9.0.1 KVSYNC_VM_PEER=10.9.0.2
+    job b KVSYNC_VM_HOST=b KVSYNC_VM_ADDR=10.9.0.2 KVSYNC_VM_PEER=10.9.0.1
+    link a b 52:54:00:00:09:01
+    boot a " kvsync_ip=10.9.0.1/24" "${link_args[@]}"
+    link b a 52:54:00:00:09:02
+    boot b " kvsync_ip=10.9.0.2/24" "${link_args[@]}"
 fi
-exit "$code"
+
+# report NAME QEMU_STATUS: prints the VM's output; returns the command's status.
+report() {
+    local name=$1 qemu_rc=$2 code
+    code=$(sed -n 's/^KVSYNC_VM_EXIT=\([0-9]*\).*/\1/p' "$jobdir/$name.out" | tail -n 1)
+    sed '/^KVSYNC_VM_EXIT=/d' "$jobdir/$name.out" | tr -d '\r'
+    if [ -z "$code" ]; then
+        if [ "$qemu_rc" -eq 124 ] || [ "$qemu_rc" -eq 137 ]; then
+            echo "rxe-vm: VM $name hit the ${timeout_s}s time limit and was killed" >&2
+        else
+            echo "rxe-vm: VM $name ended without running the command (qemu exit $qemu_rc)" >&2
+        fi
+        tail -n 30 "$jobdir/$name.console" "$jobdir/$name.qemu.err" >&2 2>/dev/null || true
+        return 125
+    fi
+    return "$code"
+}
+# Wait for the VMs; with two, one that fails stops the other at once
+# (the other would only wait for it until the time limit).
+declare -A rc_of stopped
+set +e
+live=("${qemu_pids[@]}")
+while [ "${#live[@]}" -gt 0 ]; do
+    ended=""
+    wait -n -p ended "${live[@]}"
+    rc=$?
+    [ -n "$ended" ] || break
+    for i in "${!names[@]}"; do
+        [ "${qemu_pids[$i]}" = "$ended" ] || continue
+        rc_of[$i]=$rc
+        grep -q '^KVSYNC_VM_EXIT=0' "$jobdir/${names[$i]}.out" && continue
+        for j in "${!names[@]}"; do
+            [ -z "${rc_of[$j]+x}" ] && [ -z "${stopped[$j]+x}" ] || continue
+            stopped[$j]=${names[$i]}
+            kill -TERM "${qemu_pids[$j]}" 2>/dev/null
+        done
+    done
+    rest=()
+    for p in "${live[@]}"; do [ "$p" = "$ended" ] || rest+=("$p"); done
+    live=("${rest[@]}")
+done
+qemu_pids=()
+status=0
+for i in "${!names[@]}"; do
+    [ "$hosts" = 2 ] && echo "=== vm ${names[$i]}"
+    if [ -n "${stopped[$i]+x}" ]; then
+        sed '/^KVSYNC_VM_EXIT=/d' "$jobdir/${names[$i]}.out" | tr -d '\r'
+        echo "rxe-vm: VM ${names[$i]} was stopped: VM ${stopped[$i]} failed" >&2
+        continue
+    fi
+    report "${names[$i]}" "${rc_of[$i]}"
+    rc=$?
+    [ "$status" = 0 ] && status=$rc
+done
+exit "$status"

@@ -79,6 +79,9 @@ pub struct Replica {
     failures: std::collections::HashMap<u32, u32>,
     /// Failed checks one piece may have before the session fails.
     retries: u32,
+    /// The longest silence of the source while pieces are outstanding
+    /// (`None`: the whole bulk's size-scaled deadline only).
+    piece_wait: Option<Duration>,
     state: State,
     pub(super) core: Core,
 }
@@ -113,9 +116,24 @@ impl Replica {
             wanted,
             failures: Default::default(),
             retries,
+            piece_wait: None,
             state: State::Idle,
             core: Core::default(),
         }
+    }
+
+    /// Fails the session when the source announces no piece (nor BDON
+    /// after the last) for `wait` since the last sign of progress. Over
+    /// RDMA the Writes land unseen, so this is how a replica notices a
+    /// source that went away; TCP sees its bytes and keeps a rate floor.
+    pub fn with_piece_wait(mut self, wait: Duration) -> Replica {
+        self.piece_wait = Some(wait);
+        self
+    }
+
+    /// How long to wait for the next piece announcement.
+    fn pieces_wait(&self, scaled: Duration) -> Duration {
+        self.piece_wait.map_or(scaled, |w| w.min(scaled))
     }
 
     /// Posts the first receives. Call before the connection is established
@@ -181,12 +199,13 @@ impl Replica {
                 self.core.send(Token::Need {
                     ranges: self.need.clone(),
                 });
+                let wait = self.pieces_wait(scaled);
                 if self.left == 0 {
                     self.state = State::WaitBdon;
-                    self.core.wait("BDON", now, scaled);
+                    self.core.wait("BDON", now, wait);
                 } else {
                     self.state = State::Pieces;
-                    self.core.wait("pieces", now, scaled);
+                    self.core.wait("pieces", now, wait);
                 }
             }
             (State::WaitMemory, Input::ReceiveFailed(reason)) => {
@@ -200,6 +219,7 @@ impl Replica {
                 self.core.push(Command::PostRecv(Kind::Pdon));
                 let (offset, len) = self.pieces.range(index);
                 self.core.push(Command::TakePiece { index, offset, len });
+                self.core.wait("pieces", now, self.pieces_wait(scaled));
             }
             (State::Pieces, Input::PieceChecked { index, result })
                 if self.wanted.get(index as usize) == Some(&TAKING) =>
@@ -211,7 +231,7 @@ impl Replica {
                         self.core.send(Token::Pack { index });
                         if self.left == 0 {
                             self.state = State::WaitBdon;
-                            self.core.wait("BDON", now, scaled);
+                            self.core.wait("BDON", now, self.pieces_wait(scaled));
                         }
                     }
                     Err(reason) => {

@@ -85,6 +85,9 @@ pub struct Source {
     seq: u64,
     pieces: Pieces,
     mode: BulkMode,
+    /// The longest silence of the replica while pieces await replies
+    /// (`None`: the whole bulk's size-scaled deadline only).
+    reply_wait: Option<Duration>,
     state: State,
     pub(super) core: Core,
 }
@@ -101,9 +104,26 @@ impl Source {
                 size: piece_size,
             },
             mode,
+            reply_wait: None,
             state: State::Idle,
             core: Core::default(),
         }
+    }
+
+    /// Fails the session when the replica answers no piece for `wait`
+    /// since the bulk began or its last answer. Over RDMA the source's
+    /// Writes may all have completed, so the missing answers are how it
+    /// notices a replica that went away.
+    pub fn with_reply_wait(mut self, wait: Duration) -> Source {
+        self.reply_wait = Some(wait);
+        self
+    }
+
+    /// Waits (again) for the next piece reply.
+    fn wait_replies(&mut self, now: Duration) {
+        let scaled = size_scaled_timeout(self.len);
+        let wait = self.reply_wait.map_or(scaled, |w| w.min(scaled));
+        self.core.wait("piece replies", now, wait);
     }
 
     /// Starts the session (the connection is up).
@@ -183,6 +203,7 @@ impl Source {
             {
                 bulk.unanswered.retain(|&i| i != index);
                 bulk.left -= 1;
+                self.wait_replies(now);
                 self.pump(now);
             }
             (State::Bulk(bulk), Input::Received(Token::Preq { index }))
@@ -197,6 +218,7 @@ impl Source {
                 }
                 *sends += 1;
                 bulk.queue.push_front(index);
+                self.wait_replies(now);
                 self.pump(now);
             }
             (State::WaitRdok, Input::Received(Token::Rdok)) => {
@@ -251,8 +273,7 @@ impl Source {
             resent: Default::default(),
             writes,
         });
-        self.core
-            .wait("piece replies", now, size_scaled_timeout(self.len));
+        self.wait_replies(now);
         self.pump(now);
     }
 

@@ -44,6 +44,10 @@ struct Sim {
     stall_writes: bool,
     /// This side's driver drops this receive post (a buggy driver).
     skip_post: Option<(Side, Kind)>,
+    /// The replica's longest wait for the next piece.
+    piece_wait: Option<Duration>,
+    /// The source's longest wait for a piece reply.
+    reply_wait: Option<Duration>,
 }
 
 const MIB: u64 = 1 << 20;
@@ -63,6 +67,8 @@ impl Sim {
             tamper: Box::new(|_, t| Some(t)),
             stall_writes: false,
             skip_post: None,
+            piece_wait: None,
+            reply_wait: None,
         }
     }
 
@@ -130,7 +136,13 @@ fn simulate(mut sim: Sim) -> Run {
         .clone()
         .unwrap_or_else(|| need_ranges((0..pieces.count()).map(|_| true), 60));
     let mut src = Source::new(sim.len, SEQ, sim.piece_size, sim.mode);
+    if let Some(wait) = sim.reply_wait {
+        src = src.with_reply_wait(wait);
+    }
     let mut rep = Replica::new(sim.offered, sim.piece_size, need, sim.retries);
+    if let Some(wait) = sim.piece_wait {
+        rep = rep.with_piece_wait(wait);
+    }
     let mut now = Duration::ZERO;
     let mut events = Vec::new();
     let mut posted: [VecDeque<Kind>; 2] = [VecDeque::new(), VecDeque::new()];
@@ -550,6 +562,65 @@ fn stalled_bulk_times_out_after_the_size_scaled_timeout() {
         Some(Err(Blk3Error::PeerFailed(_) | Blk3Error::Timeout { .. }))
     ));
     assert_eq!(run.now, scaled);
+}
+
+#[test]
+fn replica_with_a_piece_wait_fails_when_the_source_goes_silent() {
+    // Over RDMA the replica sees no bytes: a source whose writes stop is
+    // noticed by the missing piece announcements, long before the bulk's
+    // size-scaled timeout.
+    let wait = Duration::from_secs(7);
+    let mut sim = Sim::new(rdma(4, 32, 8), 1 << 30);
+    sim.stall_writes = true;
+    sim.piece_wait = Some(wait);
+    let run = simulate(sim);
+    assert_eq!(
+        run.rep,
+        Some(Err(Blk3Error::Timeout {
+            waiting_for: "pieces",
+            after: wait
+        }))
+    );
+    assert_eq!(run.now, wait);
+    // A source that keeps announcing pieces is never cut off by it.
+    for mode in [rdma(4, 32, 8), BulkMode::Stream] {
+        let mut sim = Sim::new(mode, (64 << 20) + 5);
+        sim.piece_wait = Some(wait);
+        let run = simulate(sim);
+        assert!(matches!(run.rep, Some(Ok(_))), "{:?}", run.rep);
+    }
+}
+
+#[test]
+fn source_with_a_reply_wait_fails_when_the_replica_goes_silent() {
+    // The replica's answers stop reaching the source (its link is down):
+    // the source gives the session up after the reply wait, not after the
+    // bulk's size-scaled timeout.
+    let wait = Duration::from_secs(5);
+    let mut sim = Sim::new(rdma(4, 32, 8), 1 << 30);
+    sim.tamper = Box::new(|from_src, t| {
+        if !from_src && matches!(t.kind(), Kind::Pack | Kind::Preq) {
+            None
+        } else {
+            Some(t)
+        }
+    });
+    sim.reply_wait = Some(wait);
+    let run = simulate(sim);
+    assert_eq!(
+        run.src,
+        Some(Err(Blk3Error::Timeout {
+            waiting_for: "piece replies",
+            after: wait
+        }))
+    );
+    // A replica that keeps answering is never cut off by it.
+    for mode in [rdma(4, 32, 8), BulkMode::Stream] {
+        let mut sim = Sim::new(mode, (64 << 20) + 5);
+        sim.reply_wait = Some(wait);
+        let run = simulate(sim);
+        assert!(matches!(run.src, Some(Ok(_))), "{:?}", run.src);
+    }
 }
 
 #[test]

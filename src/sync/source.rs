@@ -479,6 +479,9 @@ fn serve_session(plane: &DataPlane, offer: &Offer, peer: &str, link: SourceLink)
         rate: &plane.rate,
         progress: &progress,
         cancel: plane.shutdown.clone(),
+        reply_wait: plane
+            .min_rate
+            .piece_wait(plane.peer_timeout, offer.entry.manifest.piece_size),
     });
     let sent = progress.load(Ordering::Relaxed);
     m.fullsync_bytes

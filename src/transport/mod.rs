@@ -49,6 +49,8 @@ pub struct Serve<'a> {
     pub progress: &'a AtomicU64,
     /// Stops RDMA sessions (TCP ones stop through their socket).
     pub cancel: CancellationToken,
+    /// RDMA: how long the replica may leave every piece unanswered.
+    pub reply_wait: Duration,
 }
 
 /// What a replica session asks its source for.

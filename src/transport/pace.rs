@@ -2,7 +2,8 @@
 //! `[data] min_rate_window`): a peer that trickles bytes, or stops reading,
 //! loses its session within two windows instead of holding a slot, reserved
 //! disk and a cache image for the size-scaled timeouts. Pure bookkeeping;
-//! the TCP driver asks it how long one blocking call may wait.
+//! the TCP driver asks it how long one blocking call may wait, and an RDMA
+//! replica how long it may wait for the next piece.
 
 use std::time::{Duration, Instant};
 
@@ -29,6 +30,20 @@ impl From<&crate::config::DataConfig> for MinRate {
             bytes_per_sec: c.min_rate.as_u64(),
             window: c.min_rate_window,
         }
+    }
+}
+
+impl MinRate {
+    /// How long a replica that cannot see bytes arrive (RDMA Writes land
+    /// unseen) may wait for the next piece of `piece_size` bytes: a peer
+    /// silent for `peer_timeout`, plus the piece at the floor's rate (none
+    /// when the floor is off).
+    pub fn piece_wait(&self, peer_timeout: Duration, piece_size: u64) -> Duration {
+        let at_floor = match self.bytes_per_sec {
+            0 => Duration::ZERO,
+            rate => Duration::from_secs_f64(piece_size as f64 / rate as f64),
+        };
+        peer_timeout + at_floor
     }
 }
 

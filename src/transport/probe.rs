@@ -188,8 +188,9 @@ fn resolve(_: IpAddr) -> Result<String, String> {
     Err("built without the `rdma` feature".into())
 }
 
-/// Chooses the interface, then the device with an ACTIVE port (preferring
-/// the one bound to that interface), then smoke-tests address resolution.
+/// Chooses the interface (the configured one, else preferably one under an
+/// ACTIVE port), then the device with an ACTIVE port (preferring the one
+/// bound to that interface), then smoke-tests address resolution.
 fn decide(
     devices: Vec<DeviceInfo>,
     ifaces: &[Iface],
@@ -202,7 +203,25 @@ fn decide(
         return found;
     }
     found.devices = devices;
-    let Some(iface) = select::choose(ifaces, configured, None) else {
+    // Unconfigured, an interface under an active RDMA port comes first: a
+    // host also on a network without RDMA (a management or NAT interface)
+    // must not pick that one.
+    let on_rdma: Vec<Iface> = ifaces
+        .iter()
+        .filter(|i| {
+            found.devices.iter().any(|d| {
+                d.ports
+                    .iter()
+                    .any(|p| p.active && p.netdev.as_deref() == Some(i.name.as_str()))
+            })
+        })
+        .cloned()
+        .collect();
+    let chosen = match configured {
+        "" => select::choose(&on_rdma, "", None).or_else(|| select::choose(ifaces, "", None)),
+        _ => select::choose(ifaces, configured, None),
+    };
+    let Some(iface) = chosen else {
         found.reason = if configured.is_empty() {
             "no RDMA: no usable interface (only loopback, link-local or virtual ones)".into()
         } else {
@@ -419,6 +438,28 @@ mod tests {
         let f = decide(devs, &ifaces(), "eth1", resolves_to("mlx5_0"));
         assert_eq!((f.device.as_deref(), f.soft), (Some("mlx5_0"), false));
         assert_eq!(f.local_addr, Some("10.0.3.15".parse().unwrap()));
+    }
+
+    #[test]
+    fn an_interface_under_an_active_port_is_preferred() {
+        // eth0 comes first but carries no RDMA (a NAT or management link).
+        let f = decide(
+            vec![dev("rxe0", &[true], "eth1")],
+            &ifaces(),
+            "",
+            resolves_to("rxe0"),
+        );
+        assert!(f.available, "{}", f.reason);
+        assert_eq!(f.interface.as_deref(), Some("eth1"));
+        assert_eq!(f.local_addr, Some("10.0.3.15".parse().unwrap()));
+        // A port that is down does not draw the choice.
+        let f = decide(
+            vec![dev("rxe0", &[false], "eth1"), dev("rxe1", &[true], "ib0")],
+            &ifaces(),
+            "",
+            resolves_to("rxe1"),
+        );
+        assert_eq!(f.interface.as_deref(), Some("eth0"));
     }
 
     #[test]

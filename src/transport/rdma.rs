@@ -166,14 +166,20 @@ impl<F: Fabric> Link<F> {
             if self.cancel.is_cancelled() {
                 return Err(RdmaError::Cancelled);
             }
-            let timeout = match deadline {
+            // A deadline that passed while this side was busy (a paced
+            // source posting its writes) does not hide what has arrived
+            // meanwhile: one last poll that does not wait.
+            let (timeout, last) = match deadline {
                 Some(d) => match d.checked_sub(self.started.elapsed()) {
-                    Some(left) if !left.is_zero() => left.min(POLL_SLICE),
-                    _ => return Ok(None),
+                    Some(left) if !left.is_zero() => (left.min(POLL_SLICE), false),
+                    _ => (Duration::ZERO, true),
                 },
-                None => POLL_SLICE,
+                None => (POLL_SLICE, false),
             };
             let Some(c) = self.qp.poll(timeout)? else {
+                if last {
+                    return Ok(None);
+                }
                 continue;
             };
             match c {
@@ -376,7 +382,8 @@ pub fn run_source<F: Fabric>(qp: F, s: Serve) -> SourceRun {
         s.seq,
         s.piece_size,
         BulkMode::Rdma(s.params),
-    );
+    )
+    .with_reply_wait(s.reply_wait);
     machine.start(io.now());
     let result = drive(&mut machine, &mut io);
     // Tear the connection down before the snapshot reference can go.
@@ -562,7 +569,8 @@ pub struct ReplicaRun {
 
 /// Runs a replica session on a queue pair that reached the source but is
 /// not connected yet: posts the first receives, connects presenting `token`,
-/// and receives `offered_len` bytes into `sink`.
+/// and receives `offered_len` bytes into `sink`, failing when the source
+/// announces no piece for `piece_wait(piece_size)`.
 pub fn run_replica<F: Fabric>(
     qp: F,
     token: [u8; SESSION_TOKEN_LEN],
@@ -570,6 +578,7 @@ pub fn run_replica<F: Fabric>(
     sink: &mut dyn Sink,
     faults: &RdmaFaults,
     cancel: CancellationToken,
+    piece_wait: impl Fn(u64) -> Duration,
 ) -> ReplicaRun {
     let mut io = ReplicaIo {
         link: Link::new(qp, cancel),
@@ -581,7 +590,8 @@ pub fn run_replica<F: Fabric>(
         damage: faults.damage_piece,
     };
     let want = io.sink.want();
-    let mut machine = Replica::new(offered_len, want.piece_size, want.need, want.retries);
+    let mut machine = Replica::new(offered_len, want.piece_size, want.need, want.retries)
+        .with_piece_wait(piece_wait(want.piece_size));
     machine.start(io.now());
     let result = drive(&mut machine, &mut io);
     io.link.close();

@@ -75,9 +75,17 @@ pub struct DialSpec {
 /// A replica's connection to the source's data endpoint, not yet running.
 pub enum DataLink {
     Tcp(Link),
-    Emulated(EmuQp, CancellationToken),
+    Emulated(EmuQp, RdmaSide),
     #[cfg(feature = "rdma")]
-    Verbs(super::verbs::VerbsQp, CancellationToken),
+    Verbs(super::verbs::VerbsQp, RdmaSide),
+}
+
+/// What an RDMA replica session has besides its queue pair.
+pub struct RdmaSide {
+    cancel: CancellationToken,
+    /// How long the source may be silent.
+    peer_timeout: Duration,
+    min_rate: MinRate,
 }
 
 /// Stops a running session from another thread.
@@ -99,7 +107,11 @@ impl Canceller {
 impl DataLink {
     /// Connects to the endpoint (blocking, bounded by the connect timeout).
     pub fn dial(spec: &DialSpec) -> Result<DataLink, String> {
-        let cancel = CancellationToken::new;
+        let side = || RdmaSide {
+            cancel: CancellationToken::new(),
+            peer_timeout: spec.peer_timeout,
+            min_rate: spec.min_rate,
+        };
         match spec.rdma {
             None => {
                 let s = std::net::TcpStream::connect_timeout(&spec.endpoint, CONNECT_TIMEOUT)
@@ -121,13 +133,13 @@ impl DataLink {
             Some(RdmaProvider::Emulated) => {
                 EmuQp::dial(spec.endpoint, CONNECT_TIMEOUT, spec.faults.emu.clone())
                     .and_then(|qp| qp.set_peer_timeout(spec.peer_timeout).map(|_| qp))
-                    .map(|qp| DataLink::Emulated(qp, cancel()))
+                    .map(|qp| DataLink::Emulated(qp, side()))
                     .map_err(|e| e.to_string())
             }
             #[cfg(feature = "rdma")]
             Some(RdmaProvider::Verbs) => {
                 super::verbs::VerbsQp::dial(spec.endpoint, spec.local, spec.soft)
-                    .map(|qp| DataLink::Verbs(qp, cancel()))
+                    .map(|qp| DataLink::Verbs(qp, side()))
                     .map_err(|e| e.to_string())
             }
             #[cfg(not(feature = "rdma"))]
@@ -141,9 +153,9 @@ impl DataLink {
     pub fn canceller(&self) -> Canceller {
         match self {
             DataLink::Tcp(link) => Canceller::Socket(link.cancel_handle()),
-            DataLink::Emulated(_, c) => Canceller::Token(c.clone()),
+            DataLink::Emulated(_, side) => Canceller::Token(side.cancel.clone()),
             #[cfg(feature = "rdma")]
-            DataLink::Verbs(_, c) => Canceller::Token(c.clone()),
+            DataLink::Verbs(_, side) => Canceller::Token(side.cancel.clone()),
         }
     }
 
@@ -163,22 +175,24 @@ impl DataLink {
                 tcp::run_replica(&mut link, token, offered_len, sink).map_err(LinkError::from),
                 None,
             ),
-            DataLink::Emulated(qp, cancel) => rdma(rdma::run_replica(
+            DataLink::Emulated(qp, side) => rdma(rdma::run_replica(
                 qp,
                 token,
                 offered_len,
                 sink,
                 &faults.rdma,
-                cancel,
+                side.cancel,
+                |piece_size| side.min_rate.piece_wait(side.peer_timeout, piece_size),
             )),
             #[cfg(feature = "rdma")]
-            DataLink::Verbs(qp, cancel) => rdma(rdma::run_replica(
+            DataLink::Verbs(qp, side) => rdma(rdma::run_replica(
                 qp,
                 token,
                 offered_len,
                 sink,
                 &faults.rdma,
-                cancel,
+                side.cancel,
+                |piece_size| side.min_rate.piece_wait(side.peer_timeout, piece_size),
             )),
         }
     }

@@ -340,6 +340,17 @@ pub struct VmRun {
 /// harness cannot install what it needs; under CI (`CI=true`) that is a
 /// failure instead, because CI must run the verbs tests.
 pub fn run_in_vm(cmd: &[&str], env: &[(&str, &str)], timeout_s: u32) -> Option<VmRun> {
+    vm_run(1, cmd, env, timeout_s)
+}
+
+/// Runs `cmd` in each of two soft-RoCE VMs joined by one link
+/// (`rxe-vm.sh --hosts 2`): the output is VM a's, then VM b's, each after
+/// a `=== vm a` / `=== vm b` line. Skips as [`run_in_vm`] does.
+pub fn run_in_two_vms(cmd: &[&str], env: &[(&str, &str)], timeout_s: u32) -> Option<VmRun> {
+    vm_run(2, cmd, env, timeout_s)
+}
+
+fn vm_run(hosts: u8, cmd: &[&str], env: &[(&str, &str)], timeout_s: u32) -> Option<VmRun> {
     let skip = |why: String| {
         skip("soft-RoCE VM", &why);
         None
@@ -349,7 +360,8 @@ pub fn run_in_vm(cmd: &[&str], env: &[(&str, &str)], timeout_s: u32) -> Option<V
         return skip("the VM harness needs root".into());
     }
     let timeout = timeout_s.to_string();
-    let mut args = vec!["--timeout", timeout.as_str()];
+    let hosts = hosts.to_string();
+    let mut args = vec!["--hosts", hosts.as_str(), "--timeout", timeout.as_str()];
     for (name, _) in env {
         args.extend(["--env", name]);
     }

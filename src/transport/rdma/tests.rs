@@ -94,6 +94,7 @@ fn session(
                 rate: &RateLimiter::new(0),
                 progress: &progress,
                 cancel: Default::default(),
+                reply_wait: T,
             },
         )
     });
@@ -108,7 +109,7 @@ fn session(
 }
 
 fn plain(qp: EmuQp, sink: &mut Receiver, len: u64, faults: &RdmaFaults) -> ReplicaRun {
-    run_replica(qp, TOKEN, len, sink, faults, Default::default())
+    run_replica(qp, TOKEN, len, sink, faults, Default::default(), |_| T)
 }
 
 /// A session of a generated `size`-byte snapshot with the real replica
