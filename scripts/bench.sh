@@ -9,8 +9,9 @@
 #   1. full sync over TCP between two agents vs a plain single-stream TCP copy
 #      (examples/plain_copy.rs: sendfile, recv, write, fsync) vs rsync (daemon
 #      on loopback), per size; CPU seconds per GiB of each
-#   2. the emulated RDMA fabric vs the TCP path on the host; the soft-RoCE VM
-#      ratio to ib_write_bw (as root, BENCH_VM=1, the default when root)
+#   2. the emulated RDMA fabric vs the TCP path on the host; kvsync vs
+#      ib_write_bw on soft-RoCE in one VM and between two VMs
+#      (scripts/bench-rdma-vms.sh; as root, BENCH_VM=1, the default when root)
 #   3. fan-out: 1, 2, 4, 8 replicas of one snapshot at once
 #   4. `kvsync verify` vs a sequential read
 #   5. seeding a Redis replica vs Redis's own full sync (BENCH_REDIS=1)
@@ -284,11 +285,12 @@ out "$emu_row"
 out ""
 if [ "$vm" = 1 ]; then
     vm_log=$work/vm.log
-    if CI=true cargo test --locked --release --quiet --features faults --test rxe_vm -- --nocapture > "$vm_log" 2>&1; then
-        line=$(grep -m1 -o 'ib_write_bw -R.*' "$vm_log" || true)
-        out "Soft-RoCE VM (rxe0, qemu TCG, 2 vCPUs), same VM boot: ${line:-no ratio line printed; see tests/rxe_vm.rs}"
+    if bash scripts/bench-rdma-vms.sh > "$vm_log" 2>&1; then
+        out "Soft-RoCE (rxe0, qemu TCG, 2 vCPUs per VM; scripts/bench-rdma-vms.sh), kvsync's whole sync vs ib_write_bw -R, each boot alternating:"
+        out ""
+        while read -r l; do out "- $l"; done < <(grep -E '^(one|two) VM' "$vm_log")
     else
-        out "Soft-RoCE VM: the VM run failed (log: $(tail -3 "$vm_log" | tr '\n' ' '))"
+        out "Soft-RoCE VMs: the run failed (log: $(tail -3 "$vm_log" | tr '\n' ' '))"
     fi
 else
     out "Soft-RoCE VM: skipped (needs root; BENCH_VM=1)."
