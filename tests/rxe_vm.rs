@@ -9,9 +9,11 @@
 //! replica's memory written again alone over rxe0, and a real remote
 //! access error (wrong rkey) falling back to TCP — and a real Redis replica
 //! seeded over rxe0 that continues with a partial resync. A second test
-//! boots two such VMs joined by one link (`rxe-vm.sh --hosts 2`) and syncs
-//! between them over real RDMA: each probe picks the link, not the NAT
-//! interface. On the host the probe finds nothing and `auto` picks TCP.
+//! boots two such VMs joined by one link (`rxe-vm.sh --hosts 2`): each
+//! probe picks the link, not the NAT interface; a snapshot and a Redis
+//! replica's seed cross between them over real RDMA; and the replica's link
+//! goes down mid-sync. On the host the probe finds nothing and `auto` picks
+//! TCP.
 
 mod common;
 
@@ -346,12 +348,15 @@ mkdir -p /tmp/kv
 echo kvsync-two-host-test-token-0123456789 > /tmp/kv/token
 export KVSYNC_TOKEN_FILE=/tmp/kv/token
 # agent NAME GRPC_LISTEN MODE FALLBACK: starts an agent with its data
-# endpoints on this host's link address.
+# endpoints on this host's link address; $DIR, $PRE (top-level keys) and
+# $POST (tables) adjust its config.
 agent() {
-    mkdir -p /tmp/kv/$1
+    dir=${DIR:-/tmp/kv/$1}
+    mkdir -p $dir
     cat > /tmp/kv/$1.toml <<EOT
 node_id = "$1"
-snapshot_dir = "/tmp/kv/$1"
+snapshot_dir = "$dir"
+${PRE:-}
 [grpc]
 listen = "$2"
 plaintext = true
@@ -373,6 +378,7 @@ send_token_in_clear = true
 [transport]
 mode = "$3"
 fallback_to_tcp = $4
+${POST:-}
 EOT
     "$K" agent --config /tmp/kv/$1.toml > /tmp/kv/$1.out 2> /tmp/kv/$1.log &
     for i in $(seq 600); do grep -q "agent ready" /tmp/kv/$1.out && break; sleep 0.1; done
@@ -385,6 +391,31 @@ if [ "$KVSYNC_VM_HOST" = a ]; then
     # Paced (4 MiB/s) so that b can cut its link in the middle of a sync.
     RATE=4MiB agent src $SRC auto true > /dev/null
     "$K" gen-snapshot --size 33554432 --seq 3 /tmp/kv/src/s3.kvr1 > /dev/null
+    # A Redis primary with a backlog and a few MB of keys, saved, then
+    # written to, and a source agent offering its RDB to host b.
+    rs() {
+        mkdir -p /tmp/kv/$1
+        redis-server --port $2 --bind "127.0.0.1 10.9.0.1" --protected-mode no --dir /tmp/kv/$1 \
+            --save "" --appendonly no --daemonize yes --pidfile /tmp/kv/$1/redis.pid \
+            --logfile /tmp/kv/$1/redis.log "${@:3}"
+        for i in $(seq 300); do redis-cli -p $2 ping > /dev/null 2>&1 && return; sleep 0.1; done
+        echo "redis $1 did not start"; exit 1
+    }
+    no_fork() {
+        for i in $(seq 600); do redis-cli -p 7001 info persistence | grep -q rdb_bgsave_in_progress:0 && return; sleep 0.1; done
+        echo "the primary's fork never exited"; exit 1
+    }
+    rs rprimary 7001 --repl-diskless-sync-delay 0 --enable-debug-command yes
+    rs rhelper 7002 --replicaof 127.0.0.1 7001
+    for i in $(seq 600); do redis-cli -p 7002 info replication | grep -q master_link_status:up && break; sleep 0.1; done
+    redis-cli -p 7002 shutdown nosave > /dev/null 2>&1 || true
+    no_fork
+    redis-cli -p 7001 debug populate 50000 key 64 > /dev/null
+    redis-cli -p 7001 bgsave | grep -q 'Background saving started' || { echo "BGSAVE refused"; exit 1; }
+    no_fork
+    redis-cli -p 7001 set after-save yes > /dev/null
+    DIR=/tmp/kv/rprimary PRE='snapshot_format = "redis-rdb"' POST='[redis]
+primary_addr = "127.0.0.1:7001"' agent rsrc 10.9.0.1:7110 auto true > /dev/null
     busybox nc -l -p 7199 > /dev/null
     echo "== end"
     exit 0
@@ -399,6 +430,26 @@ echo "== status src"
 "$K" status --agent $SRC --json
 echo "== status dst"
 "$K" status --agent 127.0.0.1:7200 --json
+echo "== redis"
+# A replica server on b seeded over RDMA from the primary on a; it must
+# continue from a's backlog with a partial resync. (Before the link flap
+# below: after it, new RDMA connections between the VMs time out.)
+mkdir -p /tmp/kv/rreplica
+START='["redis-server", "--port", "7003", "--bind", "127.0.0.1", "--dir", "{dir}", "--dbfilename", "{dbfilename}", "--replicaof", "{primary_host}", "{primary_port}", "--appendonly", "no", "--save", "", "--daemonize", "yes", "--pidfile", "/tmp/kv/rreplica/redis.pid", "--logfile", "/tmp/kv/rreplica/redis.log"]'
+PRE='snapshot_format = "redis-rdb"' POST="[handoff]
+mode = \"redis\"
+timeout = \"120s\"
+[redis]
+server_addr = \"127.0.0.1:7003\"
+dir = \"/tmp/kv/rreplica\"
+dbfilename = \"dump.rdb\"
+primary = \"10.9.0.1:7001\"
+start = $START" agent rdst 127.0.0.1:7400 rdma false > /dev/null
+for i in $(seq 300); do "$K" snapshots --agent 10.9.0.1:7110 | grep -q dump.rdb && break; sleep 0.1; done
+"$K" sync --agent 127.0.0.1:7400 --source 10.9.0.1:7110 --wait --json
+redis-cli -h 10.9.0.1 -p 7001 info stats | grep -E "^sync_(full|partial_ok):"
+for i in $(seq 300); do [ "$(redis-cli -p 7003 get after-save)" = yes ] && break; sleep 0.1; done
+echo "after-save=$(redis-cli -p 7003 get after-save) keys=$(redis-cli -p 7003 dbsize)/$(redis-cli -h 10.9.0.1 -p 7001 dbsize)"
 echo "== link down"
 # A fresh replica; its link goes down once 8 MiB have landed.
 agent cut 127.0.0.1:7300 rdma false > /dev/null
@@ -514,6 +565,33 @@ fn two_soft_roce_hosts_sync_over_real_rdma() {
     assert_eq!(v["status"], "succeeded", "{v}");
     assert!(v["resumed_bytes"].as_u64().unwrap() >= 4 << 20, "{v}");
     assert!(section(b, "after link up").contains("identical"));
+
+    // A Redis replica on b seeded over RDMA from a's primary continues
+    // with a partial resync.
+    let r = section(b, "redis");
+    let v = section_json(b, "redis");
+    assert_eq!(
+        (v["status"].as_str(), v["transport"].as_str()),
+        (Some("succeeded"), Some("rdma")),
+        "{v}"
+    );
+    assert!(
+        v["handoff"]
+            .as_str()
+            .unwrap()
+            .contains("partial resync accepted"),
+        "{v}"
+    );
+    let stat = |k: &str| {
+        r.lines()
+            .find_map(|l| l.trim().strip_prefix(&format!("{k}:"))?.parse::<u64>().ok())
+    };
+    assert_eq!(
+        (stat("sync_full"), stat("sync_partial_ok")),
+        (Some(1), Some(1)),
+        "{r}"
+    );
+    assert!(r.contains("after-save=yes keys=50001/50001"), "{r}");
     assert!(a.contains("== end"), "VM a did not finish:\n{a}");
 }
 
