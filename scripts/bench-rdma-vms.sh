@@ -12,6 +12,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [ "${1:-}" != --inside ]; then
+    # ib_write_bw wants at least 5 iterations of its 4 MiB messages.
+    [ "${SIZE_MIB:-128}" -ge 20 ] || { echo "SIZE_MIB must be at least 20" >&2; exit 2; }
     cargo build --locked --release --quiet
     for hosts in ${HOSTS:-1 2}; do
         out=$(KVSYNC_BIN=$PWD/target/release/kvsync RUNS=${RUNS:-5} SIZE_MIB=${SIZE_MIB:-128} \
