@@ -2,8 +2,8 @@
 //! `[data] min_rate_window`): a peer that trickles bytes, or stops reading,
 //! loses its session within two windows instead of holding a slot, reserved
 //! disk and a cache image for the size-scaled timeouts. Pure bookkeeping;
-//! the TCP driver asks it how long one blocking call may wait, and an RDMA
-//! replica how long it may wait for the next piece.
+//! the TCP driver asks it how long one blocking call may wait, and both
+//! ends of an RDMA session how long the other may stay silent.
 
 use std::time::{Duration, Instant};
 
@@ -34,8 +34,9 @@ impl From<&crate::config::DataConfig> for MinRate {
 }
 
 impl MinRate {
-    /// How long a replica that cannot see bytes arrive (RDMA Writes land
-    /// unseen) may wait for the next piece of `piece_size` bytes: a peer
+    /// How long one end of an RDMA session, which cannot see bytes move
+    /// (Writes land unseen), may wait for the other's next piece
+    /// announcement or answer, pieces being `piece_size` bytes: a peer
     /// silent for `peer_timeout`, plus the piece at the floor's rate (none
     /// when the floor is off).
     pub fn piece_wait(&self, peer_timeout: Duration, piece_size: u64) -> Duration {
