@@ -24,8 +24,9 @@
 # keeps user-mode NAT (no RDMA). COMMAND runs in both, with KVSYNC_VM_HOST
 # (a or b), KVSYNC_VM_ADDR (its own eth1 address) and KVSYNC_VM_PEER (the
 # other's) set; a's output is printed, then b's, each after a line
-# "=== vm a" / "=== vm b". Both VMs share one time limit and both are
-# always killed at the end.
+# "=== vm a" / "=== vm b". Both VMs share one time limit, a VM whose
+# command fails stops the other at once, and both are always gone at the
+# end.
 #
 # Exit status: the command's (with two hosts: a's if it failed, else b's); 3
 # when the harness cannot run here (not root, packages or kernel
