@@ -234,14 +234,14 @@ offered "$GRPC_tlssrc" tls.kvr1
 plain_s=(); tls_s=()
 # CPU ticks of each agent over the measured syncs.
 declare -A ticks=([source]=0 [replica]=0 [tlssrc]=0 [tlsdst]=0)
-# timed REPLICA SOURCE: one sync over TCP, its seconds appended to $3's array.
+# timed REPLICA SOURCE ARRAY: one sync over TCP; its seconds go to ARRAY.
 timed() {
-    local a b s
-    a=$(eval "cpu_ticks \$PID_$1"); b=$(eval "cpu_ticks \$PID_$2")
-    s=$(eval "sync_secs \$GRPC_$1 \$GRPC_$2 tcp")
-    ticks[$1]=$(( ticks[$1] + $(eval "cpu_ticks \$PID_$1") - a ))
-    ticks[$2]=$(( ticks[$2] + $(eval "cpu_ticks \$PID_$2") - b ))
-    eval "$3+=($s)"
+    local rp=PID_$1 sp=PID_$2 rg=GRPC_$1 sg=GRPC_$2 a b
+    local -n secs=$3
+    a=$(cpu_ticks "${!rp}"); b=$(cpu_ticks "${!sp}")
+    secs+=("$(sync_secs "${!rg}" "${!sg}" tcp)")
+    ticks[$1]=$(( ticks[$1] + $(cpu_ticks "${!rp}") - a ))
+    ticks[$2]=$(( ticks[$2] + $(cpu_ticks "${!sp}") - b ))
 }
 for _ in $(seq "$runs"); do
     cli_opts=()

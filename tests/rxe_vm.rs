@@ -183,6 +183,37 @@ fn script_ok(hosts: u8, script: &str, timeout_s: u32) -> Option<VmRun> {
     Some(run)
 }
 
+/// Section "redis" of `out`: the sync succeeded over RDMA, the replica
+/// server continued with a partial resync (the primary counted one full
+/// sync, the helper's, and one partial), and it has every key, the one
+/// written after the save too.
+fn assert_redis_seeded_over_rdma(out: &str) {
+    let r = section(out, "redis");
+    let v = section_json(out, "redis");
+    assert_eq!(
+        (v["status"].as_str(), v["transport"].as_str()),
+        (Some("succeeded"), Some("rdma")),
+        "{v}"
+    );
+    assert!(
+        v["handoff"]
+            .as_str()
+            .unwrap()
+            .contains("partial resync accepted"),
+        "{v}"
+    );
+    let stat = |k: &str| {
+        r.lines()
+            .find_map(|l| l.trim().strip_prefix(&format!("{k}:"))?.parse::<u64>().ok())
+    };
+    assert_eq!(
+        (stat("sync_full"), stat("sync_partial_ok")),
+        (Some(1), Some(1)),
+        "{r}"
+    );
+    assert!(r.contains("after-save=yes keys=50001/50001"), "{r}");
+}
+
 /// The first JSON line of section `name`.
 fn section_json(out: &str, name: &str) -> serde_json::Value {
     let sec = section(out, name);
@@ -291,30 +322,7 @@ fn soft_roce_vm_has_active_rxe0_and_real_verbs() {
     assert!(logs.contains("REM_ACCESS_ERR"), "{logs}");
 
     // A Redis replica seeded by real RDMA continues with a partial resync.
-    let r = section(out, "redis");
-    let v = section_json(out, "redis");
-    assert_eq!(
-        (v["status"].as_str(), v["transport"].as_str()),
-        (Some("succeeded"), Some("rdma")),
-        "{v}"
-    );
-    assert!(
-        v["handoff"]
-            .as_str()
-            .unwrap()
-            .contains("partial resync accepted"),
-        "{v}"
-    );
-    let stat = |k: &str| {
-        r.lines()
-            .find_map(|l| l.trim().strip_prefix(&format!("{k}:"))?.parse::<u64>().ok())
-    };
-    assert_eq!(
-        (stat("sync_full"), stat("sync_partial_ok")),
-        (Some(1), Some(1)),
-        "{r}"
-    );
-    assert!(r.contains("after-save=yes keys=50001/50001"), "{r}");
+    assert_redis_seeded_over_rdma(out);
 
     // kvsync's bulk throughput against ib_write_bw on the same device.
     let bulk: f64 = logs
@@ -568,30 +576,7 @@ fn two_soft_roce_hosts_sync_over_real_rdma() {
 
     // A Redis replica on b seeded over RDMA from a's primary continues
     // with a partial resync.
-    let r = section(b, "redis");
-    let v = section_json(b, "redis");
-    assert_eq!(
-        (v["status"].as_str(), v["transport"].as_str()),
-        (Some("succeeded"), Some("rdma")),
-        "{v}"
-    );
-    assert!(
-        v["handoff"]
-            .as_str()
-            .unwrap()
-            .contains("partial resync accepted"),
-        "{v}"
-    );
-    let stat = |k: &str| {
-        r.lines()
-            .find_map(|l| l.trim().strip_prefix(&format!("{k}:"))?.parse::<u64>().ok())
-    };
-    assert_eq!(
-        (stat("sync_full"), stat("sync_partial_ok")),
-        (Some(1), Some(1)),
-        "{r}"
-    );
-    assert!(r.contains("after-save=yes keys=50001/50001"), "{r}");
+    assert_redis_seeded_over_rdma(b);
     assert!(a.contains("== end"), "VM a did not finish:\n{a}");
 }
 
