@@ -545,7 +545,14 @@ fn two_soft_roce_hosts_sync_over_real_rdma() {
     let cut = section(b, "link down");
     let v = section_json(b, "link down");
     assert_eq!(v["status"], "failed", "{v}");
-    assert_eq!(v["error"], "timed out after 7s waiting for pieces", "{v}");
+    // Either the piece wait runs out, or rxe fails the replica's own Send
+    // (a piece answer) on the link that is down: both within the bound.
+    let error = v["error"].as_str().unwrap();
+    assert!(
+        error == "timed out after 7s waiting for pieces"
+            || error.starts_with("rdma transfer failed: Send work request"),
+        "{v}"
+    );
     let secs: f64 = cut
         .lines()
         .find_map(|l| {
