@@ -31,7 +31,7 @@ use crate::rpc::auth::{ServerAuth, Tokens};
 use crate::rpc::{pb, tls, Dialer};
 use crate::sync::source::{self as source_role, DataEndpoints, DataPlane, SessionTable};
 use crate::sync::SyncManager;
-use crate::transport::probe::{self, Probe};
+use crate::transport::probe::{self, LocalRdma, Probe};
 use crate::transport::ratelimit::RateLimiter;
 use crate::transport::Faults;
 use crate::watch::DirWatcher;
@@ -165,7 +165,7 @@ impl RunningAgent {
         let syncs = SyncManager::new(
             config.clone(),
             metrics.clone(),
-            data.probe.clone(),
+            data.local_rdma.clone(),
             prepared.faults,
             prepared.dialer.clone(),
             shutdown.clone(),
@@ -291,7 +291,7 @@ impl RunningAgent {
             .map(|a| a.to_string())
             .unwrap_or_else(|| "-".into());
         let rdma = match self.data.rdma {
-            Some(a) => format!("{}:{a}", self.data.probe.provider),
+            Some(a) => format!("{}:{a}", self.data.local_rdma.probe().provider),
             None => "-".into(),
         };
         format!(
@@ -465,19 +465,26 @@ async fn start_data_plane(
     (tcp, tcp_addr): (TcpListener, SocketAddr),
     tasks: &mut JoinSet<()>,
 ) -> Arc<DataEndpoints> {
-    let rdma = match start_rdma_listener(config, &probe, plane, tasks).await {
-        Ok(endpoint) => endpoint,
-        Err(e) => {
+    let bound = bind_rdma_listener(config, &probe)
+        .await
+        .unwrap_or_else(|e| {
             warn!(error = %e, "rdma listener could not start; this agent uses tcp");
             probe.fall_back_to_tcp(format!("no RDMA: {e}"));
             None
-        }
-    };
-    info!(choice = %probe.choice, provider = %probe.provider, device = ?probe.device, interface = ?probe.interface, endpoint = ?rdma, "transport selection: {}", probe.reason);
+        });
+    let local_rdma = Arc::new(LocalRdma::new(probe));
+    let rdma = bound.and_then(|(listener, addr)| {
+        serve_rdma(listener, &local_rdma, plane, tasks)
+            .map_err(|e| local_rdma.set_lost(Some(format!("no RDMA: {e}"))))
+            .ok()
+            .map(|()| addr)
+    });
+    let probe = local_rdma.probe();
+    info!(choice = %probe.choice, provider = %probe.provider, device = ?probe.device, interface = ?probe.interface, endpoint = ?rdma, "transport selection: {}", local_rdma.reason());
     plane
         .metrics
         .rdma_available
-        .set(probe.rdma_available as i64);
+        .set(local_rdma.available() as i64);
     for d in &probe.devices {
         let soft = if d.soft { "true" } else { "false" };
         plane
@@ -494,18 +501,23 @@ async fn start_data_plane(
     Arc::new(DataEndpoints {
         tcp: tcp_addr,
         rdma,
-        probe: Arc::new(probe),
+        local_rdma,
     })
 }
 
+/// A bound RDMA listener, not yet serving.
+enum RdmaListener {
+    Emulated(TcpListener),
+    #[cfg(feature = "rdma")]
+    Verbs(crate::transport::verbs::VerbsListener),
+}
+
 /// Binds the RDMA listener on the chosen interface address (never a
-/// wildcard) when RDMA is usable, and starts serving it.
-async fn start_rdma_listener(
+/// wildcard) when RDMA is usable.
+async fn bind_rdma_listener(
     config: &Config,
     probe: &Probe,
-    plane: &DataPlane,
-    tasks: &mut JoinSet<()>,
-) -> Result<Option<SocketAddr>, AgentError> {
+) -> Result<Option<(RdmaListener, SocketAddr)>, AgentError> {
     let Some(ip) = probe.local_addr.filter(|_| probe.rdma_available) else {
         return Ok(None);
     };
@@ -520,24 +532,44 @@ async fn start_rdma_listener(
             warn!("transport uses the EMULATED rdma fabric: an emulation over TCP for tests and hosts without RDMA, not hardware");
             let listener = TcpListener::bind(addr).await.map_err(bind_err)?;
             let local = listener.local_addr().map_err(bind_err)?;
-            let conns = source_role::tcp_connections(listener, true);
-            tasks.spawn(source_role::serve(conns, plane.clone()));
-            Ok(Some(local))
+            Ok(Some((RdmaListener::Emulated(listener), local)))
         }
         #[cfg(feature = "rdma")]
         RdmaProvider::Verbs => {
             let listener = crate::transport::verbs::VerbsListener::bind(addr)
                 .map_err(|e| bind_err(std::io::Error::other(e.to_string())))?;
             let local = listener.local_addr();
-            let conns =
-                source_role::verbs_connections(listener, probe.soft, plane.shutdown.clone())
-                    .map_err(bind_err)?;
-            tasks.spawn(source_role::serve(conns, plane.clone()));
-            Ok(Some(local))
+            Ok(Some((RdmaListener::Verbs(listener), local)))
         }
         #[cfg(not(feature = "rdma"))]
         RdmaProvider::Verbs => Ok(None),
     }
+}
+
+/// Starts serving a bound RDMA listener.
+fn serve_rdma(
+    listener: RdmaListener,
+    local_rdma: &Arc<LocalRdma>,
+    plane: &DataPlane,
+    tasks: &mut JoinSet<()>,
+) -> std::io::Result<()> {
+    match listener {
+        RdmaListener::Emulated(l) => {
+            let conns = source_role::tcp_connections(l, true);
+            tasks.spawn(source_role::serve(conns, plane.clone()));
+        }
+        #[cfg(feature = "rdma")]
+        RdmaListener::Verbs(l) => {
+            let conns = source_role::verbs_connections(
+                l,
+                local_rdma.clone(),
+                plane.metrics.clone(),
+                plane.shutdown.clone(),
+            )?;
+            tasks.spawn(source_role::serve(conns, plane.clone()));
+        }
+    }
+    Ok(())
 }
 
 /// Starts `/metrics`, `/healthz` and `/readyz` unless disabled.

@@ -11,8 +11,9 @@
 //! seeded over rxe0 that continues with a partial resync. A second test
 //! boots two such VMs joined by one link (`rxe-vm.sh --hosts 2`): each
 //! probe picks the link, not the NAT interface; a snapshot and a Redis
-//! replica's seed cross between them over real RDMA; and the replica's link
-//! goes down mid-sync. On the host the probe finds nothing and `auto` picks
+//! replica's seed cross between them over real RDMA; the source's rxe0 is
+//! deleted mid-sync (the sync resumes over TCP, the device can go, RDMA is
+//! back once it returns); and the replica's link goes down mid-sync. On the host the probe finds nothing and `auto` picks
 //! TCP.
 
 mod common;
@@ -424,10 +425,37 @@ if [ "$KVSYNC_VM_HOST" = a ]; then
     redis-cli -p 7001 set after-save yes > /dev/null
     DIR=/tmp/kv/rprimary PRE='snapshot_format = "redis-rdb"' POST='[redis]
 primary_addr = "127.0.0.1:7001"' agent rsrc 10.9.0.1:7110 auto true > /dev/null
-    busybox nc -l -p 7199 > /dev/null
+    # Commands from b, one per connection, until "done".
+    while cmd=$(busybox nc -l -p 7199); [ "$cmd" != done ]; do
+        case "$cmd" in
+        rxe1)
+            # A second RDMA device on this host (on a veth pair, which the
+            # probe never picks), as hosts often have.
+            ip link add veth-k0 type veth peer name veth-k1
+            ip link set veth-k0 up; ip link set veth-k1 up
+            rdma link add rxe1 type rxe netdev veth-k0 ;;
+        delrxe)
+            # In the background: the kernel finishes removing a device
+            # without hot-unplug support only when no process holds it.
+            rdma link delete rxe0 & echo $! > /tmp/kv/del.pid
+            date +%s.%N > /tmp/kv/del.start ;;
+        addrxe)
+            echo "== device removal"
+            for i in $(seq 200); do kill -0 $(cat /tmp/kv/del.pid) 2>/dev/null || break; sleep 0.1; done
+            if kill -0 $(cat /tmp/kv/del.pid) 2>/dev/null; then echo "delete still running"; else
+                echo "delete finished, $(echo "$(date +%s.%N) - $(cat /tmp/kv/del.start)" | bc) s after it began"; fi
+            rdma link add rxe0 type rxe netdev eth1
+            for i in $(seq 100); do rdma link show rxe0/1 | grep -q ACTIVE && break; sleep 0.1; done
+            rdma link show rxe0/1 ;;
+        esac
+    done
     echo "== end"
     exit 0
 fi
+# Tells a to run a command (retried while a is busy with the last one).
+tell() { for i in $(seq 100); do echo $1 | busybox nc -w 5 10.9.0.1 7199 && return; sleep 0.1; done; echo "a never took $1"; exit 1; }
+# Prints the replica's bytes so far of its running sync (agent at $1).
+landed() { "$K" status --agent $1 --json | grep -o '"running":\[.*' | grep -o '"bytes":[0-9]*' | head -1 | cut -d: -f2; }
 for i in $(seq 600); do "$K" snapshots --agent $SRC --json 2>/dev/null | grep -q '"seq":3' && break; sleep 0.2; done
 "$K" gen-snapshot --size 33554432 --seq 3 /tmp/kv/reference.kvr1 > /dev/null
 agent dst 127.0.0.1:7200 rdma false > /dev/null
@@ -458,16 +486,32 @@ for i in $(seq 300); do "$K" snapshots --agent 10.9.0.1:7110 | grep -q dump.rdb 
 redis-cli -h 10.9.0.1 -p 7001 info stats | grep -E "^sync_(full|partial_ok):"
 for i in $(seq 300); do [ "$(redis-cli -p 7003 get after-save)" = yes ] && break; sleep 0.1; done
 echo "after-save=$(redis-cli -p 7003 get after-save) keys=$(redis-cli -p 7003 dbsize)/$(redis-cli -h 10.9.0.1 -p 7001 dbsize)"
+echo "== device removed"
+# a's rxe0 is deleted once 8 MiB have landed in a replica that may fall
+# back to TCP; a has a second device, so the deletion can finish.
+tell rxe1
+agent dr 127.0.0.1:7500 rdma true > /dev/null
+"$K" sync --agent 127.0.0.1:7500 --source $SRC --wait --json > /tmp/kv/dr.json &
+sync=$!
+for i in $(seq 600); do [ "$(landed 127.0.0.1:7500)" -ge 8388608 ] 2>/dev/null && break; sleep 0.05; done
+tell delrxe
+wait $sync
+cat /tmp/kv/dr.json
+cmp /tmp/kv/reference.kvr1 /tmp/kv/dr/s3.kvr1 && echo identical
+echo "== status src without rxe0"
+"$K" status --agent $SRC --json
+echo "== device back"
+tell addrxe
+for i in $(seq 300); do "$K" status --agent $SRC --json | grep -q '"rdma_available":true' && break; sleep 0.1; done
+agent back 127.0.0.1:7600 rdma false > /dev/null
+"$K" sync --agent 127.0.0.1:7600 --source $SRC --wait --json
+cmp /tmp/kv/reference.kvr1 /tmp/kv/back/s3.kvr1 && echo identical
 echo "== link down"
 # A fresh replica; its link goes down once 8 MiB have landed.
 agent cut 127.0.0.1:7300 rdma false > /dev/null
 "$K" sync --agent 127.0.0.1:7300 --source $SRC --wait --json > /tmp/kv/cut.json &
 sync=$!
-for i in $(seq 600); do
-    b=$("$K" status --agent 127.0.0.1:7300 --json | grep -o '"running":\[.*' | grep -o '"bytes":[0-9]*' | head -1 | cut -d: -f2)
-    [ "${b:-0}" -ge 8388608 ] && break
-    sleep 0.05
-done
+for i in $(seq 600); do [ "$(landed 127.0.0.1:7300)" -ge 8388608 ] 2>/dev/null && break; sleep 0.05; done
 ip link set eth1 down
 down=$(date +%s.%N)
 wait $sync
@@ -482,7 +526,7 @@ echo "== after link up"
 "$K" sync --agent 127.0.0.1:7300 --source $SRC --transport tcp --wait --json
 cmp /tmp/kv/reference.kvr1 /tmp/kv/cut/s3.kvr1 && echo identical
 echo "== end"
-echo done | busybox nc -w 5 10.9.0.1 7199
+tell done
 "#;
 
 #[test]
@@ -580,6 +624,38 @@ fn two_soft_roce_hosts_sync_over_real_rdma() {
     assert_eq!(v["status"], "succeeded", "{v}");
     assert!(v["resumed_bytes"].as_u64().unwrap() >= 4 << 20, "{v}");
     assert!(section(b, "after link up").contains("identical"));
+
+    // a's rxe0 is deleted mid-sync: the session fails, the same sync
+    // resumes over TCP, and a's agents let go of the device at once, so
+    // the kernel finishes removing it while they run. Meanwhile a offers
+    // TCP only and says why; once rxe0 is back, RDMA is too.
+    let v = section_json(b, "device removed");
+    assert_eq!(
+        (v["status"].as_str(), v["transport"].as_str()),
+        (Some("succeeded"), Some("tcp")),
+        "{v}"
+    );
+    assert!(v["fallback_reason"].as_str().unwrap() != "", "{v}");
+    assert!(v["resumed_bytes"].as_u64().unwrap() >= 4 << 20, "{v}");
+    assert!(section(b, "device removed").contains("identical"));
+    let s = section_json(b, "status src without rxe0");
+    assert_eq!(s["rdma_available"], false, "{s}");
+    assert!(
+        s["rdma_detail"].as_str().unwrap().contains("was removed"),
+        "{s}"
+    );
+    let removal = section(a, "device removal");
+    assert!(
+        removal.contains("delete finished") && removal.contains("state ACTIVE"),
+        "{removal}"
+    );
+    let v = section_json(b, "device back");
+    assert_eq!(
+        (v["status"].as_str(), v["transport"].as_str()),
+        (Some("succeeded"), Some("rdma")),
+        "{v}"
+    );
+    assert!(section(b, "device back").contains("identical"));
 
     // A Redis replica on b seeded over RDMA from a's primary continues
     // with a partial resync.

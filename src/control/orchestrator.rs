@@ -99,14 +99,12 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
     ) -> Result<Response<pb::StartFullSyncResponse>, Status> {
         let req = request.into_inner();
         let preference = preference(req.transport)?;
-        let probe = &self.data.probe;
-        if preference == pb::TransportPreference::Rdma
-            && !probe.rdma_available
-            && !self.fallback_to_tcp
+        let rdma = &self.data.local_rdma;
+        if preference == pb::TransportPreference::Rdma && !rdma.available() && !self.fallback_to_tcp
         {
             return Err(Status::failed_precondition(format!(
                 "rdma is not usable on this agent ({}); use tcp or auto, or set transport.fallback_to_tcp",
-                probe.reason
+                rdma.reason()
             )));
         }
         let (sync_id, created) = self.syncs.start(Pull {
@@ -172,7 +170,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         &self,
         _: Request<pb::GetStatusRequest>,
     ) -> Result<Response<pb::AgentStatus>, Status> {
-        let (data, probe) = (&self.data, &self.data.probe);
+        let (data, rdma) = (&self.data, &self.data.local_rdma);
         let latest_snapshots = [Format::Kvr1, Format::RedisRdb]
             .into_iter()
             .filter_map(|f| self.catalog.latest(f))
@@ -186,13 +184,13 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             recent: self.syncs.recent(),
             serving_sessions: self.sessions.serving() as u32,
             admitted_sessions: self.sessions.admitted() as u32,
-            transports: if data.rdma.is_some() {
-                vec!["tcp".into(), format!("rdma ({})", probe.provider)]
+            transports: if data.rdma_endpoint().is_some() {
+                vec!["tcp".into(), format!("rdma ({})", rdma.probe().provider)]
             } else {
                 vec!["tcp".into()]
             },
-            rdma_available: probe.rdma_available,
-            rdma_detail: probe.reason.clone(),
+            rdma_available: rdma.available(),
+            rdma_detail: rdma.reason(),
             data_tcp_endpoint: data.tcp.to_string(),
             relaying: self.relays.list(),
             relay_bytes: self.metrics.relay_bytes.get(),

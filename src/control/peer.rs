@@ -162,7 +162,7 @@ impl PeerService {
             streams,
         };
         let token = self.sessions.insert(offer, admitted);
-        let endpoint = match (transport, self.data.rdma) {
+        let endpoint = match (transport, self.data.rdma_endpoint()) {
             (TransportKind::Rdma, Some(rdma)) => rdma,
             _ => advertised(self.data.tcp, local),
         };
@@ -289,10 +289,16 @@ impl PeerService {
             } as i32,
             data_endpoint: endpoint.to_string(),
             rdma_provider: match transport {
-                TransportKind::Rdma => self.data.probe.provider.to_string(),
+                TransportKind::Rdma => self.data.local_rdma.probe().provider.to_string(),
                 TransportKind::Tcp => String::new(),
             },
-            rdma_device: self.data.probe.device.clone().unwrap_or_default(),
+            rdma_device: self
+                .data
+                .local_rdma
+                .probe()
+                .device
+                .clone()
+                .unwrap_or_default(),
             backlog_bytes_left,
             source_node_id: config.node_id.clone(),
             snapshot_name: chosen.name.clone(),
@@ -336,15 +342,15 @@ fn choose_transport(
     data: &DataEndpoints,
     req: &pb::OpenFullSyncRequest,
 ) -> Result<TransportKind, ApiError> {
-    let probe = &data.probe;
+    let probe = data.local_rdma.probe();
     let offers =
         |t: pb::Transport| req.transports.is_empty() || req.transports.contains(&(t as i32));
     let asked_rdma = offers(pb::Transport::Rdma) && !req.transports.is_empty();
     let preference = req.preference;
     let why_not = if !asked_rdma || preference == pb::TransportPreference::Tcp as i32 {
         Some("the replica did not ask for it".to_string())
-    } else if data.rdma.is_none() {
-        Some(probe.reason.clone())
+    } else if data.rdma_endpoint().is_none() {
+        Some(data.local_rdma.reason())
     } else if req.rdma_provider != probe.provider.as_str() {
         Some(format!(
             "this source uses the {} rdma provider, the replica {:?}",

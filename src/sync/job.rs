@@ -29,7 +29,7 @@ use crate::manifest::Manifest;
 use crate::metrics::{unix_now, Metrics, Running};
 use crate::rpc::{self, pb, AgentChannel, Dialer};
 use crate::snapshot::SnapshotInfo;
-use crate::transport::probe::Probe;
+use crate::transport::probe::LocalRdma;
 use crate::transport::session::{DataLink, DialSpec};
 use crate::transport::{select, Faults, TransportKind};
 
@@ -57,7 +57,7 @@ pub struct JobContext {
     pub config: Config,
     pub metrics: Arc<Metrics>,
     /// This agent's RDMA probe (provider, local address, soft device).
-    pub rdma: Arc<Probe>,
+    pub rdma: Arc<LocalRdma>,
     pub faults: Faults,
     /// How to reach the source's Peer service (TLS, bearer token).
     pub dialer: Dialer,
@@ -244,16 +244,17 @@ impl TransportPlan {
             pb::TransportPreference::Auto => ctx.config.transport.mode,
         };
         let may_fall_back = mode == TransportMode::Auto || ctx.config.transport.fallback_to_tcp;
-        if mode == TransportMode::Rdma && !ctx.rdma.rdma_available {
+        let available = ctx.rdma.available();
+        if mode == TransportMode::Rdma && !available {
             if !may_fall_back {
-                return Err(JobError::RdmaUnavailable(ctx.rdma.reason.clone()));
+                return Err(JobError::RdmaUnavailable(ctx.rdma.reason()));
             }
-            fell_back(ctx, "unavailable", &ctx.rdma.reason);
+            fell_back(ctx, "unavailable", &ctx.rdma.reason());
         }
         Ok(TransportPlan {
             mode,
             may_fall_back,
-            want_rdma: mode != TransportMode::Tcp && ctx.rdma.rdma_available,
+            want_rdma: mode != TransportMode::Tcp && available,
         })
     }
 
@@ -537,7 +538,7 @@ async fn negotiate(
         } as i32,
         format: format.as_str().to_string(),
         rdma_provider: if rdma {
-            ctx.rdma.provider.to_string()
+            ctx.rdma.probe().provider.to_string()
         } else {
             String::new()
         },
@@ -806,7 +807,7 @@ fn dial_spec(
             offer.data_endpoint
         ))
     })?;
-    let local = ctx.rdma.local_addr;
+    let local = ctx.rdma.probe().local_addr;
     let (endpoint, rdma) = match kind {
         TransportKind::Tcp => (endpoint, None),
         TransportKind::Rdma => (
@@ -833,7 +834,7 @@ fn dial_spec(
         peer_timeout: ctx.config.data.peer_timeout,
         min_rate: (&ctx.config.data).into(),
         local,
-        soft: ctx.rdma.soft,
+        soft: ctx.rdma.probe().soft,
         faults: ctx.faults.clone(),
         tls,
     })

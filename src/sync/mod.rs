@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::rpc::{pb, Dialer};
-use crate::transport::probe::Probe;
+use crate::transport::probe::LocalRdma;
 use crate::transport::Faults;
 
 /// Why a sync request was refused.
@@ -79,7 +79,7 @@ struct Jobs {
 pub struct SyncManager {
     config: Config,
     metrics: Arc<Metrics>,
-    rdma: Arc<Probe>,
+    rdma: Arc<LocalRdma>,
     faults: Faults,
     /// How jobs reach their sources.
     dialer: Dialer,
@@ -114,7 +114,7 @@ impl SyncManager {
     pub fn new(
         config: Config,
         metrics: Arc<Metrics>,
-        rdma: Arc<Probe>,
+        rdma: Arc<LocalRdma>,
         faults: Faults,
         dialer: Dialer,
         shutdown: CancellationToken,

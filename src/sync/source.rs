@@ -33,7 +33,7 @@ use crate::conn_limit;
 use crate::metrics::{unix_now, Metrics, Running};
 use crate::served::Served;
 use crate::transport::pace::MinRate;
-use crate::transport::probe::Probe;
+use crate::transport::probe::LocalRdma;
 use crate::transport::ratelimit::RateLimiter;
 use crate::transport::session::{Accepted, Proved, SessionResult, SourceLink};
 use crate::transport::{Faults, Serve, TransportKind};
@@ -325,9 +325,17 @@ pub fn replica_key(node_id: &str, addr: Option<IpAddr>) -> String {
 pub struct DataEndpoints {
     /// The TCP data listener.
     pub tcp: SocketAddr,
-    /// The RDMA listener, when RDMA is usable.
+    /// Where the RDMA listener is bound, when it started.
     pub rdma: Option<SocketAddr>,
-    pub probe: Arc<Probe>,
+    pub local_rdma: Arc<LocalRdma>,
+}
+
+impl DataEndpoints {
+    /// The RDMA listener's address while it serves (not while its device
+    /// is gone).
+    pub fn rdma_endpoint(&self) -> Option<SocketAddr> {
+        self.rdma.filter(|_| self.local_rdma.available())
+    }
 }
 
 /// Everything a data connection needs on the source.
@@ -551,20 +559,41 @@ pub fn tcp_connections(
 }
 
 /// rdma_cm connection requests from `listener`, accepted on a blocking
-/// thread until `shutdown`, for [`serve`].
+/// thread until `shutdown`, for [`serve`]. When rdma_cm reports that the
+/// device was removed, the listener goes at once (the kernel cannot finish
+/// removing the device before), `local` says RDMA is lost, and the thread
+/// tries each second to listen on the same address again: once a device
+/// serves it, RDMA is back.
 #[cfg(feature = "rdma")]
 pub fn verbs_connections(
     listener: crate::transport::verbs::VerbsListener,
-    soft: bool,
+    local: Arc<LocalRdma>,
+    metrics: Arc<Metrics>,
     shutdown: CancellationToken,
 ) -> std::io::Result<impl Stream<Item = (Accepted, String)> + Unpin> {
+    use crate::transport::fabric::FabricError;
+    use crate::transport::verbs::{self, VerbsListener};
     let (tx, rx) = tokio::sync::mpsc::channel(16);
+    let addr = listener.local_addr();
+    let soft = local.probe().soft;
     std::thread::Builder::new()
         .name("kvsync-rdma-listen".into())
         .spawn(move || {
+            let mut listener = Some(listener);
             while !shutdown.is_cancelled() {
+                let Some(l) = &listener else {
+                    std::thread::sleep(Duration::from_secs(1));
+                    verbs::release_removed_devices();
+                    if let Ok(l) = VerbsListener::bind(addr) {
+                        info!(%addr, "an rdma device serves the listener's address again: rdma is back");
+                        listener = Some(l);
+                        local.set_lost(None);
+                        metrics.rdma_available.set(1);
+                    }
+                    continue;
+                };
                 // Wake up now and then to notice shutdown.
-                match listener.accept(Duration::from_millis(250), soft) {
+                match l.accept(Duration::from_millis(250), soft) {
                     Ok(Some(qp)) => {
                         if tx
                             .blocking_send((Accepted::Verbs(Box::new(qp)), "rdma_cm".into()))
@@ -574,6 +603,14 @@ pub fn verbs_connections(
                         }
                     }
                     Ok(None) => {}
+                    Err(FabricError::DeviceRemoved) => {
+                        let why = format!("no RDMA: the rdma device under {addr} was removed; this agent uses tcp until a device serves that address again");
+                        warn!("{why}");
+                        listener = None;
+                        verbs::release_removed_devices();
+                        local.set_lost(Some(why));
+                        metrics.rdma_available.set(0);
+                    }
                     Err(e) => warn!(error = %e, "rdma listener"),
                 }
             }

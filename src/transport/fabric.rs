@@ -98,6 +98,9 @@ pub enum FabricError {
     /// The connection is gone.
     #[error("the peer disconnected")]
     Disconnected,
+    /// The local RDMA device went away (hot-unplug, `rdma link delete`).
+    #[error("the local rdma device was removed")]
+    DeviceRemoved,
     /// The send queue is full (more WRs than its depth).
     #[error("send queue full ({depth} work requests outstanding)")]
     QueueFull { depth: usize },

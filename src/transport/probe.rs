@@ -2,7 +2,8 @@
 //! devices this host has, their port states and network devices, which
 //! interface RDMA would use, whether rdma_cm resolves its address — and so
 //! whether `auto` picks RDMA or TCP, and why. `kvsync probe` prints it; the
-//! agent decides with it once at start.
+//! agent decides with it once at start, and [`LocalRdma`] keeps that
+//! finding true while the device goes away and comes back.
 //!
 //! Owns the device listing through libibverbs (`ibv_get_device_list`: a NULL
 //! list with ENOSYS means the kernel has no RDMA stack), soft-device
@@ -65,6 +66,50 @@ pub struct Probe {
     pub chunk_mb: u64,
     pub pipeline: u32,
     pub signal_batch: u32,
+}
+
+/// The probe's finding as the agent runs: an RDMA device can go away under
+/// a running agent (hot-unplug, `rdma link delete`) and come back. The RDMA
+/// listener notes both; offers, syncs and status read it here.
+#[derive(Debug)]
+pub struct LocalRdma {
+    probe: Probe,
+    /// Why RDMA is not usable now although the probe found it.
+    lost: std::sync::Mutex<Option<String>>,
+}
+
+impl LocalRdma {
+    pub fn new(probe: Probe) -> LocalRdma {
+        LocalRdma {
+            probe,
+            lost: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// What the probe found at start (device, interface, provider, caps).
+    pub fn probe(&self) -> &Probe {
+        &self.probe
+    }
+
+    /// RDMA is usable now.
+    pub fn available(&self) -> bool {
+        self.probe.rdma_available && self.lost_reason().is_none()
+    }
+
+    /// Why RDMA is or is not usable now, for humans.
+    pub fn reason(&self) -> String {
+        self.lost_reason()
+            .unwrap_or_else(|| self.probe.reason.clone())
+    }
+
+    fn lost_reason(&self) -> Option<String> {
+        self.lost.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// The device is gone (`Some(why)`) or back (`None`).
+    pub fn set_lost(&self, why: Option<String>) {
+        *self.lost.lock().unwrap_or_else(|p| p.into_inner()) = why;
+    }
 }
 
 impl Probe {
@@ -367,6 +412,23 @@ fn port_state(s: rdma_sys::ibv_port_state::Type) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_lost_device_makes_rdma_unavailable_until_it_is_back() {
+        let mut t = TransportConfig::default();
+        t.rdma_provider = RdmaProvider::Emulated;
+        let local = LocalRdma::new(probe(&t));
+        assert!(local.available());
+        local.set_lost(Some("no RDMA: rxe0 was removed".into()));
+        assert_eq!(
+            (local.available(), local.reason().as_str()),
+            (false, "no RDMA: rxe0 was removed")
+        );
+        assert!(local.probe().rdma_available, "the start-time finding stays");
+        local.set_lost(None);
+        assert!(local.available());
+        assert_eq!(local.reason(), local.probe().reason);
+    }
 
     fn dev(name: &str, states: &[bool], netdev: &str) -> DeviceInfo {
         DeviceInfo {

@@ -71,6 +71,7 @@ impl RdmaError {
         match self {
             RdmaError::Fabric(FabricError::Timeout(..)) => "timeout",
             RdmaError::Fabric(FabricError::Rejected(_)) => "rejected",
+            RdmaError::Fabric(FabricError::DeviceRemoved) => "device_removed",
             RdmaError::Fabric(FabricError::Disconnected | FabricError::CmEvent { .. }) => {
                 "disconnected"
             }

@@ -234,6 +234,9 @@ impl Channel {
     ) -> Result<CmEvent, FabricError> {
         match self.next(timeout)? {
             Some(e) if e.kind == want => Ok(e),
+            Some(e) if e.kind == rdma_cm_event_type::RDMA_CM_EVENT_DEVICE_REMOVAL => {
+                Err(FabricError::DeviceRemoved)
+            }
             Some(e) if e.kind == rdma_cm_event_type::RDMA_CM_EVENT_REJECTED => {
                 let reason = String::from_utf8_lossy(&e.private)
                     .trim_end_matches('\0')
@@ -317,6 +320,10 @@ impl VerbsListener {
             let Some(e) = self.channel.next(left)? else {
                 return Ok(None);
             };
+            if e.kind == rdma_cm_event_type::RDMA_CM_EVENT_DEVICE_REMOVAL {
+                // The kernel waits for this id to go before the device can.
+                return Err(FabricError::DeviceRemoved);
+            }
             if e.kind != rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST {
                 tracing::debug!(event = %cm_event_name(e.kind), "rdma listener: ignoring event");
                 continue;
@@ -379,6 +386,8 @@ pub struct VerbsQp {
     soft: bool,
     connected: bool,
     disconnected: bool,
+    /// rdma_cm said DEVICE_REMOVAL: the device under this id is going.
+    device_removed: bool,
 }
 
 // SAFETY: a QP is driven by one thread at a time; verbs objects may be used
@@ -401,6 +410,7 @@ impl VerbsQp {
             soft,
             connected: false,
             disconnected: false,
+            device_removed: false,
         }
     }
 
@@ -429,7 +439,7 @@ impl VerbsQp {
             )
         })?;
         let t = Duration::from_millis(RESOLVE_MS as u64 + 1000);
-        qp.channel.expect(
+        qp.expect(
             rdma_cm_event_type::RDMA_CM_EVENT_ADDR_RESOLVED,
             "address resolution",
             t,
@@ -438,7 +448,7 @@ impl VerbsQp {
         check("rdma_resolve_route", unsafe {
             rdma_resolve_route(qp.id, RESOLVE_MS)
         })?;
-        qp.channel.expect(
+        qp.expect(
             rdma_cm_event_type::RDMA_CM_EVENT_ROUTE_RESOLVED,
             "route resolution",
             t,
@@ -571,9 +581,22 @@ impl VerbsQp {
         }
     }
 
+    /// [`Channel::expect`] on this connection's channel, noting a device
+    /// removal for `Drop`.
+    fn expect(
+        &mut self,
+        want: rdma_cm_event_type::Type,
+        waiting_for: &'static str,
+        timeout: Duration,
+    ) -> Result<CmEvent, FabricError> {
+        let r = self.channel.expect(want, waiting_for, timeout);
+        self.device_removed |= matches!(r, Err(FabricError::DeviceRemoved));
+        r
+    }
+
     /// Waits for ESTABLISHED after connect or accept.
     fn established(&mut self, timeout: Duration) -> Result<(), FabricError> {
-        self.channel.expect(
+        self.expect(
             rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED,
             "connection establishment",
             timeout,
@@ -587,9 +610,13 @@ impl VerbsQp {
         while let Some(e) = self.channel.next(Duration::ZERO)? {
             use rdma_cm_event_type::*;
             match e.kind {
-                RDMA_CM_EVENT_DISCONNECTED | RDMA_CM_EVENT_DEVICE_REMOVAL => {
-                    tracing::debug!(event = %cm_event_name(e.kind), "rdma connection ended");
+                RDMA_CM_EVENT_DISCONNECTED => {
+                    tracing::debug!("rdma connection ended");
                     self.disconnected = true;
+                }
+                RDMA_CM_EVENT_DEVICE_REMOVAL => {
+                    tracing::warn!("the rdma device under this connection was removed");
+                    self.device_removed = true;
                 }
                 other => tracing::debug!(event = %cm_event_name(other), "rdma_cm event"),
             }
@@ -802,6 +829,9 @@ impl Fabric for VerbsQp {
             if n == 1 {
                 return Ok(Some(self.translate(&wc)));
             }
+            if self.device_removed {
+                return Err(FabricError::DeviceRemoved);
+            }
             if self.disconnected {
                 return Err(FabricError::Disconnected);
             }
@@ -906,6 +936,25 @@ impl Drop for VerbsQp {
                 ibv_dealloc_pd(std::mem::replace(&mut self.pd, null_mut()));
             }
             rdma_destroy_id(self.id);
+        }
+        if self.device_removed {
+            release_removed_devices();
+        }
+    }
+}
+
+/// Lets librdmacm close its context of a removed device once no id uses
+/// it: a device without hot-unplug support in the kernel (rxe) cannot
+/// finish going away while a process holds that context open. librdmacm
+/// notices removed devices when it lists them.
+pub fn release_removed_devices() {
+    let mut n = 0;
+    // SAFETY: the list is librdmacm's, freed at once; a null list (no
+    // devices or an error) is not freed.
+    unsafe {
+        let list = rdma_get_devices(&mut n);
+        if !list.is_null() {
+            rdma_free_devices(list);
         }
     }
 }
