@@ -415,8 +415,10 @@ mod tests {
 
     #[test]
     fn a_lost_device_makes_rdma_unavailable_until_it_is_back() {
-        let mut t = TransportConfig::default();
-        t.rdma_provider = RdmaProvider::Emulated;
+        let t = TransportConfig {
+            rdma_provider: RdmaProvider::Emulated,
+            ..TransportConfig::default()
+        };
         let local = LocalRdma::new(probe(&t));
         assert!(local.available());
         local.set_lost(Some("no RDMA: rxe0 was removed".into()));
