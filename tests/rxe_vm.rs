@@ -468,8 +468,7 @@ echo "== status dst"
 "$K" status --agent 127.0.0.1:7200 --json
 echo "== redis"
 # A replica server on b seeded over RDMA from the primary on a; it must
-# continue from a's backlog with a partial resync. (Before the link flap
-# below: after it, new RDMA connections between the VMs time out.)
+# continue from a's backlog with a partial resync.
 mkdir -p /tmp/kv/rreplica
 START='["redis-server", "--port", "7003", "--bind", "127.0.0.1", "--dir", "{dir}", "--dbfilename", "{dbfilename}", "--replicaof", "{primary_host}", "{primary_port}", "--appendonly", "no", "--save", "", "--daemonize", "yes", "--pidfile", "/tmp/kv/rreplica/redis.pid", "--logfile", "/tmp/kv/rreplica/redis.log"]'
 PRE='snapshot_format = "redis-rdb"' POST="[handoff]
@@ -521,9 +520,21 @@ ls -a /tmp/kv/cut
 ip link set eth1 up
 for i in $(seq 300); do rdma link | grep -q "state ACTIVE" && break; sleep 0.1; done
 echo "== after link up"
-# Over TCP: after the link flap, rdma_cm connection establishment between
-# the two hosts times out (not solved yet), so the retry asks for TCP.
-"$K" sync --agent 127.0.0.1:7300 --source $SRC --transport tcp --wait --json
+# Soft-RoCE here completes no new rdma_cm connection from a host whose link
+# went down under a live QP until its rxe device is made again (seen with
+# this kernel; not the agents' state: it outlives them). b gets a second
+# device first, so its agents let go of rxe0 at once and listen on it again
+# once it is back; the retry then resumes over RDMA.
+ip link add veth-k0 type veth peer name veth-k1
+ip link set veth-k0 up; ip link set veth-k1 up
+rdma link add rxe1 type rxe netdev veth-k0
+rdma link delete rxe0 & del=$!
+for i in $(seq 200); do kill -0 $del 2>/dev/null || break; sleep 0.1; done
+kill -0 $del 2>/dev/null && { echo "deleting rxe0 hangs"; exit 1; }
+rdma link add rxe0 type rxe netdev eth1
+for i in $(seq 100); do rdma link show rxe0/1 | grep -q ACTIVE && break; sleep 0.1; done
+for i in $(seq 300); do "$K" status --agent 127.0.0.1:7300 --json | grep -q '"rdma_available":true' && break; sleep 0.1; done
+"$K" sync --agent 127.0.0.1:7300 --source $SRC --wait --json
 cmp /tmp/kv/reference.kvr1 /tmp/kv/cut/s3.kvr1 && echo identical
 echo "== end"
 tell done
@@ -618,10 +629,14 @@ fn two_soft_roce_hosts_sync_over_real_rdma() {
         cut.contains(".partial") && cut.contains(".journal"),
         "{cut}"
     );
-    // Once the link is back, a retry resumes from the kept pieces (over
-    // TCP: see the script).
+    // Once the link is back (and b's rxe0 made again: see the script), a
+    // retry resumes from the kept pieces over RDMA.
     let v = section_json(b, "after link up");
-    assert_eq!(v["status"], "succeeded", "{v}");
+    assert_eq!(
+        (v["status"].as_str(), v["transport"].as_str()),
+        (Some("succeeded"), Some("rdma")),
+        "{v}"
+    );
     assert!(v["resumed_bytes"].as_u64().unwrap() >= 4 << 20, "{v}");
     assert!(section(b, "after link up").contains("identical"));
 
