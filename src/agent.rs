@@ -473,12 +473,16 @@ async fn start_data_plane(
             None
         });
     let local_rdma = Arc::new(LocalRdma::new(probe));
-    let rdma = bound.and_then(|(listener, addr)| {
-        serve_rdma(listener, &local_rdma, plane, tasks)
-            .map_err(|e| local_rdma.set_lost(Some(format!("no RDMA: {e}"))))
-            .ok()
-            .map(|()| addr)
-    });
+    let rdma = match bound {
+        Some((listener, addr)) => match serve_rdma(listener, &local_rdma, plane, tasks) {
+            Ok(()) => Some(addr),
+            Err(e) => {
+                local_rdma.set_lost(Some(format!("no RDMA: {e}")));
+                None
+            }
+        },
+        None => None,
+    };
     let probe = local_rdma.probe();
     info!(choice = %probe.choice, provider = %probe.provider, device = ?probe.device, interface = ?probe.interface, endpoint = ?rdma, "transport selection: {}", local_rdma.reason());
     plane

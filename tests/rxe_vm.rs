@@ -11,9 +11,10 @@
 //! seeded over rxe0 that continues with a partial resync. A second test
 //! boots two such VMs joined by one link (`rxe-vm.sh --hosts 2`): each
 //! probe picks the link, not the NAT interface; a snapshot and a Redis
-//! replica's seed cross between them over real RDMA; the source's rxe0 is
-//! deleted mid-sync (the sync resumes over TCP, the device can go, RDMA is
-//! back once it returns); and the replica's link goes down mid-sync. On the host the probe finds nothing and `auto` picks
+//! replica's seed cross between them over real RDMA; the source's rxe0,
+//! then the replica's, is deleted mid-sync (the sync resumes over TCP, the
+//! device can go, RDMA is back once it returns); the replica's link goes
+//! down mid-sync; and a replica's agent is killed mid-sync. On the host the probe finds nothing and `auto` picks
 //! TCP.
 
 mod common;
@@ -215,6 +216,13 @@ fn assert_redis_seeded_over_rdma(out: &str) {
     assert!(r.contains("after-save=yes keys=50001/50001"), "{r}");
 }
 
+/// The seconds on the line "`prefix`N s" of `out`.
+fn seconds(out: &str, prefix: &str) -> f64 {
+    out.lines()
+        .find_map(|l| l.strip_prefix(prefix)?.strip_suffix(" s")?.parse().ok())
+        .unwrap_or_else(|| panic!("no line {prefix:?}… in:\n{out}"))
+}
+
 /// The first JSON line of section `name`.
 fn section_json(out: &str, name: &str) -> serde_json::Value {
     let sec = section(out, name);
@@ -358,7 +366,7 @@ echo kvsync-two-host-test-token-0123456789 > /tmp/kv/token
 export KVSYNC_TOKEN_FILE=/tmp/kv/token
 # agent NAME GRPC_LISTEN MODE FALLBACK: starts an agent with its data
 # endpoints on this host's link address; $DIR, $PRE (top-level keys) and
-# $POST (tables) adjust its config.
+# $POST (tables) adjust its config; $RETRIES sets [sync] retries (default 0).
 agent() {
     dir=${DIR:-/tmp/kv/$1}
     mkdir -p $dir
@@ -375,7 +383,7 @@ rdma_port = 0
 peer_timeout = "3s"
 piece_size = "4MiB"
 [sync]
-retries = 0
+retries = ${RETRIES:-0}
 rate_limit = "${RATE:-0}"
 [metrics]
 listen = ""
@@ -454,6 +462,19 @@ primary_addr = "127.0.0.1:7001"' agent rsrc 10.9.0.1:7110 auto true > /dev/null
 fi
 # Tells a to run a command (retried while a is busy with the last one).
 tell() { for i in $(seq 100); do echo $1 | busybox nc -w 5 10.9.0.1 7199 && return; sleep 0.1; done; echo "a never took $1"; exit 1; }
+# Deletes b's rxe0 (b has a second device by then, so its agents let go of
+# it at once and the deletion finishes); fails fast if it hangs.
+delete_rxe0() {
+    rdma link delete rxe0 & del=$!
+    for i in $(seq 200); do kill -0 $del 2>/dev/null || return 0; sleep 0.1; done
+    echo "deleting rxe0 hangs"; exit 1
+}
+# Adds b's rxe0 back and waits until agent $1 says RDMA is usable again.
+add_rxe0() {
+    rdma link add rxe0 type rxe netdev eth1
+    for i in $(seq 100); do rdma link show rxe0/1 | grep -q ACTIVE && break; sleep 0.1; done
+    for i in $(seq 300); do "$K" status --agent $1 --json | grep -q '"rdma_available":true' && break; sleep 0.1; done
+}
 # Prints the replica's bytes so far of its running sync (agent at $1).
 landed() { "$K" status --agent $1 --json | grep -o '"running":\[.*' | grep -o '"bytes":[0-9]*' | head -1 | cut -d: -f2; }
 for i in $(seq 600); do "$K" snapshots --agent $SRC --json 2>/dev/null | grep -q '"seq":3' && break; sleep 0.2; done
@@ -505,9 +526,25 @@ for i in $(seq 300); do "$K" status --agent $SRC --json | grep -q '"rdma_availab
 agent back 127.0.0.1:7600 rdma false > /dev/null
 "$K" sync --agent 127.0.0.1:7600 --source $SRC --wait --json
 cmp /tmp/kv/reference.kvr1 /tmp/kv/back/s3.kvr1 && echo identical
+echo "== replica device removed"
+# Now b's own rxe0 goes once 8 MiB have landed; b gets a second device
+# (rxe1 on a veth pair) first.
+ip link add veth-k0 type veth peer name veth-k1
+ip link set veth-k0 up; ip link set veth-k1 up
+rdma link add rxe1 type rxe netdev veth-k0
+agent rdr 127.0.0.1:7700 rdma true > /dev/null
+"$K" sync --agent 127.0.0.1:7700 --source $SRC --wait --json > /tmp/kv/rdr.json &
+sync=$!
+for i in $(seq 600); do [ "$(landed 127.0.0.1:7700)" -ge 8388608 ] 2>/dev/null && break; sleep 0.05; done
+delete_rxe0
+wait $sync
+cat /tmp/kv/rdr.json
+cmp /tmp/kv/reference.kvr1 /tmp/kv/rdr/s3.kvr1 && echo identical
+add_rxe0 127.0.0.1:7700
 echo "== link down"
 # A fresh replica; its link goes down once 8 MiB have landed.
 agent cut 127.0.0.1:7300 rdma false > /dev/null
+cut=$!
 "$K" sync --agent 127.0.0.1:7300 --source $SRC --wait --json > /tmp/kv/cut.json &
 sync=$!
 for i in $(seq 600); do [ "$(landed 127.0.0.1:7300)" -ge 8388608 ] 2>/dev/null && break; sleep 0.05; done
@@ -522,20 +559,30 @@ for i in $(seq 300); do rdma link | grep -q "state ACTIVE" && break; sleep 0.1; 
 echo "== after link up"
 # Soft-RoCE here completes no new rdma_cm connection from a host whose link
 # went down under a live QP until its rxe device is made again (seen with
-# this kernel; not the agents' state: it outlives them). b gets a second
-# device first, so its agents let go of rxe0 at once and listen on it again
-# once it is back; the retry then resumes over RDMA.
-ip link add veth-k0 type veth peer name veth-k1
-ip link set veth-k0 up; ip link set veth-k1 up
-rdma link add rxe1 type rxe netdev veth-k0
-rdma link delete rxe0 & del=$!
-for i in $(seq 200); do kill -0 $del 2>/dev/null || break; sleep 0.1; done
-kill -0 $del 2>/dev/null && { echo "deleting rxe0 hangs"; exit 1; }
-rdma link add rxe0 type rxe netdev eth1
-for i in $(seq 100); do rdma link show rxe0/1 | grep -q ACTIVE && break; sleep 0.1; done
-for i in $(seq 300); do "$K" status --agent 127.0.0.1:7300 --json | grep -q '"rdma_available":true' && break; sleep 0.1; done
+# this kernel; not the agents' state: it outlives them). The agents listen
+# on the new rxe0 once it is there; the retry then resumes over RDMA.
+delete_rxe0
+add_rxe0 127.0.0.1:7300
+# The agent restarts with sync retries (3, the default) and the same
+# directory: the first QP on the new rxe0 may get the number of the cut
+# connection's QP, which a's connection manager still holds, so a rejects
+# it as stale (status 10) for a while; a retry gets a fresh QP number.
+kill $cut; wait $cut
+RETRIES=3 agent cut 127.0.0.1:7300 rdma false > /dev/null
 "$K" sync --agent 127.0.0.1:7300 --source $SRC --wait --json
 cmp /tmp/kv/reference.kvr1 /tmp/kv/cut/s3.kvr1 && echo identical
+echo "== replica killed"
+# The replica's agent dies (SIGKILL) once 8 MiB have landed: the source must
+# end that session and free its slot.
+agent dead 127.0.0.1:7800 rdma false > /dev/null
+pid=$!
+"$K" sync --agent 127.0.0.1:7800 --source $SRC --json > /dev/null
+for i in $(seq 600); do [ "$(landed 127.0.0.1:7800)" -ge 8388608 ] 2>/dev/null && break; sleep 0.05; done
+kill -9 $pid
+killed=$(date +%s.%N)
+for i in $(seq 300); do "$K" status --agent $SRC --json | grep -q '"serving_sessions":0[,}]' && break; sleep 0.1; done
+echo "source free after $(echo "$(date +%s.%N) - $killed" | bc) s"
+"$K" status --agent $SRC --json
 echo "== end"
 tell done
 "#;
@@ -608,15 +655,7 @@ fn two_soft_roce_hosts_sync_over_real_rdma() {
             || error.starts_with("rdma transfer failed: Send work request"),
         "{v}"
     );
-    let secs: f64 = cut
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("failed after ")?
-                .strip_suffix(" s")?
-                .parse()
-                .ok()
-        })
-        .unwrap_or_else(|| panic!("{cut}"));
+    let secs = seconds(cut, "failed after ");
     assert!(
         secs < 12.0,
         "failed {secs} s after the link went down:\n{cut}"
@@ -629,6 +668,24 @@ fn two_soft_roce_hosts_sync_over_real_rdma() {
         cut.contains(".partial") && cut.contains(".journal"),
         "{cut}"
     );
+    // b's own rxe0 is deleted mid-sync: the replica's session fails with
+    // the device's removal and the sync resumes over TCP.
+    let v = section_json(b, "replica device removed");
+    assert_eq!(
+        (v["status"].as_str(), v["transport"].as_str()),
+        (Some("succeeded"), Some("tcp")),
+        "{v}"
+    );
+    assert!(
+        v["fallback_reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("device_removed: "),
+        "{v}"
+    );
+    assert!(v["resumed_bytes"].as_u64().unwrap() >= 4 << 20, "{v}");
+    assert!(section(b, "replica device removed").contains("identical"));
+
     // Once the link is back (and b's rxe0 made again: see the script), a
     // retry resumes from the kept pieces over RDMA.
     let v = section_json(b, "after link up");
@@ -675,6 +732,15 @@ fn two_soft_roce_hosts_sync_over_real_rdma() {
     // A Redis replica on b seeded over RDMA from a's primary continues
     // with a partial resync.
     assert_redis_seeded_over_rdma(b);
+    // The replica's agent is killed mid-transfer: the source ends that
+    // session and frees its slot within its reply wait (peer_timeout 3 s
+    // plus one 4 MiB piece at the 1 MiB/s floor).
+    let killed = section(b, "replica killed");
+    let secs = seconds(killed, "source free after ");
+    let s = section_json(b, "replica killed");
+    assert_eq!(s["serving_sessions"], 0, "{s}");
+    assert!(secs < 12.0, "the source took {secs} s:\n{killed}");
+
     assert!(a.contains("== end"), "VM a did not finish:\n{a}");
 }
 

@@ -56,7 +56,8 @@ pub struct JobContext {
     pub preference: pb::TransportPreference,
     pub config: Config,
     pub metrics: Arc<Metrics>,
-    /// This agent's RDMA probe (provider, local address, soft device).
+    /// This agent's RDMA: the probe (provider, local address, soft
+    /// device) and whether its device is still there.
     pub rdma: Arc<LocalRdma>,
     pub faults: Faults,
     /// How to reach the source's Peer service (TLS, bearer token).

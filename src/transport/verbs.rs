@@ -9,7 +9,9 @@
 //! receives and sends, memory registration, linked chains of RDMA Writes,
 //! and completion polling that spins briefly (longer on soft devices, whose
 //! completions come from a kernel thread) before it waits on the completion
-//! channel. Every verbs failure is a typed error naming the call and errno.
+//! channel. Every verbs failure is a typed error naming the call and errno;
+//! rdma_cm's DEVICE_REMOVAL ends the listener and every session on the
+//! device with `FabricError::DeviceRemoved`.
 //! Teardown happens once, in `Drop`, in the order the verbs require.
 
 use std::collections::HashMap;
