@@ -191,12 +191,7 @@ fn script_ok(hosts: u8, script: &str, timeout_s: u32) -> Option<VmRun> {
 /// written after the save too.
 fn assert_redis_seeded_over_rdma(out: &str) {
     let r = section(out, "redis");
-    let v = section_json(out, "redis");
-    assert_eq!(
-        (v["status"].as_str(), v["transport"].as_str()),
-        (Some("succeeded"), Some("rdma")),
-        "{v}"
-    );
+    let v = synced(out, "redis", "rdma");
     assert!(
         v["handoff"]
             .as_str()
@@ -221,6 +216,18 @@ fn seconds(out: &str, prefix: &str) -> f64 {
     out.lines()
         .find_map(|l| l.strip_prefix(prefix)?.strip_suffix(" s")?.parse().ok())
         .unwrap_or_else(|| panic!("no line {prefix:?}… in:\n{out}"))
+}
+
+/// Section `name` of `out` is a sync that succeeded over `transport`:
+/// its JSON line.
+fn synced(out: &str, name: &str, transport: &str) -> serde_json::Value {
+    let v = section_json(out, name);
+    assert_eq!(
+        (v["status"].as_str(), v["transport"].as_str()),
+        (Some("succeeded"), Some(transport)),
+        "{name}: {v}"
+    );
+    v
 }
 
 /// The first JSON line of section `name`.
@@ -259,12 +266,15 @@ fn soft_roce_vm_has_active_rxe0_and_real_verbs() {
         .lines()
         .find(|l| l.trim_start().starts_with("4194304"))
         .unwrap_or_else(|| panic!("no 4 MiB result line in:\n{bw}"));
-    let avg: f64 = line
-        .split_whitespace()
-        .nth(3)
+    let fields: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(fields.get(1), Some(&"40"), "all 40 writes: {line}");
+    // perftest times with CPU cycles, which TCG under load sometimes
+    // reports as 0.00 MB/s: the number is for the stderr line below, not
+    // something this test can require (BENCHMARKS.md has the measured row).
+    let avg: f64 = fields
+        .get(3)
         .and_then(|v| v.parse().ok())
         .expect("BW average");
-    assert!(avg > 0.0, "{line}");
     assert_eq!(
         probe["choice"], "rdma",
         "auto picks RDMA in the VM: {probe}"
@@ -301,24 +311,14 @@ fn soft_roce_vm_has_active_rxe0_and_real_verbs() {
 
     // A damaged piece is written again over rxe0 alone.
     let dmg = section(out, "damaged piece");
-    let v = section_json(out, "damaged piece");
-    assert_eq!(
-        (v["status"].as_str(), v["transport"].as_str()),
-        (Some("succeeded"), Some("rdma")),
-        "{v}"
-    );
+    let v = synced(out, "damaged piece", "rdma");
     assert_eq!(v["pieces_refetched"], 1, "{v}");
     assert_eq!(v["fallback_reason"], "", "{v}");
     assert!(dmg.contains("identical"), "{dmg}");
 
     // A real remote access error from rxe0, then TCP.
     let fb = section(out, "fallback");
-    let v = section_json(out, "fallback");
-    assert_eq!(
-        (v["status"].as_str(), v["transport"].as_str()),
-        (Some("succeeded"), Some("tcp")),
-        "{v}"
-    );
+    let v = synced(out, "fallback", "tcp");
     assert!(
         v["fallback_reason"]
             .as_str()
@@ -348,8 +348,8 @@ fn soft_roce_vm_has_active_rxe0_and_real_verbs() {
         .unwrap_or_else(|| panic!("no 32 MiB bulk line in {logs}"));
     let _ = writeln!(
         std::io::stderr(),
-        "soft-RoCE, same VM run: ib_write_bw -R 4 MiB {avg:.1} MB/s; kvsync RDMA bulk (32 MiB, 4 MiB writes) {bulk:.1} MB/s; ratio {:.2}",
-        bulk / avg
+        "soft-RoCE, same VM run: ib_write_bw -R 4 MiB {avg:.1} MB/s; kvsync RDMA bulk (32 MiB, 4 MiB writes) {bulk:.1} MB/s; ratio {}",
+        if avg > 0.0 { format!("{:.2}", bulk / avg) } else { "- (perftest measured no time)".into() }
     );
 }
 
@@ -670,12 +670,7 @@ fn two_soft_roce_hosts_sync_over_real_rdma() {
     );
     // b's own rxe0 is deleted mid-sync: the replica's session fails with
     // the device's removal and the sync resumes over TCP.
-    let v = section_json(b, "replica device removed");
-    assert_eq!(
-        (v["status"].as_str(), v["transport"].as_str()),
-        (Some("succeeded"), Some("tcp")),
-        "{v}"
-    );
+    let v = synced(b, "replica device removed", "tcp");
     assert!(
         v["fallback_reason"]
             .as_str()
@@ -688,12 +683,7 @@ fn two_soft_roce_hosts_sync_over_real_rdma() {
 
     // Once the link is back (and b's rxe0 made again: see the script), a
     // retry resumes from the kept pieces over RDMA.
-    let v = section_json(b, "after link up");
-    assert_eq!(
-        (v["status"].as_str(), v["transport"].as_str()),
-        (Some("succeeded"), Some("rdma")),
-        "{v}"
-    );
+    let v = synced(b, "after link up", "rdma");
     assert!(v["resumed_bytes"].as_u64().unwrap() >= 4 << 20, "{v}");
     assert!(section(b, "after link up").contains("identical"));
 
@@ -701,12 +691,7 @@ fn two_soft_roce_hosts_sync_over_real_rdma() {
     // resumes over TCP, and a's agents let go of the device at once, so
     // the kernel finishes removing it while they run. Meanwhile a offers
     // TCP only and says why; once rxe0 is back, RDMA is too.
-    let v = section_json(b, "device removed");
-    assert_eq!(
-        (v["status"].as_str(), v["transport"].as_str()),
-        (Some("succeeded"), Some("tcp")),
-        "{v}"
-    );
+    let v = synced(b, "device removed", "tcp");
     assert!(v["fallback_reason"].as_str().unwrap() != "", "{v}");
     assert!(v["resumed_bytes"].as_u64().unwrap() >= 4 << 20, "{v}");
     assert!(section(b, "device removed").contains("identical"));
@@ -721,12 +706,7 @@ fn two_soft_roce_hosts_sync_over_real_rdma() {
         removal.contains("delete finished") && removal.contains("state ACTIVE"),
         "{removal}"
     );
-    let v = section_json(b, "device back");
-    assert_eq!(
-        (v["status"].as_str(), v["transport"].as_str()),
-        (Some("succeeded"), Some("rdma")),
-        "{v}"
-    );
+    synced(b, "device back", "rdma");
     assert!(section(b, "device back").contains("identical"));
 
     // A Redis replica on b seeded over RDMA from a's primary continues
