@@ -82,7 +82,7 @@ if [ ! -f "$kroot/.unpacked" ]; then
 fi
 
 # --- initramfs: busybox + the modules, rebuilt when its inputs change --------
-modules="virtio_pci virtio_net 9p 9pnet_virtio crc32_generic crc32-pclmul ib_core ib_uverbs rdma_rxe ib_cm iw_cm rdma_cm rdma_ucm veth sch_netem"
+modules="virtio_pci virtio_net 9p 9pnet_virtio crc32_generic crc32-pclmul ib_core ib_uverbs rdma_rxe ib_cm iw_cm rdma_cm rdma_ucm veth sch_netem tls gcm ctr ghash-generic aesni-intel ghash-clmulni-intel"
 read -r -d '' init <<'INIT' || true
 #!/bin/busybox sh
 /bin/busybox mkdir -p /proc /sys /dev /host

@@ -33,7 +33,7 @@ use crate::sync::source::{self as source_role, DataEndpoints, DataPlane, Session
 use crate::sync::SyncManager;
 use crate::transport::probe::{self, LocalRdma, Probe};
 use crate::transport::ratelimit::RateLimiter;
-use crate::transport::Faults;
+use crate::transport::{ktls, Faults};
 use crate::watch::DirWatcher;
 
 /// Why the agent could not start.
@@ -149,6 +149,7 @@ impl RunningAgent {
             min_rate: (&config.data).into(),
             hello_timeout: config.data.hello_timeout,
             tls: prepared.data_tls.clone(),
+            kernel_tls: config.data.kernel_tls,
             pending: crate::conn_limit::Limits {
                 total: config.data.max_pending_connections,
                 per_peer: config.data.max_pending_per_peer,
@@ -261,6 +262,7 @@ impl RunningAgent {
             tls = config.tls.enabled(),
             client_auth = config.tls.client_auth,
             data = %data.tcp,
+            data_tls = %data.tls,
             metrics = ?metrics_addr,
             "agent started"
         );
@@ -506,6 +508,10 @@ async fn start_data_plane(
         tcp: tcp_addr,
         rdma,
         local_rdma,
+        tls: match plane.tls {
+            Some(_) => ktls::describe(plane.kernel_tls),
+            None => "off".into(),
+        },
     })
 }
 

@@ -251,6 +251,10 @@ pub struct DataConfig {
     pub max_pending_per_peer: usize,
     /// TLS on the TCP data path (with the `[tls]` files).
     pub tls: DataTls,
+    /// After rustls's handshake, hand the records to the kernel (kTLS)
+    /// where it has the `tls` module: the source then sends with
+    /// `sendfile` and the replica splices, as without TLS.
+    pub kernel_tls: bool,
     /// Source: the size of the pieces its snapshots are checked and
     /// resumed in (a power of two, 1 MiB to 256 MiB).
     pub piece_size: ByteSize,
@@ -536,6 +540,7 @@ impl Default for DataConfig {
             max_pending_connections: 64,
             max_pending_per_peer: 8,
             tls: DataTls::Auto,
+            kernel_tls: true,
             piece_size: ByteSize::b(crate::manifest::DEFAULT_PIECE_SIZE),
             piece_retries: 3,
             resume_ttl: Duration::from_secs(3600),

@@ -27,8 +27,8 @@ use kvsync::sync::receive::{Received, Receiver};
 use kvsync::sync::source::{self, DataPlane, Limits, Offer, SessionTable};
 use kvsync::transport::pace::MinRate;
 use kvsync::transport::ratelimit::RateLimiter;
-use kvsync::transport::session::{DataLink, DialSpec};
-use kvsync::transport::{Faults, TransportKind};
+use kvsync::transport::session::{ClientTls, DataLink, DialSpec};
+use kvsync::transport::{ktls, Faults, TransportKind};
 use tokio_util::sync::CancellationToken;
 
 const SIZE: u64 = 3 << 20;
@@ -253,6 +253,7 @@ async fn run(case: Case, wire: Wire, dir: &Path, tls: &Tls) -> Run {
         },
         // Plain connections are told from TLS ones by their first byte.
         tls: Some(tls.server.clone()),
+        kernel_tls: true,
     };
     let conns = source::tcp_connections(listener, kind == TransportKind::Rdma);
     tokio::spawn(source::serve(conns, plane));
@@ -275,7 +276,11 @@ async fn run(case: Case, wire: Wire, dir: &Path, tls: &Tls) -> Run {
         local: None,
         soft: false,
         faults: Faults::default(),
-        tls: (wire == Wire::Tls).then(|| (client.clone(), "localhost".to_string())),
+        tls: (wire == Wire::Tls).then(|| ClientTls {
+            config: client.clone(),
+            name: "localhost".to_string(),
+            kernel: ktls::use_kernel(true, SIZE),
+        }),
     };
     if case == Case::NoRoom {
         limit_file_size(Some(1 << 20));

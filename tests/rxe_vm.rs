@@ -8,7 +8,9 @@
 //! 127.0.0.1 reached through the interface address, a piece damaged in the
 //! replica's memory written again alone over rxe0, and a real remote
 //! access error (wrong rkey) falling back to TCP — and a real Redis replica
-//! seeded over rxe0 that continues with a partial resync. A second test
+//! seeded over rxe0 that continues with a partial resync; and, since the
+//! VM's kernel has the `tls` module, agents with [tls] sync with their TLS
+//! records in the kernel, against each other and against rustls. A second test
 //! boots two such VMs joined by one link (`rxe-vm.sh --hosts 2`): each
 //! probe picks the link, not the NAT interface; a snapshot and a Redis
 //! replica's seed cross between them over real RDMA; the source's rxe0,
@@ -29,7 +31,8 @@ set -u
 K=$KVSYNC_BIN
 mkdir -p /tmp/kv
 # Starts an agent; prints its ready line once it is ready. $DIR, $PRE
-# (top-level keys) and $POST (tables) adjust its config.
+# (top-level keys), $DATA ([data] keys) and $POST (tables) adjust its
+# config.
 start_agent() {
     name=$1 mode=$2 fallback=$3; shift 3
     dir=${DIR:-/tmp/kv/$name}
@@ -43,6 +46,7 @@ listen = "127.0.0.1:0"
 [data]
 tcp_listen = "127.0.0.1:0"
 rdma_port = 0
+${DATA:-}
 [metrics]
 listen = ""
 [watch]
@@ -108,6 +112,51 @@ offered $BAD 9
 cmp /tmp/kv/bad/b9.kvr1 /tmp/kv/dst/b9.kvr1 && echo "identical"
 echo "== source log"
 grep -E "rdma bulk done|REM_ACCESS|transport selection" /tmp/kv/src.log /tmp/kv/bad.log
+
+echo "== kernel tls"
+# Agents with [tls] (a CA made here): the kernel's TLS on both ends, from
+# the kernel to rustls, and from rustls to the kernel. The kernel's TLS
+# counters tell which sockets it carried.
+P=/tmp/kv/pki
+mkdir -p $P
+openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 1 -subj "/CN=vm CA" \
+    -keyout $P/ca.key -out $P/ca.pem 2>/dev/null
+openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj /CN=localhost \
+    -keyout $P/a.key -out $P/a.csr 2>/dev/null
+echo "subjectAltName=DNS:localhost,IP:127.0.0.1" > $P/san.cnf
+openssl x509 -req -in $P/a.csr -CA $P/ca.pem -CAkey $P/ca.key -CAcreateserial -days 1 \
+    -extfile $P/san.cnf -out $P/a.pem 2>/dev/null || { echo "no certificate"; exit 1; }
+TLS="[tls]
+cert_file = \"$P/a.pem\"
+key_file = \"$P/a.key\"
+ca_file = \"$P/ca.pem\""
+USER_TLS="kernel_tls = false"
+KSRC=$(POST="$TLS" start_agent ksrc tcp false | grpc) || exit 1
+USRC=$(DATA="$USER_TLS" POST="$TLS" start_agent usrc tcp false | grpc) || exit 1
+KDST=$(POST="$TLS" start_agent kdst tcp false | grpc) || exit 1
+UDST=$(DATA="$USER_TLS" POST="$TLS" start_agent udst tcp false | grpc) || exit 1
+T="$K --tls-ca $P/ca.pem"
+"$K" gen-snapshot --size 8388608 --seq 5 /tmp/kv/ksrc/t5.kvr1 > /dev/null
+"$K" gen-snapshot --size 8388608 --seq 6 /tmp/kv/usrc/t6.kvr1 > /dev/null
+for a in "$KSRC 5" "$USRC 6"; do
+    set -- $a
+    for i in $(seq 300); do $T snapshots --agent $1 --json | grep -q "\"seq\":$2[,}]" && break; sleep 0.1; done
+done
+echo "== kernel tls status"
+$T status --agent $KSRC --json
+$T status --agent $UDST --json
+tls_socks() { awk '$1 == "TlsTxSw" {tx=$2} $1 == "TlsRxSw" {rx=$2} END {print tx + 0, rx + 0}' /proc/net/tls_stat; }
+for run in "kernel-kernel $KDST $KSRC ksrc/t5 kdst/t5" "kernel-rustls $UDST $KSRC ksrc/t5 udst/t5" \
+           "rustls-kernel $KDST $USRC usrc/t6 kdst/t6"; do
+    set -- $run
+    before=$(tls_socks)
+    echo "== tls $1"
+    $T sync --agent $2 --source $3 --wait --json
+    cmp /tmp/kv/$4.kvr1 /tmp/kv/$5.kvr1 && echo "identical"
+    echo "kernel tls sockets before $before after $(tls_socks)"
+done
+echo "== tls source logs"
+grep -h "serving snapshot" /tmp/kv/ksrc.log /tmp/kv/usrc.log
 
 echo "== redis"
 # A primary with a backlog and a few MB of keys, saved, then written to;
@@ -183,6 +232,52 @@ fn script_ok(hosts: u8, script: &str, timeout_s: u32) -> Option<VmRun> {
         run.code, run.stdout, run.stderr
     );
     Some(run)
+}
+
+/// Sections "kernel tls ...": Debian's kernel has the `tls` module, so
+/// agents with [tls] report kernel TLS; each sync below is byte-identical
+/// and its kernel sockets are exactly the ends with `kernel_tls` on (the
+/// kernel's own counters: a socket with keys in each direction), so the
+/// kernel sealed what rustls opened and opened what rustls sealed.
+fn assert_kernel_tls(out: &str) {
+    let status: Vec<serde_json::Value> = section(out, "kernel tls status")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("status JSON"))
+        .collect();
+    let tls = |v: &serde_json::Value| v["data_tls"].as_str().unwrap().to_string();
+    assert!(tls(&status[0]).starts_with("kernel TLS"), "{}", status[0]);
+    assert!(
+        tls(&status[1]).contains("kernel_tls = false"),
+        "{}",
+        status[1]
+    );
+    for (run, kernel_ends, detail) in [
+        ("kernel-kernel", 2, "tcp (TLS in the kernel) stream"),
+        ("kernel-rustls", 1, "tcp (TLS) stream"),
+        ("rustls-kernel", 1, "tcp (TLS in the kernel) stream"),
+    ] {
+        let name = format!("tls {run}");
+        let sec = section(out, &name);
+        let v = synced(out, &name, "tcp");
+        assert!(v["detail"].as_str().unwrap().starts_with(detail), "{v}");
+        assert!(sec.contains("identical"), "{sec}");
+        let counts: Vec<u64> = sec
+            .lines()
+            .find_map(|l| l.strip_prefix("kernel tls sockets before "))
+            .unwrap_or_else(|| panic!("no counters in {sec}"))
+            .split_whitespace()
+            .filter_map(|w| w.parse().ok())
+            .collect();
+        // TlsTxSw and TlsRxSw, before and after.
+        assert_eq!(
+            (counts[2] - counts[0], counts[3] - counts[1]),
+            (kernel_ends, kernel_ends),
+            "{run}: {sec}"
+        );
+    }
+    let logs = section(out, "tls source logs");
+    assert_eq!(logs.matches("tls=\"kernel\"").count(), 2, "{logs}");
+    assert_eq!(logs.matches("tls=\"rustls\"").count(), 1, "{logs}");
 }
 
 /// Section "redis" of `out`: the sync succeeded over RDMA, the replica
@@ -332,6 +427,8 @@ fn soft_roce_vm_has_active_rxe0_and_real_verbs() {
 
     // A Redis replica seeded by real RDMA continues with a partial resync.
     assert_redis_seeded_over_rdma(out);
+
+    assert_kernel_tls(out);
 
     // kvsync's bulk throughput against ib_write_bw on the same device.
     let bulk: f64 = logs

@@ -359,6 +359,7 @@ pub async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
             "rdma_available": s.rdma_available,
             "rdma_detail": s.rdma_detail,
             "data_tcp_endpoint": s.data_tcp_endpoint,
+            "data_tls": s.data_tls,
             "relay_bytes": s.relay_bytes,
             "relaying": s.relaying.iter().map(|r| {
                 let id = r.snapshot.unwrap_or_default();
@@ -376,8 +377,8 @@ pub async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
         s.rdma_detail
     );
     println!(
-        "serving {} session(s) as a source ({} admitted); data endpoint {}",
-        s.serving_sessions, s.admitted_sessions, s.data_tcp_endpoint
+        "serving {} session(s) as a source ({} admitted); data endpoint {} (TLS: {})",
+        s.serving_sessions, s.admitted_sessions, s.data_tcp_endpoint, s.data_tls
     );
     for r in &s.relaying {
         let id = r.snapshot.unwrap_or_default();

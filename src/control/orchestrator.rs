@@ -192,6 +192,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             rdma_available: rdma.available(),
             rdma_detail: rdma.reason(),
             data_tcp_endpoint: data.tcp.to_string(),
+            data_tls: data.tls.clone(),
             relaying: self.relays.list(),
             relay_bytes: self.metrics.relay_bytes.get(),
             warnings: self

@@ -37,7 +37,7 @@ pub enum TlsError {
 
 /// The data plane's crypto: TLS 1.3 only, AES-128-GCM preferred (the
 /// fastest suite with AES-NI), no session tickets (a session is one
-/// connection).
+/// connection). Both ends let the keys be extracted, for kernel TLS.
 fn data_provider() -> Arc<rustls::crypto::CryptoProvider> {
     let mut provider = rustls::crypto::ring::default_provider();
     provider
@@ -68,6 +68,7 @@ pub fn data_server(cfg: &TlsConfig) -> Result<Option<Arc<rustls::ServerConfig>>,
         .with_single_cert(certs, key)
         .map_err(rustls_err)?;
     config.send_tls13_tickets = 0;
+    config.enable_secret_extraction = true;
     Ok(Some(Arc::new(config)))
 }
 
@@ -81,11 +82,12 @@ pub fn data_client(cfg: &TlsConfig) -> Result<Option<Arc<rustls::ClientConfig>>,
     for cert in CertificateDer::pem_slice_iter(&read_pem(ca, PemKind::Certificates)?) {
         roots.add(cert.map_err(rustls_err)?).map_err(rustls_err)?;
     }
-    let config = rustls::ClientConfig::builder_with_provider(data_provider())
+    let mut config = rustls::ClientConfig::builder_with_provider(data_provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(rustls_err)?
         .with_root_certificates(roots)
         .with_no_client_auth();
+    config.enable_secret_extraction = true;
     Ok(Some(Arc::new(config)))
 }
 

@@ -30,8 +30,8 @@ use crate::metrics::{unix_now, Metrics, Running};
 use crate::rpc::{self, pb, AgentChannel, Dialer};
 use crate::snapshot::SnapshotInfo;
 use crate::transport::probe::LocalRdma;
-use crate::transport::session::{DataLink, DialSpec};
-use crate::transport::{select, Faults, TransportKind};
+use crate::transport::session::{ClientTls, DataLink, DialSpec};
+use crate::transport::{ktls, select, Faults, TransportKind};
 
 pub use super::error::JobError;
 use super::receive::{Received, Receiver};
@@ -820,7 +820,11 @@ fn dial_spec(
         ),
     };
     let tls = match (&ctx.dialer.data_tls, offer.data_tls && rdma.is_none()) {
-        (Some(config), true) => Some((config.clone(), tls_name(ctx))),
+        (Some(config), true) => Some(ClientTls {
+            config: config.clone(),
+            name: tls_name(ctx),
+            kernel: ktls::use_kernel(ctx.config.data.kernel_tls, offer.snapshot_size),
+        }),
         (None, true) => {
             return Err(JobError::BadOffer(
                 "the source offered TLS on the data plane, which this replica has no [tls] for"
@@ -859,7 +863,11 @@ fn tls_name(ctx: &JobContext) -> String {
 
 /// How the status describes the data link.
 fn link_label(offer: &pb::SyncOffer, spec: &DialSpec, streams: u32) -> String {
-    let tls = if spec.tls.is_some() { " (TLS)" } else { "" };
+    let tls = match &spec.tls {
+        Some(t) if t.kernel => " (TLS in the kernel)",
+        Some(_) => " (TLS)",
+        None => "",
+    };
     let how = match spec.rdma {
         None if streams > 1 => format!("tcp{tls}, {streams} streams, into staging file"),
         None => format!("tcp{tls} stream into staging file"),

@@ -36,7 +36,7 @@ use crate::transport::pace::MinRate;
 use crate::transport::probe::LocalRdma;
 use crate::transport::ratelimit::RateLimiter;
 use crate::transport::session::{Accepted, Proved, SessionResult, SourceLink};
-use crate::transport::{Faults, Serve, TransportKind};
+use crate::transport::{ktls, Faults, Serve, TransportKind};
 
 /// A session offered to a replica, waiting for its data connection.
 pub struct Offer {
@@ -328,6 +328,8 @@ pub struct DataEndpoints {
     /// Where the RDMA listener is bound, when it started.
     pub rdma: Option<SocketAddr>,
     pub local_rdma: Arc<LocalRdma>,
+    /// How the TCP data path is encrypted here (status, logs).
+    pub tls: String,
 }
 
 impl DataEndpoints {
@@ -360,6 +362,8 @@ pub struct DataPlane {
     pub pending: conn_limit::Limits,
     /// TLS of the TCP data path (`None`: plaintext only).
     pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// `[data] kernel_tls`: records in the kernel where it can.
+    pub kernel_tls: bool,
 }
 
 /// The one serve loop: takes accepted data connections, of any transport,
@@ -450,7 +454,13 @@ async fn prove_and_serve(conn: Accepted, peer: String, slot: conn_limit::Slot, p
 /// On a blocking thread: sets the proved connection up (socket, emulated
 /// QP threads, verbs resources) and serves its session; shutdown stops it.
 fn serve_proved(proved: Proved, session: Session, peer: &str, plane: &DataPlane) {
-    let link = match proved.open(plane.peer_timeout, plane.min_rate, &plane.faults) {
+    let kernel_tls = ktls::use_kernel(plane.kernel_tls, session.offer.snapshot.len());
+    let link = match proved.open(
+        plane.peer_timeout,
+        plane.min_rate,
+        kernel_tls,
+        &plane.faults,
+    ) {
         Ok(link) => link,
         Err(e) => return warn!(%peer, "data connection failed to open: {e}"),
     };
@@ -477,7 +487,7 @@ fn serve_session(plane: &DataPlane, offer: &Offer, peer: &str, link: SourceLink)
     let _running = Running::start(m.fullsync_in_progress.with_label_values(&["source"]));
     let started = Instant::now();
     let progress = AtomicU64::new(0);
-    info!(%peer, bytes = offer.snapshot.len(), from = if offer.snapshot.image().is_some() { "memory" } else { "file" }, seq = offer.entry.info.seq, "serving snapshot over {transport}");
+    info!(%peer, bytes = offer.snapshot.len(), from = if offer.snapshot.image().is_some() { "memory" } else { "file" }, seq = offer.entry.info.seq, tls = link.tls(), "serving snapshot over {transport}");
     let result = link.serve(Serve {
         snapshot: &offer.snapshot,
         seq: offer.entry.info.seq,

@@ -8,6 +8,7 @@
 
 pub mod emulated;
 pub mod fabric;
+pub mod ktls;
 pub mod pace;
 pub mod probe;
 pub mod ratelimit;

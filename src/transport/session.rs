@@ -67,9 +67,18 @@ pub struct DialSpec {
     /// The local RDMA device is a soft device.
     pub soft: bool,
     pub faults: Faults,
-    /// TCP under TLS: the settings, and the name the source's certificate
-    /// must carry.
-    pub tls: Option<(Arc<rustls::ClientConfig>, String)>,
+    /// TCP under TLS.
+    pub tls: Option<ClientTls>,
+}
+
+/// A replica's TLS for one data connection.
+#[derive(Clone)]
+pub struct ClientTls {
+    pub config: Arc<rustls::ClientConfig>,
+    /// The name the source's certificate must carry.
+    pub name: String,
+    /// The records go through the kernel after the handshake.
+    pub kernel: bool,
 }
 
 /// A replica's connection to the source's data endpoint, not yet running.
@@ -118,16 +127,18 @@ impl DataLink {
                     .map_err(|e| e.to_string())?;
                 super::detect_dead_peer(&s, spec.peer_timeout).map_err(|e| e.to_string())?;
                 let tls = match &spec.tls {
-                    Some((config, name)) => Some(
-                        super::tls::connect(config, name, &s, spec.peer_timeout)
+                    Some(tls) => Some(
+                        super::tls::connect(&tls.config, &tls.name, &s, spec.peer_timeout)
                             .map_err(|e| e.to_string())?,
                     ),
                     None => None,
                 };
                 let link = Link::new(s, spec.min_rate).map_err(|e| e.to_string())?;
-                Ok(DataLink::Tcp(match tls {
-                    Some(conn) => link.with_tls(conn).map_err(|e| e.to_string())?,
-                    None => link,
+                Ok(DataLink::Tcp(match (tls, &spec.tls) {
+                    (Some(conn), Some(t)) => {
+                        link.with_tls(conn, t.kernel).map_err(|e| e.to_string())?
+                    }
+                    _ => link,
                 }))
             }
             Some(RdmaProvider::Emulated) => {
@@ -216,10 +227,7 @@ pub struct Proved {
 enum ProvedConn {
     /// With the bytes read past the proof.
     Tcp(tokio::net::TcpStream, Vec<u8>),
-    Tls(
-        Box<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>,
-        Vec<u8>,
-    ),
+    Tls(Box<super::tls::ServerStream>, Vec<u8>),
     Emulated(tokio::net::TcpStream),
     #[cfg(feature = "rdma")]
     Verbs(Box<super::verbs::VerbsQp>),
@@ -329,11 +337,13 @@ impl Proved {
     }
 
     /// Sets up the proved connection for its session on a blocking thread:
-    /// the socket, the emulated QP's threads, or the verbs resources.
+    /// the socket (its TLS records in the kernel when `kernel_tls`), the
+    /// emulated QP's threads, or the verbs resources.
     pub fn open(
         self,
         peer_timeout: Duration,
         min_rate: MinRate,
+        kernel_tls: bool,
         faults: &Faults,
     ) -> Result<SourceLink, String> {
         match self.conn {
@@ -343,9 +353,9 @@ impl Proved {
                 .map_err(|e| e.to_string()),
             ProvedConn::Tls(t, read_ahead) => {
                 let (s, conn) = t.into_inner();
-                blocking_data_socket(s, peer_timeout)
+                blocking_data_socket(s.into_inner(), peer_timeout)
                     .and_then(|s| Link::new(s, min_rate))
-                    .and_then(|l| l.with_tls(conn))
+                    .and_then(|l| l.with_tls(conn, kernel_tls))
                     .map(|l| SourceLink::Tcp(l.with_read_ahead(read_ahead)))
                     .map_err(|e| e.to_string())
             }
@@ -363,6 +373,15 @@ impl Proved {
 }
 
 impl SourceLink {
+    /// How the link is encrypted: `kernel`, `rustls` or `off`.
+    pub fn tls(&self) -> &'static str {
+        match self {
+            SourceLink::Tcp(link) if link.kernel_tls() => "kernel",
+            SourceLink::Tcp(link) if link.is_tls() => "rustls",
+            _ => "off",
+        }
+    }
+
     /// A handle that stops a TCP session from another thread (RDMA
     /// sessions watch [`Serve::cancel`]).
     pub fn canceller(&self) -> Option<Canceller> {

@@ -8,11 +8,13 @@
 //! unchanged around every piece), or a relay's cache image straight from
 //! memory, with `MSG_ZEROCOPY` for large ones; the replica splices the
 //! stream through a pipe into its [`Sink`]'s file (one copy, into the page
-//! cache), never holding the snapshot in memory. An encrypted session runs
-//! the same link through a rustls connection (handshakes in
-//! `transport::tls`): the source reads each range of the file into a
-//! buffer to encrypt it, the replica decrypts into one; no zero-copy, no
-//! splicing. Each session runs on its own blocking
+//! cache), never holding the snapshot in memory. An encrypted session
+//! (handshakes in `transport::tls`) hands its records to the kernel where
+//! it can (`transport::ktls`), and then runs exactly like a plain one but
+//! for `MSG_ZEROCOPY`; elsewhere it runs the link through a rustls
+//! connection: the source reads each range of the file into a buffer to
+//! encrypt it, the replica decrypts into one; no zero-copy, no splicing.
+//! Each session runs on its own blocking
 //! thread; cancelling shuts the socket down, which unblocks any read or
 //! write at once.
 
@@ -100,7 +102,10 @@ impl CancelHandle {
 /// below it).
 pub struct Link {
     stream: TcpStream,
+    /// TLS in user space.
     tls: Option<Box<Tls>>,
+    /// TLS in the kernel: the socket seals and opens the records.
+    kernel_tls: bool,
     /// The floor the bulk phase must keep, both ways.
     min_rate: MinRate,
     /// The bulk phase's pace, kept across its pieces.
@@ -121,6 +126,7 @@ impl Link {
         Ok(Link {
             stream,
             tls: None,
+            kernel_tls: false,
             min_rate,
             pace: None,
             landing: None,
@@ -131,9 +137,29 @@ impl Link {
         })
     }
 
-    /// Runs the link through `tls`, a connection whose handshake is done.
-    pub fn with_tls(mut self, tls: impl Into<rustls::Connection>) -> std::io::Result<Link> {
+    /// Runs the link through `tls`, a connection whose handshake is done:
+    /// its records in the kernel when `kernel` and the kernel takes them,
+    /// in user space otherwise.
+    pub fn with_tls(
+        mut self,
+        tls: impl Into<rustls::Connection>,
+        kernel: bool,
+    ) -> std::io::Result<Link> {
         let mut conn = tls.into();
+        if kernel {
+            match super::ktls::offload(&self.stream, conn) {
+                Ok(early) => {
+                    self.kernel_tls = true;
+                    self.buf = early;
+                    return Ok(self);
+                }
+                Err(super::ktls::KtlsError::Refused(e, back)) => {
+                    tracing::warn!("TLS stays in user space on this connection: {e}");
+                    conn = *back;
+                }
+                Err(e) => return Err(std::io::Error::other(e)),
+            }
+        }
         // Fewer, larger socket writes; records are 16 KiB either way.
         conn.set_buffer_limit(Some(BULK_CHUNK));
         // rustls reads a record or less per call: it reads from this
@@ -144,9 +170,19 @@ impl Link {
         Ok(self)
     }
 
-    /// Whether the link is encrypted.
+    /// Whether the link encrypts in user space (rustls).
     pub fn is_tls(&self) -> bool {
         self.tls.is_some()
+    }
+
+    /// Whether the link is encrypted, in user space or in the kernel.
+    pub fn encrypted(&self) -> bool {
+        self.kernel_tls || self.tls.is_some()
+    }
+
+    /// Whether the kernel seals and opens the link's records.
+    pub fn kernel_tls(&self) -> bool {
+        self.kernel_tls
     }
 
     /// Reads plaintext: from the socket, or decrypted from its TLS records.
@@ -224,8 +260,10 @@ impl Link {
     }
 
     /// Bytes already read from the stream (past the session proof) that
-    /// the link's next read must see first.
-    pub fn with_read_ahead(mut self, bytes: Vec<u8>) -> Link {
+    /// the link's next read must see first, before any that its TLS had
+    /// decrypted.
+    pub fn with_read_ahead(mut self, mut bytes: Vec<u8>) -> Link {
+        bytes.append(&mut self.buf);
         self.buf = bytes;
         self
     }
@@ -700,9 +738,11 @@ pub fn run_source(link: &mut Link, s: &Serve) -> Result<Result<Outcome, Blk3Erro
     // Only images above glibc's largest mmap threshold are sure to be
     // unmapped (never reused) when freed, so pages the kernel might still
     // hold after an aborted session can never carry other data. Zero-copy
-    // sends the socket's own bytes: not under TLS. A file goes by
-    // `sendfile`, which does not copy either.
-    let zero_copy = len >= ZEROCOPY_MIN && !link.is_tls() && matches!(s.snapshot, Served::Image(_));
+    // sends the socket's own bytes: not under TLS (the kernel's TLS takes
+    // no `MSG_ZEROCOPY`). A file goes by `sendfile`, which does not copy
+    // either.
+    let zero_copy =
+        len >= ZEROCOPY_MIN && !link.encrypted() && matches!(s.snapshot, Served::Image(_));
     let mut io = SourceIo {
         link,
         snapshot: s.snapshot,

@@ -7,8 +7,9 @@
 //! is spent on it), and the replica's blocking handshake, which checks the
 //! source's certificate against the agent's CA and the expected name. The
 //! settings themselves are built from the agent's `[tls]` files by
-//! `rpc::tls`. After the handshake the session's bytes go through
-//! `tcp::Link`.
+//! `rpc::tls`. Both handshakes read through a [`RecordReader`], so that
+//! their keys can go to the kernel afterwards (`transport::ktls`). After
+//! the handshake the session's bytes go through `tcp::Link`.
 
 use std::net::TcpStream;
 use std::sync::Arc;
@@ -16,6 +17,7 @@ use std::time::Duration;
 
 use rustls_pki_types::ServerName;
 
+use super::ktls::RecordReader;
 use super::tcp::TcpError;
 
 /// The first byte of a TLS record carrying a handshake message.
@@ -29,13 +31,16 @@ pub async fn opens_with_tls(stream: &tokio::net::TcpStream) -> std::io::Result<b
     Ok(n == 1 && first[0] == TLS_HANDSHAKE_RECORD)
 }
 
+/// A source's encrypted connection, as its handshake left it.
+pub type ServerStream = tokio_rustls::server::TlsStream<RecordReader<tokio::net::TcpStream>>;
+
 /// The source's side of the handshake, on the runtime.
 pub async fn accept(
     config: &Arc<rustls::ServerConfig>,
     stream: tokio::net::TcpStream,
-) -> std::io::Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>> {
+) -> std::io::Result<ServerStream> {
     tokio_rustls::TlsAcceptor::from(config.clone())
-        .accept(stream)
+        .accept(RecordReader::new(stream))
         .await
 }
 
@@ -59,7 +64,7 @@ pub fn connect(
     };
     stream.set_read_timeout(Some(timeout)).map_err(io)?;
     stream.set_write_timeout(Some(timeout)).map_err(io)?;
-    let mut sock = stream;
+    let mut sock = RecordReader::new(stream);
     while conn.is_handshaking() {
         conn.complete_io(&mut sock).map_err(|e| {
             // A certificate the agent does not trust shows as InvalidData

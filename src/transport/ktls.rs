@@ -1,0 +1,388 @@
+//! Kernel TLS for the TCP data path.
+//!
+//! Owns handing a finished rustls handshake's traffic keys to the kernel
+//! (the `tls` upper-layer protocol: `TCP_ULP`, then `SOL_TLS`'s `TLS_TX`
+//! and `TLS_RX`), so that an encrypted link sends the file with `sendfile`
+//! and receives by splice like a plain one, the kernel sealing and opening
+//! the records; whether this kernel can (a one-time self-test on a
+//! loopback connection); and the record-exact reader a handshake runs
+//! through, so that rustls never holds part of a record the kernel must
+//! then decrypt. rustls keeps the handshake and the certificate checks;
+//! after it, the link is a socket.
+//!
+//! The kernel does not renew keys (RFC 8446 key updates), so a connection
+//! stays under the cipher's confidentiality limit only if it carries less
+//! than [`MAX_BYTES`]; larger sessions keep TLS in user space, where rustls
+//! renews keys. Both ends apply the same rule to the offer's size, so a
+//! kernel receiver never meets a key update it cannot read.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::pin::Pin;
+use std::sync::OnceLock;
+use std::task::{Context, Poll};
+
+use rustls::ConnectionTrafficSecrets;
+
+/// The most bytes one session moves with its keys in the kernel: half of
+/// AES-GCM's limit of 2^24 records of at most 16 KiB under one key.
+pub const MAX_BYTES: u64 = 128 << 30;
+
+/// The length of a TLS record header (type, version, length).
+const RECORD_HEADER: usize = 5;
+
+/// Why this kernel cannot carry TLS records, or `Ok`.
+pub fn available() -> Result<(), &'static str> {
+    static FOUND: OnceLock<Result<(), String>> = OnceLock::new();
+    FOUND
+        .get_or_init(|| self_test().map_err(|e| e.to_string()))
+        .as_ref()
+        .map(|_| ())
+        .map_err(String::as_str)
+}
+
+/// Whether a session of `bytes` moves its records in the kernel, with
+/// `[data] kernel_tls` set to `enabled`.
+pub fn use_kernel(enabled: bool, bytes: u64) -> bool {
+    enabled && bytes <= MAX_BYTES && available().is_ok()
+}
+
+/// How the data plane's TLS is done here, for the status and the logs.
+pub fn describe(enabled: bool) -> String {
+    if !enabled {
+        return "rustls in user space (kernel TLS off: [data] kernel_tls = false)".into();
+    }
+    match available() {
+        Ok(()) => "kernel TLS (rustls handshake, AES-GCM records in the kernel)".into(),
+        Err(why) => format!("rustls in user space (kernel TLS unavailable: {why})"),
+    }
+}
+
+/// Why the keys could not be handed to the kernel.
+#[derive(Debug, thiserror::Error)]
+pub enum KtlsError {
+    /// The socket refused the `tls` upper-layer protocol: the connection
+    /// is unchanged and rustls carries on in user space.
+    #[error("the kernel refused the tls protocol on this socket: {0}")]
+    Refused(std::io::Error, Box<rustls::Connection>),
+    /// rustls could not give up the connection's keys, or the kernel took
+    /// the protocol but not the keys: the connection cannot be used.
+    #[error("kernel TLS setup failed after the handshake: {0}")]
+    Failed(String),
+}
+
+/// Moves `conn`'s record protection onto `stream`: from now on the kernel
+/// encrypts what is written to the socket and decrypts what is read.
+/// Returns the plaintext rustls had already decrypted, which comes first.
+/// The handshake must have read through a [`RecordReader`] and left
+/// nothing to send.
+pub fn offload(stream: &TcpStream, mut conn: rustls::Connection) -> Result<Vec<u8>, KtlsError> {
+    let fd = stream.as_raw_fd();
+    if conn.wants_write() {
+        return Err(KtlsError::Failed("rustls still has records to send".into()));
+    }
+    let ulp = b"tls";
+    if let Err(e) = setsockopt(fd, libc::SOL_TCP, libc::TCP_ULP, ulp) {
+        return Err(KtlsError::Refused(e, Box::new(conn)));
+    }
+    let mut early = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        match conn.reader().read(&mut chunk) {
+            Ok(0) => break,
+            Ok(n) => early.extend_from_slice(&chunk[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+            Err(e) => return Err(KtlsError::Failed(e.to_string())),
+        }
+    }
+    let secrets = conn
+        .dangerous_extract_secrets()
+        .map_err(|e| KtlsError::Failed(e.to_string()))?;
+    for (dir, (seq, keys)) in [(libc::TLS_TX, &secrets.tx), (libc::TLS_RX, &secrets.rx)] {
+        let info = CryptoInfo::new(*seq, keys)
+            .ok_or_else(|| KtlsError::Failed("the negotiated cipher has no kernel form".into()))?;
+        info.install(fd, dir)
+            .map_err(|e| KtlsError::Failed(e.to_string()))?;
+    }
+    Ok(early)
+}
+
+fn setsockopt(fd: i32, level: i32, name: i32, value: &[u8]) -> std::io::Result<()> {
+    // SAFETY: `value` is valid for its length during the call; the kernel
+    // copies it.
+    let rc =
+        unsafe { libc::setsockopt(fd, level, name, value.as_ptr().cast(), value.len() as u32) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// One direction's keys in the kernel's layout (TLS 1.3).
+enum CryptoInfo {
+    Aes128(libc::tls12_crypto_info_aes_gcm_128),
+    Aes256(libc::tls12_crypto_info_aes_gcm_256),
+    Chacha(libc::tls12_crypto_info_chacha20_poly1305),
+}
+
+/// The TLS 1.3 header of the kernel's key structs.
+fn header(cipher_type: u16) -> libc::tls_crypto_info {
+    libc::tls_crypto_info {
+        version: libc::TLS_1_3_VERSION,
+        cipher_type,
+    }
+}
+
+/// Views a plain-old-data key struct as the bytes `setsockopt` copies.
+fn as_bytes<T>(info: &T) -> &[u8] {
+    // SAFETY: the kernel's crypto_info structs are packed arrays of bytes
+    // after two u16s: no padding, every byte initialised.
+    unsafe { std::slice::from_raw_parts((info as *const T).cast(), size_of::<T>()) }
+}
+
+impl CryptoInfo {
+    /// The kernel's form of `keys` with record sequence `seq`; `None` for
+    /// a cipher the kernel has no TLS 1.3 form of.
+    fn new(seq: u64, keys: &ConnectionTrafficSecrets) -> Option<CryptoInfo> {
+        match keys {
+            ConnectionTrafficSecrets::Aes128Gcm { key, iv } => {
+                CryptoInfo::aes_128_gcm(seq, key.as_ref(), iv.as_ref())
+            }
+            ConnectionTrafficSecrets::Aes256Gcm { key, iv } => {
+                let (salt, iv) = iv.as_ref().split_at(4);
+                Some(CryptoInfo::Aes256(libc::tls12_crypto_info_aes_gcm_256 {
+                    info: header(libc::TLS_CIPHER_AES_GCM_256),
+                    iv: iv.try_into().ok()?,
+                    key: key.as_ref().try_into().ok()?,
+                    salt: salt.try_into().ok()?,
+                    rec_seq: seq.to_be_bytes(),
+                }))
+            }
+            ConnectionTrafficSecrets::Chacha20Poly1305 { key, iv } => Some(CryptoInfo::Chacha(
+                libc::tls12_crypto_info_chacha20_poly1305 {
+                    info: header(libc::TLS_CIPHER_CHACHA20_POLY1305),
+                    iv: iv.as_ref().try_into().ok()?,
+                    key: key.as_ref().try_into().ok()?,
+                    salt: [],
+                    rec_seq: seq.to_be_bytes(),
+                },
+            )),
+            _ => None,
+        }
+    }
+
+    /// AES-128-GCM: the 12-byte nonce base is a 4-byte salt and an 8-byte
+    /// IV (AES-256-GCM alike).
+    fn aes_128_gcm(seq: u64, key: &[u8], nonce: &[u8]) -> Option<CryptoInfo> {
+        let (salt, iv) = nonce.split_at(4);
+        Some(CryptoInfo::Aes128(libc::tls12_crypto_info_aes_gcm_128 {
+            info: header(libc::TLS_CIPHER_AES_GCM_128),
+            iv: iv.try_into().ok()?,
+            key: key.try_into().ok()?,
+            salt: salt.try_into().ok()?,
+            rec_seq: seq.to_be_bytes(),
+        }))
+    }
+
+    /// Gives the kernel these keys for direction `dir` (`TLS_TX`/`TLS_RX`).
+    fn install(&self, fd: i32, dir: i32) -> std::io::Result<()> {
+        let bytes = match self {
+            CryptoInfo::Aes128(i) => as_bytes(i),
+            CryptoInfo::Aes256(i) => as_bytes(i),
+            CryptoInfo::Chacha(i) => as_bytes(i),
+        };
+        setsockopt(fd, libc::SOL_TLS, dir, bytes)
+    }
+}
+
+/// Sends a record sealed by the kernel over loopback and opens it on the
+/// other end, with a fixed test key: proves the `tls` module, TLS 1.3 and
+/// AES-128-GCM in both directions.
+fn self_test() -> std::io::Result<()> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let tx = TcpStream::connect(listener.local_addr()?)?;
+    let (rx, _) = listener.accept()?;
+    let key = CryptoInfo::aes_128_gcm(0, &[7; 16], &[9; 12]).expect("sizes of AES-128-GCM");
+    for (s, dir) in [(&tx, libc::TLS_TX), (&rx, libc::TLS_RX)] {
+        setsockopt(s.as_raw_fd(), libc::SOL_TCP, libc::TCP_ULP, b"tls")
+            .map_err(|e| with_context(e, "the tls module (tcp_ulp)"))?;
+        key.install(s.as_raw_fd(), dir)
+            .map_err(|e| with_context(e, "TLS 1.3 AES-128-GCM keys"))?;
+    }
+    (&tx).write_all(b"kvsync")?;
+    rx.set_read_timeout(Some(std::time::Duration::from_secs(5)))?;
+    let mut got = [0u8; 6];
+    (&rx).read_exact(&mut got)?;
+    if &got == b"kvsync" {
+        Ok(())
+    } else {
+        Err(std::io::Error::other("the kernel's record did not open"))
+    }
+}
+
+fn with_context(e: std::io::Error, what: &str) -> std::io::Error {
+    let why = match e.raw_os_error() {
+        Some(libc::ENOENT) => "not in this kernel".to_string(),
+        _ => e.to_string(),
+    };
+    std::io::Error::new(e.kind(), format!("{what}: {why}"))
+}
+
+/// A stream whose reads end at TLS record boundaries: a read returns at
+/// most the rest of the current record (or of its header), so when rustls
+/// finishes a record it holds no byte of the next one, which stays in the
+/// socket for the kernel. Writes pass through.
+pub struct RecordReader<S> {
+    inner: S,
+    header: [u8; RECORD_HEADER],
+    /// Header bytes of the next record read so far.
+    have: usize,
+    /// Body bytes of the current record still to read.
+    body: usize,
+}
+
+impl<S> RecordReader<S> {
+    pub fn new(inner: S) -> Self {
+        RecordReader {
+            inner,
+            header: [0; RECORD_HEADER],
+            have: 0,
+            body: 0,
+        }
+    }
+
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// How many bytes the next read may take.
+    fn limit(&self, want: usize) -> usize {
+        want.min(if self.body > 0 {
+            self.body
+        } else {
+            RECORD_HEADER - self.have
+        })
+    }
+
+    /// Accounts for `got`, the bytes just read.
+    fn advance(&mut self, got: &[u8]) {
+        if self.body > 0 {
+            self.body -= got.len();
+            return;
+        }
+        self.header[self.have..self.have + got.len()].copy_from_slice(got);
+        self.have += got.len();
+        if self.have == RECORD_HEADER {
+            self.have = 0;
+            self.body = u16::from_be_bytes([self.header[3], self.header[4]]) as usize;
+        }
+    }
+}
+
+impl<S: Read> Read for RecordReader<S> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.limit(buf.len());
+        let got = self.inner.read(&mut buf[..n])?;
+        self.advance(&buf[..got]);
+        Ok(got)
+    }
+}
+
+impl<S: Write> Write for RecordReader<S> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.inner.write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for RecordReader<S> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        let n = this.limit(buf.remaining());
+        let mut limited = buf.take(n);
+        std::task::ready!(Pin::new(&mut this.inner).poll_read(cx, &mut limited))?;
+        let got = limited.filled().len();
+        // SAFETY: `limited` is `buf`'s unfilled part, of which the read
+        // initialised the first `got` bytes.
+        unsafe { buf.assume_init(got) };
+        let start = buf.filled().len();
+        buf.advance(got);
+        this.advance(&buf.filled()[start..]);
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for RecordReader<S> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A record-exact reader never hands over bytes past the record it is
+    /// in, whatever the caller asks for.
+    #[test]
+    fn reads_stop_at_record_boundaries() {
+        let mut wire = Vec::new();
+        for body in [3usize, 0, 300] {
+            wire.extend_from_slice(&[0x17, 3, 3]);
+            wire.extend_from_slice(&(body as u16).to_be_bytes());
+            wire.extend(std::iter::repeat_n(0xab, body));
+        }
+        let mut r = RecordReader::new(&wire[..]);
+        let mut sizes = Vec::new();
+        let mut buf = [0u8; 1024];
+        loop {
+            let n = r.read(&mut buf).unwrap();
+            if n == 0 {
+                break;
+            }
+            sizes.push(n);
+        }
+        assert_eq!(sizes, vec![5, 3, 5, 5, 300]);
+    }
+
+    /// On a kernel without the tls module (this build host's), the
+    /// self-test says so, and nothing uses the kernel.
+    #[test]
+    fn availability_is_reported_either_way() {
+        match available() {
+            Ok(()) => assert!(use_kernel(true, 1 << 20)),
+            Err(why) => {
+                assert!(why.contains("tls"), "{why}");
+                assert!(!use_kernel(true, 1 << 20));
+                assert!(describe(true).contains("kernel TLS unavailable"));
+            }
+        }
+        assert!(!use_kernel(true, MAX_BYTES + 1));
+        assert!(!use_kernel(false, 1));
+    }
+}
