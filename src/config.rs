@@ -253,7 +253,7 @@ pub struct DataConfig {
     pub tls: DataTls,
     /// After rustls's handshake, hand the records to the kernel (kTLS)
     /// where it has the `tls` module: the source then sends with
-    /// `sendfile` and the replica splices, as without TLS.
+    /// `sendfile` as without TLS, and the replica reads decrypted bytes.
     pub kernel_tls: bool,
     /// Source: the size of the pieces its snapshots are checked and
     /// resumed in (a power of two, 1 MiB to 256 MiB).

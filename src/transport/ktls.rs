@@ -3,8 +3,8 @@
 //! Owns handing a finished rustls handshake's traffic keys to the kernel
 //! (the `tls` upper-layer protocol: `TCP_ULP`, then `SOL_TLS`'s `TLS_TX`
 //! and `TLS_RX`), so that an encrypted link sends the file with `sendfile`
-//! and receives by splice like a plain one, the kernel sealing and opening
-//! the records; whether this kernel can (a one-time self-test on a
+//! like a plain one and receives with the kernel decrypting straight into
+//! the replica's buffer (`TLS_RX_EXPECT_NO_PAD`: rustls never pads); whether this kernel can (a one-time self-test on a
 //! loopback connection); and the record-exact reader a handshake runs
 //! through, so that rustls never holds part of a record the kernel must
 //! then decrypt. rustls keeps the handshake and the certificate checks;
@@ -105,6 +105,14 @@ pub fn offload(stream: &TcpStream, mut conn: rustls::Connection) -> Result<Vec<u
         info.install(fd, dir)
             .map_err(|e| KtlsError::Failed(e.to_string()))?;
     }
+    // Lets the kernel decrypt into the reader's buffer (kernels from 6.0;
+    // older ones decrypt, then copy). A padded record is still read right.
+    let _ = setsockopt(
+        fd,
+        libc::SOL_TLS,
+        libc::TLS_RX_EXPECT_NO_PAD,
+        &1u32.to_ne_bytes(),
+    );
     Ok(early)
 }
 

@@ -10,10 +10,12 @@
 //! stream through a pipe into its [`Sink`]'s file (one copy, into the page
 //! cache), never holding the snapshot in memory. An encrypted session
 //! (handshakes in `transport::tls`) hands its records to the kernel where
-//! it can (`transport::ktls`), and then runs exactly like a plain one but
-//! for `MSG_ZEROCOPY`; elsewhere it runs the link through a rustls
-//! connection: the source reads each range of the file into a buffer to
-//! encrypt it, the replica decrypts into one; no zero-copy, no splicing.
+//! it can (`transport::ktls`): the source still sends with `sendfile`, the
+//! replica reads into a buffer the kernel decrypts into (in the VM that
+//! took half the CPU of splicing decrypted records); elsewhere it runs the
+//! link through a rustls connection: the source reads each range of the
+//! file into a buffer to encrypt it, the replica decrypts into one. No
+//! `MSG_ZEROCOPY` under TLS, no splicing.
 //! Each session runs on its own blocking
 //! thread; cancelling shuts the socket down, which unblocks any read or
 //! write at once.
@@ -371,7 +373,8 @@ impl Link {
 
     /// Reads exactly `len` raw bulk bytes of piece `index` into `sink`,
     /// at no less than the link's minimum rate: spliced into its file
-    /// through a pipe on a plain link, through a buffer under TLS.
+    /// through a pipe on a plain link, through a buffer under TLS (in user
+    /// space or in the kernel).
     fn read_bulk(&mut self, len: u64, index: u32, sink: &mut dyn Sink) -> Result<(), TcpError> {
         let mut left = len;
         // Bytes read past the last frame belong to the bulk.
@@ -381,10 +384,10 @@ impl Link {
             self.buf.drain(..n);
             left -= n as u64;
         }
-        let mut into = match (self.landing.take(), &self.tls) {
+        let mut into = match (self.landing.take(), self.encrypted()) {
             (Some(into), _) => into,
-            (None, None) => Landing::Pipe(Pipe::new().map_err(|e| self.err("create a pipe", e))?),
-            (None, Some(_)) => {
+            (None, false) => Landing::Pipe(Pipe::new().map_err(|e| self.err("create a pipe", e))?),
+            (None, true) => {
                 Landing::Buffer(AlignedBuf::new(BULK_CHUNK).map_err(|e| self.err("allocate", e))?)
             }
         };
@@ -439,7 +442,8 @@ struct Tls {
 enum Landing {
     /// A plain link: a pipe the kernel splices the socket's bytes through.
     Pipe(Pipe),
-    /// An encrypted link: a buffer for the decrypted bytes.
+    /// An encrypted link: a buffer for the decrypted bytes (by rustls, or
+    /// by the kernel straight into it).
     Buffer(AlignedBuf),
 }
 
