@@ -490,3 +490,108 @@ async fn every_failure_behaves_the_same_on_every_transport() {
     let r = run(Case::UntrustedSource, Wire::Tls, &dir, &tls).await;
     check(Case::UntrustedSource, Wire::Tls, r, &dir, &tls).await;
 }
+
+/// Sends `send` and then reads `expect` over a handshaken TLS connection,
+/// after trying to give its keys to the kernel: where the
+/// kernel has TLS (`ktls::available`) the keys must go and the socket
+/// itself carries the bytes; where it has not, the connection must come
+/// back intact and rustls carries them.
+fn exchange_after_offload(
+    stream: std::net::TcpStream,
+    conn: rustls::Connection,
+    send: &[u8],
+    expect: &[u8],
+) -> &'static str {
+    use std::io::{Read, Write};
+    let mut got = vec![0u8; expect.len()];
+    match ktls::offload(&stream, conn) {
+        Ok(early) => {
+            assert!(
+                ktls::available().is_ok(),
+                "keys taken by a kernel without TLS"
+            );
+            assert!(early.is_empty(), "nothing decrypted before the hand-over");
+            (&stream).write_all(send).unwrap();
+            (&stream).read_exact(&mut got).unwrap();
+            assert_eq!(got, expect);
+            "kernel"
+        }
+        Err(ktls::KtlsError::Refused(_, conn)) => {
+            assert!(
+                ktls::available().is_err(),
+                "kernel TLS refused: {:?}",
+                ktls::available()
+            );
+            let (mut conn, mut sock) = (*conn, &stream);
+            conn.writer().write_all(send).unwrap();
+            while conn.wants_write() {
+                conn.write_tls(&mut sock).unwrap();
+            }
+            let mut have = 0;
+            while have < got.len() {
+                match conn.reader().read(&mut got[have..]) {
+                    Ok(n) if n > 0 => have += n,
+                    _ => {
+                        conn.read_tls(&mut sock).unwrap();
+                        conn.process_new_packets().unwrap();
+                    }
+                }
+            }
+            assert_eq!(got, expect);
+            "rustls"
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// The hand-over to the kernel's TLS on this machine's kernel: both ends of
+/// a real handshake (the source's on the runtime, the replica's blocking)
+/// either give their keys to the kernel and talk through it, or keep a
+/// working rustls connection. The soft-RoCE VM test runs the kernel's side
+/// against rustls in real syncs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kernel_tls_takes_the_keys_or_leaves_rustls_working() {
+    let dir = tempfile::tempdir().unwrap();
+    let tls = Tls::new(dir.path());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let client = tls.client.clone();
+    let replica = std::thread::spawn(move || {
+        let s = std::net::TcpStream::connect(addr).unwrap();
+        let conn =
+            kvsync::transport::tls::connect(&client, "localhost", &s, Duration::from_secs(10))
+                .unwrap();
+        exchange_after_offload(
+            s,
+            conn.into(),
+            b"hello from the replica",
+            b"and from the source",
+        )
+    });
+    let (s, _) = listener.accept().await.unwrap();
+    // The source reads the replica's first message through rustls, as it
+    // reads the session proof, and only then hands the keys over.
+    let mut t = kvsync::transport::tls::accept(&tls.server, s)
+        .await
+        .unwrap();
+    let mut first = [0u8; 22];
+    tokio::io::AsyncReadExt::read_exact(&mut t, &mut first)
+        .await
+        .unwrap();
+    assert_eq!(&first, b"hello from the replica");
+    let (reader, conn) = t.into_inner();
+    let s = reader.into_inner().into_std().unwrap();
+    s.set_nonblocking(false).unwrap();
+    let source = tokio::task::spawn_blocking(move || {
+        exchange_after_offload(s, conn.into(), b"and from the source", b"")
+    })
+    .await
+    .unwrap();
+    let replica = replica.join().unwrap();
+    let expected = if ktls::available().is_ok() {
+        "kernel"
+    } else {
+        "rustls"
+    };
+    assert_eq!((source, replica), (expected, expected));
+}
