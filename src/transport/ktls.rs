@@ -75,8 +75,11 @@ pub enum KtlsError {
 /// Moves `conn`'s record protection onto `stream`: from now on the kernel
 /// encrypts what is written to the socket and decrypts what is read.
 /// Returns the plaintext rustls had already decrypted, which comes first.
-/// The handshake must have read through a [`RecordReader`] and left
-/// nothing to send.
+/// rustls must have read through a [`RecordReader`] and stopped at the end
+/// of a record, and have nothing left to send: the source hands over after
+/// the session proof (a read that returns plaintext has just finished a
+/// record); the replica right after its handshake (the source sends
+/// nothing until it has the proof).
 pub fn offload(stream: &TcpStream, mut conn: rustls::Connection) -> Result<Vec<u8>, KtlsError> {
     let fd = stream.as_raw_fd();
     if conn.wants_write() {
