@@ -4,10 +4,10 @@
 //! (the `tls` upper-layer protocol: `TCP_ULP`, then `SOL_TLS`'s `TLS_TX`
 //! and `TLS_RX`), so that an encrypted link sends the file with `sendfile`
 //! like a plain one and receives with the kernel decrypting straight into
-//! the replica's buffer (`TLS_RX_EXPECT_NO_PAD`: rustls never pads); whether this kernel can (a one-time self-test on a
-//! loopback connection); and the record-exact reader a handshake runs
-//! through, so that rustls never holds part of a record the kernel must
-//! then decrypt. rustls keeps the handshake and the certificate checks;
+//! the replica's buffer (`TLS_RX_EXPECT_NO_PAD`: rustls never pads);
+//! whether this kernel can (a one-time self-test on a loopback
+//! connection); and the record-exact reader a handshake runs through, so
+//! that rustls never holds part of a record the kernel must then decrypt. rustls keeps the handshake and the certificate checks;
 //! after it, the link is a socket.
 //!
 //! The kernel does not renew keys (RFC 8446 key updates), so a connection
@@ -85,8 +85,7 @@ pub fn offload(stream: &TcpStream, mut conn: rustls::Connection) -> Result<Vec<u
     if conn.wants_write() {
         return Err(KtlsError::Failed("rustls still has records to send".into()));
     }
-    let ulp = b"tls";
-    if let Err(e) = setsockopt(fd, libc::SOL_TCP, libc::TCP_ULP, ulp) {
+    if let Err(e) = setsockopt(fd, libc::SOL_TCP, libc::TCP_ULP, b"tls") {
         return Err(KtlsError::Refused(e, Box::new(conn)));
     }
     let mut early = Vec::new();
@@ -110,20 +109,16 @@ pub fn offload(stream: &TcpStream, mut conn: rustls::Connection) -> Result<Vec<u
     }
     // Lets the kernel decrypt into the reader's buffer (kernels from 6.0;
     // older ones decrypt, then copy). A padded record is still read right.
-    let _ = setsockopt(
-        fd,
-        libc::SOL_TLS,
-        libc::TLS_RX_EXPECT_NO_PAD,
-        &1u32.to_ne_bytes(),
-    );
+    let _ = setsockopt(fd, libc::SOL_TLS, libc::TLS_RX_EXPECT_NO_PAD, &1u32);
     Ok(early)
 }
 
-fn setsockopt(fd: i32, level: i32, name: i32, value: &[u8]) -> std::io::Result<()> {
-    // SAFETY: `value` is valid for its length during the call; the kernel
-    // copies it.
-    let rc =
-        unsafe { libc::setsockopt(fd, level, name, value.as_ptr().cast(), value.len() as u32) };
+/// Sets socket option `name` to the bytes of `value`.
+fn setsockopt<T>(fd: i32, level: i32, name: i32, value: &T) -> std::io::Result<()> {
+    let len = size_of::<T>() as libc::socklen_t;
+    // SAFETY: `value` is a live `T` of `len` bytes for the call; the kernel
+    // only copies them.
+    let rc = unsafe { libc::setsockopt(fd, level, name, (value as *const T).cast(), len) };
     if rc == 0 {
         Ok(())
     } else {
@@ -144,13 +139,6 @@ fn header(cipher_type: u16) -> libc::tls_crypto_info {
         version: libc::TLS_1_3_VERSION,
         cipher_type,
     }
-}
-
-/// Views a plain-old-data key struct as the bytes `setsockopt` copies.
-fn as_bytes<T>(info: &T) -> &[u8] {
-    // SAFETY: the kernel's crypto_info structs are packed arrays of bytes
-    // after two u16s: no padding, every byte initialised.
-    unsafe { std::slice::from_raw_parts((info as *const T).cast(), size_of::<T>()) }
 }
 
 impl CryptoInfo {
@@ -199,12 +187,11 @@ impl CryptoInfo {
 
     /// Gives the kernel these keys for direction `dir` (`TLS_TX`/`TLS_RX`).
     fn install(&self, fd: i32, dir: i32) -> std::io::Result<()> {
-        let bytes = match self {
-            CryptoInfo::Aes128(i) => as_bytes(i),
-            CryptoInfo::Aes256(i) => as_bytes(i),
-            CryptoInfo::Chacha(i) => as_bytes(i),
-        };
-        setsockopt(fd, libc::SOL_TLS, dir, bytes)
+        match self {
+            CryptoInfo::Aes128(i) => setsockopt(fd, libc::SOL_TLS, dir, i),
+            CryptoInfo::Aes256(i) => setsockopt(fd, libc::SOL_TLS, dir, i),
+            CryptoInfo::Chacha(i) => setsockopt(fd, libc::SOL_TLS, dir, i),
+        }
     }
 }
 

@@ -127,18 +127,19 @@ impl DataLink {
                     .map_err(|e| e.to_string())?;
                 super::detect_dead_peer(&s, spec.peer_timeout).map_err(|e| e.to_string())?;
                 let tls = match &spec.tls {
-                    Some(tls) => Some(
-                        super::tls::connect(&tls.config, &tls.name, &s, spec.peer_timeout)
+                    Some(t) => Some((
+                        super::tls::connect(&t.config, &t.name, &s, spec.peer_timeout)
                             .map_err(|e| e.to_string())?,
-                    ),
+                        t.kernel,
+                    )),
                     None => None,
                 };
                 let link = Link::new(s, spec.min_rate).map_err(|e| e.to_string())?;
-                Ok(DataLink::Tcp(match (tls, &spec.tls) {
-                    (Some(conn), Some(t)) => {
-                        link.with_tls(conn, t.kernel).map_err(|e| e.to_string())?
+                Ok(DataLink::Tcp(match tls {
+                    Some((conn, kernel)) => {
+                        link.with_tls(conn, kernel).map_err(|e| e.to_string())?
                     }
-                    _ => link,
+                    None => link,
                 }))
             }
             Some(RdmaProvider::Emulated) => {
@@ -377,7 +378,7 @@ impl SourceLink {
     pub fn tls(&self) -> &'static str {
         match self {
             SourceLink::Tcp(link) if link.kernel_tls() => "kernel",
-            SourceLink::Tcp(link) if link.is_tls() => "rustls",
+            SourceLink::Tcp(link) if link.user_space_tls() => "rustls",
             _ => "off",
         }
     }

@@ -15,10 +15,9 @@
 //! took half the CPU of splicing decrypted records); elsewhere it runs the
 //! link through a rustls connection: the source reads each range of the
 //! file into a buffer to encrypt it, the replica decrypts into one. No
-//! `MSG_ZEROCOPY` under TLS, no splicing.
-//! Each session runs on its own blocking
-//! thread; cancelling shuts the socket down, which unblocks any read or
-//! write at once.
+//! `MSG_ZEROCOPY` under TLS, no splicing. Each session runs on its own
+//! blocking thread; cancelling shuts the socket down, which unblocks any
+//! read or write at once.
 
 use std::io::{BufReader, Read, Write};
 use std::net::{Shutdown, TcpStream};
@@ -173,7 +172,7 @@ impl Link {
     }
 
     /// Whether the link encrypts in user space (rustls).
-    pub fn is_tls(&self) -> bool {
+    pub fn user_space_tls(&self) -> bool {
         self.tls.is_some()
     }
 
@@ -606,7 +605,7 @@ impl SourceIo<'_> {
                 rate.paced(n, |r| self.send_grain(&bytes[r], true))
             }
             // TLS encrypts in user space: read the range, then send it.
-            Served::File(file) if self.link.is_tls() => {
+            Served::File(file) if self.link.user_space_tls() => {
                 let mut plaintext = std::mem::take(&mut self.plaintext);
                 plaintext.resize(n, 0);
                 file.read_at(&mut plaintext, at)?;
