@@ -508,9 +508,10 @@ async fn start_data_plane(
         tcp: tcp_addr,
         rdma,
         local_rdma,
-        tls: match plane.tls {
-            Some(_) => ktls::describe(plane.kernel_tls),
-            None => "off".into(),
+        tls: if config.data_tls() {
+            ktls::describe(config.data.kernel_tls)
+        } else {
+            "off".into()
         },
     })
 }
