@@ -23,10 +23,10 @@ use std::pin::Pin;
 use std::sync::OnceLock;
 use std::task::{Context, Poll};
 
-use rustls::ConnectionTrafficSecrets;
+use rustls::{CipherSuite, ConnectionTrafficSecrets};
 
 /// The most bytes one session moves with its keys in the kernel: half of
-/// AES-GCM's limit of 2^24 records of at most 16 KiB under one key.
+/// AES-128-GCM's limit of 2^24 records of at most 16 KiB under one key.
 pub const MAX_BYTES: u64 = 128 << 30;
 
 /// The length of a TLS record header (type, version, length).
@@ -54,7 +54,7 @@ pub fn describe(enabled: bool) -> String {
         return "rustls in user space (kernel TLS off: [data] kernel_tls = false)".into();
     }
     match available() {
-        Ok(()) => "kernel TLS (rustls handshake, AES-GCM records in the kernel)".into(),
+        Ok(()) => "kernel TLS (rustls handshake, AES-128-GCM records in the kernel)".into(),
         Err(why) => format!("rustls in user space (kernel TLS unavailable: {why})"),
     }
 }
@@ -62,10 +62,11 @@ pub fn describe(enabled: bool) -> String {
 /// Why the keys could not be handed to the kernel.
 #[derive(Debug, thiserror::Error)]
 pub enum KtlsError {
-    /// The socket refused the `tls` upper-layer protocol: the connection
-    /// is unchanged and rustls carries on in user space.
-    #[error("the kernel refused the tls protocol on this socket: {0}")]
-    Refused(std::io::Error, Box<rustls::Connection>),
+    /// The kernel cannot take this connection (another cipher than the
+    /// self-test proved, or a socket that refuses the `tls` protocol): the
+    /// connection is unchanged and rustls carries on in user space.
+    #[error("TLS stays in user space on this connection: {0}")]
+    Refused(String, Box<rustls::Connection>),
     /// rustls could not give up the connection's keys, or the kernel took
     /// the protocol but not the keys: the connection cannot be used.
     #[error("kernel TLS setup failed after the handshake: {0}")]
@@ -79,14 +80,21 @@ pub enum KtlsError {
 /// of a record, and have nothing left to send: the source hands over after
 /// the session proof (a read that returns plaintext has just finished a
 /// record); the replica right after its handshake (the source sends
-/// nothing until it has the proof).
+/// nothing until it has the proof). Only AES-128-GCM, the data plane's
+/// first choice and what [`available`] proved, goes to the kernel.
 pub fn offload(stream: &TcpStream, mut conn: rustls::Connection) -> Result<Vec<u8>, KtlsError> {
     let fd = stream.as_raw_fd();
     if conn.wants_write() {
         return Err(KtlsError::Failed("rustls still has records to send".into()));
     }
+    let suite = conn.negotiated_cipher_suite().map(|s| s.suite());
+    if suite != Some(CipherSuite::TLS13_AES_128_GCM_SHA256) {
+        let why = format!("the kernel takes only AES-128-GCM here, not {suite:?}");
+        return Err(KtlsError::Refused(why, Box::new(conn)));
+    }
     if let Err(e) = setsockopt(fd, libc::SOL_TCP, libc::TCP_ULP, b"tls") {
-        return Err(KtlsError::Refused(e, Box::new(conn)));
+        let why = format!("the socket refused the tls protocol: {e}");
+        return Err(KtlsError::Refused(why, Box::new(conn)));
     }
     let mut early = Vec::new();
     let mut chunk = [0u8; 4096];
@@ -101,11 +109,15 @@ pub fn offload(stream: &TcpStream, mut conn: rustls::Connection) -> Result<Vec<u
     let secrets = conn
         .dangerous_extract_secrets()
         .map_err(|e| KtlsError::Failed(e.to_string()))?;
-    for (dir, (seq, keys)) in [(libc::TLS_TX, &secrets.tx), (libc::TLS_RX, &secrets.rx)] {
-        let info = CryptoInfo::new(*seq, keys)
-            .ok_or_else(|| KtlsError::Failed("the negotiated cipher has no kernel form".into()))?;
-        info.install(fd, dir)
-            .map_err(|e| KtlsError::Failed(e.to_string()))?;
+    for (dir, (seq, keys)) in [(libc::TLS_TX, secrets.tx), (libc::TLS_RX, secrets.rx)] {
+        let ConnectionTrafficSecrets::Aes128Gcm { key, iv } = keys else {
+            return Err(KtlsError::Failed(
+                "rustls gave keys of another cipher".into(),
+            ));
+        };
+        let info = aes_128_gcm(seq, key.as_ref(), iv.as_ref())
+            .ok_or_else(|| KtlsError::Failed("AES-128-GCM keys of the wrong size".into()))?;
+        setsockopt(fd, libc::SOL_TLS, dir, &info).map_err(|e| KtlsError::Failed(e.to_string()))?;
     }
     // Lets the kernel decrypt into the reader's buffer (kernels from 6.0;
     // older ones decrypt, then copy). A padded record is still read right.
@@ -126,73 +138,21 @@ fn setsockopt<T>(fd: i32, level: i32, name: i32, value: &T) -> std::io::Result<(
     }
 }
 
-/// One direction's keys in the kernel's layout (TLS 1.3).
-enum CryptoInfo {
-    Aes128(libc::tls12_crypto_info_aes_gcm_128),
-    Aes256(libc::tls12_crypto_info_aes_gcm_256),
-    Chacha(libc::tls12_crypto_info_chacha20_poly1305),
-}
-
-/// The TLS 1.3 header of the kernel's key structs.
-fn header(cipher_type: u16) -> libc::tls_crypto_info {
-    libc::tls_crypto_info {
-        version: libc::TLS_1_3_VERSION,
-        cipher_type,
-    }
-}
-
-impl CryptoInfo {
-    /// The kernel's form of `keys` with record sequence `seq`; `None` for
-    /// a cipher the kernel has no TLS 1.3 form of.
-    fn new(seq: u64, keys: &ConnectionTrafficSecrets) -> Option<CryptoInfo> {
-        match keys {
-            ConnectionTrafficSecrets::Aes128Gcm { key, iv } => {
-                CryptoInfo::aes_128_gcm(seq, key.as_ref(), iv.as_ref())
-            }
-            ConnectionTrafficSecrets::Aes256Gcm { key, iv } => {
-                let (salt, iv) = iv.as_ref().split_at(4);
-                Some(CryptoInfo::Aes256(libc::tls12_crypto_info_aes_gcm_256 {
-                    info: header(libc::TLS_CIPHER_AES_GCM_256),
-                    iv: iv.try_into().ok()?,
-                    key: key.as_ref().try_into().ok()?,
-                    salt: salt.try_into().ok()?,
-                    rec_seq: seq.to_be_bytes(),
-                }))
-            }
-            ConnectionTrafficSecrets::Chacha20Poly1305 { key, iv } => Some(CryptoInfo::Chacha(
-                libc::tls12_crypto_info_chacha20_poly1305 {
-                    info: header(libc::TLS_CIPHER_CHACHA20_POLY1305),
-                    iv: iv.as_ref().try_into().ok()?,
-                    key: key.as_ref().try_into().ok()?,
-                    salt: [],
-                    rec_seq: seq.to_be_bytes(),
-                },
-            )),
-            _ => None,
-        }
-    }
-
-    /// AES-128-GCM: the 12-byte nonce base is a 4-byte salt and an 8-byte
-    /// IV (AES-256-GCM alike).
-    fn aes_128_gcm(seq: u64, key: &[u8], nonce: &[u8]) -> Option<CryptoInfo> {
-        let (salt, iv) = nonce.split_at(4);
-        Some(CryptoInfo::Aes128(libc::tls12_crypto_info_aes_gcm_128 {
-            info: header(libc::TLS_CIPHER_AES_GCM_128),
-            iv: iv.try_into().ok()?,
-            key: key.try_into().ok()?,
-            salt: salt.try_into().ok()?,
-            rec_seq: seq.to_be_bytes(),
-        }))
-    }
-
-    /// Gives the kernel these keys for direction `dir` (`TLS_TX`/`TLS_RX`).
-    fn install(&self, fd: i32, dir: i32) -> std::io::Result<()> {
-        match self {
-            CryptoInfo::Aes128(i) => setsockopt(fd, libc::SOL_TLS, dir, i),
-            CryptoInfo::Aes256(i) => setsockopt(fd, libc::SOL_TLS, dir, i),
-            CryptoInfo::Chacha(i) => setsockopt(fd, libc::SOL_TLS, dir, i),
-        }
-    }
+/// One direction's TLS 1.3 AES-128-GCM keys in the kernel's layout, with
+/// record sequence `seq`: the 12-byte nonce base is a 4-byte salt and an
+/// 8-byte IV. `None` for keys of other sizes.
+fn aes_128_gcm(seq: u64, key: &[u8], nonce: &[u8]) -> Option<libc::tls12_crypto_info_aes_gcm_128> {
+    let (salt, iv) = nonce.split_at_checked(4)?;
+    Some(libc::tls12_crypto_info_aes_gcm_128 {
+        info: libc::tls_crypto_info {
+            version: libc::TLS_1_3_VERSION,
+            cipher_type: libc::TLS_CIPHER_AES_GCM_128,
+        },
+        iv: iv.try_into().ok()?,
+        key: key.try_into().ok()?,
+        salt: salt.try_into().ok()?,
+        rec_seq: seq.to_be_bytes(),
+    })
 }
 
 /// Sends a record sealed by the kernel over loopback and opens it on the
@@ -202,11 +162,11 @@ fn self_test() -> std::io::Result<()> {
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let tx = TcpStream::connect(listener.local_addr()?)?;
     let (rx, _) = listener.accept()?;
-    let key = CryptoInfo::aes_128_gcm(0, &[7; 16], &[9; 12]).expect("sizes of AES-128-GCM");
+    let key = aes_128_gcm(0, &[7; 16], &[9; 12]).expect("sizes of AES-128-GCM");
     for (s, dir) in [(&tx, libc::TLS_TX), (&rx, libc::TLS_RX)] {
         setsockopt(s.as_raw_fd(), libc::SOL_TCP, libc::TCP_ULP, b"tls")
             .map_err(|e| with_context(e, "the tls module (tcp_ulp)"))?;
-        key.install(s.as_raw_fd(), dir)
+        setsockopt(s.as_raw_fd(), libc::SOL_TLS, dir, &key)
             .map_err(|e| with_context(e, "TLS 1.3 AES-128-GCM keys"))?;
     }
     (&tx).write_all(b"kvsync")?;
@@ -366,6 +326,24 @@ mod tests {
             sizes.push(n);
         }
         assert_eq!(sizes, vec![5, 3, 5, 5, 300]);
+    }
+
+    /// The kernel's AES-128-GCM layout: salt, then IV, from rustls's
+    /// 12-byte nonce base; the sequence number big-endian.
+    #[test]
+    fn aes_128_gcm_keys_in_the_kernels_layout() {
+        let nonce: Vec<u8> = (0..12).collect();
+        let info = aes_128_gcm(0x0102, &[5; 16], &nonce).unwrap();
+        assert_eq!(info.salt, [0, 1, 2, 3]);
+        assert_eq!(info.iv, [4, 5, 6, 7, 8, 9, 10, 11]);
+        assert_eq!(info.rec_seq, [0, 0, 0, 0, 0, 0, 1, 2]);
+        assert_eq!(info.key, [5; 16]);
+        assert_eq!(
+            (info.info.version, info.info.cipher_type),
+            (0x0304, libc::TLS_CIPHER_AES_GCM_128)
+        );
+        assert!(aes_128_gcm(0, &[5; 32], &nonce).is_none(), "an AES-256 key");
+        assert!(aes_128_gcm(0, &[5; 16], &nonce[..8]).is_none());
     }
 
     /// On a kernel without the tls module (this build host's), the

@@ -154,8 +154,8 @@ impl Link {
                     self.buf = early;
                     return Ok(self);
                 }
-                Err(super::ktls::KtlsError::Refused(e, back)) => {
-                    tracing::warn!("TLS stays in user space on this connection: {e}");
+                Err(super::ktls::KtlsError::Refused(why, back)) => {
+                    tracing::warn!("TLS stays in user space on this connection: {why}");
                     conn = *back;
                 }
                 Err(e) => return Err(std::io::Error::other(e)),
