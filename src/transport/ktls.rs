@@ -125,6 +125,17 @@ pub fn offload(stream: &TcpStream, mut conn: rustls::Connection) -> Result<Vec<u
     Ok(early)
 }
 
+/// What a socket error means when the kernel opens the records: its
+/// errno alone would not say.
+pub fn explain(e: &std::io::Error) -> Option<&'static str> {
+    match e.raw_os_error()? {
+        libc::EBADMSG => Some("a TLS record failed its integrity check (changed on the path?)"),
+        libc::EIO => Some("the peer sent a TLS record that is not data (an alert?)"),
+        libc::EMSGSIZE => Some("the peer sent an oversized TLS record"),
+        _ => None,
+    }
+}
+
 /// Sets socket option `name` to the bytes of `value`.
 fn setsockopt<T>(fd: i32, level: i32, name: i32, value: &T) -> std::io::Result<()> {
     let len = size_of::<T>() as libc::socklen_t;
@@ -344,6 +355,15 @@ mod tests {
         );
         assert!(aes_128_gcm(0, &[5; 32], &nonce).is_none(), "an AES-256 key");
         assert!(aes_128_gcm(0, &[5; 16], &nonce[..8]).is_none());
+    }
+
+    /// The kernel's TLS errors are named; others are left as they are.
+    #[test]
+    fn kernel_tls_errors_are_explained() {
+        let e = |n| std::io::Error::from_raw_os_error(n);
+        assert!(explain(&e(libc::EBADMSG)).unwrap().contains("integrity"));
+        assert!(explain(&e(libc::EIO)).unwrap().contains("not data"));
+        assert_eq!(explain(&e(libc::ECONNRESET)), None);
     }
 
     /// On a kernel without the tls module (this build host's), the

@@ -283,6 +283,15 @@ impl Link {
     fn err(&self, op: &'static str, source: std::io::Error) -> TcpError {
         if self.cancelled.load(Ordering::SeqCst) {
             TcpError::Cancelled
+        } else if let Some(why) = self
+            .kernel_tls
+            .then(|| super::ktls::explain(&source))
+            .flatten()
+        {
+            TcpError::Io {
+                op,
+                source: std::io::Error::new(source.kind(), format!("{source}: {why}")),
+            }
         } else {
             TcpError::Io { op, source }
         }
