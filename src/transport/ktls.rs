@@ -7,8 +7,9 @@
 //! the replica's buffer (`TLS_RX_EXPECT_NO_PAD`: rustls never pads);
 //! whether this kernel can (a one-time self-test on a loopback
 //! connection); and the record-exact reader a handshake runs through, so
-//! that rustls never holds part of a record the kernel must then decrypt. rustls keeps the handshake and the certificate checks;
-//! after it, the link is a socket.
+//! that rustls never holds part of a record the kernel must then decrypt.
+//! rustls keeps the handshake and the certificate checks; after it, the
+//! link is a socket.
 //!
 //! The kernel does not renew keys (RFC 8446 key updates), so a connection
 //! stays under the cipher's confidentiality limit only if it carries less
@@ -63,8 +64,9 @@ pub fn describe(enabled: bool) -> String {
 #[derive(Debug, thiserror::Error)]
 pub enum KtlsError {
     /// The kernel cannot take this connection (another cipher than the
-    /// self-test proved, or a socket that refuses the `tls` protocol): the
-    /// connection is unchanged and rustls carries on in user space.
+    /// self-test proved, records still to send, or a socket that refuses
+    /// the `tls` protocol): the connection is unchanged and rustls carries
+    /// on in user space.
     #[error("TLS stays in user space on this connection: {0}")]
     Refused(String, Box<rustls::Connection>),
     /// rustls could not give up the connection's keys, or the kernel took
@@ -84,12 +86,13 @@ pub enum KtlsError {
 /// first choice and what [`available`] proved, goes to the kernel.
 pub fn offload(stream: &TcpStream, mut conn: rustls::Connection) -> Result<Vec<u8>, KtlsError> {
     let fd = stream.as_raw_fd();
-    if conn.wants_write() {
-        return Err(KtlsError::Failed("rustls still has records to send".into()));
-    }
     let suite = conn.negotiated_cipher_suite().map(|s| s.suite());
     if suite != Some(CipherSuite::TLS13_AES_128_GCM_SHA256) {
         let why = format!("the kernel takes only AES-128-GCM here, not {suite:?}");
+        return Err(KtlsError::Refused(why, Box::new(conn)));
+    }
+    if conn.wants_write() {
+        let why = "rustls still has records to send".to_string();
         return Err(KtlsError::Refused(why, Box::new(conn)));
     }
     if let Err(e) = setsockopt(fd, libc::SOL_TCP, libc::TCP_ULP, b"tls") {
@@ -226,10 +229,6 @@ impl<S> RecordReader<S> {
         self.inner
     }
 
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
     /// How many bytes the next read may take.
     fn limit(&self, want: usize) -> usize {
         want.min(if self.body > 0 {
@@ -282,10 +281,16 @@ impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for RecordReader<S> {
         let this = self.get_mut();
         let n = this.limit(buf.remaining());
         let mut limited = buf.take(n);
+        let at = limited.filled().as_ptr();
         std::task::ready!(Pin::new(&mut this.inner).poll_read(cx, &mut limited))?;
+        assert_eq!(
+            limited.filled().as_ptr(),
+            at,
+            "the reader swapped its buffer"
+        );
         let got = limited.filled().len();
-        // SAFETY: `limited` is `buf`'s unfilled part, of which the read
-        // initialised the first `got` bytes.
+        // SAFETY: `limited` is `buf`'s unfilled part (checked above), of
+        // which the read initialised the first `got` bytes.
         unsafe { buf.assume_init(got) };
         let start = buf.filled().len();
         buf.advance(got);
