@@ -5,6 +5,11 @@
 set -euo pipefail
 
 packages=(pkg-config libclang-dev clang libibverbs-dev librdmacm-dev "$@")
+# One install at a time (tests run in parallel, and apt holds a lock of its
+# own that a second install would fail on): a caller that waited finds what
+# the first installed.
+exec 7>"${TMPDIR:-/tmp}/kvsync-deps.lock"
+flock 7
 missing=()
 for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -32,9 +32,17 @@
 # when the harness cannot run here (not root, packages or kernel
 # unavailable); 125 when a VM failed to run the command.
 #
+# One VM job runs at a time on a machine: a job waits for the lock of the one
+# before it (guests that share the host's cores outrun their time limits),
+# and the time limit counts from its own boot. Each "== SECTION" line the
+# command prints is timed on the host's clock; the timings go to stderr
+# (and are appended to $KVSYNC_VM_LOG when set), and a VM that hits the time
+# limit names the section it was in.
+#
 # Environment: KVSYNC_VM_CACHE (default /var/cache/kvsync-vm) holds the
 # kernel and initramfs; KVSYNC_VM_MEM (default 2G); KVSYNC_VM_ACCEL (tcg, or
-# kvm when it works on the machine).
+# kvm when it works on the machine); KVSYNC_VM_LOG (a file the section
+# timings are appended to).
 set -euo pipefail
 
 timeout_s=170
@@ -146,8 +154,10 @@ flock -u 9
 # --- the job: cwd, environment, command --------------------------------------
 jobdir=$(mktemp -d "$cache/job.XXXXXX")
 qemu_pids=()
+watchers=()
 cleanup() {
     for p in "${qemu_pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+    for p in "${watchers[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
     rm -rf "$jobdir"
 }
 trap cleanup EXIT
@@ -197,7 +207,36 @@ boot() {
         -virtfs local,path=/,mount_tag=host,security_model=none,readonly=on,multidevs=remap \
         </dev/null >/dev/null 2>"$jobdir/$name.qemu.err" &
     qemu_pids+=($!)
+    # Host-clock time of each "== SECTION" line, as the guest prints it.
+    echo "$(date +%s.%N) (boot)" > "$jobdir/$name.sections"
+    tail --pid=$! -s 0.2 -n +1 -F "$jobdir/$name.out" 2>/dev/null | while IFS= read -r line; do
+        line=${line%$'\r'}
+        case "$line" in "== "*) echo "$(date +%s.%N) ${line#== }" >> "$jobdir/$name.sections" ;; esac
+    done &
+    watchers+=($!)
 }
+# sections NAME: one line naming VM NAME's sections in order, each with its
+# seconds (the last one up to now).
+sections() {
+    awk -v now="$(date +%s.%N)" -v vm="$1" '
+        { t[NR] = $1; $1 = ""; n[NR] = substr($0, 2) }
+        END {
+            line = "rxe-vm: VM " vm " sections (s):"
+            for (i = 1; i <= NR; i++) line = line sprintf(" %s %.1f;", n[i], (i < NR ? t[i + 1] : now) - t[i])
+            printf "%s total %.1f\n", line, now - t[1]
+        }' "$jobdir/$1.sections"
+}
+# last_section NAME: the section VM NAME was in last.
+last_section() { tail -n 1 "$jobdir/$1.sections" | cut -d' ' -f2-; }
+
+# One VM job at a time on this machine (see the header).
+exec 8>"$cache/.vm.lock"
+if ! flock -n 8; then
+    waited=$(date +%s)
+    echo "rxe-vm: waiting for the VM job before this one to finish" >&2
+    flock 8
+    echo "rxe-vm: waited $(( $(date +%s) - waited )) s for the VM lock" >&2
+fi
 # link SELF OTHER MAC: qemu arguments for the second NIC, a datagram socket
 # to the other VM's.
 link() {
@@ -225,7 +264,7 @@ report() {
     sed '/^KVSYNC_VM_EXIT=/d' "$jobdir/$name.out" | tr -d '\r'
     if [ -z "$code" ]; then
         if [ "$qemu_rc" -eq 124 ] || [ "$qemu_rc" -eq 137 ]; then
-            echo "rxe-vm: VM $name hit the ${timeout_s}s time limit and was killed" >&2
+            echo "rxe-vm: VM $name hit the ${timeout_s}s time limit in section '$(last_section "$name")' and was killed" >&2
         else
             echo "rxe-vm: VM $name ended without running the command (qemu exit $qemu_rc)" >&2
         fi
@@ -259,6 +298,13 @@ while [ "${#live[@]}" -gt 0 ]; do
     live=("${rest[@]}")
 done
 qemu_pids=()
+# The watchers end with their VM (after reading its last lines).
+wait "${watchers[@]}" 2>/dev/null
+watchers=()
+for name in "${names[@]}"; do
+    sections "$name" >&2
+    [ -z "${KVSYNC_VM_LOG:-}" ] || sections "$name" >> "$KVSYNC_VM_LOG"
+done
 status=0
 for i in "${!names[@]}"; do
     [ "$hosts" = 2 ] && echo "=== vm ${names[$i]}"

@@ -7,9 +7,10 @@ cd "$(dirname "$0")/.."
 # bc for the Redis seeding demo that tests/scripts.rs runs
 bash scripts/deps.sh redis-server iproute2 systemd bc
 log=$(mktemp)
-export KVSYNC_SKIP_LOG
+export KVSYNC_SKIP_LOG KVSYNC_VM_LOG
 KVSYNC_SKIP_LOG=$(mktemp)
-trap 'rm -f "$log" "$KVSYNC_SKIP_LOG"' EXIT
+KVSYNC_VM_LOG=$(mktemp)   # the soft-RoCE VM runs, in order, with their sections' seconds
+trap 'rm -f "$log" "$KVSYNC_SKIP_LOG" "$KVSYNC_VM_LOG"' EXIT
 cargo fmt --check                         # one formatting
 cargo clippy --locked --all-targets --all-features --quiet -- -D warnings -D clippy::undocumented_unsafe_blocks
 cargo build --locked --examples --quiet   # benchmark helpers must build too
@@ -18,6 +19,10 @@ set +e
 cargo test --locked --features faults --tests 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 set -e
+if [ -s "$KVSYNC_VM_LOG" ]; then
+    echo "soft-RoCE VM runs, one at a time:"
+    sed 's/^/  /' "$KVSYNC_VM_LOG"
+fi
 # Tests that could not run here (tests/SKIPS.md), by name.
 skipped=$(wc -l < "$KVSYNC_SKIP_LOG")
 if [ "$skipped" -gt 0 ]; then

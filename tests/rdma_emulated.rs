@@ -202,3 +202,62 @@ async fn rdma_connections_without_a_valid_session_token_are_rejected() {
         (source.metric("kvsync_data_auth_failures_total") == 1.0).then_some(())
     });
 }
+
+/// The `rdma_hold_after` fault the VM tests make their events happen under:
+/// while its file exists the source stops at that point of the transfer
+/// (the replica has exactly those bytes), the transfer goes on when the
+/// file goes, and a replica that dies meanwhile ends the held session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_transfer_stops_at_its_point_and_goes_on_when_released() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let hold = root.join("hold");
+    let faults = format!("rdma_hold_after=2097152,hold_file={}", hold.display());
+    let pieces = "[data]\npiece_size = \"1MiB\"";
+    let source = Node::start_with(
+        root,
+        "source",
+        &emulated("rdma", false),
+        pieces,
+        &[("KVSYNC_FAULTS", &faults)],
+    );
+    let replica = Node::start_with(root, "replica", &emulated("rdma", false), pieces, &[]);
+    let bytes = put_snapshot(&source.dir, "s.kvr1", 6 << 20, 3);
+    source.offered(3).await;
+
+    std::fs::write(&hold, b"").unwrap();
+    let id = start_sync(&replica, &source).await;
+    wait_bytes(&replica, &id, 2 << 20).await;
+    wait_for("the source to hold", DEADLINE, || {
+        source
+            .proc
+            .log()
+            .contains("holding the transfer")
+            .then_some(())
+    });
+    let running = replica.status().await.running;
+    assert_eq!(running.len(), 1, "{running:?}");
+    assert_eq!(running[0].bytes_done, 2 << 20, "{running:?}");
+    std::fs::remove_file(&hold).unwrap();
+    let p = wait_done(&replica, &id).await;
+    assert_eq!(p.phase, pb::Phase::Succeeded as i32, "{}", p.error);
+    assert_eq!(
+        (p.transport, p.fallback_reason.as_str()),
+        (pb::Transport::Rdma as i32, "")
+    );
+    assert!(std::fs::read(&p.installed_path).unwrap() == bytes);
+
+    // A replica killed while the transfer is held: the source notices the
+    // connection is gone while it holds, and frees the session.
+    let mut second = Node::start_with(root, "second", &emulated("rdma", false), pieces, &[]);
+    std::fs::write(&hold, b"").unwrap();
+    let id = start_sync(&second, &source).await;
+    wait_bytes(&second, &id, 2 << 20).await;
+    second.proc.signal(libc::SIGKILL);
+    second.proc.wait_exit();
+    wait_for_async("the held session to end", DEADLINE, || async {
+        (source.status().await.serving_sessions == 0).then_some(())
+    })
+    .await;
+    assert!(hold.exists(), "the session ended while still held");
+}

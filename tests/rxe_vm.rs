@@ -16,8 +16,11 @@
 //! replica's seed cross between them over real RDMA; the source's rxe0,
 //! then the replica's, is deleted mid-sync (the sync resumes over TCP, the
 //! device can go, RDMA is back once it returns); the replica's link goes
-//! down mid-sync; and a replica's agent is killed mid-sync. On the host the probe finds nothing and `auto` picks
-//! TCP.
+//! down mid-sync; and a replica's agent is killed mid-sync. Each of those
+//! events happens while the source holds its transfer at 8 MiB (the
+//! `rdma_hold_after` fault), so no fast or slow transfer can overtake it.
+//! The harness runs one VM job at a time. On the host the probe finds
+//! nothing and `auto` picks TCP.
 
 mod common;
 
@@ -217,6 +220,13 @@ fn section<'a>(out: &'a str, name: &str) -> &'a str {
     &rest[..rest.find("\n== ").map_or(rest.len(), |e| e + 1)]
 }
 
+/// The VMs' time limits, about twice the slowest run seen on this project's
+/// machine kind (2 cores, TCG) under the test command, where the harness
+/// runs one VM job at a time: the one-VM script took 65-68 s, the two-host
+/// script 124 s (`scripts/test.sh` prints every section's seconds).
+const ONE_VM_LIMIT_S: u32 = 150;
+const TWO_VMS_LIMIT_S: u32 = 260;
+
 /// Runs `script` in one VM or in two joined ones; it must succeed. `None`
 /// where the VMs cannot run here.
 fn script_ok(hosts: u8, script: &str, timeout_s: u32) -> Option<VmRun> {
@@ -337,7 +347,7 @@ fn section_json(out: &str, name: &str) -> serde_json::Value {
 
 #[test]
 fn soft_roce_vm_has_active_rxe0_and_real_verbs() {
-    let Some(run) = script_ok(1, VM_SCRIPT, 300) else {
+    let Some(run) = script_ok(1, VM_SCRIPT, ONE_VM_LIMIT_S) else {
         return;
     };
     let out = &run.stdout;
@@ -463,7 +473,8 @@ echo kvsync-two-host-test-token-0123456789 > /tmp/kv/token
 export KVSYNC_TOKEN_FILE=/tmp/kv/token
 # agent NAME GRPC_LISTEN MODE FALLBACK: starts an agent with its data
 # endpoints on this host's link address; $DIR, $PRE (top-level keys) and
-# $POST (tables) adjust its config; $RETRIES sets [sync] retries (default 0).
+# $POST (tables) adjust its config; $RETRIES sets [sync] retries (default 0);
+# $FAULTS is its KVSYNC_FAULTS.
 agent() {
     dir=${DIR:-/tmp/kv/$1}
     mkdir -p $dir
@@ -494,16 +505,23 @@ mode = "$3"
 fallback_to_tcp = $4
 ${POST:-}
 EOT
-    "$K" agent --config /tmp/kv/$1.toml > /tmp/kv/$1.out 2> /tmp/kv/$1.log &
+    env ${FAULTS:+KVSYNC_FAULTS=$FAULTS} "$K" agent --config /tmp/kv/$1.toml > /tmp/kv/$1.out 2> /tmp/kv/$1.log &
     for i in $(seq 600); do grep -q "agent ready" /tmp/kv/$1.out && break; sleep 0.1; done
     grep "agent ready" /tmp/kv/$1.out || { cat /tmp/kv/$1.log; exit 1; }
+}
+# idle AGENT: waits until AGENT serves no session.
+idle() {
+    for i in $(seq 600); do "$K" status --agent $1 --json | grep -q '"serving_sessions":0[,}]' && return; sleep 0.1; done
+    echo "$1 still serves a session"; exit 1
 }
 echo "== probe"
 "$K" probe --json
 SRC=10.9.0.1:7100
 if [ "$KVSYNC_VM_HOST" = a ]; then
-    # Paced (4 MiB/s) so that b can cut its link in the middle of a sync.
-    RATE=4MiB agent src $SRC auto true > /dev/null
+    # While /tmp/kv/hold exists, every RDMA session of src holds its
+    # transfer once 8 MiB (two pieces) are written, so that b's faults
+    # happen at that point of a sync, however fast or slow the sync runs.
+    FAULTS=rdma_hold_after=8388608,hold_file=/tmp/kv/hold agent src $SRC auto true > /dev/null
     "$K" gen-snapshot --size 33554432 --seq 3 /tmp/kv/src/s3.kvr1 > /dev/null
     # A Redis primary with a backlog and a few MB of keys, saved, then
     # written to, and a source agent offering its RDB to host b.
@@ -539,11 +557,16 @@ primary_addr = "127.0.0.1:7001"' agent rsrc 10.9.0.1:7110 auto true > /dev/null
             ip link add veth-k0 type veth peer name veth-k1
             ip link set veth-k0 up; ip link set veth-k1 up
             rdma link add rxe1 type rxe netdev veth-k0 ;;
+        hold) touch /tmp/kv/hold ;;
+        release) rm -f /tmp/kv/hold ;;
         delrxe)
             # In the background: the kernel finishes removing a device
             # without hot-unplug support only when no process holds it.
+            # The held session is released once src has seen the removal.
             rdma link delete rxe0 & echo $! > /tmp/kv/del.pid
-            date +%s.%N > /tmp/kv/del.start ;;
+            date +%s.%N > /tmp/kv/del.start
+            for i in $(seq 300); do "$K" status --agent $SRC --json | grep -q '"rdma_available":false' && break; sleep 0.1; done
+            rm -f /tmp/kv/hold ;;
         addrxe)
             echo "== device removal"
             for i in $(seq 200); do kill -0 $(cat /tmp/kv/del.pid) 2>/dev/null || break; sleep 0.1; done
@@ -574,6 +597,12 @@ add_rxe0() {
 }
 # Prints the replica's bytes so far of its running sync (agent at $1).
 landed() { "$K" status --agent $1 --json | grep -o '"running":\[.*' | grep -o '"bytes":[0-9]*' | head -1 | cut -d: -f2; }
+# held AGENT: waits until the replica at AGENT has the 8 MiB that a's
+# source writes before it holds (see a's src).
+held() {
+    for i in $(seq 1200); do [ "$(landed $1)" -ge 8388608 ] 2>/dev/null && return; sleep 0.05; done
+    echo "the sync to $1 never reached the hold point"; exit 1
+}
 for i in $(seq 600); do "$K" snapshots --agent $SRC --json 2>/dev/null | grep -q '"seq":3' && break; sleep 0.2; done
 "$K" gen-snapshot --size 33554432 --seq 3 /tmp/kv/reference.kvr1 > /dev/null
 agent dst 127.0.0.1:7200 rdma false > /dev/null
@@ -604,15 +633,18 @@ redis-cli -h 10.9.0.1 -p 7001 info stats | grep -E "^sync_(full|partial_ok):"
 for i in $(seq 300); do [ "$(redis-cli -p 7003 get after-save)" = yes ] && break; sleep 0.1; done
 echo "after-save=$(redis-cli -p 7003 get after-save) keys=$(redis-cli -p 7003 dbsize)/$(redis-cli -h 10.9.0.1 -p 7001 dbsize)"
 echo "== device removed"
-# a's rxe0 is deleted once 8 MiB have landed in a replica that may fall
-# back to TCP; a has a second device, so the deletion can finish.
+# a's rxe0 is deleted while a holds the transfer at 8 MiB, for a replica
+# that may fall back to TCP; a has a second device, so the deletion can
+# finish.
 tell rxe1
+tell hold
 agent dr 127.0.0.1:7500 rdma true > /dev/null
 "$K" sync --agent 127.0.0.1:7500 --source $SRC --wait --json > /tmp/kv/dr.json &
 sync=$!
-for i in $(seq 600); do [ "$(landed 127.0.0.1:7500)" -ge 8388608 ] 2>/dev/null && break; sleep 0.05; done
+held 127.0.0.1:7500
 tell delrxe
 wait $sync
+idle $SRC
 cat /tmp/kv/dr.json
 cmp /tmp/kv/reference.kvr1 /tmp/kv/dr/s3.kvr1 && echo identical
 echo "== status src without rxe0"
@@ -624,27 +656,32 @@ agent back 127.0.0.1:7600 rdma false > /dev/null
 "$K" sync --agent 127.0.0.1:7600 --source $SRC --wait --json
 cmp /tmp/kv/reference.kvr1 /tmp/kv/back/s3.kvr1 && echo identical
 echo "== replica device removed"
-# Now b's own rxe0 goes once 8 MiB have landed; b gets a second device
-# (rxe1 on a veth pair) first.
+# Now b's own rxe0 goes while a holds the transfer at 8 MiB; b gets a
+# second device (rxe1 on a veth pair) first.
 ip link add veth-k0 type veth peer name veth-k1
 ip link set veth-k0 up; ip link set veth-k1 up
 rdma link add rxe1 type rxe netdev veth-k0
 agent rdr 127.0.0.1:7700 rdma true > /dev/null
+tell hold
 "$K" sync --agent 127.0.0.1:7700 --source $SRC --wait --json > /tmp/kv/rdr.json &
 sync=$!
-for i in $(seq 600); do [ "$(landed 127.0.0.1:7700)" -ge 8388608 ] 2>/dev/null && break; sleep 0.05; done
+held 127.0.0.1:7700
 delete_rxe0
+tell release
 wait $sync
+idle $SRC
 cat /tmp/kv/rdr.json
 cmp /tmp/kv/reference.kvr1 /tmp/kv/rdr/s3.kvr1 && echo identical
 add_rxe0 127.0.0.1:7700
 echo "== link down"
-# A fresh replica; its link goes down once 8 MiB have landed.
+# A fresh replica; its link goes down while a holds the transfer at 8 MiB
+# (released once the link is back).
 agent cut 127.0.0.1:7300 rdma false > /dev/null
 cut=$!
+tell hold
 "$K" sync --agent 127.0.0.1:7300 --source $SRC --wait --json > /tmp/kv/cut.json &
 sync=$!
-for i in $(seq 600); do [ "$(landed 127.0.0.1:7300)" -ge 8388608 ] 2>/dev/null && break; sleep 0.05; done
+held 127.0.0.1:7300
 ip link set eth1 down
 down=$(date +%s.%N)
 wait $sync
@@ -653,6 +690,8 @@ cat /tmp/kv/cut.json
 ls -a /tmp/kv/cut
 ip link set eth1 up
 for i in $(seq 300); do rdma link | grep -q "state ACTIVE" && break; sleep 0.1; done
+tell release
+idle $SRC
 echo "== after link up"
 # Soft-RoCE here completes no new rdma_cm connection from a host whose link
 # went down under a live QP until its rxe device is made again (seen with
@@ -669,14 +708,18 @@ RETRIES=3 agent cut 127.0.0.1:7300 rdma false > /dev/null
 "$K" sync --agent 127.0.0.1:7300 --source $SRC --wait --json
 cmp /tmp/kv/reference.kvr1 /tmp/kv/cut/s3.kvr1 && echo identical
 echo "== replica killed"
-# The replica's agent dies (SIGKILL) once 8 MiB have landed: the source must
-# end that session and free its slot.
+# The replica's agent dies (SIGKILL) while a holds the transfer at 8 MiB,
+# and a goes on once it is dead: the source must end that session and free
+# its slot.
 agent dead 127.0.0.1:7800 rdma false > /dev/null
 pid=$!
+tell hold
 "$K" sync --agent 127.0.0.1:7800 --source $SRC --json > /dev/null
-for i in $(seq 600); do [ "$(landed 127.0.0.1:7800)" -ge 8388608 ] 2>/dev/null && break; sleep 0.05; done
+held 127.0.0.1:7800
 kill -9 $pid
+wait $pid
 killed=$(date +%s.%N)
+tell release
 for i in $(seq 300); do "$K" status --agent $SRC --json | grep -q '"serving_sessions":0[,}]' && break; sleep 0.1; done
 echo "source free after $(echo "$(date +%s.%N) - $killed" | bc) s"
 "$K" status --agent $SRC --json
@@ -686,7 +729,7 @@ tell done
 
 #[test]
 fn two_soft_roce_hosts_sync_over_real_rdma() {
-    let Some(run) = script_ok(2, TWO_HOST_SCRIPT, 400) else {
+    let Some(run) = script_ok(2, TWO_HOST_SCRIPT, TWO_VMS_LIMIT_S) else {
         return;
     };
     let (a, b) = run

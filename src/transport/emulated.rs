@@ -751,6 +751,13 @@ impl Fabric for EmuQp {
         }
     }
 
+    fn check_link(&mut self) -> Result<(), FabricError> {
+        if self.inner.lock().disconnected {
+            return Err(FabricError::Disconnected);
+        }
+        Ok(())
+    }
+
     fn connect(&mut self, private_data: &[u8], timeout: Duration) -> Result<(), FabricError> {
         if private_data.len() > MAX_PRIVATE_DATA {
             return Err(FabricError::Emulation(format!(

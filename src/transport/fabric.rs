@@ -182,4 +182,9 @@ pub trait Fabric: Send {
 
     /// Disconnects; safe to call more than once. Resources go with `Drop`.
     fn disconnect(&mut self);
+
+    /// Whether the connection still stands, without waiting and without
+    /// taking a completion: an error once the peer disconnected or the
+    /// device went (for a side that is not polling its completions).
+    fn check_link(&mut self) -> Result<(), FabricError>;
 }

@@ -192,8 +192,9 @@ pub fn drive<M: Machine, E: Executor>(
 /// Faults injected into the data plane for fault tests, from the
 /// `KVSYNC_FAULTS` environment variable: `corrupt_at=N,stall_after=N,cut_after=N`
 /// for TCP sources; `rdma_corrupt_at=N,rdma_cut_after=N,rdma_drop_send=N` for
-/// the emulated fabric; `rdma_bad_rkey=1` (source), `rdma_no_file_mr=1` and
-/// `rdma_damage_piece=N` (replica) for the RDMA driver. Read only by builds with the cargo
+/// the emulated fabric; `rdma_bad_rkey=1` and `rdma_hold_after=N` with
+/// `hold_file=PATH` (source), `rdma_no_file_mr=1` and `rdma_damage_piece=N`
+/// (replica) for the RDMA driver. Read only by builds with the cargo
 /// feature `faults` (the test suite's); the agent logs loudly when any is
 /// active.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -230,6 +231,10 @@ impl Faults {
             let (k, v) = part
                 .split_once('=')
                 .ok_or_else(|| format!("fault {part:?} is not key=value"))?;
+            if k == "hold_file" {
+                f.rdma.hold_file = Some(v.into());
+                continue;
+            }
             let n: u64 = v
                 .parse()
                 .map_err(|_| format!("fault {k}: {v:?} is not a byte offset"))?;
@@ -243,6 +248,7 @@ impl Faults {
                 "rdma_bad_rkey" => f.rdma.bad_rkey = n != 0,
                 "rdma_no_file_mr" => f.rdma.no_file_mr = n != 0,
                 "rdma_damage_piece" => f.rdma.damage_piece = Some(n as u32),
+                "rdma_hold_after" => f.rdma.hold_after = Some(n),
                 _ => return Err(format!("unknown fault {k:?}")),
             }
         }
@@ -277,6 +283,11 @@ mod tests {
         );
         let f = Faults::parse("rdma_corrupt_at=7,rdma_bad_rkey=1").unwrap();
         assert_eq!((f.emu.corrupt_at, f.rdma.bad_rkey), (Some(7), true));
+        let f = Faults::parse("rdma_hold_after=8,hold_file=/tmp/h").unwrap();
+        assert_eq!(
+            (f.rdma.hold_after, f.rdma.hold_file),
+            (Some(8), Some("/tmp/h".into()))
+        );
         assert!(Faults::parse("explode=1").is_err());
         assert!(Faults::parse("cut_after=x").is_err());
     }

@@ -230,9 +230,37 @@ struct SourceIo<'a, F> {
     posted_bytes: u64,
     stats: WriteStats,
     bulk_started: Option<Instant>,
+    /// The `hold_after` fault has been applied.
+    held: bool,
 }
 
 impl<F: Fabric> SourceIo<'_, F> {
+    /// The `hold_after` fault: before posting past that point, waits while
+    /// the hold file exists, watching the connection and the cancellation
+    /// (a session that fails meanwhile ends with that error). Writes
+    /// already posted complete meanwhile; replies stay queued. A hold
+    /// longer than the reply wait fails the session after its release.
+    fn hold(&mut self) -> Result<(), RdmaError> {
+        let (Some(at), Some(file)) = (self.faults.hold_after, &self.faults.hold_file) else {
+            return Ok(());
+        };
+        if self.held || self.posted_bytes < at || !file.exists() {
+            return Ok(());
+        }
+        self.held = true;
+        warn!(posted = self.posted_bytes, file = %file.display(), "fault injection: holding the transfer while the file exists");
+        let limit = Instant::now() + HOLD_LIMIT;
+        while file.exists() && Instant::now() < limit {
+            if self.link.cancel.is_cancelled() {
+                return Err(RdmaError::Cancelled);
+            }
+            self.link.qp.check_link()?;
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        warn!("fault injection: transfer released");
+        Ok(())
+    }
+
     /// Accepts the connection before the first Send, so the receives the
     /// machine posted first are in place before the replica can send.
     fn accept(&mut self) -> Result<(), RdmaError> {
@@ -288,6 +316,7 @@ impl<F: Fabric> Executor for SourceIo<'_, F> {
                     .region
                     .ok_or(RdmaError::Unsupported("writes before registration"))?;
                 let end = writes.iter().map(|w| w.offset + w.len).max().unwrap_or(0);
+                self.hold()?;
                 self.bulk_started.get_or_insert_with(Instant::now);
                 // The agent's bandwidth limit, paid per chunk before posting.
                 let bytes: u64 = writes.iter().map(|w| w.len).sum();
@@ -347,7 +376,17 @@ pub struct RdmaFaults {
     /// Replica: flip a byte of this piece in the receive memory once it
     /// has landed, the first time (damage in flight, on any fabric).
     pub damage_piece: Option<u32>,
+    /// Source: once this many bytes are posted, hold the transfer while
+    /// `hold_file` exists, so a test can make an event (a device removed,
+    /// a link down, an agent killed) happen at a known point of a sync
+    /// instead of racing it.
+    pub hold_after: Option<u64>,
+    /// The file whose existence holds a transfer at `hold_after`.
+    pub hold_file: Option<std::path::PathBuf>,
 }
+
+/// The longest a fault hold lasts when nobody removes its file.
+const HOLD_LIMIT: Duration = Duration::from_secs(120);
 
 /// What a source session produced.
 pub struct SourceRun {
@@ -377,6 +416,7 @@ pub fn run_source<F: Fabric>(qp: F, s: Serve) -> SourceRun {
         posted_bytes: 0,
         stats: WriteStats::default(),
         bulk_started: None,
+        held: false,
     };
     let mut machine = Source::new(
         image.len() as u64,

@@ -909,6 +909,17 @@ impl Fabric for VerbsQp {
             unsafe { rdma_disconnect(self.id) };
         }
     }
+
+    fn check_link(&mut self) -> Result<(), FabricError> {
+        self.drain_cm_events()?;
+        if self.device_removed {
+            return Err(FabricError::DeviceRemoved);
+        }
+        if self.disconnected {
+            return Err(FabricError::Disconnected);
+        }
+        Ok(())
+    }
 }
 
 impl Drop for VerbsQp {
