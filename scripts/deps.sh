@@ -1,22 +1,26 @@
 #!/usr/bin/env bash
 # Installs the Debian packages kvsync needs to build and test, when missing.
 # Usage: scripts/deps.sh [extra-package ...]
-# Sourced by scripts/test.sh and scripts/demo.sh; safe to run repeatedly.
+# Run by scripts/test.sh, the demos, the benchmarks and the VM harness; safe to
+# run repeatedly and side by side.
 set -euo pipefail
 
 packages=(pkg-config libclang-dev clang libibverbs-dev librdmacm-dev "$@")
-# One install at a time (tests run in parallel, and apt holds a lock of its
-# own that a second install would fail on): a caller that waited finds what
-# the first installed.
-exec 7>"${TMPDIR:-/tmp}/kvsync-deps.lock"
+missing_packages() {
+    missing=()
+    for p in "${packages[@]}"; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+    done
+}
+missing_packages
+[ ${#missing[@]} -gt 0 ] || exit 0
+# One install at a time (tests run in parallel, and apt's own lock fails a
+# second install): the lock is this script file itself, so no lock file is
+# left anywhere; a caller that waited finds what the first installed.
+exec 7<"${BASH_SOURCE[0]}"
 flock 7
-missing=()
-for p in "${packages[@]}"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if [ ${#missing[@]} -eq 0 ]; then
-    exit 0
-fi
+missing_packages
+[ ${#missing[@]} -gt 0 ] || exit 0
 echo "kvsync: installing missing system packages: ${missing[*]}" >&2
 sudo=""
 if [ "$(id -u)" -ne 0 ]; then
