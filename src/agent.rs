@@ -18,23 +18,23 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::ServerTlsConfig;
 use tracing::{info, warn};
 
-use crate::backlog::BacklogGuard;
-use crate::cache::SnapshotCache;
-use crate::catalog::Catalog;
 use crate::config::{Config, RdmaProvider};
-use crate::conn_limit;
 use crate::control::orchestrator::OrchestratorService;
 use crate::control::peer::PeerService;
 use crate::fanout::FanoutManager;
+use crate::kv::backlog::BacklogGuard;
 use crate::metrics::{self, Metrics};
 use crate::rpc::auth::{ServerAuth, Tokens};
+use crate::rpc::conn_limit;
 use crate::rpc::{pb, tls, Dialer};
+use crate::store::cache::SnapshotCache;
+use crate::store::catalog::Catalog;
+use crate::store::watch::DirWatcher;
 use crate::sync::source::{self as source_role, DataEndpoints, DataPlane, SessionTable};
 use crate::sync::SyncManager;
 use crate::transport::probe::{self, LocalRdma, Probe};
 use crate::transport::ratelimit::RateLimiter;
 use crate::transport::{ktls, Faults};
-use crate::watch::DirWatcher;
 
 /// Why the agent could not start.
 #[derive(Debug, thiserror::Error)]
@@ -130,7 +130,7 @@ impl RunningAgent {
         cache.set_linger(config.cache.linger);
         let mut tasks = JoinSet::new();
         tasks.spawn(cache.clone().expire(shutdown.clone()));
-        tasks.spawn(crate::journal::sweep_every(
+        tasks.spawn(crate::store::journal::sweep_every(
             config.snapshot_dir.clone(),
             config.data.resume_ttl,
             shutdown.clone(),
@@ -150,7 +150,7 @@ impl RunningAgent {
             hello_timeout: config.data.hello_timeout,
             tls: prepared.data_tls.clone(),
             kernel_tls: config.data.kernel_tls,
-            pending: crate::conn_limit::Limits {
+            pending: crate::rpc::conn_limit::Limits {
                 total: config.data.max_pending_connections,
                 per_peer: config.data.max_pending_per_peer,
             },
@@ -190,7 +190,7 @@ impl RunningAgent {
         };
         if let Some(addr) = redis.local_server(config.handoff.mode) {
             if !redis.health_interval.is_zero() {
-                tasks.spawn(crate::kv_health::watch(
+                tasks.spawn(crate::kv::health::watch(
                     addr.to_string(),
                     redis.password.clone(),
                     redis.health_interval,
@@ -203,7 +203,7 @@ impl RunningAgent {
             && !redis.consistency_interval.is_zero()
             && !redis.primary.is_empty()
         {
-            tasks.spawn(crate::kv_check::every(
+            tasks.spawn(crate::kv::check::every(
                 (redis.primary.clone(), redis.server_addr.clone()),
                 redis.password.clone(),
                 (redis.consistency_interval, redis.consistency_sample),
@@ -425,7 +425,7 @@ fn prepare(config: &Config) -> Result<Prepared, AgentError> {
             None
         },
     };
-    let swept = crate::journal::sweep(&config.snapshot_dir, config.data.resume_ttl, true);
+    let swept = crate::store::journal::sweep(&config.snapshot_dir, config.data.resume_ttl, true);
     if swept > 0 {
         info!(
             count = swept,

@@ -475,7 +475,7 @@ fn gen_snapshot(args: GenArgs) -> anyhow::Result<ExitCode> {
 /// `kvsync check-replica`.
 async fn check_replica(args: CheckReplicaArgs) -> anyhow::Result<ExitCode> {
     let report =
-        crate::kv_check::check(&args.primary, &args.replica, &args.password, args.sample).await?;
+        crate::kv::check::check(&args.primary, &args.replica, &args.password, args.sample).await?;
     let escape = |keys: &[String]| -> Vec<String> {
         keys.iter()
             .map(|k| crate::peer_text::escape_controls(k).into_owned())

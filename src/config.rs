@@ -12,8 +12,8 @@ use std::time::Duration;
 use bytesize::ByteSize;
 use serde::{Deserialize, Serialize};
 
-use crate::pem::{read_pem, PemKind};
 use crate::snapshot::Format;
+use crate::sys::pem::{read_pem, PemKind};
 
 /// The whole agent configuration (one TOML file).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -541,7 +541,7 @@ impl Default for DataConfig {
             max_pending_per_peer: 8,
             tls: DataTls::Auto,
             kernel_tls: true,
-            piece_size: ByteSize::b(crate::manifest::DEFAULT_PIECE_SIZE),
+            piece_size: ByteSize::b(crate::snapshot::manifest::DEFAULT_PIECE_SIZE),
             piece_retries: 3,
             resume_ttl: Duration::from_secs(3600),
             tcp_streams: 1,
@@ -765,7 +765,8 @@ impl Config {
                 "must be between 1 and data.max_pending_connections".into(),
             );
         }
-        if let Err(why) = crate::manifest::check_piece_size(self.data.piece_size.as_u64()) {
+        if let Err(why) = crate::snapshot::manifest::check_piece_size(self.data.piece_size.as_u64())
+        {
             p.bad("data.piece_size", why);
         }
         if self.data.piece_retries > crate::blk3::MAX_PIECE_SENDS - 1 {

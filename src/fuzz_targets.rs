@@ -81,7 +81,7 @@ pub fn rdb(data: &[u8]) {
 /// A piece manifest as a source streams it: one that decodes describes
 /// its snapshot consistently and re-encodes to the same bytes.
 pub fn manifest(data: &[u8]) {
-    if let Ok(m) = crate::manifest::Manifest::decode(data) {
+    if let Ok(m) = crate::snapshot::manifest::Manifest::decode(data) {
         assert_eq!(m.pieces() as u64, m.info.size.div_ceil(m.piece_size));
         assert_eq!(m.encode(), data);
     }
@@ -90,10 +90,10 @@ pub fn manifest(data: &[u8]) {
 /// A resume journal as found next to a temp file: one that decodes has a
 /// bitmap of its piece count and re-encodes to the same bytes.
 pub fn journal(data: &[u8]) {
-    if let Ok(j) = crate::journal::Journal::decode(data) {
+    if let Ok(j) = crate::store::journal::Journal::decode(data) {
         assert_eq!(j.verified.len() as u64, j.size.div_ceil(j.piece_size));
-        let again =
-            crate::journal::Journal::decode(&j.encode()).expect("an encoded journal decodes");
+        let again = crate::store::journal::Journal::decode(&j.encode())
+            .expect("an encoded journal decodes");
         assert_eq!(again, j);
     }
 }

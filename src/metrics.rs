@@ -99,7 +99,7 @@ pub struct Metrics {
     pub up_since: Gauge,
     pub rdma_available: IntGauge,
     pub rdma_device_info: IntGaugeVec,
-    // The local KV's replication health (`kv_health`), by server address:
+    // The local KV's replication health (`kv::health`), by server address:
     // no series at all on an agent without a local KV.
     pub kv_up: IntGaugeVec,
     pub kv_link_up: IntGaugeVec,

@@ -10,18 +10,18 @@
 
 mod common;
 
-use kvsync::served::{Served, SnapshotFile};
+use kvsync::store::served::{Served, SnapshotFile};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvsync::blk3::BulkParams;
-use kvsync::cache::SnapshotCache;
-use kvsync::catalog::CatalogEntry;
 use kvsync::config::RdmaProvider;
 use kvsync::metrics::Metrics;
 use kvsync::snapshot::kvr1::GenSpec;
 use kvsync::snapshot::Format;
+use kvsync::store::cache::SnapshotCache;
+use kvsync::store::catalog::CatalogEntry;
 use kvsync::sync::job::JobError;
 use kvsync::sync::receive::{Received, Receiver};
 use kvsync::sync::source::{self, DataPlane, Limits, Offer, SessionTable};
@@ -167,7 +167,7 @@ fn temp_files(dir: &Path) -> Vec<PathBuf> {
         .map(|e| e.unwrap().path())
         .filter(|p| {
             let name = p.file_name().unwrap().to_string_lossy().into_owned();
-            name.starts_with(kvsync::install::TEMP_PREFIX)
+            name.starts_with(kvsync::store::install::TEMP_PREFIX)
         })
         .collect()
 }
@@ -247,7 +247,7 @@ async fn run(case: Case, wire: Wire, dir: &Path, tls: &Tls) -> Run {
         peer_timeout: Duration::from_secs(10),
         min_rate: MinRate::default(),
         hello_timeout: DEADLINE,
-        pending: kvsync::conn_limit::Limits {
+        pending: kvsync::rpc::conn_limit::Limits {
             total: 64,
             per_peer: 8,
         },

@@ -9,12 +9,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use kvsync::cache::{CacheError, SnapshotCache};
-use kvsync::catalog::{Catalog, CatalogEntry};
 use kvsync::config::WatchConfig;
 use kvsync::metrics::Metrics;
 use kvsync::snapshot::{self, Format};
-use kvsync::watch::DirWatcher;
+use kvsync::store::cache::{CacheError, SnapshotCache};
+use kvsync::store::catalog::{Catalog, CatalogEntry};
+use kvsync::store::watch::DirWatcher;
 use tokio_util::sync::CancellationToken;
 
 fn tmpdir() -> tempfile::TempDir {
@@ -499,7 +499,7 @@ async fn a_released_image_lingers_for_stragglers_and_yields_to_new_loads() {
     let cache = SnapshotCache::new(1_000_000, Duration::from_millis(200), metrics.clone());
     cache.set_linger(Duration::from_secs(3600));
     // Only a verified image lingers: each holder here waits for its load.
-    let loaded = |r: kvsync::cache::CacheRef| async move {
+    let loaded = |r: kvsync::store::cache::CacheRef| async move {
         tokio::task::spawn_blocking(move || {
             r.wait_complete().unwrap();
             r

@@ -43,11 +43,11 @@ fn seeds_are_the_valid_inputs_they_claim_to_be() {
     for token in kept("seeds", "blk3_token") {
         kvsync::blk3::token::Token::decode(&token).unwrap();
     }
-    let m = kvsync::manifest::Manifest::decode(&kept("seeds", "manifest")[0]).unwrap();
+    let m = kvsync::snapshot::manifest::Manifest::decode(&kept("seeds", "manifest")[0]).unwrap();
     assert_eq!(
         (m.pieces(), m.info.repl_id.as_deref()),
         (3, Some(&*"a".repeat(40)))
     );
-    let j = kvsync::journal::Journal::decode(&kept("seeds", "journal")[0]).unwrap();
+    let j = kvsync::store::journal::Journal::decode(&kept("seeds", "journal")[0]).unwrap();
     assert_eq!(j.verified, [true, false, true]);
 }

@@ -258,7 +258,7 @@ async fn sigterm_lets_a_running_transfer_finish_within_the_drain_timeout() {
     assert!(log.contains("full sync succeeded"), "{log}");
     assert!(std::fs::read(replica.dir.join("s.kvr1")).unwrap() == bytes);
     assert_eq!(
-        kvsync::handoff::read_replmeta_seq(&replica.dir.join("s.kvr1.replmeta")),
+        kvsync::kv::handoff::read_replmeta_seq(&replica.dir.join("s.kvr1.replmeta")),
         Some(12)
     );
 }

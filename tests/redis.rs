@@ -147,8 +147,8 @@ impl Redis {
         c.query(&mut self.con()).unwrap()
     }
 
-    fn info(&self, section: &str) -> kvsync::redis::Info {
-        kvsync::redis::Info::parse(&self.cmd::<String>(&["INFO", section]))
+    fn info(&self, section: &str) -> kvsync::kv::redis::Info {
+        kvsync::kv::redis::Info::parse(&self.cmd::<String>(&["INFO", section]))
     }
 
     /// Creates the replication backlog: a replica attaches once and leaves.
@@ -1102,7 +1102,7 @@ fn a_backlog_too_small_for_the_writes_during_a_seeding_is_grown_then_restored() 
         );
         // The replica's report ended the lease: the operator's value is back.
         assert_eq!(backlog_size(&primary), original, "{log}");
-        assert!(!primary.dir.join(kvsync::backlog::RECORD).exists());
+        assert!(!primary.dir.join(kvsync::kv::backlog::RECORD).exists());
         assert_eq!(
             source.metric(&format!(
                 "kvsync_kv_backlog_grown_bytes{{server=\"{}\"}}",
@@ -1155,7 +1155,7 @@ fn an_agent_killed_holding_a_grown_backlog_restores_it_when_it_starts_again() {
         wait_for("the backlog to grow", DEADLINE, || {
             (backlog_size(&primary) > original).then_some(())
         });
-        assert!(primary.dir.join(kvsync::backlog::RECORD).exists());
+        assert!(primary.dir.join(kvsync::kv::backlog::RECORD).exists());
         source.proc.signal(libc::SIGKILL);
         source.proc.wait_exit();
         let p = wait_done(&replica, &id).await;
@@ -1168,7 +1168,7 @@ fn an_agent_killed_holding_a_grown_backlog_restores_it_when_it_starts_again() {
             DEADLINE,
             || (backlog_size(&primary) == original).then_some(()),
         );
-        assert!(!primary.dir.join(kvsync::backlog::RECORD).exists());
+        assert!(!primary.dir.join(kvsync::kv::backlog::RECORD).exists());
         assert!(replica.temp_files().is_empty());
         drop(writer);
     });

@@ -191,7 +191,7 @@ async fn killed_midway(root: &Path, seq: u64) -> PathBuf {
             .into_iter()
             .find(|t| t.ends_with(".journal"))?;
         let bytes = std::fs::read(replica.dir.join(&path)).ok()?;
-        let j = kvsync::journal::Journal::decode(&bytes).ok()?;
+        let j = kvsync::store::journal::Journal::decode(&bytes).ok()?;
         (j.verified.iter().filter(|v| **v).count() >= 16).then_some(j)
     });
     assert_eq!(journal.source, "source");
@@ -205,7 +205,10 @@ fn partial(dir: &Path) -> PathBuf {
     std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().path())
-        .find(|p| p.to_string_lossy().ends_with(kvsync::install::TEMP_SUFFIX))
+        .find(|p| {
+            p.to_string_lossy()
+                .ends_with(kvsync::store::install::TEMP_SUFFIX)
+        })
         .expect("a partial file")
 }
 
@@ -297,7 +300,7 @@ async fn a_journal_that_lies_is_detected_and_the_sync_starts_over() {
     // A truncated journal is no journal: the start-up sweep removes its file.
     let root = tempfile::tempdir().unwrap();
     let dir = killed_midway(root.path(), 5).await;
-    let journal = kvsync::install::journal_path(&partial(&dir));
+    let journal = kvsync::store::install::journal_path(&partial(&dir));
     let bytes = std::fs::read(&journal).unwrap();
     std::fs::write(&journal, &bytes[..bytes.len() / 2]).unwrap();
     let replica = Node::start(root.path(), "replica", "", &[]);

@@ -8,7 +8,7 @@ pub mod peer;
 
 use tonic::{Code, Status};
 
-use crate::cache::CacheError;
+use crate::store::cache::CacheError;
 use crate::sync::SyncError;
 
 /// Every error a gRPC call can end with, and its status code.

@@ -10,11 +10,11 @@ use std::sync::Arc;
 use futures::Stream;
 use tonic::{Request, Response, Status};
 
-use crate::catalog::{Catalog, CatalogEntry};
 use crate::fanout::FanoutManager;
 use crate::rpc::auth::ClientAuth;
 use crate::rpc::{is_terminal, pb};
 use crate::snapshot::Format;
+use crate::store::catalog::{Catalog, CatalogEntry};
 use crate::sync::relay::RelayTable;
 use crate::sync::source::{DataEndpoints, SessionTable};
 use crate::sync::{Pull, SyncManager};
@@ -36,7 +36,7 @@ pub struct OrchestratorService {
     /// The fan-outs this agent runs as their origin.
     pub fanouts: Arc<FanoutManager>,
     /// The local primary's backlog guard, for its warnings.
-    pub backlog: Option<Arc<crate::backlog::BacklogGuard>>,
+    pub backlog: Option<Arc<crate::kv::backlog::BacklogGuard>>,
 }
 
 /// Longest accepted sync id.

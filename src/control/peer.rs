@@ -13,13 +13,13 @@ use tonic::{Request, Response, Status};
 use tracing::{info, warn};
 
 use super::ApiError;
-use crate::backlog::{BacklogGuard, Lease};
-use crate::cache::{CacheError, RelayFeed, SnapshotCache};
-use crate::catalog::{Catalog, CatalogEntry};
 use crate::config::{Config, DataTls};
+use crate::kv::backlog::{BacklogGuard, Lease};
 use crate::rpc::pb;
-use crate::served::{Served, SnapshotFile};
 use crate::snapshot::{Format, SnapshotInfo};
+use crate::store::cache::{CacheError, RelayFeed, SnapshotCache};
+use crate::store::catalog::{Catalog, CatalogEntry};
+use crate::store::served::{Served, SnapshotFile};
 use crate::sync::relay::{is_snapshot, RelaySource, RelayTable};
 use crate::sync::source::{replica_key, DataEndpoints, Offer, Refusal, SessionTable};
 use crate::sync::{new_id, unix_ms};
@@ -93,7 +93,7 @@ impl PeerService {
                 );
                 Ok((Some(lease), p.backlog_bytes_left))
             }
-            Err(e @ crate::redis::RedisError::Precondition(_)) => {
+            Err(e @ crate::kv::redis::RedisError::Precondition(_)) => {
                 Err(ApiError::FailedPrecondition(e.to_string()))
             }
             Err(e) => Err(ApiError::FailedPrecondition(format!(

@@ -22,11 +22,11 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::catalog::Catalog;
 use crate::metrics::Metrics;
 use crate::rpc::auth::ClientAuth;
 use crate::rpc::{is_terminal, pb, AgentChannel, Dialer};
 use crate::snapshot::Format;
+use crate::store::catalog::Catalog;
 use crate::sync::relay::snapshot_id;
 use crate::sync::{new_id, unix_ms, SyncError};
 use plan::Place;

@@ -24,8 +24,8 @@ use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
 use crate::config::RedisConfig;
+use crate::kv::redis::{self, Foresight, Info, Preflight, RedisError};
 use crate::metrics::Metrics;
-use crate::redis::{self, Foresight, Info, Preflight, RedisError};
 use crate::snapshot::SnapshotInfo;
 
 /// The default record of the operator's `repl-backlog-size`, in the
@@ -394,7 +394,7 @@ fn write_record(path: &Path, record: &Record) -> std::io::Result<()> {
     serde_json::to_writer(&mut temp, record)?;
     temp.as_file().sync_all()?;
     temp.persist(path).map_err(|e| e.error)?;
-    crate::install::sync_dir(dir).map_err(std::io::Error::other)
+    crate::store::install::sync_dir(dir).map_err(std::io::Error::other)
 }
 
 #[cfg(test)]

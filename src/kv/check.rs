@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use redis::aio::MultiplexedConnection;
 
-use crate::redis::{connect, server_err, Info, RedisError};
+use crate::kv::redis::{connect, server_err, Info, RedisError};
 
 /// Rounds a key that keeps changing is checked in.
 pub const ROUNDS: usize = 3;

@@ -4,7 +4,7 @@
 //! `[handoff] mode`, sends a templated line to the KV's admin address and
 //! requires `+OK`, runs a program with `KVSYNC_*` in its environment and
 //! requires exit status 0, or seeds a Redis/Valkey server and requires a
-//! partial resync (`crate::redis`). Every step has the configured deadline. A failed
+//! partial resync (`crate::kv::redis`). Every step has the configured deadline. A failed
 //! handoff leaves the installed snapshot in place; the caller reports it.
 //! Values reach the KV as data: the record escapes control characters, a
 //! command line holding one is refused, and programs get values only in
@@ -16,9 +16,9 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 use crate::config::{HandoffConfig, HandoffMode, RedisConfig};
-use crate::install::{self, InstallError};
 use crate::peer_text::{escape_controls, has_control};
 use crate::snapshot::SnapshotInfo;
+use crate::store::install::{self, InstallError};
 
 /// What the KV receives.
 #[derive(Debug, Clone)]
@@ -83,7 +83,7 @@ pub enum HandoffError {
     Program { program: String, status: String },
     /// The Redis/Valkey server did not continue from the snapshot.
     #[error(transparent)]
-    Redis(#[from] crate::redis::RedisError),
+    Redis(#[from] crate::kv::redis::RedisError),
     /// The command line would carry a control character; nothing was sent.
     #[error("refusing to send a command line with control characters: {0}")]
     Unsafe(String),
@@ -107,13 +107,10 @@ pub async fn hand_off(
             HandoffMode::Command => send_command(config, record).await,
             HandoffMode::Exec => run_program(config, record).await,
             HandoffMode::Redis => {
-                Ok(crate::redis::seed(redis, deadline, &record.path, &record.info).await?)
+                Ok(crate::kv::redis::seed(redis, deadline, &record.path, &record.info).await?)
             }
             HandoffMode::RedisReplicate => {
-                Ok(
-                    crate::redis_seed::replicate(redis, deadline, &record.path, &record.info)
-                        .await?,
-                )
+                Ok(crate::kv::seed::replicate(redis, deadline, &record.path, &record.info).await?)
             }
         }
     };

@@ -18,8 +18,8 @@ use prometheus::IntCounter;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::kv::redis::Info;
 use crate::metrics::Metrics;
-use crate::redis::Info;
 
 /// What one poll found.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -107,7 +107,7 @@ pub async fn watch(
             _ = shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let polled = crate::redis::infos(&addr, &password, &["replication", "stats"]).await;
+        let polled = crate::kv::redis::infos(&addr, &password, &["replication", "stats"]).await;
         let health = match polled {
             Ok(info) => read(&info),
             Err(e) => {

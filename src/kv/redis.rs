@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
 use crate::config::RedisConfig;
-use crate::install;
 use crate::snapshot::SnapshotInfo;
+use crate::store::install;
 
 /// A conversation with a server failed.
 #[derive(Debug, thiserror::Error)]

@@ -24,7 +24,9 @@ use tokio::net::{TcpListener, TcpStream};
 use tracing::{info, warn};
 
 use crate::config::RedisConfig;
-use crate::redis::{confirm_partial, connect, info, infos, server_err, until, Info, RedisError};
+use crate::kv::redis::{
+    confirm_partial, connect, info, infos, server_err, until, Info, RedisError,
+};
 use crate::snapshot::SnapshotInfo;
 
 /// Most arguments, and bytes per argument, of a command the seed accepts.

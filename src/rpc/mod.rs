@@ -1,10 +1,12 @@
 //! gRPC plumbing that both ends of the control plane share: the generated
 //! `kvsync.v1` types ([`pb`]) with a few helpers to name their enums,
 //! bearer tokens ([`auth`]), TLS settings ([`tls`]) and how a process
-//! reaches an agent ([`dial`]). The services themselves live in `control`;
+//! reaches an agent ([`dial`]), and connections counted in total and per
+//! address ([`conn_limit`]). The services themselves live in `control`;
 //! this module knows nothing of syncs, catalogs or caches.
 
 pub mod auth;
+pub mod conn_limit;
 pub mod dial;
 pub mod tls;
 

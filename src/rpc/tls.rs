@@ -16,7 +16,7 @@ use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
 
 use crate::config::TlsConfig;
-use crate::pem::{read_pem, PemError, PemKind};
+use crate::sys::pem::{read_pem, PemError, PemKind};
 
 /// A client that has not finished its handshake by then is dropped.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);

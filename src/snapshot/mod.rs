@@ -5,8 +5,10 @@
 //! watcher and `kvsync verify` (reading a file), the source cache (after a
 //! load) and the replica (while bytes arrive). Per-format parsing lives in the
 //! submodules; this module only dispatches and attaches file names to errors.
+//! [`manifest`] holds a snapshot's identity and per-piece checksums.
 
 pub mod kvr1;
+pub mod manifest;
 pub mod rdb;
 
 use std::fs::File;
@@ -15,7 +17,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::buf::AlignedBuf;
+use crate::sys::buf::AlignedBuf;
 
 /// Snapshot file formats kvsync understands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]

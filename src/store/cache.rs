@@ -29,12 +29,12 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 use tracing::{info, warn};
 
-use crate::arrivals::Arrivals;
-use crate::buf::AlignedBuf;
-use crate::catalog::{system_time_ns, CatalogEntry};
-use crate::manifest::Manifest;
 use crate::metrics::Metrics;
+use crate::snapshot::manifest::Manifest;
 use crate::snapshot::{Corruption, Verifier};
+use crate::store::arrivals::Arrivals;
+use crate::store::catalog::{system_time_ns, CatalogEntry};
+use crate::sys::buf::AlignedBuf;
 
 /// `pread` size while loading (also the granularity readers wait on).
 const LOAD_CHUNK: usize = 4 << 20;
@@ -642,7 +642,7 @@ fn fill_relay(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::manifest::PieceHasher;
+    use crate::snapshot::manifest::PieceHasher;
     use crate::snapshot::{Format, SnapshotInfo};
     use std::os::unix::fs::FileExt;
 

@@ -13,8 +13,8 @@ use std::time::SystemTime;
 
 use tokio::sync::watch;
 
-use crate::manifest::{Manifest, PieceHasher};
 use crate::metrics::Metrics;
+use crate::snapshot::manifest::{Manifest, PieceHasher};
 use crate::snapshot::{self, Format, SnapshotError, SnapshotInfo};
 
 /// One offered snapshot file.

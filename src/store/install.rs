@@ -10,11 +10,11 @@
 //! resumed in time).
 
 use std::fs::{File, OpenOptions};
-use std::io::Write;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use crate::snapshot::Format;
+use crate::sys::fs;
 
 /// Mode of the files kvsync writes: owner and group only (the KV's
 /// group may read them; nobody else).
@@ -160,7 +160,7 @@ impl Staging {
     pub fn splice_at(
         &mut self,
         offset: u64,
-        pipe: &crate::transport::splice::Pipe,
+        pipe: &crate::sys::splice::Pipe,
         n: usize,
     ) -> Result<(), InstallError> {
         pipe.drain_to(&self.file, offset, n)
@@ -240,50 +240,23 @@ pub fn discard(partial: &Path) {
 
 /// fsync a directory so a rename in it is durable.
 pub fn sync_dir(dir: &Path) -> Result<(), InstallError> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|source| InstallError::Io {
-            op: "fsync directory",
-            path: dir.to_owned(),
-            source,
-        })
-}
-
-/// Bytes an unprivileged writer can still use on `dir`'s file system.
-pub fn free_bytes(dir: &Path) -> std::io::Result<u64> {
-    use std::os::unix::ffi::OsStrExt;
-    let path = std::ffi::CString::new(dir.as_os_str().as_bytes())?;
-    let mut st = std::mem::MaybeUninit::<libc::statvfs>::zeroed();
-    // SAFETY: a valid C string and a struct for the kernel to fill.
-    if unsafe { libc::statvfs(path.as_ptr(), st.as_mut_ptr()) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: statvfs succeeded and filled the struct.
-    let st = unsafe { st.assume_init() };
-    Ok(st.f_bavail.saturating_mul(st.f_frsize))
-}
-
-/// Writes `contents` to `path` atomically and durably (temp, fsync, rename,
-/// fsync dir).
-pub fn write_atomic(path: &Path, contents: &[u8]) -> Result<(), InstallError> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let io = |op, source| InstallError::Io {
-        op,
-        path: path.to_owned(),
+    fs::sync_dir(dir).map_err(|source| InstallError::Io {
+        op: "fsync directory",
+        path: dir.to_owned(),
         source,
-    };
-    let mut tmp = tempfile::Builder::new()
-        .prefix(TEMP_PREFIX)
-        .suffix(TEMP_SUFFIX)
-        .tempfile_in(dir)
-        .map_err(|e| io("create temp for", e))?;
-    tmp.write_all(contents).map_err(|e| io("write", e))?;
-    tmp.as_file()
-        .set_permissions(std::os::unix::fs::PermissionsExt::from_mode(SNAPSHOT_MODE))
-        .map_err(|e| io("set mode of", e))?;
-    tmp.as_file().sync_all().map_err(|e| io("fsync", e))?;
-    tmp.persist(path).map_err(|e| io("rename", e.error))?;
-    sync_dir(dir)
+    })
+}
+
+/// Writes `contents` to `path` atomically and durably, through a temp file
+/// the watcher and the sweeps know as kvsync's.
+pub fn write_atomic(path: &Path, contents: &[u8]) -> Result<(), InstallError> {
+    fs::write_atomic(path, contents, (TEMP_PREFIX, TEMP_SUFFIX), SNAPSHOT_MODE).map_err(|source| {
+        InstallError::Io {
+            op: "write atomically",
+            path: path.to_owned(),
+            source,
+        }
+    })
 }
 
 /// Hidden file in a snapshot directory listing, one per line, the names
@@ -315,7 +288,7 @@ pub fn install_name(
     let ext = format.extension();
     let plain = crate::peer_text::is_plain_name(offered)
         && offered.ends_with(&format!(".{ext}"))
-        && !crate::watch::is_ignored_name(offered);
+        && !crate::store::watch::is_ignored_name(offered);
     if plain && free(offered) {
         return Ok(offered.to_string());
     }

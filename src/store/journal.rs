@@ -19,8 +19,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime};
 
-use crate::install::{discard, journal_path, JOURNAL_SUFFIX, TEMP_PREFIX, TEMP_SUFFIX};
-use crate::manifest::Manifest;
+use crate::snapshot::manifest::Manifest;
+use crate::store::install::{discard, journal_path, JOURNAL_SUFFIX, TEMP_PREFIX, TEMP_SUFFIX};
 
 const MAGIC: &[u8; 4] = b"KVSJ";
 const VERSION: u8 = 1;
@@ -310,7 +310,7 @@ fn check_claims(
     }
     // Page-aligned: the kernel's copy into an unaligned buffer is several
     // times slower (BENCHMARKS.md, verification).
-    let mut buf = crate::buf::AlignedBuf::new((4 << 20).min(manifest.piece_size as usize))
+    let mut buf = crate::sys::buf::AlignedBuf::new((4 << 20).min(manifest.piece_size as usize))
         .map_err(|e| format!("allocate: {e}"))?;
     for (index, _) in journal.verified.iter().enumerate().filter(|(_, v)| **v) {
         if stop.load(Ordering::Relaxed) {
@@ -444,7 +444,7 @@ pub async fn sweep_every(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::manifest::PieceHasher;
+    use crate::snapshot::manifest::PieceHasher;
     use crate::snapshot::{Format, SnapshotInfo};
     use proptest::prelude::*;
 

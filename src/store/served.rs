@@ -22,8 +22,8 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use crate::cache::{open_checked, CacheError, CacheRef};
-use crate::catalog::CatalogEntry;
+use crate::store::cache::{open_checked, CacheError, CacheRef};
+use crate::store::catalog::CatalogEntry;
 
 /// The bytes an offer holds for its session.
 pub enum Served {

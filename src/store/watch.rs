@@ -20,10 +20,10 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::catalog::{Catalog, CatalogEntry};
 use crate::config::WatchConfig;
 use crate::metrics::Metrics;
 use crate::snapshot::Format;
+use crate::store::catalog::{Catalog, CatalogEntry};
 
 /// True for names that are never snapshots: hidden files, temp files of
 /// kvsync and of the KV (`temp-*.rdb`, `*.tmp`), handoff records.

@@ -4,8 +4,8 @@
 use std::path::PathBuf;
 
 use crate::blk3::Blk3Error;
-use crate::handoff::HandoffError;
-use crate::install::InstallError;
+use crate::kv::handoff::HandoffError;
+use crate::store::install::InstallError;
 use crate::transport::rdma::RdmaError;
 use crate::transport::session::LinkError;
 use crate::transport::tcp::TcpError;

@@ -21,14 +21,14 @@ use tracing::{info, info_span, warn, Instrument};
 
 use crate::blk3::token::SESSION_TOKEN_LEN;
 use crate::blk3::Outcome;
-use crate::catalog::CatalogEntry;
 use crate::config::{Config, DataTls, RdmaProvider, TransportMode};
-use crate::handoff::{self, HandoffRecord};
-use crate::install::{self, InstallError};
-use crate::manifest::Manifest;
+use crate::kv::handoff::{self, HandoffRecord};
 use crate::metrics::{unix_now, Metrics, Running};
 use crate::rpc::{self, pb, AgentChannel, Dialer};
+use crate::snapshot::manifest::Manifest;
 use crate::snapshot::SnapshotInfo;
+use crate::store::catalog::CatalogEntry;
+use crate::store::install::{self, InstallError};
 use crate::transport::probe::LocalRdma;
 use crate::transport::session::{ClientTls, DataLink, DialSpec};
 use crate::transport::{ktls, select, Faults, TransportKind};
@@ -356,7 +356,7 @@ fn check_offer(ctx: &JobContext, offer: &pb::SyncOffer) -> Result<(), JobError> 
         return Err(JobError::TooLarge { size, max });
     }
     let dir = &config.snapshot_dir;
-    let free = install::free_bytes(dir).map_err(|source| {
+    let free = crate::sys::fs::free_bytes(dir).map_err(|source| {
         JobError::NotWritable(InstallError::NotWritable {
             dir: dir.clone(),
             source,
@@ -652,7 +652,7 @@ async fn fetch_manifest(
     offer: &pb::SyncOffer,
 ) -> Result<Manifest, JobError> {
     let bad = |why: String| JobError::BadOffer(format!("piece manifest: {why}"));
-    crate::manifest::check_piece_size(offer.piece_size).map_err(bad)?;
+    crate::snapshot::manifest::check_piece_size(offer.piece_size).map_err(bad)?;
     // What a manifest of this snapshot can weigh: its header and 4 bytes a piece.
     let most = 1024 + 4 * Manifest::count_for(offer.snapshot_size, offer.piece_size);
     let request = pb::GetManifestRequest {

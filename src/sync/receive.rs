@@ -24,15 +24,15 @@ use std::sync::{Arc, Mutex};
 
 use tracing::{info, warn};
 
-use crate::arrivals::Arrivals;
 use crate::blk3::token::MAX_NEED_RANGES;
 use crate::blk3::{need_ranges, Blk3Error, Outcome};
-use crate::install::{InstallError, Staging};
-use crate::journal::{self, ClaimsCheck, Journal};
-use crate::manifest::Manifest;
+use crate::snapshot::manifest::Manifest;
 use crate::snapshot::{Format, SnapshotInfo};
+use crate::store::arrivals::Arrivals;
+use crate::store::install::{InstallError, Staging};
+use crate::store::journal::{self, ClaimsCheck, Journal};
+use crate::sys::splice::Pipe;
 use crate::transport::session::SessionResult;
-use crate::transport::splice::Pipe;
 use crate::transport::{Sink, Want};
 
 use super::error::JobError;
@@ -120,7 +120,7 @@ impl Receiver {
                     Ok(staging) => Some((staging, journal)),
                     Err(e) => {
                         warn!(error = %e, "cannot reopen the partial sync; starting over");
-                        crate::install::discard(&path);
+                        crate::store::install::discard(&path);
                         None
                     }
                 },
@@ -135,10 +135,10 @@ impl Receiver {
             None => {
                 let stale = dir.join(format!(
                     "{}{id}{}",
-                    crate::install::TEMP_PREFIX,
-                    crate::install::TEMP_SUFFIX
+                    crate::store::install::TEMP_PREFIX,
+                    crate::store::install::TEMP_SUFFIX
                 ));
-                crate::install::discard(&stale);
+                crate::store::install::discard(&stale);
                 let staging = Staging::create(dir, id).map_err(JobError::NotWritable)?;
                 (staging, Journal::new(source, &manifest), None)
             }

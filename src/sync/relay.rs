@@ -15,12 +15,12 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use crate::arrivals::Arrivals;
-use crate::cache::RelayFeed;
-use crate::catalog::CatalogEntry;
-use crate::manifest::Manifest;
 use crate::rpc::pb;
+use crate::snapshot::manifest::Manifest;
 use crate::snapshot::{Format, SnapshotInfo};
+use crate::store::arrivals::Arrivals;
+use crate::store::cache::RelayFeed;
+use crate::store::catalog::CatalogEntry;
 
 /// Whether `info` is the snapshot `id` names.
 pub fn is_snapshot(info: &SnapshotInfo, id: &pb::SnapshotId) -> bool {
@@ -231,7 +231,7 @@ mod tests {
             created_ms: 0,
             repl_id: None,
         };
-        let mut hasher = crate::manifest::PieceHasher::new(1 << 20);
+        let mut hasher = crate::snapshot::manifest::PieceHasher::new(1 << 20);
         hasher.update(&[0; 10]);
         Arc::new(hasher.finish(info))
     }

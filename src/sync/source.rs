@@ -28,10 +28,10 @@ use tracing::{debug, info, info_span, warn};
 
 use crate::blk3::token::SESSION_TOKEN_LEN;
 use crate::blk3::BulkParams;
-use crate::catalog::CatalogEntry;
-use crate::conn_limit;
 use crate::metrics::{unix_now, Metrics, Running};
-use crate::served::Served;
+use crate::rpc::conn_limit;
+use crate::store::catalog::CatalogEntry;
+use crate::store::served::Served;
 use crate::transport::pace::MinRate;
 use crate::transport::probe::LocalRdma;
 use crate::transport::ratelimit::RateLimiter;
@@ -53,7 +53,7 @@ pub struct Offer {
     /// The agent whose snapshot this is, when this agent relays it.
     pub origin: Option<String>,
     /// The primary's backlog, held for a Redis seeding.
-    pub backlog: Option<crate::backlog::Lease>,
+    pub backlog: Option<crate::kv::backlog::Lease>,
     /// Data connections the session runs on at once (TCP streams; 1 for RDMA).
     pub streams: u32,
 }
@@ -266,7 +266,7 @@ impl SessionTable {
     }
 
     /// The piece manifest of the offered (not yet used) session `id`.
-    pub fn manifest(&self, id: &str) -> Option<Arc<crate::manifest::Manifest>> {
+    pub fn manifest(&self, id: &str) -> Option<Arc<crate::snapshot::manifest::Manifest>> {
         let now = Instant::now();
         let offers = self.offers.lock().expect("sessions lock");
         offers

@@ -15,12 +15,10 @@ pub mod ratelimit;
 pub mod rdma;
 pub mod select;
 pub mod session;
-pub mod splice;
 pub mod tcp;
 pub mod tls;
 #[cfg(feature = "rdma")]
 pub mod verbs;
-pub mod zerocopy;
 
 use std::time::Duration;
 
@@ -29,7 +27,7 @@ use std::sync::atomic::AtomicU64;
 use tokio_util::sync::CancellationToken;
 
 use crate::blk3::{Blk3Error, BulkParams, Command, Input, Machine, Outcome};
-use crate::served::Served;
+use crate::store::served::Served;
 use ratelimit::RateLimiter;
 
 /// How long establishing a data connection may take.
@@ -87,7 +85,7 @@ pub trait Sink: Send {
     fn piece_from_pipe(
         &mut self,
         index: u32,
-        pipe: &splice::Pipe,
+        pipe: &crate::sys::splice::Pipe,
         n: usize,
     ) -> std::io::Result<()> {
         let mut buf = vec![0u8; n];

@@ -26,8 +26,8 @@ use crate::blk3::token::SESSION_TOKEN_LEN;
 use crate::blk3::{
     Blk3Error, BulkMode, Command, Input, Outcome, Replica, Source, Token, TokenError,
 };
-use crate::buf::AlignedBuf;
-use crate::cache::{CacheError, CacheRef};
+use crate::store::cache::{CacheError, CacheRef};
+use crate::sys::buf::AlignedBuf;
 
 /// Work-request ids of receives and sends; writes use their plan id.
 const RECV_TAG: u64 = 1 << 62;

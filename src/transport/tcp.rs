@@ -28,17 +28,17 @@ use std::time::{Duration, Instant};
 
 use super::pace::{MinRate, Pace, TooSlow};
 use super::ratelimit::RateLimiter;
-use super::splice::Pipe;
-use super::zerocopy::ZeroCopySender;
 use super::{drive, Executor, Faults, Serve, Sink};
 use crate::blk3::token::{FRAME_HEADER_LEN, MAX_TOKEN_LEN, SESSION_TOKEN_LEN};
 use crate::blk3::{
     size_scaled_timeout, Blk3Error, BulkMode, Command, Input, Outcome, Replica, Source, Token,
     TokenError,
 };
-use crate::buf::AlignedBuf;
-use crate::cache::CacheError;
-use crate::served::{Served, SnapshotFile};
+use crate::store::cache::CacheError;
+use crate::store::served::{Served, SnapshotFile};
+use crate::sys::buf::AlignedBuf;
+use crate::sys::splice::Pipe;
+use crate::sys::zerocopy::ZeroCopySender;
 
 /// Bytes per socket write/read in the bulk phase.
 const BULK_CHUNK: usize = 4 << 20;

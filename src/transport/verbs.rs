@@ -26,7 +26,7 @@ use super::fabric::{
     Completion, Fabric, FabricError, MemoryRegion, WcStatus, WorkKind, RECV_BUF_LEN,
 };
 use crate::blk3::WriteOp;
-use crate::buf::AlignedBuf;
+use crate::sys::buf::AlignedBuf;
 
 /// Receive and send token buffers per QP.
 const SLOTS: usize = 16;

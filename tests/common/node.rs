@@ -140,7 +140,7 @@ impl Node {
             .unwrap()
             .filter_map(|e| e.ok())
             .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|n| n.starts_with(kvsync::install::TEMP_PREFIX))
+            .filter(|n| n.starts_with(kvsync::store::install::TEMP_PREFIX))
             .collect()
     }
 
@@ -169,7 +169,7 @@ impl Node {
     }
 
     /// The piece manifest of an offer this agent made.
-    pub async fn manifest(&self, offer: &pb::SyncOffer) -> kvsync::manifest::Manifest {
+    pub async fn manifest(&self, offer: &pb::SyncOffer) -> kvsync::snapshot::manifest::Manifest {
         let mut parts = pb::peer_client::PeerClient::connect(format!("http://{}", self.grpc()))
             .await
             .unwrap()
@@ -183,7 +183,7 @@ impl Node {
         while let Some(part) = parts.message().await.unwrap() {
             bytes.extend_from_slice(&part.data);
         }
-        kvsync::manifest::Manifest::decode(&bytes).unwrap()
+        kvsync::snapshot::manifest::Manifest::decode(&bytes).unwrap()
     }
 
     /// Waits until this agent holds no snapshot in its cache (every offer
@@ -339,7 +339,7 @@ pub async fn sync_ok(replica: &Node, source: &Node) -> pb::SyncProgress {
 }
 
 pub fn replmeta_seq(installed: &str) -> Option<u64> {
-    kvsync::handoff::read_replmeta_seq(Path::new(&format!("{installed}.replmeta")))
+    kvsync::kv::handoff::read_replmeta_seq(Path::new(&format!("{installed}.replmeta")))
 }
 
 /// `kvsync <global> sync --agent <replica> --source <source> --wait --json`

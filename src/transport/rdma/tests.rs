@@ -11,11 +11,11 @@ use std::time::Duration;
 
 use super::*;
 use crate::blk3::BulkParams;
-use crate::catalog::CatalogEntry;
-use crate::manifest::Manifest;
 use crate::metrics::Metrics;
 use crate::snapshot::kvr1::GenSpec;
+use crate::snapshot::manifest::Manifest;
 use crate::snapshot::Format;
+use crate::store::catalog::CatalogEntry;
 use crate::sync::receive::Receiver;
 use crate::transport::emulated::{EmuFaults, EmuQp};
 use crate::transport::ratelimit::RateLimiter;
@@ -44,7 +44,7 @@ fn snapshot_in(dir: &Path, size: u64, seq: u64, piece: u64) -> CatalogEntry {
 
 /// The entry's cached image and its manifest.
 async fn cached(entry: &CatalogEntry) -> (CacheRef, Arc<Manifest>) {
-    let image = crate::cache::SnapshotCache::new(8 << 30, T, Metrics::new())
+    let image = crate::store::cache::SnapshotCache::new(8 << 30, T, Metrics::new())
         .acquire(entry)
         .await
         .unwrap();
@@ -86,7 +86,7 @@ fn session(
         run_source(
             qp,
             Serve {
-                snapshot: &crate::served::Served::Image(snap),
+                snapshot: &crate::store::served::Served::Image(snap),
                 seq: 42,
                 piece_size,
                 params,
