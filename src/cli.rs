@@ -16,7 +16,7 @@ use bytesize::ByteSize;
 use clap::{Parser, Subcommand};
 
 use crate::agent::RunningAgent;
-use crate::config::Config;
+use crate::config::{Config, ConfigError};
 use crate::snapshot::{self, kvr1::GenSpec, Format};
 
 /// kvsync — replication sidecar for key-value servers.
@@ -354,12 +354,7 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 /// Loads the config file (if any) and applies command-line overrides.
 fn load_config(args: &AgentArgs) -> anyhow::Result<Config> {
     let mut config = match &args.config {
-        Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("cannot read config {}", path.display()))?;
-            Config::parse(&text)
-                .map_err(|m| anyhow::anyhow!("invalid config {}: {m}", path.display()))?
-        }
+        Some(path) => Config::read(path)?,
         None => Config::default(),
     };
     if let Some(v) = &args.node_id {
@@ -377,14 +372,7 @@ fn load_config(args: &AgentArgs) -> anyhow::Result<Config> {
     if let Some(v) = &args.data_listen {
         config.data.tcp_listen = v.clone();
     }
-    if let Err(problems) = config.validate() {
-        let list: Vec<String> = problems.iter().map(|p| format!("  - {p}")).collect();
-        anyhow::bail!(
-            "invalid configuration ({} problems):\n{}",
-            problems.len(),
-            list.join("\n")
-        );
-    }
+    config.validate().map_err(ConfigError::Invalid)?;
     Ok(config)
 }
 
@@ -509,32 +497,14 @@ async fn check_replica(args: CheckReplicaArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn check_config(args: CheckConfigArgs) -> anyhow::Result<ExitCode> {
-    let agent = AgentArgs {
-        config: Some(args.file.clone()),
-        node_id: None,
-        snapshot_dir: None,
-        metrics_listen: None,
-        grpc_listen: None,
-        data_listen: None,
-    };
-    load_config(&agent)?;
+    Config::load(&args.file)?;
     println!("{}: ok", args.file.display());
     Ok(ExitCode::SUCCESS)
 }
 
 fn probe(args: ProbeArgs) -> anyhow::Result<ExitCode> {
     let config = match &args.config {
-        Some(file) => {
-            let agent = AgentArgs {
-                config: Some(file.clone()),
-                node_id: None,
-                snapshot_dir: None,
-                metrics_listen: None,
-                grpc_listen: None,
-                data_listen: None,
-            };
-            load_config(&agent)?
-        }
+        Some(file) => Config::load(file)?,
         None => Default::default(),
     };
     let p = crate::transport::probe::probe_agent(&config);

@@ -649,23 +649,29 @@ pub enum ConfigError {
     #[error("invalid config {path}: {message}")]
     Parse { path: PathBuf, message: String },
     /// Settings parsed but are not usable; every problem is listed.
-    #[error("invalid config: {}", .0.iter().map(|p| p.to_string()).collect::<Vec<_>>().join("; "))]
+    #[error("invalid configuration ({} problems):\n{}", .0.len(), .0.iter().map(|p| format!("  - {p}")).collect::<Vec<_>>().join("\n"))]
     Invalid(Vec<Problem>),
 }
 
 impl Config {
     /// Reads, parses and validates a config file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let config = Config::read(path)?;
+        config.validate().map_err(ConfigError::Invalid)?;
+        Ok(config)
+    }
+
+    /// Reads and parses a config file, without validating it (for callers
+    /// that apply overrides first, then validate).
+    pub fn read(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),
             source,
         })?;
-        let config = Config::parse(&text).map_err(|message| ConfigError::Parse {
+        Config::parse(&text).map_err(|message| ConfigError::Parse {
             path: path.to_owned(),
             message,
-        })?;
-        config.validate().map_err(ConfigError::Invalid)?;
-        Ok(config)
+        })
     }
 
     /// Parses TOML text (no validation).

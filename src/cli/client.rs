@@ -16,10 +16,9 @@ use serde_json::json;
 use super::{DemoArgs, FanoutArgs, StatusArgs, SyncArgs, TransportArg};
 use crate::agent::RunningAgent;
 use crate::config::{Config, TransportMode};
+use crate::rpc::dial::CONNECT_TIMEOUT;
 use crate::rpc::{self, is_terminal, pb, phase_name, transport_name};
 use crate::snapshot::kvr1::GenSpec;
-
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 type Client = pb::orchestrator_client::OrchestratorClient<rpc::AgentChannel>;
 

@@ -10,6 +10,10 @@ use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 
 use super::auth::{ClientAuth, Tokens};
 
+/// How long establishing a connection to a peer may take: an agent's gRPC
+/// endpoint or a data endpoint.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// A channel to another agent that presents a bearer token on every call.
 pub type AgentChannel = InterceptedService<Channel, ClientAuth>;
 

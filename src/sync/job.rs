@@ -24,6 +24,7 @@ use crate::blk3::Outcome;
 use crate::config::{Config, DataTls, RdmaProvider, TransportMode};
 use crate::kv::handoff::{self, HandoffRecord};
 use crate::metrics::{unix_now, Metrics, Running};
+use crate::rpc::dial::CONNECT_TIMEOUT;
 use crate::rpc::{self, pb, AgentChannel, Dialer};
 use crate::snapshot::manifest::Manifest;
 use crate::snapshot::SnapshotInfo;
@@ -39,9 +40,6 @@ use super::relay::RelayTable;
 
 /// A Peer client presenting this agent's token.
 type PeerClient = pb::peer_client::PeerClient<AgentChannel>;
-
-/// How long connecting to the source (gRPC and data) may take.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Everything one job needs.
 pub struct JobContext {

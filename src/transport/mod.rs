@@ -30,8 +30,7 @@ use crate::blk3::{Blk3Error, BulkParams, Command, Input, Machine, Outcome};
 use crate::store::served::Served;
 use ratelimit::RateLimiter;
 
-/// How long establishing a data connection may take.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+pub use crate::rpc::dial::CONNECT_TIMEOUT;
 
 /// What a source session sends, and under which limits.
 pub struct Serve<'a> {
