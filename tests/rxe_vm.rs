@@ -221,11 +221,12 @@ fn section<'a>(out: &'a str, name: &str) -> &'a str {
 }
 
 /// The VMs' time limits, about twice the slowest run seen on this project's
-/// machine kind (2 cores, TCG) under the test command, where the harness
-/// runs one VM job at a time: the one-VM script took 65-68 s, the two-host
-/// script 124 s (`scripts/test.sh` prints every section's seconds).
-const ONE_VM_LIMIT_S: u32 = 150;
-const TWO_VMS_LIMIT_S: u32 = 260;
+/// machine kind (2 cores, TCG), where the harness runs one VM job at a
+/// time: the one-VM script took 65-68 s on a quiet machine and up to 88 s
+/// beside a build, the two-host script 120-124 s and up to 157 s
+/// (`scripts/test.sh` prints every section's seconds).
+const ONE_VM_LIMIT_S: u32 = 180;
+const TWO_VMS_LIMIT_S: u32 = 320;
 
 /// Runs `script` in one VM or in two joined ones; it must succeed. `None`
 /// where the VMs cannot run here.
