@@ -54,7 +54,7 @@ pub enum AgentError {
     },
     /// `KVSYNC_FAULTS` is malformed.
     #[error("KVSYNC_FAULTS: {0}")]
-    Faults(String),
+    Faults(#[from] crate::transport::FaultsError),
     /// `[auth] token_file` is unusable.
     #[error("auth.token_file: {0}")]
     Tokens(String),
@@ -405,7 +405,7 @@ fn prepare(config: &Config) -> Result<Prepared, AgentError> {
             source,
         });
     }
-    let faults = Faults::from_env().map_err(AgentError::Faults)?;
+    let faults = Faults::from_env()?;
     if faults.any() {
         warn!(?faults, "FAULT INJECTION ACTIVE (KVSYNC_FAULTS): this agent corrupts or stalls transfers on purpose");
     }

@@ -773,7 +773,7 @@ impl Config {
         }
         if let Err(why) = crate::snapshot::manifest::check_piece_size(self.data.piece_size.as_u64())
         {
-            p.bad("data.piece_size", why);
+            p.bad("data.piece_size", why.to_string());
         }
         if self.data.piece_retries > crate::blk3::MAX_PIECE_SENDS - 1 {
             p.bad(

@@ -289,9 +289,9 @@ async fn run(case: Case, wire: Wire, dir: &Path, tls: &Tls) -> Run {
     let manifest = entry.manifest.clone();
     let (verdict, refetched, resumed_bytes) = tokio::task::spawn_blocking(move || {
         let mut receiver = Receiver::open(&dst_dir, "t", "source", manifest, retries, |_| {})?;
-        let link = DataLink::dial(&spec).map_err(|message| JobError::DataConnect {
-            endpoint: spec.endpoint.to_string(),
-            message,
+        let link = DataLink::dial(&spec).map_err(|source| JobError::DataConnect {
+            endpoint: spec.endpoint,
+            source,
         })?;
         let (result, _) = link.run(token, SIZE, &mut receiver, &Faults::default());
         let (refetched, resumed) = (receiver.refetched(), receiver.resumed_bytes());

@@ -446,7 +446,7 @@ impl kvsync::transport::Sink for Stuck {
     fn want(&self) -> kvsync::transport::Want {
         self.want.clone()
     }
-    fn prepare(&mut self, _len: u64) -> Result<(), String> {
+    fn prepare(&mut self, _len: u64) -> Result<(), kvsync::transport::SinkError> {
         Ok(())
     }
     fn file(&self) -> &std::fs::File {
@@ -455,11 +455,11 @@ impl kvsync::transport::Sink for Stuck {
     fn piece_bytes(&mut self, _index: u32, _bytes: &[u8], _in_file: bool) {
         let _ = self.release.recv();
     }
-    fn piece_done(&mut self, _index: u32) -> Result<(), String> {
+    fn piece_done(&mut self, _index: u32) -> Result<(), kvsync::transport::SinkError> {
         Ok(())
     }
-    fn verify(&mut self) -> Result<(), String> {
-        Err("this replica never verifies".into())
+    fn verify(&mut self) -> Result<(), kvsync::transport::SinkError> {
+        Err(kvsync::transport::SinkError::Missing(1))
     }
 }
 

@@ -10,11 +10,13 @@ use std::sync::Arc;
 use futures::Stream;
 use tonic::{Request, Response, Status};
 
+use crate::config::TransportMode;
 use crate::fanout::FanoutManager;
 use crate::rpc::auth::ClientAuth;
 use crate::rpc::{is_terminal, pb};
 use crate::snapshot::Format;
 use crate::store::catalog::{Catalog, CatalogEntry};
+use crate::sync::policy::SnapshotId;
 use crate::sync::relay::RelayTable;
 use crate::sync::source::{DataEndpoints, SessionTable};
 use crate::sync::{Pull, SyncManager};
@@ -55,6 +57,16 @@ fn check_id(id: &str) -> Result<(), Status> {
 fn preference(t: i32) -> Result<pb::TransportPreference, Status> {
     pb::TransportPreference::try_from(t)
         .map_err(|_| Status::invalid_argument(format!("unknown transport preference {t}")))
+}
+
+/// A request's preference as the job's plan takes it (`None`: the agent's
+/// configured mode).
+fn asked_mode(p: pb::TransportPreference) -> Option<TransportMode> {
+    match p {
+        pb::TransportPreference::Tcp => Some(TransportMode::Tcp),
+        pb::TransportPreference::Rdma => Some(TransportMode::Rdma),
+        pb::TransportPreference::Auto => None,
+    }
 }
 
 /// Catalog entry → wire form.
@@ -110,8 +122,12 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         let (sync_id, created) = self.syncs.start(Pull {
             source: req.source,
             upstream: req.upstream,
-            want: req.snapshot,
-            preference,
+            want: req.snapshot.map(|s| SnapshotId {
+                size: s.size,
+                seq: s.seq,
+                checksum: s.checksum,
+            }),
+            mode: asked_mode(preference),
         })?;
         Ok(Response::new(pb::StartFullSyncResponse {
             sync_id,

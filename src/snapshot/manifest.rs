@@ -159,7 +159,7 @@ impl Manifest {
         } else {
             None
         };
-        check_piece_size(piece_size).map_err(ManifestError::Inconsistent)?;
+        check_piece_size(piece_size).map_err(|e| ManifestError::Inconsistent(e.to_string()))?;
         let count = r.u32("piece count")? as u64;
         if count != Manifest::count_for(size, piece_size) {
             return Err(ManifestError::Inconsistent(format!(
@@ -193,14 +193,17 @@ impl Manifest {
     }
 }
 
-/// `Ok` for a power of two between 1 MiB and 256 MiB; else why not.
-pub fn check_piece_size(size: u64) -> Result<(), String> {
+/// A piece size kvsync does not use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("piece size {0} is not a power of two between 1 MiB and 256 MiB")]
+pub struct BadPieceSize(pub u64);
+
+/// `Ok` for a power of two between 1 MiB and 256 MiB.
+pub fn check_piece_size(size: u64) -> Result<(), BadPieceSize> {
     if size.is_power_of_two() && (MIN_PIECE_SIZE..=MAX_PIECE_SIZE).contains(&size) {
         Ok(())
     } else {
-        Err(format!(
-            "piece size {size} is not a power of two between 1 MiB and 256 MiB"
-        ))
+        Err(BadPieceSize(size))
     }
 }
 

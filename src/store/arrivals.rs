@@ -8,6 +8,16 @@
 
 use std::sync::{Condvar, Mutex};
 
+/// Why a piece will never arrive.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ArrivalsError {
+    #[error("no piece {0}")]
+    NoPiece(u32),
+    /// The receive ended without it; why.
+    #[error("{0}")]
+    Ended(String),
+}
+
 #[derive(Debug)]
 struct State {
     verified: Vec<bool>,
@@ -52,16 +62,16 @@ impl Arrivals {
 
     /// Blocks until piece `index` is verified; `Err` says why it never
     /// will be.
-    pub fn wait(&self, index: u32) -> Result<(), String> {
+    pub fn wait(&self, index: u32) -> Result<(), ArrivalsError> {
         let mut state = self.state.lock().expect("arrivals lock");
         loop {
             match state.verified.get(index as usize) {
                 Some(true) => return Ok(()),
-                None => return Err(format!("no piece {index}")),
+                None => return Err(ArrivalsError::NoPiece(index)),
                 Some(false) => {}
             }
             if let Some(why) = &state.ended {
-                return Err(why.clone());
+                return Err(ArrivalsError::Ended(why.clone()));
             }
             state = self.changed.wait(state).expect("arrivals lock");
         }
@@ -86,7 +96,10 @@ mod tests {
         a.end("a later reason is ignored");
         let (one, two) = waiter.join().unwrap();
         assert_eq!(one, Ok(()));
-        assert_eq!(two, Err("the relay's sync failed".to_string()));
-        assert!(a.wait(7).is_err());
+        assert_eq!(
+            two,
+            Err(ArrivalsError::Ended("the relay's sync failed".into()))
+        );
+        assert_eq!(a.wait(7), Err(ArrivalsError::NoPiece(7)));
     }
 }

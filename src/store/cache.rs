@@ -32,7 +32,7 @@ use tracing::{info, warn};
 use crate::metrics::Metrics;
 use crate::snapshot::manifest::Manifest;
 use crate::snapshot::{Corruption, Verifier};
-use crate::store::arrivals::Arrivals;
+use crate::store::arrivals::{Arrivals, ArrivalsError};
 use crate::store::catalog::{system_time_ns, CatalogEntry};
 use crate::sys::buf::AlignedBuf;
 
@@ -91,7 +91,7 @@ pub enum CacheError {
     Load(Arc<CacheError>),
     /// A relayed snapshot's receive ended before this piece came.
     #[error("this agent's own sync of the relayed snapshot ended: {0}")]
-    RelayEnded(String),
+    RelayEnded(#[from] ArrivalsError),
     /// A verified piece of a relayed snapshot no longer matches its
     /// manifest in the staging file.
     #[error("{path}: piece {index} changed after it was verified")]
@@ -611,10 +611,10 @@ fn fill_relay(
 ) -> Result<(), CacheError> {
     let (path, manifest) = (&feed.path, &feed.manifest);
     for index in 0..manifest.pieces() {
-        feed.arrivals.wait(index).map_err(CacheError::RelayEnded)?;
+        feed.arrivals.wait(index)?;
         // Only the loader's own reference is left: the image was dropped.
         if Arc::strong_count(image) == 1 {
-            return Err(CacheError::RelayEnded("nobody holds the image".into()));
+            return Err(ArrivalsError::Ended("nobody holds the image".into()).into());
         }
         let (offset, len) = manifest.range(index);
         let mut crc = crc32fast::Hasher::new();

@@ -184,11 +184,10 @@ impl Journal {
         std::fs::rename(&next, &path)
     }
 
-    /// The journal of the temp file `partial`.
-    pub fn read(partial: &Path) -> Result<Journal, String> {
-        let path = journal_path(partial);
-        let bytes = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-        Journal::decode(&bytes).map_err(|e| format!("{}: {e}", path.display()))
+    /// The journal of the temp file `partial`, when it has one that reads.
+    pub fn read(partial: &Path) -> Option<Journal> {
+        let bytes = std::fs::read(journal_path(partial)).ok()?;
+        Journal::decode(&bytes).ok()
     }
 }
 
@@ -241,11 +240,29 @@ impl Drop for Writer {
     }
 }
 
+/// Why the pieces a journal claims are not trusted.
+#[derive(Debug, thiserror::Error)]
+pub enum ClaimsError {
+    #[error("{op} the temp file: {source}")]
+    Io {
+        op: &'static str,
+        source: std::io::Error,
+    },
+    #[error("the temp file has {len} bytes, the snapshot {size}")]
+    Length { len: u64, size: u64 },
+    #[error("piece {0} is not what the manifest says")]
+    Piece(u32),
+    #[error("stopped")]
+    Stopped,
+    #[error("the resume check panicked")]
+    Panicked,
+}
+
 /// The read-back check of the pieces a journal claims, on a thread of its
 /// own (a resumed session runs beside it); dropped unfinished, it stops at
 /// its next piece.
 pub struct ClaimsCheck {
-    thread: Option<JoinHandle<Result<(), String>>>,
+    thread: Option<JoinHandle<Result<(), ClaimsError>>>,
     stop: Arc<AtomicBool>,
 }
 
@@ -277,11 +294,9 @@ impl ClaimsCheck {
     }
 
     /// The check's verdict, once it is done.
-    pub fn wait(mut self) -> Result<(), String> {
+    pub fn wait(mut self) -> Result<(), ClaimsError> {
         let thread = self.thread.take().expect("joined once");
-        thread
-            .join()
-            .unwrap_or_else(|_| Err("the resume check panicked".into()))
+        thread.join().unwrap_or(Err(ClaimsError::Panicked))
     }
 }
 
@@ -299,22 +314,21 @@ fn check_claims(
     manifest: &Manifest,
     journal: &Journal,
     stop: &AtomicBool,
-) -> Result<(), String> {
-    let file = std::fs::File::open(partial).map_err(|e| e.to_string())?;
-    let len = file.metadata().map_err(|e| e.to_string())?.len();
-    if len != manifest.info.size && journal.verified_bytes() > 0 {
-        return Err(format!(
-            "the temp file has {len} bytes, the snapshot {}",
-            manifest.info.size
-        ));
+) -> Result<(), ClaimsError> {
+    let io = |op| move |source| ClaimsError::Io { op, source };
+    let file = std::fs::File::open(partial).map_err(io("open"))?;
+    let len = file.metadata().map_err(io("stat"))?.len();
+    let size = manifest.info.size;
+    if len != size && journal.verified_bytes() > 0 {
+        return Err(ClaimsError::Length { len, size });
     }
     // Page-aligned: the kernel's copy into an unaligned buffer is several
     // times slower (BENCHMARKS.md, verification).
     let mut buf = crate::sys::buf::AlignedBuf::new((4 << 20).min(manifest.piece_size as usize))
-        .map_err(|e| format!("allocate: {e}"))?;
+        .map_err(io("allocate a buffer to read"))?;
     for (index, _) in journal.verified.iter().enumerate().filter(|(_, v)| **v) {
         if stop.load(Ordering::Relaxed) {
-            return Err("stopped".into());
+            return Err(ClaimsError::Stopped);
         }
         let (offset, plen) = manifest.range(index as u32);
         let mut crc = crc32fast::Hasher::new();
@@ -322,12 +336,12 @@ fn check_claims(
         while at < plen {
             let n = (plen - at).min(buf.len() as u64) as usize;
             file.read_exact_at(&mut buf[..n], offset + at)
-                .map_err(|e| format!("read piece {index}: {e}"))?;
+                .map_err(io("read"))?;
             crc.update(&buf[..n]);
             at += n as u64;
         }
         if crc.finalize() != manifest.crcs[index] {
-            return Err(format!("piece {index} is not what the manifest says"));
+            return Err(ClaimsError::Piece(index as u32));
         }
     }
     Ok(())
@@ -355,7 +369,7 @@ fn partials(dir: &Path) -> Vec<PathBuf> {
 pub fn find(dir: &Path, source: &str, manifest: &Manifest) -> Option<(PathBuf, Journal)> {
     let mut found = None;
     for partial in partials(dir) {
-        let Ok(journal) = Journal::read(&partial) else {
+        let Some(journal) = Journal::read(&partial) else {
             continue;
         };
         if journal.source != source {
@@ -387,11 +401,11 @@ pub fn sweep(dir: &Path, ttl: Duration, at_start: bool) -> usize {
     for partial in partials(dir) {
         let journal = journal_path(&partial);
         let keep = match Journal::read(&partial) {
-            Ok(_) => {
+            Some(_) => {
                 age(&journal).is_some_and(|a| a < ttl) || age(&partial).is_some_and(|a| a < ttl)
             }
             // No journal yet: a running sync's, unless this is a start.
-            Err(_) => !at_start && age(&partial).is_some_and(|a| a < ttl),
+            None => !at_start && age(&partial).is_some_and(|a| a < ttl),
         };
         if !keep {
             discard(&partial);

@@ -1,14 +1,15 @@
-//! Why a replica's sync failed: [`JobError`], its `result` label, whether
-//! another attempt may help, and why an RDMA attempt falls back to TCP.
+//! Why a replica's sync failed: [`JobError`] and its `result` label. What
+//! each failure leads to (another attempt, another source, TCP) is
+//! `policy`'s.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use crate::blk3::Blk3Error;
 use crate::kv::handoff::HandoffError;
 use crate::store::install::InstallError;
-use crate::transport::rdma::RdmaError;
-use crate::transport::session::LinkError;
-use crate::transport::tcp::TcpError;
+use crate::transport::session::{DialError, LinkError};
 
 /// Why a sync failed.
 #[derive(Debug, thiserror::Error)]
@@ -29,8 +30,11 @@ pub enum JobError {
     #[error("unusable offer from the source: {0}")]
     BadOffer(String),
     /// The data endpoint could not be reached.
-    #[error("cannot connect to data endpoint {endpoint}: {message}")]
-    DataConnect { endpoint: String, message: String },
+    #[error("cannot connect to data endpoint {endpoint}: {source}")]
+    DataConnect {
+        endpoint: SocketAddr,
+        source: DialError,
+    },
     /// The data connection failed below the protocol.
     #[error(transparent)]
     Transport(#[from] LinkError),
@@ -58,9 +62,9 @@ pub enum JobError {
     /// The received bytes are not the snapshot (RDFL sent, nothing installed).
     #[error("received snapshot failed verification: {0}")]
     Checksum(String),
-    /// Verified, but the disk refused it.
+    /// This host could not store or install it (disk full, I/O error).
     #[error("install failed: {0}")]
-    Install(#[from] InstallError),
+    Install(Arc<InstallError>),
     /// Installed, but the KV did not take it.
     #[error("snapshot installed at {} but the handoff failed: {source}", installed.display())]
     Handoff {
@@ -72,6 +76,12 @@ pub enum JobError {
     Cancelled,
 }
 
+impl From<InstallError> for JobError {
+    fn from(e: InstallError) -> JobError {
+        JobError::Install(Arc::new(e))
+    }
+}
+
 impl JobError {
     /// The `result` label of `kvsync_fullsync_total`.
     pub fn result_label(&self) -> &'static str {
@@ -80,63 +90,5 @@ impl JobError {
             JobError::Cancelled => "cancelled",
             _ => "failed",
         }
-    }
-
-    /// Worth another attempt: the source or network may recover. Checksum
-    /// mismatches count too (the caller gives up on the second).
-    pub(super) fn is_transient(&self) -> bool {
-        match self {
-            JobError::Unreachable { .. } | JobError::DataConnect { .. } | JobError::Checksum(_) => {
-                true
-            }
-            JobError::Transport(e) => match e {
-                LinkError::Tcp(e) => !matches!(e, TcpError::Cancelled),
-                LinkError::Rdma(e) => {
-                    matches!(e, RdmaError::Fabric(_) | RdmaError::Completion { .. })
-                }
-            },
-            JobError::Protocol(e) => !matches!(
-                e,
-                Blk3Error::MrinfoLength { .. } | Blk3Error::AnnouncedLength { .. }
-            ),
-            JobError::Refused { code, .. } => matches!(
-                code,
-                tonic::Code::Unavailable
-                    | tonic::Code::ResourceExhausted
-                    | tonic::Code::Aborted
-                    | tonic::Code::NotFound // no snapshot yet
-            ),
-            _ => false,
-        }
-    }
-
-    /// The source (not this agent, and not an operator) is why the attempt
-    /// failed: another source may do better.
-    pub(super) fn blames_source(&self) -> bool {
-        match self {
-            JobError::Unreachable { .. }
-            | JobError::Refused { .. }
-            | JobError::BadOffer(_)
-            | JobError::DataConnect { .. }
-            | JobError::Protocol(_)
-            | JobError::Checksum(_) => true,
-            JobError::Transport(_) => self.is_transient(),
-            _ => false,
-        }
-    }
-
-    /// Why an RDMA attempt that failed this way is retried over TCP
-    /// (`kvsync_transport_fallback_total{reason}`), or `None` when the
-    /// failure is not the transport's (cancel, local disk, handoff).
-    pub(super) fn fallback_reason(&self) -> Option<&'static str> {
-        Some(match self {
-            JobError::Transport(LinkError::Rdma(e)) => e.fallback_reason(),
-            JobError::DataConnect { .. } => "connect",
-            JobError::Checksum(_) => "checksum",
-            JobError::Protocol(Blk3Error::Timeout { .. }) => "timeout",
-            JobError::Protocol(Blk3Error::PeerFailed(_)) => "peer_failed",
-            JobError::Protocol(_) => "protocol",
-            _ => return None,
-        })
     }
 }

@@ -19,13 +19,12 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, info_span, warn, Instrument};
 
-use crate::blk3::token::SESSION_TOKEN_LEN;
 use crate::blk3::Outcome;
-use crate::config::{Config, DataTls, RdmaProvider, TransportMode};
+use crate::config::{Config, RdmaProvider, TransportMode};
 use crate::kv::handoff::{self, HandoffRecord};
 use crate::metrics::{unix_now, Metrics, Running};
 use crate::rpc::dial::CONNECT_TIMEOUT;
-use crate::rpc::{self, pb, AgentChannel, Dialer};
+use crate::rpc::{pb, AgentChannel, Dialer};
 use crate::snapshot::manifest::Manifest;
 use crate::snapshot::SnapshotInfo;
 use crate::store::catalog::CatalogEntry;
@@ -35,6 +34,7 @@ use crate::transport::session::{ClientTls, DataLink, DialSpec};
 use crate::transport::{ktls, select, Faults, TransportKind};
 
 pub use super::error::JobError;
+use super::policy::{self, Asked, Attempts, Next, Offer, SnapshotId, TransportPlan};
 use super::receive::{Received, Receiver};
 use super::relay::RelayTable;
 
@@ -50,8 +50,9 @@ pub struct JobContext {
     /// relays up to the origin).
     pub upstream: Vec<String>,
     /// Exactly this snapshot (`None`: the source's latest).
-    pub want: Option<pb::SnapshotId>,
-    pub preference: pb::TransportPreference,
+    pub want: Option<SnapshotId>,
+    /// The transport mode asked for (`None`: the configured one).
+    pub mode: Option<TransportMode>,
     pub config: Config,
     pub metrics: Arc<Metrics>,
     /// This agent's RDMA: the probe (provider, local address, soft
@@ -155,38 +156,43 @@ pub async fn run(mut ctx: JobContext) -> pb::SyncProgress {
 /// fan-out's failed relay), resuming what was verified. Status shows the
 /// attempts, the sources given up and the last error.
 async fn with_retries(ctx: &mut JobContext) -> Result<(), JobError> {
-    let sync = ctx.config.sync.clone();
-    let mut checksum_failures = 0;
-    let mut attempt_no = 0u32;
+    use rand::Rng;
+    let mut attempts = Attempts::default();
     loop {
-        attempt_no += 1;
-        ctx.progress.send_modify(|p| p.attempts = attempt_no);
+        attempts.made += 1;
+        ctx.progress.send_modify(|p| p.attempts = attempts.made);
         let err = match attempt(ctx).await {
             Ok(()) => return Ok(()),
             Err(e) => e,
         };
-        if err.blames_source() && !ctx.upstream.is_empty() {
-            let next = ctx.upstream.remove(0);
-            let left = std::mem::replace(&mut ctx.source, next.clone());
-            warn!(error = %err, from = %left, to = %next, "source failed; pulling from its upstream instead");
-            ctx.progress.send_modify(|p| {
-                p.last_error = err.to_string();
-                p.abandoned_sources.push(left);
-                p.source = next;
-                p.phase = pb::Phase::Negotiating as i32;
-                p.bytes_done = 0;
-            });
-            continue;
-        }
         if matches!(err, JobError::Checksum(_)) {
-            checksum_failures += 1;
+            attempts.checksum_failures += 1;
         }
-        let retry = err.is_transient() && checksum_failures < 2 && attempt_no <= sync.retries;
-        if !retry {
-            return Err(err);
-        }
-        let backoff = backoff(sync.retry_backoff, sync.retry_backoff_max, attempt_no);
-        warn!(attempt = attempt_no, error = %err, ?backoff, "sync attempt failed; retrying");
+        let jitter = rand::rng().random_range(0.75..1.25);
+        let backoff = match policy::after_failure(
+            &err,
+            attempts,
+            !ctx.upstream.is_empty(),
+            &ctx.config.sync,
+            jitter,
+        ) {
+            Next::GiveUp => return Err(err),
+            Next::Retry(backoff) => backoff,
+            Next::NextSource => {
+                let next = ctx.upstream.remove(0);
+                let left = std::mem::replace(&mut ctx.source, next.clone());
+                warn!(error = %err, from = %left, to = %next, "source failed; pulling from its upstream instead");
+                ctx.progress.send_modify(|p| {
+                    p.last_error = err.to_string();
+                    p.abandoned_sources.push(left);
+                    p.source = next;
+                    p.phase = pb::Phase::Negotiating as i32;
+                    p.bytes_done = 0;
+                });
+                continue;
+            }
+        };
+        warn!(attempt = attempts.made, error = %err, ?backoff, "sync attempt failed; retrying");
         ctx.progress.send_modify(|p| {
             p.last_error = err.to_string();
             p.phase = pb::Phase::Negotiating as i32;
@@ -196,17 +202,10 @@ async fn with_retries(ctx: &mut JobContext) -> Result<(), JobError> {
     }
 }
 
-/// `base × 2^(attempt-1)`, capped at `max`, with ±25 % jitter.
-fn backoff(base: Duration, max: Duration, attempt: u32) -> Duration {
-    use rand::Rng;
-    let exp = base.saturating_mul(1u32 << (attempt - 1).min(16)).min(max);
-    exp.mul_f64(rand::rng().random_range(0.75..1.25))
-}
-
 /// One attempt: negotiate, move the bytes, verify, install, hand off.
 async fn attempt(ctx: &JobContext) -> Result<(), JobError> {
     check_writable(&ctx.config.snapshot_dir).map_err(JobError::NotWritable)?;
-    let plan = TransportPlan::new(ctx)?;
+    let plan = transport_plan(ctx)?;
     let channel = ctx
         .or_cancel(ctx.dialer.connect(&ctx.source, CONNECT_TIMEOUT))
         .await?
@@ -224,43 +223,19 @@ async fn attempt(ctx: &JobContext) -> Result<(), JobError> {
     // A Redis primary's source holds its backlog until it hears.
     let outcome = done.as_ref().copied().map_err(ToString::to_string);
     let outcome = outcome.as_ref().copied().map_err(String::as_str);
-    report(&mut peer, &offer, outcome).await;
+    report(&mut peer, &offer.session_id, outcome).await;
     done.map(drop)
 }
 
-/// Which transport an attempt asks for, and whether it may fall back.
-struct TransportPlan {
-    mode: TransportMode,
-    may_fall_back: bool,
-    want_rdma: bool,
-}
-
-impl TransportPlan {
-    fn new(ctx: &JobContext) -> Result<TransportPlan, JobError> {
-        let mode = match ctx.preference {
-            pb::TransportPreference::Tcp => TransportMode::Tcp,
-            pb::TransportPreference::Rdma => TransportMode::Rdma,
-            pb::TransportPreference::Auto => ctx.config.transport.mode,
-        };
-        let may_fall_back = mode == TransportMode::Auto || ctx.config.transport.fallback_to_tcp;
-        let available = ctx.rdma.available();
-        if mode == TransportMode::Rdma && !available {
-            if !may_fall_back {
-                return Err(JobError::RdmaUnavailable(ctx.rdma.reason()));
-            }
-            fell_back(ctx, "unavailable", &ctx.rdma.reason());
-        }
-        Ok(TransportPlan {
-            mode,
-            may_fall_back,
-            want_rdma: mode != TransportMode::Tcp && available,
-        })
+/// The attempt's transport plan (see [`TransportPlan::new`]).
+fn transport_plan(ctx: &JobContext) -> Result<TransportPlan, JobError> {
+    let t = &ctx.config.transport;
+    let plan = TransportPlan::new(ctx.mode, t.mode, t.fallback_to_tcp, ctx.rdma.available())
+        .map_err(|policy::NoRdma| JobError::RdmaUnavailable(ctx.rdma.reason()))?;
+    if plan.fell_back {
+        fell_back(ctx, "unavailable", &ctx.rdma.reason());
     }
-
-    /// Only a sync that cannot fall back insists on RDMA with the source.
-    fn insist(&self) -> bool {
-        self.mode == TransportMode::Rdma && !self.may_fall_back
-    }
+    Ok(plan)
 }
 
 /// Negotiates and runs the data session: over RDMA when offered, retried
@@ -270,10 +245,10 @@ async fn receive(
     ctx: &JobContext,
     peer: &mut PeerClient,
     plan: &TransportPlan,
-) -> Result<(pb::SyncOffer, Received), JobError> {
+) -> Result<(Offer, Received), JobError> {
     let offer = usable_offer(ctx, peer, plan).await?;
-    if offer.transport != pb::Transport::Rdma as i32 {
-        if plan.want_rdma && plan.mode == TransportMode::Rdma {
+    if offer.transport == TransportKind::Tcp {
+        if plan.tcp_offer_is_fallback() {
             fell_back(ctx, "unavailable", "the source cannot serve rdma");
         } else if plan.want_rdma {
             info!("the source offers tcp only; using tcp");
@@ -283,15 +258,15 @@ async fn receive(
     }
     match transfer(ctx, peer, &offer).await {
         Ok(received) => Ok((offer, received)),
-        Err(e) => match e.fallback_reason() {
-            Some(reason) if plan.may_fall_back => {
+        Err(e) => match plan.fall_back_after(&e) {
+            Some(reason) => {
                 fell_back(ctx, reason, &e.to_string());
-                decline(peer, &offer, &e.to_string()).await;
+                decline(peer, &offer.session_id, &e.to_string()).await;
                 let offer = negotiate(ctx, peer, false, false).await?;
                 let received = transfer(ctx, peer, &offer).await;
                 settle(peer, offer, received).await
             }
-            _ => settle(peer, offer, Err(e)).await,
+            None => settle(peer, offer, Err(e)).await,
         },
     }
 }
@@ -304,22 +279,17 @@ async fn usable_offer(
     ctx: &JobContext,
     peer: &mut PeerClient,
     plan: &TransportPlan,
-) -> Result<pb::SyncOffer, JobError> {
+) -> Result<Offer, JobError> {
     let offer = negotiate(ctx, peer, plan.want_rdma, plan.insist()).await?;
     if let Err(e) = check_offer(ctx, &offer) {
-        decline(peer, &offer, &e.to_string()).await;
+        decline(peer, &offer.session_id, &e.to_string()).await;
         return Err(e);
     }
-    let budget = ctx.config.cache.memory_budget.as_u64();
-    if offer.transport != pb::Transport::Rdma as i32 || offer.snapshot_size <= budget {
+    let Some(why) = policy::too_large_to_pin(&offer, ctx.config.cache.memory_budget.as_u64())
+    else {
         return Ok(offer);
-    }
-    // RDMA pins the receive memory: never more than the memory budget.
-    let why = format!(
-        "the {}-byte snapshot is larger than cache.memory_budget ({budget}), the most this agent pins for rdma",
-        offer.snapshot_size
-    );
-    decline(peer, &offer, &why).await;
+    };
+    decline(peer, &offer.session_id, &why).await;
     if !plan.may_fall_back {
         return Err(JobError::RdmaUnavailable(why));
     }
@@ -328,31 +298,9 @@ async fn usable_offer(
 }
 
 /// Checks an offer against this agent's limits before anything is
-/// reserved: the allowed sources, `sync.max_snapshot_bytes` and the free
-/// space `sync.min_free_after` keeps.
-fn check_offer(ctx: &JobContext, offer: &pb::SyncOffer) -> Result<(), JobError> {
+/// reserved ([`policy::within_limits`], with the directory's free space).
+fn check_offer(ctx: &JobContext, offer: &Offer) -> Result<(), JobError> {
     let config = &ctx.config;
-    if config.data.tls == DataTls::Required
-        && offer.transport == pb::Transport::Tcp as i32
-        && !offer.data_tls
-    {
-        return Err(JobError::BadOffer(format!(
-            "source {} offered the data plane without TLS and this replica requires it ([data] tls = \"required\"); give the source a [tls] configuration",
-            ctx.source
-        )));
-    }
-    let allowed = &config.sync.allowed_sources;
-    if !super::source_allowed(allowed, &ctx.source, Some(&offer.source_node_id)) {
-        return Err(JobError::BadOffer(format!(
-            "source node {} at {} is not in sync.allowed_sources",
-            offer.source_node_id, ctx.source
-        )));
-    }
-    let size = offer.snapshot_size;
-    let max = config.sync.max_snapshot_bytes.as_u64();
-    if size > max {
-        return Err(JobError::TooLarge { size, max });
-    }
     let dir = &config.snapshot_dir;
     let free = crate::sys::fs::free_bytes(dir).map_err(|source| {
         JobError::NotWritable(InstallError::NotWritable {
@@ -360,29 +308,27 @@ fn check_offer(ctx: &JobContext, offer: &pb::SyncOffer) -> Result<(), JobError> 
             source,
         })
     })?;
-    let keep = config.sync.min_free_after.as_u64();
-    if size.saturating_add(keep) > free {
-        return Err(JobError::NoRoom {
-            dir: dir.clone(),
-            size,
-            free,
-            keep,
-        });
-    }
-    Ok(())
+    let limits = policy::Limits {
+        data_tls: config.data.tls,
+        allowed_sources: &config.sync.allowed_sources,
+        max_snapshot_bytes: config.sync.max_snapshot_bytes.as_u64(),
+        min_free_after: config.sync.min_free_after.as_u64(),
+        dir,
+    };
+    policy::within_limits(&limits, &ctx.source, offer, free)
 }
 
 /// Hands an offer back to its source (best effort, briefly), so it
 /// releases the snapshot at once instead of when the token expires.
-async fn decline(peer: &mut PeerClient, offer: &pb::SyncOffer, why: &str) {
-    report(peer, offer, Err(why)).await;
+async fn decline(peer: &mut PeerClient, session_id: &str, why: &str) {
+    report(peer, session_id, Err(why)).await;
 }
 
 /// Tells the source how its offer ended: the handoff's duration, or the
 /// error (best effort, briefly).
-async fn report(peer: &mut PeerClient, offer: &pb::SyncOffer, outcome: Result<Duration, &str>) {
+async fn report(peer: &mut PeerClient, session_id: &str, outcome: Result<Duration, &str>) {
     let report = peer.report_result(pb::ReportResultRequest {
-        session_id: offer.session_id.clone(),
+        session_id: session_id.to_string(),
         ok: outcome.is_ok(),
         error: outcome.err().unwrap_or("").chars().take(1024).collect(),
         handoff_ms: outcome.map_or(0, |d| d.as_millis() as u64),
@@ -393,13 +339,13 @@ async fn report(peer: &mut PeerClient, offer: &pb::SyncOffer, outcome: Result<Du
 /// The offer and what it delivered; a failed transfer's offer goes back.
 async fn settle(
     peer: &mut PeerClient,
-    offer: pb::SyncOffer,
+    offer: Offer,
     received: Result<Received, JobError>,
-) -> Result<(pb::SyncOffer, Received), JobError> {
+) -> Result<(Offer, Received), JobError> {
     match received {
         Ok(received) => Ok((offer, received)),
         Err(e) => {
-            decline(peer, &offer, &e.to_string()).await;
+            decline(peer, &offer.session_id, &e.to_string()).await;
             Err(e)
         }
     }
@@ -409,7 +355,7 @@ async fn settle(
 /// durably under a safe name. Returns the installed path.
 async fn install(
     ctx: &JobContext,
-    offer: &pb::SyncOffer,
+    offer: &Offer,
     received: Received,
 ) -> Result<(PathBuf, SnapshotInfo), JobError> {
     let Received {
@@ -419,10 +365,11 @@ async fn install(
         manifest,
         relay,
     } = received;
-    if info.checksum != offer.checksum || info.seq != offer.seq {
+    let offered = offer.snapshot;
+    if info.checksum != offered.checksum || info.seq != offered.seq {
         return Err(JobError::Checksum(format!(
             "verified snapshot (seq {}, checksum {:#x}) is not the offered one (seq {}, checksum {:#x})",
-            info.seq, info.checksum, offer.seq, offer.checksum
+            info.seq, info.checksum, offered.seq, offered.checksum
         )));
     }
     if let Outcome::Received { seq, .. } = outcome {
@@ -436,9 +383,9 @@ async fn install(
     }
     ctx.phase(pb::Phase::Installing);
     let (dir, format) = (ctx.config.snapshot_dir.clone(), ctx.config.snapshot_format);
-    let name = install::install_name(&dir, &offer.snapshot_name, info.seq, format)?;
-    if name != offer.snapshot_name {
-        warn!(offered = ?offer.snapshot_name.chars().take(300).collect::<String>(), installed = %name,
+    let name = install::install_name(&dir, &offer.name, info.seq, format)?;
+    if name != offer.name {
+        warn!(offered = ?offer.name.chars().take(300).collect::<String>(), installed = %name,
             "the source's name is not a plain snapshot name, or names a file kvsync did not install; installing under a safe one");
     }
     // Not cancellable: once the rename may have happened, we finish it.
@@ -472,7 +419,7 @@ async fn install(
 /// Hands the installed snapshot to the local KV and counts the result.
 async fn hand_off(
     ctx: &JobContext,
-    offer: &pb::SyncOffer,
+    offer: &Offer,
     (installed, info): (PathBuf, SnapshotInfo),
 ) -> Result<Duration, JobError> {
     ctx.phase(pb::Phase::HandingOff);
@@ -481,7 +428,7 @@ async fn hand_off(
     let record = HandoffRecord {
         path: installed.clone(),
         info,
-        source: format!("{}@{}", offer.source_node_id, ctx.source),
+        source: format!("{}@{}", offer.source_node, ctx.source),
     };
     let mode = config.handoff.mode.as_str();
     let handoff = ctx
@@ -512,13 +459,14 @@ fn fell_back(ctx: &JobContext, reason: &'static str, detail: &str) {
 }
 
 /// Asks the source for a session — TCP only, RDMA if it can, or RDMA
-/// insisted on — and checks the offer.
+/// insisted on — and checks that the offer answers it. An offer that does
+/// not goes back to the source.
 async fn negotiate(
     ctx: &JobContext,
     peer: &mut PeerClient,
     rdma: bool,
     insist: bool,
-) -> Result<pb::SyncOffer, JobError> {
+) -> Result<Offer, JobError> {
     let format = ctx.config.snapshot_format;
     let mut transports = vec![pb::Transport::Tcp as i32];
     if rdma {
@@ -542,7 +490,11 @@ async fn negotiate(
             String::new()
         },
         data_tls: ctx.dialer.data_tls.is_some(),
-        snapshot: ctx.want,
+        snapshot: ctx.want.map(|w| pb::SnapshotId {
+            size: w.size,
+            seq: w.seq,
+            checksum: w.checksum,
+        }),
         tcp_streams: ctx.config.data.tcp_streams,
     };
     let offer = ctx
@@ -559,71 +511,90 @@ async fn negotiate(
             },
         })?
         .into_inner();
-    if offer.session_token.len() != SESSION_TOKEN_LEN {
-        return Err(JobError::BadOffer(format!(
-            "session token of {} bytes",
-            offer.session_token.len()
-        )));
-    }
-    if !crate::peer_text::is_plain_name(&offer.source_node_id) {
-        return Err(JobError::BadOffer(format!(
-            "source node id {:?} is not a plain name (letters, digits, '.', '_', '-')",
-            offer.source_node_id.chars().take(64).collect::<String>()
-        )));
-    }
-    if !offer.origin_node_id.is_empty() && !crate::peer_text::is_plain_name(&offer.origin_node_id) {
-        return Err(JobError::BadOffer(
-            "origin node id is not a plain name (letters, digits, '.', '_', '-')".into(),
-        ));
-    }
-    if offer.format != format.as_str() {
-        return Err(JobError::BadOffer(format!(
-            "format {} but this agent installs {format}",
-            offer.format
-        )));
-    }
-    if let Some(want) = &ctx.want {
-        if (offer.snapshot_size, offer.seq, offer.checksum) != (want.size, want.seq, want.checksum)
-        {
-            return Err(JobError::BadOffer(format!(
-                "it offers seq {} ({} bytes, checksum {:#x}), not the requested seq {} ({} bytes, checksum {:#x})",
-                offer.seq, offer.snapshot_size, offer.checksum, want.seq, want.size, want.checksum
-            )));
+    let session_id = offer.session_id.clone();
+    let asked = Asked {
+        format,
+        snapshot: ctx.want,
+        rdma,
+    };
+    let offer = match offer_from_wire(offer).and_then(|o| policy::answers(&o, &asked).map(|_| o)) {
+        Ok(offer) => offer,
+        Err(e) => {
+            decline(peer, &session_id, &e.to_string()).await;
+            return Err(e);
         }
-    }
-    let rdma_offered = offer.transport == pb::Transport::Rdma as i32;
-    if !(offer.transport == pb::Transport::Tcp as i32 || (rdma && rdma_offered)) {
-        return Err(JobError::BadOffer(format!(
-            "transport {} is not available here",
-            offer.transport
-        )));
-    }
+    };
     ctx.progress.send_modify(|p| {
-        p.bytes_total = offer.snapshot_size;
-        p.seq = offer.seq;
-        p.transport = offer.transport;
+        p.bytes_total = offer.snapshot.size;
+        p.seq = offer.snapshot.seq;
+        p.transport = match offer.transport {
+            TransportKind::Tcp => pb::Transport::Tcp,
+            TransportKind::Rdma => pb::Transport::Rdma,
+        } as i32;
         p.phase = pb::Phase::Connecting as i32;
     });
-    info!(session = %offer.session_id, size = offer.snapshot_size, seq = offer.seq, endpoint = %offer.data_endpoint, transport = %rpc::transport_name(offer.transport), backlog_bytes_left = offer.backlog_bytes_left, "offer received");
+    info!(session = %offer.session_id, size = offer.snapshot.size, seq = offer.snapshot.seq, endpoint = %offer.endpoint, transport = offer.transport.as_str(), backlog_bytes_left = offer.backlog_bytes_left, "offer received");
     Ok(offer)
 }
 
-/// The node id of the agent whose snapshot the offer is: the relay's origin,
-/// or the source itself. Partial syncs resume by it.
-fn origin_of(offer: &pb::SyncOffer) -> &str {
-    if offer.origin_node_id.is_empty() {
-        &offer.source_node_id
-    } else {
-        &offer.origin_node_id
-    }
-}
-
-fn session_token(offer: &pb::SyncOffer) -> [u8; SESSION_TOKEN_LEN] {
-    offer
+/// The offer off the wire, its shape checked: a session token of the
+/// right length, node ids that are plain names, an `ip:port` endpoint and
+/// a transport this build knows.
+fn offer_from_wire(o: pb::SyncOffer) -> Result<Offer, JobError> {
+    let bad = |why: String| JobError::BadOffer(why);
+    let token = o
         .session_token
         .as_slice()
         .try_into()
-        .expect("negotiate checked the token length")
+        .map_err(|_| bad(format!("session token of {} bytes", o.session_token.len())))?;
+    if !crate::peer_text::is_plain_name(&o.source_node_id) {
+        return Err(bad(format!(
+            "source node id {:?} is not a plain name (letters, digits, '.', '_', '-')",
+            o.source_node_id.chars().take(64).collect::<String>()
+        )));
+    }
+    if !o.origin_node_id.is_empty() && !crate::peer_text::is_plain_name(&o.origin_node_id) {
+        return Err(bad(
+            "origin node id is not a plain name (letters, digits, '.', '_', '-')".into(),
+        ));
+    }
+    let transport = match pb::Transport::try_from(o.transport) {
+        Ok(pb::Transport::Tcp) => TransportKind::Tcp,
+        Ok(pb::Transport::Rdma) => TransportKind::Rdma,
+        _ => {
+            return Err(bad(format!(
+                "transport {} is not available here",
+                o.transport
+            )))
+        }
+    };
+    let endpoint: SocketAddr = o.data_endpoint.parse().map_err(|_| {
+        bad(format!(
+            "data endpoint {:?} is not ip:port",
+            o.data_endpoint.chars().take(300).collect::<String>()
+        ))
+    })?;
+    Ok(Offer {
+        session_id: o.session_id,
+        token,
+        transport,
+        endpoint,
+        format: o.format,
+        snapshot: SnapshotId {
+            size: o.snapshot_size,
+            seq: o.seq,
+            checksum: o.checksum,
+        },
+        source_node: o.source_node_id,
+        origin_node: Some(o.origin_node_id).filter(|o| !o.is_empty()),
+        name: o.snapshot_name,
+        piece_size: o.piece_size,
+        manifest_digest: o.manifest_digest,
+        data_tls: o.data_tls,
+        tcp_streams: o.tcp_streams,
+        rdma_device: o.rdma_device,
+        backlog_bytes_left: o.backlog_bytes_left,
+    })
 }
 
 /// Reports bulk progress into the sync's status.
@@ -647,12 +618,13 @@ fn progress_reporter(ctx: &JobContext, total: u64) -> impl Fn(u64) + Send + Sync
 async fn fetch_manifest(
     ctx: &JobContext,
     peer: &mut PeerClient,
-    offer: &pb::SyncOffer,
+    offer: &Offer,
 ) -> Result<Manifest, JobError> {
     let bad = |why: String| JobError::BadOffer(format!("piece manifest: {why}"));
-    crate::snapshot::manifest::check_piece_size(offer.piece_size).map_err(bad)?;
+    crate::snapshot::manifest::check_piece_size(offer.piece_size)
+        .map_err(|e| bad(e.to_string()))?;
     // What a manifest of this snapshot can weigh: its header and 4 bytes a piece.
-    let most = 1024 + 4 * Manifest::count_for(offer.snapshot_size, offer.piece_size);
+    let most = 1024 + 4 * Manifest::count_for(offer.snapshot.size, offer.piece_size);
     let request = pb::GetManifestRequest {
         session_id: offer.session_id.clone(),
     };
@@ -676,7 +648,12 @@ async fn fetch_manifest(
     let info = &manifest.info;
     if manifest.digest() != offer.manifest_digest
         || manifest.piece_size != offer.piece_size
-        || (info.size, info.seq, info.checksum) != (offer.snapshot_size, offer.seq, offer.checksum)
+        || (info.size, info.seq, info.checksum)
+            != (
+                offer.snapshot.size,
+                offer.snapshot.seq,
+                offer.snapshot.checksum,
+            )
         || info.format.as_str() != offer.format
     {
         return Err(bad(
@@ -693,22 +670,18 @@ async fn fetch_manifest(
 async fn transfer(
     ctx: &JobContext,
     peer: &mut PeerClient,
-    offer: &pb::SyncOffer,
+    offer: &Offer,
 ) -> Result<Received, JobError> {
-    let kind = if offer.transport == pb::Transport::Rdma as i32 {
-        TransportKind::Rdma
-    } else {
-        TransportKind::Tcp
-    };
+    let kind = offer.transport;
     let manifest = Arc::new(fetch_manifest(ctx, peer, offer).await?);
-    let (origin, name) = (origin_of(offer).to_string(), offer.snapshot_name.clone());
+    let (origin, name) = (offer.origin().to_string(), offer.name.clone());
     let (dir, id, relays, retries) = (
         ctx.config.snapshot_dir.clone(),
         ctx.id.clone(),
         ctx.relays.clone(),
         ctx.config.data.piece_retries,
     );
-    let progress = progress_reporter(ctx, offer.snapshot_size);
+    let progress = progress_reporter(ctx, offer.snapshot.size);
     let check = Receiver::check_label(&manifest);
     let mut receiver = ctx
         .or_cancel(tokio::task::spawn_blocking(move || {
@@ -729,7 +702,7 @@ async fn transfer(
     let streams = super::streams::granted(kind, offer.tcp_streams);
     let label = link_label(offer, &spec, streams);
     ctx.progress.send_modify(|p| p.detail = label.clone());
-    let endpoint = spec.endpoint.to_string();
+    let endpoint = spec.endpoint;
     let mut links = ctx
         .or_cancel(tokio::task::spawn_blocking(move || {
             (0..streams)
@@ -738,16 +711,12 @@ async fn transfer(
         }))
         .await?
         .map_err(|e| JobError::Panicked(panic_text(e)))?
-        .map_err(|message| JobError::DataConnect { endpoint, message })?;
+        .map_err(|source| JobError::DataConnect { endpoint, source })?;
     let cancellers: Vec<_> = links.iter().map(DataLink::canceller).collect();
 
     ctx.phase(pb::Phase::Transferring);
     let bulk_started = Instant::now();
-    let (token, total, faults) = (
-        session_token(offer),
-        offer.snapshot_size,
-        ctx.faults.clone(),
-    );
+    let (token, total, faults) = (offer.token, offer.snapshot.size, ctx.faults.clone());
     let mut run = tokio::task::spawn_blocking(move || match links.len() {
         1 => {
             let link = links.pop().expect("one link");
@@ -795,17 +764,8 @@ async fn transfer(
 
 /// Where and how to reach the offer's data endpoint. RDMA cannot use
 /// loopback: a loopback source is this host, reached on its RDMA address.
-fn dial_spec(
-    ctx: &JobContext,
-    offer: &pb::SyncOffer,
-    kind: TransportKind,
-) -> Result<DialSpec, JobError> {
-    let endpoint: SocketAddr = offer.data_endpoint.parse().map_err(|_| {
-        JobError::BadOffer(format!(
-            "data endpoint {:?} is not ip:port",
-            offer.data_endpoint
-        ))
-    })?;
+fn dial_spec(ctx: &JobContext, offer: &Offer, kind: TransportKind) -> Result<DialSpec, JobError> {
+    let endpoint = offer.endpoint;
     let local = ctx.rdma.probe().local_addr;
     let (endpoint, rdma) = match kind {
         TransportKind::Tcp => (endpoint, None),
@@ -820,8 +780,8 @@ fn dial_spec(
     let tls = match (&ctx.dialer.data_tls, offer.data_tls && rdma.is_none()) {
         (Some(config), true) => Some(ClientTls {
             config: config.clone(),
-            name: tls_name(ctx),
-            kernel: ktls::use_kernel(ctx.config.data.kernel_tls, offer.snapshot_size),
+            name: policy::tls_name(&ctx.config.tls.server_name, &ctx.source),
+            kernel: ktls::use_kernel(ctx.config.data.kernel_tls, offer.snapshot.size),
         }),
         (None, true) => {
             return Err(JobError::BadOffer(
@@ -843,24 +803,8 @@ fn dial_spec(
     })
 }
 
-/// The name the source's certificate must carry: `[tls] server_name`, or
-/// the host of the source's address, as for gRPC.
-fn tls_name(ctx: &JobContext) -> String {
-    let name = &ctx.config.tls.server_name;
-    if !name.is_empty() {
-        return name.clone();
-    }
-    let host = ctx
-        .source
-        .rsplit_once(':')
-        .map_or(ctx.source.as_str(), |(host, _)| host);
-    host.trim_start_matches('[')
-        .trim_end_matches(']')
-        .to_string()
-}
-
 /// How the status describes the data link.
-fn link_label(offer: &pb::SyncOffer, spec: &DialSpec, streams: u32) -> String {
+fn link_label(offer: &Offer, spec: &DialSpec, streams: u32) -> String {
     let tls = match &spec.tls {
         Some(t) if t.kernel => " (TLS in the kernel)",
         Some(_) => " (TLS)",

@@ -10,6 +10,7 @@
 
 pub mod error;
 pub mod job;
+pub mod policy;
 pub mod receive;
 pub mod relay;
 pub mod source;
@@ -101,8 +102,9 @@ pub struct Pull {
     /// Where to turn when the source fails, nearest first.
     pub upstream: Vec<String>,
     /// Exactly this snapshot (`None`: the source's latest).
-    pub want: Option<pb::SnapshotId>,
-    pub preference: pb::TransportPreference,
+    pub want: Option<policy::SnapshotId>,
+    /// The transport mode asked for (`None`: the configured one).
+    pub mode: Option<crate::config::TransportMode>,
 }
 
 /// Longest accepted source address.
@@ -187,7 +189,7 @@ impl SyncManager {
             source: source.to_string(),
             upstream,
             want: pull.want,
-            preference: pull.preference,
+            mode: pull.mode,
             relays: self.relays.clone(),
             config: self.config.clone(),
             metrics: self.metrics.clone(),

@@ -30,10 +30,10 @@ use crate::snapshot::manifest::Manifest;
 use crate::snapshot::{Format, SnapshotInfo};
 use crate::store::arrivals::Arrivals;
 use crate::store::install::{InstallError, Staging};
-use crate::store::journal::{self, ClaimsCheck, Journal};
+use crate::store::journal::{self, ClaimsCheck, ClaimsError, Journal};
 use crate::sys::splice::Pipe;
 use crate::transport::session::SessionResult;
-use crate::transport::{Sink, Want};
+use crate::transport::{Sink, SinkError, Want};
 
 use super::error::JobError;
 use super::relay::{Registration, RelayTable};
@@ -93,7 +93,7 @@ pub struct Receiver {
     /// Bytes handed over by the transport (also after a local failure).
     received: u64,
     progress: Box<dyn Fn(u64) + Send + Sync>,
-    failure: Option<InstallError>,
+    failure: Option<Arc<InstallError>>,
     info: Option<SnapshotInfo>,
     /// The verified pieces, for other replicas this agent relays them to.
     arrivals: EndArrivals,
@@ -208,7 +208,7 @@ impl Receiver {
 
     /// Waits for the read-back check of the resumed pieces, once; `Err`
     /// when the journal claimed what the file does not hold.
-    fn claims_checked(&mut self) -> Result<(), String> {
+    fn claims_checked(&mut self) -> Result<(), ClaimsError> {
         let Some(check) = self.claims.take() else {
             return Ok(());
         };
@@ -220,21 +220,22 @@ impl Receiver {
         verdict
     }
 
-    /// Keeps the first local failure and returns its text for the peer.
-    fn fail(&mut self, e: InstallError) -> String {
-        let reason = e.to_string();
-        self.failure.get_or_insert(e);
-        reason
+    /// Keeps the first local failure and returns it.
+    fn fail(&mut self, e: InstallError) -> SinkError {
+        SinkError::Local(self.failure.get_or_insert(Arc::new(e)).clone())
     }
 
     /// Stops the journal writer (writing what it has queued), then syncs the
     /// temp file and records the verified pieces in the journal.
-    fn write_journal(&mut self) -> Result<(), String> {
+    fn write_journal(&mut self) -> Result<(), InstallError> {
         drop(self.journal_writer.take());
-        self.staging.sync_data().map_err(|e| e.to_string())?;
-        self.journal
-            .write(self.staging.path())
-            .map_err(|e| format!("write the resume journal: {e}"))
+        self.staging.sync_data()?;
+        let path = self.staging.path();
+        self.journal.write(path).map_err(|source| InstallError::Io {
+            op: "write the resume journal of",
+            path: path.to_owned(),
+            source,
+        })
     }
 
     /// The install decision for a session that ended with `result`.
@@ -362,9 +363,9 @@ impl Receiver {
 
     /// A stream's end: its share `need` arrived and verified, and nothing
     /// failed here. The whole is verified once every stream has ended.
-    fn share_verified(&self, need: &[(u32, u32)]) -> Result<(), String> {
+    fn share_verified(&self, need: &[(u32, u32)]) -> Result<(), SinkError> {
         if let Some(e) = &self.failure {
-            return Err(e.to_string());
+            return Err(SinkError::Local(e.clone()));
         }
         let verified = &self.journal.verified;
         let missing = need
@@ -373,7 +374,7 @@ impl Receiver {
             .filter(|&i| !verified[i as usize])
             .count();
         if missing > 0 {
-            return Err(format!("{missing} pieces of this stream never verified"));
+            return Err(SinkError::Missing(missing));
         }
         Ok(())
     }
@@ -406,7 +407,7 @@ impl Sink for Receiver {
     }
 
     /// Once per receiver: the streams of a session each ask.
-    fn prepare(&mut self, len: u64) -> Result<(), String> {
+    fn prepare(&mut self, len: u64) -> Result<(), SinkError> {
         if self.landed.is_some() {
             return Ok(());
         }
@@ -471,7 +472,7 @@ impl Sink for Receiver {
 
     /// After a local failure every piece is passed on unmarked: the
     /// session ends at [`Sink::verify`] with that failure.
-    fn piece_done(&mut self, index: u32) -> Result<(), String> {
+    fn piece_done(&mut self, index: u32) -> Result<(), SinkError> {
         let (offset, len) = self.manifest.range(index);
         self.unmap_landed(offset, len);
         let current = self.current.take().filter(|c| c.index == index);
@@ -484,10 +485,14 @@ impl Sink for Receiver {
             self.refetched += 1;
             // Progress counts its bytes again when they come again.
             self.received -= got;
-            return Err(format!(
-                "piece {index} (bytes {offset}..{}) has crc32 {crc:#010x} over {got} bytes; the manifest says {want:#010x} over {len}",
-                offset + len
-            ));
+            return Err(SinkError::BadPiece {
+                index,
+                offset,
+                len,
+                got,
+                crc,
+                want,
+            });
         }
         self.journal.verified[index as usize] = true;
         self.arrivals.0.mark(index);
@@ -501,16 +506,14 @@ impl Sink for Receiver {
         Ok(())
     }
 
-    fn verify(&mut self) -> Result<(), String> {
+    fn verify(&mut self) -> Result<(), SinkError> {
         if let Some(e) = &self.failure {
-            return Err(e.to_string());
+            return Err(SinkError::Local(e.clone()));
         }
-        self.claims_checked().map_err(|why| {
-            format!("the resume journal was wrong ({why}); the partial sync was discarded")
-        })?;
+        self.claims_checked().map_err(SinkError::Journal)?;
         let missing = self.journal.verified.iter().filter(|v| !**v).count();
         if missing > 0 {
-            return Err(format!("{missing} pieces never verified"));
+            return Err(SinkError::Missing(missing));
         }
         self.info = Some(self.manifest.info.clone());
         Ok(())
@@ -568,7 +571,7 @@ impl Sink for Share<'_> {
         }
     }
 
-    fn prepare(&mut self, len: u64) -> Result<(), String> {
+    fn prepare(&mut self, len: u64) -> Result<(), SinkError> {
         self.with(|r| r.prepare(len))
     }
 
@@ -584,11 +587,14 @@ impl Sink for Share<'_> {
         self.with(|r| r.piece_from_pipe(index, pipe, n))
     }
 
-    fn piece_done(&mut self, index: u32) -> Result<(), String> {
+    fn piece_done(&mut self, index: u32) -> Result<(), SinkError> {
         self.with(|r| r.piece_done(index))
     }
 
-    fn verify(&mut self) -> Result<(), String> {
+    fn verify(&mut self) -> Result<(), SinkError> {
         lock(self.receiver).share_verified(&self.need)
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -71,7 +71,7 @@ pub fn run(
     let result = match verdict(results) {
         Ok(Ok(outcome)) => match crate::transport::Sink::verify(&mut receiver) {
             Ok(()) => Ok(Ok(outcome)),
-            Err(reason) => Ok(Err(Blk3Error::Checksum(reason))),
+            Err(reason) => Ok(Err(Blk3Error::Checksum(reason.to_string()))),
         },
         failed => failed,
     };

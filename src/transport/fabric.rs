@@ -110,6 +110,9 @@ pub enum FabricError {
     /// The wire of the emulated fabric carried something malformed.
     #[error("emulated fabric: {0}")]
     Emulation(String),
+    /// Verbs asked of a build without them.
+    #[error("this build has no verbs support (cargo feature `rdma`)")]
+    NoVerbs,
 }
 
 impl FabricError {

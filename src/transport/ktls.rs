@@ -35,12 +35,12 @@ const RECORD_HEADER: usize = 5;
 
 /// Why this kernel cannot carry TLS records, or `Ok`.
 pub fn available() -> Result<(), &'static str> {
-    static FOUND: OnceLock<Result<(), String>> = OnceLock::new();
-    FOUND
-        .get_or_init(|| self_test().map_err(|e| e.to_string()))
-        .as_ref()
-        .map(|_| ())
-        .map_err(String::as_str)
+    // The self-test's error, once: why not, in words.
+    static WHY_NOT: OnceLock<Option<String>> = OnceLock::new();
+    match WHY_NOT.get_or_init(|| self_test().err().map(|e| e.to_string())) {
+        Some(why) => Err(why),
+        None => Ok(()),
+    }
 }
 
 /// Whether a session of `bytes` moves its records in the kernel, with

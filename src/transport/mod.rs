@@ -20,13 +20,15 @@ pub mod tls;
 #[cfg(feature = "rdma")]
 pub mod verbs;
 
-use std::time::Duration;
-
 use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
 use crate::blk3::{Blk3Error, BulkParams, Command, Input, Machine, Outcome};
+use crate::store::install::InstallError;
+use crate::store::journal::ClaimsError;
 use crate::store::served::Served;
 use ratelimit::RateLimiter;
 
@@ -62,6 +64,36 @@ pub struct Want {
     pub retries: u32,
 }
 
+/// Why a [`Sink`] refuses a piece or the snapshot. Its text is what the
+/// replica tells the source (RDFL, a piece asked again).
+#[derive(Debug, thiserror::Error)]
+pub enum SinkError {
+    /// This host cannot store the bytes (disk full, a write error).
+    #[error(transparent)]
+    Local(Arc<InstallError>),
+    /// A piece is not what the manifest says.
+    #[error("piece {index} (bytes {offset}..{}) has crc32 {crc:#010x} over {got} bytes; the manifest says {want:#010x} over {len}", offset + len)]
+    BadPiece {
+        index: u32,
+        offset: u64,
+        len: u64,
+        got: u64,
+        crc: u32,
+        want: u32,
+    },
+    /// The resume journal claimed pieces the staging file does not hold.
+    #[error("the resume journal was wrong ({0}); the partial sync was discarded")]
+    Journal(#[source] ClaimsError),
+    /// Pieces asked for that never verified.
+    #[error("{0} pieces never verified")]
+    Missing(usize),
+}
+
+/// A sink's verdict as BLK3 carries it: the reason in words (for RDFL).
+fn verdict(result: Result<(), SinkError>) -> Result<(), String> {
+    result.map_err(|e| e.to_string())
+}
+
 /// Where a replica session puts the snapshot it receives. Drivers only move
 /// bytes and report them here, piece by piece; the sink owns the
 /// destination, the checks and the first local failure, identically for
@@ -69,9 +101,9 @@ pub struct Want {
 pub trait Sink: Send {
     /// The pieces to ask for.
     fn want(&self) -> Want;
-    /// Makes room for `len` bytes. `Err` carries the reason the session
-    /// ends with (RDFL before any byte moves).
-    fn prepare(&mut self, len: u64) -> Result<(), String>;
+    /// Makes room for `len` bytes. `Err` is the reason the session ends
+    /// with (RDFL before any byte moves).
+    fn prepare(&mut self, len: u64) -> Result<(), SinkError>;
     /// The prepared file, for receive memory mapped over it (RDMA).
     fn file(&self) -> &std::fs::File;
     /// The next bytes of piece `index`, in order: written to the prepared
@@ -93,9 +125,9 @@ pub trait Sink: Send {
         Ok(())
     }
     /// Piece `index` is complete: checks it; `Err` says why it is bad.
-    fn piece_done(&mut self, index: u32) -> Result<(), String>;
+    fn piece_done(&mut self, index: u32) -> Result<(), SinkError>;
     /// Every piece is in: verifies the whole; `Err` is the reason for RDFL.
-    fn verify(&mut self) -> Result<(), String>;
+    fn verify(&mut self) -> Result<(), SinkError>;
 }
 
 /// A connected data socket as a blocking one for its transfer thread, set
@@ -208,10 +240,21 @@ pub struct Faults {
     pub cut_after: Option<u64>,
 }
 
+/// A `KVSYNC_FAULTS` that does not parse.
+#[derive(Debug, thiserror::Error)]
+pub enum FaultsError {
+    #[error("fault {0:?} is not key=value")]
+    NotKeyValue(String),
+    #[error("fault {key}: {value:?} is not a byte offset")]
+    NotANumber { key: String, value: String },
+    #[error("unknown fault {0:?}")]
+    Unknown(String),
+}
+
 impl Faults {
     /// Parses `KVSYNC_FAULTS`; an unset variable means no faults. Builds
     /// without the `faults` feature never inject any.
-    pub fn from_env() -> Result<Faults, String> {
+    pub fn from_env() -> Result<Faults, FaultsError> {
         match std::env::var("KVSYNC_FAULTS") {
             Ok(spec) if cfg!(feature = "faults") => Faults::parse(&spec),
             Ok(_) => {
@@ -222,19 +265,20 @@ impl Faults {
         }
     }
 
-    pub fn parse(spec: &str) -> Result<Faults, String> {
+    pub fn parse(spec: &str) -> Result<Faults, FaultsError> {
         let mut f = Faults::default();
         for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             let (k, v) = part
                 .split_once('=')
-                .ok_or_else(|| format!("fault {part:?} is not key=value"))?;
+                .ok_or_else(|| FaultsError::NotKeyValue(part.into()))?;
             if k == "hold_file" {
                 f.rdma.hold_file = Some(v.into());
                 continue;
             }
-            let n: u64 = v
-                .parse()
-                .map_err(|_| format!("fault {k}: {v:?} is not a byte offset"))?;
+            let n: u64 = v.parse().map_err(|_| FaultsError::NotANumber {
+                key: k.into(),
+                value: v.into(),
+            })?;
             match k {
                 "corrupt_at" => f.corrupt_at = Some(n),
                 "stall_after" => f.stall_after = Some(n),
@@ -246,7 +290,7 @@ impl Faults {
                 "rdma_no_file_mr" => f.rdma.no_file_mr = n != 0,
                 "rdma_damage_piece" => f.rdma.damage_piece = Some(n as u32),
                 "rdma_hold_after" => f.rdma.hold_after = Some(n),
-                _ => return Err(format!("unknown fault {k:?}")),
+                _ => return Err(FaultsError::Unknown(k.into())),
             }
         }
         Ok(f)

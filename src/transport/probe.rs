@@ -15,6 +15,7 @@ use std::net::IpAddr;
 
 use serde::Serialize;
 
+use super::fabric::FabricError;
 use super::select::{self, Iface};
 use super::TransportKind;
 use crate::blk3::BulkParams;
@@ -224,13 +225,13 @@ impl Found {
 
 /// rdma_cm's address resolution on the local address: the device it binds.
 #[cfg(feature = "rdma")]
-fn resolve(ip: IpAddr) -> Result<String, String> {
-    super::verbs::resolve_smoke_test(ip).map_err(|e| e.to_string())
+fn resolve(ip: IpAddr) -> Result<String, FabricError> {
+    super::verbs::resolve_smoke_test(ip)
 }
 
 #[cfg(not(feature = "rdma"))]
-fn resolve(_: IpAddr) -> Result<String, String> {
-    Err("built without the `rdma` feature".into())
+fn resolve(_: IpAddr) -> Result<String, FabricError> {
+    Err(FabricError::NoVerbs)
 }
 
 /// Chooses the interface (the configured one, else preferably one under an
@@ -240,7 +241,7 @@ fn decide(
     devices: Vec<DeviceInfo>,
     ifaces: &[Iface],
     configured: &str,
-    resolve: impl Fn(IpAddr) -> Result<String, String>,
+    resolve: impl Fn(IpAddr) -> Result<String, FabricError>,
 ) -> Found {
     let mut found = Found::none("");
     if devices.is_empty() {
@@ -471,7 +472,7 @@ mod tests {
     }
 
     /// Address resolution that binds whichever device `bound` names.
-    fn resolves_to(bound: &'static str) -> impl Fn(IpAddr) -> Result<String, String> {
+    fn resolves_to(bound: &'static str) -> impl Fn(IpAddr) -> Result<String, FabricError> {
         move |_| Ok(bound.to_string())
     }
 
@@ -551,7 +552,7 @@ mod tests {
         );
         assert!(f.reason.contains("no usable interface"), "{}", f.reason);
         let f = decide(vec![dev("rxe0", &[true], "eth0")], &ifaces(), "", |_| {
-            Err("ENODEV".into())
+            Err(FabricError::DeviceRemoved)
         });
         assert!(
             !f.available && f.reason.contains("cannot resolve 10.0.2.15"),

@@ -559,7 +559,7 @@ impl<F: Fabric> Executor for ReplicaIo<'_, F> {
             }
             Command::PrepareReceive { len } => {
                 if let Err(reason) = self.sink.prepare(len) {
-                    return Ok(Some(Input::ReceiveFailed(reason)));
+                    return Ok(Some(Input::ReceiveFailed(reason.to_string())));
                 }
                 let region = self.register(len)?;
                 self.region = Some(region);
@@ -577,7 +577,7 @@ impl<F: Fabric> Executor for ReplicaIo<'_, F> {
                 // The PDON came after the piece's writes on this RC queue
                 // pair: every byte of the piece is in place.
                 self.land(index, offset, len);
-                let result = self.sink.piece_done(index);
+                let result = super::verdict(self.sink.piece_done(index));
                 Ok(Some(Input::PieceChecked { index, result }))
             }
             Command::Verify => {
@@ -585,7 +585,7 @@ impl<F: Fabric> Executor for ReplicaIo<'_, F> {
                 if let Some(region) = self.region.take() {
                     self.link.qp.revoke(&region)?;
                 }
-                Ok(Some(Input::Verified(self.sink.verify())))
+                Ok(Some(Input::Verified(super::verdict(self.sink.verify()))))
             }
             Command::PrepareSource | Command::StreamPiece { .. } | Command::PostWrites { .. } => {
                 Err(RdmaError::Unsupported("source command"))

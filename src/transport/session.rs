@@ -49,6 +49,20 @@ impl LinkError {
     }
 }
 
+/// Why a data connection could not be set up, on either end.
+#[derive(Debug, thiserror::Error)]
+pub enum DialError {
+    /// The TCP socket: connect, its options.
+    #[error(transparent)]
+    Socket(#[from] std::io::Error),
+    /// The TLS handshake.
+    #[error(transparent)]
+    Tls(#[from] TcpError),
+    /// The RDMA connection.
+    #[error(transparent)]
+    Fabric(#[from] FabricError),
+}
+
 /// A session's end: the link's failure, or the protocol's verdict.
 pub type SessionResult = Result<Result<Outcome, Blk3Error>, LinkError>;
 
@@ -115,7 +129,7 @@ impl Canceller {
 
 impl DataLink {
     /// Connects to the endpoint (blocking, bounded by the connect timeout).
-    pub fn dial(spec: &DialSpec) -> Result<DataLink, String> {
+    pub fn dial(spec: &DialSpec) -> Result<DataLink, DialError> {
         let side = || RdmaSide {
             cancel: CancellationToken::new(),
             peer_timeout: spec.peer_timeout,
@@ -123,41 +137,33 @@ impl DataLink {
         };
         match spec.rdma {
             None => {
-                let s = std::net::TcpStream::connect_timeout(&spec.endpoint, CONNECT_TIMEOUT)
-                    .map_err(|e| e.to_string())?;
-                super::detect_dead_peer(&s, spec.peer_timeout).map_err(|e| e.to_string())?;
+                let s = std::net::TcpStream::connect_timeout(&spec.endpoint, CONNECT_TIMEOUT)?;
+                super::detect_dead_peer(&s, spec.peer_timeout)?;
                 let tls = match &spec.tls {
                     Some(t) => Some((
-                        super::tls::connect(&t.config, &t.name, &s, spec.peer_timeout)
-                            .map_err(|e| e.to_string())?,
+                        super::tls::connect(&t.config, &t.name, &s, spec.peer_timeout)?,
                         t.kernel,
                     )),
                     None => None,
                 };
-                let link = Link::new(s, spec.min_rate).map_err(|e| e.to_string())?;
+                let link = Link::new(s, spec.min_rate)?;
                 Ok(DataLink::Tcp(match tls {
-                    Some((conn, kernel)) => {
-                        link.with_tls(conn, kernel).map_err(|e| e.to_string())?
-                    }
+                    Some((conn, kernel)) => link.with_tls(conn, kernel)?,
                     None => link,
                 }))
             }
             Some(RdmaProvider::Emulated) => {
-                EmuQp::dial(spec.endpoint, CONNECT_TIMEOUT, spec.faults.emu.clone())
-                    .and_then(|qp| qp.set_peer_timeout(spec.peer_timeout).map(|_| qp))
-                    .map(|qp| DataLink::Emulated(qp, side()))
-                    .map_err(|e| e.to_string())
+                let qp = EmuQp::dial(spec.endpoint, CONNECT_TIMEOUT, spec.faults.emu.clone())?;
+                qp.set_peer_timeout(spec.peer_timeout)?;
+                Ok(DataLink::Emulated(qp, side()))
             }
             #[cfg(feature = "rdma")]
             Some(RdmaProvider::Verbs) => {
-                super::verbs::VerbsQp::dial(spec.endpoint, spec.local, spec.soft)
-                    .map(|qp| DataLink::Verbs(qp, side()))
-                    .map_err(|e| e.to_string())
+                let qp = super::verbs::VerbsQp::dial(spec.endpoint, spec.local, spec.soft)?;
+                Ok(DataLink::Verbs(qp, side()))
             }
             #[cfg(not(feature = "rdma"))]
-            Some(RdmaProvider::Verbs) => {
-                Err("this build has no verbs support (cargo feature `rdma`)".into())
-            }
+            Some(RdmaProvider::Verbs) => Err(FabricError::NoVerbs.into()),
         }
     }
 
@@ -346,30 +352,31 @@ impl Proved {
         min_rate: MinRate,
         kernel_tls: bool,
         faults: &Faults,
-    ) -> Result<SourceLink, String> {
-        match self.conn {
-            ProvedConn::Tcp(s, read_ahead) => blocking_data_socket(s, peer_timeout)
-                .and_then(|s| Link::new(s, min_rate))
-                .map(|l| SourceLink::Tcp(l.with_read_ahead(read_ahead)))
-                .map_err(|e| e.to_string()),
+    ) -> Result<SourceLink, DialError> {
+        Ok(match self.conn {
+            ProvedConn::Tcp(s, read_ahead) => {
+                let link = Link::new(blocking_data_socket(s, peer_timeout)?, min_rate)?;
+                SourceLink::Tcp(link.with_read_ahead(read_ahead))
+            }
             ProvedConn::Tls(t, read_ahead) => {
                 let (s, conn) = t.into_inner();
-                blocking_data_socket(s.into_inner(), peer_timeout)
-                    .and_then(|s| Link::new(s, min_rate))
-                    .and_then(|l| l.with_tls(conn, kernel_tls))
-                    .map(|l| SourceLink::Tcp(l.with_read_ahead(read_ahead)))
-                    .map_err(|e| e.to_string())
+                let link = Link::new(
+                    blocking_data_socket(s.into_inner(), peer_timeout)?,
+                    min_rate,
+                )?;
+                SourceLink::Tcp(link.with_tls(conn, kernel_tls)?.with_read_ahead(read_ahead))
             }
-            ProvedConn::Emulated(s) => blocking_data_socket(s, peer_timeout)
-                .and_then(|s| EmuQp::accepted(s, self.proof, faults.emu.clone()))
-                .map(SourceLink::Emulated)
-                .map_err(|e| e.to_string()),
+            ProvedConn::Emulated(s) => SourceLink::Emulated(EmuQp::accepted(
+                blocking_data_socket(s, peer_timeout)?,
+                self.proof,
+                faults.emu.clone(),
+            )?),
             #[cfg(feature = "rdma")]
             ProvedConn::Verbs(mut qp) => {
-                qp.create_resources().map_err(|e| e.to_string())?;
-                Ok(SourceLink::Verbs(*qp))
+                qp.create_resources()?;
+                SourceLink::Verbs(*qp)
             }
-        }
+        })
     }
 }
 

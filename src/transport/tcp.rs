@@ -788,14 +788,14 @@ impl Executor for ReplicaIo<'_> {
             Command::PostRecv(_) => Ok(None),
             Command::PrepareReceive { len } => Ok(Some(match self.sink.prepare(len) {
                 Ok(()) => Input::ReceiveReady { addr: 0, rkey: 0 },
-                Err(reason) => Input::ReceiveFailed(reason),
+                Err(reason) => Input::ReceiveFailed(reason.to_string()),
             })),
             Command::TakePiece { index, len, .. } => {
                 self.link.read_bulk(len, index, self.sink)?;
-                let result = self.sink.piece_done(index);
+                let result = super::verdict(self.sink.piece_done(index));
                 Ok(Some(Input::PieceChecked { index, result }))
             }
-            Command::Verify => Ok(Some(Input::Verified(self.sink.verify()))),
+            Command::Verify => Ok(Some(Input::Verified(super::verdict(self.sink.verify())))),
             Command::PrepareSource | Command::StreamPiece { .. } | Command::PostWrites { .. } => {
                 Err(TcpError::Unsupported("source command"))
             }
