@@ -30,6 +30,7 @@ use crate::rpc::{pb, tls, Dialer};
 use crate::store::cache::SnapshotCache;
 use crate::store::catalog::Catalog;
 use crate::store::watch::DirWatcher;
+use crate::sync::offer::Offers;
 use crate::sync::source::{self as source_role, DataEndpoints, DataPlane, SessionTable};
 use crate::sync::SyncManager;
 use crate::transport::probe::{self, LocalRdma, Probe};
@@ -235,14 +236,16 @@ impl RunningAgent {
                 backlog: backlog.clone(),
             },
             peer: PeerService {
-                config: config.clone(),
-                catalog: catalog.clone(),
-                cache: cache.clone(),
-                sessions: sessions.clone(),
-                data: data.clone(),
-                draining: draining.clone(),
-                relays,
-                backlog,
+                offers: Offers {
+                    config: config.clone(),
+                    catalog: catalog.clone(),
+                    cache: cache.clone(),
+                    sessions: sessions.clone(),
+                    data: data.clone(),
+                    draining: draining.clone(),
+                    relays,
+                    backlog,
+                },
             },
             auth: ServerAuth::pair(&prepared.tokens, prepared.peer_tokens.as_ref(), &metrics),
         };

@@ -9,6 +9,7 @@ pub mod peer;
 use tonic::{Code, Status};
 
 use crate::store::cache::CacheError;
+use crate::sync::offer::OfferError;
 use crate::sync::SyncError;
 
 /// Every error a gRPC call can end with, and its status code.
@@ -63,6 +64,20 @@ impl From<SyncError> for ApiError {
             SyncError::Busy(_) => ApiError::Busy(msg),
             SyncError::Unavailable(_) => ApiError::Unavailable(msg),
             SyncError::NotAllowed(_) => ApiError::PermissionDenied(msg),
+        }
+    }
+}
+
+impl From<OfferError> for ApiError {
+    fn from(e: OfferError) -> ApiError {
+        let msg = e.to_string();
+        match e {
+            OfferError::BadRequest(_) => ApiError::InvalidArgument(msg),
+            OfferError::Unsupported(_) => ApiError::FailedPrecondition(msg),
+            OfferError::Draining => ApiError::Unavailable(msg),
+            OfferError::Busy(_) => ApiError::Busy(msg),
+            OfferError::NoSnapshot(_) => ApiError::NoSnapshot(msg),
+            OfferError::Cache(e) => e.into(),
         }
     }
 }

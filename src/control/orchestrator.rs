@@ -16,7 +16,6 @@ use crate::rpc::auth::ClientAuth;
 use crate::rpc::{is_terminal, pb};
 use crate::snapshot::Format;
 use crate::store::catalog::{Catalog, CatalogEntry};
-use crate::sync::policy::SnapshotId;
 use crate::sync::relay::RelayTable;
 use crate::sync::source::{DataEndpoints, SessionTable};
 use crate::sync::{Pull, SyncManager};
@@ -122,11 +121,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         let (sync_id, created) = self.syncs.start(Pull {
             source: req.source,
             upstream: req.upstream,
-            want: req.snapshot.map(|s| SnapshotId {
-                size: s.size,
-                seq: s.seq,
-                checksum: s.checksum,
-            }),
+            want: req.snapshot.map(Into::into),
             mode: asked_mode(preference),
         })?;
         Ok(Response::new(pb::StartFullSyncResponse {

@@ -27,7 +27,6 @@ use crate::rpc::auth::ClientAuth;
 use crate::rpc::{is_terminal, pb, AgentChannel, Dialer};
 use crate::snapshot::Format;
 use crate::store::catalog::Catalog;
-use crate::sync::relay::snapshot_id;
 use crate::sync::{new_id, unix_ms, SyncError};
 use plan::Place;
 
@@ -119,7 +118,7 @@ impl FanoutManager {
         let status = pb::FanoutStatus {
             fanout_id: id.clone(),
             origin: req.origin.clone(),
-            snapshot: Some(snapshot_id(&entry.info)),
+            snapshot: Some(entry.info.id().into()),
             degree,
             nodes: req
                 .replicas

@@ -2,7 +2,7 @@
 //! seedings run (source side; docs/ARCHITECTURE.md, "Backlog guard").
 //!
 //! Every offer of an RDB, when `[redis] primary_addr` is set, takes a
-//! [`Lease`] here. The primary is measured (`redis::measure`): when its
+//! [`Lease`] here. The primary is measured (`preflight::measure`): when its
 //! backlog cannot hold what the seeding needs, the offer is refused with the
 //! size needed — or, with `[redis] grow_backlog`, `repl-backlog-size` is
 //! raised to it (up to `max_backlog`, and only on servers that keep the
@@ -24,7 +24,8 @@ use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
 use crate::config::RedisConfig;
-use crate::kv::redis::{self, Foresight, Info, Preflight, RedisError};
+use crate::kv::preflight::{self, Foresight, Preflight};
+use crate::kv::redis::{self, Info, RedisError};
 use crate::metrics::Metrics;
 use crate::snapshot::SnapshotInfo;
 
@@ -186,7 +187,7 @@ impl BacklogGuard {
         snapshot: &SnapshotInfo,
     ) -> Result<(Lease, Preflight), RedisError> {
         let measured = (known(&self.served_rate), known(&self.loaded_rate));
-        let sizing = redis::measure(&self.cfg, snapshot, measured).await?;
+        let sizing = preflight::measure(&self.cfg, snapshot, measured).await?;
         let mut state = self.state.lock().await;
         if sizing.needed > sizing.size {
             let shortfall = sizing.shortfall(snapshot.size);

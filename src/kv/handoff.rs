@@ -107,7 +107,10 @@ pub async fn hand_off(
             HandoffMode::Command => send_command(config, record).await,
             HandoffMode::Exec => run_program(config, record).await,
             HandoffMode::Redis => {
-                Ok(crate::kv::redis::seed(redis, deadline, &record.path, &record.info).await?)
+                Ok(
+                    crate::kv::restart::hand_off(redis, deadline, &record.path, &record.info)
+                        .await?,
+                )
             }
             HandoffMode::RedisReplicate => {
                 Ok(crate::kv::seed::replicate(redis, deadline, &record.path, &record.info).await?)

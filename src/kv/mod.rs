@@ -1,16 +1,19 @@
 //! The KV side: everything that talks to the local key-value server.
 //!
-//! [`handoff`] tells the KV about an installed snapshot's M; [`redis`] holds
-//! the Redis/Valkey conversations (the source's backlog pre-flight, the
-//! replica's restart handoff); [`seed`] is the `redis-replicate` handoff
-//! (the agent as a one-shot master); [`backlog`] is the source's hold on its
-//! primary's replication backlog while seedings run; [`health`] keeps the
-//! local server's replication health as metrics; [`check`] compares a
-//! replica's keys with its primary's.
+//! [`redis`] is the Redis/Valkey client the rest talk through.
+//! Replica side: [`handoff`] tells the KV about an installed snapshot's M,
+//! by [`restart`] (place the RDB, restart the server) or [`seed`] (the
+//! agent as a one-shot master of a running server). Source side:
+//! [`preflight`] checks the primary's backlog still holds M+1 and sizes
+//! what a seeding needs; [`backlog`] holds it there while seedings run.
+//! Either side: [`health`] keeps the local server's replication health as
+//! metrics; [`check`] compares a replica's keys with its primary's.
 
 pub mod backlog;
 pub mod check;
 pub mod handoff;
 pub mod health;
+pub mod preflight;
 pub mod redis;
+pub mod restart;
 pub mod seed;

@@ -55,3 +55,23 @@ pub fn transport_name(t: i32) -> &'static str {
         pb::Transport::Unspecified => "",
     }
 }
+
+impl From<crate::snapshot::SnapshotId> for pb::SnapshotId {
+    fn from(id: crate::snapshot::SnapshotId) -> pb::SnapshotId {
+        pb::SnapshotId {
+            size: id.size,
+            seq: id.seq,
+            checksum: id.checksum,
+        }
+    }
+}
+
+impl From<pb::SnapshotId> for crate::snapshot::SnapshotId {
+    fn from(id: pb::SnapshotId) -> crate::snapshot::SnapshotId {
+        crate::snapshot::SnapshotId {
+            size: id.size,
+            seq: id.seq,
+            checksum: id.checksum,
+        }
+    }
+}

@@ -83,6 +83,25 @@ pub struct SnapshotInfo {
     pub repl_id: Option<String>,
 }
 
+/// A snapshot by its identity: what a replica asks for, what an offer holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SnapshotId {
+    pub size: u64,
+    pub seq: u64,
+    pub checksum: u64,
+}
+
+impl SnapshotInfo {
+    /// Its identity.
+    pub fn id(&self) -> SnapshotId {
+        SnapshotId {
+            size: self.size,
+            seq: self.seq,
+            checksum: self.checksum,
+        }
+    }
+}
+
 /// Why bytes are not a valid snapshot. Offsets are into the snapshot.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Corruption {

@@ -26,7 +26,7 @@ use crate::metrics::{unix_now, Metrics, Running};
 use crate::rpc::dial::CONNECT_TIMEOUT;
 use crate::rpc::{pb, AgentChannel, Dialer};
 use crate::snapshot::manifest::Manifest;
-use crate::snapshot::SnapshotInfo;
+use crate::snapshot::{SnapshotId, SnapshotInfo};
 use crate::store::catalog::CatalogEntry;
 use crate::store::install::{self, InstallError};
 use crate::transport::probe::LocalRdma;
@@ -34,7 +34,7 @@ use crate::transport::session::{ClientTls, DataLink, DialSpec};
 use crate::transport::{ktls, select, Faults, TransportKind};
 
 pub use super::error::JobError;
-use super::policy::{self, Asked, Attempts, Next, Offer, SnapshotId, TransportPlan};
+use super::policy::{self, Asked, Attempts, Next, Offer, TransportPlan};
 use super::receive::{Received, Receiver};
 use super::relay::RelayTable;
 
@@ -490,11 +490,7 @@ async fn negotiate(
             String::new()
         },
         data_tls: ctx.dialer.data_tls.is_some(),
-        snapshot: ctx.want.map(|w| pb::SnapshotId {
-            size: w.size,
-            seq: w.seq,
-            checksum: w.checksum,
-        }),
+        snapshot: ctx.want.map(Into::into),
         tcp_streams: ctx.config.data.tcp_streams,
     };
     let offer = ctx

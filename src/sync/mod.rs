@@ -10,6 +10,7 @@
 
 pub mod error;
 pub mod job;
+pub mod offer;
 pub mod policy;
 pub mod receive;
 pub mod relay;
@@ -102,7 +103,7 @@ pub struct Pull {
     /// Where to turn when the source fails, nearest first.
     pub upstream: Vec<String>,
     /// Exactly this snapshot (`None`: the source's latest).
-    pub want: Option<policy::SnapshotId>,
+    pub want: Option<crate::snapshot::SnapshotId>,
     /// The transport mode asked for (`None`: the configured one).
     pub mode: Option<crate::config::TransportMode>,
 }

@@ -12,21 +12,13 @@ use std::time::Duration;
 use crate::blk3::token::SESSION_TOKEN_LEN;
 use crate::blk3::Blk3Error;
 use crate::config::{DataTls, SyncConfig, TransportMode};
-use crate::snapshot::Format;
+use crate::snapshot::{Format, SnapshotId};
 use crate::transport::rdma::RdmaError;
 use crate::transport::session::LinkError;
 use crate::transport::tcp::TcpError;
 use crate::transport::TransportKind;
 
 use super::error::JobError;
-
-/// A snapshot by its identity: what a replica asks for, what an offer holds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SnapshotId {
-    pub size: u64,
-    pub seq: u64,
-    pub checksum: u64,
-}
 
 /// A source's offer of a session, in domain terms (its shape already
 /// checked where it was read off the wire).

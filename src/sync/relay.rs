@@ -17,24 +17,10 @@ use std::sync::{Arc, Mutex};
 
 use crate::rpc::pb;
 use crate::snapshot::manifest::Manifest;
-use crate::snapshot::{Format, SnapshotInfo};
+use crate::snapshot::{Format, SnapshotId, SnapshotInfo};
 use crate::store::arrivals::Arrivals;
 use crate::store::cache::RelayFeed;
 use crate::store::catalog::CatalogEntry;
-
-/// Whether `info` is the snapshot `id` names.
-pub fn is_snapshot(info: &SnapshotInfo, id: &pb::SnapshotId) -> bool {
-    (info.size, info.seq, info.checksum) == (id.size, id.seq, id.checksum)
-}
-
-/// The identity of `info` as the API carries it.
-pub fn snapshot_id(info: &SnapshotInfo) -> pb::SnapshotId {
-    pb::SnapshotId {
-        size: info.size,
-        seq: info.seq,
-        checksum: info.checksum,
-    }
-}
 
 /// Where a relayed snapshot's bytes are.
 #[derive(Clone)]
@@ -126,10 +112,10 @@ impl RelayTable {
     }
 
     /// The relayed snapshot of `format` that is `want` (any, when `None`).
-    pub fn find(&self, format: Format, want: Option<&pb::SnapshotId>) -> Option<Relayed> {
+    pub fn find(&self, format: Format, want: Option<&SnapshotId>) -> Option<Relayed> {
         let entries = self.entries.lock().expect("relay lock");
         let entry = entries.0.get(&format)?;
-        if want.is_some_and(|id| !is_snapshot(&entry.manifest.info, id)) {
+        if want.is_some_and(|id| entry.manifest.info.id() != *id) {
             return None;
         }
         let source = match &entry.held {
@@ -159,7 +145,7 @@ impl RelayTable {
         if entries
             .0
             .get(&info.format)
-            .is_some_and(|e| is_snapshot(&e.manifest.info, &snapshot_id(info)))
+            .is_some_and(|e| e.manifest.info.id() == info.id())
         {
             entries.0.remove(&info.format);
         }
@@ -172,7 +158,7 @@ impl RelayTable {
             .0
             .values()
             .map(|e| pb::RelayEntry {
-                snapshot: Some(snapshot_id(&e.manifest.info)),
+                snapshot: Some(e.manifest.info.id().into()),
                 origin_node_id: e.origin.clone(),
                 state: match e.held {
                     Held::Receiving { .. } => "receiving",
@@ -250,7 +236,7 @@ mod tests {
     #[test]
     fn a_failed_receive_withdraws_its_snapshot_and_a_newer_one_supersedes_it() {
         let table = Arc::new(RelayTable::default());
-        let want = |seq: u64| snapshot_id(&manifest(seq).info);
+        let want = |seq: u64| manifest(seq).info.id();
         let first = register(&table, 5);
         assert!(table.find(Format::Kvr1, Some(&want(5))).is_some());
         assert!(table.find(Format::Kvr1, Some(&want(6))).is_none());

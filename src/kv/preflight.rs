@@ -1,0 +1,211 @@
+//! The source's pre-flight check of its local primary before it offers an
+//! RDB (docs/ARCHITECTURE.md, "Backlog guard"): does the backlog still hold
+//! offset M+1, and how large must it be to still hold it when the replica
+//! has received and loaded the RDB, at the write rate measured now?
+//! Whether a shortfall is refused or the backlog grown is `backlog`'s.
+
+use crate::config::RedisConfig;
+use crate::kv::redis::{info, Info, RedisError};
+use crate::snapshot::SnapshotInfo;
+
+/// What the pre-flight check found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Preflight {
+    /// Bytes the primary can still write before offset M+1 leaves its backlog.
+    pub backlog_bytes_left: u64,
+}
+
+/// How long a seeding is expected to take, and how much the primary
+/// writes meanwhile.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Foresight {
+    /// The primary's write rate, bytes per second.
+    pub write_rate: f64,
+    /// Moving and loading the RDB, bytes per second each.
+    pub transfer_rate: u64,
+    pub load_rate: u64,
+    pub safety: f64,
+}
+
+impl Foresight {
+    /// Seconds a seeding of `size` bytes is expected to take.
+    pub fn seconds(&self, size: u64) -> f64 {
+        size as f64 / self.transfer_rate.max(1) as f64 + size as f64 / self.load_rate.max(1) as f64
+    }
+
+    /// The backlog a seeding of an RDB of `size` bytes saved at `seq` needs
+    /// when the primary is at `master`: what was written since the save,
+    /// plus what the primary writes during the seeding, times the safety
+    /// factor.
+    pub fn backlog_needed(&self, master: u64, seq: u64, size: u64) -> u64 {
+        let ahead = self.write_rate * self.seconds(size) * self.safety;
+        master.saturating_sub(seq) + ahead.ceil() as u64
+    }
+}
+
+/// Decides from the primary's `INFO replication` whether a replica loading
+/// an RDB saved at (`repl_id`, `seq`) can continue with a partial resync.
+pub fn check_backlog(repl: &Info, repl_id: &str, seq: u64) -> Result<Preflight, RedisError> {
+    let next = seq + 1;
+    let current = repl.get("master_replid").unwrap_or("");
+    let second = repl.get("master_replid2").unwrap_or("");
+    let same_history =
+        current == repl_id || (second == repl_id && next <= repl.num("second_repl_offset"));
+    if !same_history {
+        return Err(RedisError::Precondition(format!(
+            "the primary's replication id is {current}, the RDB was saved under {repl_id}: the primary restarted or failed over since; save a fresh RDB on the primary"
+        )));
+    }
+    if repl.num("repl_backlog_active") == 0 {
+        return Err(RedisError::Precondition(
+            "the primary has no replication backlog: a replica could only full-sync; attach a replica once (or set repl-backlog-size) and save a fresh RDB".into(),
+        ));
+    }
+    let (first, histlen) = (
+        repl.num("repl_backlog_first_byte_offset"),
+        repl.num("repl_backlog_histlen"),
+    );
+    let master = repl.num("master_repl_offset");
+    let size = repl.num("repl_backlog_size");
+    if next < first {
+        return Err(RedisError::Precondition(format!(
+            "the primary's backlog no longer holds offset {next} (it starts at {first}): {} bytes were written since the save and repl-backlog-size is {size}; save a fresh RDB, or grow repl-backlog-size",
+            master.saturating_sub(seq)
+        )));
+    }
+    if next > first + histlen {
+        return Err(RedisError::Precondition(format!(
+            "the RDB's offset {seq} is ahead of the primary ({master}): it was not saved by this primary"
+        )));
+    }
+    Ok(Preflight {
+        backlog_bytes_left: size.saturating_sub(master - seq),
+    })
+}
+
+/// What the backlog guard measured on the local primary.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sizing {
+    /// M+1 is still in the backlog, with this much slack.
+    pub checked: Preflight,
+    /// The backlog the seeding needs, and the one the primary has.
+    pub needed: u64,
+    pub size: u64,
+    pub foresight: Foresight,
+}
+
+impl Sizing {
+    /// Why the backlog is too small, with the figures behind it.
+    pub fn shortfall(&self, rdb_size: u64) -> String {
+        let f = &self.foresight;
+        format!(
+            "the primary writes {:.0} bytes/s; seeding this {rdb_size}-byte RDB is expected to take {:.1} s (transfer at {} bytes/s, load at {} bytes/s), so with a safety factor of {} its backlog must hold {} bytes, and repl-backlog-size is {}",
+            f.write_rate,
+            f.seconds(rdb_size),
+            f.transfer_rate,
+            f.load_rate,
+            f.safety,
+            self.needed,
+            self.size
+        )
+    }
+}
+
+/// The source's pre-flight measurement of its local primary: M+1 is still
+/// in the backlog (or an error says why not), and the backlog a seeding
+/// needs to still hold it when the replica asks, at the write rate measured
+/// over `rate_window`. `measured` are the transfer and load rates this
+/// agent last saw (the rate it served a session at, and the RDB's size over
+/// a replica's reported handoff time), where it has them; the configured
+/// expectations stand in otherwise. Whether a shortfall is refused or the
+/// backlog grown is the guard's business (`backlog`).
+pub async fn measure(
+    cfg: &RedisConfig,
+    snapshot: &SnapshotInfo,
+    measured: (Option<u64>, Option<u64>),
+) -> Result<Sizing, RedisError> {
+    let repl_id = snapshot.repl_id.as_deref().unwrap_or("");
+    let (addr, password) = (&cfg.primary_addr, &cfg.password);
+    let first = info(addr, password, "replication").await?;
+    let mut repl = first.clone();
+    let mut checked = check_backlog(&first, repl_id, snapshot.seq)?;
+    if !cfg.rate_window.is_zero() {
+        tokio::time::sleep(cfg.rate_window).await;
+        repl = info(addr, password, "replication").await?;
+        checked = check_backlog(&repl, repl_id, snapshot.seq)?;
+    }
+    let master = repl.num("master_repl_offset");
+    let written = master.saturating_sub(first.num("master_repl_offset"));
+    let foresight = Foresight {
+        write_rate: written as f64 / cfg.rate_window.as_secs_f64().max(1e-3),
+        transfer_rate: measured.0.unwrap_or(cfg.expected_transfer_rate.as_u64()),
+        load_rate: measured.1.unwrap_or(cfg.expected_load_rate.as_u64()),
+        safety: cfg.backlog_safety,
+    };
+    Ok(Sizing {
+        checked,
+        needed: foresight.backlog_needed(master, snapshot.seq, snapshot.size),
+        size: repl.num("repl_backlog_size"),
+        foresight,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_backlog_needed_grows_with_the_write_rate_and_the_seeding_time() {
+        let quiet = Foresight {
+            write_rate: 0.0,
+            transfer_rate: 100 << 20,
+            load_rate: 100 << 20,
+            safety: 2.0,
+        };
+        // Only what was written since the save.
+        assert_eq!(quiet.backlog_needed(1_500, 1_000, 1 << 30), 500);
+        assert!((quiet.seconds(1 << 30) - 20.48).abs() < 0.01);
+        // 1 MB/s for 20.48 s, twice over.
+        let busy = Foresight {
+            write_rate: 1e6,
+            ..quiet
+        };
+        assert_eq!(busy.backlog_needed(1_500, 1_000, 1 << 30), 500 + 40_960_000);
+    }
+
+    fn repl(first: u64, histlen: u64, master: u64) -> Info {
+        Info::parse(&repl_text(first, histlen, master))
+    }
+
+    fn repl_text(first: u64, histlen: u64, master: u64) -> String {
+        format!(
+            "# Replication\r\nrole:master\r\nmaster_replid:aaaa\r\nmaster_replid2:bbbb\r\nsecond_repl_offset:100\r\nmaster_repl_offset:{master}\r\nrepl_backlog_active:1\r\nrepl_backlog_size:1000\r\nrepl_backlog_first_byte_offset:{first}\r\nrepl_backlog_histlen:{histlen}\r\n"
+        )
+    }
+
+    #[test]
+    fn backlog_holding_the_next_offset_passes_and_reports_slack() {
+        let p = check_backlog(&repl(1, 500, 500), "aaaa", 300).unwrap();
+        assert_eq!(p.backlog_bytes_left, 800);
+        // The previous id still works up to second_repl_offset.
+        assert!(check_backlog(&repl(1, 500, 500), "bbbb", 50).is_ok());
+        assert!(check_backlog(&repl(1, 500, 500), "bbbb", 200).is_err());
+    }
+
+    #[test]
+    fn refusals_say_what_to_do() {
+        let e = check_backlog(&repl(2000, 1000, 2999), "aaaa", 1500).unwrap_err();
+        assert!(e.to_string().contains("grow repl-backlog-size"), "{e}");
+        let e = check_backlog(&repl(1, 500, 500), "cccc", 300).unwrap_err();
+        assert!(e.to_string().contains("save a fresh RDB"), "{e}");
+        let e = check_backlog(&repl(1, 500, 500), "aaaa", 900).unwrap_err();
+        assert!(e.to_string().contains("ahead of the primary"), "{e}");
+        let no_backlog = Info::parse(
+            &repl_text(0, 0, 0).replace("repl_backlog_active:1", "repl_backlog_active:0"),
+        );
+        assert!(check_backlog(&no_backlog, "aaaa", 0)
+            .unwrap_err()
+            .to_string()
+            .contains("no replication backlog"));
+    }
+}

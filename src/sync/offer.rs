@@ -1,0 +1,358 @@
+//! A source's offers: a replica's request ([`Ask`]) becomes a session offer
+//! ([`Offered`]) of this agent's own snapshot or of one it relays, on the
+//! transport both ends can use, under TLS when both can, admitted under
+//! the session limits, with the primary's backlog leased for a Redis
+//! seeding and the snapshot's bytes held from this moment. The gRPC
+//! service (`control::peer`) only translates the request and the answer.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio_util::sync::CancellationToken;
+use tracing::info;
+
+use super::new_id;
+use super::relay::{RelaySource, RelayTable};
+use super::source::{replica_key, DataEndpoints, Offer, Refusal, SessionTable};
+use crate::blk3::token::SESSION_TOKEN_LEN;
+use crate::config::{Config, DataTls, TransportMode};
+use crate::kv::backlog::{BacklogGuard, Lease};
+use crate::kv::redis::RedisError;
+use crate::snapshot::{Format, SnapshotId, SnapshotInfo};
+use crate::store::cache::{CacheError, RelayFeed, SnapshotCache};
+use crate::store::catalog::{Catalog, CatalogEntry};
+use crate::store::served::{Served, SnapshotFile};
+use crate::transport::TransportKind;
+
+/// What a replica asks a source for.
+#[derive(Debug, Clone, Default)]
+pub struct Ask {
+    /// Its node id (a plain name; empty: unnamed).
+    pub replica_node: String,
+    /// The transports it can take.
+    pub tcp: bool,
+    pub rdma: bool,
+    /// `Some(Rdma)`: RDMA or nothing; `Some(Tcp)`: TCP; `None`: either.
+    pub preference: Option<TransportMode>,
+    /// Its RDMA provider ("verbs", "emulated").
+    pub rdma_provider: String,
+    /// The format it installs (empty: whatever this source serves).
+    pub format: String,
+    /// It can run the data plane under TLS.
+    pub data_tls: bool,
+    /// Exactly this snapshot (`None`: the newest).
+    pub snapshot: Option<SnapshotId>,
+    /// TCP streams it asks for.
+    pub tcp_streams: u32,
+}
+
+/// Why a source makes no offer.
+#[derive(Debug, thiserror::Error)]
+pub enum OfferError {
+    /// The request contradicts this source (another format).
+    #[error("{0}")]
+    BadRequest(String),
+    /// The two ends cannot agree (transport, TLS, the primary's backlog).
+    #[error("{0}")]
+    Unsupported(String),
+    #[error("this source is shutting down; retry against it after its restart")]
+    Draining,
+    /// Over a session limit; retry later.
+    #[error("{0}")]
+    Busy(String),
+    /// No such snapshot (yet, or any more).
+    #[error("{0}")]
+    NoSnapshot(String),
+    /// Its bytes cannot be held.
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+}
+
+/// An offer made: the session is in the table, its snapshot held.
+pub struct Offered {
+    pub id: String,
+    pub token: [u8; SESSION_TOKEN_LEN],
+    pub entry: Arc<CatalogEntry>,
+    /// The snapshot's file name at its origin.
+    pub name: String,
+    /// The agent that made it, when this agent relays it.
+    pub origin: Option<String>,
+    pub transport: TransportKind,
+    /// TCP under TLS.
+    pub tls: bool,
+    pub streams: u32,
+    /// Where the replica dials.
+    pub endpoint: SocketAddr,
+    /// Redis: bytes the primary can still write before M+1 leaves its backlog.
+    pub backlog_bytes_left: u64,
+}
+
+/// What a source offers from, and under which limits.
+pub struct Offers {
+    pub config: Config,
+    /// What this agent can offer.
+    pub catalog: Arc<Catalog>,
+    pub cache: Arc<SnapshotCache>,
+    pub sessions: Arc<SessionTable>,
+    pub data: Arc<DataEndpoints>,
+    /// Cancelled when the agent starts draining: no new offers.
+    pub draining: CancellationToken,
+    /// What this agent relays from other agents.
+    pub relays: Arc<RelayTable>,
+    /// The local primary's backlog, when `[redis] primary_addr` is set.
+    pub backlog: Option<Arc<BacklogGuard>>,
+}
+
+/// The snapshot an offer is for.
+struct Chosen {
+    entry: Arc<CatalogEntry>,
+    /// Its file name at its origin.
+    name: String,
+    /// The agent that made it, when this agent relays it.
+    origin: Option<String>,
+    /// Its relay image's source, while this agent still receives it.
+    feed: Option<RelayFeed>,
+}
+
+impl Offers {
+    /// Makes the offer `ask` can have. `local` is the address the replica
+    /// reached this agent on, `remote` the replica's.
+    pub async fn offer(
+        &self,
+        ask: &Ask,
+        local: Option<SocketAddr>,
+        remote: Option<SocketAddr>,
+    ) -> Result<Offered, OfferError> {
+        let config = &self.config;
+        let format = config.snapshot_format;
+        if !ask.format.is_empty() && ask.format != format.as_str() {
+            return Err(OfferError::BadRequest(format!(
+                "this source serves {format} snapshots, the replica asked for {:?}",
+                ask.format
+            )));
+        }
+        let tls = data_tls(config, ask)?;
+        let transport = choose_transport(&self.data, ask)?;
+        let tls = tls && transport == TransportKind::Tcp;
+        if self.draining.is_cancelled() {
+            return Err(OfferError::Draining);
+        }
+        let replica_key = replica_key(&ask.replica_node, remote.map(|a| a.ip()));
+        let admitted = self.sessions.admit(&replica_key).map_err(|refusal| {
+            OfferError::Busy(match refusal {
+                Refusal::Busy(limit) => format!(
+                    "this source already serves {limit} sessions (sync.max_outgoing_syncs); retry in a few seconds"
+                ),
+                Refusal::ReplicaBusy(limit) => format!(
+                    "replica {replica_key} already holds {limit} sessions of this source (sync.max_sessions_per_replica); retry when one has ended"
+                ),
+            })
+        })?;
+        let mut chosen = self.choose(format, ask.snapshot.as_ref())?;
+        let id = new_id();
+        let (backlog, backlog_bytes_left) = self.lease_backlog(&id, &chosen.entry.info).await?;
+        let snapshot = self.hold(&mut chosen, transport).await?;
+        let replica = match ask.replica_node.as_str() {
+            "" => "unnamed".to_string(),
+            node => node.to_string(),
+        };
+        let streams = super::streams::granted(transport, ask.tcp_streams);
+        let token = self.sessions.insert(
+            Offer {
+                id: id.clone(),
+                replica,
+                entry: chosen.entry.clone(),
+                snapshot,
+                transport,
+                tls,
+                expires: Instant::now() + config.sync.session_token_ttl,
+                origin: chosen.origin.clone(),
+                backlog,
+                streams,
+            },
+            admitted,
+        );
+        let endpoint = match (transport, self.data.rdma_endpoint()) {
+            (TransportKind::Rdma, Some(rdma)) => rdma,
+            _ => advertised(self.data.tcp, local),
+        };
+        info!(session = %id, replica = %ask.replica_node, path = %chosen.entry.path.display(), seq = chosen.entry.info.seq, transport = transport.as_str(), tls, streams, %endpoint, relayed_from = ?chosen.origin, "offered snapshot");
+        Ok(Offered {
+            id,
+            token,
+            entry: chosen.entry,
+            name: chosen.name,
+            origin: chosen.origin,
+            transport,
+            tls,
+            streams,
+            endpoint,
+            backlog_bytes_left,
+        })
+    }
+
+    /// For an RDB, when the local primary is configured: the backlog guard's
+    /// lease for session `id` (refused with what to do when the backlog
+    /// cannot hold M+1 through the seeding), and the slack it has now.
+    async fn lease_backlog(
+        &self,
+        id: &str,
+        info: &SnapshotInfo,
+    ) -> Result<(Option<Lease>, u64), OfferError> {
+        let Some(guard) = self
+            .backlog
+            .as_ref()
+            .filter(|_| info.format == Format::RedisRdb)
+        else {
+            return Ok((None, 0));
+        };
+        match guard.lease(id, info).await {
+            Ok((lease, p)) => {
+                info!(
+                    seq = info.seq,
+                    backlog_bytes_left = p.backlog_bytes_left,
+                    "redis pre-flight passed"
+                );
+                Ok((Some(lease), p.backlog_bytes_left))
+            }
+            Err(e @ RedisError::Precondition(_)) => Err(OfferError::Unsupported(e.to_string())),
+            Err(e) => Err(OfferError::Unsupported(format!(
+                "cannot check the primary's replication backlog: {e}"
+            ))),
+        }
+    }
+
+    /// The snapshot to offer: `want`, or the newest (this agent's own, or
+    /// one it relays, whichever is newer).
+    fn choose(&self, format: Format, want: Option<&SnapshotId>) -> Result<Chosen, OfferError> {
+        let own = match want {
+            Some(id) => self
+                .catalog
+                .list()
+                .into_iter()
+                .filter(|e| e.format() == format && e.info.id() == *id)
+                .max_by_key(|e| e.mtime),
+            None => self.catalog.latest(format),
+        };
+        // A relayed snapshot keeps its origin even once installed here (the
+        // watcher then lists it too), so that partial syncs resume across
+        // relays.
+        let relayed = self.relays.find(format, want).filter(|r| {
+            own.as_ref()
+                .is_none_or(|e| r.manifest.info.seq >= e.info.seq)
+        });
+        let Some(relayed) = relayed else {
+            let entry = own.ok_or_else(|| match want {
+                Some(id) => OfferError::NoSnapshot(format!(
+                    "this agent does not have {format} snapshot seq {} ({} bytes, checksum {:#x}), or no longer: it was superseded",
+                    id.seq, id.size, id.checksum
+                )),
+                None => OfferError::NoSnapshot(format!(
+                    "no valid {format} snapshot in {} yet; save one on the primary first",
+                    self.config.snapshot_dir.display()
+                )),
+            })?;
+            let name = entry
+                .path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            return Ok(Chosen {
+                entry,
+                name,
+                origin: None,
+                feed: None,
+            });
+        };
+        let (entry, feed) = match relayed.source {
+            RelaySource::Feed(feed) => {
+                let entry = CatalogEntry {
+                    path: feed.path.clone(),
+                    mtime: std::time::SystemTime::UNIX_EPOCH,
+                    info: relayed.manifest.info.clone(),
+                    manifest: relayed.manifest.clone(),
+                };
+                (entry, Some(feed))
+            }
+            RelaySource::File(entry) => (entry, None),
+        };
+        Ok(Chosen {
+            entry: Arc::new(entry),
+            name: relayed.name,
+            origin: Some(relayed.origin),
+            feed,
+        })
+    }
+
+    /// Holds the chosen snapshot's bytes for a session over `transport`:
+    /// a TCP session of a file on disk sends the file itself (the kernel's
+    /// page cache is the shared copy); RDMA and a relay still receiving
+    /// take a reference in the cache (loading it, or starting its relay
+    /// image). A relayed file that changed is no longer relayed.
+    async fn hold(
+        &self,
+        chosen: &mut Chosen,
+        transport: TransportKind,
+    ) -> Result<Served, OfferError> {
+        let held = match chosen.feed.take() {
+            Some(feed) => self.cache.acquire_relay(feed).await.map(Served::Image),
+            None if transport == TransportKind::Tcp => {
+                SnapshotFile::open(&chosen.entry).map(Served::File)
+            }
+            None => self.cache.acquire(&chosen.entry).await.map(Served::Image),
+        };
+        if let (Err(CacheError::Changed { .. }), Some(_)) = (&held, &chosen.origin) {
+            self.relays.withdraw(&chosen.entry.info);
+        }
+        Ok(held?)
+    }
+}
+
+/// Whether the TCP data path is encrypted: when both ends can. A source
+/// that requires it refuses a replica that cannot.
+fn data_tls(config: &Config, ask: &Ask) -> Result<bool, OfferError> {
+    if config.data.tls == DataTls::Required && !ask.data_tls {
+        return Err(OfferError::Unsupported(
+            "this source requires an encrypted data plane ([data] tls = \"required\"); give the replica a [tls] configuration with the fleet's CA".into(),
+        ));
+    }
+    Ok(config.data_tls() && ask.data_tls)
+}
+
+/// RDMA when both sides can and the replica did not ask for TCP; TCP
+/// otherwise. A replica that requires RDMA is told why it cannot have it.
+fn choose_transport(data: &DataEndpoints, ask: &Ask) -> Result<TransportKind, OfferError> {
+    let probe = data.local_rdma.probe();
+    let why_not = if !ask.rdma || ask.preference == Some(TransportMode::Tcp) {
+        Some("the replica did not ask for it".to_string())
+    } else if data.rdma_endpoint().is_none() {
+        Some(data.local_rdma.reason())
+    } else if ask.rdma_provider != probe.provider.as_str() {
+        Some(format!(
+            "this source uses the {} rdma provider, the replica {:?}",
+            probe.provider, ask.rdma_provider
+        ))
+    } else {
+        None
+    };
+    match why_not {
+        None => Ok(TransportKind::Rdma),
+        Some(why) if ask.preference == Some(TransportMode::Rdma) => Err(OfferError::Unsupported(
+            format!("rdma required but this source cannot serve it: {why}"),
+        )),
+        Some(_) if ask.tcp => Ok(TransportKind::Tcp),
+        Some(why) => Err(OfferError::Unsupported(format!(
+            "no transport in common: the replica offers no tcp and rdma is not possible ({why})"
+        ))),
+    }
+}
+
+/// The data address a replica should dial: the listener's, or — when it is
+/// bound to a wildcard — the address the replica reached us on.
+fn advertised(data: SocketAddr, local: Option<SocketAddr>) -> SocketAddr {
+    match local {
+        Some(l) if data.ip().is_unspecified() => SocketAddr::new(l.ip(), data.port()),
+        _ => data,
+    }
+}
