@@ -31,7 +31,7 @@ use crate::store::cache::SnapshotCache;
 use crate::store::catalog::Catalog;
 use crate::store::watch::DirWatcher;
 use crate::sync::offer::Offers;
-use crate::sync::source::{self as source_role, DataEndpoints, DataPlane, SessionTable};
+use crate::sync::serve::{self, DataEndpoints, DataPlane, SessionTable};
 use crate::sync::SyncManager;
 use crate::transport::probe::{self, LocalRdma, Probe};
 use crate::transport::ratelimit::RateLimiter;
@@ -503,8 +503,8 @@ async fn start_data_plane(
             .set(1);
     }
     tasks.spawn(plane.sessions.clone().expire(plane.shutdown.clone()));
-    tasks.spawn(source_role::serve(
-        source_role::tcp_connections(tcp, false),
+    tasks.spawn(serve::serve(
+        serve::tcp_connections(tcp, false),
         plane.clone(),
     ));
     Arc::new(DataEndpoints {
@@ -569,18 +569,18 @@ fn serve_rdma(
 ) -> std::io::Result<()> {
     match listener {
         RdmaListener::Emulated(l) => {
-            let conns = source_role::tcp_connections(l, true);
-            tasks.spawn(source_role::serve(conns, plane.clone()));
+            let conns = serve::tcp_connections(l, true);
+            tasks.spawn(serve::serve(conns, plane.clone()));
         }
         #[cfg(feature = "rdma")]
         RdmaListener::Verbs(l) => {
-            let conns = source_role::verbs_connections(
+            let conns = serve::verbs_connections(
                 l,
                 local_rdma.clone(),
                 plane.metrics.clone(),
                 plane.shutdown.clone(),
             )?;
-            tasks.spawn(source_role::serve(conns, plane.clone()));
+            tasks.spawn(serve::serve(conns, plane.clone()));
         }
     }
     Ok(())

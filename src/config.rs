@@ -200,10 +200,53 @@ impl Default for RedisConfig {
     }
 }
 
+/// A `host:port` address: a name or an IP (an IPv6 one in brackets) and a
+/// numeric port. Addresses are read with this, never split by hand.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostPort {
+    pub host: String,
+    pub port: u16,
+}
+
+/// Text that is not `host:port`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0:?} is not host:port")]
+pub struct NotHostPort(pub String);
+
+impl std::str::FromStr for HostPort {
+    type Err = NotHostPort;
+
+    fn from_str(s: &str) -> Result<HostPort, NotHostPort> {
+        let bad = || NotHostPort(s.chars().take(300).collect());
+        let (host, port) = s.rsplit_once(':').ok_or_else(bad)?;
+        let port = port.parse().map_err(|_| bad())?;
+        let host = match host.strip_prefix('[') {
+            Some(inner) => inner.strip_suffix(']').ok_or_else(bad)?,
+            None if host.contains(':') => return Err(bad()),
+            None => host,
+        };
+        if host.is_empty() {
+            return Err(bad());
+        }
+        Ok(HostPort {
+            host: host.to_string(),
+            port,
+        })
+    }
+}
+
+impl std::fmt::Display for HostPort {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.host.contains(':') {
+            true => write!(f, "[{}]:{}", self.host, self.port),
+            false => write!(f, "{}:{}", self.host, self.port),
+        }
+    }
+}
+
 /// True for `host:port` with a numeric port.
 fn is_host_port(s: &str) -> bool {
-    s.rsplit_once(':')
-        .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok())
+    s.parse::<HostPort>().is_ok()
 }
 
 /// Control plane (gRPC) settings.
@@ -1024,9 +1067,9 @@ impl Config {
         }
         for (i, source) in self.sync.allowed_sources.iter().enumerate() {
             let name = source
-                .rsplit_once(':')
-                .map_or(source.as_str(), |(host, _)| host);
-            if !crate::peer_text::is_plain_name(name) {
+                .parse::<HostPort>()
+                .map_or(source.clone(), |a| a.host);
+            if !crate::peer_text::is_plain_name(&name) {
                 p.bad(
                     "sync.allowed_sources",
                     format!("entry {i} ({source:?}) is neither host:port nor a node id"),
@@ -1060,6 +1103,30 @@ impl Problems {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn addresses_are_host_and_port_and_print_back() {
+        for (text, host, port) in [
+            ("localhost:6379", "localhost", 6379),
+            ("10.0.0.1:7000", "10.0.0.1", 7000),
+            ("[fd00::1]:7000", "fd00::1", 7000),
+        ] {
+            let a: HostPort = text.parse().unwrap();
+            assert_eq!((a.host.as_str(), a.port), (host, port));
+            assert_eq!(a.to_string(), text);
+        }
+        for bad in [
+            "",
+            "host",
+            ":7000",
+            "host:",
+            "host:x",
+            "fd00::1:7000",
+            "[fd00::1:7000",
+        ] {
+            assert!(bad.parse::<HostPort>().is_err(), "{bad:?}");
+        }
+    }
 
     #[test]
     fn defaults_are_valid() {

@@ -24,7 +24,7 @@ use kvsync::store::cache::SnapshotCache;
 use kvsync::store::catalog::CatalogEntry;
 use kvsync::sync::job::JobError;
 use kvsync::sync::receive::{Received, Receiver};
-use kvsync::sync::source::{self, DataPlane, Limits, Offer, SessionTable};
+use kvsync::sync::serve::{self, DataPlane, Limits, OfferedSession, SessionTable};
 use kvsync::transport::pace::MinRate;
 use kvsync::transport::ratelimit::RateLimiter;
 use kvsync::transport::session::{ClientTls, DataLink, DialSpec};
@@ -212,7 +212,7 @@ async fn run(case: Case, wire: Wire, dir: &Path, tls: &Tls) -> Run {
         total: 4,
         per_replica: 4,
     }));
-    let offer = Offer {
+    let offer = OfferedSession {
         id: "s1".into(),
         replica: "r".into(),
         entry: entry.clone(),
@@ -255,8 +255,8 @@ async fn run(case: Case, wire: Wire, dir: &Path, tls: &Tls) -> Run {
         tls: Some(tls.server.clone()),
         kernel_tls: true,
     };
-    let conns = source::tcp_connections(listener, kind == TransportKind::Rdma);
-    tokio::spawn(source::serve(conns, plane));
+    let conns = serve::tcp_connections(listener, kind == TransportKind::Rdma);
+    tokio::spawn(serve::serve(conns, plane));
 
     // The replica: dial (over TCP through a recording proxy), run into a
     // Receiver, decide.

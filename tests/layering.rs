@@ -5,7 +5,7 @@
 //! names modules of its own layer or of layers below it. `blk3` uses no
 //! other module and nothing that does I/O or reads a clock.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
@@ -173,6 +173,76 @@ fn every_module_keeps_to_the_layer_table() {
         assert!(
             src.join(format!("{name}.rs")).exists() || src.join(name).is_dir(),
             "the table names {name}, which src/ does not have"
+        );
+    }
+}
+
+/// Each module's submodules as the table lists them in parentheses.
+fn listed_submodules() -> BTreeMap<String, BTreeSet<String>> {
+    let doc = std::fs::read_to_string(Path::new(ROOT).join("docs/ARCHITECTURE.md")).unwrap();
+    let table = doc.split("## Modules and layering").nth(1).unwrap();
+    let mut map = BTreeMap::new();
+    for row in table
+        .lines()
+        .skip_while(|l| !l.starts_with("| layer"))
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+    {
+        let modules = row.split('|').nth(2).unwrap();
+        let mut rest = modules;
+        while let Some(open) = rest.find('(') {
+            let module = rest[..open].rsplit('`').nth(1).unwrap().to_string();
+            let close = rest[open..].find(')').unwrap() + open;
+            let subs = rest[open + 1..close]
+                .split('`')
+                .skip(1)
+                .step_by(2)
+                .map(str::to_string)
+                .collect();
+            map.insert(module, subs);
+            rest = &rest[close + 1..];
+        }
+    }
+    map
+}
+
+/// The submodules `src/NAME/` holds: its `.rs` files other than `mod.rs`
+/// and `tests.rs`, and the modules its `mod.rs` writes inline.
+fn submodules_in_src(name: &str) -> BTreeSet<String> {
+    let dir = Path::new(ROOT).join("src").join(name);
+    let mut found = BTreeSet::new();
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return found;
+    };
+    for e in entries {
+        let file = e.unwrap().file_name().to_string_lossy().into_owned();
+        if let Some(stem) = file.strip_suffix(".rs") {
+            if stem != "mod" && stem != "tests" {
+                found.insert(stem.to_string());
+            }
+        }
+    }
+    let root = std::fs::read_to_string(dir.join("mod.rs")).unwrap_or_default();
+    for line in root.lines() {
+        if let Some(inline) = line
+            .strip_prefix("pub mod ")
+            .and_then(|l| l.strip_suffix(" {"))
+        {
+            found.insert(inline.to_string());
+        }
+    }
+    found
+}
+
+#[test]
+fn the_table_lists_every_submodule_and_only_those() {
+    let listed = listed_submodules();
+    for name in layers().keys() {
+        let have = submodules_in_src(name);
+        let said = listed.get(name).cloned().unwrap_or_default();
+        assert_eq!(
+            said, have,
+            "docs/ARCHITECTURE.md lists {name}'s submodules as {said:?}; src/{name}/ has {have:?}"
         );
     }
 }

@@ -20,7 +20,7 @@ fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
         .unwrap()
         .map(|e| e.unwrap())
         .map(|e| (e.file_name().to_string_lossy().into_owned(), e.path()))
-        .filter(|(n, _)| n != kvsync::store::install::MANIFEST)
+        .filter(|(n, _)| n != kvsync::store::install::INSTALLED_LIST)
         .map(|(n, p)| (n, std::fs::read(p).unwrap()))
         .collect()
 }

@@ -20,7 +20,7 @@ use super::{
 };
 
 #[derive(Debug, Clone, Copy)]
-enum State {
+enum ReplicaState {
     Idle,
     WaitSrdy,
     WaitRdgo,
@@ -33,30 +33,32 @@ enum State {
     Done,
 }
 
-impl State {
+impl ReplicaState {
     fn name(self) -> &'static str {
         match self {
-            State::Idle => "idle",
-            State::WaitSrdy => "waiting for SRDY",
-            State::WaitRdgo => "waiting for RDGO",
-            State::WaitBlk3 => "waiting for the BLK3 header",
-            State::WaitMemory => "preparing receive memory",
-            State::Pieces => "receiving pieces",
-            State::WaitBdon => "waiting for BDON",
-            State::WaitVerify => "verifying",
-            State::WaitReplmeta => "waiting for REPLMETA",
-            State::Done => "done",
+            ReplicaState::Idle => "idle",
+            ReplicaState::WaitSrdy => "waiting for SRDY",
+            ReplicaState::WaitRdgo => "waiting for RDGO",
+            ReplicaState::WaitBlk3 => "waiting for the BLK3 header",
+            ReplicaState::WaitMemory => "preparing receive memory",
+            ReplicaState::Pieces => "receiving pieces",
+            ReplicaState::WaitBdon => "waiting for BDON",
+            ReplicaState::WaitVerify => "verifying",
+            ReplicaState::WaitReplmeta => "waiting for REPLMETA",
+            ReplicaState::Done => "done",
         }
     }
 
     fn expected(self) -> Kind {
         match self {
-            State::Idle | State::WaitSrdy => Kind::Srdy,
-            State::WaitRdgo => Kind::Rdgo,
-            State::WaitBlk3 => Kind::Blk3,
-            State::Pieces => Kind::Pdon,
-            State::WaitMemory | State::WaitBdon => Kind::Bdon,
-            State::WaitVerify | State::WaitReplmeta | State::Done => Kind::Replmeta,
+            ReplicaState::Idle | ReplicaState::WaitSrdy => Kind::Srdy,
+            ReplicaState::WaitRdgo => Kind::Rdgo,
+            ReplicaState::WaitBlk3 => Kind::Blk3,
+            ReplicaState::Pieces => Kind::Pdon,
+            ReplicaState::WaitMemory | ReplicaState::WaitBdon => Kind::Bdon,
+            ReplicaState::WaitVerify | ReplicaState::WaitReplmeta | ReplicaState::Done => {
+                Kind::Replmeta
+            }
         }
     }
 }
@@ -82,7 +84,7 @@ pub struct Replica {
     /// The longest silence of the source while pieces are outstanding
     /// (`None`: the whole bulk's size-scaled deadline only).
     piece_wait: Option<Duration>,
-    state: State,
+    state: ReplicaState,
     pub(super) core: Core,
 }
 
@@ -117,7 +119,7 @@ impl Replica {
             failures: Default::default(),
             retries,
             piece_wait: None,
-            state: State::Idle,
+            state: ReplicaState::Idle,
             core: Core::default(),
         }
     }
@@ -143,7 +145,7 @@ impl Replica {
         self.core.push(Command::PostRecv(Kind::Rdgo));
         self.core.push(Command::PostRecv(Kind::Blk3));
         self.core.push(Command::PostRecv(Kind::Bdon));
-        self.state = State::WaitSrdy;
+        self.state = ReplicaState::WaitSrdy;
         self.core.wait("SRDY", now, HANDSHAKE_TIMEOUT);
     }
 
@@ -157,19 +159,19 @@ impl Replica {
         match (self.state, input) {
             (_, Input::Received(Token::Rdfl { reason })) => {
                 self.core.finish(Err(Blk3Error::PeerFailed(reason)));
-                self.state = State::Done;
+                self.state = ReplicaState::Done;
             }
-            (State::WaitSrdy, Input::Received(Token::Srdy)) => {
+            (ReplicaState::WaitSrdy, Input::Received(Token::Srdy)) => {
                 self.core.send(Token::Crea);
                 self.core.send(Token::Rdpr);
-                self.state = State::WaitRdgo;
+                self.state = ReplicaState::WaitRdgo;
                 self.core.wait("RDGO", now, HANDSHAKE_TIMEOUT);
             }
-            (State::WaitRdgo, Input::Received(Token::Rdgo)) => {
-                self.state = State::WaitBlk3;
+            (ReplicaState::WaitRdgo, Input::Received(Token::Rdgo)) => {
+                self.state = ReplicaState::WaitBlk3;
                 self.core.wait("BLK3 header", now, HANDSHAKE_TIMEOUT);
             }
-            (State::WaitBlk3, Input::Received(Token::Blk3 { len })) => {
+            (ReplicaState::WaitBlk3, Input::Received(Token::Blk3 { len })) => {
                 if len != self.offered_len {
                     return self.fail(Blk3Error::AnnouncedLength {
                         offered: self.offered_len,
@@ -179,15 +181,15 @@ impl Replica {
                 self.len = len;
                 let scaled = size_scaled_timeout(len);
                 if len == 0 {
-                    self.state = State::WaitBdon;
+                    self.state = ReplicaState::WaitBdon;
                     self.core.wait("BDON", now, scaled);
                 } else {
                     self.core.push(Command::PrepareReceive { len });
-                    self.state = State::WaitMemory;
+                    self.state = ReplicaState::WaitMemory;
                     self.core.wait("receive memory", now, scaled);
                 }
             }
-            (State::WaitMemory, Input::ReceiveReady { addr, rkey }) => {
+            (ReplicaState::WaitMemory, Input::ReceiveReady { addr, rkey }) => {
                 for _ in 0..PIECE_WINDOW {
                     self.core.push(Command::PostRecv(Kind::Pdon));
                 }
@@ -201,17 +203,17 @@ impl Replica {
                 });
                 let wait = self.pieces_wait(scaled);
                 if self.left == 0 {
-                    self.state = State::WaitBdon;
+                    self.state = ReplicaState::WaitBdon;
                     self.core.wait("BDON", now, wait);
                 } else {
-                    self.state = State::Pieces;
+                    self.state = ReplicaState::Pieces;
                     self.core.wait("pieces", now, wait);
                 }
             }
-            (State::WaitMemory, Input::ReceiveFailed(reason)) => {
+            (ReplicaState::WaitMemory, Input::ReceiveFailed(reason)) => {
                 self.fail(Blk3Error::CannotReceive(reason));
             }
-            (State::Pieces, Input::Received(Token::Pdon { index }))
+            (ReplicaState::Pieces, Input::Received(Token::Pdon { index }))
                 if self.wanted.get(index as usize) == Some(&WANTED) =>
             {
                 self.wanted[index as usize] = TAKING;
@@ -221,7 +223,7 @@ impl Replica {
                 self.core.push(Command::TakePiece { index, offset, len });
                 self.core.wait("pieces", now, self.pieces_wait(scaled));
             }
-            (State::Pieces, Input::PieceChecked { index, result })
+            (ReplicaState::Pieces, Input::PieceChecked { index, result })
                 if self.wanted.get(index as usize) == Some(&TAKING) =>
             {
                 match result {
@@ -230,7 +232,7 @@ impl Replica {
                         self.left -= 1;
                         self.core.send(Token::Pack { index });
                         if self.left == 0 {
-                            self.state = State::WaitBdon;
+                            self.state = ReplicaState::WaitBdon;
                             self.core.wait("BDON", now, self.pieces_wait(scaled));
                         }
                     }
@@ -250,24 +252,24 @@ impl Replica {
                     }
                 }
             }
-            (State::WaitBdon, Input::Received(Token::Bdon)) => {
+            (ReplicaState::WaitBdon, Input::Received(Token::Bdon)) => {
                 self.core.push(Command::PostRecv(Kind::Replmeta));
                 self.core.push(Command::Verify);
-                self.state = State::WaitVerify;
+                self.state = ReplicaState::WaitVerify;
                 self.core.wait("checksum verification", now, scaled);
             }
-            (State::WaitVerify, Input::Verified(Ok(()))) => {
+            (ReplicaState::WaitVerify, Input::Verified(Ok(()))) => {
                 self.core.send(Token::Rdok);
-                self.state = State::WaitReplmeta;
+                self.state = ReplicaState::WaitReplmeta;
                 self.core.wait("REPLMETA", now, HANDSHAKE_TIMEOUT);
             }
-            (State::WaitVerify, Input::Verified(Err(reason))) => {
+            (ReplicaState::WaitVerify, Input::Verified(Err(reason))) => {
                 self.fail(Blk3Error::Checksum(reason));
             }
-            (State::WaitReplmeta, Input::Received(Token::Replmeta { seq })) => {
+            (ReplicaState::WaitReplmeta, Input::Received(Token::Replmeta { seq })) => {
                 self.core
                     .finish(Ok(Outcome::Received { len: self.len, seq }));
-                self.state = State::Done;
+                self.state = ReplicaState::Done;
             }
             (state, input) => {
                 let (name, expected) = (state.name(), state.expected());

@@ -39,7 +39,7 @@ struct Bulk {
 }
 
 #[derive(Debug)]
-enum State {
+enum SourceState {
     Idle,
     WaitCrea,
     WaitRdpr,
@@ -53,27 +53,27 @@ enum State {
     Done,
 }
 
-impl State {
+impl SourceState {
     fn name(&self) -> &'static str {
         match self {
-            State::Idle => "idle",
-            State::WaitCrea => "waiting for CREA",
-            State::WaitRdpr => "waiting for RDPR",
-            State::WaitMrin { .. } => "waiting for MRINFO",
-            State::Bulk(_) => "sending pieces",
-            State::WaitRdok => "waiting for RDOK",
-            State::Done => "done",
+            SourceState::Idle => "idle",
+            SourceState::WaitCrea => "waiting for CREA",
+            SourceState::WaitRdpr => "waiting for RDPR",
+            SourceState::WaitMrin { .. } => "waiting for MRINFO",
+            SourceState::Bulk(_) => "sending pieces",
+            SourceState::WaitRdok => "waiting for RDOK",
+            SourceState::Done => "done",
         }
     }
 
     fn expected(&self) -> Kind {
         match self {
-            State::Idle | State::WaitCrea => Kind::Crea,
-            State::WaitRdpr => Kind::Rdpr,
-            State::WaitMrin { region: None, .. } => Kind::Mrin,
-            State::WaitMrin { .. } => Kind::Need,
-            State::Bulk(_) => Kind::Pack,
-            State::WaitRdok | State::Done => Kind::Rdok,
+            SourceState::Idle | SourceState::WaitCrea => Kind::Crea,
+            SourceState::WaitRdpr => Kind::Rdpr,
+            SourceState::WaitMrin { region: None, .. } => Kind::Mrin,
+            SourceState::WaitMrin { .. } => Kind::Need,
+            SourceState::Bulk(_) => Kind::Pack,
+            SourceState::WaitRdok | SourceState::Done => Kind::Rdok,
         }
     }
 }
@@ -88,7 +88,7 @@ pub struct Source {
     /// The longest silence of the replica while pieces await replies
     /// (`None`: the whole bulk's size-scaled deadline only).
     reply_wait: Option<Duration>,
-    state: State,
+    state: SourceState,
     pub(super) core: Core,
 }
 
@@ -105,7 +105,7 @@ impl Source {
             },
             mode,
             reply_wait: None,
-            state: State::Idle,
+            state: SourceState::Idle,
             core: Core::default(),
         }
     }
@@ -131,7 +131,7 @@ impl Source {
         self.core.push(Command::PostRecv(Kind::Crea));
         self.core.push(Command::PostRecv(Kind::Rdpr));
         self.core.send(Token::Srdy);
-        self.state = State::WaitCrea;
+        self.state = SourceState::WaitCrea;
         self.core.wait("CREA", now, HANDSHAKE_TIMEOUT);
     }
 
@@ -145,11 +145,11 @@ impl Source {
             (_, Input::Received(Token::Rdfl { reason })) => {
                 self.core.finish(Err(Blk3Error::PeerFailed(reason)));
             }
-            (State::WaitCrea, Input::Received(Token::Crea)) => {
-                self.state = State::WaitRdpr;
+            (SourceState::WaitCrea, Input::Received(Token::Crea)) => {
+                self.state = SourceState::WaitRdpr;
                 self.core.wait("RDPR", now, HANDSHAKE_TIMEOUT);
             }
-            (State::WaitRdpr, Input::Received(Token::Rdpr)) => {
+            (SourceState::WaitRdpr, Input::Received(Token::Rdpr)) => {
                 if self.len > 0 {
                     self.core.push(Command::PostRecv(Kind::Mrin));
                     self.core.push(Command::PostRecv(Kind::Need));
@@ -157,16 +157,17 @@ impl Source {
                 self.core.send(Token::Rdgo);
                 self.core.send(Token::Blk3 { len: self.len });
                 self.core.push(Command::PrepareSource);
-                self.state = State::WaitMrin {
+                self.state = SourceState::WaitMrin {
                     region: None,
                     need: None,
                     ready: false,
                 };
                 self.core.wait("MRINFO", now, scaled);
             }
-            (State::WaitMrin { region, .. }, Input::Received(Token::Mrin { addr, rkey, len }))
-                if self.len > 0 && region.is_none() =>
-            {
+            (
+                SourceState::WaitMrin { region, .. },
+                Input::Received(Token::Mrin { addr, rkey, len }),
+            ) if self.len > 0 && region.is_none() => {
                 if len != self.len {
                     return self.fail(Blk3Error::MrinfoLength {
                         announced: self.len,
@@ -175,17 +176,18 @@ impl Source {
                 }
                 *region = Some((addr, rkey));
             }
-            (State::WaitMrin { region, need, .. }, Input::Received(Token::Need { ranges }))
-                if region.is_some() && need.is_none() =>
-            {
+            (
+                SourceState::WaitMrin { region, need, .. },
+                Input::Received(Token::Need { ranges }),
+            ) if region.is_some() && need.is_none() => {
                 *need = Some(ranges);
                 self.maybe_start_bulk(now);
             }
-            (State::WaitMrin { ready, .. }, Input::SourceReady) if !*ready => {
+            (SourceState::WaitMrin { ready, .. }, Input::SourceReady) if !*ready => {
                 *ready = true;
                 self.maybe_start_bulk(now);
             }
-            (State::Bulk(bulk), Input::WriteCompleted { id }) => {
+            (SourceState::Bulk(bulk), Input::WriteCompleted { id }) => {
                 let Some((planner, ..)) = bulk.writes.as_mut() else {
                     return self.core.reject(
                         "sending pieces",
@@ -198,7 +200,7 @@ impl Source {
                 }
                 self.pump(now);
             }
-            (State::Bulk(bulk), Input::Received(Token::Pack { index }))
+            (SourceState::Bulk(bulk), Input::Received(Token::Pack { index }))
                 if bulk.unanswered.contains(&index) =>
             {
                 bulk.unanswered.retain(|&i| i != index);
@@ -206,7 +208,7 @@ impl Source {
                 self.wait_replies(now);
                 self.pump(now);
             }
-            (State::Bulk(bulk), Input::Received(Token::Preq { index }))
+            (SourceState::Bulk(bulk), Input::Received(Token::Preq { index }))
                 if bulk.unanswered.contains(&index) =>
             {
                 bulk.unanswered.retain(|&i| i != index);
@@ -221,10 +223,10 @@ impl Source {
                 self.wait_replies(now);
                 self.pump(now);
             }
-            (State::WaitRdok, Input::Received(Token::Rdok)) => {
+            (SourceState::WaitRdok, Input::Received(Token::Rdok)) => {
                 self.core.send(Token::Replmeta { seq: self.seq });
                 self.core.finish(Ok(Outcome::Sent { len: self.len }));
-                self.state = State::Done;
+                self.state = SourceState::Done;
             }
             (state, input) => {
                 let (name, expected) = (state.name(), state.expected());
@@ -241,7 +243,7 @@ impl Source {
     /// Starts sending pieces once MRINFO and NEED (if any bytes) are in
     /// and the snapshot is ready.
     fn maybe_start_bulk(&mut self, now: Duration) {
-        let State::WaitMrin {
+        let SourceState::WaitMrin {
             region,
             need,
             ready,
@@ -266,7 +268,7 @@ impl Source {
             BulkMode::Rdma(params) => Some((WritePlanner::new(params), addr, rkey)),
             BulkMode::Stream => None,
         };
-        self.state = State::Bulk(Bulk {
+        self.state = SourceState::Bulk(Bulk {
             left: queue.len() as u64,
             queue,
             unanswered: Vec::new(),
@@ -280,7 +282,7 @@ impl Source {
     /// Sends what the credits allow; BDON once every piece is acknowledged
     /// and every write completed.
     fn pump(&mut self, now: Duration) {
-        let State::Bulk(bulk) = &mut self.state else {
+        let SourceState::Bulk(bulk) = &mut self.state else {
             return;
         };
         let pieces = self.pieces;
@@ -322,7 +324,7 @@ impl Source {
     fn finish_bulk(&mut self, now: Duration) {
         self.core.push(Command::PostRecv(Kind::Rdok));
         self.core.send(Token::Bdon);
-        self.state = State::WaitRdok;
+        self.state = SourceState::WaitRdok;
         self.core.wait("RDOK", now, size_scaled_timeout(self.len));
     }
 }

@@ -58,12 +58,12 @@ impl From<SyncError> for ApiError {
     fn from(e: SyncError) -> ApiError {
         let msg = e.to_string();
         match e {
-            SyncError::InvalidArgument(_) => ApiError::InvalidArgument(msg),
-            SyncError::NotFound(_) => ApiError::NotFound(msg),
-            SyncError::FailedPrecondition(_) => ApiError::FailedPrecondition(msg),
+            SyncError::BadRequest(_) => ApiError::InvalidArgument(msg),
+            SyncError::NoSuchSync(_) => ApiError::NotFound(msg),
+            SyncError::CannotStart(_) => ApiError::FailedPrecondition(msg),
             SyncError::Busy(_) => ApiError::Busy(msg),
-            SyncError::Unavailable(_) => ApiError::Unavailable(msg),
-            SyncError::NotAllowed(_) => ApiError::PermissionDenied(msg),
+            SyncError::ShuttingDown(_) => ApiError::Unavailable(msg),
+            SyncError::SourceNotAllowed(_) => ApiError::PermissionDenied(msg),
         }
     }
 }

@@ -17,7 +17,7 @@ use crate::rpc::{is_terminal, pb};
 use crate::snapshot::Format;
 use crate::store::catalog::{Catalog, CatalogEntry};
 use crate::sync::relay::RelayTable;
-use crate::sync::source::{DataEndpoints, SessionTable};
+use crate::sync::serve::{DataEndpoints, SessionTable};
 use crate::sync::{Pull, SyncManager};
 
 /// The orchestrator-facing service, with the handles it needs.

@@ -83,7 +83,7 @@ impl FanoutManager {
     /// Checks the request, plans the tree and starts the fan-out of this
     /// agent's latest snapshot; returns its id.
     pub fn start(self: &Arc<Self>, req: Request) -> Result<String, SyncError> {
-        let bad = |why: String| Err(SyncError::InvalidArgument(why));
+        let bad = |why: String| Err(SyncError::BadRequest(why));
         if req.replicas.is_empty() || req.replicas.len() > MAX_REPLICAS {
             return bad(format!("give 1 to {MAX_REPLICAS} replicas"));
         }
@@ -109,7 +109,7 @@ impl FanoutManager {
         }
         let format = self.format;
         let entry = self.catalog.latest(format).ok_or_else(|| {
-            SyncError::FailedPrecondition(format!(
+            SyncError::CannotStart(format!(
                 "this agent has no valid {format} snapshot to fan out yet"
             ))
         })?;
@@ -171,7 +171,7 @@ impl FanoutManager {
             .iter()
             .find(|(i, _)| i == id)
             .map(|(_, r)| r.clone())
-            .ok_or_else(|| SyncError::NotFound(id.to_string()))
+            .ok_or_else(|| SyncError::NoSuchSync(id.to_string()))
     }
 
     /// Bytes this agent has sent as a source, over every transport.

@@ -46,7 +46,7 @@ struct Record {
     repl_backlog_size: u64,
 }
 
-struct State {
+struct Leases {
     /// The operator's value while kvsync's is in force.
     original: Option<Record>,
     /// Live leases by session id.
@@ -65,7 +65,7 @@ pub struct BacklogGuard {
     record: PathBuf,
     metrics: Arc<Metrics>,
     /// Held across the server conversations that raise or restore.
-    state: tokio::sync::Mutex<State>,
+    state: tokio::sync::Mutex<Leases>,
     /// What the watchers found, by session, for the status.
     warnings: Mutex<BTreeMap<String, String>>,
     /// What the last seedings showed, bytes per second (0: not yet): the
@@ -165,7 +165,7 @@ impl BacklogGuard {
             cfg,
             record,
             metrics,
-            state: tokio::sync::Mutex::new(State {
+            state: tokio::sync::Mutex::new(Leases {
                 original,
                 leases: HashMap::new(),
             }),
@@ -229,7 +229,7 @@ impl BacklogGuard {
 
     /// Raises the backlog to `needed`, remembering the operator's value
     /// durably first.
-    async fn grow(&self, state: &mut State, needed: u64, why: &str) -> Result<(), RedisError> {
+    async fn grow(&self, state: &mut Leases, needed: u64, why: &str) -> Result<(), RedisError> {
         let (addr, password) = (&self.cfg.primary_addr, &self.cfg.password);
         let max = self.cfg.max_backlog.as_u64();
         if needed > max {
@@ -287,7 +287,7 @@ impl BacklogGuard {
     }
 
     /// Puts the operator's value back, if kvsync's is in force.
-    async fn restore(&self, state: &mut State) {
+    async fn restore(&self, state: &mut Leases) {
         let Some(original) = &state.original else {
             return;
         };

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use tracing::warn;
 
-use crate::config::RedisConfig;
+use crate::config::{HostPort, RedisConfig};
 use crate::snapshot::SnapshotInfo;
 
 /// A conversation with a server failed.
@@ -195,9 +195,8 @@ pub(crate) async fn confirm_partial(
     let (server, password) = (cfg.server_addr.clone(), cfg.password.clone());
     let primary_port = cfg
         .primary
-        .rsplit_once(':')
-        .map_or("", |(_, p)| p)
-        .to_string();
+        .parse::<HostPort>()
+        .map_or(String::new(), |a| a.port.to_string());
     until("master_link_status:up on the local server", timeout, || {
         let (server, password, port) = (server.clone(), password.clone(), primary_port.clone());
         async move {

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use tracing::info;
 
-use crate::config::RedisConfig;
+use crate::config::{HostPort, RedisConfig};
 use crate::kv::redis::{confirm_partial, connect, info as server_info, until, RedisError};
 use crate::snapshot::SnapshotInfo;
 use crate::store::install;
@@ -20,12 +20,15 @@ async fn run(
     cfg: &RedisConfig,
     timeout: Duration,
 ) -> Result<(), RedisError> {
-    let (host, port) = cfg.primary.rsplit_once(':').unwrap_or((&cfg.primary, ""));
+    let (host, port) = match cfg.primary.parse::<HostPort>() {
+        Ok(primary) => (primary.host, primary.port.to_string()),
+        Err(_) => (cfg.primary.clone(), String::new()),
+    };
     let argv: Vec<String> = argv
         .iter()
         .map(|a| {
-            a.replace("{primary_host}", host)
-                .replace("{primary_port}", port)
+            a.replace("{primary_host}", &host)
+                .replace("{primary_port}", &port)
                 .replace("{dir}", &cfg.dir.display().to_string())
                 .replace("{dbfilename}", &cfg.dbfilename)
         })

@@ -23,7 +23,7 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{info, warn};
 
-use crate::config::RedisConfig;
+use crate::config::{HostPort, RedisConfig};
 use crate::kv::redis::{
     confirm_partial, connect, info, infos, server_err, until, Info, RedisError,
 };
@@ -87,13 +87,13 @@ pub async fn replicate(
     }
     .await;
     drop(listener);
-    let (host, port) = cfg.primary.rsplit_once(':').unwrap_or((&cfg.primary, ""));
-    let port: u16 = port
+    let primary: HostPort = cfg
+        .primary
         .parse()
-        .map_err(|_| server_err(&cfg.primary, "no port"))?;
+        .map_err(|e| server_err(&cfg.primary, e))?;
     let followed = match seeded {
         Ok(serving) => {
-            let followed = replicaof(&mut con, server, host, port).await;
+            let followed = replicaof(&mut con, server, &primary.host, primary.port).await;
             serving.abort();
             followed
         }

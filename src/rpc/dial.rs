@@ -29,11 +29,29 @@ pub struct Dialer {
     pub data_tls: Option<Arc<rustls::ClientConfig>>,
 }
 
+/// Why a channel to an agent could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error("refusing to send this agent's token in clear text to {0}: set [tls], or [auth] send_token_in_clear = true on a trusted network")]
+    TokenInClear(String),
+    #[error("bad address {addr:?}: {reason}")]
+    BadAddress { addr: String, reason: String },
+    #[error("TLS settings: {0}")]
+    Tls(String),
+    /// The connection failed: the error and its sources, on one line.
+    #[error("{0}")]
+    Failed(String),
+}
+
 impl Dialer {
     /// Opens a channel to an agent's gRPC address (`host:port`).
     /// A token is never sent in clear text off this host unless
     /// `token_in_clear` says so.
-    pub async fn connect(&self, addr: &str, timeout: Duration) -> Result<AgentChannel, String> {
+    pub async fn connect(
+        &self,
+        addr: &str,
+        timeout: Duration,
+    ) -> Result<AgentChannel, ConnectError> {
         self.connect_as(addr, timeout, self.tokens.client()).await
     }
 
@@ -45,15 +63,16 @@ impl Dialer {
         addr: &str,
         timeout: Duration,
         auth: ClientAuth,
-    ) -> Result<AgentChannel, String> {
+    ) -> Result<AgentChannel, ConnectError> {
         if self.tls.is_none() && auth.is_some() && !self.token_in_clear && !is_local(addr) {
-            return Err(format!(
-                "refusing to send this agent's token in clear text to {addr}: set [tls], or [auth] send_token_in_clear = true on a trusted network"
-            ));
+            return Err(ConnectError::TokenInClear(addr.to_string()));
         }
         let scheme = if self.tls.is_some() { "https" } else { "http" };
         let mut endpoint = Endpoint::from_shared(format!("{scheme}://{addr}"))
-            .map_err(|e| format!("bad address {addr:?}: {e}"))?
+            .map_err(|e| ConnectError::BadAddress {
+                addr: addr.chars().take(300).collect(),
+                reason: e.to_string(),
+            })?
             .connect_timeout(timeout)
             .tcp_nodelay(true)
             // A peer that vanished (no FIN, no RST) ends long-lived streams
@@ -64,9 +83,12 @@ impl Dialer {
         if let Some(tls) = &self.tls {
             endpoint = endpoint
                 .tls_config(tls.clone())
-                .map_err(|e| format!("TLS settings: {}", error_chain(&e)))?;
+                .map_err(|e| ConnectError::Tls(error_chain(&e)))?;
         }
-        let channel = endpoint.connect().await.map_err(|e| error_chain(&e))?;
+        let channel = endpoint
+            .connect()
+            .await
+            .map_err(|e| ConnectError::Failed(error_chain(&e)))?;
         Ok(InterceptedService::new(channel, auth))
     }
 }
@@ -90,7 +112,9 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 fn is_local(addr: &str) -> bool {
     match addr.parse::<std::net::SocketAddr>() {
         Ok(a) => a.ip().is_loopback(),
-        Err(_) => addr.rsplit_once(':').is_some_and(|(h, _)| h == "localhost"),
+        Err(_) => addr
+            .parse::<crate::config::HostPort>()
+            .is_ok_and(|a| a.host == "localhost"),
     }
 }
 
@@ -111,12 +135,12 @@ mod tests {
         };
         let t = Duration::from_millis(200);
         let err = dialer.connect("192.0.2.1:35101", t).await.err().unwrap();
-        assert!(err.contains("send_token_in_clear"), "{err}");
+        assert!(matches!(err, ConnectError::TokenInClear(_)), "{err}");
         assert!(is_local("127.0.0.1:1") && is_local("[::1]:1") && is_local("localhost:1"));
         assert!(!is_local("10.0.0.1:1") && !is_local("primary-1:1"));
         // Allowed: the call goes ahead (and fails to connect, nobody listens).
         dialer.token_in_clear = true;
         let err = dialer.connect("127.0.0.1:1", t).await.err().unwrap();
-        assert!(!err.contains("send_token_in_clear"), "{err}");
+        assert!(matches!(err, ConnectError::Failed(_)), "{err}");
     }
 }

@@ -19,7 +19,7 @@ pub enum ArrivalsError {
 }
 
 #[derive(Debug)]
-struct State {
+struct Pieces {
     verified: Vec<bool>,
     /// Why no more pieces will come, once none will.
     ended: Option<String>,
@@ -28,7 +28,7 @@ struct State {
 /// The verified pieces of one snapshot being received.
 #[derive(Debug)]
 pub struct Arrivals {
-    state: Mutex<State>,
+    state: Mutex<Pieces>,
     changed: Condvar,
 }
 
@@ -36,7 +36,7 @@ impl Arrivals {
     /// Starts from `verified` (the pieces an earlier attempt left).
     pub fn new(verified: Vec<bool>) -> Arrivals {
         Arrivals {
-            state: Mutex::new(State {
+            state: Mutex::new(Pieces {
                 verified,
                 ended: None,
             }),

@@ -1,23 +1,11 @@
-//! The shared snapshot cache (source side, docs/ARCHITECTURE.md, "The shared snapshot cache").
+//! The shared snapshot cache (source side; docs/ARCHITECTURE.md, "The
+//! shared snapshot cache").
 //!
-//! Owns loading a snapshot file into one page-aligned heap buffer and sharing
-//! it between every session that serves the same file. Entries are keyed by
-//! (path, size, mtime). The first acquirer opens the file (so a file deleted
-//! or replaced after the offer is still read as offered) and starts one
-//! background load with `pread` (no `mmap`, no memset); the load verifies the
-//! bytes with the snapshot's own checksum as it goes. Sessions do not wait
-//! for the whole load: they send each range as soon as it is loaded
-//! ([`CacheRef::wait_loaded`]) and wait for the final verdict
-//! ([`CacheRef::wait_complete`]) before declaring the transfer done, so
-//! loading and sending overlap. Concurrent acquirers share the load
-//! (refcount; "reusing snapshot buffer ref=N"). When the last [`CacheRef`]
-//! drops, a verified image lingers for `cache.linger` so that a straggler
-//! replica reuses it instead of paying for another load; then (or at once,
-//! when a new load needs its room in the budget) the memory is freed. A
-//! replaced file is a new key, so holders of the old buffer keep reading
-//! consistent bytes. A memory budget makes new loads wait for space (up to
-//! `acquire_timeout`) or fail with a clear error.
-//! Registering the buffer with a NIC is the transports' job.
+//! Owns loading a snapshot file into one page-aligned buffer shared by every
+//! session that serves it, keyed by (path, size, mtime): one background load
+//! that verifies as it goes while sessions send what is loaded; a refcount and
+//! a `cache.linger` after the last holder; a memory budget that makes loads
+//! wait or fail clearly; and relay images filled as their pieces verify.
 
 use std::collections::HashMap;
 use std::os::fd::AsRawFd;
@@ -176,7 +164,7 @@ impl Image {
     }
 }
 
-impl State {
+impl Slots {
     /// Frees lingering images, oldest first, until `size` more bytes fit
     /// in `budget`; false when they cannot.
     fn make_room(&mut self, size: u64, budget: u64) -> bool {
@@ -197,7 +185,7 @@ impl State {
 }
 
 #[derive(Default)]
-struct State {
+struct Slots {
     slots: HashMap<CacheKey, Slot>,
     /// Bytes reserved by all slots (loaded or loading).
     reserved: u64,
@@ -205,7 +193,7 @@ struct State {
 
 /// The cache. Cheap to share as `Arc<SnapshotCache>`.
 pub struct SnapshotCache {
-    state: Mutex<State>,
+    state: Mutex<Slots>,
     released: Notify,
     budget: AtomicU64,
     acquire_timeout: Duration,

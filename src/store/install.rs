@@ -261,14 +261,14 @@ pub fn write_atomic(path: &Path, contents: &[u8]) -> Result<(), InstallError> {
 
 /// Hidden file in a snapshot directory listing, one per line, the names
 /// kvsync installed there: the only existing files an install may replace.
-pub const MANIFEST: &str = ".kvsync-installed";
+pub const INSTALLED_LIST: &str = ".kvsync-installed";
 
-/// Serialises installs' read-modify-write of the manifest in this process.
-static MANIFEST_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+/// Serialises installs' read-modify-write of the installed list in this process.
+static INSTALLED_LIST_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// The names kvsync installed in `dir`.
 fn installed_names(dir: &Path) -> Vec<String> {
-    std::fs::read_to_string(dir.join(MANIFEST))
+    std::fs::read_to_string(dir.join(INSTALLED_LIST))
         .map(|t| t.lines().map(str::to_string).collect())
         .unwrap_or_default()
 }
@@ -300,15 +300,20 @@ pub fn install_name(
     }
 }
 
-/// Records `name` in `dir`'s manifest of installed names (durably).
+/// Records `name` in `dir`'s list of installed names (durably).
 pub fn remember_installed(dir: &Path, name: &str) -> Result<(), InstallError> {
-    let _guard = MANIFEST_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let _guard = INSTALLED_LIST_LOCK
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
     let mut names = installed_names(dir);
     if names.iter().any(|n| n == name) {
         return Ok(());
     }
     names.push(name.to_string());
-    write_atomic(&dir.join(MANIFEST), (names.join("\n") + "\n").as_bytes())
+    write_atomic(
+        &dir.join(INSTALLED_LIST),
+        (names.join("\n") + "\n").as_bytes(),
+    )
 }
 
 #[cfg(test)]

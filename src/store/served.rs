@@ -1,22 +1,10 @@
-//! What a source session sends its bytes from.
-//!
-//! Owns the choice between the two homes of an offered snapshot's bytes:
-//! its image in the shared cache ([`CacheRef`]: RDMA registers it, a relay
-//! fills it as pieces verify), or, for a TCP session of a snapshot file on
-//! disk, the file itself ([`SnapshotFile`]): the kernel sends it from its
-//! page cache with `sendfile` (under TLS the session reads each range to
-//! encrypt it), so concurrent replicas share one read of the disk and the
-//! agent neither allocates nor zeroes an image, nor checksums the bytes
-//! again.
-//! The file was validated when it was cataloged and the replica checks
-//! every piece against the manifest; what this module guards is that the
-//! bytes sent are still the offered file's: the descriptor is opened while
-//! the file has the catalog's size and mtime, and its identity (device,
-//! inode, size, mtime, and ctime while the file has a name) is checked
-//! again around every range sent,
-//! so a file rewritten in place fails the session instead of being served
-//! as the offered one. A file replaced by another (renamed over) is still
-//! read through the descriptor, as offered.
+//! What a source session sends its bytes from: its image in the shared cache
+//! ([`CacheRef`]; RDMA registers it, a relay fills it), or for a TCP session
+//! of a file on disk, the file itself ([`SnapshotFile`], sent from the page
+//! cache with `sendfile`). A file's descriptor is opened while it has the
+//! catalog's size and mtime, and its identity (device, inode, size, mtime,
+//! ctime) is checked around every range sent: a file rewritten in place fails
+//! the session instead of being served as the offered one.
 
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::MetadataExt;

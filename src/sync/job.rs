@@ -211,7 +211,7 @@ async fn attempt(ctx: &JobContext) -> Result<(), JobError> {
         .await?
         .map_err(|e| JobError::Unreachable {
             source_addr: ctx.source.clone(),
-            message: e,
+            message: e.to_string(),
         })?;
     let mut peer = pb::peer_client::PeerClient::new(channel);
     let (offer, received) = receive(ctx, &mut peer, &plan).await?;

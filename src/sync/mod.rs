@@ -3,10 +3,12 @@
 //! [`SyncManager`] owns the replica-side jobs of this agent: starting one
 //! (or returning the running one for the same source), their progress as a
 //! watchable [`pb::SyncProgress`], cancellation, and the list of recent
-//! finished syncs. The job itself lives in [`job`], its receiving end in
-//! [`receive`] (run on several TCP streams at once by [`streams`]), why it
-//! failed in [`error`]; the source role (offers and the data listeners) in
-//! [`source`], and what this agent passes on to other replicas in [`relay`].
+//! finished syncs. The job itself is driven by [`job`] and decided by
+//! [`policy`], its receiving end is [`receive`] (run on several TCP
+//! streams at once by [`streams`]), why it failed is [`error`]. The source
+//! role: [`offer`] turns a replica's request into an offered session,
+//! [`serve`] holds the sessions and serves their data connections, and
+//! [`relay`] is what this agent passes on to other replicas.
 
 pub mod error;
 pub mod job;
@@ -14,7 +16,7 @@ pub mod offer;
 pub mod policy;
 pub mod receive;
 pub mod relay;
-pub mod source;
+pub mod serve;
 pub mod streams;
 
 use std::collections::{HashMap, VecDeque};
@@ -35,22 +37,23 @@ use crate::transport::Faults;
 pub enum SyncError {
     /// The request is malformed.
     #[error("{0}")]
-    InvalidArgument(String),
+    BadRequest(String),
     /// No sync with this id.
     #[error("no sync with id {0:?}")]
-    NotFound(String),
-    /// This agent cannot receive now (e.g. its snapshot_dir is not writable).
+    NoSuchSync(String),
+    /// This agent cannot start it now (its snapshot_dir is not writable;
+    /// a fan-out without a snapshot).
     #[error("{0}")]
-    FailedPrecondition(String),
+    CannotStart(String),
     /// Too many syncs running.
     #[error("{0}")]
     Busy(String),
     /// The agent is shutting down.
     #[error("{0}")]
-    Unavailable(String),
+    ShuttingDown(String),
     /// The source is not in `sync.allowed_sources`.
     #[error("{0}")]
-    NotAllowed(String),
+    SourceNotAllowed(String),
 }
 
 /// Whether `sync.allowed_sources` lets this agent pull from the source at
@@ -147,7 +150,7 @@ impl SyncManager {
             .map(|u| self.check_source(u).map(str::to_string))
             .collect::<Result<Vec<_>, _>>()?;
         if upstream.len() > MAX_UPSTREAM {
-            return Err(SyncError::InvalidArgument(format!(
+            return Err(SyncError::BadRequest(format!(
                 "at most {MAX_UPSTREAM} upstream sources"
             )));
         }
@@ -163,7 +166,7 @@ impl SyncManager {
         }
         // Refuse before anything moves when we could not install the result.
         job::check_writable(&self.config.snapshot_dir)
-            .map_err(|e| SyncError::FailedPrecondition(e.to_string()))?;
+            .map_err(|e| SyncError::CannotStart(e.to_string()))?;
         let id = new_id();
         let initial = pb::SyncProgress {
             sync_id: id.clone(),
@@ -213,18 +216,18 @@ impl SyncManager {
     fn check_source<'a>(&self, source: &'a str) -> Result<&'a str, SyncError> {
         let source = source.trim();
         if !is_agent_addr(source) {
-            return Err(SyncError::InvalidArgument(format!(
+            return Err(SyncError::BadRequest(format!(
                 "source must be the source agent's gRPC address host:port, got {source:?}"
             )));
         }
         if self.shutdown.is_cancelled() || self.draining.is_cancelled() {
-            return Err(SyncError::Unavailable(
+            return Err(SyncError::ShuttingDown(
                 "agent is shutting down; start the sync on another agent or after the restart"
                     .into(),
             ));
         }
         if !source_allowed(&self.config.sync.allowed_sources, source, None) {
-            return Err(SyncError::NotAllowed(format!(
+            return Err(SyncError::SourceNotAllowed(format!(
                 "{source} is not in sync.allowed_sources of this agent; add it there to pull from it"
             )));
         }
@@ -249,7 +252,7 @@ impl SyncManager {
             .iter()
             .find(|p| p.sync_id == id)
             .map(|p| watch::channel(p.clone()).1)
-            .ok_or_else(|| SyncError::NotFound(id.to_string()))
+            .ok_or_else(|| SyncError::NoSuchSync(id.to_string()))
     }
 
     /// What this agent's jobs offer to other replicas as they receive it.
@@ -272,7 +275,7 @@ impl SyncManager {
         if jobs.recent.iter().any(|p| p.sync_id == id) {
             return Ok(false);
         }
-        Err(SyncError::NotFound(id.to_string()))
+        Err(SyncError::NoSuchSync(id.to_string()))
     }
 
     /// Progress of every running sync.

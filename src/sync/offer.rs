@@ -14,7 +14,7 @@ use tracing::info;
 
 use super::new_id;
 use super::relay::{RelaySource, RelayTable};
-use super::source::{replica_key, DataEndpoints, Offer, Refusal, SessionTable};
+use super::serve::{replica_key, DataEndpoints, OfferedSession, Refusal, SessionTable};
 use crate::blk3::token::SESSION_TOKEN_LEN;
 use crate::config::{Config, DataTls, TransportMode};
 use crate::kv::backlog::{BacklogGuard, Lease};
@@ -159,7 +159,7 @@ impl Offers {
         };
         let streams = super::streams::granted(transport, ask.tcp_streams);
         let token = self.sessions.insert(
-            Offer {
+            OfferedSession {
                 id: id.clone(),
                 replica,
                 entry: chosen.entry.clone(),

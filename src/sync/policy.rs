@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use crate::blk3::token::SESSION_TOKEN_LEN;
 use crate::blk3::Blk3Error;
-use crate::config::{DataTls, SyncConfig, TransportMode};
+use crate::config::{DataTls, HostPort, SyncConfig, TransportMode};
 use crate::snapshot::{Format, SnapshotId};
 use crate::transport::rdma::RdmaError;
 use crate::transport::session::LinkError;
@@ -332,12 +332,9 @@ pub fn tls_name(server_name: &str, source_addr: &str) -> String {
     if !server_name.is_empty() {
         return server_name.to_string();
     }
-    let host = source_addr
-        .rsplit_once(':')
-        .map_or(source_addr, |(host, _)| host);
-    host.trim_start_matches('[')
-        .trim_end_matches(']')
-        .to_string()
+    source_addr
+        .parse::<HostPort>()
+        .map_or(source_addr.to_string(), |a| a.host)
 }
 
 #[cfg(test)]

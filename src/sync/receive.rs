@@ -1,23 +1,13 @@
 //! The replica's receiving end of one data session, for every transport.
 //!
-//! [`Receiver`] is the [`Sink`] the TCP and RDMA drivers feed: it owns the
-//! staging file, the check of every piece against the source's manifest as
-//! it lands, the resume journal (queued for a `journal::Writer` every
-//! [`JOURNAL_EVERY`] verified pieces), the first local failure (a full
-//! disk, a write error), and at the end makes the one install decision
-//! ([`Receiver::finish`]): a verified staging file, or the job error that
-//! says why not. A failed session that verified pieces keeps its staging
-//! file and journal for the next attempt to resume ([`Receiver::open`]
-//! finds them); any other failure removes the temp file. The pieces a
-//! journal claims are read back and checked on a thread of their own while
-//! the session fetches the rest; a journal that claimed what the file does
-//! not hold fails the session at its end and is discarded, so the next
-//! attempt starts over. A receiver registered as a relay
-//! ([`Receiver::relay_in`]) marks each verified piece in its [`Arrivals`],
-//! so other replicas can be sent it while the rest still arrives. Bytes a
-//! plain TCP link splices into the staging file are checked through a
-//! read-only mapping of it; the streams of a multi-stream session feed the
-//! one receiver through a [`Share`] each.
+//! [`Receiver`] is the [`Sink`] the drivers feed: it owns the staging file,
+//! the check of every piece against the manifest as it lands, the resume
+//! journal (written beside the transfer every [`JOURNAL_EVERY`] pieces), the
+//! first local failure, and the one install decision ([`Receiver::finish`]).
+//! A failed session that verified pieces keeps them for the next attempt;
+//! a journal that lied is discarded. As a relay it marks each verified piece
+//! in its [`Arrivals`]; the streams of one session feed it through a [`Share`]
+//! each. docs/ARCHITECTURE.md, "Receiving" and "Pieces and resume".
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};

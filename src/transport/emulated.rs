@@ -1,32 +1,13 @@
-//! The emulated RDMA fabric: a userspace model of a reliable-connected queue
-//! pair over a TCP stream (in one process or between two). It is an
-//! emulation, not RDMA, and says so in logs and in `kvsync probe`; it exists
-//! for deterministic fault tests and for hosts without RDMA hardware.
+//! The emulated RDMA fabric: an **emulation** of a reliable-connected queue
+//! pair over a TCP stream (in one process or between two), for fault tests and
+//! hosts without RDMA hardware; logs and `kvsync probe` say it is one.
 //!
-//! It enforces what hardware enforces:
-//! - a Send that finds no posted receive fails the sender with
-//!   `RNR_RETRY_EXC_ERR` and puts its QP in error (there is no RNR retry
-//!   window: stricter than a NIC on purpose, so a missing pre-post always
-//!   shows);
-//! - a write with an unknown rkey, outside its region, or into a region not
-//!   registered for remote write fails with a remote access error, and both
-//!   QPs go to error;
-//! - completions arrive in posting order, and only signalled WRs (and
-//!   failed ones) complete; unsignalled WRs hold their send-queue slot until
-//!   a later signalled one completes, and posting beyond the send-queue
-//!   depth fails;
-//! - once a QP is in error every outstanding and later WR completes with
-//!   `WR_FLUSH_ERR`, and a lost connection fails the oldest outstanding WR
-//!   with `RETRY_EXC_ERR` first.
-//!
-//! Faults ([`EmuFaults`]): drop or delay the n-th Send, flip a bit of the
-//! byte at a snapshot offset in a written chunk, cut the connection after N
-//! written bytes.
-//!
-//! Each endpoint has a reader thread (applies the peer's messages: receives,
-//! writes into registered memory, acknowledgements) and a writer thread
-//! (sends this side's messages in order), so posting never blocks on the
-//! peer and acknowledgements never wait behind bulk data of this side.
+//! It enforces what hardware enforces (docs/ARCHITECTURE.md, "Transports"):
+//! RNR without a posted receive (no retry window, stricter than a NIC),
+//! remote access errors on a bad rkey or bounds, in-order completions for
+//! signalled WRs only, the send-queue depth, flush after an error. Each
+//! endpoint has a reader thread (applies the peer's messages) and a writer
+//! thread (sends this side's in order). Faults: [`EmuFaults`].
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
@@ -163,7 +144,7 @@ struct Outstanding {
 }
 
 #[derive(Default)]
-struct State {
+struct Queues {
     recvs: VecDeque<u64>,
     cq: VecDeque<Completion>,
     outstanding: VecDeque<Outstanding>,
@@ -177,7 +158,7 @@ struct State {
     writer_done: bool,
 }
 
-impl State {
+impl Queues {
     fn complete(&mut self, wr_id: u64, kind: WorkKind, status: Result<(), WcStatus>) {
         self.cq.push_back(Completion {
             wr_id,
@@ -210,18 +191,18 @@ impl State {
 type Regions = HashMap<u32, (u64, u64, bool)>;
 
 struct Inner {
-    state: Mutex<State>,
+    state: Mutex<Queues>,
     changed: Condvar,
     regions: RwLock<Regions>,
     stream: TcpStream,
 }
 
 impl Inner {
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queues> {
         self.state.lock().expect("emulated QP state lock")
     }
 
-    fn with_state<T>(&self, f: impl FnOnce(&mut State) -> T) -> T {
+    fn with_state<T>(&self, f: impl FnOnce(&mut Queues) -> T) -> T {
         let r = f(&mut self.lock());
         self.changed.notify_all();
         r
@@ -244,7 +225,7 @@ impl EmuQp {
         stream.set_nodelay(true)?;
         Ok(EmuQp {
             inner: Arc::new(Inner {
-                state: Mutex::new(State::default()),
+                state: Mutex::new(Queues::default()),
                 changed: Condvar::new(),
                 regions: RwLock::new(HashMap::new()),
                 stream,
@@ -352,7 +333,7 @@ impl EmuQp {
     }
 
     /// Reserves send-queue slots for `n` WRs, or says why not.
-    fn reserve(&self, st: &State, n: usize) -> Result<(), FabricError> {
+    fn reserve(&self, st: &Queues, n: usize) -> Result<(), FabricError> {
         if st.outstanding.len() + st.retired_unsignaled + n > self.sq_depth {
             return Err(FabricError::QueueFull {
                 depth: self.sq_depth,

@@ -1,21 +1,10 @@
-//! Kernel TLS for the TCP data path.
-//!
-//! Owns handing a finished rustls handshake's traffic keys to the kernel
-//! (the `tls` upper-layer protocol: `TCP_ULP`, then `SOL_TLS`'s `TLS_TX`
-//! and `TLS_RX`), so that an encrypted link sends the file with `sendfile`
-//! like a plain one and receives with the kernel decrypting straight into
-//! the replica's buffer (`TLS_RX_EXPECT_NO_PAD`: rustls never pads);
-//! whether this kernel can (a one-time self-test on a loopback
-//! connection); and the record-exact reader a handshake runs through, so
-//! that rustls never holds part of a record the kernel must then decrypt.
-//! rustls keeps the handshake and the certificate checks; after it, the
-//! link is a socket.
-//!
-//! The kernel does not renew keys (RFC 8446 key updates), so a connection
-//! stays under the cipher's confidentiality limit only if it carries less
-//! than [`MAX_BYTES`]; larger sessions keep TLS in user space, where rustls
-//! renews keys. Both ends apply the same rule to the offer's size, so a
-//! kernel receiver never meets a key update it cannot read.
+//! Kernel TLS for the TCP data path: hands a finished rustls handshake's
+//! traffic keys to the kernel (`TCP_ULP` "tls", `TLS_TX`/`TLS_RX`), so an
+//! encrypted link sends with `sendfile` and receives with the kernel
+//! decrypting into the replica's buffer; tests once whether this kernel can;
+//! and reads the handshake record by record, so rustls never holds part of a
+//! record the kernel must decrypt. The kernel renews no keys, so a session
+//! uses it only below [`MAX_BYTES`] (both ends apply the rule to the offer).
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};

@@ -1,23 +1,12 @@
-//! BLK3 over TCP: the production fallback transport.
+//! BLK3 over TCP: the blocking socket drivers of both roles.
 //!
-//! Owns the blocking socket drivers for both roles. Tokens travel as frames
-//! (`u32` length + token); the replica's first frame is `SESS` with the
-//! one-time session token; the bulk phase is the raw snapshot bytes right
-//! after the source accepts MRINFO. The source sends a snapshot file with
-//! `sendfile` (the kernel's page cache is the shared copy, checked
-//! unchanged around every piece), or a relay's cache image straight from
-//! memory, with `MSG_ZEROCOPY` for large ones; the replica splices the
-//! stream through a pipe into its [`Sink`]'s file (one copy, into the page
-//! cache), never holding the snapshot in memory. An encrypted session
-//! (handshakes in `transport::tls`) hands its records to the kernel where
-//! it can (`transport::ktls`): the source still sends with `sendfile`, the
-//! replica reads into a buffer the kernel decrypts into (in the VM that
-//! took half the CPU of splicing decrypted records); elsewhere it runs the
-//! link through a rustls connection: the source reads each range of the
-//! file into a buffer to encrypt it, the replica decrypts into one. No
-//! `MSG_ZEROCOPY` under TLS, no splicing. Each session runs on its own
-//! blocking thread; cancelling shuts the socket down, which unblocks any
-//! read or write at once.
+//! Tokens travel as frames (`u32` length + token); the replica's first frame
+//! is `SESS` with the session token; the bulk is the raw snapshot bytes after
+//! MRINFO. The source sends a file with `sendfile` (checked unchanged around
+//! every piece) or a cache image from memory (`MSG_ZEROCOPY` when large); the
+//! replica splices the stream into its [`Sink`]'s file. Under TLS the records
+//! go through the kernel where it can (`ktls`), else through rustls. Each
+//! session runs on its own thread; cancelling shuts the socket down.
 
 use std::io::{BufReader, Read, Write};
 use std::net::{Shutdown, TcpStream};

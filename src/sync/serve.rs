@@ -1,19 +1,11 @@
-//! The source role: session offers and the one serve loop for data
-//! connections, whatever their transport (TCP, the emulated fabric, verbs).
-//!
-//! Owns the table of offered sessions (one-time token → the snapshot held in
-//! the cache for it, the transport it was offered on, an expiry) with its
-//! admission limit, the acceptance of data connections (the first TCP
-//! frame, or the RDMA connect private data, must prove an offered,
-//! unexpired, unused token for that transport, or the connection is refused
-//! before any snapshot byte moves and counted), and the source-side metrics
-//! of each served session. A connection's proof (after its TLS handshake,
-//! when it opens one) is read on the runtime under `data.hello_timeout`,
-//! with a cap on connections still proving one, in total and per address:
-//! it gets a thread, registered memory or a queue pair only once its proof
-//! is valid. An offer holds its cache reference from the moment it is
-//! made, so a snapshot deleted or replaced after the offer is still
-//! delivered exactly as offered.
+//! The source role's data side: the table of offered sessions (one-time
+//! token → the held snapshot, its transport, an expiry) with its admission
+//! limits, and the one serve loop for data connections on every transport.
+//! A connection must prove an offered, unexpired, unused token for its
+//! transport (its first TCP frame, or the RDMA connect's private data), read
+//! on the runtime under `data.hello_timeout` with caps on connections still
+//! proving one; only then does it get a thread, memory or a queue pair, and
+//! its session's source-side metrics. What is offered is `offer`'s.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -39,7 +31,7 @@ use crate::transport::session::{Accepted, Proved, SessionResult, SourceLink};
 use crate::transport::{ktls, Faults, Serve, TransportKind};
 
 /// A session offered to a replica, waiting for its data connection.
-pub struct Offer {
+pub struct OfferedSession {
     pub id: String,
     pub replica: String,
     pub entry: Arc<CatalogEntry>,
@@ -111,14 +103,14 @@ pub enum Refusal {
 /// A data connection that proved an offer's token: served until dropped.
 /// The streams of one session share its offer and its admission.
 pub struct Session {
-    pub offer: Arc<Offer>,
+    pub offer: Arc<OfferedSession>,
     _serving: Arc<Slot>,
     _replica: Arc<ReplicaSlot>,
 }
 
 /// An offer waiting for its data connections.
 struct Waiting {
-    offer: Arc<Offer>,
+    offer: Arc<OfferedSession>,
     /// Data connections it still accepts.
     streams_left: u32,
     /// Its one count as served, from its first connection on.
@@ -200,7 +192,7 @@ impl SessionTable {
 
     /// Stores `offer` in the room `admitted` reserved and returns its fresh
     /// random token.
-    pub fn insert(&self, offer: Offer, admitted: Admission) -> [u8; SESSION_TOKEN_LEN] {
+    pub fn insert(&self, offer: OfferedSession, admitted: Admission) -> [u8; SESSION_TOKEN_LEN] {
         let mut token = [0u8; SESSION_TOKEN_LEN];
         rand::rng().fill_bytes(&mut token);
         let Admission { pending, replica } = admitted;
@@ -479,7 +471,7 @@ fn serve_proved(proved: Proved, session: Session, peer: &str, plane: &DataPlane)
 }
 
 /// Runs one authenticated session with its logs and metrics.
-fn serve_session(plane: &DataPlane, offer: &Offer, peer: &str, link: SourceLink) {
+fn serve_session(plane: &DataPlane, offer: &OfferedSession, peer: &str, link: SourceLink) {
     let span = info_span!("session", id = %offer.id, replica = %offer.replica);
     let _enter = span.enter();
     let m = &plane.metrics;
