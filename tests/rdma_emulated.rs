@@ -261,3 +261,101 @@ async fn a_held_transfer_stops_at_its_point_and_goes_on_when_released() {
     .await;
     assert!(hold.exists(), "the session ended while still held");
 }
+
+/// Every offer passes the replica's checks, also the TCP offer it asks for
+/// after an RDMA one went back (over the memory budget) or failed: here a
+/// replica under `[data] tls = "required"` (RDMA allowed as a trusted
+/// fabric) meets a source whose data plane has no TLS. The TCP offer that
+/// follows is plaintext and must be refused before the session token goes
+/// out in clear and before any byte moves.
+#[test]
+fn the_tcp_offer_after_rdma_gave_up_passes_the_same_checks() {
+    let root = tempfile::tempdir().unwrap();
+    let fleet = common::pki::Pki::new(root.path(), "fleet");
+    let tls = |who: &str| {
+        let (cert, key) = fleet.issue(who, &["localhost", "127.0.0.1"]);
+        format!(
+            "[tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\nca_file = \"{}\"\n",
+            cert.display(),
+            key.display(),
+            fleet.ca_file().display()
+        )
+    };
+    let ca = fleet.ca_file().display().to_string();
+    let trusted_rdma = format!("{}\nrdma_unencrypted_ok = true", emulated("auto", true));
+    for (case, replica_extra, source_faults) in [
+        (
+            "rdma offer over the memory budget",
+            "[cache]\nmemory_budget = \"1MiB\"\n",
+            "",
+        ),
+        ("rdma transfer failed", "", "rdma_cut_after=1000000"),
+    ] {
+        let dir = root.path().join(case.replace(' ', "-"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let source = Node::start_with(
+            &dir,
+            "source",
+            &emulated("auto", true),
+            &format!("{}[data]\ntls = \"off\"\n", tls("source")),
+            &[("KVSYNC_FAULTS", source_faults)],
+        );
+        let replica = Node::start_with(
+            &dir,
+            "replica",
+            &trusted_rdma,
+            &format!(
+                "{}{replica_extra}[data]\ntls = \"required\"\n",
+                tls("replica")
+            ),
+            &[],
+        );
+        put_snapshot(&source.dir, "s.kvr1", 3 << 20, 5);
+        let cli = |args: &[&str]| {
+            let out = std::process::Command::new(kvsync_bin())
+                .args(["--tls-ca", &ca])
+                .args(args)
+                .output()
+                .unwrap();
+            String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr)
+        };
+        wait_for("the source to offer seq 5", DEADLINE, || {
+            cli(&["snapshots", "--agent", &source.grpc(), "--json"])
+                .contains("\"seq\":5")
+                .then_some(())
+        });
+        let text = cli(&[
+            "sync",
+            "--agent",
+            &replica.grpc(),
+            "--source",
+            &source.grpc(),
+            "--wait",
+            "--json",
+        ]);
+        // RDMA came first and gave up: the refused offer is the TCP one.
+        assert!(
+            text.contains("\"fallback_reason\":\"") && !text.contains("\"fallback_reason\":\"\""),
+            "{case}: {text}"
+        );
+        let installed: Vec<_> = std::fs::read_dir(&replica.dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".kvr1"))
+            .collect();
+        assert!(
+            installed.is_empty(),
+            "{case}: a plaintext TCP offer was taken under tls = \"required\": {installed:?}\n{text}"
+        );
+        assert!(
+            text.contains("tls = \\\"required\\\""),
+            "{case}: the refusal names the setting: {text}"
+        );
+        assert_eq!(
+            source.metric("kvsync_fullsync_bytes_total{role=\"source\",transport=\"tcp\"}"),
+            0.0,
+            "{case}: no byte moved over plaintext TCP"
+        );
+    }
+}

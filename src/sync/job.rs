@@ -271,20 +271,16 @@ async fn receive(
     }
 }
 
-/// An offer this agent can take: within `sync.allowed_sources`, its size
-/// and free-space limits, and (for RDMA) the memory it may pin; otherwise
-/// the offer goes back to the source and, where the plan allows, a TCP
-/// offer is asked for instead.
+/// An offer this agent can take ([`negotiate`] checked it against the
+/// limits) that for RDMA also fits the memory it may pin; otherwise the
+/// offer goes back to the source and, where the plan allows, a TCP offer
+/// is asked for instead.
 async fn usable_offer(
     ctx: &JobContext,
     peer: &mut PeerClient,
     plan: &TransportPlan,
 ) -> Result<Offer, JobError> {
     let offer = negotiate(ctx, peer, plan.want_rdma, plan.insist()).await?;
-    if let Err(e) = check_offer(ctx, &offer) {
-        decline(peer, &offer.session_id, &e.to_string()).await;
-        return Err(e);
-    }
     let Some(why) = policy::too_large_to_pin(&offer, ctx.config.cache.memory_budget.as_u64())
     else {
         return Ok(offer);
@@ -459,8 +455,8 @@ fn fell_back(ctx: &JobContext, reason: &'static str, detail: &str) {
 }
 
 /// Asks the source for a session — TCP only, RDMA if it can, or RDMA
-/// insisted on — and checks that the offer answers it. An offer that does
-/// not goes back to the source.
+/// insisted on — and checks that the offer answers it and fits this
+/// agent's limits. An offer that does not goes back to the source.
 async fn negotiate(
     ctx: &JobContext,
     peer: &mut PeerClient,
@@ -513,7 +509,14 @@ async fn negotiate(
         snapshot: ctx.want,
         rdma,
     };
-    let offer = match offer_from_wire(offer).and_then(|o| policy::answers(&o, &asked).map(|_| o)) {
+    // The one offer gate: every offer, whichever step asked for it (the
+    // first, the TCP one after RDMA went back or failed), is checked here.
+    let checked = offer_from_wire(offer).and_then(|o| {
+        policy::answers(&o, &asked)?;
+        check_offer(ctx, &o)?;
+        Ok(o)
+    });
+    let offer = match checked {
         Ok(offer) => offer,
         Err(e) => {
             decline(peer, &session_id, &e.to_string()).await;
@@ -619,8 +622,14 @@ async fn fetch_manifest(
     let bad = |why: String| JobError::BadOffer(format!("piece manifest: {why}"));
     crate::snapshot::manifest::check_piece_size(offer.piece_size)
         .map_err(|e| bad(e.to_string()))?;
-    // What a manifest of this snapshot can weigh: its header and 4 bytes a piece.
-    let most = 1024 + 4 * Manifest::count_for(offer.snapshot.size, offer.piece_size);
+    // What a manifest of this snapshot can weigh: its header and 4 bytes a
+    // piece, and never more than one of the largest snapshot this agent
+    // takes in the smallest pieces.
+    let weight = |size, piece_size| 1024 + 4 * Manifest::count_for(size, piece_size);
+    let most = weight(offer.snapshot.size, offer.piece_size).min(weight(
+        ctx.config.sync.max_snapshot_bytes.as_u64(),
+        crate::snapshot::manifest::MIN_PIECE_SIZE,
+    ));
     let request = pb::GetManifestRequest {
         session_id: offer.session_id.clone(),
     };
@@ -635,10 +644,10 @@ async fn fetch_manifest(
         .into_inner();
     let mut bytes = Vec::new();
     while let Some(part) = ctx.or_cancel(parts.message()).await?.map_err(unreachable)? {
-        bytes.extend_from_slice(&part.data);
-        if bytes.len() as u64 > most {
+        if (bytes.len() + part.data.len()) as u64 > most {
             return Err(bad(format!("more than the {most} bytes it can hold")));
         }
+        bytes.extend_from_slice(&part.data);
     }
     let manifest = Manifest::decode(&bytes).map_err(|e| bad(e.to_string()))?;
     let info = &manifest.info;
