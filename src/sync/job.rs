@@ -1,14 +1,11 @@
-//! One replica-side full sync, end to end: choose the transport → negotiate
-//! with the source over gRPC → fetch and check the piece manifest → connect
-//! the data plane → run BLK3 into a [`Receiver`] (the same for every
-//! transport, resuming what an earlier attempt verified) → verify → fsync,
-//! rename, fsync dir → handoff → report. An RDMA session that fails
-//! (connect, completion error, timeout, RDFL) is retried over TCP within the
-//! same job when the mode allows it, counted by reason and shown in the
-//! status. Progress goes to a watch channel; a failure leaves the previous
-//! snapshot and the KV untouched (the staging file goes, or stays with its
-//! journal when it holds verified pieces to resume) and ends with a typed
-//! [`JobError`] in the sync's status.
+//! The driver of one replica-side full sync: negotiate with the source over
+//! gRPC (every offer through one gate) → fetch and check the piece manifest
+//! → connect the data plane → run BLK3 into a [`Receiver`] → install →
+//! hand off → report, with progress on a watch channel and metrics. What
+//! to do at each turn (the transport, falling back to TCP, retrying,
+//! another source) is `policy`'s; this module asks it and does the I/O. A
+//! failure leaves the previous snapshot and the KV untouched and ends with
+//! a typed [`JobError`] in the sync's status.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
