@@ -248,6 +248,8 @@ pub enum ClaimsError {
         op: &'static str,
         source: std::io::Error,
     },
+    #[error("read piece {index} of the temp file: {source}")]
+    Read { index: u32, source: std::io::Error },
     #[error("the temp file has {len} bytes, the snapshot {size}")]
     Length { len: u64, size: u64 },
     #[error("piece {0} is not what the manifest says")]
@@ -336,7 +338,10 @@ fn check_claims(
         while at < plen {
             let n = (plen - at).min(buf.len() as u64) as usize;
             file.read_exact_at(&mut buf[..n], offset + at)
-                .map_err(io("read"))?;
+                .map_err(|source| ClaimsError::Read {
+                    index: index as u32,
+                    source,
+                })?;
             crc.update(&buf[..n]);
             at += n as u64;
         }

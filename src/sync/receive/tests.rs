@@ -48,17 +48,6 @@ fn link_closed() -> SessionResult {
     Err(LinkError::Tcp(TcpError::Closed("reading a piece")))
 }
 
-/// kvsync's temp files and journals in `dir`.
-fn temp_files(dir: &Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with(TEMP_PREFIX))
-        .collect();
-    names.sort();
-    names
-}
-
 /// A snapshot, and a directory receiving it.
 struct Case {
     dir: tempfile::TempDir,
@@ -120,8 +109,15 @@ impl Case {
         assert!(matches!(err, JobError::Transport(_)), "{err}");
     }
 
+    /// kvsync's temp files and journals in the directory.
     fn temp_files(&self) -> Vec<String> {
-        temp_files(self.dir.path())
+        let mut names: Vec<String> = std::fs::read_dir(self.dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(TEMP_PREFIX))
+            .collect();
+        names.sort();
+        names
     }
 }
 
