@@ -110,8 +110,17 @@ pub struct SyncArgs {
     /// gRPC address of the source agent (host:port).
     #[arg(long)]
     pub source: String,
+    /// Pull exactly this snapshot: its manifest digest (64 hex digits, as
+    /// `kvsync snapshots` prints it on the agent that made it). Whoever
+    /// serves it, a snapshot whose manifest does not hash to it is refused.
+    #[arg(long, value_name = "DIGEST", value_parser = parse_digest)]
+    pub snapshot: Option<blake3::Hash>,
     #[command(flatten)]
     pub run: RunArgs,
+}
+
+fn parse_digest(s: &str) -> Result<blake3::Hash, String> {
+    blake3::Hash::from_hex(s).map_err(|_| format!("{s:?} is not a manifest digest (64 hex digits)"))
 }
 
 /// How a started sync or fan-out runs and is shown.

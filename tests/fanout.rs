@@ -3,8 +3,9 @@
 //! exact copies while the origin sends the snapshot only twice, over TCP
 //! and over the emulated RDMA fabric; a relay
 //! killed mid-transfer leaves its children to pull from further up and
-//! resume what they verified. Caches and serving state are released at
-//! the end.
+//! resume what they verified; a relay serving a forgery of the origin's
+//! snapshot that CRC32 cannot tell apart is refused by its digest. Caches
+//! and serving state are released at the end.
 
 mod common;
 
@@ -209,6 +210,99 @@ async fn a_relay_killed_mid_transfer_leaves_its_children_to_resume_from_the_orig
         r.wait_released();
         assert!(r.temp_files().is_empty(), "{:?}", r.temp_files());
     }
+}
+
+/// XORed into a message anywhere, these 5 bytes leave its CRC32 (IEEE)
+/// unchanged: they are the generator polynomial 0x104c11db7 in the
+/// reflected bit order, a multiple of the generator.
+const CRC32_NEUTRAL: [u8; 5] = [0x41, 0x06, 0x71, 0xdb, 0x01];
+
+/// `bytes` with a record value changed so that the file's CRC32, and so
+/// its size, seq and checksum, stay: still a valid KVR1 snapshot.
+fn crc_neutral_forgery(bytes: &[u8]) -> Vec<u8> {
+    let valid = |b: &[u8]| {
+        let mut v = kvsync::snapshot::Verifier::new(kvsync::snapshot::Format::Kvr1, b.len() as u64)
+            .unwrap();
+        v.update(b).is_ok() && v.finish().is_ok()
+    };
+    (0..)
+        .map(|k| (MIB + 977 * k) as usize)
+        .map(|at| {
+            let mut forged = bytes.to_vec();
+            for (b, d) in forged[at..].iter_mut().zip(CRC32_NEUTRAL) {
+                *b ^= d;
+            }
+            forged
+        })
+        .find(|forged| valid(forged))
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_serving_a_crc_neutral_forgery_is_refused_by_the_digest_and_the_origin_serves() {
+    let root = tempfile::tempdir().unwrap();
+    let origin = Node::start(root.path(), "origin", PIECES, &[]);
+    let bytes = put_snapshot(&origin.dir, "s.kvr1", 4 * MIB, 4);
+    origin.offered(4).await;
+    // An unmodified agent holding a doctored copy of the origin's snapshot.
+    let relay = Node::start(root.path(), "relay", PIECES, &[]);
+    let forged = crc_neutral_forgery(&bytes);
+    std::fs::write(root.path().join("forged.tmp"), &forged).unwrap();
+    std::fs::rename(root.path().join("forged.tmp"), relay.dir.join("s.kvr1")).unwrap();
+    relay.offered(4).await;
+    let genuine = origin.status().await.latest_snapshots.remove(0);
+    let doctored = relay.status().await.latest_snapshots.remove(0);
+    assert_eq!(
+        (genuine.size, genuine.seq, genuine.checksum),
+        (doctored.size, doctored.seq, doctored.checksum),
+        "the forgery has the origin's size, seq and checksum"
+    );
+    assert_ne!(genuine.manifest_digest, doctored.manifest_digest);
+
+    let pull = |digest: Vec<u8>| pb::StartFullSyncRequest {
+        source: relay.grpc(),
+        upstream: vec![origin.grpc()],
+        snapshot: Some(pb::SnapshotId {
+            size: genuine.size,
+            seq: genuine.seq,
+            checksum: genuine.checksum,
+            manifest_digest: digest,
+        }),
+        transport: pb::TransportPreference::Tcp as i32,
+    };
+    // By size, seq and checksum alone, the relay's copy is the snapshot
+    // asked for: that request installs the forgery.
+    let fooled = Node::start(root.path(), "fooled", PIECES, &[]);
+    let p = run_sync(&fooled, pull(Vec::new())).await;
+    assert_eq!(p.phase, pb::Phase::Succeeded as i32, "{p:?}");
+    assert!(std::fs::read(&p.installed_path).unwrap() == forged);
+    // With the origin's digest (what a fan-out sends every child), the
+    // relay's snapshot is not the one asked for: the replica turns to the
+    // origin and installs the genuine bytes.
+    let replica = Node::start(root.path(), "replica", PIECES, &[]);
+    let p = run_sync(&replica, pull(genuine.manifest_digest.clone())).await;
+    assert_eq!(p.phase, pb::Phase::Succeeded as i32, "{p:?}");
+    assert_eq!(p.source, origin.grpc(), "{p:?}");
+    assert_eq!(p.abandoned_sources, vec![relay.grpc()], "{p:?}");
+    assert!(std::fs::read(&p.installed_path).unwrap() == bytes);
+    assert!(
+        replica.temp_files().is_empty(),
+        "{:?}",
+        replica.temp_files()
+    );
+}
+
+/// Starts `request` on `replica` and follows it to its end.
+async fn run_sync(replica: &Node, request: pb::StartFullSyncRequest) -> pb::SyncProgress {
+    let id = replica
+        .client()
+        .await
+        .start_full_sync(request)
+        .await
+        .expect("start sync")
+        .into_inner()
+        .sync_id;
+    wait_done(replica, &id).await
 }
 
 #[test]

@@ -130,8 +130,13 @@ async fn wrong_rkey_is_an_access_error_and_falls_back_to_tcp() {
 async fn cut_connection_without_fallback_fails_cleanly() {
     let (_dir, _source, replica, p, _) =
         sync_with_source_faults("rdma_cut_after=1000000", "rdma", false).await;
-    assert_eq!(p.phase, pb::Phase::Failed as i32);
-    assert!(p.error.contains("rdma transfer failed"), "{}", p.error);
+    failed_leaving_nothing(&replica, &p, "rdma transfer failed");
+}
+
+/// The sync failed with `error` and left neither a temp file nor a snapshot.
+fn failed_leaving_nothing(replica: &Node, p: &pb::SyncProgress, error: &str) {
+    assert_eq!(p.phase, pb::Phase::Failed as i32, "{p:?}");
+    assert!(p.error.contains(error), "{}", p.error);
     assert_eq!(p.installed_path, "");
     assert!(
         replica.temp_files().is_empty(),
@@ -142,6 +147,36 @@ async fn cut_connection_without_fallback_fails_cleanly() {
         std::fs::read_dir(&replica.dir).unwrap().next().is_none(),
         "nothing installed"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_writing_into_a_verified_piece_gets_nothing_installed() {
+    // Receive memory over the file: the write lands in the staging file;
+    // the re-check after the revoke finds it and the sync fails.
+    let (_dir, _source, replica, p, _) =
+        sync_with_source_faults("rdma_write_after_verify=1", "rdma", false).await;
+    failed_leaving_nothing(&replica, &p, "piece 0 changed after it was verified");
+    // An anonymous receive buffer: piece 0 was copied out when its PDON
+    // came, so the write changes nothing that is checked or installed.
+    let dir = tempfile::tempdir().unwrap();
+    let source = node(
+        dir.path(),
+        "source",
+        &emulated("auto", true),
+        &[("KVSYNC_FAULTS", "rdma_write_after_verify=1")],
+    );
+    let replica = node(
+        dir.path(),
+        "replica",
+        &emulated("rdma", false),
+        &[("KVSYNC_FAULTS", "rdma_no_file_mr=1")],
+    );
+    let bytes = put_snapshot(&source.dir, "s.kvr1", 2 << 20, 9);
+    source.offered(9).await;
+    let p = sync_ok(&replica, &source).await;
+    assert!(p.detail.contains("anonymous buffer"), "{}", p.detail);
+    assert!(std::fs::read(&p.installed_path).unwrap() == bytes);
+    assert!(source.proc.log().contains("writing into a verified piece"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -52,7 +52,7 @@ async fn one_damaged_piece_is_fetched_again_alone_over_tcp_and_emulated_rdma() {
             "{label}: same transport: {p:?}"
         );
         assert!(
-            p.check.contains("crc32 of each of 32 pieces"),
+            p.check.contains("blake3 of each of 32 pieces"),
             "{}",
             p.check
         );

@@ -76,6 +76,10 @@ pub async fn sync(args: SyncArgs) -> anyhow::Result<ExitCode> {
         .start_full_sync(pb::StartFullSyncRequest {
             source: args.source.clone(),
             transport: transport as i32,
+            snapshot: args.snapshot.map(|d| pb::SnapshotId {
+                manifest_digest: d.as_bytes().to_vec(),
+                ..Default::default()
+            }),
             ..Default::default()
         })
         .await
@@ -282,7 +286,7 @@ pub async fn fanout(args: FanoutArgs) -> anyhow::Result<ExitCode> {
 
 /// A fan-out's status as JSON: its tree, each replica's sync and the sums.
 pub fn fanout_json(s: &pb::FanoutStatus) -> serde_json::Value {
-    let snapshot = s.snapshot.unwrap_or_default();
+    let snapshot = s.snapshot.clone().unwrap_or_default();
     json!({
         "fanout_id": s.fanout_id,
         "origin": s.origin,
@@ -361,7 +365,7 @@ pub async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
             "data_tls": s.data_tls,
             "relay_bytes": s.relay_bytes,
             "relaying": s.relaying.iter().map(|r| {
-                let id = r.snapshot.unwrap_or_default();
+                let id = r.snapshot.clone().unwrap_or_default();
                 json!({ "seq": id.seq, "size": id.size, "checksum": id.checksum, "origin_node_id": r.origin_node_id, "state": r.state })
             }).collect::<Vec<_>>(),
             "warnings": s.warnings,
@@ -380,7 +384,7 @@ pub async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
         s.serving_sessions, s.admitted_sessions, s.data_tcp_endpoint, s.data_tls
     );
     for r in &s.relaying {
-        let id = r.snapshot.unwrap_or_default();
+        let id = r.snapshot.clone().unwrap_or_default();
         println!(
             "relaying seq {} ({} bytes) of {} ({}); {} bytes relayed so far",
             id.seq, id.size, r.origin_node_id, r.state, s.relay_bytes
@@ -432,7 +436,12 @@ pub async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn snapshot_json(e: &pb::SnapshotEntry) -> serde_json::Value {
-    json!({ "path": e.path, "format": e.format, "size": e.size, "seq": e.seq, "mtime_unix_ms": e.mtime_unix_ms, "checksum": e.checksum })
+    json!({ "path": e.path, "format": e.format, "size": e.size, "seq": e.seq, "mtime_unix_ms": e.mtime_unix_ms, "checksum": e.checksum, "manifest_digest": hex(&e.manifest_digest) })
+}
+
+/// A digest as `kvsync sync --snapshot` takes it.
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// `kvsync snapshots`.
@@ -452,8 +461,12 @@ pub async fn snapshots(args: StatusArgs) -> anyhow::Result<ExitCode> {
     } else {
         for e in &list {
             println!(
-                "{:<10} seq {:<12} {:>14} bytes  {}",
-                e.format, e.seq, e.size, e.path
+                "{:<10} seq {:<12} {:>14} bytes  {}  {}",
+                e.format,
+                e.seq,
+                e.size,
+                hex(&e.manifest_digest),
+                e.path
             );
         }
     }

@@ -77,6 +77,7 @@ pub fn entry_to_pb(e: &CatalogEntry) -> pb::SnapshotEntry {
         seq: e.info.seq,
         mtime_unix_ms: (e.mtime_ns() / 1_000_000).max(0) as u64,
         checksum: e.info.checksum,
+        manifest_digest: e.manifest.digest().as_bytes().to_vec(),
     }
 }
 
@@ -121,7 +122,11 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         let (sync_id, created) = self.syncs.start(Pull {
             source: req.source,
             upstream: req.upstream,
-            want: req.snapshot.map(Into::into),
+            want: req
+                .snapshot
+                .map(TryInto::try_into)
+                .transpose()
+                .map_err(|e: crate::rpc::BadDigest| Status::invalid_argument(e.to_string()))?,
             mode: asked_mode(preference),
         })?;
         Ok(Response::new(pb::StartFullSyncResponse {

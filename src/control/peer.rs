@@ -49,9 +49,14 @@ pub struct PeerService {
 }
 
 /// A request as the source's offers take it.
-fn ask_from_wire(req: pb::OpenFullSyncRequest) -> Ask {
+fn ask_from_wire(req: pb::OpenFullSyncRequest) -> Result<Ask, ApiError> {
     let listed = |t: pb::Transport| req.transports.contains(&(t as i32));
-    Ask {
+    let snapshot = req
+        .snapshot
+        .map(TryInto::try_into)
+        .transpose()
+        .map_err(|e: crate::rpc::BadDigest| ApiError::InvalidArgument(e.to_string()))?;
+    Ok(Ask {
         tcp: req.transports.is_empty() || listed(pb::Transport::Tcp),
         rdma: listed(pb::Transport::Rdma),
         preference: match pb::TransportPreference::try_from(req.preference) {
@@ -59,13 +64,13 @@ fn ask_from_wire(req: pb::OpenFullSyncRequest) -> Ask {
             Ok(pb::TransportPreference::Rdma) => Some(TransportMode::Rdma),
             _ => None,
         },
-        snapshot: req.snapshot.map(Into::into),
+        snapshot,
         replica_node: req.replica_node_id,
         rdma_provider: req.rdma_provider,
         format: req.format,
         data_tls: req.data_tls,
         tcp_streams: req.tcp_streams,
-    }
+    })
 }
 
 impl PeerService {
@@ -97,7 +102,7 @@ impl PeerService {
             snapshot_name: o.name,
             data_tls: o.tls,
             piece_size: o.entry.manifest.piece_size,
-            manifest_digest: o.entry.manifest.digest(),
+            manifest_digest: o.entry.manifest.digest().as_bytes().to_vec(),
             origin_node_id: o.origin.unwrap_or_default(),
             tcp_streams: o.streams,
         }
@@ -116,7 +121,7 @@ impl pb::peer_server::Peer for PeerService {
         let (local, remote) = (request.local_addr(), request.remote_addr());
         let req = request.into_inner();
         check_request(&req)?;
-        match self.offers.offer(&ask_from_wire(req), local, remote).await {
+        match self.offers.offer(&ask_from_wire(req)?, local, remote).await {
             Ok(offered) => Ok(Response::new(self.offer_message(offered))),
             Err(e) => {
                 warn!(error = %e, "offer refused");

@@ -118,7 +118,7 @@ impl FanoutManager {
         let status = pb::FanoutStatus {
             fanout_id: id.clone(),
             origin: req.origin.clone(),
-            snapshot: Some(entry.info.id().into()),
+            snapshot: Some(entry.manifest.id().into()),
             degree,
             nodes: req
                 .replicas
@@ -354,7 +354,7 @@ impl Run {
         let start = pb::StartFullSyncRequest {
             source,
             transport: self.req.transport as i32,
-            snapshot: self.status.borrow().snapshot,
+            snapshot: self.status.borrow().snapshot.clone(),
             upstream: chain,
         };
         let follower = Follower {

@@ -62,16 +62,35 @@ impl From<crate::snapshot::SnapshotId> for pb::SnapshotId {
             size: id.size,
             seq: id.seq,
             checksum: id.checksum,
+            manifest_digest: id.digest.map_or(Vec::new(), |d| d.as_bytes().to_vec()),
         }
     }
 }
 
-impl From<pb::SnapshotId> for crate::snapshot::SnapshotId {
-    fn from(id: pb::SnapshotId) -> crate::snapshot::SnapshotId {
-        crate::snapshot::SnapshotId {
+/// A manifest digest on the wire that is not 32 bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("a manifest digest is 32 bytes (BLAKE3), not {0}")]
+pub struct BadDigest(pub usize);
+
+/// A digest field: empty for none, else exactly 32 bytes.
+pub fn digest_from_wire(bytes: &[u8]) -> Result<Option<blake3::Hash>, BadDigest> {
+    match bytes.len() {
+        0 => Ok(None),
+        32 => Ok(Some(blake3::Hash::from_bytes(
+            bytes.try_into().expect("32 bytes"),
+        ))),
+        n => Err(BadDigest(n)),
+    }
+}
+
+impl TryFrom<pb::SnapshotId> for crate::snapshot::SnapshotId {
+    type Error = BadDigest;
+    fn try_from(id: pb::SnapshotId) -> Result<crate::snapshot::SnapshotId, BadDigest> {
+        Ok(crate::snapshot::SnapshotId {
             size: id.size,
             seq: id.seq,
             checksum: id.checksum,
-        }
+            digest: digest_from_wire(&id.manifest_digest)?,
+        })
     }
 }

@@ -93,7 +93,7 @@ enum RecordState {
 }
 
 /// Streaming KVR1 verifier for a snapshot of known total length.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Kvr1Verifier {
     total: u64,
     /// End of the checksummed area (= start of the trailer).

@@ -1,15 +1,17 @@
-//! The piece manifest of a snapshot: its identity and one CRC32 per
+//! The piece manifest of a snapshot: its identity and one BLAKE3 hash per
 //! fixed-size piece (docs/ARCHITECTURE.md, "Pieces and resume").
 //!
 //! The source computes it in the pass that validates the snapshot
 //! ([`PieceHasher`] fed by the watcher's read), keeps it in the catalog and
 //! streams it to replicas; a replica checks every piece against it as the
 //! piece lands, so a damaged piece is fetched again alone, and a sync cut
-//! short resumes with the pieces it already verified. The encoding carries
-//! its own CRC32 ([`Manifest::digest`]), which the offer repeats, so a
-//! manifest that changed or was damaged on its way is refused. CRC32 is
-//! crc32fast's (SIMD where the CPU has it): the fastest check measured
-//! here, see BENCHMARKS.md.
+//! short resumes with the pieces it already verified. The encoding ends
+//! with the BLAKE3 hash of what precedes it ([`Manifest::digest`]): the
+//! snapshot's name that cannot be forged. Offers, journals, statuses and
+//! `kvsync snapshots` carry it, and a replica asked for a digest accepts
+//! only a manifest that hashes to it, whoever serves it. BLAKE3 because it
+//! is cryptographic and, on one core here, faster than SHA-256 and about
+//! half as fast as CRC32 (BENCHMARKS.md, "The piece hash").
 
 use crate::snapshot::{Format, SnapshotInfo};
 
@@ -20,9 +22,11 @@ pub const MIN_PIECE_SIZE: u64 = 1 << 20;
 pub const MAX_PIECE_SIZE: u64 = 256 << 20;
 
 const MAGIC: &[u8; 4] = b"KVSM";
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
+/// Bytes of a piece hash and of the digest.
+pub const HASH_LEN: usize = 32;
 /// Longest replication id kept (Redis uses 40 characters).
-const MAX_REPL_ID: usize = 255;
+pub const MAX_REPL_ID: usize = 255;
 
 /// Why bytes are not a manifest.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -33,23 +37,26 @@ pub enum ManifestError {
     Version(u8),
     #[error("manifest truncated: {0}")]
     Truncated(&'static str),
-    #[error("manifest checksum {stored:#010x} does not match its bytes ({actual:#010x})")]
-    Checksum { stored: u32, actual: u32 },
+    #[error("manifest digest {stored} does not match its bytes ({actual})")]
+    Digest {
+        stored: blake3::Hash,
+        actual: blake3::Hash,
+    },
     #[error("manifest is inconsistent: {0}")]
     Inconsistent(String),
 }
 
-/// A snapshot's identity and the CRC32 of each of its pieces.
+/// A snapshot's identity and the BLAKE3 hash of each of its pieces.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Manifest {
     /// The snapshot this manifest describes (size, seq, checksum, format…).
     pub info: SnapshotInfo,
     /// Bytes per piece; the last piece may be shorter.
     pub piece_size: u64,
-    /// CRC32 of each piece, in order.
-    pub crcs: Vec<u32>,
-    /// The CRC32 that ends the encoding, computed once.
-    digest: u32,
+    /// BLAKE3 of each piece, in order.
+    pub hashes: Vec<blake3::Hash>,
+    /// The BLAKE3 hash that ends the encoding, computed once.
+    digest: blake3::Hash,
 }
 
 impl Manifest {
@@ -59,7 +66,12 @@ impl Manifest {
     }
 
     pub fn pieces(&self) -> u32 {
-        self.crcs.len() as u32
+        self.hashes.len() as u32
+    }
+
+    /// Whether `hash` is piece `index`'s (in constant time).
+    pub fn piece_is(&self, index: u32, hash: &blake3::Hash) -> bool {
+        self.hashes[index as usize] == *hash
     }
 
     /// Offset and length of piece `index`.
@@ -68,17 +80,23 @@ impl Manifest {
         (offset, self.piece_size.min(self.info.size - offset))
     }
 
-    /// The encoded manifest (ends with the CRC32 of what precedes it).
+    /// Encoded length of a manifest of `pieces` pieces, without the
+    /// replication id (at most 255 bytes more).
+    pub fn encoded_len(pieces: u64) -> u64 {
+        FIXED_LEN + HASH_LEN as u64 * (pieces + 1)
+    }
+
+    /// The encoded manifest (ends with the BLAKE3 of what precedes it).
     pub fn encode(&self) -> Vec<u8> {
         let mut out = self.encode_body();
-        out.extend_from_slice(&self.digest.to_be_bytes());
+        out.extend_from_slice(self.digest.as_bytes());
         out
     }
 
-    /// The encoding without its closing CRC32.
+    /// The encoding without its closing digest.
     fn encode_body(&self) -> Vec<u8> {
         let info = &self.info;
-        let mut out = Vec::with_capacity(80 + 4 * self.crcs.len());
+        let mut out = Vec::with_capacity(80 + HASH_LEN * self.hashes.len());
         out.extend_from_slice(MAGIC);
         out.push(VERSION);
         out.push(match info.format {
@@ -100,34 +118,35 @@ impl Manifest {
         out.push(id.len() as u8);
         out.push(info.repl_id.is_some() as u8);
         out.extend_from_slice(id);
-        out.extend_from_slice(&(self.crcs.len() as u32).to_be_bytes());
-        for crc in &self.crcs {
-            out.extend_from_slice(&crc.to_be_bytes());
+        out.extend_from_slice(&(self.hashes.len() as u32).to_be_bytes());
+        for hash in &self.hashes {
+            out.extend_from_slice(hash.as_bytes());
         }
         out
     }
 
-    /// The CRC32 that ends the encoding: what offers and journals quote.
-    pub fn digest(&self) -> u32 {
+    /// The BLAKE3 hash that ends the encoding: the snapshot's name in
+    /// offers, journals and requests.
+    pub fn digest(&self) -> blake3::Hash {
         self.digest
     }
 
-    /// Decodes and checks a manifest: its own checksum, its piece size,
-    /// and a piece count that fits its size.
+    /// Decodes and checks a manifest: its own digest, its piece size, and
+    /// a piece count that fits its size.
     pub fn decode(b: &[u8]) -> Result<Manifest, ManifestError> {
         let mut r = Reader(b);
         let magic = r.take(4, "magic")?;
         if magic != MAGIC {
             return Err(ManifestError::Magic(magic.to_vec()));
         }
-        if b.len() < 8 {
-            return Err(ManifestError::Truncated("checksum"));
+        if b.len() < 4 + HASH_LEN {
+            return Err(ManifestError::Truncated("digest"));
         }
-        let (body, tail) = b.split_at(b.len() - 4);
-        let stored = u32::from_be_bytes(tail.try_into().expect("4 bytes"));
-        let actual = crc32fast::hash(body);
+        let (body, tail) = b.split_at(b.len() - HASH_LEN);
+        let stored = blake3::Hash::from_bytes(tail.try_into().expect("32 bytes"));
+        let actual = blake3::hash(body);
         if stored != actual {
-            return Err(ManifestError::Checksum { stored, actual });
+            return Err(ManifestError::Digest { stored, actual });
         }
         let mut r = Reader(&body[4..]);
         let version = r.u8("version")?;
@@ -166,10 +185,10 @@ impl Manifest {
                 "{count} pieces for {size} bytes in pieces of {piece_size}"
             )));
         }
-        let crcs = r.take(4 * count as usize, "piece checksums")?;
+        let hashes = r.take(HASH_LEN * count as usize, "piece hashes")?;
         if !r.0.is_empty() {
             return Err(ManifestError::Inconsistent(format!(
-                "{} bytes after the piece checksums",
+                "{} bytes after the piece hashes",
                 r.0.len()
             )));
         }
@@ -184,14 +203,18 @@ impl Manifest {
                 repl_id,
             },
             piece_size,
-            crcs: crcs
-                .chunks_exact(4)
-                .map(|c| u32::from_be_bytes(c.try_into().expect("4 bytes")))
+            hashes: hashes
+                .chunks_exact(HASH_LEN)
+                .map(|c| blake3::Hash::from_bytes(c.try_into().expect("32 bytes")))
                 .collect(),
             digest: stored,
         })
     }
 }
+
+/// Bytes of an encoding besides the replication id and the hashes:
+/// magic, version, format, six u64s, the id's two bytes, the count.
+const FIXED_LEN: u64 = 4 + 1 + 1 + 6 * 8 + 2 + 4;
 
 /// A piece size kvsync does not use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -233,11 +256,11 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// CRC32 of each piece of a byte stream fed in order, in any cuts.
+/// BLAKE3 of each piece of a byte stream fed in order, in any cuts.
 pub struct PieceHasher {
     piece_size: u64,
-    crcs: Vec<u32>,
-    current: crc32fast::Hasher,
+    hashes: Vec<blake3::Hash>,
+    current: blake3::Hasher,
     in_piece: u64,
 }
 
@@ -245,8 +268,8 @@ impl PieceHasher {
     pub fn new(piece_size: u64) -> PieceHasher {
         PieceHasher {
             piece_size,
-            crcs: Vec::new(),
-            current: crc32fast::Hasher::new(),
+            hashes: Vec::new(),
+            current: blake3::Hasher::new(),
             in_piece: 0,
         }
     }
@@ -264,8 +287,8 @@ impl PieceHasher {
     }
 
     fn end_piece(&mut self) {
-        let done = std::mem::replace(&mut self.current, crc32fast::Hasher::new());
-        self.crcs.push(done.finalize());
+        self.hashes.push(self.current.finalize());
+        self.current.reset();
         self.in_piece = 0;
     }
 
@@ -277,10 +300,10 @@ impl PieceHasher {
         let mut manifest = Manifest {
             info,
             piece_size: self.piece_size,
-            crcs: self.crcs,
-            digest: 0,
+            hashes: self.hashes,
+            digest: blake3::Hash::from_bytes([0; HASH_LEN]),
         };
-        manifest.digest = crc32fast::hash(&manifest.encode_body());
+        manifest.digest = blake3::hash(&manifest.encode_body());
         manifest
     }
 }
@@ -318,7 +341,7 @@ mod tests {
         for i in 0..m.pieces() {
             let (off, len) = m.range(i);
             let piece = &bytes[off as usize..(off + len) as usize];
-            assert_eq!(m.crcs[i as usize], crc32fast::hash(piece));
+            assert!(m.piece_is(i, &blake3::hash(piece)));
         }
         assert_eq!(m.range(3), (3 * MIN_PIECE_SIZE, 5));
         assert_eq!(manifest_of(&[], MIN_PIECE_SIZE).pieces(), 0);
@@ -329,10 +352,8 @@ mod tests {
         let m = manifest_of(&vec![9u8; 2 * MIN_PIECE_SIZE as usize + 1], MIN_PIECE_SIZE);
         let enc = m.encode();
         assert_eq!(Manifest::decode(&enc).unwrap(), m);
-        assert_eq!(
-            m.digest(),
-            u32::from_be_bytes(enc[enc.len() - 4..].try_into().unwrap())
-        );
+        assert_eq!(m.digest().as_bytes(), &enc[enc.len() - HASH_LEN..]);
+        assert_eq!(enc.len() as u64, Manifest::encoded_len(3) + 40);
         for i in 0..enc.len() {
             let mut bad = enc.clone();
             bad[i] ^= 0x40;
@@ -357,8 +378,8 @@ mod tests {
     fn a_one_tib_manifest_is_small() {
         let count = Manifest::count_for(1 << 40, DEFAULT_PIECE_SIZE);
         assert_eq!(count, 65536);
-        // 4 bytes per piece plus a fixed header: 256 KiB and change.
-        assert!(4 * count + 128 < 300 << 10);
+        // 32 bytes per piece plus a fixed header: 2 MiB and change.
+        assert!(Manifest::encoded_len(count) + 255 < (2 << 20) + 4096);
     }
 
     proptest! {

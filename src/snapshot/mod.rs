@@ -84,20 +84,70 @@ pub struct SnapshotInfo {
 }
 
 /// A snapshot by its identity: what a replica asks for, what an offer holds.
+/// Size, seq and checksum come from the file and can be forged by whoever
+/// writes one; the manifest digest (BLAKE3 of every piece's hash and of
+/// those three) cannot, so a replica given it takes only that snapshot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SnapshotId {
     pub size: u64,
     pub seq: u64,
     pub checksum: u64,
+    /// [`manifest::Manifest::digest`] (`None`: any manifest of these three).
+    pub digest: Option<blake3::Hash>,
 }
 
-impl SnapshotInfo {
-    /// Its identity.
+impl SnapshotId {
+    /// Whether `manifest`'s snapshot is this one: by its digest when there
+    /// is one (which covers size, seq and checksum), else by those three.
+    pub fn is(&self, manifest: &manifest::Manifest) -> bool {
+        match self.digest {
+            Some(d) => d == manifest.digest(),
+            None => self.same_file_fields(&manifest.id()),
+        }
+    }
+
+    /// Whether `other` is this one as far as both say.
+    pub fn matches(&self, other: &SnapshotId) -> bool {
+        match (self.digest, other.digest) {
+            (Some(a), Some(b)) => a == b,
+            _ => self.same_file_fields(other),
+        }
+    }
+
+    fn same_file_fields(&self, other: &SnapshotId) -> bool {
+        (self.size, self.seq, self.checksum) == (other.size, other.seq, other.checksum)
+    }
+}
+
+impl std::fmt::Display for SnapshotId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.digest {
+            Some(d) if (self.size, self.seq, self.checksum) == (0, 0, 0) => {
+                write!(f, "manifest {d}")
+            }
+            digest => {
+                write!(
+                    f,
+                    "seq {} ({} bytes, checksum {:#x}",
+                    self.seq, self.size, self.checksum
+                )?;
+                match digest {
+                    Some(d) => write!(f, ", manifest {d})"),
+                    None => f.write_str(")"),
+                }
+            }
+        }
+    }
+}
+
+impl manifest::Manifest {
+    /// Its snapshot's identity, digest included.
     pub fn id(&self) -> SnapshotId {
         SnapshotId {
-            size: self.size,
-            seq: self.seq,
-            checksum: self.checksum,
+            size: self.info.size,
+            seq: self.info.seq,
+            checksum: self.info.checksum,
+            digest: Some(self.digest()),
         }
     }
 }
@@ -217,6 +267,7 @@ impl SnapshotError {
 }
 
 /// Incremental verifier: feed the snapshot's bytes in order, then `finish`.
+#[derive(Clone)]
 pub enum Verifier {
     Kvr1(kvr1::Kvr1Verifier),
     Rdb(rdb::RdbVerifier),

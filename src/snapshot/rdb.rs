@@ -10,12 +10,15 @@
 //! soon as its bytes are there ("not enough bytes yet" is a value, not an
 //! error), the CRC runs over every byte as it passes.
 
-use crc::{Crc, Digest, Table, CRC_64_REDIS};
+use crc_fast::{CrcAlgorithm, Digest};
 
 use super::{Corruption, Format, SnapshotInfo};
 
-/// CRC-64/Jones as Redis computes it (check value `0xe9c6d914c4b8d9ca`).
-pub static CRC64: Crc<u64, Table<16>> = Crc::<u64, Table<16>>::new(&CRC_64_REDIS);
+/// CRC-64/Jones as Redis computes it (check value `0xe9c6d914c4b8d9ca`),
+/// by crc-fast (carry-less multiply where the CPU has it; BENCHMARKS.md).
+pub fn crc64(bytes: &[u8]) -> u64 {
+    crc_fast::checksum(CrcAlgorithm::Crc64Redis, bytes)
+}
 
 /// RDB versions read from `REDIS00NN` headers (Redis 5.0 … 7.4).
 pub const REDIS_VERSIONS: std::ops::RangeInclusive<u32> = 9..=12;
@@ -271,12 +274,14 @@ fn bad_magic(b: &[u8]) -> Corruption {
 }
 
 /// Streaming RDB verifier (see the module docs).
+#[derive(Clone)]
 pub struct RdbVerifier {
     total: u64,
     pos: u64,
     head_bytes: Vec<u8>,
     head: Option<Head>,
-    crc: Digest<'static, u64, Table<16>>,
+    /// Boxed: crc-fast's state is about 450 bytes.
+    crc: Box<Digest>,
     /// The last 9 bytes: the EOF opcode and the stored CRC.
     trailer: [u8; TRAILER_LEN as usize],
 }
@@ -288,7 +293,7 @@ impl RdbVerifier {
             pos: 0,
             head_bytes: Vec::new(),
             head: None,
-            crc: CRC64.digest(),
+            crc: Box::new(Digest::new(CrcAlgorithm::Crc64Redis)),
             trailer: [0; TRAILER_LEN as usize],
         }
     }
@@ -427,7 +432,7 @@ mod tests {
         b.extend(s(b"k"));
         b.extend(s(b"v"));
         b.push(OP_EOF);
-        let crc = if checksum { CRC64.checksum(&b) } else { 0 };
+        let crc = if checksum { crc64(&b) } else { 0 };
         b.extend_from_slice(&crc.to_le_bytes());
         b
     }
@@ -452,7 +457,7 @@ mod tests {
 
     #[test]
     fn crc64_jones_check_value() {
-        assert_eq!(CRC64.checksum(b"123456789"), 0xe9c6d914c4b8d9ca);
+        assert_eq!(crc64(b"123456789"), 0xe9c6d914c4b8d9ca);
     }
 
     #[test]

@@ -605,18 +605,18 @@ fn fill_relay(
             return Err(ArrivalsError::Ended("nobody holds the image".into()).into());
         }
         let (offset, len) = manifest.range(index);
-        let mut crc = crc32fast::Hasher::new();
+        let mut hash = blake3::Hasher::new();
         read_into(
             image,
             file,
             path,
             (offset as usize, len as usize),
             |b, _| {
-                crc.update(b);
+                hash.update(b);
                 Ok(())
             },
         )?;
-        if crc.finalize() != manifest.crcs[index as usize] {
+        if !manifest.piece_is(index, &hash.finalize()) {
             return Err(CacheError::PieceChanged {
                 path: path.clone(),
                 index,

@@ -23,7 +23,7 @@ use crate::snapshot::manifest::Manifest;
 use crate::store::install::{discard, journal_path, JOURNAL_SUFFIX, TEMP_PREFIX, TEMP_SUFFIX};
 
 const MAGIC: &[u8; 4] = b"KVSJ";
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
 
 /// Why a journal cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -50,7 +50,7 @@ pub struct Journal {
     pub checksum: u64,
     pub piece_size: u64,
     /// [`Manifest::digest`] of the snapshot's manifest.
-    pub digest: u32,
+    pub digest: blake3::Hash,
     /// Per piece: verified and synced in the temp file.
     pub verified: Vec<bool>,
 }
@@ -98,7 +98,7 @@ impl Journal {
         for v in [self.size, self.seq, self.checksum, self.piece_size] {
             out.extend_from_slice(&v.to_be_bytes());
         }
-        out.extend_from_slice(&self.digest.to_be_bytes());
+        out.extend_from_slice(self.digest.as_bytes());
         out.extend_from_slice(&(self.verified.len() as u32).to_be_bytes());
         let mut bits = vec![0u8; self.verified.len().div_ceil(8)];
         for (i, v) in self.verified.iter().enumerate() {
@@ -145,7 +145,7 @@ impl Journal {
             *v = u64::from_be_bytes(take(8)?.try_into().expect("8"));
         }
         let [size, seq, checksum, piece_size] = u64s;
-        let digest = u32::from_be_bytes(take(4)?.try_into().expect("4"));
+        let digest = blake3::Hash::from_bytes(take(32)?.try_into().expect("32"));
         let count = u32::from_be_bytes(take(4)?.try_into().expect("4")) as u64;
         if piece_size == 0 || count != size.div_ceil(piece_size) {
             return Err(JournalError::Inconsistent(
@@ -333,7 +333,7 @@ fn check_claims(
             return Err(ClaimsError::Stopped);
         }
         let (offset, plen) = manifest.range(index as u32);
-        let mut crc = crc32fast::Hasher::new();
+        let mut hash = blake3::Hasher::new();
         let mut at = 0;
         while at < plen {
             let n = (plen - at).min(buf.len() as u64) as usize;
@@ -342,10 +342,10 @@ fn check_claims(
                     index: index as u32,
                     source,
                 })?;
-            crc.update(&buf[..n]);
+            hash.update(&buf[..n]);
             at += n as u64;
         }
-        if crc.finalize() != manifest.crcs[index] {
+        if !manifest.piece_is(index as u32, &hash.finalize()) {
             return Err(ClaimsError::Piece(index as u32));
         }
     }

@@ -22,7 +22,7 @@ use crate::kv::handoff::{self, HandoffRecord};
 use crate::metrics::{unix_now, Metrics, Running};
 use crate::rpc::dial::CONNECT_TIMEOUT;
 use crate::rpc::{pb, AgentChannel, Dialer};
-use crate::snapshot::manifest::Manifest;
+use crate::snapshot::manifest::{Manifest, MAX_REPL_ID};
 use crate::snapshot::{SnapshotId, SnapshotInfo};
 use crate::store::catalog::CatalogEntry;
 use crate::store::install::{self, InstallError};
@@ -554,6 +554,11 @@ fn offer_from_wire(o: pb::SyncOffer) -> Result<Offer, JobError> {
             "origin node id is not a plain name (letters, digits, '.', '_', '-')".into(),
         ));
     }
+    let digest = match crate::rpc::digest_from_wire(&o.manifest_digest) {
+        Ok(Some(d)) => d,
+        Ok(None) => return Err(bad("no manifest digest".into())),
+        Err(e) => return Err(bad(e.to_string())),
+    };
     let transport = match pb::Transport::try_from(o.transport) {
         Ok(pb::Transport::Tcp) => TransportKind::Tcp,
         Ok(pb::Transport::Rdma) => TransportKind::Rdma,
@@ -580,12 +585,12 @@ fn offer_from_wire(o: pb::SyncOffer) -> Result<Offer, JobError> {
             size: o.snapshot_size,
             seq: o.seq,
             checksum: o.checksum,
+            digest: Some(digest),
         },
         source_node: o.source_node_id,
         origin_node: Some(o.origin_node_id).filter(|o| !o.is_empty()),
         name: o.snapshot_name,
         piece_size: o.piece_size,
-        manifest_digest: o.manifest_digest,
         data_tls: o.data_tls,
         tcp_streams: o.tcp_streams,
         rdma_device: o.rdma_device,
@@ -619,10 +624,11 @@ async fn fetch_manifest(
     let bad = |why: String| JobError::BadOffer(format!("piece manifest: {why}"));
     crate::snapshot::manifest::check_piece_size(offer.piece_size)
         .map_err(|e| bad(e.to_string()))?;
-    // What a manifest of this snapshot can weigh: its header and 4 bytes a
-    // piece, and never more than one of the largest snapshot this agent
-    // takes in the smallest pieces.
-    let weight = |size, piece_size| 1024 + 4 * Manifest::count_for(size, piece_size);
+    // What a manifest of this snapshot can weigh, and never more than one
+    // of the largest snapshot this agent takes in the smallest pieces.
+    let weight = |size, piece_size| {
+        Manifest::encoded_len(Manifest::count_for(size, piece_size)) + MAX_REPL_ID as u64
+    };
     let most = weight(offer.snapshot.size, offer.piece_size).min(weight(
         ctx.config.sync.max_snapshot_bytes.as_u64(),
         crate::snapshot::manifest::MIN_PIECE_SIZE,
@@ -647,16 +653,9 @@ async fn fetch_manifest(
         bytes.extend_from_slice(&part.data);
     }
     let manifest = Manifest::decode(&bytes).map_err(|e| bad(e.to_string()))?;
-    let info = &manifest.info;
-    if manifest.digest() != offer.manifest_digest
+    if offer.snapshot != manifest.id()
         || manifest.piece_size != offer.piece_size
-        || (info.size, info.seq, info.checksum)
-            != (
-                offer.snapshot.size,
-                offer.snapshot.seq,
-                offer.snapshot.checksum,
-            )
-        || info.format.as_str() != offer.format
+        || manifest.info.format.as_str() != offer.format
     {
         return Err(bad(
             "it describes another snapshot than the offer (the source changed it?)".into(),

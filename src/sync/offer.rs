@@ -231,7 +231,7 @@ impl Offers {
                 .catalog
                 .list()
                 .into_iter()
-                .filter(|e| e.format() == format && e.info.id() == *id)
+                .filter(|e| e.format() == format && id.is(&e.manifest))
                 .max_by_key(|e| e.mtime),
             None => self.catalog.latest(format),
         };
@@ -245,8 +245,7 @@ impl Offers {
         let Some(relayed) = relayed else {
             let entry = own.ok_or_else(|| match want {
                 Some(id) => OfferError::NoSnapshot(format!(
-                    "this agent does not have {format} snapshot seq {} ({} bytes, checksum {:#x}), or no longer: it was superseded",
-                    id.seq, id.size, id.checksum
+                    "this agent does not have {format} snapshot {id}, or no longer: it was superseded"
                 )),
                 None => OfferError::NoSnapshot(format!(
                     "no valid {format} snapshot in {} yet; save one on the primary first",

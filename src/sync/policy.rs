@@ -31,6 +31,7 @@ pub struct Offer {
     pub endpoint: SocketAddr,
     /// The format's name as offered.
     pub format: String,
+    /// Its digest is always there: an offer without one is refused.
     pub snapshot: SnapshotId,
     /// The source agent's node id (a plain name).
     pub source_node: String,
@@ -39,7 +40,6 @@ pub struct Offer {
     /// The file name the source gives it (not trusted for the install).
     pub name: String,
     pub piece_size: u64,
-    pub manifest_digest: u32,
     /// TCP under TLS.
     pub data_tls: bool,
     /// TCP streams granted.
@@ -137,11 +137,8 @@ pub fn answers(offer: &Offer, asked: &Asked) -> Result<(), JobError> {
     }
     if let Some(want) = asked.snapshot {
         let got = offer.snapshot;
-        if got != want {
-            return bad(format!(
-                "it offers seq {} ({} bytes, checksum {:#x}), not the requested seq {} ({} bytes, checksum {:#x})",
-                got.seq, got.size, got.checksum, want.seq, want.size, want.checksum
-            ));
+        if !want.matches(&got) {
+            return bad(format!("it offers {got}, not the requested {want}"));
         }
     }
     if offer.transport == TransportKind::Rdma && !asked.rdma {

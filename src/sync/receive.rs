@@ -1,7 +1,10 @@
 //! The replica's receiving end of one data session, for every transport.
 //!
 //! [`Receiver`] is the [`Sink`] the drivers feed: it owns the staging file,
-//! the check of every piece against the manifest as it lands, the resume
+//! the check of every piece against the manifest as it lands, the format's
+//! own check of the whole (its trailer CRC and structure, recomputed here
+//! over the verified pieces in order), the re-check of every piece after
+//! an RDMA source lost its access to the receive memory, the resume
 //! journal (written beside the transfer every [`JOURNAL_EVERY`] pieces), the
 //! first local failure, and the one install decision ([`Receiver::finish`]).
 //! A failed session that verified pieces keeps them for the next attempt;
@@ -17,7 +20,7 @@ use tracing::{info, warn};
 use crate::blk3::token::MAX_NEED_RANGES;
 use crate::blk3::{need_ranges, Blk3Error, Outcome};
 use crate::snapshot::manifest::Manifest;
-use crate::snapshot::{Format, SnapshotInfo};
+use crate::snapshot::{Corruption, Format, SnapshotInfo, Verifier};
 use crate::store::arrivals::Arrivals;
 use crate::store::install::{InstallError, Staging};
 use crate::store::journal::{self, ClaimsCheck, ClaimsError, Journal};
@@ -51,11 +54,69 @@ impl Drop for EndArrivals {
     }
 }
 
-/// The piece being received: its index, running CRC32 and bytes so far.
+/// The piece being received: its index, running hash and bytes so far,
+/// and, when it is the next piece of the format check, that check
+/// continued over its bytes (kept only if the piece verifies).
 struct Current {
     index: u32,
-    crc: crc32fast::Hasher,
+    hash: blake3::Hasher,
     got: u64,
+    format: Option<Result<Verifier, Corruption>>,
+}
+
+/// The snapshot format's own check, fed every verified piece in order:
+/// the next piece's bytes as they arrive (still in cache), and pieces that
+/// verified out of order from the staging file once their turn comes.
+struct FormatCheck {
+    /// The verifier after every piece before `next`, or why the bytes so
+    /// far cannot be a snapshot.
+    at: Result<Verifier, Corruption>,
+    next: u32,
+}
+
+impl FormatCheck {
+    fn new(info: &SnapshotInfo) -> FormatCheck {
+        FormatCheck {
+            at: Verifier::new(info.format, info.size),
+            next: 0,
+        }
+    }
+
+    /// Feeds `bytes`, the whole of piece `next`.
+    fn feed(&mut self, bytes: &[u8]) {
+        if let Ok(v) = &mut self.at {
+            if let Err(e) = v.update(bytes) {
+                self.at = Err(e);
+            }
+        }
+        self.next += 1;
+    }
+
+    /// The verdict once every piece was fed: the snapshot the bytes are,
+    /// which must be the one the manifest describes.
+    fn verdict(&self, claimed: &SnapshotInfo) -> Result<SnapshotInfo, SinkError> {
+        let info = match &self.at {
+            Ok(v) => v.clone().finish().map_err(SinkError::NotSnapshot)?,
+            Err(e) => return Err(SinkError::NotSnapshot(e.clone())),
+        };
+        let differs = if info.seq != claimed.seq {
+            Some("sequence number")
+        } else if info.checksum != claimed.checksum {
+            Some("checksum")
+        } else if info.records != claimed.records {
+            Some("record count")
+        } else if info.created_ms != claimed.created_ms {
+            Some("creation time")
+        } else if info.repl_id != claimed.repl_id {
+            Some("replication id")
+        } else {
+            None
+        };
+        match differs {
+            Some(what) => Err(SinkError::NotAsOffered(what)),
+            None => Ok(info),
+        }
+    }
 }
 
 /// Takes a session's pieces into a staging file and decides what they are.
@@ -79,6 +140,10 @@ pub struct Receiver {
     claims: Option<ClaimsCheck>,
     /// The journal claimed what the file does not hold: never keep it.
     lied: bool,
+    format: FormatCheck,
+    /// Pieces arrived through memory the source could write until the
+    /// end (RDMA into the file mapping): re-checked after the revoke.
+    exposed: bool,
     refetched: u32,
     /// Bytes handed over by the transport (also after a local failure).
     received: u64,
@@ -134,6 +199,7 @@ impl Receiver {
             }
         };
         let resumed_bytes = journal.verified_bytes();
+        let format = FormatCheck::new(&manifest.info);
         let arrivals = EndArrivals(Arc::new(Arrivals::new(journal.verified.clone())));
         let journal_writer = staging
             .file()
@@ -152,6 +218,8 @@ impl Receiver {
             resumed_bytes,
             claims,
             lied: false,
+            format,
+            exposed: false,
             refetched: 0,
             received: 0,
             progress: Box::new(progress),
@@ -290,10 +358,13 @@ impl Receiver {
         let got = match &self.current {
             Some(c) if c.index == index => c.got,
             _ => {
+                let format =
+                    (index == self.format.next && !self.exposed).then(|| self.format.at.clone());
                 self.current = Some(Current {
                     index,
-                    crc: crc32fast::Hasher::new(),
+                    hash: blake3::Hasher::new(),
                     got: 0,
+                    format,
                 });
                 0
             }
@@ -319,10 +390,48 @@ impl Receiver {
         }
     }
 
-    /// Counts and checksums the current piece's next `bytes`.
+    /// Feeds the format check the verified pieces whose turn has come,
+    /// from the staging file (pieces that verified out of order, resumed
+    /// ones). Not while the source can still write them.
+    fn catch_up_format(&mut self) {
+        if self.exposed {
+            return;
+        }
+        while let Some(true) = self.journal.verified.get(self.format.next as usize) {
+            let piece = landed_piece(&self.landed, &self.manifest, self.format.next);
+            self.format.feed(piece);
+        }
+    }
+
+    /// Hashes every piece again from the staging file, now that the source
+    /// can no longer write it, and runs the format check over it from the
+    /// start: what is installed is what was checked. A changed piece is no
+    /// longer verified (a resume fetches it again).
+    fn recheck(&mut self) -> Result<(), SinkError> {
+        self.format = FormatCheck::new(&self.manifest.info);
+        let mut changed = None;
+        for index in 0..self.manifest.pieces() {
+            let piece = landed_piece(&self.landed, &self.manifest, index);
+            if !self.manifest.piece_is(index, &blake3::hash(piece)) {
+                self.journal.verified[index as usize] = false;
+                changed.get_or_insert(index);
+            }
+            self.format.feed(piece);
+        }
+        self.exposed = false;
+        changed.map_or(Ok(()), |index| Err(SinkError::Changed(index)))
+    }
+
+    /// Counts and hashes the current piece's next `bytes` (and feeds them
+    /// to the format check when the piece is its next).
     fn took(&mut self, bytes: &[u8]) {
         let current = self.current.as_mut().expect("a piece is being received");
-        current.crc.update(bytes);
+        current.hash.update(bytes);
+        if let Some(Ok(v)) = &mut current.format {
+            if let Err(e) = v.update(bytes) {
+                current.format = Some(Err(e));
+            }
+        }
         current.got += bytes.len() as u64;
         self.received += bytes.len() as u64;
         (self.progress)(self.resumed_bytes + self.received);
@@ -375,14 +484,15 @@ impl Receiver {
         let own = match info.format {
             Format::Kvr1 => "its KVR1 crc32 trailer",
             Format::RedisRdb if info.checksum == 0 => {
-                "no RDB checksum (saved with rdbchecksum no): the manifest is its only check"
+                "the RDB structure (saved with rdbchecksum no: no CRC)"
             }
             Format::RedisRdb => "its RDB crc64 trailer",
         };
         format!(
-            "crc32 of each of {} pieces of {} MiB against the source's manifest; the source verified {own}",
+            "blake3 of each of {} pieces of {} MiB against manifest {}; {own}, recomputed here",
             manifest.pieces(),
-            manifest.piece_size >> 20
+            manifest.piece_size >> 20,
+            manifest.digest()
         )
     }
 }
@@ -427,6 +537,7 @@ impl Sink for Receiver {
     }
 
     fn piece_bytes(&mut self, index: u32, bytes: &[u8], in_file: bool) {
+        self.exposed |= in_file;
         let offset = self.next_offset(index);
         if self.failure.is_none() {
             if in_file {
@@ -464,14 +575,17 @@ impl Sink for Receiver {
     /// session ends at [`Sink::verify`] with that failure.
     fn piece_done(&mut self, index: u32) -> Result<(), SinkError> {
         let (offset, len) = self.manifest.range(index);
-        self.unmap_landed(offset, len);
         let current = self.current.take().filter(|c| c.index == index);
         if self.failure.is_some() {
+            self.unmap_landed(offset, len);
             return Ok(());
         }
-        let (got, crc) = current.map_or((0, 0), |c| (c.got, c.crc.finalize()));
-        let want = self.manifest.crcs[index as usize];
-        if got != len || crc != want {
+        let (got, hash, format) = match current {
+            Some(c) => (c.got, c.hash.finalize(), c.format),
+            None => (0, blake3::hash(&[]), None),
+        };
+        if got != len || !self.manifest.piece_is(index, &hash) {
+            self.unmap_landed(offset, len);
             self.refetched += 1;
             // Progress counts its bytes again when they come again.
             self.received -= got;
@@ -480,11 +594,17 @@ impl Sink for Receiver {
                 offset,
                 len,
                 got,
-                crc,
-                want,
+                hash,
+                want: self.manifest.hashes[index as usize],
             });
         }
         self.journal.verified[index as usize] = true;
+        if let Some(format) = format {
+            self.format.at = format;
+            self.format.next += 1;
+        }
+        self.catch_up_format();
+        self.unmap_landed(offset, len);
         self.arrivals.0.mark(index);
         self.unjournaled += 1;
         if self.unjournaled >= JOURNAL_EVERY {
@@ -496,6 +616,9 @@ impl Sink for Receiver {
         Ok(())
     }
 
+    /// After every piece verified (and, for RDMA, after the source's
+    /// access was revoked): the re-check of pieces the source could still
+    /// write, then the format's verdict on the whole.
     fn verify(&mut self) -> Result<(), SinkError> {
         if let Some(e) = &self.failure {
             return Err(SinkError::Local(e.clone()));
@@ -505,9 +628,26 @@ impl Sink for Receiver {
         if missing > 0 {
             return Err(SinkError::Missing(missing));
         }
-        self.info = Some(self.manifest.info.clone());
+        if self.exposed {
+            self.recheck()?;
+        }
+        self.catch_up_format();
+        self.info = Some(self.format.verdict(&self.manifest.info)?);
         Ok(())
     }
+}
+
+/// The staging file's bytes of piece `index` through its read-only
+/// mapping (empty before it is prepared, or for an empty snapshot).
+fn landed_piece<'m>(
+    landed: &'m Option<memmap2::Mmap>,
+    manifest: &Manifest,
+    index: u32,
+) -> &'m [u8] {
+    let (offset, len) = manifest.range(index);
+    landed
+        .as_ref()
+        .map_or(&[][..], |m| &m[offset as usize..(offset + len) as usize])
 }
 
 /// One stream's view of a receiver that several streams of one session

@@ -115,7 +115,7 @@ impl RelayTable {
     pub fn find(&self, format: Format, want: Option<&SnapshotId>) -> Option<Relayed> {
         let entries = self.entries.lock().expect("relay lock");
         let entry = entries.0.get(&format)?;
-        if want.is_some_and(|id| entry.manifest.info.id() != *id) {
+        if want.is_some_and(|id| !id.is(&entry.manifest)) {
             return None;
         }
         let source = match &entry.held {
@@ -145,7 +145,7 @@ impl RelayTable {
         if entries
             .0
             .get(&info.format)
-            .is_some_and(|e| e.manifest.info.id() == info.id())
+            .is_some_and(|e| e.manifest.info == *info)
         {
             entries.0.remove(&info.format);
         }
@@ -158,7 +158,7 @@ impl RelayTable {
             .0
             .values()
             .map(|e| pb::RelayEntry {
-                snapshot: Some(e.manifest.info.id().into()),
+                snapshot: Some(e.manifest.id().into()),
                 origin_node_id: e.origin.clone(),
                 state: match e.held {
                     Held::Receiving { .. } => "receiving",
@@ -236,7 +236,7 @@ mod tests {
     #[test]
     fn a_failed_receive_withdraws_its_snapshot_and_a_newer_one_supersedes_it() {
         let table = Arc::new(RelayTable::default());
-        let want = |seq: u64| manifest(seq).info.id();
+        let want = |seq: u64| manifest(seq).id();
         let first = register(&table, 5);
         assert!(table.find(Format::Kvr1, Some(&want(5))).is_some());
         assert!(table.find(Format::Kvr1, Some(&want(6))).is_none());

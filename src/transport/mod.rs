@@ -72,15 +72,26 @@ pub enum SinkError {
     #[error(transparent)]
     Local(Arc<InstallError>),
     /// A piece is not what the manifest says.
-    #[error("piece {index} (bytes {offset}..{}) has crc32 {crc:#010x} over {got} bytes; the manifest says {want:#010x} over {len}", offset + len)]
+    #[error("piece {index} (bytes {offset}..{}) hashes to {hash} over {got} bytes; the manifest says {want} over {len}", offset + len)]
     BadPiece {
         index: u32,
         offset: u64,
         len: u64,
         got: u64,
-        crc: u32,
-        want: u32,
+        hash: blake3::Hash,
+        want: blake3::Hash,
     },
+    /// A piece verified, then changed while the source could still write
+    /// the receive memory (found by the re-check after the revoke).
+    #[error("piece {0} changed after it was verified: the source wrote into it after its PDON; nothing was installed")]
+    Changed(u32),
+    /// Every piece matches the manifest, but the whole is not a valid
+    /// snapshot of the offered format (the source lied about its file).
+    #[error("the pieces match the source's manifest but are not a valid snapshot: {0}; nothing was installed")]
+    NotSnapshot(#[source] crate::snapshot::Corruption),
+    /// A valid snapshot, but not the one the manifest describes.
+    #[error("the bytes are a valid snapshot, but its {0} is not what the source's manifest says; nothing was installed")]
+    NotAsOffered(&'static str),
     /// The resume journal claimed pieces the staging file does not hold.
     #[error("the resume journal was wrong ({0}); the partial sync was discarded")]
     Journal(#[source] ClaimsError),
@@ -107,7 +118,10 @@ pub trait Sink: Send {
     /// The prepared file, for receive memory mapped over it (RDMA).
     fn file(&self) -> &std::fs::File;
     /// The next bytes of piece `index`, in order: written to the prepared
-    /// file, or (`in_file`) already there through a shared mapping of it.
+    /// file from memory only this process writes, or (`in_file`) already
+    /// there through a shared mapping of it that the source may still
+    /// write (RDMA), so that every piece is checked again after the
+    /// source's access is revoked, before [`Sink::verify`] answers.
     fn piece_bytes(&mut self, index: u32, bytes: &[u8], in_file: bool);
     /// The next `n` bytes of piece `index`, waiting in `pipe` (plain TCP).
     /// A sink over a file moves them there inside the kernel and checks
@@ -222,7 +236,8 @@ pub fn drive<M: Machine, E: Executor>(
 /// `KVSYNC_FAULTS` environment variable: `corrupt_at=N,stall_after=N,cut_after=N`
 /// for TCP sources; `rdma_corrupt_at=N,rdma_cut_after=N,rdma_drop_send=N` for
 /// the emulated fabric; `rdma_bad_rkey=1` and `rdma_hold_after=N` with
-/// `hold_file=PATH` (source), `rdma_no_file_mr=1` and `rdma_damage_piece=N`
+/// `hold_file=PATH`, `rdma_write_after_verify=1` (source), `rdma_no_file_mr=1`
+/// and `rdma_damage_piece=N`
 /// (replica) for the RDMA driver. Read only by builds with the cargo
 /// feature `faults` (the test suite's); the agent logs loudly when any is
 /// active.
@@ -290,6 +305,7 @@ impl Faults {
                 "rdma_no_file_mr" => f.rdma.no_file_mr = n != 0,
                 "rdma_damage_piece" => f.rdma.damage_piece = Some(n as u32),
                 "rdma_hold_after" => f.rdma.hold_after = Some(n),
+                "rdma_write_after_verify" => f.rdma.write_after_verify = n != 0,
                 _ => return Err(FaultsError::Unknown(k.into())),
             }
         }

@@ -232,6 +232,10 @@ struct SourceIo<'a, F> {
     bulk_started: Option<Instant>,
     /// The `hold_after` fault has been applied.
     held: bool,
+    /// The replica's receive memory, from the writes posted into it.
+    remote: Option<(u64, u32)>,
+    /// The `write_after_verify` fault's bytes, registered while it lasts.
+    forged: Option<(Vec<u8>, MemoryRegion)>,
 }
 
 impl<F: Fabric> SourceIo<'_, F> {
@@ -263,6 +267,36 @@ impl<F: Fabric> SourceIo<'_, F> {
 
     /// Accepts the connection before the first Send, so the receives the
     /// machine posted first are in place before the replica can send.
+    /// The `write_after_verify` fault, before BDON: one more write into
+    /// piece 0, which the replica has verified by now, acting as a source
+    /// that changes what it vouched for.
+    fn write_after_verify(&mut self) -> Result<(), RdmaError> {
+        let Some((remote_addr, rkey)) = self.remote.filter(|_| self.faults.write_after_verify)
+        else {
+            return Ok(());
+        };
+        warn!("fault injection: writing into a verified piece before BDON");
+        let mut bytes = vec![0xee_u8; 64.min(self.snapshot.len())];
+        // SAFETY: the buffer lives in `self.forged` until the session ends,
+        // after the queue pair that reads it; it is only read.
+        let region = unsafe {
+            self.link
+                .qp
+                .register(bytes.as_mut_ptr(), bytes.len(), false)
+        }?;
+        let write = crate::blk3::plan::WriteOp {
+            id: self.link.id(SEND_TAG),
+            offset: 0,
+            len: bytes.len() as u64,
+            signaled: false,
+        };
+        self.link
+            .qp
+            .post_writes(&region, remote_addr, rkey, &[write])?;
+        self.forged = Some((bytes, region));
+        Ok(())
+    }
+
     fn accept(&mut self) -> Result<(), RdmaError> {
         if !self.link.connected {
             self.link.qp.accept(CONNECT_TIMEOUT)?;
@@ -289,6 +323,7 @@ impl<F: Fabric> Executor for SourceIo<'_, F> {
                     // Every byte is written; the image must also have
                     // verified on load before we vouch for it.
                     self.snapshot.wait_complete()?;
+                    self.write_after_verify()?;
                 }
                 self.link.send(&t).map(|_| None)
             }
@@ -315,6 +350,7 @@ impl<F: Fabric> Executor for SourceIo<'_, F> {
                 let region = self
                     .region
                     .ok_or(RdmaError::Unsupported("writes before registration"))?;
+                self.remote = Some((remote_addr, rkey));
                 let end = writes.iter().map(|w| w.offset + w.len).max().unwrap_or(0);
                 self.hold()?;
                 self.bulk_started.get_or_insert_with(Instant::now);
@@ -383,6 +419,9 @@ pub struct RdmaFaults {
     pub hold_after: Option<u64>,
     /// The file whose existence holds a transfer at `hold_after`.
     pub hold_file: Option<std::path::PathBuf>,
+    /// Source: after the last piece is acknowledged, write into piece 0
+    /// once more before BDON (a source changing verified bytes).
+    pub write_after_verify: bool,
 }
 
 /// The longest a fault hold lasts when nobody removes its file.
@@ -417,6 +456,8 @@ pub fn run_source<F: Fabric>(qp: F, s: Serve) -> SourceRun {
         stats: WriteStats::default(),
         bulk_started: None,
         held: false,
+        remote: None,
+        forged: None,
     };
     let mut machine = Source::new(
         image.len() as u64,
@@ -461,6 +502,9 @@ struct ReplicaIo<'a, F: Fabric> {
     memory: Option<RecvMemory>,
     /// The registered receive memory, until its remote access is revoked.
     region: Option<MemoryRegion>,
+    /// A piece copied out of the anonymous receive buffer, which the
+    /// source can still write: the sink checks and writes this copy.
+    private: Vec<u8>,
     token: [u8; SESSION_TOKEN_LEN],
     sink: &'a mut dyn Sink,
     faults: &'a RdmaFaults,
@@ -520,7 +564,9 @@ impl<F: Fabric> ReplicaIo<'_, F> {
     }
 
     /// Hands one piece the source wrote to the sink: bytes already in the
-    /// file through the mapping, or to be written from the anonymous buffer.
+    /// file through the mapping (re-checked after the revoke), or copied
+    /// once out of the anonymous buffer, so that the bytes checked are the
+    /// bytes written whatever the source writes next.
     fn land(&mut self, index: u32, offset: u64, len: u64) {
         let range = offset as usize..(offset + len) as usize;
         if self.damage == Some(index) && len > 0 {
@@ -537,7 +583,11 @@ impl<F: Fabric> ReplicaIo<'_, F> {
         }
         match &self.memory {
             Some(RecvMemory::Mapped(map)) => self.sink.piece_bytes(index, &map[range], true),
-            Some(RecvMemory::Heap(buf)) => self.sink.piece_bytes(index, &buf[range], false),
+            Some(RecvMemory::Heap(buf)) => {
+                self.private.clear();
+                self.private.extend_from_slice(&buf[range]);
+                self.sink.piece_bytes(index, &self.private, false)
+            }
             None => {}
         }
     }
@@ -625,6 +675,7 @@ pub fn run_replica<F: Fabric>(
         link: Link::new(qp, cancel),
         memory: None,
         region: None,
+        private: Vec::new(),
         token,
         sink,
         faults,

@@ -21,12 +21,12 @@ fn offer(transport: TransportKind, size: u64) -> Offer {
             size,
             seq: 42,
             checksum: 0xabc,
+            digest: Some(blake3::hash(b"manifest")),
         },
         source_node: "src-a".into(),
         origin_node: None,
         name: "snap-42.kvr1".into(),
         piece_size: 16 * MIB,
-        manifest_digest: 1,
         data_tls: false,
         tcp_streams: 1,
         rdma_device: String::new(),
@@ -134,10 +134,20 @@ fn an_offer_must_answer_the_request() {
             size: MIB,
             seq: 42,
             checksum: 0xabc,
+            digest: None,
         }),
         rdma: false,
     };
     assert!(answers(&offer(TransportKind::Tcp, MIB), &asked).is_ok());
+    let mut by_digest = asked.clone();
+    by_digest.snapshot.as_mut().unwrap().digest = Some(blake3::hash(b"manifest"));
+    assert!(answers(&offer(TransportKind::Tcp, MIB), &by_digest).is_ok());
+    by_digest.snapshot.as_mut().unwrap().digest = Some(blake3::hash(b"a forgery's"));
+    let err = answers(&offer(TransportKind::Tcp, MIB), &by_digest).unwrap_err();
+    assert!(
+        err.to_string().contains("not the requested seq 42"),
+        "same size, seq and checksum, another manifest: {err}"
+    );
     let other = offer(TransportKind::Tcp, 2 * MIB);
     let err = answers(&other, &asked).unwrap_err().to_string();
     assert!(err.contains("not the requested seq 42"), "{err}");

@@ -1,6 +1,7 @@
 //! The receiver on its own, fed piece by piece as a driver feeds it: a
-//! whole snapshot, a corrupt piece, a short one, a full disk, a failed
-//! session kept and resumed, and a resume journal that lies.
+//! whole snapshot, a corrupt piece, one changed so that its CRC32 stays, a
+//! short one, a full disk, a failed session kept and resumed, a resume
+//! journal that lies, and sources that lie about their own file.
 
 use std::os::unix::fs::FileExt;
 
@@ -12,21 +13,35 @@ use crate::transport::tcp::TcpError;
 
 const PIECE: u64 = MIN_PIECE_SIZE;
 
-/// 3 pieces and 5 bytes, and their manifest.
+/// XORed into a message anywhere, these 5 bytes leave its CRC32 (IEEE)
+/// unchanged: they are the generator polynomial 0x104c11db7 in the
+/// reflected bit order, a multiple of the generator.
+const CRC32_NEUTRAL: [u8; 5] = [0x41, 0x06, 0x71, 0xdb, 0x01];
+
+/// A KVR1 snapshot of 3 pieces and 5000 bytes, and its manifest.
 fn snapshot() -> (Vec<u8>, Arc<Manifest>) {
-    let bytes: Vec<u8> = (0..3 * PIECE + 5).map(|i| (i * 7 % 251) as u8).collect();
-    let mut hasher = PieceHasher::new(PIECE);
-    hasher.update(&bytes);
-    let info = SnapshotInfo {
-        format: Format::Kvr1,
-        size: bytes.len() as u64,
+    let mut bytes = Vec::new();
+    crate::snapshot::kvr1::GenSpec {
+        size: 3 * PIECE + 5000,
         seq: 9,
-        checksum: 1,
-        records: 0,
-        created_ms: 0,
-        repl_id: None,
-    };
-    (bytes, Arc::new(hasher.finish(info)))
+        created_ms: 7,
+        seed: 1,
+    }
+    .write_to(&mut bytes)
+    .unwrap();
+    let mut check = Verifier::new(Format::Kvr1, bytes.len() as u64).unwrap();
+    check.update(&bytes).unwrap();
+    (
+        bytes.clone(),
+        manifest_claiming(&bytes, check.finish().unwrap()),
+    )
+}
+
+/// The manifest a source computes over `bytes`, saying they are `info`.
+fn manifest_claiming(bytes: &[u8], info: SnapshotInfo) -> Arc<Manifest> {
+    let mut hasher = PieceHasher::new(PIECE);
+    hasher.update(bytes);
+    Arc::new(hasher.finish(info))
 }
 
 /// Hands `bytes` over as piece `index` in two cuts, and ends the piece.
@@ -144,6 +159,99 @@ fn a_corrupt_piece_is_refused_and_its_second_sending_taken() {
     assert_eq!(r.refetched(), 1);
     c.feed_all(&mut r, 0..c.manifest.pieces());
     c.installs(r);
+}
+
+#[test]
+fn a_piece_changed_without_changing_its_crc32_is_refused() {
+    let c = Case::new();
+    let mut r = c.open("t1", "src-a");
+    let mut forged = c.piece(1).to_vec();
+    for (b, d) in forged[4096..].iter_mut().zip(CRC32_NEUTRAL) {
+        *b ^= d;
+    }
+    assert_eq!(crc32fast::hash(&forged), crc32fast::hash(c.piece(1)));
+    let err = feed(&mut r, 1, &forged).unwrap_err();
+    assert!(matches!(err, SinkError::BadPiece { index: 1, .. }), "{err}");
+    c.feed_all(&mut r, 0..c.manifest.pieces());
+    c.installs(r);
+}
+
+/// A source's manifest that matches its bytes, which are not `c`'s
+/// snapshot though its manifest says so: never a staging file to install.
+fn refused_as_the_claimed_snapshot(bytes: &[u8], claimed: &SnapshotInfo) -> SinkError {
+    let c = Case {
+        manifest: manifest_claiming(bytes, claimed.clone()),
+        bytes: bytes.to_vec(),
+        ..Case::new()
+    };
+    let mut r = c.open("t1", "src-a");
+    c.feed_all(&mut r, 0..c.manifest.pieces());
+    let err = r.verify().unwrap_err();
+    let failed = r.finish(Ok(Err(Blk3Error::Checksum(err.to_string()))));
+    assert!(matches!(failed, Err(JobError::Checksum(_))));
+    err
+}
+
+#[test]
+fn a_source_that_lies_about_its_own_file_gets_nothing_installed() {
+    let good = Case::new();
+    let claimed = &good.manifest.info;
+    // Zeros of the snapshot's length, with a manifest that matches them.
+    let zeros = vec![0u8; good.bytes.len()];
+    let err = refused_as_the_claimed_snapshot(&zeros, claimed);
+    assert!(matches!(err, SinkError::NotSnapshot(_)), "{err}");
+    // A record value changed: every piece hash matches the source's own
+    // manifest, but the file's CRC32 trailer does not.
+    let mut changed = good.bytes.clone();
+    changed[2 * PIECE as usize] ^= 1;
+    let err = refused_as_the_claimed_snapshot(&changed, claimed);
+    assert!(
+        matches!(
+            &err,
+            SinkError::NotSnapshot(Corruption::ChecksumMismatch { .. })
+        ),
+        "{err}"
+    );
+    // A valid KVR1 file, but not the seq the manifest says.
+    let other = SnapshotInfo {
+        seq: claimed.seq + 1,
+        ..claimed.clone()
+    };
+    let err = refused_as_the_claimed_snapshot(&good.bytes, &other);
+    assert!(
+        matches!(err, SinkError::NotAsOffered("sequence number")),
+        "{err}"
+    );
+    // Truncated at a piece boundary, the manifest claiming that length.
+    let cut = &good.bytes[..3 * PIECE as usize];
+    let short = SnapshotInfo {
+        size: cut.len() as u64,
+        ..claimed.clone()
+    };
+    let err = refused_as_the_claimed_snapshot(cut, &short);
+    assert!(matches!(err, SinkError::NotSnapshot(_)), "{err}");
+}
+
+#[test]
+fn pieces_in_file_memory_are_checked_again_after_the_source_lost_access() {
+    let c = Case::new();
+    let mut r = c.open("t1", "src-a");
+    // Bytes land in the file through a mapping the source can write, as
+    // over RDMA: the driver writes them there and reports them in place.
+    for i in 0..c.manifest.pieces() {
+        let (offset, _) = c.manifest.range(i);
+        r.file().write_all_at(c.piece(i), offset).unwrap();
+        r.piece_bytes(i, c.piece(i), true);
+        r.piece_done(i).unwrap();
+    }
+    // After piece 0 verified, one more write into it before the revoke.
+    r.file().write_all_at(&[0xee], 100).unwrap();
+    let err = r.verify().unwrap_err();
+    assert!(matches!(err, SinkError::Changed(0)), "{err}");
+    // The pieces that did not change are kept for a resume; piece 0 is not.
+    drop(r.finish(Ok(Err(Blk3Error::Checksum(err.to_string())))));
+    let r = c.open("t2", "src-a");
+    assert_eq!(r.want().need, vec![(0, 1)]);
 }
 
 #[test]

@@ -209,6 +209,7 @@ fn replica_io<'a>(
         link: Link::new(qp, Default::default()),
         memory: None,
         region: None,
+        private: Vec::new(),
         token: TOKEN,
         sink,
         faults,
