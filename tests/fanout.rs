@@ -276,6 +276,9 @@ async fn a_relay_serving_a_crc_neutral_forgery_is_refused_by_the_digest_and_the_
     let p = run_sync(&fooled, pull(Vec::new())).await;
     assert_eq!(p.phase, pb::Phase::Succeeded as i32, "{p:?}");
     assert!(std::fs::read(&p.installed_path).unwrap() == forged);
+    // It does not pass that on as the origin's snapshot: it was not
+    // asked for by digest.
+    assert!(fooled.status().await.relaying.is_empty());
     // With the origin's digest (what a fan-out sends every child), the
     // relay's snapshot is not the one asked for: the replica turns to the
     // origin and installs the genuine bytes.

@@ -585,6 +585,53 @@ async fn cancel_mid_transfer_and_repeated_start() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sync_of_a_snapshot_being_received_from_another_source_is_the_running_one() {
+    let root = tempfile::tempdir().unwrap();
+    let first = stalling_source(root.path(), 40).await;
+    let second = Node::start(root.path(), "second", "", &[STALL_AFTER_1MIB]);
+    put_snapshot(&second.dir, "s.kvr1", 8 << 20, 40);
+    second.offered(40).await;
+    let digest = first.status().await.latest_snapshots[0]
+        .manifest_digest
+        .clone();
+    assert_eq!(
+        second.status().await.latest_snapshots[0].manifest_digest,
+        digest,
+        "the same snapshot"
+    );
+    let replica = Node::start(root.path(), "replica", "", &[]);
+    let pull = |source: &Node| pb::StartFullSyncRequest {
+        source: source.grpc(),
+        snapshot: Some(pb::SnapshotId {
+            manifest_digest: digest.clone(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let mut c = replica.client().await;
+    let running = c.start_full_sync(pull(&first)).await.unwrap().into_inner();
+    assert!(running.created);
+    wait_bytes(&replica, &running.sync_id, 1 << 20).await;
+    let again = c.start_full_sync(pull(&second)).await.unwrap().into_inner();
+    assert_eq!(
+        (again.sync_id.as_str(), again.created),
+        (running.sync_id.as_str(), false)
+    );
+    assert_eq!(replica.temp_files().len(), 1, "{:?}", replica.temp_files());
+    c.cancel_sync(pb::CancelSyncRequest {
+        sync_id: running.sync_id.clone(),
+    })
+    .await
+    .unwrap();
+    wait_done(&replica, &running.sync_id).await;
+    assert!(
+        replica.temp_files().is_empty(),
+        "{:?}",
+        replica.temp_files()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_and_status_are_served() {
     let root = tempfile::tempdir().unwrap();
     let node = Node::start(root.path(), "n", "", &[]);

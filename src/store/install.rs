@@ -52,6 +52,30 @@ pub enum InstallError {
     /// Installing would replace a file kvsync did not write.
     #[error("{0} exists and was not installed by kvsync; refusing to replace it (move it away, or install elsewhere)")]
     Foreign(PathBuf),
+    /// Another sync holds this temp file.
+    #[error("{0} is being received by another sync")]
+    InUse(PathBuf),
+}
+
+/// Locks a temp file for the sync that opened it: an exclusive `flock`,
+/// held until the last descriptor of this open goes, which every other
+/// lookup and sweep (in this process or another) respects.
+fn lock(file: &File, path: &Path) -> Result<(), InstallError> {
+    file.try_lock().map_err(|e| match e {
+        std::fs::TryLockError::WouldBlock => InstallError::InUse(path.to_owned()),
+        std::fs::TryLockError::Error(source) => InstallError::Io {
+            op: "lock",
+            path: path.to_owned(),
+            source,
+        },
+    })
+}
+
+/// Whether a running sync holds the temp file `partial`.
+pub fn in_use(partial: &Path) -> bool {
+    // Dropping the file releases a lock the probe took.
+    File::open(partial)
+        .is_ok_and(|f| matches!(f.try_lock(), Err(std::fs::TryLockError::WouldBlock)))
 }
 
 /// A temp file receiving one snapshot.
@@ -79,6 +103,7 @@ impl Staging {
                 dir: dir.to_owned(),
                 source,
             })?;
+        lock(&file, &path)?;
         Ok(Staging {
             dir: dir.to_owned(),
             path,
@@ -88,7 +113,8 @@ impl Staging {
         })
     }
 
-    /// Opens the existing temp file `path` (a partial sync to resume).
+    /// Opens the existing temp file `path` (a partial sync to resume);
+    /// [`InstallError::InUse`] while another sync holds it.
     pub fn reopen(path: &Path) -> Result<Staging, InstallError> {
         let dir = path.parent().unwrap_or(Path::new(".")).to_owned();
         let file = OpenOptions::new()
@@ -100,6 +126,7 @@ impl Staging {
                 path: path.to_owned(),
                 source,
             })?;
+        lock(&file, path)?;
         Ok(Staging {
             dir,
             path: path.to_owned(),

@@ -20,7 +20,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime};
 
 use crate::snapshot::manifest::Manifest;
-use crate::store::install::{discard, journal_path, JOURNAL_SUFFIX, TEMP_PREFIX, TEMP_SUFFIX};
+use crate::store::install::{
+    discard, in_use, journal_path, JOURNAL_SUFFIX, TEMP_PREFIX, TEMP_SUFFIX,
+};
 
 const MAGIC: &[u8; 4] = b"KVSJ";
 const VERSION: u8 = 2;
@@ -370,10 +372,11 @@ fn partials(dir: &Path) -> Vec<PathBuf> {
 /// The temp file in `dir` holding part of `manifest`'s snapshot from
 /// `source`, with its journal. A journal of the same source for another
 /// snapshot (the source's snapshot changed) is discarded with its temp
-/// file: never a mix of two snapshots.
+/// file: never a mix of two snapshots. Temp files a running sync holds
+/// are left alone.
 pub fn find(dir: &Path, source: &str, manifest: &Manifest) -> Option<(PathBuf, Journal)> {
     let mut found = None;
-    for partial in partials(dir) {
+    for partial in partials(dir).into_iter().filter(|p| !in_use(p)) {
         let Some(journal) = Journal::read(&partial) else {
             continue;
         };
@@ -392,8 +395,8 @@ pub fn find(dir: &Path, source: &str, manifest: &Manifest) -> Option<(PathBuf, J
 
 /// Removes temp files that cannot be resumed: at start (`at_start`), those
 /// without a valid journal; always, those whose journal is older than
-/// `ttl`; and journals without a temp file. Returns how many temp files
-/// went.
+/// `ttl`; and journals without a temp file. Never one a running sync
+/// holds. Returns how many temp files went.
 pub fn sweep(dir: &Path, ttl: Duration, at_start: bool) -> usize {
     let now = SystemTime::now();
     let age = |p: &Path| {
@@ -403,7 +406,7 @@ pub fn sweep(dir: &Path, ttl: Duration, at_start: bool) -> usize {
             .and_then(|t| now.duration_since(t).ok())
     };
     let mut removed = 0;
-    for partial in partials(dir) {
+    for partial in partials(dir).into_iter().filter(|p| !in_use(p)) {
         let journal = journal_path(&partial);
         let keep = match Journal::read(&partial) {
             Some(_) => {

@@ -676,10 +676,16 @@ async fn transfer(
     let kind = offer.transport;
     let manifest = Arc::new(fetch_manifest(ctx, peer, offer).await?);
     let (origin, name) = (offer.origin().to_string(), offer.name.clone());
-    let (dir, id, relays, retries) = (
+    // Only a snapshot asked for by its digest (a fan-out's) is passed on
+    // while it arrives: its manifest is the origin's, checked above, so
+    // another replica can get from this relay the origin's bytes or none.
+    let relays = ctx
+        .want
+        .is_some_and(|w| w.digest.is_some())
+        .then(|| ctx.relays.clone());
+    let (dir, id, retries) = (
         ctx.config.snapshot_dir.clone(),
         ctx.id.clone(),
-        ctx.relays.clone(),
         ctx.config.data.piece_retries,
     );
     let progress = progress_reporter(ctx, offer.snapshot.size);
@@ -687,9 +693,11 @@ async fn transfer(
     let mut receiver = ctx
         .or_cancel(tokio::task::spawn_blocking(move || {
             let mut receiver = Receiver::open(&dir, &id, &origin, manifest, retries, progress)?;
-            receiver
-                .relay_in(&relays, (&origin, &name))
-                .map_err(|e| JobError::Panicked(format!("offer the snapshot as a relay: {e}")))?;
+            if let Some(relays) = relays {
+                receiver.relay_in(&relays, (&origin, &name)).map_err(|e| {
+                    JobError::Panicked(format!("offer the snapshot as a relay: {e}"))
+                })?;
+            }
             Ok::<_, JobError>(receiver)
         }))
         .await?

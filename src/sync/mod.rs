@@ -70,6 +70,8 @@ pub fn source_allowed(allowed: &[String], addr: &str, node_id: Option<&str>) -> 
 
 struct Running {
     source: String,
+    /// The manifest digest the sync was asked for, if any.
+    digest: Option<blake3::Hash>,
     progress: watch::Receiver<pb::SyncProgress>,
     cancel: CancellationToken,
 }
@@ -155,7 +157,14 @@ impl SyncManager {
             )));
         }
         let mut jobs = self.jobs.lock().expect("jobs lock");
-        if let Some((id, _)) = jobs.running.iter().find(|(_, r)| r.source == source) {
+        // One sync per source, and one per snapshot asked for by digest
+        // (from whichever source): never two receiving the same bytes.
+        let digest = pull.want.and_then(|w| w.digest);
+        if let Some((id, _)) = jobs
+            .running
+            .iter()
+            .find(|(_, r)| r.source == source || (digest.is_some() && r.digest == digest))
+        {
             return Ok((id.clone(), false));
         }
         let limit = self.max_incoming.load(Ordering::Relaxed);
@@ -182,6 +191,7 @@ impl SyncManager {
             id.clone(),
             Running {
                 source: source.to_string(),
+                digest,
                 progress: rx,
                 cancel: cancel.clone(),
             },

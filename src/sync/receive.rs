@@ -173,6 +173,8 @@ impl Receiver {
             journal::find(dir, source, &manifest).and_then(
                 |(path, journal)| match Staging::reopen(&path) {
                     Ok(staging) => Some((staging, journal)),
+                    // Taken by a sync that started since the lookup.
+                    Err(InstallError::InUse(_)) => None,
                     Err(e) => {
                         warn!(error = %e, "cannot reopen the partial sync; starting over");
                         crate::store::install::discard(&path);

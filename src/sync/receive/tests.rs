@@ -345,3 +345,25 @@ fn a_journal_from_another_origin_is_not_resumed() {
     c.fails_after(0..1);
     assert_eq!(c.open("t2", "src-b").resumed_bytes(), 0);
 }
+
+#[test]
+fn a_partial_file_a_running_sync_holds_is_neither_adopted_nor_swept() {
+    let c = Case::new();
+    c.fails_after(0..2);
+    // Sync t2 resumes the kept pieces and holds the file while it runs.
+    let running = c.open("t2", "src-a");
+    assert_eq!(running.resumed_bytes(), 2 * PIECE);
+    // A second sync of the same snapshot starts its own file.
+    let second = c.open("t3", "src-a");
+    assert_eq!(second.resumed_bytes(), 0);
+    assert_eq!(
+        crate::store::journal::sweep(c.dir.path(), std::time::Duration::ZERO, true),
+        0,
+        "both are held"
+    );
+    assert_eq!(c.temp_files().len(), 3, "{:?}", c.temp_files());
+    drop(second);
+    let mut running = running;
+    c.feed_all(&mut running, 2..c.manifest.pieces());
+    c.installs(running);
+}
