@@ -422,6 +422,13 @@ fn prepare(config: &Config) -> Result<Prepared, AgentError> {
         tls: tls::agent_client(&config.tls)?,
         tokens: peer_tokens.clone().unwrap_or_else(|| tokens.clone()),
         token_in_clear: config.auth.send_token_in_clear,
+        listed: config
+            .sync
+            .allowed_sources
+            .iter()
+            .filter(|a| a.contains(':'))
+            .cloned()
+            .collect(),
         data_tls: if config.data_tls() {
             tls::data_client(&config.tls)?
         } else {

@@ -303,6 +303,7 @@ fn client_dialer(cli: &Cli) -> anyhow::Result<crate::rpc::Dialer> {
         tls,
         tokens,
         token_in_clear: true,
+        listed: Vec::new(),
         data_tls: None,
     })
 }

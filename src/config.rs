@@ -1072,10 +1072,21 @@ impl Config {
             if !crate::peer_text::is_plain_name(&name) {
                 p.bad(
                     "sync.allowed_sources",
-                    format!("entry {i} ({source:?}) is neither host:port nor a node id"),
+                    format!("entry {i} ({source:?}) is neither host:port nor a name"),
+                );
+            } else if !source.contains(':') && !self.tls_proves_names() {
+                p.bad(
+                    "sync.allowed_sources",
+                    format!("entry {i} ({source:?}) is a name, and only a certificate proves one: without [tls] (or with tls.server_name, one name for every agent) a name is whatever a source claims; list the source's address (host:port) instead, or configure [tls] so that the certificate of the host dialled is checked against the name"),
                 );
             }
         }
+    }
+
+    /// Whether TLS proves which host a peer is: its certificate is checked
+    /// against the host part of the address dialled.
+    pub fn tls_proves_names(&self) -> bool {
+        self.tls.enabled() && self.tls.server_name.is_empty()
     }
 
     /// The gRPC listener is reachable from other hosts.
@@ -1268,8 +1279,26 @@ expected_transfer_rate = "0"
     fn peer_facing_names_are_plain() {
         let mut c = valid();
         c.node_id = "node 1\r\n".into();
-        c.sync.allowed_sources = vec!["10.0.0.1:35101".into(), "primary-1".into(), "a b:1".into()];
+        c.sync.allowed_sources = vec!["10.0.0.1:35101".into(), "a b:1".into()];
         assert_eq!(problem_keys(&c), ["node_id", "sync.allowed_sources"]);
+    }
+
+    #[test]
+    fn a_name_in_allowed_sources_needs_a_certificate_to_prove_it() {
+        let mut c = valid();
+        c.sync.allowed_sources = vec!["primary-1".into()];
+        let problems = c.validate().unwrap_err();
+        assert!(
+            problems[0]
+                .message
+                .contains("only a certificate proves one"),
+            "{problems:?}"
+        );
+        c.tls.ca_file = Some("/ca.pem".into());
+        assert!(c.tls_proves_names());
+        // One name for every agent proves no host.
+        c.tls.server_name = "fleet".into();
+        assert!(!c.tls_proves_names());
     }
 
     #[test]

@@ -301,21 +301,11 @@ async fn source_unreachable_or_without_snapshot() {
         .unwrap()
         .local_addr()
         .unwrap();
-    let mut c = replica.client().await;
-    let id = c
-        .start_full_sync(pb::StartFullSyncRequest {
-            source: dead.to_string(),
-            transport: 0,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .sync_id;
-    let p = wait_done(&replica, &id).await;
+    let p = sync_from(&replica, &dead.to_string()).await;
     assert_eq!(p.phase, pb::Phase::Failed as i32);
     assert!(p.error.contains("unreachable"), "{}", p.error);
 
+    let mut c = replica.client().await;
     let empty_source = Node::start(root.path(), "empty", "", &[]);
     let id = start_sync(&replica, &empty_source).await;
     let p = wait_done(&replica, &id).await;

@@ -440,7 +440,12 @@ async fn bearer_tokens_are_required_counted_and_reloaded_on_sighup() {
     let root = tempfile::tempdir().unwrap();
     let tokens = root.path().join("tokens");
     std::fs::write(&tokens, "# fleet\nfirst-fleet-token-0001\n").unwrap();
-    let auth = format!("\n[auth]\ntoken_file = \"{}\"", tokens.display());
+    // Agent to agent on loopback: nothing proves which process answers,
+    // so presenting the token in clear is the operator's explicit choice.
+    let auth = format!(
+        "\n[auth]\ntoken_file = \"{}\"\nsend_token_in_clear = true",
+        tokens.display()
+    );
     let start = |name: &str| config_node(root.path(), name, &auth, &[], &[]);
     let (source, replica) = (start("source"), start("replica"));
     put_snapshot(&source.dir, "s.kvr1", 1 << 20, 4);

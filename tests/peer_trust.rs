@@ -212,29 +212,63 @@ async fn a_replica_pulls_only_from_allowed_sources() {
     assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err:?}");
     assert!(err.message().contains("sync.allowed_sources"), "{err:?}");
 
-    // By node id: the source's id is only known from its offer.
-    let by_id = Node::start(
+    // Listed by address, it is the source.
+    let listed = Node::start(
         root.path(),
-        "by-id",
-        "[sync]\nallowed_sources = [\"primary-9\"]\n",
+        "listed",
+        &format!("[sync]\nallowed_sources = [\"{}\"]\n", source.grpc()),
         &[],
     );
-    let id = start_sync(&by_id, &source).await;
-    let p = wait_done(&by_id, &id).await;
+    let p = sync_ok(&listed, &source).await;
+    assert!(std::fs::read(&p.installed_path).unwrap() == bytes);
+}
+
+#[test]
+fn a_source_is_never_admitted_by_the_node_id_it_claims() {
+    // A fake source on loopback can claim any node id (here, "source" is
+    // just its config). Without [tls] nothing proves a name, so an agent
+    // whose allowed_sources lists one does not start; before, it pulled
+    // from whoever said that name.
+    let err = refused_config("[sync]\nallowed_sources = [\"source\"]\n");
+    assert!(
+        err.contains("sync.allowed_sources") && err.contains("only a certificate proves one"),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_peer_token_goes_only_to_a_source_something_proves() {
+    // A listener on loopback, as any local user can open: it records
+    // whether anyone connected to it.
+    let fake = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    fake.set_nonblocking(true).unwrap();
+    let fake_addr = fake.local_addr().unwrap().to_string();
+    let root = tempfile::tempdir().unwrap();
+    let (orch, peer) = (root.path().join("orch"), root.path().join("peer"));
+    std::fs::write(&orch, "orchestrator-token-0123456789\n").unwrap();
+    std::fs::write(&peer, "fleet-peer-token-0123456789\n").unwrap();
+    let mut replica = Node::start(
+        root.path(),
+        "replica",
+        &format!(
+            "[auth]\ntoken_file = \"{}\"\npeer_token_file = \"{}\"\n",
+            orch.display(),
+            peer.display()
+        ),
+        &[],
+    );
+    replica.token = Some("orchestrator-token-0123456789".into());
+    let p = sync_from(&replica, &fake_addr).await;
     assert_eq!(p.phase, pb::Phase::Failed as i32, "{p:?}");
     assert!(
-        p.error.contains("not in sync.allowed_sources"),
+        p.error.contains("refusing to present this agent's token") && p.error.contains(&fake_addr),
         "{}",
         p.error
     );
-    let named = Node::start(
-        root.path(),
-        "named",
-        "[sync]\nallowed_sources = [\"source\"]\n",
-        &[],
+    assert!(
+        matches!(fake.accept(), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "the replica connected to a source nothing proves"
     );
-    let p = sync_ok(&named, &source).await;
-    assert!(std::fs::read(&p.installed_path).unwrap() == bytes);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -385,24 +419,28 @@ async fn orchestrator_and_peer_tokens_are_separate() {
     assert_eq!(agent.metric("kvsync_grpc_auth_failures_total"), 2.0);
 }
 
-#[test]
-fn an_exposed_listener_without_authentication_does_not_start() {
+/// The error of an agent started with `config` after its snapshot_dir,
+/// which must refuse to start.
+fn refused_config(config: &str) -> String {
     let root = tempfile::tempdir().unwrap();
-    let config = root.path().join("open.toml");
+    let file = root.path().join("agent.toml");
+    let dir = root.path().join("snap");
     std::fs::write(
-        &config,
-        format!(
-            "snapshot_dir = \"{}\"\n[grpc]\nlisten = \"0.0.0.0:0\"\nplaintext = true\n",
-            root.path().join("snap").display()
-        ),
+        &file,
+        format!("snapshot_dir = \"{}\"\n{config}", dir.display()),
     )
     .unwrap();
     let out = std::process::Command::new(kvsync_bin())
-        .args(["agent", "--config", config.to_str().unwrap()])
+        .args(["agent", "--config", file.to_str().unwrap()])
         .output()
         .unwrap();
     assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn an_exposed_listener_without_authentication_does_not_start() {
+    let err = refused_config("[grpc]\nlisten = \"0.0.0.0:0\"\nplaintext = true\n");
     assert!(
         err.contains("grpc.listen") && err.contains("token_file") && err.contains("client_auth"),
         "{err}"

@@ -23,8 +23,12 @@ pub type AgentChannel = InterceptedService<Channel, ClientAuth>;
 pub struct Dialer {
     pub tls: Option<ClientTlsConfig>,
     pub tokens: Arc<Tokens>,
-    /// Present the token without TLS to addresses other than loopback.
+    /// Present tokens without TLS to any address (`[auth]
+    /// send_token_in_clear`; the CLI, whose operator chose the address).
     pub token_in_clear: bool,
+    /// Without TLS, the addresses this process's own token may still go to
+    /// (an agent's `sync.allowed_sources` address entries).
+    pub listed: Vec<String>,
     /// TLS for the TCP data path to sources (`None`: plaintext only).
     pub data_tls: Option<Arc<rustls::ClientConfig>>,
 }
@@ -34,6 +38,8 @@ pub struct Dialer {
 pub enum ConnectError {
     #[error("refusing to send this agent's token in clear text to {0}: set [tls], or [auth] send_token_in_clear = true on a trusted network")]
     TokenInClear(String),
+    #[error("refusing to present this agent's token to {0}: without [tls] nothing proves which process answers there (on this host too); set [tls], list {0} in sync.allowed_sources, or [auth] send_token_in_clear = true on a trusted network")]
+    Unproved(String),
     #[error("bad address {addr:?}: {reason}")]
     BadAddress { addr: String, reason: String },
     #[error("TLS settings: {0}")]
@@ -44,20 +50,31 @@ pub enum ConnectError {
 }
 
 impl Dialer {
-    /// Opens a channel to an agent's gRPC address (`host:port`).
-    /// A token is never sent in clear text off this host unless
-    /// `token_in_clear` says so.
+    /// Opens a channel to an agent's gRPC address (`host:port`) that
+    /// presents this process's own token (for an agent, the fleet's peer
+    /// token): only to an agent TLS proved (its certificate checked against
+    /// the name dialled), or listed by address, or where `token_in_clear`
+    /// says so. Loopback proves nothing: any local user can listen there.
     pub async fn connect(
         &self,
         addr: &str,
         timeout: Duration,
     ) -> Result<AgentChannel, ConnectError> {
-        self.connect_as(addr, timeout, self.tokens.client()).await
+        let auth = self.tokens.client();
+        if self.tls.is_none()
+            && auth.is_some()
+            && !self.token_in_clear
+            && !self.listed.iter().any(|a| a == addr)
+        {
+            return Err(ConnectError::Unproved(addr.to_string()));
+        }
+        self.open(addr, timeout, auth).await
     }
 
     /// Opens a channel that presents `auth` instead of this agent's token
-    /// (a caller's token passed on, for calls made on its behalf), under
-    /// the same clear-text rule.
+    /// (a caller's token passed on, for calls made on its behalf, to the
+    /// agents the caller named): never in clear text off this host unless
+    /// `token_in_clear` says so.
     pub async fn connect_as(
         &self,
         addr: &str,
@@ -67,6 +84,15 @@ impl Dialer {
         if self.tls.is_none() && auth.is_some() && !self.token_in_clear && !is_local(addr) {
             return Err(ConnectError::TokenInClear(addr.to_string()));
         }
+        self.open(addr, timeout, auth).await
+    }
+
+    async fn open(
+        &self,
+        addr: &str,
+        timeout: Duration,
+        auth: ClientAuth,
+    ) -> Result<AgentChannel, ConnectError> {
         let scheme = if self.tls.is_some() { "https" } else { "http" };
         let mut endpoint = Endpoint::from_shared(format!("{scheme}://{addr}"))
             .map_err(|e| ConnectError::BadAddress {
@@ -131,14 +157,31 @@ mod tests {
             tls: None,
             tokens: Tokens::load(Some(&file)).unwrap(),
             token_in_clear: false,
+            listed: vec!["127.0.0.1:2".into()],
             data_tls: None,
         };
         let t = Duration::from_millis(200);
-        let err = dialer.connect("192.0.2.1:35101", t).await.err().unwrap();
+        // This agent's own token: not to an address nothing proves, not
+        // even on loopback, where any local user can listen.
+        for addr in ["192.0.2.1:35101", "127.0.0.1:1"] {
+            let err = dialer.connect(addr, t).await.err().unwrap();
+            assert!(matches!(err, ConnectError::Unproved(_)), "{err}");
+        }
+        // Listed by address: the call goes ahead (and fails to connect,
+        // nobody listens).
+        let err = dialer.connect("127.0.0.1:2", t).await.err().unwrap();
+        assert!(matches!(err, ConnectError::Failed(_)), "{err}");
+        // A caller's token passed on: to this host only.
+        let caller = || ClientAuth::new(Some("caller-token-0123456789".into()));
+        let err = dialer
+            .connect_as("192.0.2.1:35101", t, caller())
+            .await
+            .err()
+            .unwrap();
         assert!(matches!(err, ConnectError::TokenInClear(_)), "{err}");
         assert!(is_local("127.0.0.1:1") && is_local("[::1]:1") && is_local("localhost:1"));
         assert!(!is_local("10.0.0.1:1") && !is_local("primary-1:1"));
-        // Allowed: the call goes ahead (and fails to connect, nobody listens).
+        // Allowed everywhere.
         dialer.token_in_clear = true;
         let err = dialer.connect("127.0.0.1:1", t).await.err().unwrap();
         assert!(matches!(err, ConnectError::Failed(_)), "{err}");

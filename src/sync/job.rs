@@ -303,7 +303,6 @@ fn check_offer(ctx: &JobContext, offer: &Offer) -> Result<(), JobError> {
     })?;
     let limits = policy::Limits {
         data_tls: config.data.tls,
-        allowed_sources: &config.sync.allowed_sources,
         max_snapshot_bytes: config.sync.max_snapshot_bytes.as_u64(),
         min_free_after: config.sync.min_free_after.as_u64(),
         dir,

@@ -57,15 +57,17 @@ pub enum SyncError {
 }
 
 /// Whether `sync.allowed_sources` lets this agent pull from the source at
-/// `addr` (with node id `node_id`, once known). Before the node id is
-/// known, only an address entry can refuse: a node-id entry might match.
-pub fn source_allowed(allowed: &[String], addr: &str, node_id: Option<&str>) -> bool {
+/// `addr`: an address entry is that address; a name entry is the name the
+/// source's certificate proves, the host part of the address it is dialled
+/// at (configuration allows name entries only under [tls], where the
+/// certificate is checked against that name). What a source says about
+/// itself (its node id) never admits it.
+pub fn source_allowed(allowed: &[String], addr: &str) -> bool {
+    let host = addr.parse::<crate::config::HostPort>().map(|a| a.host);
     allowed.is_empty()
-        || allowed.iter().any(|a| a == addr)
-        || match node_id {
-            Some(id) => allowed.iter().any(|a| a == id),
-            None => allowed.iter().any(|a| !a.contains(':')),
-        }
+        || allowed
+            .iter()
+            .any(|a| a == addr || (!a.contains(':') && host.as_ref().is_ok_and(|h| h == a)))
 }
 
 struct Running {
@@ -236,7 +238,7 @@ impl SyncManager {
                     .into(),
             ));
         }
-        if !source_allowed(&self.config.sync.allowed_sources, source, None) {
+        if !source_allowed(&self.config.sync.allowed_sources, source) {
             return Err(SyncError::SourceNotAllowed(format!(
                 "{source} is not in sync.allowed_sources of this agent; add it there to pull from it"
             )));

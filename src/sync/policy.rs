@@ -151,7 +151,6 @@ pub fn answers(offer: &Offer, asked: &Asked) -> Result<(), JobError> {
 #[derive(Debug, Clone, Copy)]
 pub struct Limits<'a> {
     pub data_tls: DataTls,
-    pub allowed_sources: &'a [String],
     pub max_snapshot_bytes: u64,
     pub min_free_after: u64,
     pub dir: &'a Path,
@@ -173,16 +172,6 @@ pub fn within_limits(
     {
         return Err(JobError::BadOffer(format!(
             "source {source_addr} offered the data plane without TLS and this replica requires it ([data] tls = \"required\"); give the source a [tls] configuration"
-        )));
-    }
-    if !super::source_allowed(
-        limits.allowed_sources,
-        source_addr,
-        Some(&offer.source_node),
-    ) {
-        return Err(JobError::BadOffer(format!(
-            "source node {} at {source_addr} is not in sync.allowed_sources",
-            offer.source_node
         )));
     }
     let (size, max) = (offer.snapshot.size, limits.max_snapshot_bytes);

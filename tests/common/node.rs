@@ -271,6 +271,22 @@ pub async fn sync_in_flight(replica: &Node, source: &Node) -> String {
     id
 }
 
+/// Syncs from the agent at `source` (any address) and follows it to its end.
+pub async fn sync_from(replica: &Node, source: &str) -> pb::SyncProgress {
+    let id = replica
+        .client()
+        .await
+        .start_full_sync(pb::StartFullSyncRequest {
+            source: source.to_string(),
+            ..Default::default()
+        })
+        .await
+        .expect("start sync")
+        .into_inner()
+        .sync_id;
+    wait_done(replica, &id).await
+}
+
 pub async fn start_sync(replica: &Node, source: &Node) -> String {
     let mut c = replica.client().await;
     let r = c

@@ -34,10 +34,9 @@ fn offer(transport: TransportKind, size: u64) -> Offer {
     }
 }
 
-fn limits<'a>(allowed: &'a [String], tls: DataTls) -> Limits<'a> {
+fn limits(tls: DataTls) -> Limits<'static> {
     Limits {
         data_tls: tls,
-        allowed_sources: allowed,
         max_snapshot_bytes: 100 * MIB,
         min_free_after: 10 * MIB,
         dir: Path::new("/snapshots"),
@@ -170,7 +169,7 @@ fn an_offer_must_answer_the_request() {
 
 #[test]
 fn required_tls_refuses_a_plain_tcp_offer_but_not_rdma() {
-    let l = limits(&[], DataTls::Required);
+    let l = limits(DataTls::Required);
     let err = within_limits(&l, "src:7000", &offer(TransportKind::Tcp, MIB), u64::MAX);
     assert!(
         err.unwrap_err().to_string().contains("without TLS"),
@@ -184,24 +183,21 @@ fn required_tls_refuses_a_plain_tcp_offer_but_not_rdma() {
 }
 
 #[test]
-fn allowed_sources_match_the_address_or_the_offered_node_id() {
-    let o = offer(TransportKind::Tcp, MIB);
-    for allowed in [vec!["src:7000".to_string()], vec!["src-a".to_string()]] {
-        let l = limits(&allowed, DataTls::Auto);
-        assert!(
-            within_limits(&l, "src:7000", &o, u64::MAX).is_ok(),
-            "{allowed:?}"
-        );
-    }
-    let allowed = vec!["other:7000".to_string(), "src-b".to_string()];
-    let l = limits(&allowed, DataTls::Auto);
-    let err = within_limits(&l, "src:7000", &o, u64::MAX).unwrap_err();
-    assert!(err.to_string().contains("src-a at src:7000"), "{err}");
+fn allowed_sources_match_the_address_or_the_proved_host_never_the_claimed_node_id() {
+    use crate::sync::source_allowed;
+    let allow = |entries: &[&str]| entries.iter().map(|e| e.to_string()).collect::<Vec<_>>();
+    assert!(source_allowed(&[], "src:7000"));
+    assert!(source_allowed(&allow(&["src:7000"]), "src:7000"));
+    // A name is the host TLS checked the certificate against.
+    assert!(source_allowed(&allow(&["src"]), "src:7000"));
+    assert!(!source_allowed(&allow(&["src:7001", "other"]), "src:7000"));
+    // The node id the source's offer claims ("src-a") plays no part.
+    assert!(!source_allowed(&allow(&["src-a"]), "src:7000"));
 }
 
 #[test]
 fn size_and_free_space_limits_hold_at_their_edges() {
-    let l = limits(&[], DataTls::Auto);
+    let l = limits(DataTls::Auto);
     let at = |size, free| within_limits(&l, "src:7000", &offer(TransportKind::Tcp, size), free);
     assert!(at(100 * MIB, u64::MAX).is_ok());
     assert!(matches!(
