@@ -212,11 +212,6 @@ async fn a_relay_killed_mid_transfer_leaves_its_children_to_resume_from_the_orig
     }
 }
 
-/// XORed into a message anywhere, these 5 bytes leave its CRC32 (IEEE)
-/// unchanged: they are the generator polynomial 0x104c11db7 in the
-/// reflected bit order, a multiple of the generator.
-const CRC32_NEUTRAL: [u8; 5] = [0x41, 0x06, 0x71, 0xdb, 0x01];
-
 /// `bytes` with a record value changed so that the file's CRC32, and so
 /// its size, seq and checksum, stay: still a valid KVR1 snapshot.
 fn crc_neutral_forgery(bytes: &[u8]) -> Vec<u8> {
@@ -229,7 +224,10 @@ fn crc_neutral_forgery(bytes: &[u8]) -> Vec<u8> {
         .map(|k| (MIB + 977 * k) as usize)
         .map(|at| {
             let mut forged = bytes.to_vec();
-            for (b, d) in forged[at..].iter_mut().zip(CRC32_NEUTRAL) {
+            for (b, d) in forged[at..]
+                .iter_mut()
+                .zip(kvsync::transport::CRC32_NEUTRAL)
+            {
                 *b ^= d;
             }
             forged

@@ -1,6 +1,7 @@
 //! Pieces and resume between real agent processes: a damaged piece is
 //! fetched again alone (TCP and the emulated RDMA fabric, an emulation of
-//! RC queue pairs); a cut connection, a SIGKILLed replica agent and a
+//! RC queue pairs), and one changed on the wire so that its CRC32 stays is
+//! caught every time; a cut connection, a SIGKILLed replica agent and a
 //! restarted source resume where they stopped and move only the rest; a
 //! changed snapshot and a journal that lies start over cleanly (the lie is
 //! caught by the read-back that runs beside the transfer, and the job's
@@ -114,6 +115,33 @@ async fn a_damaged_piece_past_its_retries_fails_and_keeps_the_previous_snapshot(
             .contains("not resumed within data.resume_ttl");
         (logged && replica.temp_files().is_empty()).then_some(())
     });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_on_the_wire_that_crc32_cannot_see_fails_its_piece_every_time() {
+    // As an on-path attacker without the key would: 5 bytes of piece 4
+    // changed in every sending, so that the piece's CRC32 stays the same.
+    let root = tempfile::tempdir().unwrap();
+    let env = [("KVSYNC_FAULTS", "forge_at=5000000")];
+    let source = Node::start(root.path(), "source", PIECES, &env);
+    put_snapshot(&source.dir, "s.kvr1", SIZE, 21);
+    source.offered(21).await;
+    let replica = Node::start(root.path(), "replica", "[data]\npiece_retries = 2\n", &[]);
+    let previous = put_snapshot(&replica.dir, "s.kvr1", 4096, 20);
+    let id = start_sync(&replica, &source).await;
+    let p = wait_done(&replica, &id).await;
+    assert_eq!(
+        (p.phase, p.result.as_str()),
+        (pb::Phase::Failed as i32, "checksum_mismatch"),
+        "{p:?}"
+    );
+    assert!(
+        p.error.contains("piece 4") && p.error.contains("failed its check 3 times"),
+        "{}",
+        p.error
+    );
+    assert_eq!(p.pieces_refetched, 3, "{p:?}");
+    assert!(std::fs::read(replica.dir.join("s.kvr1")).unwrap() == previous);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -232,9 +232,15 @@ pub fn drive<M: Machine, E: Executor>(
     }
 }
 
+/// XORed into a message anywhere, these 5 bytes leave its CRC32 (IEEE)
+/// unchanged: they are the generator polynomial 0x104c11db7 in the
+/// reflected bit order, a multiple of the generator. What a forger or an
+/// on-path attacker changes when CRC32 is the check (tests, `forge_at`).
+pub const CRC32_NEUTRAL: [u8; 5] = [0x41, 0x06, 0x71, 0xdb, 0x01];
+
 /// Faults injected into the data plane for fault tests, from the
-/// `KVSYNC_FAULTS` environment variable: `corrupt_at=N,stall_after=N,cut_after=N`
-/// for TCP sources; `rdma_corrupt_at=N,rdma_cut_after=N,rdma_drop_send=N` for
+/// `KVSYNC_FAULTS` environment variable: `corrupt_at=N,forge_at=N,
+/// stall_after=N,cut_after=N` for TCP sources; `rdma_corrupt_at=N,rdma_cut_after=N,rdma_drop_send=N` for
 /// the emulated fabric; `rdma_bad_rkey=1` and `rdma_hold_after=N` with
 /// `hold_file=PATH`, `rdma_write_after_verify=1` (source), `rdma_no_file_mr=1`
 /// and `rdma_damage_piece=N`
@@ -249,6 +255,9 @@ pub struct Faults {
     pub rdma: rdma::RdmaFaults,
     /// Source: flip one bit of the snapshot byte at this offset on the wire.
     pub corrupt_at: Option<u64>,
+    /// Source: XOR [`CRC32_NEUTRAL`] into the snapshot at this offset on
+    /// the wire, every time (an on-path change CRC32 cannot see).
+    pub forge_at: Option<u64>,
     /// Source: stop sending after this many bulk bytes (until the peer leaves).
     pub stall_after: Option<u64>,
     /// Source: drop the connection after this many bulk bytes.
@@ -296,6 +305,7 @@ impl Faults {
             })?;
             match k {
                 "corrupt_at" => f.corrupt_at = Some(n),
+                "forge_at" => f.forge_at = Some(n),
                 "stall_after" => f.stall_after = Some(n),
                 "cut_after" => f.cut_after = Some(n),
                 "rdma_corrupt_at" => f.emu.corrupt_at = Some(n),

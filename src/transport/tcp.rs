@@ -576,17 +576,34 @@ impl SourceIo<'_> {
         Ok(())
     }
 
+    /// The faults' damage to the `n` bytes at `at`: `(offset, xor)` pairs
+    /// (a `corrupt_at` bit once, `forge_at`'s CRC-neutral bytes always).
+    fn damage(&mut self, at: u64, n: usize) -> Vec<(u64, u8)> {
+        let range = at..at + n as u64;
+        let mut damage = Vec::new();
+        if let Some(bad) = self.faults.corrupt_at {
+            if !self.corrupted && range.contains(&bad) {
+                self.corrupted = true;
+                damage.push((bad, 0x01));
+            }
+        }
+        if let Some(forge) = self.faults.forge_at {
+            damage.extend(
+                (forge..)
+                    .zip(super::CRC32_NEUTRAL)
+                    .filter(|(o, _)| range.contains(o)),
+            );
+        }
+        damage
+    }
+
     /// Sends the `n` bytes at `at`, paced by the agent's rate limit
-    /// (a `corrupt_at` fault sends a damaged copy instead, once).
+    /// (a fault sends a damaged copy instead).
     fn send_range(&mut self, at: u64, n: usize) -> Result<(), TcpError> {
         let (snapshot, rate) = (self.snapshot, self.rate);
         let end = at + n as u64;
-        if let Some(bad) = self
-            .faults
-            .corrupt_at
-            .filter(|bad| !self.corrupted && (at..end).contains(bad))
-        {
-            self.corrupted = true;
+        let damage = self.damage(at, n);
+        if !damage.is_empty() {
             let mut copy = vec![0u8; n];
             match snapshot {
                 Served::Image(image) => {
@@ -594,7 +611,9 @@ impl SourceIo<'_> {
                 }
                 Served::File(file) => file.read_at(&mut copy, at)?,
             }
-            copy[(bad - at) as usize] ^= 0x01;
+            for (offset, xor) in damage {
+                copy[(offset - at) as usize] ^= xor;
+            }
             return rate.paced(n, |r| self.send_grain(&copy[r], false));
         }
         match snapshot {

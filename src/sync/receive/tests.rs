@@ -13,11 +13,6 @@ use crate::transport::tcp::TcpError;
 
 const PIECE: u64 = MIN_PIECE_SIZE;
 
-/// XORed into a message anywhere, these 5 bytes leave its CRC32 (IEEE)
-/// unchanged: they are the generator polynomial 0x104c11db7 in the
-/// reflected bit order, a multiple of the generator.
-const CRC32_NEUTRAL: [u8; 5] = [0x41, 0x06, 0x71, 0xdb, 0x01];
-
 /// A KVR1 snapshot of 3 pieces and 5000 bytes, and its manifest.
 fn snapshot() -> (Vec<u8>, Arc<Manifest>) {
     let mut bytes = Vec::new();
@@ -166,7 +161,10 @@ fn a_piece_changed_without_changing_its_crc32_is_refused() {
     let c = Case::new();
     let mut r = c.open("t1", "src-a");
     let mut forged = c.piece(1).to_vec();
-    for (b, d) in forged[4096..].iter_mut().zip(CRC32_NEUTRAL) {
+    for (b, d) in forged[4096..]
+        .iter_mut()
+        .zip(crate::transport::CRC32_NEUTRAL)
+    {
         *b ^= d;
     }
     assert_eq!(crc32fast::hash(&forged), crc32fast::hash(c.piece(1)));
