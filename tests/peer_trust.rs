@@ -705,3 +705,102 @@ async fn idle_and_malformed_connections_get_no_thread_and_cannot_stop_a_real_syn
         0.0
     );
 }
+
+/// A source that lies about everything it can: a well-formed offer of a
+/// snapshot as large as the replica takes, then a manifest that never
+/// ends, 1 MiB a part, as fast as the replica reads.
+struct FloodingSource;
+
+#[tonic::async_trait]
+impl pb::peer_server::Peer for FloodingSource {
+    async fn open_full_sync(
+        &self,
+        _: tonic::Request<pb::OpenFullSyncRequest>,
+    ) -> Result<tonic::Response<pb::SyncOffer>, tonic::Status> {
+        Ok(tonic::Response::new(pb::SyncOffer {
+            session_id: "flood".into(),
+            session_token: vec![7; 32],
+            format: "kvr1".into(),
+            snapshot_size: 1 << 30,
+            seq: 1,
+            checksum: 1,
+            transport: pb::Transport::Tcp as i32,
+            data_endpoint: "127.0.0.1:9".into(),
+            source_node_id: "flood".into(),
+            piece_size: 1 << 20,
+            manifest_digest: vec![0; 32],
+            tcp_streams: 1,
+            ..Default::default()
+        }))
+    }
+
+    async fn report_result(
+        &self,
+        _: tonic::Request<pb::ReportResultRequest>,
+    ) -> Result<tonic::Response<pb::ReportResultResponse>, tonic::Status> {
+        Ok(tonic::Response::new(pb::ReportResultResponse {}))
+    }
+
+    type GetManifestStream = std::pin::Pin<
+        Box<dyn futures::Stream<Item = Result<pb::ManifestPart, tonic::Status>> + Send>,
+    >;
+
+    async fn get_manifest(
+        &self,
+        _: tonic::Request<pb::GetManifestRequest>,
+    ) -> Result<tonic::Response<Self::GetManifestStream>, tonic::Status> {
+        Ok(tonic::Response::new(Box::pin(
+            futures::stream::repeat_with(|| {
+                Ok(pb::ManifestPart {
+                    data: vec![0xab; 1 << 20],
+                })
+            }),
+        )))
+    }
+}
+
+/// The most memory the process `pid` has held (VmHWM), in bytes.
+fn peak_rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kib << 10
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_manifest_that_never_ends_is_cut_off_at_what_the_offer_can_weigh() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let fake = listener.local_addr().unwrap().to_string();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(pb::peer_server::PeerServer::new(FloodingSource))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let root = tempfile::tempdir().unwrap();
+    let replica = Node::start(
+        root.path(),
+        "replica",
+        "[sync]\nmax_snapshot_bytes = \"1GiB\"\nmin_free_after = \"0B\"\n",
+        &[],
+    );
+    let before = peak_rss(replica.proc.child.id());
+    let p = sync_from(&replica, &fake).await;
+    assert_eq!(p.phase, pb::Phase::Failed as i32, "{p:?}");
+    assert!(
+        p.error.contains("piece manifest: more than the"),
+        "{}",
+        p.error
+    );
+    // A 1 GiB snapshot in 1 MiB pieces has a 32 KiB manifest: the replica
+    // stops at the first part that passes it.
+    let grew = peak_rss(replica.proc.child.id()).saturating_sub(before);
+    assert!(grew < 32 << 20, "peak RSS grew by {grew} bytes");
+    assert!(
+        replica.temp_files().is_empty(),
+        "{:?}",
+        replica.temp_files()
+    );
+}
