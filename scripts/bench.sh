@@ -54,7 +54,7 @@ fi
 
 bash scripts/deps.sh rsync openssl
 cargo build --locked --release --quiet
-cargo build --locked --release --quiet --example plain_copy --example crc_speed
+cargo build --locked --release --quiet --example plain_copy --example hash_speed
 bin=$PWD/target/release/kvsync
 copy=$PWD/target/release/examples/plain_copy
 work=$(mktemp -d "${BENCH_DIR:-${TMPDIR:-/tmp}}/kvsync-bench.XXXXXX")
@@ -390,7 +390,7 @@ if section 6; then
 # out does: both kinds of sync find its image loaded.
 out "### 6. Pieces and resume"
 out ""
-out "Piece checksum candidates, one core over 256 MiB in memory (examples/crc_speed.rs): $(target/release/examples/crc_speed | awk '{printf "%s%s %s MB/s", sep, $1, $2; sep="; "}')."
+out "Piece hash candidates and the formats' CRCs, one core over 256 MiB in memory (examples/hash_speed.rs): $(target/release/examples/hash_speed | awk '{printf "%s%s %s MB/s", sep, $1, $2; sep="; "}')."
 out ""
 start_agent rsrc "$work/fan.toml"
 start_agent rdst

@@ -108,6 +108,16 @@ echo "== damaged piece"
 DMG=$(DIR=/tmp/kv/dmg start_agent dmg rdma false KVSYNC_FAULTS=rdma_damage_piece=1 | grpc) || exit 1
 "$K" sync --agent $DMG --source $SRC --wait --json
 cmp /tmp/kv/src/s3.kvr1 /tmp/kv/dmg/s3.kvr1 && echo "identical"
+echo "== write after verify"
+# A source that writes into piece 0 once more after its PACK, before BDON:
+# the replica never installs what it did not verify (no fallback).
+WAV=$(start_agent wav auto true KVSYNC_FAULTS=rdma_write_after_verify=1 | grpc) || exit 1
+WDST=$(start_agent wdst rdma false | grpc) || exit 1
+"$K" gen-snapshot --size 4194304 --seq 8 /tmp/kv/wav/w8.kvr1 > /dev/null
+offered $WAV 8
+"$K" sync --agent $WDST --source $WAV --wait --json
+cmp /tmp/kv/wav/w8.kvr1 /tmp/kv/wdst/w8.kvr1 2> /dev/null && echo "identical"
+ls -A /tmp/kv/wdst | sed 's/^/left: /'
 echo "== fallback"
 "$K" gen-snapshot --size 4194304 --seq 9 /tmp/kv/bad/b9.kvr1 > /dev/null
 offered $BAD 9
@@ -421,6 +431,30 @@ fn soft_roce_vm_has_active_rxe0_and_real_verbs() {
     assert_eq!(v["pieces_refetched"], 1, "{v}");
     assert_eq!(v["fallback_reason"], "", "{v}");
     assert!(dmg.contains("identical"), "{dmg}");
+
+    // A write into a verified piece before BDON: received into the file
+    // mapping, the re-check after the revoke fails the sync; into an
+    // anonymous buffer, the private copy is what was checked and written.
+    let wav = section(out, "write after verify");
+    let v = section_json(out, "write after verify");
+    if v["detail"]
+        .as_str()
+        .unwrap_or_default()
+        .contains("anonymous buffer")
+    {
+        assert_eq!(v["status"], "succeeded", "{v}");
+        assert!(wav.contains("identical"), "{wav}");
+    } else {
+        assert_eq!(v["status"], "failed", "{v}");
+        assert!(
+            v["error"]
+                .as_str()
+                .unwrap()
+                .contains("changed after it was verified"),
+            "{v}"
+        );
+        assert!(!wav.contains("left: "), "nothing installed or left: {wav}");
+    }
 
     // A real remote access error from rxe0, then TCP.
     let fb = section(out, "fallback");

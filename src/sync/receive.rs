@@ -410,18 +410,43 @@ impl Receiver {
     /// start: what is installed is what was checked. A changed piece is no
     /// longer verified (a resume fetches it again).
     fn recheck(&mut self) -> Result<(), SinkError> {
-        self.format = FormatCheck::new(&self.manifest.info);
-        let mut changed = None;
-        for index in 0..self.manifest.pieces() {
-            let piece = landed_piece(&self.landed, &self.manifest, index);
-            if !self.manifest.piece_is(index, &blake3::hash(piece)) {
-                self.journal.verified[index as usize] = false;
-                changed.get_or_insert(index);
+        let (landed, manifest) = (&self.landed, &self.manifest);
+        let pieces = manifest.pieces();
+        let mut format = FormatCheck::new(&manifest.info);
+        // The source is idle now: the hashes on one thread per core but
+        // one, the format check (in order) on this one, at the same time.
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
+        let per = pieces.div_ceil(threads.saturating_sub(1).max(1)).max(1);
+        let changed: Vec<u32> = std::thread::scope(|scope| {
+            let hashers: Vec<_> = (0..pieces)
+                .step_by(per as usize)
+                .map(|first| {
+                    scope.spawn(move || {
+                        (first..(first + per).min(pieces))
+                            .filter(|&i| {
+                                let piece = landed_piece(landed, manifest, i);
+                                !manifest.piece_is(i, &blake3::hash(piece))
+                            })
+                            .collect::<Vec<u32>>()
+                    })
+                })
+                .collect();
+            for index in 0..pieces {
+                format.feed(landed_piece(landed, manifest, index));
             }
-            self.format.feed(piece);
-        }
+            hashers
+                .into_iter()
+                .flat_map(|h| h.join().expect("a hashing thread panicked"))
+                .collect()
+        });
+        self.format = format;
         self.exposed = false;
-        changed.map_or(Ok(()), |index| Err(SinkError::Changed(index)))
+        for &index in &changed {
+            self.journal.verified[index as usize] = false;
+        }
+        changed
+            .first()
+            .map_or(Ok(()), |&index| Err(SinkError::Changed(index)))
     }
 
     /// Counts and hashes the current piece's next `bytes` (and feeds them
