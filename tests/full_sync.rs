@@ -671,6 +671,47 @@ fn cli_sync_wait_json_summary() {
     assert_eq!(v["transport"], "tcp");
     assert!(v["duration_ms"].as_u64().is_some());
 
+    // One exact snapshot, by the digest `kvsync snapshots` prints.
+    let cli = |args: &[&str]| {
+        std::process::Command::new(kvsync_bin())
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let listed = cli(&["snapshots", "--agent", &source.grpc(), "--json"]);
+    let listed: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
+    let digest = listed[0]["manifest_digest"].as_str().unwrap().to_string();
+    assert_eq!(digest.len(), 64, "{listed}");
+    let by_digest = |digest: &str| {
+        let (r, s) = (replica.grpc(), source.grpc());
+        cli(&[
+            "sync",
+            "--agent",
+            &r,
+            "--source",
+            &s,
+            "--snapshot",
+            digest,
+            "--wait",
+            "--json",
+        ])
+    };
+    let out = by_digest(&digest);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = by_digest(&"0".repeat(64));
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        err.contains("does not have kvr1 snapshot manifest 0000"),
+        "{err}"
+    );
+    let out = by_digest("not-hex");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is not a manifest digest"));
+
     // A failing sync exits non-zero with the reason.
     let dead = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
