@@ -54,14 +54,113 @@ impl Drop for EndArrivals {
     }
 }
 
-/// The piece being received: its index, running hash and bytes so far,
-/// and, when it is the next piece of the format check, that check
-/// continued over its bytes (kept only if the piece verifies).
+/// The piece being received: its index and bytes so far (the
+/// [`Checker`] hashes them).
 struct Current {
     index: u32,
-    hash: blake3::Hasher,
     got: u64,
+}
+
+/// What the checker is told, in the order bytes land.
+enum Check {
+    /// Piece `index` starts; when it is the format check's next piece, its
+    /// bytes continue `format` (kept only if the piece verifies).
+    Start {
+        index: u32,
+        format: Option<Result<Verifier, Corruption>>,
+    },
+    /// The next `len` bytes of piece `index`, at `offset` in the file.
+    Bytes { index: u32, offset: u64, len: u64 },
+    /// Piece `index` ended: its hash and format check go back.
+    Finish {
+        index: u32,
+        reply: std::sync::mpsc::SyncSender<Checked>,
+    },
+}
+
+/// A piece's bytes as the checker saw them.
+struct Checked {
+    hash: blake3::Hash,
     format: Option<Result<Verifier, Corruption>>,
+}
+
+/// Hashes the bytes that landed in the staging file on a thread of its
+/// own, reading them through the read-only mapping in the order they came,
+/// while the receiving thread takes the next ones: the check at a piece's
+/// end waits only for its last bytes.
+struct Checker {
+    jobs: Option<std::sync::mpsc::Sender<Check>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Checker {
+    fn start(landed: Arc<memmap2::Mmap>) -> std::io::Result<Checker> {
+        let (jobs, inbox) = std::sync::mpsc::channel::<Check>();
+        let thread = std::thread::Builder::new()
+            .name("kvsync-check".into())
+            .spawn(move || {
+                let mut pieces = std::collections::HashMap::new();
+                for job in inbox {
+                    match job {
+                        Check::Start { index, format } => {
+                            pieces.insert(index, (blake3::Hasher::new(), format));
+                        }
+                        Check::Bytes { index, offset, len } => {
+                            let Some((hash, format)) = pieces.get_mut(&index) else {
+                                continue;
+                            };
+                            let bytes = &landed[offset as usize..(offset + len) as usize];
+                            hash.update(bytes);
+                            if let Some(Ok(v)) = format {
+                                if let Err(e) = v.update(bytes) {
+                                    *format = Some(Err(e));
+                                }
+                            }
+                        }
+                        Check::Finish { index, reply } => {
+                            let (hash, format) = pieces
+                                .remove(&index)
+                                .unwrap_or_else(|| (blake3::Hasher::new(), None));
+                            let _ = reply.send(Checked {
+                                hash: hash.finalize(),
+                                format,
+                            });
+                        }
+                    }
+                }
+            })?;
+        Ok(Checker {
+            jobs: Some(jobs),
+            thread: Some(thread),
+        })
+    }
+
+    fn send(&self, job: Check) {
+        if let Some(jobs) = &self.jobs {
+            // The thread only ends when this sender goes.
+            let _ = jobs.send(job);
+        }
+    }
+
+    /// Piece `index`'s hash (and format check), once all its bytes are
+    /// hashed.
+    fn finish(&self, index: u32) -> Checked {
+        let (reply, answer) = std::sync::mpsc::sync_channel(1);
+        self.send(Check::Finish { index, reply });
+        answer.recv().unwrap_or_else(|_| Checked {
+            hash: blake3::hash(b"the checker thread is gone"),
+            format: None,
+        })
+    }
+}
+
+impl Drop for Checker {
+    fn drop(&mut self) {
+        drop(self.jobs.take());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
 
 /// The snapshot format's own check, fed every verified piece in order:
@@ -126,8 +225,10 @@ pub struct Receiver {
     journal_writer: Option<journal::Writer>,
     staging: Staging,
     /// The staging file, mapped read-only once prepared: where bytes
-    /// spliced into it are checked.
-    landed: Option<memmap2::Mmap>,
+    /// that landed in it are checked.
+    landed: Option<Arc<memmap2::Mmap>>,
+    /// Hashes what lands, once prepared.
+    checker: Option<Checker>,
     manifest: Arc<Manifest>,
     /// Which pieces are verified (resumed ones included); the journal's bitmap.
     journal: Journal,
@@ -211,6 +312,7 @@ impl Receiver {
         Ok(Receiver {
             staging,
             landed: None,
+            checker: None,
             manifest,
             journal,
             current: None,
@@ -362,12 +464,10 @@ impl Receiver {
             _ => {
                 let format =
                     (index == self.format.next && !self.exposed).then(|| self.format.at.clone());
-                self.current = Some(Current {
-                    index,
-                    hash: blake3::Hasher::new(),
-                    got: 0,
-                    format,
-                });
+                if let Some(checker) = &self.checker {
+                    checker.send(Check::Start { index, format });
+                }
+                self.current = Some(Current { index, got: 0 });
                 0
             }
         };
@@ -449,18 +549,20 @@ impl Receiver {
             .map_or(Ok(()), |&index| Err(SinkError::Changed(index)))
     }
 
-    /// Counts and hashes the current piece's next `bytes` (and feeds them
-    /// to the format check when the piece is its next).
-    fn took(&mut self, bytes: &[u8]) {
+    /// Counts the current piece's next `len` bytes, now in the staging
+    /// file, and has the checker hash them there.
+    fn took(&mut self, len: u64) {
         let current = self.current.as_mut().expect("a piece is being received");
-        current.hash.update(bytes);
-        if let Some(Ok(v)) = &mut current.format {
-            if let Err(e) = v.update(bytes) {
-                current.format = Some(Err(e));
-            }
+        let offset = self.manifest.range(current.index).0 + current.got;
+        if let Some(checker) = &self.checker {
+            checker.send(Check::Bytes {
+                index: current.index,
+                offset,
+                len,
+            });
         }
-        current.got += bytes.len() as u64;
-        self.received += bytes.len() as u64;
+        current.got += len;
+        self.received += len;
         (self.progress)(self.resumed_bytes + self.received);
     }
 
@@ -554,7 +656,16 @@ impl Sink for Receiver {
                     source,
                 })
             })?;
+            let map = Arc::new(map);
+            let checker = Checker::start(map.clone()).map_err(|source| {
+                self.fail(InstallError::Io {
+                    op: "start the piece checker for",
+                    path: self.staging.path().to_owned(),
+                    source,
+                })
+            })?;
             self.landed = Some(map);
+            self.checker = Some(checker);
         }
         Ok(())
     }
@@ -573,7 +684,7 @@ impl Sink for Receiver {
                 self.fail(e);
             }
         }
-        self.took(bytes);
+        self.took(bytes.len() as u64);
     }
 
     /// The bytes go from the pipe into the staging file inside the kernel,
@@ -586,15 +697,11 @@ impl Sink for Receiver {
         } else if let Err(e) = self.staging.splice_at(offset, pipe, n) {
             self.fail(e);
         }
-        // Prepared (and so mapped) before any piece comes.
-        let landed = self.landed.take();
-        match &landed {
-            Some(map) if self.failure.is_none() => {
-                self.took(&map[offset as usize..offset as usize + n])
-            }
-            _ => self.received += n as u64,
+        if self.failure.is_none() {
+            self.took(n as u64);
+        } else {
+            self.received += n as u64;
         }
-        self.landed = landed;
         Ok(())
     }
 
@@ -607,9 +714,15 @@ impl Sink for Receiver {
             self.unmap_landed(offset, len);
             return Ok(());
         }
-        let (got, hash, format) = match current {
-            Some(c) => (c.got, c.hash.finalize(), c.format),
-            None => (0, blake3::hash(&[]), None),
+        let (got, Checked { hash, format }) = match (current, &self.checker) {
+            (Some(c), Some(checker)) => (c.got, checker.finish(index)),
+            _ => (
+                0,
+                Checked {
+                    hash: blake3::hash(&[]),
+                    format: None,
+                },
+            ),
         };
         if got != len || !self.manifest.piece_is(index, &hash) {
             self.unmap_landed(offset, len);
@@ -667,7 +780,7 @@ impl Sink for Receiver {
 /// The staging file's bytes of piece `index` through its read-only
 /// mapping (empty before it is prepared, or for an empty snapshot).
 fn landed_piece<'m>(
-    landed: &'m Option<memmap2::Mmap>,
+    landed: &'m Option<Arc<memmap2::Mmap>>,
     manifest: &Manifest,
     index: u32,
 ) -> &'m [u8] {
