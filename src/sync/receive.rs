@@ -1,7 +1,8 @@
 //! The replica's receiving end of one data session, for every transport.
 //!
 //! [`Receiver`] is the [`Sink`] the drivers feed: it owns the staging file,
-//! the check of every piece against the manifest as it lands, the format's
+//! the check of every piece against the manifest as it lands (hashed on
+//! the [`Checker`]'s thread while the next bytes arrive), the format's
 //! own check of the whole (its trailer CRC and structure, recomputed here
 //! over the verified pieces in order), the re-check of every piece after
 //! an RDMA source lost its access to the receive memory, the resume
