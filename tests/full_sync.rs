@@ -577,9 +577,16 @@ async fn cancel_mid_transfer_and_repeated_start() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sync_of_a_snapshot_being_received_from_another_source_is_the_running_one() {
     let root = tempfile::tempdir().unwrap();
-    let first = stalling_source(root.path(), 40).await;
-    let second = Node::start(root.path(), "second", "", &[STALL_AFTER_1MIB]);
+    // Two sources holding the same snapshot, each sending 4 MiB/s: a sync
+    // of its 8 MiB takes two seconds.
+    let slow = "[sync]\nrate_limit = \"4MiB\"\n";
+    let (first, second) = (
+        Node::start(root.path(), "first", slow, &[]),
+        Node::start(root.path(), "second", slow, &[]),
+    );
+    let bytes = put_snapshot(&first.dir, "s.kvr1", 8 << 20, 40);
     put_snapshot(&second.dir, "s.kvr1", 8 << 20, 40);
+    first.offered(40).await;
     second.offered(40).await;
     let digest = first.status().await.latest_snapshots[0]
         .manifest_digest
@@ -608,12 +615,11 @@ async fn a_sync_of_a_snapshot_being_received_from_another_source_is_the_running_
         (running.sync_id.as_str(), false)
     );
     assert_eq!(replica.temp_files().len(), 1, "{:?}", replica.temp_files());
-    c.cancel_sync(pb::CancelSyncRequest {
-        sync_id: running.sync_id.clone(),
-    })
-    .await
-    .unwrap();
-    wait_done(&replica, &running.sync_id).await;
+    // One sync, one install, an exact copy.
+    let p = wait_done(&replica, &running.sync_id).await;
+    assert_eq!(p.phase, pb::Phase::Succeeded as i32, "{p:?}");
+    assert!(std::fs::read(&p.installed_path).unwrap() == bytes);
+    assert_eq!(replica.status().await.recent.len(), 1);
     assert!(
         replica.temp_files().is_empty(),
         "{:?}",
