@@ -194,7 +194,8 @@ async fn one_gib_in_16_mib_pieces_at_defaults_posts_256_writes_64_signalled() {
         RdmaFaults::default(),
     )
     .await;
-    assert!(p.replica.result.unwrap().is_ok());
+    let replica = p.replica.result.unwrap();
+    assert!(replica.is_ok(), "{replica:?}");
     assert_eq!((p.source.stats.posted, p.source.stats.signaled), (256, 64));
     assert!(p.source.stats.bulk_mb_s(1 << 30).unwrap() > 0.0);
 }
