@@ -75,7 +75,7 @@ EOF
     [ -n "$grpc" ] || { echo "agent $name did not start" >&2; cat "$work/$name.log" >&2; exit 1; }
     eval "GRPC_$name=$grpc"
 }
-agent source 10.77.0.1 1
+agent source 10.77.0.1 4
 agent one 10.77.0.2 1 nsenter -t "$holder" -n
 agent four 10.77.0.2 4 nsenter -t "$holder" -n
 cli=("$bin" --token-file "$work/token")

@@ -311,6 +311,7 @@ pub struct DataConfig {
     /// Replica: TCP connections one sync runs on at once, each carrying
     /// its share of the pieces (1 to [`MAX_TCP_STREAMS`]). More than one
     /// helps where one stream is limited by its window: long, fat links.
+    /// Source: the most it grants one session.
     pub tcp_streams: u32,
 }
 

@@ -377,7 +377,13 @@ async fn wrong_used_expired_or_other_transport_session_tokens_are_refused() {
     let refused = |reply: &Token| matches!(reply, Token::Rdfl { reason } if reason.contains("unknown, used or expired"));
     // The emulated fabric lets this source offer RDMA sessions too.
     let emulated = "mode = \"auto\"\nrdma_provider = \"emulated\"";
-    let source = Node::start_with(root.path(), "source", emulated, "", &[]);
+    let source = Node::start_with(
+        root.path(),
+        "source",
+        emulated,
+        "[data]\ntcp_streams = 2\n",
+        &[],
+    );
     put_snapshot(&source.dir, "s.kvr1", 10_000, 3);
     source.offered(3).await;
 
@@ -408,9 +414,11 @@ async fn wrong_used_expired_or_other_transport_session_tokens_are_refused() {
     assert_eq!(present_token(&two.data_endpoint, token), Token::Srdy);
     let reply = present_token(&two.data_endpoint, token);
     assert!(refused(&reply), "{reply:?}");
-    // More than the most is granted the most.
-    let many = peer.open_full_sync(ask(99)).await.unwrap().into_inner();
-    assert_eq!(many.tcp_streams, kvsync::config::MAX_TCP_STREAMS);
+    // More than the source's own [data] tcp_streams is granted that: one
+    // token never fetches the snapshot on more connections than the
+    // source allows (before, any replica got 16).
+    let many = peer.open_full_sync(ask(16)).await.unwrap().into_inner();
+    assert_eq!(many.tcp_streams, 2);
 
     // A token offered for RDMA does not open a TCP session.
     let rdma_offer = peer

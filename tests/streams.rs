@@ -9,8 +9,8 @@ use common::node::*;
 use kvsync::snapshot::kvr1::MIN_LEN;
 
 const MIB: u64 = 1 << 20;
-/// The source's config: 1 MiB pieces.
-const PIECES: &str = "[data]\npiece_size = \"1MiB\"\n";
+/// The source's config: 1 MiB pieces, and up to 16 streams per session.
+const PIECES: &str = "[data]\npiece_size = \"1MiB\"\ntcp_streams = 16\n";
 
 fn streams(n: u32) -> String {
     format!("[data]\ntcp_streams = {n}\n")

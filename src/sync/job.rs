@@ -707,7 +707,8 @@ async fn transfer(
         p.check = check;
     });
     let spec = dial_spec(ctx, offer, kind)?;
-    let streams = super::streams::granted(kind, offer.tcp_streams);
+    // What the source granted, and never more than this agent asked for.
+    let streams = super::streams::granted(kind, offer.tcp_streams, ctx.config.data.tcp_streams);
     let label = link_label(offer, &spec, streams);
     ctx.progress.send_modify(|p| p.detail = label.clone());
     let endpoint = spec.endpoint;

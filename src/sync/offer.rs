@@ -157,7 +157,8 @@ impl Offers {
             "" => "unnamed".to_string(),
             node => node.to_string(),
         };
-        let streams = super::streams::granted(transport, ask.tcp_streams);
+        let streams =
+            super::streams::granted(transport, ask.tcp_streams, self.config.data.tcp_streams);
         let token = self.sessions.insert(
             OfferedSession {
                 id: id.clone(),

@@ -19,11 +19,11 @@ use crate::transport::{Faults, TransportKind};
 use super::receive::{Receiver, Share};
 
 /// The streams a session over `transport` runs on when `asked` for (0:
-/// a peer that does not know streams): TCP up to [`MAX_TCP_STREAMS`],
-/// RDMA one.
-pub fn granted(transport: TransportKind, asked: u32) -> u32 {
+/// a peer that does not know streams) from a source whose own `[data]
+/// tcp_streams` is `most`: TCP at most that, RDMA one.
+pub fn granted(transport: TransportKind, asked: u32, most: u32) -> u32 {
     match transport {
-        TransportKind::Tcp => asked.clamp(1, MAX_TCP_STREAMS),
+        TransportKind::Tcp => asked.clamp(1, most.clamp(1, MAX_TCP_STREAMS)),
         TransportKind::Rdma => 1,
     }
 }
