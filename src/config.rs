@@ -12,6 +12,7 @@ use std::time::Duration;
 use bytesize::ByteSize;
 use serde::{Deserialize, Serialize};
 
+use crate::blk3::plan::MAX_CHUNK_MB;
 use crate::snapshot::Format;
 use crate::sys::pem::{read_pem, PemKind};
 
@@ -843,10 +844,10 @@ impl Config {
     /// `[transport]`: the RDMA bulk parameters.
     fn check_transport(&self, p: &mut Problems) {
         let t = &self.transport;
-        if !(1..=32).contains(&t.chunk_mb) {
+        if !(1..=MAX_CHUNK_MB).contains(&t.chunk_mb) {
             p.bad(
                 "transport.chunk_mb",
-                format!("must be 1..=32, got {}", t.chunk_mb),
+                format!("must be 1..={MAX_CHUNK_MB}, got {}", t.chunk_mb),
             );
         }
         if !(1..=1024).contains(&t.pipeline) {

@@ -9,6 +9,11 @@ use std::time::Duration;
 
 /// One MiB.
 const MIB: u64 = 1 << 20;
+/// `[transport] chunk_mb` at most: no RDMA Write is ever larger, so a peer
+/// that declares more is breaking the protocol.
+pub const MAX_CHUNK_MB: u32 = 32;
+/// The largest RDMA Write in bytes.
+pub const MAX_CHUNK: u64 = MAX_CHUNK_MB as u64 * MIB;
 
 /// Bulk tuning (from `[transport]`, possibly capped for soft devices).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

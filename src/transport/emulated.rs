@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use super::fabric::{
     Completion, Fabric, FabricError, MemoryRegion, WcStatus, WorkKind, RECV_BUF_LEN,
 };
+use crate::blk3::plan::MAX_CHUNK;
 use crate::blk3::WriteOp;
 
 /// Default send-queue depth (the verbs fabric sizes its QP the same way).
@@ -411,7 +412,6 @@ fn read_frame(r: &mut impl Read) -> std::io::Result<(Header, Vec<u8>)> {
 /// checks, ordering) read in one place.
 fn read_loop(inner: &Inner, out: &mpsc::Sender<Out>) {
     let mut stream = &inner.stream;
-    let mut discard = Vec::new();
     loop {
         let mut hb = [0u8; HEADER];
         if stream.read_exact(&mut hb).is_err() {
@@ -449,6 +449,9 @@ fn read_loop(inner: &Inner, out: &mpsc::Sender<Out>) {
                 let _ = out.send(Out::Frame(reply, Vec::new()));
             }
             WRITE => {
+                if h.len as u64 > MAX_CHUNK {
+                    break; // larger than any write the protocol makes
+                }
                 let regions = inner.regions.read().expect("regions lock");
                 let target = regions.get(&h.key).and_then(|&(base, len, writable)| {
                     let end = h.addr.checked_add(h.len as u64)?;
@@ -463,8 +466,11 @@ fn read_loop(inner: &Inner, out: &mpsc::Sender<Out>) {
                         })
                         .is_ok(),
                     None => {
-                        discard.resize(h.len as usize, 0);
-                        if stream.read_exact(&mut discard).is_err() {
+                        // Discarded through a small fixed buffer.
+                        let len = h.len as u64;
+                        if std::io::copy(&mut stream.take(len), &mut std::io::sink()).ok()
+                            != Some(len)
+                        {
                             break;
                         }
                         drop(regions);
@@ -1012,6 +1018,38 @@ mod tests {
             // The responder is in error as well: its receive flushes.
             assert_eq!(next(&mut a).status, Err(WcStatus::Flushed));
         }
+    }
+
+    /// A peer's WRITE header declaring 4 GiB for a key nobody registered:
+    /// the endpoint refuses it at the header (no write is ever larger than
+    /// the largest chunk) instead of allocating room to discard it.
+    #[test]
+    fn a_write_header_larger_than_any_chunk_is_refused_before_anything_is_allocated() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let mut a = EmuQp::dial(addr, T, EmuFaults::default()).unwrap();
+        a.post_recv(9).unwrap();
+        let peer = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let (h, _) = read_frame(&mut s).unwrap();
+            assert_eq!(h.kind, CONNECT);
+            s.write_all(&Header::simple(ACCEPT, 0, 0, 0).encode())
+                .unwrap();
+            let forged = Header {
+                kind: WRITE,
+                wr_id: 1,
+                addr: 0,
+                key: 0xdead,
+                len: u32::MAX,
+            };
+            s.write_all(&forged.encode()).unwrap();
+            s // kept open: only the header decides
+        });
+        a.connect(b"", T).unwrap();
+        let _peer = peer.join().unwrap();
+        let c = next(&mut a);
+        assert_eq!((c.wr_id, c.status), (9, Err(WcStatus::Flushed)));
+        assert!(matches!(a.check_link(), Err(FabricError::Disconnected)));
     }
 
     #[test]
