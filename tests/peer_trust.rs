@@ -152,6 +152,37 @@ async fn hostile_snapshot_names_reach_neither_the_kv_nor_other_files() {
     );
 }
 
+/// Whoever can write `snapshot_dir` plants a link to a valid snapshot
+/// outside it, with a higher sequence: the watcher says so and never
+/// offers it, and a sync still gets the real one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_in_snapshot_dir_is_never_offered() {
+    let root = tempfile::tempdir().unwrap();
+    let (source, bytes) = offering_source(root.path(), 2 << 20, 5, &[]).await;
+    let outside = root.path().join("outside");
+    std::fs::create_dir(&outside).unwrap();
+    let elsewhere = put_snapshot(&outside, "root-only.kvr1", 1 << 20, 9);
+    std::os::unix::fs::symlink(outside.join("root-only.kvr1"), source.dir.join("evil.kvr1"))
+        .unwrap();
+    wait_for("the watcher to decide on the link", DEADLINE, || {
+        source.proc.log().contains("evil.kvr1").then_some(())
+    });
+    let log = source.proc.log();
+    let line = log.lines().find(|l| l.contains("evil.kvr1")).unwrap();
+    assert!(
+        line.contains("symbolic link") && line.contains("not offered"),
+        "{line}"
+    );
+    let replica = Node::start(root.path(), "replica", "", &[]);
+    let done = sync_ok(&replica, &source).await;
+    assert_eq!(done.seq, 5, "{done:?}");
+    assert_eq!(std::fs::read(replica.dir.join("s.kvr1")).unwrap(), bytes);
+    assert_eq!(
+        std::fs::read(outside.join("root-only.kvr1")).unwrap(),
+        elsewhere
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_snapshot_over_the_limit_is_refused_before_anything_is_reserved() {
     let root = tempfile::tempdir().unwrap();

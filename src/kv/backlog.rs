@@ -370,7 +370,7 @@ impl BacklogGuard {
 }
 
 fn read_record(path: &Path) -> Option<Record> {
-    let text = match std::fs::read(path) {
+    let text = match crate::sys::fs::read_regular(path, 64 << 10) {
         Ok(text) => text,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
         Err(e) => {

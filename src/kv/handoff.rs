@@ -195,6 +195,6 @@ async fn run_program(
 
 /// Reads the sequence number back from a `.replmeta` record.
 pub fn read_replmeta_seq(path: &Path) -> Option<u64> {
-    let text = std::fs::read_to_string(path).ok()?;
+    let text = String::from_utf8(crate::sys::fs::read_regular(path, 4096).ok()?).ok()?;
     text.lines().next()?.strip_prefix("REPLMETA ")?.parse().ok()
 }

@@ -58,22 +58,28 @@ async fn run(
     Ok(())
 }
 
-/// Puts `rdb` in place as `dir/dbfilename` atomically (hard link or copy to
-/// a temp name in `dir`, fsync, rename, fsync the directory).
+/// Puts `rdb` in place as `dir/dbfilename` atomically: a hard link or a
+/// copy under a fresh random temp name in `dir` (created with `O_EXCL`, so
+/// never through a link someone planted), fsync, rename, fsync the
+/// directory.
 fn place(rdb: &Path, dir: &Path, dbfilename: &str) -> Result<(), RedisError> {
     let dest = dir.join(dbfilename);
-    let temp = dir.join(format!(
-        "{}{dbfilename}{}",
-        install::TEMP_PREFIX,
-        install::TEMP_SUFFIX
-    ));
-    let _ = std::fs::remove_file(&temp);
-    let placed = std::fs::hard_link(rdb, &temp)
-        .or_else(|_| std::fs::copy(rdb, &temp).map(drop))
-        .and_then(|_| std::fs::File::open(&temp)?.sync_all())
-        .and_then(|_| std::fs::rename(&temp, &dest));
+    let temp = || {
+        let mut b = tempfile::Builder::new();
+        b.prefix(install::TEMP_PREFIX).suffix(install::TEMP_SUFFIX);
+        b
+    };
+    let placed = temp()
+        .make_in(dir, |path| std::fs::hard_link(rdb, path))
+        .map(|linked| linked.into_temp_path())
+        .or_else(|_| {
+            let mut copy = temp().tempfile_in(dir)?;
+            std::io::copy(&mut crate::sys::fs::open_read(rdb)?, &mut copy)?;
+            copy.as_file().sync_all()?;
+            Ok::<_, std::io::Error>(copy.into_temp_path())
+        })
+        .and_then(|temp| temp.persist(&dest).map_err(|e| e.error));
     if let Err(e) = placed {
-        let _ = std::fs::remove_file(&temp);
         return Err(RedisError::Place(format!(
             "{} → {}: {e}",
             rdb.display(),
@@ -122,4 +128,49 @@ pub async fn hand_off(
     run("start", &cfg.start, cfg, timeout).await?;
 
     confirm_partial(cfg, timeout, &before, snapshot).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Another user of the directory plants a link wherever a temp name
+    /// could be, over and over, while RDBs are placed by copy (the RDB is
+    /// on another file system): the link's target is never written.
+    #[test]
+    fn placing_an_rdb_never_writes_through_a_planted_link() {
+        let Ok(shm) = tempfile::tempdir_in("/dev/shm") else {
+            return; // no second file system to force the copy
+        };
+        let rdb = shm.path().join("received.rdb");
+        std::fs::write(&rdb, b"REDIS0011 the new data").unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        let victim = outside.path().join("victim");
+        std::fs::write(&victim, b"root's own bytes").unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let fixed = dir.path().join(format!(
+            "{}dump.rdb{}",
+            install::TEMP_PREFIX,
+            install::TEMP_SUFFIX
+        ));
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let planter = {
+            let (stop, victim, fixed) = (stop.clone(), victim.clone(), fixed.clone());
+            std::thread::spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let _ = std::os::unix::fs::symlink(&victim, &fixed);
+                }
+            })
+        };
+        for _ in 0..200 {
+            let _ = place(&rdb, dir.path(), "dump.rdb");
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        planter.join().unwrap();
+        assert_eq!(std::fs::read(&victim).unwrap(), b"root's own bytes");
+        assert_eq!(
+            std::fs::read(dir.path().join("dump.rdb")).unwrap(),
+            b"REDIS0011 the new data"
+        );
+    }
 }

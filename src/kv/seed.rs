@@ -218,7 +218,8 @@ async fn serve(
                     let line = format!("+FULLRESYNC {repl_id} {seq}\r\n");
                     write.write_all(line.as_bytes()).await.map_err(err)?;
                 }
-                let mut file = tokio::fs::File::open(&rdb).await.map_err(err)?;
+                let mut file =
+                    tokio::fs::File::from_std(crate::sys::fs::open_read(&rdb).map_err(err)?);
                 let len = file.metadata().await.map_err(err)?.len();
                 write
                     .write_all(format!("${len}\r\n").as_bytes())

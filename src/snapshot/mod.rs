@@ -326,7 +326,7 @@ pub fn verify_file_observed(
         path: path.to_owned(),
         corruption,
     };
-    let mut file = File::open(path).map_err(io)?;
+    let mut file = crate::sys::fs::open_read(path).map_err(io)?;
     let len = file.metadata().map_err(io)?.len();
     let format = match format {
         Some(f) => f,
@@ -341,7 +341,7 @@ pub fn verify_file_observed(
     let mut verifier = Verifier::new(format, len).map_err(corrupt)?;
     let mut seen = 0u64;
     let mut failure = None;
-    read_pipelined(File::open(path).map_err(io)?, |chunk| {
+    read_pipelined(crate::sys::fs::open_read(path).map_err(io)?, |chunk| {
         seen += chunk.len() as u64;
         let step = if seen > len {
             Err(Corruption::Length {

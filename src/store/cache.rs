@@ -481,7 +481,7 @@ pub(crate) fn open_checked(entry: &CatalogEntry) -> Result<std::fs::File, CacheE
         path: path.clone(),
         source,
     };
-    let file = std::fs::File::open(path).map_err(io)?;
+    let file = crate::sys::fs::open_read(path).map_err(io)?;
     let meta = file.metadata().map_err(io)?;
     let mtime_ns = meta.modified().map(system_time_ns).unwrap_or_default();
     if meta.len() != entry.info.size || mtime_ns != entry.mtime_ns() {

@@ -74,7 +74,7 @@ fn lock(file: &File, path: &Path) -> Result<(), InstallError> {
 /// Whether a running sync holds the temp file `partial`.
 pub fn in_use(partial: &Path) -> bool {
     // Dropping the file releases a lock the probe took.
-    File::open(partial)
+    fs::open_read(partial)
         .is_ok_and(|f| matches!(f.try_lock(), Err(std::fs::TryLockError::WouldBlock)))
 }
 
@@ -117,15 +117,13 @@ impl Staging {
     /// [`InstallError::InUse`] while another sync holds it.
     pub fn reopen(path: &Path) -> Result<Staging, InstallError> {
         let dir = path.parent().unwrap_or(Path::new(".")).to_owned();
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)
-            .map_err(|source| InstallError::Io {
+        let file = fs::open_regular(path, OpenOptions::new().read(true).write(true)).map_err(
+            |source| InstallError::Io {
                 op: "open",
                 path: path.to_owned(),
                 source,
-            })?;
+            },
+        )?;
         lock(&file, path)?;
         Ok(Staging {
             dir,
@@ -290,12 +288,17 @@ pub fn write_atomic(path: &Path, contents: &[u8]) -> Result<(), InstallError> {
 /// kvsync installed there: the only existing files an install may replace.
 pub const INSTALLED_LIST: &str = ".kvsync-installed";
 
+/// The largest installed list read.
+const MAX_INSTALLED_LIST: u64 = 1 << 20;
+
 /// Serialises installs' read-modify-write of the installed list in this process.
 static INSTALLED_LIST_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// The names kvsync installed in `dir`.
 fn installed_names(dir: &Path) -> Vec<String> {
-    std::fs::read_to_string(dir.join(INSTALLED_LIST))
+    fs::read_regular(&dir.join(INSTALLED_LIST), MAX_INSTALLED_LIST)
+        .ok()
+        .and_then(|b| String::from_utf8(b).ok())
         .map(|t| t.lines().map(str::to_string).collect())
         .unwrap_or_default()
 }
@@ -450,5 +453,27 @@ mod tests {
         remember_installed(dir.path(), "kv.kvr1").unwrap();
         assert_eq!(name("kv.kvr1").unwrap(), "kv.kvr1", "ours may be replaced");
         assert_eq!(installed_names(dir.path()), ["kv.kvr1"]);
+    }
+
+    #[test]
+    fn a_partial_or_list_that_is_a_link_is_never_opened() {
+        let outside = tempfile::tempdir().unwrap();
+        let victim = outside.path().join("victim");
+        std::fs::write(&victim, b"root's own bytes").unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let partial = dir.path().join(format!("{TEMP_PREFIX}r{TEMP_SUFFIX}"));
+        std::os::unix::fs::symlink(&victim, &partial).unwrap();
+        let err = Staging::reopen(&partial).err().expect("a link is refused");
+        assert!(err.to_string().contains("symbolic link"), "{err}");
+        assert!(!in_use(&partial));
+        assert_eq!(std::fs::read(&victim).unwrap(), b"root's own bytes");
+        // An installed list that is a link is not read.
+        let big = outside.path().join("big");
+        std::fs::File::create(&big)
+            .unwrap()
+            .set_len(64 << 20)
+            .unwrap();
+        std::os::unix::fs::symlink(&big, dir.path().join(INSTALLED_LIST)).unwrap();
+        assert!(installed_names(dir.path()).is_empty());
     }
 }

@@ -12,7 +12,7 @@
 //! it claims against the file ([`ClaimsCheck`]), and the sweep that removes
 //! what cannot be resumed.
 
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -21,11 +21,13 @@ use std::time::{Duration, SystemTime};
 
 use crate::snapshot::manifest::Manifest;
 use crate::store::install::{
-    discard, in_use, journal_path, JOURNAL_SUFFIX, TEMP_PREFIX, TEMP_SUFFIX,
+    discard, in_use, journal_path, JOURNAL_SUFFIX, SNAPSHOT_MODE, TEMP_PREFIX, TEMP_SUFFIX,
 };
 
 const MAGIC: &[u8; 4] = b"KVSJ";
 const VERSION: u8 = 2;
+/// The largest journal read: a source address and a bitmap of 128 Mi pieces.
+pub const MAX_JOURNAL: u64 = 16 << 20;
 
 /// Why a journal cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -180,15 +182,25 @@ impl Journal {
         let mut next = path.clone().into_os_string();
         next.push(".new");
         let next = PathBuf::from(next);
-        let mut f = std::fs::File::create(&next)?;
+        // Created afresh (a leftover or planted `.new` goes first), never
+        // through a link.
+        let _ = std::fs::remove_file(&next);
+        let mut f = crate::sys::fs::open_regular(
+            &next,
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(SNAPSHOT_MODE),
+        )?;
         f.write_all(&self.encode())?;
         f.sync_data()?;
         std::fs::rename(&next, &path)
     }
 
-    /// The journal of the temp file `partial`, when it has one that reads.
+    /// The journal of the temp file `partial`, when it has one that reads
+    /// (a regular file, not a link, of at most [`MAX_JOURNAL`] bytes).
     pub fn read(partial: &Path) -> Option<Journal> {
-        let bytes = std::fs::read(journal_path(partial)).ok()?;
+        let bytes = crate::sys::fs::read_regular(&journal_path(partial), MAX_JOURNAL).ok()?;
         Journal::decode(&bytes).ok()
     }
 }
@@ -320,7 +332,7 @@ fn check_claims(
     stop: &AtomicBool,
 ) -> Result<(), ClaimsError> {
     let io = |op| move |source| ClaimsError::Io { op, source };
-    let file = std::fs::File::open(partial).map_err(io("open"))?;
+    let file = crate::sys::fs::open_read(partial).map_err(io("open"))?;
     let len = file.metadata().map_err(io("stat"))?.len();
     let size = manifest.info.size;
     if len != size && journal.verified_bytes() > 0 {
@@ -365,6 +377,7 @@ fn partials(dir: &Path) -> Vec<PathBuf> {
         .filter(|p| {
             let name = p.file_name().map(|n| n.to_string_lossy().into_owned());
             name.is_some_and(|n| n.starts_with(TEMP_PREFIX) && n.ends_with(TEMP_SUFFIX))
+                && crate::sys::fs::is_regular(p)
         })
         .collect()
 }
@@ -400,7 +413,7 @@ pub fn find(dir: &Path, source: &str, manifest: &Manifest) -> Option<(PathBuf, J
 pub fn sweep(dir: &Path, ttl: Duration, at_start: bool) -> usize {
     let now = SystemTime::now();
     let age = |p: &Path| {
-        std::fs::metadata(p)
+        std::fs::symlink_metadata(p)
             .and_then(|m| m.modified())
             .ok()
             .and_then(|t| now.duration_since(t).ok())
@@ -428,7 +441,7 @@ pub fn sweep(dir: &Path, ttl: Duration, at_start: bool) -> usize {
                 .and_then(|n| n.strip_suffix(JOURNAL_SUFFIX))
             {
                 let partial = dir.join(format!("{TEMP_PREFIX}{stem}{TEMP_SUFFIX}"));
-                if !partial.exists() {
+                if std::fs::symlink_metadata(&partial).is_err() {
                     let _ = std::fs::remove_file(e.path());
                 }
             }
@@ -535,6 +548,69 @@ mod tests {
         assert!(with.exists() && !without.exists() && !orphan.exists());
         assert_eq!(sweep(dir.path(), Duration::ZERO, false), 1, "past the ttl");
         assert!(!with.exists() && !journal_path(&with).exists());
+    }
+
+    /// A file outside the directory, and links to it planted where the
+    /// journal goes: nothing is written through them, nothing read.
+    #[test]
+    fn planted_links_and_fifos_are_never_followed() {
+        use std::os::unix::fs::PermissionsExt;
+        let outside = tempfile::tempdir().unwrap();
+        let victim = outside.path().join("victim");
+        std::fs::write(&victim, b"root's own bytes").unwrap();
+        std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let partial = dir.path().join(format!("{TEMP_PREFIX}l{TEMP_SUFFIX}"));
+        std::fs::write(&partial, b"x").unwrap();
+        let m = manifest(1 << 20, 1);
+        let journal = journal_path(&partial);
+        let mut next = journal.clone().into_os_string();
+        next.push(".new");
+        std::os::unix::fs::symlink(&victim, &next).unwrap();
+        let _ = Journal::new("s", &m).write(&partial);
+        assert_eq!(std::fs::read(&victim).unwrap(), b"root's own bytes");
+        // A journal that is a link to a valid journal elsewhere is not read.
+        let _ = std::fs::remove_file(&next);
+        let elsewhere = outside.path().join(format!("{TEMP_PREFIX}e{TEMP_SUFFIX}"));
+        std::fs::write(&elsewhere, b"x").unwrap();
+        Journal::new("s", &m).write(&elsewhere).unwrap();
+        let _ = std::fs::remove_file(&journal);
+        std::os::unix::fs::symlink(journal_path(&elsewhere), &journal).unwrap();
+        assert!(Journal::read(&partial).is_none());
+        // A FIFO as journal: read at once, not waited on.
+        std::fs::remove_file(&journal).unwrap();
+        let c = std::ffi::CString::new(journal.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a valid C string.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let p = partial.clone();
+        std::thread::spawn(move || tx.send(Journal::read(&p).is_none()).unwrap());
+        assert!(rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("read returns"));
+        // A temp file that is a link is not a partial sync.
+        let linked = dir.path().join(format!("{TEMP_PREFIX}k{TEMP_SUFFIX}"));
+        std::os::unix::fs::symlink(&elsewhere, &linked).unwrap();
+        assert!(!partials(dir.path()).contains(&linked));
+        sweep(dir.path(), Duration::ZERO, true);
+        assert!(elsewhere.exists(), "the link's target stays");
+        assert!(journal_path(&elsewhere).exists());
+    }
+
+    #[test]
+    fn a_journal_is_private_to_the_agent_and_its_group() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let partial = dir.path().join(format!("{TEMP_PREFIX}m{TEMP_SUFFIX}"));
+        std::fs::write(&partial, b"x").unwrap();
+        Journal::new("s", &manifest(1 << 20, 1))
+            .write(&partial)
+            .unwrap();
+        let mode = std::fs::metadata(journal_path(&partial))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o640);
     }
 
     proptest! {

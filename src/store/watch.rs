@@ -258,12 +258,21 @@ impl DirWatcher {
         if is_ignored_name(name) {
             return;
         }
-        let seen = match std::fs::metadata(&path) {
+        // The entry itself: a link is never followed, whatever it names.
+        let seen = match std::fs::symlink_metadata(&path) {
             Ok(m) if m.is_file() => Seen {
                 size: m.len(),
                 mtime: m.modified().unwrap_or(SystemTime::UNIX_EPOCH),
             },
-            Ok(_) => return,
+            Ok(m) => {
+                let what = if m.is_symlink() {
+                    "a symbolic link"
+                } else {
+                    "not a regular file"
+                };
+                warn!(path = %path.display(), "{what}, so not offered: kvsync offers only regular files in snapshot_dir");
+                return self.forget(&path);
+            }
             Err(_) => return self.forget(&path),
         };
         if self.decided.get(&path) == Some(&seen) {
@@ -285,7 +294,7 @@ impl DirWatcher {
         .await
         .expect("verify task does not panic");
         // The file may have changed while it was being read.
-        let after = std::fs::metadata(&path).ok().map(|m| Seen {
+        let after = std::fs::symlink_metadata(&path).ok().map(|m| Seen {
             size: m.len(),
             mtime: m.modified().unwrap_or(SystemTime::UNIX_EPOCH),
         });

@@ -1,13 +1,69 @@
-//! File-system steps that make writes durable, and free space.
+//! File-system steps that make writes durable, opening files in a
+//! directory others may write, and free space.
 //!
 //! Owns fsync of a directory (so a rename in it survives a crash), writing
 //! a small file atomically and durably (temp file, fsync, rename, fsync of
-//! the directory), and how many bytes an unprivileged writer may still use.
-//! Errors are plain `io::Error`s; callers name the file and the step.
+//! the directory), opening and reading only regular files and never
+//! through a symbolic link at the last component, and how many bytes an
+//! unprivileged writer may still use. Errors are plain `io::Error`s;
+//! callers name the file and the step.
 
-use std::fs::File;
-use std::io::Write;
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
+
+/// Opens `path` with `options`, refusing a symbolic link at the last
+/// component (`O_NOFOLLOW`) and anything that is not a regular file (a
+/// FIFO or device is not waited on: `O_NONBLOCK`, which regular files
+/// ignore). For files in `snapshot_dir`, which the KV's user may write:
+/// a planted link never makes the agent read or write elsewhere. A file
+/// that `options` creates is created in place, never through a link.
+pub fn open_regular(path: &Path, options: &mut OpenOptions) -> std::io::Result<File> {
+    let file = options
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ELOOP) => std::io::Error::other(format!(
+                "{} is a symbolic link, which kvsync does not follow",
+                path.display()
+            )),
+            _ => e,
+        })?;
+    if !file.metadata()?.is_file() {
+        return Err(std::io::Error::other(format!(
+            "{} is not a regular file",
+            path.display()
+        )));
+    }
+    Ok(file)
+}
+
+/// Opens the regular file `path` to read (see [`open_regular`]).
+pub fn open_read(path: &Path) -> std::io::Result<File> {
+    open_regular(path, OpenOptions::new().read(true))
+}
+
+/// The contents of the regular file `path` (see [`open_regular`]), which
+/// must hold at most `max` bytes.
+pub fn read_regular(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
+    let file = open_read(path)?;
+    let len = file.metadata()?.len();
+    if len > max {
+        return Err(std::io::Error::other(format!(
+            "{} holds {len} bytes, more than the {max} it may",
+            path.display()
+        )));
+    }
+    let mut out = Vec::with_capacity(len as usize);
+    file.take(max).read_to_end(&mut out)?;
+    Ok(out)
+}
+
+/// Whether `path` itself (not what a link names) is a regular file.
+pub fn is_regular(path: &Path) -> bool {
+    std::fs::symlink_metadata(path).is_ok_and(|m| m.is_file())
+}
 
 /// fsync a directory so a rename in it is durable.
 pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
