@@ -189,6 +189,13 @@ impl RunningAgent {
         } else {
             Some(BacklogGuard::start(redis.clone(), &config.snapshot_dir, metrics.clone()).await)
         };
+        if config.handoff.mode == crate::config::HandoffMode::RedisReplicate {
+            tasks.spawn(crate::kv::seed::recover(
+                redis.clone(),
+                config.snapshot_dir.clone(),
+                shutdown.clone(),
+            ));
+        }
         if let Some(addr) = redis.local_server(config.handoff.mode) {
             if !redis.health_interval.is_zero() {
                 tasks.spawn(crate::kv::health::watch(

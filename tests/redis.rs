@@ -1234,18 +1234,30 @@ fn replicate_config(primary: &Redis, port: u16) -> String {
 /// A source on `primary` and a `redis-replicate` replica agent for the
 /// server on `port`, once the source offers the RDB; with its M.
 async fn replicating(root: &Path, primary: &Redis, port: u16) -> (Node, Node, u64) {
+    replicating_with(root, primary, port, "", "").await
+}
+
+/// [`replicating`], with `both` added to both agents' `[redis]` sections
+/// and `replica` to the replica's.
+async fn replicating_with(
+    root: &Path,
+    primary: &Redis,
+    port: u16,
+    both: &str,
+    replica: &str,
+) -> (Node, Node, u64) {
     let source = agent(
         root,
         "source",
         &primary.dir,
-        &source_config(primary, TCP),
+        &format!("{}{both}", source_config(primary, TCP)),
         &[],
     );
     let replica = agent(
         root,
         "replica",
         &root.join("replica-agent"),
-        &replicate_config(primary, port),
+        &format!("{}{both}{replica}", replicate_config(primary, port)),
         &[],
     );
     let seq = offered_rdb(&source, primary).await;
@@ -1520,8 +1532,35 @@ fn agents_run_as_nobody_seed_a_server_run_as_redis_with_debians_modes() {
     );
 }
 
+/// A local process spinning on a fixed seed port, asking for a full sync
+/// with whatever password it guesses: every byte it was sent.
+fn squatter(
+    port: u16,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> std::thread::JoinHandle<Vec<u8>> {
+    use std::io::{Read, Write};
+    std::thread::spawn(move || {
+        let mut got = Vec::new();
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+                continue;
+            };
+            s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+                .unwrap();
+            let _ = s.write_all(b"PING\r\nAUTH guess\r\nREPLCONF capa eof\r\nPSYNC ? -1\r\n");
+            let _ = s.read_to_end(&mut got);
+        }
+        got
+    })
+}
+
+/// The seed's one-time `masterauth` record in the replica agent's directory.
+fn seed_record(root: &Path) -> PathBuf {
+    root.join("replica-agent").join(kvsync::kv::seed::RECORD)
+}
+
 #[test]
-fn a_replica_with_masterauth_is_seeded_with_the_fleets_password() {
+fn a_replica_with_masterauth_is_seeded_while_a_local_process_on_the_seed_port_gets_no_rdb_byte() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
     let secret = ["--requirepass", "fleet-secret"];
@@ -1536,34 +1575,120 @@ fn a_replica_with_masterauth_is_seeded_with_the_fleets_password() {
         &root.join("replica-redis"),
         &[&secret[..], &["--masterauth", "fleet-secret"]].concat(),
     );
-    let password = "password = \"fleet-secret\"\n";
+    let seed_port = free_port();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let spinning = squatter(seed_port, stop.clone());
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
-        let source = agent(
+        let (source, replica, _) = replicating_with(
             root,
-            "source",
-            &primary.dir,
-            &format!("{}{password}", source_config(&primary, TCP)),
-            &[],
-        );
-        let replica = agent(
-            root,
-            "replica",
-            &root.join("replica-agent"),
-            &format!(
-                "{}{password}",
-                replicate_config(&primary, replica_redis.port)
-            ),
-            &[],
-        );
-        offered_rdb(&source, &primary).await;
+            &primary,
+            replica_redis.port,
+            "password = \"fleet-secret\"\n",
+            &format!("seed_listen = \"127.0.0.1:{seed_port}\"\n"),
+        )
+        .await;
         let p = sync_ok(&replica, &source).await;
         assert!(p.handoff.contains("partial resync accepted"), "{p:?}");
     });
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let got = String::from_utf8_lossy(&spinning.join().unwrap()).into_owned();
+    assert!(!got.is_empty(), "the squatter reached the seed port");
+    assert!(
+        !got.contains("FULLRESYNC") && !got.contains("REDIS0"),
+        "{got:?}"
+    );
+    assert_eq!(
+        replica_redis.cmd::<Vec<String>>(&["CONFIG", "GET", "masterauth"]),
+        ["masterauth", "fleet-secret"],
+        "the server's masterauth is back"
+    );
+    assert!(!seed_record(root).exists());
     assert_eq!(
         replica_redis
             .cmd::<Option<String>>(&["GET", "key:9999"])
             .as_deref(),
         Some("value")
+    );
+}
+
+#[test]
+fn an_agent_killed_while_seeding_puts_the_servers_masterauth_back_when_it_starts_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let (primary, _) = loaded_primary(root, "64mb");
+    let replica_redis = Redis::start(&root.join("replica-redis"), &["--masterauth", "before"]);
+    // Loading is slowed (µs per key) so the agent dies while it seeds.
+    let _: () = replica_redis.cmd(&["CONFIG", "SET", "key-load-delay", "20"]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let (source, mut replica, _) = replicating(root, &primary, replica_redis.port).await;
+        let id = start_sync(&replica, &source).await;
+        wait_for("the RDB to be sent", DEADLINE, || {
+            replica
+                .proc
+                .log()
+                .contains("RDB sent to the local server")
+                .then_some(())
+        });
+        let during: Vec<String> = replica_redis.cmd(&["CONFIG", "GET", "masterauth"]);
+        assert_ne!(during[1], "before", "a one-time password while seeding");
+        assert!(seed_record(root).exists());
+        replica.proc.signal(libc::SIGKILL);
+        replica.proc.wait_exit();
+        drop(id);
+        let _again = agent(
+            root,
+            "replica",
+            &root.join("replica-agent"),
+            &replicate_config(&primary, replica_redis.port),
+            &[],
+        );
+        wait_for(
+            "the restarted agent to restore masterauth",
+            DEADLINE,
+            || {
+                let now: Vec<String> = replica_redis.cmd(&["CONFIG", "GET", "masterauth"]);
+                (now[1] == "before" && !seed_record(root).exists()).then_some(())
+            },
+        );
+    });
+    // It was no one's replica, and is again (not the dead seed's).
+    assert_eq!(
+        replica_redis.info("replication").get("role"),
+        Some("master")
+    );
+}
+
+#[test]
+fn a_fixed_seed_port_that_is_taken_fails_the_handoff_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let (primary, _) = loaded_primary(root, "64mb");
+    let replica_redis = Redis::start(&root.join("replica-redis"), &[]);
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let (source, replica, _) = replicating_with(
+            root,
+            &primary,
+            replica_redis.port,
+            "",
+            &format!("seed_listen = \"127.0.0.1:{port}\"\n"),
+        )
+        .await;
+        let id = start_sync(&replica, &source).await;
+        let p = wait_done(&replica, &id).await;
+        assert_eq!(p.phase, pb::Phase::Failed as i32, "{p:?}");
+        assert!(
+            p.error.contains("is taken") && p.error.contains("port to 0"),
+            "{}",
+            p.error
+        );
+    });
+    assert_eq!(
+        replica_redis.info("replication").get("role"),
+        Some("master")
     );
 }

@@ -5,29 +5,34 @@
 //! (docs/ARCHITECTURE.md, "Handoff").
 //!
 //! The steps: listen on `[redis] seed_listen` (loopback, a fresh port);
-//! `REPLICAOF` the seed address on the local server; accept exactly one
-//! connection, from the server's own address; answer its handshake (`PING`,
-//! `AUTH`, `REPLCONF`) as a master would and its `PSYNC` with `+FULLRESYNC
-//! <repl-id> <M>` and the RDB as one bulk payload; wait until the server has
-//! loaded it and reports the RDB's replication id and offset; then
-//! `REPLICAOF` the primary and confirm the partial resync as the `redis`
-//! handoff does. Any other connection to the seed port is answered with an
-//! error and closed. A failure puts the server's replication back as it was
-//! (its old master, or none).
+//! record the server's `masterauth` and master ([`RECORD`]), set a random
+//! one-time `masterauth` on it and `REPLICAOF` the seed address; answer
+//! connections from the server's address as a master would (`PING`,
+//! `AUTH`, `REPLCONF`), and the first that proved the one-time password
+//! gets its `PSYNC` answered with `+FULLRESYNC <repl-id> <M>` and the RDB
+//! as one bulk payload; wait until the server has loaded it and reports the
+//! RDB's replication id and offset; put its `masterauth` back, `REPLICAOF`
+//! the primary and confirm the partial resync as the `redis` handoff does.
+//! Every other connection gets an error and nothing else. A failure puts
+//! the server's replication back as it was (its old master, or none); a
+//! record left by a killed agent is put back by the next ([`recover`]).
 
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{info, warn};
 
 use crate::config::{HostPort, RedisConfig};
-use crate::kv::redis::{
-    confirm_partial, connect, info, infos, server_err, until, Info, RedisError,
-};
+use crate::kv::redis::{confirm_partial, connect, info, infos, server_err, until, RedisError};
 use crate::snapshot::SnapshotInfo;
+
+/// The one-time `masterauth` record, in `snapshot_dir`: the server's own
+/// value while the seed's is in force, so a killed agent puts it back.
+pub const RECORD: &str = ".kvsync-seed-masterauth";
 
 /// Most arguments, and bytes per argument, of a command the seed accepts.
 const MAX_ARGS: usize = 16;
@@ -47,20 +52,46 @@ pub async fn replicate(
         .ok_or_else(|| RedisError::Precondition("the RDB carries no replication id".into()))?;
     let before = info(&cfg.primary, &cfg.password, "stats").await?;
     let (server, password) = (&cfg.server_addr, &cfg.password);
+    let record_path = rdb.parent().unwrap_or(Path::new(".")).join(RECORD);
+    let mut con = connect(server, password).await?;
+    // A record left by a killed agent holds the server's own values.
+    put_back(&mut con, cfg, &record_path).await?;
     let was = info(server, password, "replication").await?;
-    let listener = TcpListener::bind(&cfg.seed_listen)
-        .await
-        .map_err(|e| RedisError::Seed(format!("cannot listen on {}: {e}", cfg.seed_listen)))?;
+    let listener = TcpListener::bind(&cfg.seed_listen).await.map_err(|e| {
+        let why = if e.kind() == std::io::ErrorKind::AddrInUse {
+            "is taken by another process".to_string()
+        } else {
+            e.to_string()
+        };
+        RedisError::Seed(format!(
+            "[redis] seed_listen {} {why}; set its port to 0 so the agent takes a fresh free one for each seeding",
+            cfg.seed_listen
+        ))
+    })?;
     let seed = listener
         .local_addr()
         .map_err(|e| RedisError::Seed(e.to_string()))?;
-    let mut con = connect(server, password).await?;
-    replicaof(&mut con, server, &seed.ip().to_string(), seed.port()).await?;
-    info!(%seed, seq = snapshot.seq, "serving the RDB to the local server as its master");
+    let record = Record {
+        masterauth: config_get(&mut con, server, "masterauth").await?,
+        master: match (
+            was.get("role"),
+            was.get("master_host"),
+            was.get("master_port"),
+        ) {
+            (Some("slave"), Some(host), Some(port)) => Some((host.to_string(), port.to_string())),
+            _ => None,
+        },
+        seed_port: seed.port(),
+    };
+    let secret = one_time_secret();
+    write_record(&record_path, &record)?;
     let seeded = async {
-        let stream = accept_one(&listener, server_ip(server).await?, timeout).await?;
+        config_set(&mut con, server, "masterauth", &secret).await?;
+        replicaof(&mut con, server, &seed.ip().to_string(), seed.port()).await?;
+        info!(%seed, seq = snapshot.seq, "serving the RDB to the local server as its master");
+        let seeded = accept_seeded(&listener, server_ip(server).await?, &secret, timeout).await?;
         let mut serving = tokio::spawn(serve(
-            stream,
+            seeded,
             rdb.to_owned(),
             repl_id.to_string(),
             snapshot.seq,
@@ -87,23 +118,176 @@ pub async fn replicate(
     }
     .await;
     drop(listener);
+    // The server's own masterauth again, before it meets any master.
+    let restored = config_set(&mut con, server, "masterauth", &record.masterauth).await;
     let primary: HostPort = cfg
         .primary
         .parse()
         .map_err(|e| server_err(&cfg.primary, e))?;
-    let followed = match seeded {
-        Ok(serving) => {
+    let followed = match (seeded, restored) {
+        (Ok(serving), Ok(())) => {
             let followed = replicaof(&mut con, server, &primary.host, primary.port).await;
             serving.abort();
             followed
         }
-        Err(e) => Err(e),
+        (Err(e), _) | (Ok(_), Err(e)) => Err(e),
     };
     if let Err(e) = followed {
-        restore_role(&mut con, server, &was).await;
+        restore_role(&mut con, server, record.master.as_ref()).await;
+        remove_record(&record_path);
         return Err(e);
     }
+    remove_record(&record_path);
     confirm_partial(cfg, timeout, &before, snapshot).await
+}
+
+/// What the server had before a seeding changed it, kept in [`RECORD`]
+/// while the seed's one-time `masterauth` is in force.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct Record {
+    /// The server's own `masterauth` (empty: none).
+    masterauth: String,
+    /// Its master (host, port), if it was a replica.
+    master: Option<(String, String)>,
+    /// The seed port it was pointed at.
+    seed_port: u16,
+}
+
+/// The record is as private as the password it holds.
+const RECORD_MODE: u32 = 0o600;
+/// The largest record read.
+const MAX_RECORD: u64 = 16 << 10;
+
+fn write_record(path: &Path, record: &Record) -> Result<(), RedisError> {
+    let text = serde_json::to_vec(record).expect("a record serialises");
+    crate::sys::fs::write_atomic(path, &text, (".kvsync-seed-", ".tmp"), RECORD_MODE).map_err(|e| {
+        RedisError::Seed(format!(
+            "cannot record the server's masterauth in {} before seeding: {e}",
+            path.display()
+        ))
+    })
+}
+
+fn remove_record(path: &Path) {
+    if let Err(e) = std::fs::remove_file(path) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            warn!(record = %path.display(), error = %e, "cannot remove the seed record");
+        }
+    }
+}
+
+/// Puts back what a killed agent's record holds: the server's own
+/// `masterauth`, and its old master if it still points at the dead seed.
+async fn put_back(
+    con: &mut redis::aio::MultiplexedConnection,
+    cfg: &RedisConfig,
+    path: &Path,
+) -> Result<(), RedisError> {
+    let server = &cfg.server_addr;
+    let text = match crate::sys::fs::read_regular(path, MAX_RECORD) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => {
+            return Err(RedisError::Seed(format!(
+                "cannot read the seed record {}: {e}; set the server's masterauth back yourself and remove the file",
+                path.display()
+            )))
+        }
+    };
+    let record: Record = serde_json::from_slice(&text).map_err(|e| {
+        RedisError::Seed(format!(
+            "the seed record {} is damaged ({e}); set the server's masterauth back yourself and remove the file",
+            path.display()
+        ))
+    })?;
+    config_set(con, server, "masterauth", &record.masterauth).await?;
+    let repl = info(server, &cfg.password, "replication").await;
+    let still_seeded = repl.map_or(true, |i| {
+        i.get("master_port") == Some(record.seed_port.to_string().as_str())
+    });
+    if still_seeded {
+        restore_role(con, server, record.master.as_ref()).await;
+    }
+    remove_record(path);
+    info!(
+        server,
+        "put back the server's masterauth after a seeding an earlier agent did not finish"
+    );
+    Ok(())
+}
+
+/// At start: what a killed agent's seeding left on the server goes back,
+/// tried again (every few seconds) while the server does not answer, for
+/// example while it still loads, until `shutdown`.
+pub async fn recover(
+    cfg: RedisConfig,
+    snapshot_dir: PathBuf,
+    shutdown: tokio_util::sync::CancellationToken,
+) {
+    let path = snapshot_dir.join(RECORD);
+    let mut warned = false;
+    while std::fs::symlink_metadata(&path).is_ok() {
+        let done = async {
+            let mut con = connect(&cfg.server_addr, &cfg.password).await?;
+            put_back(&mut con, &cfg, &path).await
+        };
+        match done.await {
+            Ok(()) => return,
+            Err(e) if !warned => {
+                warn!(error = %e, "cannot yet put back what an unfinished seeding changed on the server; trying again");
+                warned = true;
+            }
+            Err(_) => {}
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_secs(2)) => {}
+        }
+    }
+}
+
+/// A random password for one seeding.
+fn one_time_secret() -> String {
+    use std::fmt::Write;
+    rand::random::<[u8; 24]>()
+        .iter()
+        .fold(String::new(), |mut s, b| {
+            let _ = write!(s, "{b:02x}");
+            s
+        })
+}
+
+async fn config_get(
+    con: &mut redis::aio::MultiplexedConnection,
+    server: &str,
+    name: &str,
+) -> Result<String, RedisError> {
+    let pair: Vec<String> = redis::cmd("CONFIG")
+        .arg("GET")
+        .arg(name)
+        .query_async(con)
+        .await
+        .map_err(|e| server_err(server, e))?;
+    Ok(pair.into_iter().nth(1).unwrap_or_default())
+}
+
+async fn config_set(
+    con: &mut redis::aio::MultiplexedConnection,
+    server: &str,
+    name: &str,
+    value: &str,
+) -> Result<(), RedisError> {
+    redis::cmd("CONFIG")
+        .arg("SET")
+        .arg(name)
+        .arg(value)
+        .query_async::<()>(con)
+        .await
+        .map_err(|e| {
+            RedisError::Seed(format!(
+                "the local server {server} refused CONFIG SET {name}: {e} (kvsync sets a one-time masterauth for each seeding)"
+            ))
+        })
 }
 
 /// `REPLICAOF host port` on the local server.
@@ -125,17 +309,16 @@ async fn replicaof(
         })
 }
 
-/// Puts the server's replication back as it was before the handoff.
-async fn restore_role(con: &mut redis::aio::MultiplexedConnection, server: &str, was: &Info) {
-    let back = match (
-        was.get("role"),
-        was.get("master_host"),
-        was.get("master_port"),
-    ) {
-        (Some("slave"), Some(host), Some(port)) => {
-            redis::cmd("REPLICAOF").arg(host).arg(port).clone()
-        }
-        _ => redis::cmd("REPLICAOF").arg("NO").arg("ONE").clone(),
+/// Puts the server's replication back as it was before the handoff: its
+/// old master, or none.
+async fn restore_role(
+    con: &mut redis::aio::MultiplexedConnection,
+    server: &str,
+    master: Option<&(String, String)>,
+) {
+    let back = match master {
+        Some((host, port)) => redis::cmd("REPLICAOF").arg(host).arg(port).clone(),
+        None => redis::cmd("REPLICAOF").arg("NO").arg("ONE").clone(),
     };
     if let Err(e) = back.query_async::<()>(con).await {
         warn!(server, error = %e, "cannot put the server's replication back as it was");
@@ -152,22 +335,54 @@ async fn server_ip(server: &str) -> Result<std::net::IpAddr, RedisError> {
     Ok(addr.ip())
 }
 
-/// The first connection from `peer`; others before it are turned away.
-async fn accept_one(
+/// How long one connection has to authenticate and ask for the sync.
+const HANDSHAKE: Duration = Duration::from_secs(5);
+/// Connections authenticating at once, at most; more wait in the backlog.
+const MAX_HANDSHAKES: usize = 32;
+
+/// A connection that proved the one-time password and asked for a sync
+/// (`PSYNC`, else the old `SYNC`).
+struct Seeded {
+    read: BufReader<OwnedReadHalf>,
+    write: OwnedWriteHalf,
+    psync: bool,
+}
+
+/// The first connection from `peer` that proves `secret` (the one-time
+/// `masterauth`) and asks for a sync. Connections from elsewhere are
+/// turned away at once; each from `peer` has [`HANDSHAKE`] to prove it,
+/// concurrently, so one that never does delays nobody.
+async fn accept_seeded(
     listener: &TcpListener,
     peer: std::net::IpAddr,
+    secret: &str,
     timeout: Duration,
-) -> Result<TcpStream, RedisError> {
+) -> Result<Seeded, RedisError> {
     let accept = async {
+        let mut handshakes = tokio::task::JoinSet::new();
         loop {
-            let (stream, from) = listener
-                .accept()
-                .await
-                .map_err(|e| RedisError::Seed(e.to_string()))?;
-            if from.ip() == peer {
-                return Ok(stream);
+            tokio::select! {
+                accepted = listener.accept(), if handshakes.len() < MAX_HANDSHAKES => {
+                    let (stream, from) = accepted.map_err(|e| RedisError::Seed(e.to_string()))?;
+                    if from.ip() != peer {
+                        refuse(stream, from).await;
+                        continue;
+                    }
+                    let secret = secret.to_string();
+                    handshakes.spawn(async move {
+                        tokio::time::timeout(HANDSHAKE, handshake(stream, secret))
+                            .await
+                            .ok()
+                            .flatten()
+                    });
+                }
+                Some(done) = handshakes.join_next() => {
+                    match done {
+                        Ok(Some(seeded)) => return Ok(seeded),
+                        Ok(None) | Err(_) => continue,
+                    }
+                }
             }
-            refuse(stream, from).await;
         }
     };
     tokio::time::timeout(timeout, accept)
@@ -176,6 +391,51 @@ async fn accept_one(
             what: "the local server to connect to the seed".into(),
             after: timeout,
         })?
+}
+
+/// A master's side of a replica's handshake, up to its `PSYNC` or `SYNC`:
+/// the connection then, once it has sent `AUTH` with `secret`; `None`
+/// (after an error reply) for anything else.
+async fn handshake(stream: TcpStream, secret: String) -> Option<Seeded> {
+    let from = stream.peer_addr().ok()?;
+    let (read, mut write) = stream.into_split();
+    let mut read = BufReader::new(read);
+    let mut authenticated = false;
+    loop {
+        let args = read_command(&mut read).await.ok()?;
+        let name = args[0].to_ascii_uppercase();
+        let reply: &[u8] = match name.as_str() {
+            "PING" => b"+PONG\r\n",
+            // `AUTH <password>` or `AUTH <user> <password>` (masteruser).
+            "AUTH" if args.len() <= 3 => {
+                let given = args.last().expect("AUTH has a word");
+                authenticated = args.len() > 1
+                    && constant_time_eq::constant_time_eq(given.as_bytes(), secret.as_bytes());
+                if authenticated {
+                    b"+OK\r\n"
+                } else {
+                    b"-WRONGPASS invalid password for this kvsync seed\r\n"
+                }
+            }
+            "REPLCONF" if authenticated => b"+OK\r\n",
+            "PSYNC" | "SYNC" if authenticated => {
+                return Some(Seeded {
+                    read,
+                    write,
+                    psync: name == "PSYNC",
+                })
+            }
+            _ => {
+                b"-NOAUTH this kvsync seed serves only the server it set a one-time password on\r\n"
+            }
+        };
+        write.write_all(reply).await.ok()?;
+        if !authenticated && name != "PING" {
+            warn!(%from, "refused a connection to the seed port that did not prove the one-time password");
+            close_politely(read.into_inner(), write).await;
+            return None;
+        }
+    }
 }
 
 /// Answers every further connection with an error and closes it.
@@ -187,60 +447,71 @@ async fn turn_away(listener: &TcpListener) {
     }
 }
 
+/// Answers a connection with an error and closes it, on a task of its
+/// own (the accept loop goes on at once).
 async fn refuse(mut stream: TcpStream, from: SocketAddr) {
     warn!(%from, "refused a connection to the seed port: it serves one server once");
-    let _ = stream
-        .write_all(b"-ERR this kvsync seed serves one replica, once\r\n")
-        .await;
+    tokio::spawn(async move {
+        let _ = stream
+            .write_all(b"-ERR this kvsync seed serves one replica, once\r\n")
+            .await;
+        let (read, write) = stream.into_split();
+        close_politely(read, write).await;
+    });
 }
 
-/// The master's side of one replica's handshake and full resync.
+/// Ends a refused connection so its error reply arrives: no more writes,
+/// then what the client already sent is read away (for at most a second),
+/// because closing with unread input resets the connection and can lose
+/// the reply.
+async fn close_politely(mut read: OwnedReadHalf, mut write: OwnedWriteHalf) {
+    let _ = write.shutdown().await;
+    let drain = async {
+        let mut sink = [0u8; 1024];
+        let mut left = 64usize << 10;
+        while left > 0 {
+            match read.read(&mut sink).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => left = left.saturating_sub(n),
+            }
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(1), drain).await;
+}
+
+/// The master's answer to the replica's sync request: `+FULLRESYNC
+/// <repl-id> <M>` (to `PSYNC`) and the RDB as one bulk payload; then it
+/// reads the replica's acknowledgements until the connection ends.
 async fn serve(
-    stream: TcpStream,
+    seeded: Seeded,
     rdb: std::path::PathBuf,
     repl_id: String,
     seq: u64,
 ) -> Result<(), RedisError> {
     let err = |e: std::io::Error| RedisError::Seed(format!("the seed connection: {e}"));
-    let (read, mut write) = stream.into_split();
-    let mut read = BufReader::new(read);
-    loop {
-        let args = read_command(&mut read).await?;
-        let name = args
-            .first()
-            .map(|a| a.to_ascii_uppercase())
-            .unwrap_or_default();
-        match name.as_str() {
-            "PING" => write.write_all(b"+PONG\r\n").await.map_err(err)?,
-            "AUTH" | "REPLCONF" => write.write_all(b"+OK\r\n").await.map_err(err)?,
-            "PSYNC" | "SYNC" => {
-                if name == "PSYNC" {
-                    let line = format!("+FULLRESYNC {repl_id} {seq}\r\n");
-                    write.write_all(line.as_bytes()).await.map_err(err)?;
-                }
-                let mut file =
-                    tokio::fs::File::from_std(crate::sys::fs::open_read(&rdb).map_err(err)?);
-                let len = file.metadata().await.map_err(err)?.len();
-                write
-                    .write_all(format!("${len}\r\n").as_bytes())
-                    .await
-                    .map_err(err)?;
-                tokio::io::copy(&mut file, &mut write).await.map_err(err)?;
-                write.flush().await.map_err(err)?;
-                info!(bytes = len, "RDB sent to the local server");
-                // Its acknowledgements follow; nothing more is sent, so its
-                // offset stays M.
-                let mut sink = [0u8; 4096];
-                while read.read(&mut sink).await.map_err(err)? > 0 {}
-                return Ok(());
-            }
-            _ => {
-                return Err(RedisError::Seed(format!(
-                    "the local server sent {name:?} in its replication handshake"
-                )))
-            }
-        }
+    let Seeded {
+        mut read,
+        mut write,
+        psync,
+    } = seeded;
+    if psync {
+        let line = format!("+FULLRESYNC {repl_id} {seq}\r\n");
+        write.write_all(line.as_bytes()).await.map_err(err)?;
     }
+    let mut file = tokio::fs::File::from_std(crate::sys::fs::open_read(&rdb).map_err(err)?);
+    let len = file.metadata().await.map_err(err)?.len();
+    write
+        .write_all(format!("${len}\r\n").as_bytes())
+        .await
+        .map_err(err)?;
+    tokio::io::copy(&mut file, &mut write).await.map_err(err)?;
+    write.flush().await.map_err(err)?;
+    info!(bytes = len, "RDB sent to the local server");
+    // Its acknowledgements follow; nothing more is sent, so its offset
+    // stays M.
+    let mut sink = [0u8; 4096];
+    while read.read(&mut sink).await.map_err(err)? > 0 {}
+    Ok(())
 }
 
 /// One command: a RESP array of bulk strings, or an inline line.
@@ -342,23 +613,52 @@ mod tests {
         read_command(&mut BufReader::new(bytes)).await
     }
 
+    async fn send(seed: SocketAddr, from: &str, lines: &[u8]) -> TcpStream {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind(format!("{from}:0").parse().unwrap()).unwrap();
+        let mut s = socket.connect(seed).await.unwrap();
+        s.write_all(lines).await.unwrap();
+        s
+    }
+
+    async fn answer(mut s: TcpStream) -> String {
+        let mut answer = String::new();
+        s.read_to_string(&mut answer).await.unwrap();
+        answer
+    }
+
+    /// Only a connection from the server's address that proves the
+    /// one-time password gets to sync; one that stays silent delays it
+    /// not at all, and the others get nothing but errors.
     #[tokio::test]
-    async fn the_seed_takes_only_the_servers_connection_and_turns_others_away() {
+    async fn the_seed_serves_only_the_connection_with_the_one_time_password() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let seed = listener.local_addr().unwrap();
-        // A peer at another address knocks first.
-        let stranger = tokio::net::TcpSocket::new_v4().unwrap();
-        stranger.bind("127.0.0.2:0".parse().unwrap()).unwrap();
-        let mut stranger = stranger.connect(seed).await.unwrap();
-        let server = TcpStream::connect(seed).await.unwrap();
+        let stranger = send(seed, "127.0.0.2", b"PING\r\n").await;
+        let _silent = send(seed, "127.0.0.1", b"").await;
+        let guess = send(seed, "127.0.0.1", b"PING\r\nAUTH guess\r\nPSYNC ? -1\r\n").await;
+        let bold = send(seed, "127.0.0.1", b"REPLCONF capa eof\r\nPSYNC ? -1\r\n").await;
+        let server = send(
+            seed,
+            "127.0.0.1",
+            b"PING\r\nAUTH default s3cret\r\nREPLCONF capa eof\r\nPSYNC ? -1\r\n",
+        )
+        .await;
         let ip = "127.0.0.1".parse().unwrap();
-        let taken = accept_one(&listener, ip, Duration::from_secs(10))
+        let seeded = accept_seeded(&listener, ip, "s3cret", Duration::from_secs(10))
             .await
             .unwrap();
-        assert_eq!(taken.peer_addr().unwrap(), server.local_addr().unwrap());
-        let mut answer = String::new();
-        stranger.read_to_string(&mut answer).await.unwrap();
-        assert!(answer.starts_with("-ERR"), "{answer:?}");
+        assert!(seeded.psync);
+        assert_eq!(
+            seeded.read.get_ref().peer_addr().unwrap(),
+            server.local_addr().unwrap()
+        );
+        assert!(answer(stranger).await.starts_with("-ERR"));
+        assert_eq!(
+            answer(guess).await,
+            "+PONG\r\n-WRONGPASS invalid password for this kvsync seed\r\n"
+        );
+        assert!(answer(bold).await.starts_with("-NOAUTH"));
     }
 
     #[tokio::test]
