@@ -179,6 +179,7 @@ impl RunningAgent {
             config.snapshot_format,
             metrics.clone(),
             prepared.dialer,
+            config.fanout.allowed_replicas.clone(),
             shutdown.clone(),
         );
         let metrics_addr =

@@ -38,6 +38,17 @@ pub struct Config {
     pub redis: RedisConfig,
     pub auth: AuthConfig,
     pub tls: TlsConfig,
+    pub fanout: FanoutConfig,
+}
+
+/// Fan-outs this agent runs as their origin.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FanoutConfig {
+    /// The replicas' agents a fan-out may call, with the caller's token:
+    /// gRPC addresses (`host:port`) or names a certificate proves, as for
+    /// `[sync] allowed_sources`; empty allows any address a caller names.
+    pub allowed_replicas: Vec<String>,
 }
 
 /// TLS of the control plane (gRPC), for the server and for every connection
@@ -549,6 +560,7 @@ impl Default for Config {
             redis: RedisConfig::default(),
             auth: AuthConfig::default(),
             tls: TlsConfig::default(),
+            fanout: FanoutConfig::default(),
         }
     }
 }
@@ -1067,20 +1079,27 @@ impl Config {
                 ),
             );
         }
-        for (i, source) in self.sync.allowed_sources.iter().enumerate() {
-            let name = source
-                .parse::<HostPort>()
-                .map_or(source.clone(), |a| a.host);
-            if !crate::peer_text::is_plain_name(&name) {
-                p.bad(
-                    "sync.allowed_sources",
-                    format!("entry {i} ({source:?}) is neither host:port nor a name"),
-                );
-            } else if !source.contains(':') && !self.tls_proves_names() {
-                p.bad(
-                    "sync.allowed_sources",
-                    format!("entry {i} ({source:?}) is a name, and only a certificate proves one: without [tls] (or with tls.server_name, one name for every agent) a name is whatever a source claims; list the source's address (host:port) instead, or configure [tls] so that the certificate of the host dialled is checked against the name"),
-                );
+        for (key, list, whom) in [
+            ("sync.allowed_sources", &self.sync.allowed_sources, "source"),
+            (
+                "fanout.allowed_replicas",
+                &self.fanout.allowed_replicas,
+                "replica",
+            ),
+        ] {
+            for (i, entry) in list.iter().enumerate() {
+                let name = entry.parse::<HostPort>().map_or(entry.clone(), |a| a.host);
+                if !crate::peer_text::is_plain_name(&name) {
+                    p.bad(
+                        key,
+                        format!("entry {i} ({entry:?}) is neither host:port nor a name"),
+                    );
+                } else if !entry.contains(':') && !self.tls_proves_names() {
+                    p.bad(
+                        key,
+                        format!("entry {i} ({entry:?}) is a name, and only a certificate proves one: without [tls] (or with tls.server_name, one name for every agent) a name is whatever a {whom} claims; list the {whom}'s address (host:port) instead, or configure [tls] so that the certificate of the host dialled is checked against the name"),
+                    );
+                }
             }
         }
     }

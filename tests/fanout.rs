@@ -80,6 +80,56 @@ fn start_nodes(root: &std::path::Path, n: usize, transport: &str, extra: &str) -
         .collect()
 }
 
+/// A caller who holds an orchestrator token names replicas the origin may
+/// not dial: the fan-out is refused before any connection is made, so the
+/// origin is neither a port scanner nor a forwarder of the caller's token.
+#[test]
+fn a_fanout_to_a_replica_not_in_allowed_replicas_is_refused_before_any_connection() {
+    let root = tempfile::tempdir().unwrap();
+    let allowed = Node::start(root.path(), "allowed", PIECES, &[]);
+    let origin = Node::start(
+        root.path(),
+        "origin",
+        &format!(
+            "{PIECES}[fanout]\nallowed_replicas = [\"{}\"]\n",
+            allowed.grpc()
+        ),
+        &[],
+    );
+    put_snapshot(&origin.dir, "s.kvr1", 2 << 20, 3);
+    block_on(origin.offered(3));
+    let target = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    target.set_nonblocking(true).unwrap();
+    let out = Command::new(kvsync_bin())
+        .args([
+            "fanout",
+            "--source",
+            &origin.grpc(),
+            "--replica",
+            &allowed.grpc(),
+        ])
+        .args([
+            "--replica",
+            &target.local_addr().unwrap().to_string(),
+            "--wait",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("allowed_replicas"), "{err}");
+    assert!(
+        matches!(target.accept(), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "the origin connected to the target"
+    );
+    // Nothing was started on the allowed replica either.
+    let status = block_on(allowed.status());
+    assert!(
+        status.running.is_empty() && status.recent.is_empty(),
+        "{status:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn six_replicas_through_relays_get_exact_copies_while_the_origin_sends_two() {
     for (transport, label) in [("mode = \"tcp\"", "tcp"), (EMULATED, "rdma")] {

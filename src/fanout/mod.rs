@@ -58,6 +58,8 @@ pub struct FanoutManager {
     format: Format,
     metrics: Arc<Metrics>,
     dialer: Dialer,
+    /// `[fanout] allowed_replicas`: the agents a fan-out may call.
+    allowed: Vec<String>,
     shutdown: CancellationToken,
     fanouts: Mutex<Vec<(String, watch::Receiver<pb::FanoutStatus>)>>,
 }
@@ -68,6 +70,7 @@ impl FanoutManager {
         format: Format,
         metrics: Arc<Metrics>,
         dialer: Dialer,
+        allowed: Vec<String>,
         shutdown: CancellationToken,
     ) -> Arc<FanoutManager> {
         Arc::new(FanoutManager {
@@ -75,6 +78,7 @@ impl FanoutManager {
             format,
             metrics,
             dialer,
+            allowed,
             shutdown,
             fanouts: Mutex::default(),
         })
@@ -100,6 +104,15 @@ impl FanoutManager {
             if !crate::sync::is_agent_addr(r) {
                 return bad(format!("{r:?} is not an agent's gRPC address host:port"));
             }
+        }
+        if let Some(r) = req
+            .replicas
+            .iter()
+            .find(|r| !crate::rpc::dial::allowed(&self.allowed, r))
+        {
+            return bad(format!(
+                "replica {r} is not in this origin's [fanout] allowed_replicas: it calls only the agents listed there"
+            ));
         }
         if let Some(twice) = req.replicas.iter().find(|r| !seen.insert(r.as_str())) {
             return bad(format!("replica {twice} is listed twice"));
@@ -397,7 +410,12 @@ impl Follower {
             .dialer
             .connect_as(replica, CALL_TIMEOUT, self.auth.clone())
             .await
-            .map_err(|e| format!("cannot reach {replica}: {e}"))?;
+            .map_err(|e| {
+                // Refused, unreachable or silent: the caller is not told
+                // which (the origin is no port scanner); its log says.
+                warn!(%replica, error = %e, "cannot reach a fan-out replica");
+                format!("cannot reach the agent at {replica}")
+            })?;
         let mut client = OrchestratorClient::new(channel);
         let before = relay_bytes(&mut client).await.unwrap_or(0);
         let started = tokio::time::timeout(CALL_TIMEOUT, client.start_full_sync(start))

@@ -1,6 +1,8 @@
 //! How a process reaches an agent's gRPC server: plaintext or TLS, with the
-//! bearer token of its (reloadable) token file on every call. Used by
-//! replica agents to reach sources and by the CLI to reach agents.
+//! bearer token of its (reloadable) token file on every call, and which
+//! agents an allow list lets it dial. Used by replica agents to reach
+//! sources, by origins to reach a fan-out's replicas and by the CLI to
+//! reach agents.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -135,6 +137,21 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 }
 
 /// `host:port` names this host (a loopback address or `localhost`).
+/// Whether an allow list (`[sync] allowed_sources`, `[fanout]
+/// allowed_replicas`) lets this agent dial the agent at `addr`: an address
+/// entry is that address; a name entry is the name the agent's certificate
+/// proves, the host part of the address it is dialled at (configuration
+/// allows name entries only under [tls], where the certificate is checked
+/// against that name). What an agent says about itself (its node id) never
+/// admits it. An empty list allows any address.
+pub fn allowed(list: &[String], addr: &str) -> bool {
+    let host = addr.parse::<crate::config::HostPort>().map(|a| a.host);
+    list.is_empty()
+        || list
+            .iter()
+            .any(|a| a == addr || (!a.contains(':') && host.as_ref().is_ok_and(|h| h == a)))
+}
+
 fn is_local(addr: &str) -> bool {
     match addr.parse::<std::net::SocketAddr>() {
         Ok(a) => a.ip().is_loopback(),
@@ -147,6 +164,18 @@ fn is_local(addr: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn allow_lists_match_the_address_or_the_proved_host_never_the_claimed_node_id() {
+        let list = |entries: &[&str]| entries.iter().map(|e| e.to_string()).collect::<Vec<_>>();
+        assert!(allowed(&[], "src:7000"));
+        assert!(allowed(&list(&["src:7000"]), "src:7000"));
+        // A name is the host TLS checked the certificate against.
+        assert!(allowed(&list(&["src"]), "src:7000"));
+        assert!(!allowed(&list(&["src:7001", "other"]), "src:7000"));
+        // The node id an agent claims ("src-a") plays no part.
+        assert!(!allowed(&list(&["src-a"]), "src:7000"));
+    }
 
     #[tokio::test]
     async fn tokens_stay_off_the_wire_in_clear_text_unless_allowed() {

@@ -56,20 +56,6 @@ pub enum SyncError {
     SourceNotAllowed(String),
 }
 
-/// Whether `sync.allowed_sources` lets this agent pull from the source at
-/// `addr`: an address entry is that address; a name entry is the name the
-/// source's certificate proves, the host part of the address it is dialled
-/// at (configuration allows name entries only under [tls], where the
-/// certificate is checked against that name). What a source says about
-/// itself (its node id) never admits it.
-pub fn source_allowed(allowed: &[String], addr: &str) -> bool {
-    let host = addr.parse::<crate::config::HostPort>().map(|a| a.host);
-    allowed.is_empty()
-        || allowed
-            .iter()
-            .any(|a| a == addr || (!a.contains(':') && host.as_ref().is_ok_and(|h| h == a)))
-}
-
 struct Running {
     source: String,
     /// The manifest digest the sync was asked for, if any.
@@ -238,7 +224,7 @@ impl SyncManager {
                     .into(),
             ));
         }
-        if !source_allowed(&self.config.sync.allowed_sources, source) {
+        if !crate::rpc::dial::allowed(&self.config.sync.allowed_sources, source) {
             return Err(SyncError::SourceNotAllowed(format!(
                 "{source} is not in sync.allowed_sources of this agent; add it there to pull from it"
             )));

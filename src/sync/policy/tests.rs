@@ -183,19 +183,6 @@ fn required_tls_refuses_a_plain_tcp_offer_but_not_rdma() {
 }
 
 #[test]
-fn allowed_sources_match_the_address_or_the_proved_host_never_the_claimed_node_id() {
-    use crate::sync::source_allowed;
-    let allow = |entries: &[&str]| entries.iter().map(|e| e.to_string()).collect::<Vec<_>>();
-    assert!(source_allowed(&[], "src:7000"));
-    assert!(source_allowed(&allow(&["src:7000"]), "src:7000"));
-    // A name is the host TLS checked the certificate against.
-    assert!(source_allowed(&allow(&["src"]), "src:7000"));
-    assert!(!source_allowed(&allow(&["src:7001", "other"]), "src:7000"));
-    // The node id the source's offer claims ("src-a") plays no part.
-    assert!(!source_allowed(&allow(&["src-a"]), "src:7000"));
-}
-
-#[test]
 fn size_and_free_space_limits_hold_at_their_edges() {
     let l = limits(DataTls::Auto);
     let at = |size, free| within_limits(&l, "src:7000", &offer(TransportKind::Tcp, size), free);
