@@ -118,9 +118,20 @@ impl RunningAgent {
     /// wiring of which service gets which handle.
     pub async fn start(config: Config) -> Result<RunningAgent, AgentError> {
         let prepared = prepare(&config)?;
+        crate::sys::raise_open_files();
         let (grpc_listener, grpc_addr) = bind("grpc.listen", &config.grpc.listen).await?;
         let (data_listener, data_addr) = bind("data.tcp_listen", &config.data.tcp_listen).await?;
         let metrics = Metrics::new();
+        let grpc_connections = {
+            let unproved = metrics.grpc_unproved.clone();
+            conn_limit::Counter::reporting(
+                conn_limit::Limits {
+                    total: config.grpc.max_connections,
+                    per_peer: config.grpc.max_connections_per_peer,
+                },
+                move |n| unproved.set(n as i64),
+            )
+        };
         let catalog = Catalog::new(metrics.clone());
         let shutdown = CancellationToken::new();
         let cache = SnapshotCache::new(
@@ -255,12 +266,17 @@ impl RunningAgent {
                     backlog,
                 },
             },
-            auth: ServerAuth::pair(&prepared.tokens, prepared.peer_tokens.as_ref(), &metrics),
+            auth: ServerAuth::pair(
+                &prepared.tokens,
+                prepared.peer_tokens.as_ref(),
+                &metrics,
+                &grpc_connections,
+            ),
         };
         let health = start_grpc(
             services,
             prepared.server_tls,
-            (grpc_listener, &config.grpc),
+            (grpc_listener, &config.grpc, grpc_connections),
             metrics.clone(),
             &shutdown,
             &mut tasks,
@@ -643,7 +659,11 @@ struct Services {
 async fn start_grpc(
     services: Services,
     server_tls: Option<ServerTlsConfig>,
-    (listener, limits): (TcpListener, &crate::config::GrpcConfig),
+    (listener, limits, counter): (
+        TcpListener,
+        &crate::config::GrpcConfig,
+        Arc<conn_limit::Counter>,
+    ),
     metrics: Arc<Metrics>,
     shutdown: &CancellationToken,
     tasks: &mut JoinSet<()>,
@@ -699,20 +719,28 @@ async fn start_grpc(
             peer_auth,
         ));
     let stop = shutdown.clone();
-    let counter = conn_limit::Counter::new(conn_limit::Limits {
-        total: limits.max_connections,
-        per_peer: limits.max_connections_per_peer,
-    });
+    let handshake = limits.handshake_timeout;
+    let closed: Arc<dyn Fn(conn_limit::Closed) + Send + Sync> = {
+        let metrics = metrics.clone();
+        Arc::new(move |why| {
+            let reason = match why {
+                conn_limit::Closed::Evicted => "evicted",
+                conn_limit::Closed::Deadline => "handshake_timeout",
+            };
+            metrics.grpc_refused.with_label_values(&[reason]).inc();
+        })
+    };
     tasks.spawn(async move {
-        // A connection over a limit is closed at once (dropped).
+        // A connection over a limit is closed at once (dropped), unless an
+        // unproved one can make room; every one must prove itself in time.
         let incoming = futures::StreamExt::filter_map(
             tokio_stream::wrappers::TcpListenerStream::new(listener),
             move |accepted| {
-                let admitted = accepted.map(|s| {
-                    let peer = s.peer_addr().ok().map(|a| a.ip());
-                    counter
-                        .admit(peer)
-                        .map(|slot| conn_limit::Counted::new(s, slot))
+                let admitted = accepted.and_then(|s| {
+                    let addr = s.peer_addr()?;
+                    Ok(counter.admit_evicting(addr).map(|(slot, _)| {
+                        conn_limit::Counted::new(s, slot).proving_within(handshake, closed.clone())
+                    }))
                 });
                 std::future::ready(match admitted {
                     Ok(Ok(conn)) => Some(Ok(conn)),

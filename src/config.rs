@@ -276,6 +276,11 @@ pub struct GrpcConfig {
     pub max_connections_per_peer: usize,
     /// Requests in flight on one connection (HTTP/2 streams), at most.
     pub max_streams_per_connection: u32,
+    /// How long a connection may take to make its first authenticated
+    /// request; one that has not is closed then, or earlier when a
+    /// newcomer needs its place at a connection limit.
+    #[serde(with = "humantime_serde")]
+    pub handshake_timeout: Duration,
 }
 
 /// Data plane settings.
@@ -581,6 +586,7 @@ impl Default for GrpcConfig {
             max_connections: 1024,
             max_connections_per_peer: 64,
             max_streams_per_connection: 128,
+            handshake_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -594,8 +600,8 @@ impl Default for DataConfig {
             min_rate: ByteSize::mib(1),
             min_rate_window: Duration::from_secs(30),
             hello_timeout: Duration::from_secs(5),
-            max_pending_connections: 64,
-            max_pending_per_peer: 8,
+            max_pending_connections: 4096,
+            max_pending_per_peer: 64,
             tls: DataTls::Auto,
             kernel_tls: true,
             piece_size: ByteSize::b(crate::snapshot::manifest::DEFAULT_PIECE_SIZE),
@@ -792,6 +798,9 @@ impl Config {
                 "grpc.max_connections_per_peer",
                 "must be between 1 and grpc.max_connections".into(),
             );
+        }
+        if self.grpc.handshake_timeout.is_zero() {
+            p.bad("grpc.handshake_timeout", "must be greater than zero".into());
         }
         if self.grpc.max_streams_per_connection == 0 {
             p.bad(

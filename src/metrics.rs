@@ -93,6 +93,7 @@ pub struct Metrics {
     pub data_auth_failures: IntCounter,
     pub data_refused: IntCounterVec,
     pub grpc_refused: IntCounterVec,
+    pub grpc_unproved: IntGauge,
     pub grpc_auth_failures: IntCounter,
     pub last_success: GaugeVec,
     pub build_info: IntGaugeVec,
@@ -232,9 +233,13 @@ impl Metrics {
             grpc_refused: reg!(IntCounterVec::new(
                 Opts::new(
                     "kvsync_grpc_connections_refused_total",
-                    "gRPC connections closed at once: over grpc.max_connections (total) or max_connections_per_peer (per_peer)"
+                    "gRPC connections closed by the agent: over grpc.max_connections (total) or max_connections_per_peer (per_peer) with every connection proved; unproved, for a newcomer at a limit (evicted); without an authenticated request within grpc.handshake_timeout (handshake_timeout)"
                 ),
                 &["reason"]
+            )),
+            grpc_unproved: reg!(IntGauge::new(
+                "kvsync_grpc_connections_unproved",
+                "gRPC connections open that have not yet made an authenticated request"
             )),
             grpc_auth_failures: reg!(IntCounter::new(
                 "kvsync_grpc_auth_failures_total",
@@ -361,7 +366,7 @@ impl Metrics {
         for reason in REFUSAL_REASONS {
             m.data_refused.with_label_values(&[reason]);
         }
-        for reason in ["total", "per_peer"] {
+        for reason in ["total", "per_peer", "evicted", "handshake_timeout"] {
             m.grpc_refused.with_label_values(&[reason]);
         }
         // Every series with a known label set exists from the start, so a

@@ -215,6 +215,7 @@ async fn run(case: Case, wire: Wire, dir: &Path, tls: &Tls) -> Run {
     let offer = OfferedSession {
         id: "s1".into(),
         replica: "r".into(),
+        replica_ip: Some(std::net::Ipv4Addr::LOCALHOST.into()),
         entry: entry.clone(),
         // As a source holds them: TCP sends the file, RDMA the cache image.
         snapshot: if kind == TransportKind::Tcp {

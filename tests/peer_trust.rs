@@ -609,6 +609,18 @@ fn connect_from(from: &str, addr: &str) -> std::net::TcpStream {
     s.into()
 }
 
+/// gRPC connections the agent closed, for every reason.
+fn grpc_closed(node: &Node) -> f64 {
+    ["total", "per_peer", "evicted", "handshake_timeout"]
+        .iter()
+        .map(|r| {
+            node.metric(&format!(
+                "kvsync_grpc_connections_refused_total{{reason=\"{r}\"}}"
+            ))
+        })
+        .sum()
+}
+
 /// Waits until the peer closes `s` (read returns 0 or an error).
 fn closed_by_peer(s: &mut std::net::TcpStream) {
     use std::io::Read;
@@ -649,7 +661,7 @@ async fn idle_and_malformed_connections_get_no_thread_and_cannot_stop_a_real_syn
         ))
     };
 
-    // 800 idle connections from another address, held open: 8 at a time
+    // 800 idle connections from another address, held open: 64 at a time
     // may wait for their proof (the per-address cap), the rest are closed
     // at once. Without the cap every one would wait out hello_timeout.
     let flood: Vec<_> = (0..800).map(|_| connect_from("127.0.0.2", &data)).collect();
@@ -657,15 +669,17 @@ async fn idle_and_malformed_connections_get_no_thread_and_cannot_stop_a_real_syn
         (refused("pending_per_peer") + refused("hello_timeout") == 800.0).then_some(())
     });
     assert!(refused("hello_timeout") <= 80.0, "most were closed at once");
-    // And 200 idle gRPC connections: 64 from one address stay open (the
-    // default grpc.max_connections_per_peer), the rest are closed at once.
+    // And 200 idle gRPC connections: 64 from one address are open at once
+    // (the default grpc.max_connections_per_peer), each newcomer closing
+    // the oldest, and none outlives grpc.handshake_timeout.
     let grpc_flood: Vec<_> = (0..200)
         .map(|_| connect_from("127.0.0.2", &source.grpc()))
         .collect();
     wait_for("the gRPC flood to be sorted", DEADLINE, || {
-        let over = r#"kvsync_grpc_connections_refused_total{reason="per_peer"}"#;
-        (source.metric(over) == 136.0).then_some(())
+        (grpc_closed(&source) + source.metric("kvsync_grpc_connections_unproved") == 200.0)
+            .then_some(())
     });
+    assert!(source.metric("kvsync_grpc_connections_unproved") <= 64.0);
     // A real sync during the flood: an exact copy.
     let replica = Node::start(root.path(), "replica", "", &[]);
     sync_ok(&replica, &source).await;
@@ -673,7 +687,7 @@ async fn idle_and_malformed_connections_get_no_thread_and_cannot_stop_a_real_syn
     // The source holds none of the data connections and only the capped
     // gRPC ones, though every one is still open here.
     wait_for("the source to close the flood", DEADLINE, || {
-        (open_fds(pid) <= baseline + 64 + 8).then_some(())
+        (open_fds(pid) <= baseline + 64 + 64).then_some(())
     });
     assert_eq!(refused("pending_total"), 0.0);
     drop((flood, grpc_flood));
@@ -834,4 +848,75 @@ async fn a_manifest_that_never_ends_is_cut_off_at_what_the_offer_can_weigh() {
         "{:?}",
         replica.temp_files()
     );
+}
+
+/// Unauthenticated gRPC connections held open: 200 from the replica's own
+/// address and 64 from each of 17 others (enough to fill every slot
+/// before). A real sync still gets in, on its first attempt: a
+/// connection that has not made an authenticated request within
+/// `grpc.handshake_timeout` is closed, and the oldest such one makes room
+/// for a newcomer at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unauthenticated_grpc_connections_cannot_lock_out_a_real_replica() {
+    let root = tempfile::tempdir().unwrap();
+    let (source, bytes) = offering_source(root.path(), 4 << 20, 3, &[]).await;
+    let grpc = source.grpc();
+    let mut held: Vec<_> = (0..200).map(|_| connect_from("127.0.0.1", &grpc)).collect();
+    for a in 1..=17 {
+        held.extend((0..64).map(|_| connect_from(&format!("127.0.1.{a}"), &grpc)));
+    }
+    // Every connection reached the agent (accepted or refused).
+    wait_for("the flood to be accepted", DEADLINE, || {
+        (grpc_closed(&source) + source.metric("kvsync_grpc_connections_unproved") >= 1288.0)
+            .then_some(())
+    });
+    let replica = Node::start(root.path(), "replica", "", &[]);
+    let done = sync_ok(&replica, &source).await;
+    assert_eq!(done.attempts, 1, "{done:?}");
+    assert_eq!(std::fs::read(replica.dir.join("s.kvr1")).unwrap(), bytes);
+    drop(held);
+}
+
+/// Eight addresses reconnect to the data port the moment the source
+/// drops them, keeping every pending slot full. A replica the source
+/// offered a session is expected: its connections have slots of their
+/// own, and its sync is an exact copy on the first attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn churning_data_connections_cannot_delay_an_expected_replica() {
+    let root = tempfile::tempdir().unwrap();
+    let source = Node::start(
+        root.path(),
+        "source",
+        "[data]\nmax_pending_connections = 64\nmax_pending_per_peer = 8\n",
+        &[],
+    );
+    let bytes = put_snapshot(&source.dir, "s.kvr1", 4 << 20, 3);
+    source.offered(3).await;
+    let data = source.data();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let churners: Vec<_> = (1..=8)
+        .flat_map(|a| (0..8).map(move |_| a))
+        .map(|a| {
+            let (stop, data) = (stop.clone(), data.clone());
+            std::thread::spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let mut s = connect_from(&format!("127.0.2.{a}"), &data);
+                    closed_by_peer(&mut s);
+                }
+            })
+        })
+        .collect();
+    wait_for("the pending slots to be full", DEADLINE, || {
+        let over = r#"kvsync_data_connections_refused_total{reason="pending_total"}"#;
+        let per_peer = r#"kvsync_data_connections_refused_total{reason="pending_per_peer"}"#;
+        (source.metric(over) + source.metric(per_peer) > 0.0).then_some(())
+    });
+    let replica = Node::start(root.path(), "replica", "", &[]);
+    let done = sync_ok(&replica, &source).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(done.attempts, 1, "{done:?}");
+    assert_eq!(std::fs::read(replica.dir.join("s.kvr1")).unwrap(), bytes);
+    for c in churners {
+        c.join().unwrap();
+    }
 }

@@ -105,6 +105,9 @@ pub struct ServerAuth {
     /// authentic but not allowed here (PERMISSION_DENIED).
     pub other: Option<Arc<Tokens>>,
     pub metrics: Arc<Metrics>,
+    /// The gRPC connections still to prove themselves: a request that
+    /// passes here proves its connection.
+    pub connections: Arc<crate::rpc::conn_limit::Counter>,
 }
 
 impl ServerAuth {
@@ -114,11 +117,13 @@ impl ServerAuth {
         tokens: &Arc<Tokens>,
         peer_tokens: Option<&Arc<Tokens>>,
         metrics: &Arc<Metrics>,
+        connections: &Arc<crate::rpc::conn_limit::Counter>,
     ) -> (ServerAuth, ServerAuth) {
         let auth = |tokens: &Arc<Tokens>, other: Option<&Arc<Tokens>>| ServerAuth {
             tokens: tokens.clone(),
             other: other.cloned(),
             metrics: metrics.clone(),
+            connections: connections.clone(),
         };
         match peer_tokens {
             Some(peer) => (auth(tokens, Some(peer)), auth(peer, Some(tokens))),
@@ -129,14 +134,14 @@ impl ServerAuth {
 
 impl Interceptor for ServerAuth {
     fn call(&mut self, req: Request<()>) -> Result<Request<()>, Status> {
-        if !self.tokens.enabled() {
-            return Ok(req);
-        }
         let header = req
             .metadata()
             .get("authorization")
             .and_then(|v| v.to_str().ok());
-        if self.tokens.check(header) {
+        if !self.tokens.enabled() || self.tokens.check(header) {
+            if let Some(addr) = req.remote_addr() {
+                self.connections.prove(addr);
+            }
             return Ok(req);
         }
         self.metrics.grpc_auth_failures.inc();

@@ -163,6 +163,7 @@ impl Offers {
             OfferedSession {
                 id: id.clone(),
                 replica,
+                replica_ip: remote.map(|a| a.ip()),
                 entry: chosen.entry.clone(),
                 snapshot,
                 transport,

@@ -34,6 +34,9 @@ use crate::transport::{ktls, Faults, Serve, TransportKind};
 pub struct OfferedSession {
     pub id: String,
     pub replica: String,
+    /// The address the replica asked from: its data connections are
+    /// expected from there.
+    pub replica_ip: Option<IpAddr>,
     pub entry: Arc<CatalogEntry>,
     /// Its bytes, held for the session.
     pub snapshot: Served,
@@ -239,6 +242,18 @@ impl SessionTable {
         Some(session)
     }
 
+    /// Data connections the source expects from `ip`: the streams left of
+    /// the offers made to a replica there, not yet expired.
+    pub fn expects(&self, ip: IpAddr) -> usize {
+        let now = Instant::now();
+        let offers = self.offers.lock().expect("sessions lock");
+        offers
+            .values()
+            .filter(|w| w.offer.replica_ip == Some(ip) && w.offer.expires > now)
+            .map(|w| w.streams_left as usize)
+            .sum()
+    }
+
     /// Drops expired offers (releasing their cache references).
     pub fn sweep(&self) -> usize {
         let now = Instant::now();
@@ -364,6 +379,13 @@ pub struct DataPlane {
 pub async fn serve(mut incoming: impl Stream<Item = (Accepted, String)> + Unpin, plane: DataPlane) {
     let shutdown = plane.shutdown.clone();
     let pending = conn_limit::Counter::new(plane.pending);
+    // Connections from where an offer's replica asked have places of their
+    // own, as many as it has streams left: churn from elsewhere cannot
+    // delay them.
+    let expected = conn_limit::Counter::new(conn_limit::Limits {
+        total: usize::MAX,
+        per_peer: usize::MAX,
+    });
     loop {
         let (conn, peer) = tokio::select! {
             _ = shutdown.cancelled() => break,
@@ -373,7 +395,11 @@ pub async fn serve(mut incoming: impl Stream<Item = (Accepted, String)> + Unpin,
             },
         };
         // Over the cap the connection is closed at once (dropped).
-        let slot = match pending.admit(conn.peer_ip()) {
+        let reserved = conn.peer_ip().map_or(0, |ip| plane.sessions.expects(ip));
+        let slot = match expected
+            .admit_within(conn.peer_ip(), reserved)
+            .or_else(|_| pending.admit(conn.peer_ip()))
+        {
             Ok(slot) => slot,
             Err(over) => {
                 let reason = match over {
