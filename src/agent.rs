@@ -118,6 +118,9 @@ impl RunningAgent {
     /// wiring of which service gets which handle.
     pub async fn start(config: Config) -> Result<RunningAgent, AgentError> {
         let prepared = prepare(&config)?;
+        for w in config.warnings() {
+            warn!("{w}");
+        }
         crate::sys::raise_open_files();
         let (grpc_listener, grpc_addr) = bind("grpc.listen", &config.grpc.listen).await?;
         let (data_listener, data_addr) = bind("data.tcp_listen", &config.data.tcp_listen).await?;

@@ -507,7 +507,10 @@ async fn check_replica(args: CheckReplicaArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn check_config(args: CheckConfigArgs) -> anyhow::Result<ExitCode> {
-    Config::load(&args.file)?;
+    let config = Config::load(&args.file)?;
+    for w in config.warnings() {
+        eprintln!("warning: {w}");
+    }
     println!("{}: ok", args.file.display());
     Ok(ExitCode::SUCCESS)
 }

@@ -1126,6 +1126,27 @@ impl Config {
             .parse::<SocketAddr>()
             .is_ok_and(|a| !a.ip().is_loopback())
     }
+
+    /// Settings that work but expose more than an operator may mean to:
+    /// `check-config` prints them and the agent logs them at start.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut w = Vec::new();
+        if self
+            .metrics
+            .listen
+            .parse::<SocketAddr>()
+            .is_ok_and(|a| a.ip().is_unspecified())
+        {
+            w.push(format!(
+                "metrics.listen {} serves /metrics, unauthenticated, on every interface: bind it to the address your Prometheus scrapes (or loopback), or keep the port behind a firewall",
+                self.metrics.listen
+            ));
+        }
+        if self.grpc_exposed() && self.fanout.allowed_replicas.is_empty() {
+            w.push("fanout.allowed_replicas is empty: a fan-out this agent runs as origin calls any address a caller names, with the caller's token; list the replicas' agents".into());
+        }
+        w
+    }
 }
 
 /// Every problem found, in order.
@@ -1252,6 +1273,20 @@ expected_transfer_rate = "0"
             node_id: "n".into(),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn a_wildcard_metrics_address_and_an_open_fanout_are_warned_about() {
+        let mut c = Config::default();
+        assert!(c.warnings().is_empty());
+        c.metrics.listen = "0.0.0.0:9464".into();
+        c.grpc.listen = "10.0.0.1:35101".into();
+        let w = c.warnings();
+        assert!(w[0].starts_with("metrics.listen 0.0.0.0:9464"), "{w:?}");
+        assert!(w[1].starts_with("fanout.allowed_replicas"), "{w:?}");
+        c.metrics.listen = "10.0.0.1:9464".into();
+        c.fanout.allowed_replicas = vec!["10.0.0.2:35101".into()];
+        assert!(c.warnings().is_empty());
     }
 
     fn problem_keys(c: &Config) -> Vec<String> {

@@ -636,6 +636,14 @@ fn agent_reports_every_config_problem() {
     ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(String::from_utf8_lossy(&o.stdout).ends_with(": ok\n"));
+    std::fs::write(&cfg, "[metrics]\nlisten = \"0.0.0.0:9464\"\n").unwrap();
+    let o = run(&["check-config", cfg.to_str().unwrap()]);
+    assert!(o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("warning: metrics.listen 0.0.0.0:9464"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     std::fs::write(&cfg, "[grpc]\nlisten = \"127.0.0.1:1\"\nbogus = 1\n").unwrap();
     let o = run(&["agent", "--config", cfg.to_str().unwrap()]);
     assert!(String::from_utf8_lossy(&o.stderr).contains("bogus"));

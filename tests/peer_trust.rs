@@ -642,7 +642,7 @@ async fn idle_and_malformed_connections_get_no_thread_and_cannot_stop_a_real_syn
         root.path(),
         "source",
         "mode = \"auto\"\nrdma_provider = \"emulated\"",
-        "[data]\nhello_timeout = \"1s\"\n",
+        "[data]\nhello_timeout = \"1s\"\nmax_pending_per_peer = 8\n",
         &[],
     );
     let bytes = put_snapshot(&source.dir, "s.kvr1", 8 << 20, 3);
@@ -661,7 +661,7 @@ async fn idle_and_malformed_connections_get_no_thread_and_cannot_stop_a_real_syn
         ))
     };
 
-    // 800 idle connections from another address, held open: 64 at a time
+    // 800 idle connections from another address, held open: 8 at a time
     // may wait for their proof (the per-address cap), the rest are closed
     // at once. Without the cap every one would wait out hello_timeout.
     let flood: Vec<_> = (0..800).map(|_| connect_from("127.0.0.2", &data)).collect();
@@ -687,7 +687,7 @@ async fn idle_and_malformed_connections_get_no_thread_and_cannot_stop_a_real_syn
     // The source holds none of the data connections and only the capped
     // gRPC ones, though every one is still open here.
     wait_for("the source to close the flood", DEADLINE, || {
-        (open_fds(pid) <= baseline + 64 + 64).then_some(())
+        (open_fds(pid) <= baseline + 64 + 8).then_some(())
     });
     assert_eq!(refused("pending_total"), 0.0);
     drop((flood, grpc_flood));

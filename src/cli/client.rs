@@ -33,6 +33,9 @@ pub fn set_dialer(dialer: rpc::Dialer, client_cert: bool) {
 
 async fn client(agent: &str) -> anyhow::Result<Client> {
     let (dialer, _) = DIALER.get().context("client options not set")?;
+    if dialer.token_in_clear_to(agent) {
+        eprintln!("warning: sending the bearer token to {agent} in clear text, readable on the path; give --tls-ca (the agent needs [tls]) or run the command on the agent's host");
+    }
     let channel = dialer
         .connect(agent, CONNECT_TIMEOUT)
         .await

@@ -105,6 +105,22 @@ fn learn(rate: &AtomicU64, bytes: u64, took: Duration) {
     }
 }
 
+/// The load rates a reported handoff may teach, at least and at most: the
+/// time comes from any peer-token holder (`ReportResult.handoff_ms`), so
+/// it can make the guard neither think a load instant nor endless.
+const MIN_LOAD_RATE: f64 = 1024.0 * 1024.0;
+const MAX_LOAD_RATE: f64 = 4.0 * 1024.0 * 1024.0 * 1024.0;
+
+/// Learns the load rate of `bytes` loaded in `took`, clamped to a plausible
+/// range.
+fn learn_load(rate: &AtomicU64, bytes: u64, took: Duration) {
+    let b = bytes as f64;
+    let took = took
+        .as_secs_f64()
+        .clamp(b / MAX_LOAD_RATE, (b / MIN_LOAD_RATE).max(1e-9));
+    learn(rate, bytes, Duration::from_secs_f64(took));
+}
+
 impl Drop for Lease {
     fn drop(&mut self) {
         let (guard, session, grace) = (self.guard.clone(), self.session.clone(), self.grace);
@@ -278,7 +294,7 @@ impl BacklogGuard {
             leased.watch.abort();
             self.warnings.lock().expect("warnings lock").remove(session);
             if let Some(took) = handoff {
-                learn(&self.loaded_rate, leased.size, took);
+                learn_load(&self.loaded_rate, leased.size, took);
             }
         }
         if state.leases.is_empty() {
@@ -425,6 +441,17 @@ mod tests {
             risk(&repl(1_500, 2_400, 1_000), 1_000, 0.0, 1.0),
             Some(Risk::Lost { first: 1_500 })
         );
+    }
+
+    #[test]
+    fn a_reported_handoff_time_teaches_only_a_plausible_load_rate() {
+        let rate = AtomicU64::new(0);
+        learn_load(&rate, 1 << 30, Duration::from_millis(1));
+        assert!(known(&rate).unwrap() as f64 <= MAX_LOAD_RATE * 1.01);
+        learn_load(&rate, 1 << 30, Duration::from_secs(86400 * 365));
+        assert!(known(&rate).unwrap() as f64 >= MIN_LOAD_RATE * 0.99);
+        learn_load(&rate, 1 << 30, Duration::from_secs(32));
+        assert_eq!(known(&rate), Some(32 << 20));
     }
 
     #[test]

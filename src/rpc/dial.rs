@@ -89,6 +89,12 @@ impl Dialer {
         self.open(addr, timeout, auth).await
     }
 
+    /// Whether [`Dialer::connect`] to `addr` presents a token in clear
+    /// text to another host (the CLI warns of it).
+    pub fn token_in_clear_to(&self, addr: &str) -> bool {
+        self.tls.is_none() && self.tokens.client().is_some() && !is_local(addr)
+    }
+
     async fn open(
         &self,
         addr: &str,
@@ -210,9 +216,11 @@ mod tests {
         assert!(matches!(err, ConnectError::TokenInClear(_)), "{err}");
         assert!(is_local("127.0.0.1:1") && is_local("[::1]:1") && is_local("localhost:1"));
         assert!(!is_local("10.0.0.1:1") && !is_local("primary-1:1"));
-        // Allowed everywhere.
+        // Allowed everywhere (the CLI): what it warns of is known.
         dialer.token_in_clear = true;
         let err = dialer.connect("127.0.0.1:1", t).await.err().unwrap();
         assert!(matches!(err, ConnectError::Failed(_)), "{err}");
+        assert!(dialer.token_in_clear_to("10.0.0.1:35101"));
+        assert!(!dialer.token_in_clear_to("127.0.0.1:35101"));
     }
 }
