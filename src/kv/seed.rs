@@ -124,17 +124,22 @@ pub async fn replicate(
         .primary
         .parse()
         .map_err(|e| server_err(&cfg.primary, e))?;
-    let followed = match (seeded, restored) {
+    let followed = match (seeded, &restored) {
         (Ok(serving), Ok(())) => {
             let followed = replicaof(&mut con, server, &primary.host, primary.port).await;
             serving.abort();
             followed
         }
-        (Err(e), _) | (Ok(_), Err(e)) => Err(e),
+        (Err(e), _) => Err(e),
+        (Ok(_), Err(e)) => Err(RedisError::Seed(e.to_string())),
     };
     if let Err(e) = followed {
         restore_role(&mut con, server, record.master.as_ref()).await;
-        remove_record(&record_path);
+        // Kept while the server may still hold the one-time password: the
+        // next seeding, or the next agent, puts it back.
+        if restored.is_ok() {
+            remove_record(&record_path);
+        }
         return Err(e);
     }
     remove_record(&record_path);
