@@ -741,7 +741,7 @@ async fn start_grpc(
             move |accepted| {
                 let admitted = accepted.and_then(|s| {
                     let addr = s.peer_addr()?;
-                    Ok(counter.admit_evicting(addr).map(|(slot, _)| {
+                    Ok(counter.admit_evicting(addr).map(|slot| {
                         conn_limit::Counted::new(s, slot).proving_within(handshake, closed.clone())
                     }))
                 });

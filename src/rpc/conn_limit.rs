@@ -123,10 +123,9 @@ impl Counter {
     /// not (of the same peer, for the per-peer limit) is closed to make
     /// room, so connections that never prove anything cannot keep a real
     /// peer out. Refused only when every counted connection proved itself.
-    pub fn admit_evicting(self: &Arc<Self>, addr: SocketAddr) -> Result<(Slot, bool), Over> {
+    pub fn admit_evicting(self: &Arc<Self>, addr: SocketAddr) -> Result<Slot, Over> {
         let peer = Some(addr.ip());
         let mut st = self.lock();
-        let mut evicted = false;
         while let Err(over) = self.check(&st, peer) {
             let victim = st
                 .unproved
@@ -135,11 +134,10 @@ impl Counter {
                 .map(|(id, _)| *id)
                 .ok_or(over)?;
             self.release(&mut st, victim);
-            evicted = true;
         }
         let slot = self.count(&mut st, peer, Some(addr));
         self.report(&st);
-        Ok((slot, evicted))
+        Ok(slot)
     }
 
     /// The connection at `addr` proved itself (an authenticated request):
@@ -399,11 +397,11 @@ mod tests {
             per_peer: 2,
         });
         let at = |port| SocketAddr::from(([10, 0, 0, 1], port));
-        let (old, _) = c.admit_evicting(at(1)).unwrap();
-        let (young, _) = c.admit_evicting(at(2)).unwrap();
+        let old = c.admit_evicting(at(1)).unwrap();
+        let young = c.admit_evicting(at(2)).unwrap();
         c.prove(at(2));
-        let (_new, evicted) = c.admit_evicting(at(3)).unwrap();
-        assert!(evicted && old.evicted.is_cancelled() && !young.evicted.is_cancelled());
+        let _new = c.admit_evicting(at(3)).unwrap();
+        assert!(old.evicted.is_cancelled() && !young.evicted.is_cancelled());
         c.prove(at(3));
         assert_eq!(
             c.admit_evicting(at(4)).err(),
