@@ -16,7 +16,7 @@ use bytesize::ByteSize;
 use clap::{Parser, Subcommand};
 
 use crate::agent::RunningAgent;
-use crate::config::{Config, ConfigError};
+use crate::config::{Config, ConfigError, MAX_SERVED_STREAMS};
 use crate::snapshot::{self, kvr1::GenSpec, Format};
 
 /// kvsync — replication sidecar for key-value servers.
@@ -361,6 +361,17 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .context("cannot start the async runtime")
 }
 
+/// The agent's runtime: its blocking pool has a thread for every stream
+/// the source may serve at once ([`MAX_SERVED_STREAMS`]), and room for its
+/// other blocking work (receiving, installing, loading, scanning).
+fn agent_runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .max_blocking_threads(MAX_SERVED_STREAMS + 256)
+        .build()
+        .context("cannot start the async runtime")
+}
+
 /// Loads the config file (if any) and applies command-line overrides.
 fn load_config(args: &AgentArgs) -> anyhow::Result<Config> {
     let mut config = match &args.config {
@@ -389,7 +400,7 @@ fn load_config(args: &AgentArgs) -> anyhow::Result<Config> {
 fn run_agent(args: AgentArgs) -> anyhow::Result<ExitCode> {
     let config = load_config(&args)?;
     let drain_timeout = config.sync.drain_timeout;
-    let runtime = runtime()?;
+    let runtime = agent_runtime()?;
     let code = runtime.block_on(async move {
         let agent = RunningAgent::start(config).await?;
         println!("{}", agent.ready_line());

@@ -335,6 +335,12 @@ pub struct DataConfig {
 /// The most TCP streams one sync runs on.
 pub const MAX_TCP_STREAMS: u32 = 16;
 
+/// The most data connections a source serves at once: each of the
+/// `sync.max_outgoing_syncs` sessions on up to `data.tcp_streams` streams,
+/// each stream on a thread of its own (the agent's thread pool has room
+/// for these and its other blocking work).
+pub const MAX_SERVED_STREAMS: usize = 1024;
+
 /// Whether the TCP data path is encrypted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -1004,6 +1010,16 @@ impl Config {
         if self.sync.max_outgoing_syncs == 0 {
             p.bad("sync.max_outgoing_syncs", "must be at least 1".into());
         }
+        let streams = self.sync.max_outgoing_syncs as u64 * self.data.tcp_streams as u64;
+        if streams > MAX_SERVED_STREAMS as u64 {
+            p.bad(
+                "sync.max_outgoing_syncs",
+                format!(
+                    "{} sessions of up to data.tcp_streams = {} streams each are {streams} threads; a source serves at most {MAX_SERVED_STREAMS} streams at once",
+                    self.sync.max_outgoing_syncs, self.data.tcp_streams
+                ),
+            );
+        }
         if self.sync.max_sessions_per_replica == 0 {
             p.bad("sync.max_sessions_per_replica", "must be at least 1".into());
         }
@@ -1307,6 +1323,16 @@ expected_transfer_rate = "0"
         c.data.piece_size = ByteSize::mib(1);
         c.data.piece_retries = 8;
         c.validate().unwrap();
+    }
+
+    #[test]
+    fn the_streams_a_source_may_serve_at_once_are_bounded() {
+        let mut c = valid();
+        c.data.tcp_streams = MAX_TCP_STREAMS;
+        c.sync.max_outgoing_syncs = MAX_SERVED_STREAMS / MAX_TCP_STREAMS as usize;
+        c.validate().unwrap();
+        c.sync.max_outgoing_syncs += 1;
+        assert_eq!(problem_keys(&c), ["sync.max_outgoing_syncs"]);
     }
 
     #[test]

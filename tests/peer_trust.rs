@@ -3,7 +3,9 @@
 //! more than it allows; an exposed listener must authenticate its callers;
 //! a replica only pulls from the sources it allows; idle, slow or malformed
 //! connections cost a source no thread and cannot crowd out real syncs;
-//! concurrent offers never pass the source's limits. Real agent processes.
+//! concurrent offers never pass the source's limits; one session token
+//! fetches the snapshot once, however many streams it opens. Real agent
+//! processes.
 
 mod common;
 
@@ -503,15 +505,17 @@ async fn a_source_that_stops_sending_loses_the_session_within_the_window() {
     source.wait_released();
 }
 
-/// A sink that stops taking bytes until released: a replica that stops
-/// reading its socket.
-struct Stuck {
+/// A replica's sink that asks for every piece, takes whatever it is sent
+/// without a check and counts it; with `stall`, it stops taking bytes
+/// until that is released or dropped (a replica that stops reading).
+struct Taker {
     file: std::fs::File,
-    release: std::sync::mpsc::Receiver<()>,
     want: kvsync::transport::Want,
+    bytes: u64,
+    stall: Option<std::sync::mpsc::Receiver<()>>,
 }
 
-impl kvsync::transport::Sink for Stuck {
+impl kvsync::transport::Sink for Taker {
     fn want(&self) -> kvsync::transport::Want {
         self.want.clone()
     }
@@ -521,15 +525,57 @@ impl kvsync::transport::Sink for Stuck {
     fn file(&self) -> &std::fs::File {
         &self.file
     }
-    fn piece_bytes(&mut self, _index: u32, _bytes: &[u8], _in_file: bool) {
-        let _ = self.release.recv();
+    fn piece_bytes(&mut self, _index: u32, bytes: &[u8], _in_file: bool) {
+        if let Some(stall) = &self.stall {
+            let _ = stall.recv();
+        }
+        self.bytes += bytes.len() as u64;
     }
     fn piece_done(&mut self, _index: u32) -> Result<(), kvsync::transport::SinkError> {
         Ok(())
     }
     fn verify(&mut self) -> Result<(), kvsync::transport::SinkError> {
-        Err(kvsync::transport::SinkError::Missing(1))
+        Ok(())
     }
+}
+
+/// On a thread: one raw TCP stream of `offer`'s session asking for every
+/// piece into a [`Taker`]; why it failed (`None`: it completed) and the
+/// bytes it got.
+fn take_all(
+    offer: &pb::SyncOffer,
+    stall: Option<std::sync::mpsc::Receiver<()>>,
+) -> std::thread::JoinHandle<(Option<String>, u64)> {
+    let token: [u8; 32] = offer.session_token.as_slice().try_into().unwrap();
+    let (endpoint, size, piece_size) = (
+        offer.data_endpoint.clone(),
+        offer.snapshot_size,
+        offer.piece_size,
+    );
+    std::thread::spawn(move || {
+        let mut sink = Taker {
+            file: tempfile::tempfile().unwrap(),
+            want: kvsync::transport::Want {
+                piece_size,
+                need: vec![(0, size.div_ceil(piece_size) as u32)],
+                retries: 0,
+            },
+            bytes: 0,
+            stall,
+        };
+        let mut link = kvsync::transport::tcp::Link::new(
+            std::net::TcpStream::connect(endpoint).unwrap(),
+            Default::default(),
+        )
+        .unwrap();
+        let end = kvsync::transport::tcp::run_replica(&mut link, token, size, &mut sink);
+        let failed = match end {
+            Ok(Ok(_)) => None,
+            Ok(Err(e)) => Some(e.to_string()),
+            Err(e) => Some(e.to_string()),
+        };
+        (failed, sink.bytes)
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -543,29 +589,7 @@ async fn a_replica_that_stops_reading_loses_the_session_within_the_window() {
     source.offered(5).await;
     let offer = source.open_offer().await;
     let (release, stuck) = std::sync::mpsc::channel();
-    let token: [u8; 32] = offer.session_token.as_slice().try_into().unwrap();
-    let endpoint = offer.data_endpoint.clone();
-    let size = offer.snapshot_size;
-    let piece_size = offer.piece_size;
-    let file = tempfile::tempfile().unwrap();
-    let reader = std::thread::spawn(move || {
-        let pieces = size.div_ceil(piece_size) as u32;
-        let mut sink = Stuck {
-            file,
-            release: stuck,
-            want: kvsync::transport::Want {
-                piece_size,
-                need: vec![(0, pieces)],
-                retries: 0,
-            },
-        };
-        let mut link = kvsync::transport::tcp::Link::new(
-            std::net::TcpStream::connect(endpoint).unwrap(),
-            Default::default(),
-        )
-        .unwrap();
-        kvsync::transport::tcp::run_replica(&mut link, token, size, &mut sink)
-    });
+    let reader = take_all(&offer, Some(stuck));
     let started = std::time::Instant::now();
     wait_for("the source to end the session", DEADLINE, || {
         (source.metric(r#"kvsync_fullsync_total{result="failed",role="source",transport="tcp"}"#)
@@ -580,11 +604,8 @@ async fn a_replica_that_stops_reading_loses_the_session_within_the_window() {
     );
     source.wait_released();
     drop(release);
-    let end = reader.join().unwrap();
-    assert!(
-        !matches!(end, Ok(Ok(_))),
-        "the stuck replica never completes: {end:?}"
-    );
+    let (failed, _) = reader.join().unwrap();
+    assert!(failed.is_some(), "the stuck replica never completes");
 }
 
 /// Open descriptors of process `pid`.
@@ -919,4 +940,47 @@ async fn churning_data_connections_cannot_delay_an_expected_replica() {
     for c in churners {
         c.join().unwrap();
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_token_fetches_the_snapshot_once_however_many_streams_it_opens() {
+    let root = tempfile::tempdir().unwrap();
+    let source = Node::start(
+        root.path(),
+        "source",
+        "[data]\ntcp_streams = 4\npiece_size = \"1MiB\"\n",
+        &[],
+    );
+    let size = 8u64 << 20;
+    put_snapshot(&source.dir, "s.kvr1", size, 3);
+    source.offered(3).await;
+    let offer = pb::peer_client::PeerClient::connect(format!("http://{}", source.grpc()))
+        .await
+        .unwrap()
+        .open_full_sync(pb::OpenFullSyncRequest {
+            tcp_streams: 4,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(offer.tcp_streams, 4);
+    // Every stream asks for every piece, instead of its share.
+    let streams: Vec<_> = (0..4).map(|_| take_all(&offer, None)).collect();
+    let ends: Vec<_> = streams.into_iter().map(|s| s.join().unwrap()).collect();
+    let total: u64 = ends.iter().map(|(_, bytes)| bytes).sum();
+    assert!(
+        total <= size,
+        "one token fetched {total} bytes of a {size}-byte snapshot: {ends:?}"
+    );
+    let refused = ends
+        .iter()
+        .filter(|(failed, _)| {
+            failed
+                .as_ref()
+                .is_some_and(|why| why.contains("another stream"))
+        })
+        .count();
+    assert_eq!(refused, 3, "{ends:?}");
+    source.wait_released();
 }

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 pub use plan::{need_ranges, size_scaled_timeout, BulkParams, WriteOp, WritePlanner};
 pub use replica::Replica;
-pub use source::Source;
+pub use source::{Asked, Source};
 pub use token::{Kind, Token, TokenError};
 
 /// How the bulk phase moves bytes.

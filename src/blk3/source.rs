@@ -14,8 +14,14 @@
 //! pair; over TCP, its PDON and then its bytes. PACK returns the credit;
 //! PREQ returns it and puts the piece first in line again, at most
 //! [`MAX_PIECE_SENDS`] sends per piece. BDON follows the last PACK.
+//!
+//! The streams of one session share what they [`Asked`] for: a piece goes
+//! to the first stream whose NEED names it, and a NEED naming a piece
+//! another stream has is refused, so one session token fetches each piece once
+//! however many streams it opens.
 
 use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use super::plan::{size_scaled_timeout, WritePlanner};
@@ -88,8 +94,35 @@ pub struct Source {
     /// The longest silence of the replica while pieces await replies
     /// (`None`: the whole bulk's size-scaled deadline only).
     reply_wait: Option<Duration>,
+    /// The pieces the session's other streams asked for.
+    asked: Option<Arc<Asked>>,
     state: SourceState,
     pub(super) core: Core,
+}
+
+/// The pieces the streams of one session asked for so far.
+#[derive(Debug, Default)]
+pub struct Asked(Mutex<Vec<bool>>);
+
+impl Asked {
+    /// Gives `pieces` (ascending) to one stream: all of them, or none when
+    /// one is another's (that piece).
+    fn take(&self, pieces: &VecDeque<u32>) -> Result<(), u32> {
+        let mut taken = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let is_taken = |i: u32| taken.get(i as usize).copied().unwrap_or(false);
+        if let Some(&other) = pieces.iter().find(|&&i| is_taken(i)) {
+            return Err(other);
+        }
+        if let Some(&last) = pieces.back() {
+            if taken.len() <= last as usize {
+                taken.resize(last as usize + 1, false);
+            }
+        }
+        for &i in pieces {
+            taken[i as usize] = true;
+        }
+        Ok(())
+    }
 }
 
 impl Source {
@@ -105,6 +138,7 @@ impl Source {
             },
             mode,
             reply_wait: None,
+            asked: None,
             state: SourceState::Idle,
             core: Core::default(),
         }
@@ -116,6 +150,13 @@ impl Source {
     /// notices a replica that went away.
     pub fn with_reply_wait(mut self, wait: Duration) -> Source {
         self.reply_wait = Some(wait);
+        self
+    }
+
+    /// Serves one of the streams of a session, which share what they
+    /// `asked` for.
+    pub fn sharing(mut self, asked: Arc<Asked>) -> Source {
+        self.asked = Some(asked);
         self
     }
 
@@ -264,6 +305,11 @@ impl Source {
             Ok(queue) => queue,
             Err(why) => return self.fail(Blk3Error::BadPiece(why)),
         };
+        if let Err(other) = self.asked.as_ref().map_or(Ok(()), |a| a.take(&queue)) {
+            return self.fail(Blk3Error::BadPiece(format!(
+                "piece {other} was asked for on another stream of this session; each stream may fetch only its share"
+            )));
+        }
         let writes = match self.mode {
             BulkMode::Rdma(params) => Some((WritePlanner::new(params), addr, rkey)),
             BulkMode::Stream => None,

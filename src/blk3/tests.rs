@@ -48,6 +48,8 @@ struct Sim {
     piece_wait: Option<Duration>,
     /// The source's longest wait for a piece reply.
     reply_wait: Option<Duration>,
+    /// What the other streams of the source's session asked for.
+    asked: Option<std::sync::Arc<Asked>>,
 }
 
 const MIB: u64 = 1 << 20;
@@ -69,6 +71,7 @@ impl Sim {
             skip_post: None,
             piece_wait: None,
             reply_wait: None,
+            asked: None,
         }
     }
 
@@ -138,6 +141,9 @@ fn simulate(mut sim: Sim) -> Run {
     let mut src = Source::new(sim.len, SEQ, sim.piece_size, sim.mode);
     if let Some(wait) = sim.reply_wait {
         src = src.with_reply_wait(wait);
+    }
+    if let Some(asked) = sim.asked.clone() {
+        src = src.sharing(asked);
     }
     let mut rep = Replica::new(sim.offered, sim.piece_size, need, sim.retries);
     if let Some(wait) = sim.piece_wait {
@@ -864,6 +870,37 @@ fn a_need_outside_the_snapshot_or_out_of_order_is_refused() {
             run.src
         );
         assert_eq!(run.written, 0, "{bad:?}");
+    }
+}
+
+#[test]
+fn the_streams_of_one_session_fetch_each_piece_once() {
+    for mode in [rdma(1, 4, 2), BulkMode::Stream] {
+        let asked = std::sync::Arc::new(Asked::default());
+        let stream = |need: Vec<(u32, u32)>| {
+            let mut sim = Sim::new(mode, 6 * MIB);
+            sim.need = Some(need);
+            sim.asked = Some(asked.clone());
+            simulate(sim)
+        };
+        // Two shares apart: both are served.
+        for share in [vec![(0, 2), (4, 1)], vec![(2, 2)]] {
+            let run = stream(share.clone());
+            assert!(matches!(run.src, Some(Ok(_))), "{share:?}: {:?}", run.src);
+        }
+        // A stream asking for a piece another stream has: refused before
+        // any byte moves, and so is one asking for the whole again.
+        for greedy in [vec![(3, 3)], vec![(0, 6)]] {
+            let run = stream(greedy.clone());
+            assert!(
+                matches!(&run.src, Some(Err(Blk3Error::BadPiece(why))) if why.contains("another stream")),
+                "{greedy:?}: {:?}",
+                run.src
+            );
+            assert_eq!(run.written, 0, "{greedy:?}");
+        }
+        // What is left is still some stream's to take.
+        assert!(matches!(stream(vec![(5, 1)]).src, Some(Ok(_))));
     }
 }
 

@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, info_span, warn};
 
 use crate::blk3::token::SESSION_TOKEN_LEN;
-use crate::blk3::BulkParams;
+use crate::blk3::{Asked, BulkParams};
 use crate::metrics::{unix_now, Metrics, Running};
 use crate::rpc::conn_limit;
 use crate::store::catalog::CatalogEntry;
@@ -107,6 +107,8 @@ pub enum Refusal {
 /// The streams of one session share its offer and its admission.
 pub struct Session {
     pub offer: Arc<OfferedSession>,
+    /// The pieces its streams asked for.
+    pub asked: Arc<Asked>,
     _serving: Arc<Slot>,
     _replica: Arc<ReplicaSlot>,
 }
@@ -116,6 +118,8 @@ struct Waiting {
     offer: Arc<OfferedSession>,
     /// Data connections it still accepts.
     streams_left: u32,
+    /// The pieces its streams asked for.
+    asked: Arc<Asked>,
     /// Its one count as served, from its first connection on.
     serving: Option<Arc<Slot>>,
     replica: Arc<ReplicaSlot>,
@@ -206,6 +210,7 @@ impl SessionTable {
             Waiting {
                 offer: Arc::new(offer),
                 streams_left,
+                asked: Arc::default(),
                 serving: None,
                 replica: Arc::new(replica),
             },
@@ -232,6 +237,7 @@ impl SessionTable {
             .get_or_insert_with(|| Arc::new(Slot::take(&self.serving)));
         let session = Session {
             offer: offer.clone(),
+            asked: waiting.asked.clone(),
             _serving: serving.clone(),
             _replica: waiting.replica.clone(),
         };
@@ -490,14 +496,15 @@ fn serve_proved(proved: Proved, session: Session, peer: &str, plane: &DataPlane)
             c.cancel();
         })
     });
-    serve_session(plane, &session.offer, peer, link);
+    serve_session(plane, &session, peer, link);
     if let Some(stop) = stop {
         stop.abort();
     }
 }
 
 /// Runs one authenticated session with its logs and metrics.
-fn serve_session(plane: &DataPlane, offer: &OfferedSession, peer: &str, link: SourceLink) {
+fn serve_session(plane: &DataPlane, session: &Session, peer: &str, link: SourceLink) {
+    let offer = &session.offer;
     let span = info_span!("session", id = %offer.id, replica = %offer.replica);
     let _enter = span.enter();
     let m = &plane.metrics;
@@ -518,6 +525,7 @@ fn serve_session(plane: &DataPlane, offer: &OfferedSession, peer: &str, link: So
         reply_wait: plane
             .min_rate
             .piece_wait(plane.peer_timeout, offer.entry.manifest.piece_size),
+        asked: &session.asked,
     });
     let sent = progress.load(Ordering::Relaxed);
     m.fullsync_bytes

@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::blk3::{Blk3Error, BulkParams, Command, Input, Machine, Outcome};
+use crate::blk3::{Asked, Blk3Error, BulkParams, Command, Input, Machine, Outcome};
 use crate::store::install::InstallError;
 use crate::store::journal::ClaimsError;
 use crate::store::served::Served;
@@ -51,6 +51,8 @@ pub struct Serve<'a> {
     pub cancel: CancellationToken,
     /// RDMA: how long the replica may leave every piece unanswered.
     pub reply_wait: Duration,
+    /// The pieces the session's streams asked for.
+    pub asked: &'a Arc<Asked>,
 }
 
 /// What a replica session asks its source for.

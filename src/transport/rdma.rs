@@ -465,7 +465,8 @@ pub fn run_source<F: Fabric>(qp: F, s: Serve) -> SourceRun {
         s.piece_size,
         BulkMode::Rdma(s.params),
     )
-    .with_reply_wait(s.reply_wait);
+    .with_reply_wait(s.reply_wait)
+    .sharing(s.asked.clone());
     machine.start(io.now());
     let result = drive(&mut machine, &mut io);
     // Tear the connection down before the snapshot reference can go.

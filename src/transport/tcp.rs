@@ -742,7 +742,8 @@ impl SourceIo<'_> {
 /// cache loads them.
 pub fn run_source(link: &mut Link, s: &Serve) -> Result<Result<Outcome, Blk3Error>, TcpError> {
     let len = s.snapshot.len();
-    let mut machine = Source::new(len, s.seq, s.piece_size, BulkMode::Stream);
+    let mut machine =
+        Source::new(len, s.seq, s.piece_size, BulkMode::Stream).sharing(s.asked.clone());
     machine.start(link.now());
     // Set once, before the zero-copy sender reads it: a reader that stops
     // reading fails the floor within two windows. The pace itself starts

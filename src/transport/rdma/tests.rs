@@ -95,6 +95,7 @@ fn session(
                 progress: &progress,
                 cancel: Default::default(),
                 reply_wait: T,
+                asked: &Default::default(),
             },
         )
     });
