@@ -202,7 +202,13 @@ impl RunningAgent {
         let backlog = if redis.primary_addr.is_empty() {
             None
         } else {
-            Some(BacklogGuard::start(redis.clone(), &config.snapshot_dir, metrics.clone()).await)
+            let guard = BacklogGuard::start(
+                redis.clone(),
+                &config.snapshot_dir,
+                metrics.clone(),
+                plane.rate.clone(),
+            );
+            Some(guard.await)
         };
         if config.handoff.mode == crate::config::HandoffMode::RedisReplicate {
             tasks.spawn(crate::kv::seed::recover(

@@ -141,8 +141,9 @@ pub struct RedisConfig {
     pub health_interval: Duration,
     /// Source: the backlog guard. The primary's write rate is measured over
     /// `rate_window` (`0s`: not measured); a seeding is estimated to take
-    /// the RDB's size at the rate this agent last served a session (else
-    /// `expected_transfer_rate`) plus its size at the rate a replica last
+    /// the RDB's size at the slowest of `expected_transfer_rate`, the rate
+    /// this agent last served a session at and its `[sync] rate_limit`,
+    /// plus its size at the rate a replica last
     /// reported loading one (else `expected_load_rate`); the
     /// backlog must hold what was written since the save plus that rate
     /// over that time, times `backlog_safety`, or the offer is refused.
@@ -152,9 +153,11 @@ pub struct RedisConfig {
     pub expected_load_rate: ByteSize,
     pub backlog_safety: f64,
     /// Source: instead of refusing, raise the primary's `repl-backlog-size`
-    /// (`CONFIG SET`) to what a seeding needs, up to `max_backlog`, and put
-    /// the operator's value back once no seeding needs it (Redis 7.0 and
-    /// later, Valkey: older servers lose the backlog on a resize).
+    /// (`CONFIG SET`) to what a seeding needs, up to `max_backlog`, at the
+    /// offer and again whenever the primary writes faster during the
+    /// seeding than foreseen, and put the operator's value back once no
+    /// seeding needs it (Redis 7.0 and later, Valkey: older servers lose
+    /// the backlog on a resize).
     pub grow_backlog: bool,
     pub max_backlog: ByteSize,
     /// Source: where the operator's `repl-backlog-size` is remembered while

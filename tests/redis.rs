@@ -1059,12 +1059,50 @@ fn steady_writer(primary: &Redis) -> Client {
     })
 }
 
-/// A source that grows the backlog, its transfers held to `rate`.
+/// A source that grows the backlog, its transfers held to `rate` (the
+/// guard's expected transfer rate stays at its default: the limit alone
+/// tells it how long a seeding takes).
 fn growing_source(primary: &Redis, rate: &str) -> String {
     format!(
-        "rate_limit = \"{rate}\"\n{}grow_backlog = true\nexpected_transfer_rate = \"{rate}\"\n",
+        "rate_limit = \"{rate}\"\n{}grow_backlog = true\n",
         source_config(primary, TCP)
     )
+}
+
+/// Starts a sync of `replica` from `source` and waits until its first
+/// bytes arrived; its id.
+async fn transferring(replica: &Node, source: &Node) -> String {
+    let id = start_sync(replica, source).await;
+    wait_for_async("the transfer to begin", DEADLINE, || async {
+        let s = replica.status().await;
+        s.running.iter().find(|p| p.bytes_done > 0).map(drop)
+    })
+    .await;
+    id
+}
+
+/// After a seeding `p` of an RDB saved at `seq` under writes: it ended in a
+/// partial resync although the writes overran the operator's backlog
+/// (`original` bytes), because the source `raised` it, and the report put
+/// the operator's value back.
+fn seeded_on_a_grown_backlog(
+    primary: &Redis,
+    source: &Node,
+    p: &pb::SyncProgress,
+    (seq, original): (u64, u64),
+    raised: &str,
+) {
+    assert!(p.handoff.contains("partial resync accepted"), "{p:?}");
+    let written = primary.info("replication").num("master_repl_offset") - seq;
+    assert!(
+        written > original,
+        "the writes during the seeding ({written} bytes) overran the operator's backlog"
+    );
+    let log = source.proc.log();
+    assert!(log.contains(raised), "{log}");
+    // The replica's report ended the lease: the operator's value is back.
+    assert_eq!(backlog_size(primary), original, "{log}");
+    assert!(!primary.dir.join(kvsync::kv::backlog::RECORD).exists());
 }
 
 #[test]
@@ -1089,20 +1127,13 @@ fn a_backlog_too_small_for_the_writes_during_a_seeding_is_grown_then_restored() 
         .await;
         let writer = steady_writer(&primary);
         let p = sync_ok(&replica, &source).await;
-        assert!(p.handoff.contains("partial resync accepted"), "{p:?}");
-        let written = primary.info("replication").num("master_repl_offset") - seq;
-        assert!(
-            written > original,
-            "the writes during the seeding ({written} bytes) overran the operator's backlog"
+        seeded_on_a_grown_backlog(
+            &primary,
+            &source,
+            &p,
+            (seq, original),
+            "raised the primary's repl-backlog-size",
         );
-        let log = source.proc.log();
-        assert!(
-            log.contains("raised the primary's repl-backlog-size"),
-            "{log}"
-        );
-        // The replica's report ended the lease: the operator's value is back.
-        assert_eq!(backlog_size(&primary), original, "{log}");
-        assert!(!primary.dir.join(kvsync::kv::backlog::RECORD).exists());
         assert_eq!(
             source.metric(&format!(
                 "kvsync_kv_backlog_grown_bytes{{server=\"{}\"}}",
@@ -1133,6 +1164,51 @@ fn a_backlog_too_small_for_the_writes_during_a_seeding_is_grown_then_restored() 
             "{key}"
         );
     }
+}
+
+#[test]
+fn writes_faster_during_a_seeding_than_at_the_offer_grow_the_backlog_in_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let (primary, _) = loaded_primary(root, "1mb");
+    let original = backlog_size(&primary);
+    let rdir = root.join("replica-redis");
+    let replica_redis = Redis::standalone_replica(&rdir);
+    let stats = primary.info("stats");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let writer = rt.block_on(async {
+        let config = growing_source(&primary, "1MiB");
+        let (source, replica, seq) =
+            seeding(root, &primary, &config, replica_redis.port, &rdir).await;
+        // The primary is quiet at the offer: its backlog is enough then.
+        let id = transferring(&replica, &source).await;
+        assert_eq!(
+            backlog_size(&primary),
+            original,
+            "nothing grown at the offer"
+        );
+        // Then about 1 MB/s: the 1 MB backlog would lose M+1 within a
+        // second, well before the seeding ends.
+        let writer = steady_writer(&primary);
+        let p = wait_done(&replica, &id).await;
+        assert_eq!(p.phase, pb::Phase::Succeeded as i32, "{p:?}");
+        seeded_on_a_grown_backlog(
+            &primary,
+            &source,
+            &p,
+            (seq, original),
+            "raised its repl-backlog-size during the seeding",
+        );
+        assert!(source.status().await.warnings.is_empty());
+        writer
+    });
+    drop(writer);
+    let after = primary.info("stats");
+    assert_eq!(after.num("sync_full"), stats.num("sync_full"));
+    assert_eq!(
+        after.num("sync_partial_ok"),
+        stats.num("sync_partial_ok") + 1
+    );
 }
 
 #[test]
@@ -1185,25 +1261,22 @@ fn a_burst_of_writes_that_pushes_m_out_of_the_backlog_is_reported_before_the_han
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         // The primary is quiet when the offer is made: the guard passes.
-        let config = format!("rate_limit = \"1MiB\"\n{}", source_config(&primary, TCP));
+        // It may grow the backlog, but not past 1 MiB: the burst is more.
+        let config = format!(
+            "rate_limit = \"1MiB\"\n{}grow_backlog = true\nmax_backlog = \"1MiB\"\n",
+            source_config(&primary, TCP)
+        );
         let (source, replica, seq) =
             seeding(root, &primary, &config, replica_redis.port, &rdir).await;
-        let id = start_sync(&replica, &source).await;
-        wait_for_async("the transfer to begin", DEADLINE, || async {
-            let s = replica.status().await;
-            s.running.iter().find(|p| p.bytes_done > 0).map(drop)
-        })
-        .await;
+        let id = transferring(&replica, &source).await;
         // Then 2 MB are written: M+1 leaves the 1 MB backlog.
         primary.fill("burst", 2_000, &"b".repeat(1024));
-        let warning = wait_for_async("the source to warn", DEADLINE, || async {
-            source.status().await.warnings.into_iter().next()
+        let lost = format!("lost offset {}", seq + 1);
+        wait_for_async("the source to warn", DEADLINE, || async {
+            let warnings = source.status().await.warnings;
+            warnings.into_iter().find(|w| w.contains(&lost))
         })
         .await;
-        assert!(
-            warning.contains(&format!("lost offset {}", seq + 1)),
-            "{warning}"
-        );
         assert!(
             replica.status().await.running.len() == 1,
             "warned while the transfer still runs"

@@ -10,9 +10,12 @@
 //! `[redis] backlog_record` (by default `<snapshot_dir>/.kvsync-redis-backlog`)
 //! before the first raise and put
 //! back when the last lease ends; an agent killed while holding one puts it
-//! back when it starts again. While a lease lives its backlog is watched: a
-//! burst of writes about to push M+1 out (or one that did) is logged, shown
-//! in the status and counted. A lease ends when the replica reports how its
+//! back when it starts again. While a lease lives its backlog is watched:
+//! with `grow_backlog`, writes faster than the offer foresaw raise the
+//! backlog again (up to `max_backlog`) as soon as what is left before M+1
+//! falls below what the rest of the seeding writes; a burst about to push
+//! M+1 out that cannot be met so (or one that did) is logged, shown in the
+//! status and counted. A lease ends when the replica reports how its
 //! sync ended, or a grace time after its session ended without a report.
 
 use std::collections::{BTreeMap, HashMap};
@@ -28,6 +31,7 @@ use crate::kv::preflight::{self, Foresight, Preflight};
 use crate::kv::redis::{self, Info, RedisError};
 use crate::metrics::Metrics;
 use crate::snapshot::SnapshotInfo;
+use crate::transport::ratelimit::RateLimiter;
 
 /// The default record of the operator's `repl-backlog-size`, in the
 /// snapshot dir (hidden, so the watcher skips it).
@@ -73,6 +77,9 @@ pub struct BacklogGuard {
     /// reported handoff time.
     served_rate: AtomicU64,
     loaded_rate: AtomicU64,
+    /// The source's own bandwidth limit (`[sync] rate_limit`): no seeding
+    /// moves faster.
+    rate_limit: Arc<RateLimiter>,
     runtime: tokio::runtime::Handle,
 }
 
@@ -156,13 +163,15 @@ pub fn risk(repl: &Info, seq: u64, rate: f64, remaining: f64) -> Option<Risk> {
 
 impl BacklogGuard {
     /// The guard of the primary at `cfg.primary_addr`, its record at
-    /// `cfg.backlog_record` or in `snapshot_dir`. A record left by a killed agent is loaded, and the
-    /// operator's value put back at once (or at the next release, if the
-    /// primary does not answer now).
+    /// `cfg.backlog_record` or in `snapshot_dir`, for a source whose sends
+    /// are held to `rate_limit`. A record left by a killed agent is loaded,
+    /// and the operator's value put back at once (or at the next release,
+    /// if the primary does not answer now).
     pub async fn start(
         cfg: RedisConfig,
         snapshot_dir: &Path,
         metrics: Arc<Metrics>,
+        rate_limit: Arc<RateLimiter>,
     ) -> Arc<BacklogGuard> {
         let record = if cfg.backlog_record.as_os_str().is_empty() {
             snapshot_dir.join(RECORD)
@@ -188,6 +197,7 @@ impl BacklogGuard {
             warnings: Mutex::new(BTreeMap::new()),
             served_rate: AtomicU64::new(0),
             loaded_rate: AtomicU64::new(0),
+            rate_limit,
             runtime: tokio::runtime::Handle::current(),
         });
         guard.restore(&mut *guard.state.lock().await).await;
@@ -203,7 +213,8 @@ impl BacklogGuard {
         snapshot: &SnapshotInfo,
     ) -> Result<(Lease, Preflight), RedisError> {
         let measured = (known(&self.served_rate), known(&self.loaded_rate));
-        let sizing = preflight::measure(&self.cfg, snapshot, measured).await?;
+        let sizing =
+            preflight::measure(&self.cfg, snapshot, measured, self.rate_limit.rate()).await?;
         let mut state = self.state.lock().await;
         if sizing.needed > sizing.size {
             let shortfall = sizing.shortfall(snapshot.size);
@@ -334,8 +345,9 @@ impl BacklogGuard {
         warnings.values().cloned().collect()
     }
 
-    /// Reads the backlog until the lease ends (its task is aborted), and
-    /// reports the first time M+1 is at risk.
+    /// Reads the backlog until the lease ends (its task is aborted): raises
+    /// it when M+1 is at risk and `grow_backlog` allows, and reports when
+    /// it cannot (counted once per lease).
     async fn watch(self: Arc<Self>, session: String, snapshot: SnapshotInfo, foresight: Foresight) {
         let (addr, password) = (&self.cfg.primary_addr, &self.cfg.password);
         let (start, expected) = (Instant::now(), foresight.seconds(snapshot.size));
@@ -358,12 +370,33 @@ impl BacklogGuard {
                 continue;
             };
             let next = snapshot.seq + 1;
+            let grown = match risk {
+                Risk::Soon { rate, .. } if self.cfg.grow_backlog => {
+                    let written = repl.num("master_repl_offset").saturating_sub(snapshot.seq);
+                    let needed = written + (rate * remaining * foresight.safety).ceil() as u64;
+                    let why = format!(
+                        "session {session}: the primary writes {rate:.0} bytes/s during the seeding, so with a safety factor of {} its backlog must hold {needed} bytes for the seeding's expected {remaining:.1} s more",
+                        foresight.safety
+                    );
+                    let mut state = self.state.lock().await;
+                    Some(self.grow(&mut state, needed, &why).await.map(|()| needed))
+                }
+                _ => None,
+            };
+            if let Some(Ok(needed)) = grown {
+                info!(session, needed, "the primary writes faster than the offer foresaw: raised its repl-backlog-size during the seeding");
+                continue;
+            }
             let text = match risk {
                 Risk::Lost { first } => format!(
                     "session {session}: the primary's backlog lost offset {next} (it now starts at {first}); the replica's PSYNC will be answered with a full resync. Raise repl-backlog-size (or [redis] backlog_safety, or turn on [redis] grow_backlog) and seed again"
                 ),
                 Risk::Soon { left, rate } => format!(
-                    "session {session}: the primary writes {rate:.0} bytes/s and its backlog holds {left} more bytes before offset {next} is lost, less than the seeding's expected {remaining:.1} s more; the replica's PSYNC may be answered with a full resync"
+                    "session {session}: the primary writes {rate:.0} bytes/s and its backlog holds {left} more bytes before offset {next} is lost, less than the seeding's expected {remaining:.1} s more; the replica's PSYNC may be answered with a full resync{}",
+                    match grown {
+                        Some(Err(e)) => format!(" ({e})"),
+                        _ => String::new(),
+                    }
                 ),
             };
             warn!("{text}");

@@ -83,6 +83,17 @@ pub fn check_backlog(repl: &Info, repl_id: &str, seq: u64) -> Result<Preflight, 
     })
 }
 
+/// The rate a seeding is expected to move at: the slowest of the
+/// configured expectation, the last served rate and the rate limit (each
+/// where there is one).
+fn transfer_rate(expected: u64, served: Option<u64>, rate_limit: u64) -> u64 {
+    [Some(expected), served, Some(rate_limit).filter(|r| *r > 0)]
+        .into_iter()
+        .flatten()
+        .min()
+        .unwrap_or(expected)
+}
+
 /// What the backlog guard measured on the local primary.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Sizing {
@@ -117,12 +128,16 @@ impl Sizing {
 /// over `rate_window`. `measured` are the transfer and load rates this
 /// agent last saw (the rate it served a session at, and the RDB's size over
 /// a replica's reported handoff time), where it has them; the configured
-/// expectations stand in otherwise. Whether a shortfall is refused or the
-/// backlog grown is the guard's business (`backlog`).
+/// expectations stand in otherwise. A seeding is never expected to move
+/// faster than the slowest of `rate_limit` (the source's own `[sync]
+/// rate_limit`, 0: none), the last served rate and the configured
+/// expectation. Whether a shortfall is refused or the backlog grown is the
+/// guard's business (`backlog`).
 pub async fn measure(
     cfg: &RedisConfig,
     snapshot: &SnapshotInfo,
     measured: (Option<u64>, Option<u64>),
+    rate_limit: u64,
 ) -> Result<Sizing, RedisError> {
     let repl_id = snapshot.repl_id.as_deref().unwrap_or("");
     let (addr, password) = (&cfg.primary_addr, &cfg.password);
@@ -138,7 +153,7 @@ pub async fn measure(
     let written = master.saturating_sub(first.num("master_repl_offset"));
     let foresight = Foresight {
         write_rate: written as f64 / cfg.rate_window.as_secs_f64().max(1e-3),
-        transfer_rate: measured.0.unwrap_or(cfg.expected_transfer_rate.as_u64()),
+        transfer_rate: transfer_rate(cfg.expected_transfer_rate.as_u64(), measured.0, rate_limit),
         load_rate: measured.1.unwrap_or(cfg.expected_load_rate.as_u64()),
         safety: cfg.backlog_safety,
     };
@@ -171,6 +186,17 @@ mod tests {
             ..quiet
         };
         assert_eq!(busy.backlog_needed(1_500, 1_000, 1 << 30), 500 + 40_960_000);
+    }
+
+    #[test]
+    fn a_seeding_is_expected_at_the_slowest_of_the_expectation_the_last_rate_and_the_limit() {
+        let mib = 1 << 20;
+        assert_eq!(transfer_rate(100 * mib, None, 0), 100 * mib);
+        // A source held to 2 MiB/s seeds at 2 MiB/s, whatever it saw before.
+        assert_eq!(transfer_rate(100 * mib, None, 2 * mib), 2 * mib);
+        assert_eq!(transfer_rate(100 * mib, Some(500 * mib), 2 * mib), 2 * mib);
+        assert_eq!(transfer_rate(100 * mib, Some(30 * mib), 0), 30 * mib);
+        assert_eq!(transfer_rate(100 * mib, Some(300 * mib), 0), 100 * mib);
     }
 
     fn repl(first: u64, histlen: u64, master: u64) -> Info {
