@@ -1,9 +1,10 @@
-//! Seeding Redis replicas with real `redis-server` processes (Debian's
-//! package, installed by the test command): RDBs saved by the real server
-//! parsed and verified, a replica seeded over TCP and over the emulated RDMA
-//! fabric that continues with a partial resync (the primary never full-syncs
-//! it), and the refusals: no replication position, a backlog that no longer
-//! holds M+1, a corrupted byte in flight.
+//! Seeding Redis replicas with real `redis-server` and `valkey-server`
+//! processes (Debian's packages, installed by the test command; every test
+//! runs against each, as `<test>::redis` and `<test>::valkey`): RDBs saved
+//! by the real server parsed and verified, a replica seeded over TCP and
+//! over the emulated RDMA fabric that continues with a partial resync (the
+//! primary never full-syncs it), and the refusals: no replication position,
+//! a backlog that no longer holds M+1, a corrupted byte in flight.
 
 mod common;
 
@@ -38,8 +39,59 @@ fn free_port() -> u16 {
     }
 }
 
-/// A redis-server: a child process, or a daemonized one found by pidfile.
+/// The servers every test here runs against: Debian's `redis-server`, and
+/// `valkey-server` from its backports (both installed by the test command).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Server {
+    Redis,
+    Valkey,
+}
+
+impl Server {
+    fn bin(self) -> &'static str {
+        match self {
+            Server::Redis => "redis-server",
+            Server::Valkey => "valkey-server",
+        }
+    }
+
+    fn cli(self) -> &'static str {
+        match self {
+            Server::Redis => "redis-cli",
+            Server::Valkey => "valkey-cli",
+        }
+    }
+
+    /// The user Debian's package runs the server as.
+    fn user(self) -> &'static str {
+        match self {
+            Server::Redis => "redis",
+            Server::Valkey => "valkey",
+        }
+    }
+}
+
+/// Runs each named test (a `fn(Server)`) once per server, as
+/// `name::redis` and `name::valkey`.
+macro_rules! on_both_servers {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[test]
+            fn redis() {
+                super::$name(super::Server::Redis)
+            }
+            #[test]
+            fn valkey() {
+                super::$name(super::Server::Valkey)
+            }
+        }
+    )*};
+}
+
+/// A redis-server or valkey-server: a child process, or a daemonized one
+/// found by pidfile.
 struct Redis {
+    server: Server,
     port: u16,
     dir: PathBuf,
     child: Option<Child>,
@@ -49,16 +101,17 @@ struct Redis {
 
 impl Redis {
     /// Starts a server in `dir` with `extra` arguments and waits for PING.
-    fn start(dir: &Path, extra: &[&str]) -> Redis {
-        Redis::start_as(dir, extra, None)
+    fn start(server: Server, dir: &Path, extra: &[&str]) -> Redis {
+        Redis::start_as(server, dir, extra, None)
     }
 
     /// Like [`Redis::start`], as `user` when given, the way Debian's unit
     /// runs it: `dir` is `0750 user:user`, and the server's umask 007.
-    fn start_as(dir: &Path, extra: &[&str], user: Option<&str>) -> Redis {
+    fn start_as(server: Server, dir: &Path, extra: &[&str], user: Option<&str>) -> Redis {
         std::fs::create_dir_all(dir).unwrap();
         let port = free_port();
-        let mut command = Command::new("redis-server");
+        let bin = server.bin();
+        let mut command = Command::new(bin);
         if let Some(user) = user {
             std::os::unix::fs::chown(dir, Some(uid(user)), Some(gid(user))).unwrap();
             std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o750))
@@ -66,12 +119,7 @@ impl Redis {
             command = Command::new("setpriv");
             command
                 .args(["--reuid", user, "--regid", user, "--clear-groups", "--"])
-                .args([
-                    "sh",
-                    "-c",
-                    "umask 007 && exec redis-server \"$@\"",
-                    "redis-server",
-                ]);
+                .args(["sh", "-c", &format!("umask 007 && exec {bin} \"$@\""), bin]);
         }
         let child = command
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
@@ -87,8 +135,9 @@ impl Redis {
             .args(extra)
             .stdout(Stdio::null())
             .spawn()
-            .expect("redis-server (the test command installs it)");
+            .unwrap_or_else(|e| panic!("{bin} (the test command installs it): {e}"));
         let r = Redis {
+            server,
             port,
             dir: dir.to_owned(),
             child: Some(child),
@@ -103,8 +152,12 @@ impl Redis {
 
     /// A replica's server, standalone until a handoff seeds it (its pidfile
     /// lets the handoff's start and stop find it).
-    fn standalone_replica(dir: &Path) -> Redis {
-        Redis::start(dir, &["--pidfile", dir.join("redis.pid").to_str().unwrap()])
+    fn standalone_replica(server: Server, dir: &Path) -> Redis {
+        Redis::start(
+            server,
+            dir,
+            &["--pidfile", dir.join("redis.pid").to_str().unwrap()],
+        )
     }
 
     fn addr(&self) -> String {
@@ -158,7 +211,7 @@ impl Redis {
         if let Some(password) = &self.password {
             args.extend(["--masterauth", password]);
         }
-        let helper = Redis::start(&root.join("helper"), &args);
+        let helper = Redis::start(self.server, &root.join("helper"), &args);
         wait_for("the helper replica's link", DEADLINE, || {
             (helper.info("replication").get("master_link_status") == Some("up")).then_some(())
         });
@@ -318,7 +371,7 @@ fn source_config(primary: &Redis, transport: &str) -> String {
 /// The replica agent's config: `redis` handoff seeding the server on `port`.
 fn replica_config(primary: &Redis, port: u16, dir: &Path, transport: &str) -> String {
     let start = [
-        "redis-server",
+        primary.server.bin(),
         "--port",
         &port.to_string(),
         "--bind",
@@ -350,10 +403,9 @@ fn replica_config(primary: &Redis, port: u16, dir: &Path, transport: &str) -> St
     )
 }
 
-#[test]
-fn rdbs_saved_by_the_real_server_carry_the_replication_position() {
+fn rdbs_saved_by_the_real_server_carry_the_replication_position(server: Server) {
     let root = tempfile::tempdir().unwrap();
-    let primary = Redis::start(&root.path().join("p"), &["--rdbcompression", "yes"]);
+    let primary = Redis::start(server, &root.path().join("p"), &["--rdbcompression", "yes"]);
     primary.fill("k", 100, "v");
     let _: String = primary.cmd(&["SAVE"]);
     let rdb = primary.dir.join("dump.rdb");
@@ -409,6 +461,20 @@ fn rdbs_saved_by_the_real_server_carry_the_replication_position() {
     assert!(info.seq > 0);
     assert_eq!(info.repl_id.as_deref(), repl.get("master_replid"));
     assert_ne!(info.checksum, 0);
+    // The head carries the saving server's own version: Valkey 8 keeps
+    // the REDIS magic and RDB version 11 but writes `valkey-ver` with its
+    // own version (its INFO's redis_version is the Redis it is compatible
+    // with, 7.2.4).
+    let head = kvsync::snapshot::rdb::parse_head(&std::fs::read(&rdb).unwrap())
+        .unwrap()
+        .unwrap();
+    let about = primary.info("server");
+    let version = match server {
+        Server::Redis => about.get("redis_version"),
+        Server::Valkey => about.get("valkey_version"),
+    };
+    assert_eq!(head.server, "REDIS", "{head:?}");
+    assert_eq!(head.server_version.as_deref(), version, "{head:?}");
     let out = Command::new(kvsync_bin())
         .arg("verify")
         .arg(&rdb)
@@ -433,8 +499,12 @@ fn rdbs_saved_by_the_real_server_carry_the_replication_position() {
 }
 
 /// A primary with a backlog and 100k+ keys saved, more written after.
-fn loaded_primary(root: &Path, backlog: &str) -> (Redis, PathBuf) {
-    let primary = Redis::start(&root.join("primary"), &["--repl-backlog-size", backlog]);
+fn loaded_primary(server: Server, root: &Path, backlog: &str) -> (Redis, PathBuf) {
+    let primary = Redis::start(
+        server,
+        &root.join("primary"),
+        &["--repl-backlog-size", backlog],
+    );
     primary.make_backlog(root);
     primary.fill("key", 100_000, "value-of-some-length");
     for i in 0..200 {
@@ -448,17 +518,17 @@ fn loaded_primary(root: &Path, backlog: &str) -> (Redis, PathBuf) {
     (primary, rdb)
 }
 
-fn seeds_a_replica_with_a_partial_resync(transport: &str, expect: pb::Transport) {
+fn seeds_a_replica_with_a_partial_resync(server: Server, transport: &str, expect: pb::Transport) {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
-    let (primary, _) = loaded_primary(root, "64mb");
+    let (primary, _) = loaded_primary(server, root, "64mb");
     primary.fill("after", 500, "written-after-the-save");
     let full_before = primary.info("stats").num("sync_full");
     let partial_before = primary.info("stats").num("sync_partial_ok");
 
     // The replica's server runs standalone with data of its own.
     let rdir = root.join("replica-redis");
-    let replica_redis = Redis::standalone_replica(&rdir);
+    let replica_redis = Redis::standalone_replica(server, &rdir);
     let _: () = replica_redis.cmd(&["SET", "stale", "1"]);
     let port = replica_redis.port;
 
@@ -488,6 +558,7 @@ fn seeds_a_replica_with_a_partial_resync(transport: &str, expect: pb::Transport)
     assert_eq!(stats.num("sync_partial_ok"), partial_before + 1);
     // Every key, including those written after the save, is on the replica.
     let replica_now = Redis {
+        server,
         port,
         dir: rdir.clone(),
         child: None,
@@ -518,14 +589,13 @@ fn seeds_a_replica_with_a_partial_resync(transport: &str, expect: pb::Transport)
     drop(replica_redis);
 }
 
-#[test]
-fn replica_seeded_over_tcp_continues_with_a_partial_resync() {
-    seeds_a_replica_with_a_partial_resync("mode = \"tcp\"", pb::Transport::Tcp);
+fn replica_seeded_over_tcp_continues_with_a_partial_resync(server: Server) {
+    seeds_a_replica_with_a_partial_resync(server, "mode = \"tcp\"", pb::Transport::Tcp);
 }
 
-#[test]
-fn replica_seeded_over_the_emulated_rdma_fabric_continues_with_a_partial_resync() {
+fn replica_seeded_over_the_emulated_rdma_fabric_continues_with_a_partial_resync(server: Server) {
     seeds_a_replica_with_a_partial_resync(
+        server,
         "mode = \"rdma\"\nrdma_provider = \"emulated\"\nfallback_to_tcp = false",
         pb::Transport::Rdma,
     );
@@ -602,17 +672,16 @@ async fn seeding(
     (source, replica, seq)
 }
 
-#[test]
-fn refusals_leave_the_replica_server_untouched() {
+fn refusals_leave_the_replica_server_untouched(server: Server) {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
     let rdir = root.join("replica-redis");
-    let replica_redis = Redis::standalone_replica(&rdir);
+    let replica_redis = Redis::standalone_replica(server, &rdir);
     let _: () = replica_redis.cmd(&["SET", "mine", "1"]);
     let rt = tokio::runtime::Runtime::new().unwrap();
 
     // A backlog too small for what was written since the save.
-    let (primary, _) = loaded_primary(&root.join("small"), "16kb");
+    let (primary, _) = loaded_primary(server, &root.join("small"), "16kb");
     primary.fill("after", 2000, "pushes-the-saved-offset-out-of-the-backlog");
     rt.block_on(async {
         let (source, replica, _) =
@@ -633,7 +702,7 @@ fn refusals_leave_the_replica_server_untouched() {
     drop(primary);
 
     // A corrupted byte in flight, and no second try: RDFL, nothing placed.
-    let (primary, _) = loaded_primary(&root.join("big"), "64mb");
+    let (primary, _) = loaded_primary(server, &root.join("big"), "64mb");
     rt.block_on(async {
         let env = [("KVSYNC_FAULTS", "corrupt_at=100000")];
         let (source, replica, _) = source_and_replica(
@@ -665,13 +734,12 @@ fn refusals_leave_the_replica_server_untouched() {
     assert!(!rdir.join("dump.rdb").exists(), "nothing placed");
 }
 
-#[test]
-fn a_full_resync_is_a_failed_handoff() {
+fn a_full_resync_is_a_failed_handoff(server: Server) {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
-    let (primary, _) = loaded_primary(root, "1mb");
+    let (primary, _) = loaded_primary(server, root, "1mb");
     let rdir = root.join("replica-redis");
-    let replica_redis = Redis::standalone_replica(&rdir);
+    let replica_redis = Redis::standalone_replica(server, &rdir);
     // `[redis] stop`: after the transfer, more is written to the primary
     // than its 1 MB backlog holds, then the replica's server is stopped.
     // Its PSYNC from M+1 can only be answered with a full resync.
@@ -679,7 +747,8 @@ fn a_full_resync_is_a_failed_handoff() {
     std::fs::write(
         &stop,
         format!(
-            "redis-cli -p {} eval \"for i = 1, 40000 do redis.call('SET', 'fill:' .. i, 'pushes M+1 out of the backlog') end\" 0 >/dev/null\nkill $(cat {})\n",
+            "{} -p {} eval \"for i = 1, 40000 do redis.call('SET', 'fill:' .. i, 'pushes M+1 out of the backlog') end\" 0 >/dev/null\nkill $(cat {})\n",
+            primary.server.cli(),
             primary.port,
             rdir.join("redis.pid").display()
         ),
@@ -729,14 +798,13 @@ fn a_full_resync_is_a_failed_handoff() {
     );
 }
 
-#[test]
-fn an_rdb_without_its_own_checksum_is_verified_piece_by_piece() {
+fn an_rdb_without_its_own_checksum_is_verified_piece_by_piece(server: Server) {
     // `rdbchecksum no` writes a zero trailer: the RDB cannot check itself.
     // The manifest still catches a flipped byte, and the status says which
     // check applied.
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
-    let primary = Redis::start(&root.join("primary"), &["--rdbchecksum", "no"]);
+    let primary = Redis::start(server, &root.join("primary"), &["--rdbchecksum", "no"]);
     primary.make_backlog(root);
     primary.fill("key", 20_000, "value-of-some-length");
     let rdb = primary.bgsave();
@@ -768,14 +836,13 @@ fn wait_metric(node: &Node, series: &str, what: &str, ok: impl Fn(f64) -> bool) 
     })
 }
 
-#[test]
-fn replication_health_of_both_servers_reaches_prometheus() {
+fn replication_health_of_both_servers_reaches_prometheus(server: Server) {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
-    let primary = Redis::start(&root.join("primary"), &[]);
+    let primary = Redis::start(server, &root.join("primary"), &[]);
     let port = primary.port.to_string();
     let rdir = root.join("replica-redis");
-    let mut replica = Redis::start(&rdir, &["--replicaof", "127.0.0.1", &port]);
+    let mut replica = Redis::start(server, &rdir, &["--replicaof", "127.0.0.1", &port]);
     wait_for("the replica's link", DEADLINE, || {
         (replica.info("replication").get("master_link_status") == Some("up")).then_some(())
     });
@@ -858,7 +925,11 @@ fn replication_health_of_both_servers_reaches_prometheus() {
     // A new replica makes the primary run a full resync: counted.
     let full = format!("kvsync_kv_full_syncs_total{{{p}}}");
     let before = wait_metric(&source, &full, "the full-sync counter", |_| true);
-    let newcomer = Redis::start(&root.join("newcomer"), &["--replicaof", "127.0.0.1", &port]);
+    let newcomer = Redis::start(
+        server,
+        &root.join("newcomer"),
+        &["--replicaof", "127.0.0.1", &port],
+    );
     wait_metric(&source, &full, "the full resync to be counted", |v| {
         v == before + 1.0
     });
@@ -906,11 +977,10 @@ fn check_replica(primary: &Redis, replica: &Redis) -> (bool, serde_json::Value) 
     (out.status.success(), report)
 }
 
-#[test]
-fn check_replica_ignores_writes_in_flight_and_finds_exactly_the_planted_keys() {
+fn check_replica_ignores_writes_in_flight_and_finds_exactly_the_planted_keys(server: Server) {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
-    let primary = Redis::start(&root.join("primary"), &[]);
+    let primary = Redis::start(server, &root.join("primary"), &[]);
     let port = primary.port.to_string();
     primary.fill("key", 3000, "v");
     for i in 0..200 {
@@ -920,7 +990,7 @@ fn check_replica_ignores_writes_in_flight_and_finds_exactly_the_planted_keys() {
         let _: () = primary.cmd(&["ZADD", &z, "1", "m", "2", "n"]);
     }
     let rdir = root.join("replica-redis");
-    let replica = Redis::start(&rdir, &["--replicaof", "127.0.0.1", &port]);
+    let replica = Redis::start(server, &rdir, &["--replicaof", "127.0.0.1", &port]);
     wait_for("the replica's link", DEADLINE, || {
         (replica.info("replication").get("master_link_status") == Some("up")).then_some(())
     });
@@ -977,14 +1047,15 @@ fn check_replica_ignores_writes_in_flight_and_finds_exactly_the_planted_keys() {
     );
 }
 
-#[test]
-fn a_primary_writing_faster_than_its_backlog_can_hold_is_refused_before_anything_moves() {
+fn a_primary_writing_faster_than_its_backlog_can_hold_is_refused_before_anything_moves(
+    server: Server,
+) {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
     let rdir = root.join("replica-redis");
-    let replica_redis = Redis::standalone_replica(&rdir);
+    let replica_redis = Redis::standalone_replica(server, &rdir);
     let _: () = replica_redis.cmd(&["SET", "mine", "1"]);
-    let (primary, _) = loaded_primary(&root.join("busy"), "1mb");
+    let (primary, _) = loaded_primary(server, &root.join("busy"), "1mb");
     // A writer keeps the primary busy while the offer is made.
     let writer = Client::start(&primary, |con, i| {
         let _: () = redis::cmd("SET")
@@ -1105,14 +1176,13 @@ fn seeded_on_a_grown_backlog(
     assert!(!primary.dir.join(kvsync::kv::backlog::RECORD).exists());
 }
 
-#[test]
-fn a_backlog_too_small_for_the_writes_during_a_seeding_is_grown_then_restored() {
+fn a_backlog_too_small_for_the_writes_during_a_seeding_is_grown_then_restored(server: Server) {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
-    let (primary, _) = loaded_primary(root, "1mb");
+    let (primary, _) = loaded_primary(server, root, "1mb");
     let original = backlog_size(&primary);
     let rdir = root.join("replica-redis");
-    let replica_redis = Redis::standalone_replica(&rdir);
+    let replica_redis = Redis::standalone_replica(server, &rdir);
     let port = replica_redis.port;
     let stats = primary.info("stats");
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -1166,14 +1236,13 @@ fn a_backlog_too_small_for_the_writes_during_a_seeding_is_grown_then_restored() 
     }
 }
 
-#[test]
-fn writes_faster_during_a_seeding_than_at_the_offer_grow_the_backlog_in_time() {
+fn writes_faster_during_a_seeding_than_at_the_offer_grow_the_backlog_in_time(server: Server) {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
-    let (primary, _) = loaded_primary(root, "1mb");
+    let (primary, _) = loaded_primary(server, root, "1mb");
     let original = backlog_size(&primary);
     let rdir = root.join("replica-redis");
-    let replica_redis = Redis::standalone_replica(&rdir);
+    let replica_redis = Redis::standalone_replica(server, &rdir);
     let stats = primary.info("stats");
     let rt = tokio::runtime::Runtime::new().unwrap();
     let writer = rt.block_on(async {
@@ -1211,14 +1280,13 @@ fn writes_faster_during_a_seeding_than_at_the_offer_grow_the_backlog_in_time() {
     );
 }
 
-#[test]
-fn an_agent_killed_holding_a_grown_backlog_restores_it_when_it_starts_again() {
+fn an_agent_killed_holding_a_grown_backlog_restores_it_when_it_starts_again(server: Server) {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
-    let (primary, _) = loaded_primary(root, "1mb");
+    let (primary, _) = loaded_primary(server, root, "1mb");
     let original = backlog_size(&primary);
     let rdir = root.join("replica-redis");
-    let replica_redis = Redis::standalone_replica(&rdir);
+    let replica_redis = Redis::standalone_replica(server, &rdir);
     let _: () = replica_redis.cmd(&["SET", "mine", "1"]);
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
@@ -1251,13 +1319,14 @@ fn an_agent_killed_holding_a_grown_backlog_restores_it_when_it_starts_again() {
     assert_eq!(replica_redis.cmd::<String>(&["GET", "mine"]), "1");
 }
 
-#[test]
-fn a_burst_of_writes_that_pushes_m_out_of_the_backlog_is_reported_before_the_handoff() {
+fn a_burst_of_writes_that_pushes_m_out_of_the_backlog_is_reported_before_the_handoff(
+    server: Server,
+) {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
-    let (primary, _) = loaded_primary(root, "1mb");
+    let (primary, _) = loaded_primary(server, root, "1mb");
     let rdir = root.join("replica-redis");
-    let replica_redis = Redis::standalone_replica(&rdir);
+    let replica_redis = Redis::standalone_replica(server, &rdir);
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         // The primary is quiet when the offer is made: the guard passes.
@@ -1337,14 +1406,13 @@ async fn replicating_with(
     (source, replica, seq)
 }
 
-#[test]
-fn a_running_replica_is_seeded_over_the_replication_protocol_without_a_restart() {
+fn a_running_replica_is_seeded_over_the_replication_protocol_without_a_restart(server: Server) {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
-    let (primary, _) = loaded_primary(root, "64mb");
+    let (primary, _) = loaded_primary(server, root, "64mb");
     let stats = primary.info("stats");
     // A running server with data of its own, never restarted.
-    let replica_redis = Redis::start(&root.join("replica-redis"), &[]);
+    let replica_redis = Redis::start(server, &root.join("replica-redis"), &[]);
     let _: () = replica_redis.cmd(&["SET", "stale", "1"]);
     let pid = replica_redis.info("server").num("process_id");
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -1396,17 +1464,18 @@ fn a_running_replica_is_seeded_over_the_replication_protocol_without_a_restart()
     }
 }
 
-#[test]
 fn a_replica_reseeded_with_swapdb_serves_its_old_data_while_it_loads_and_the_seed_admits_one_connection(
+    server: Server,
 ) {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
-    let (primary, _) = loaded_primary(root, "64mb");
+    let (primary, _) = loaded_primary(server, root, "64mb");
     // A replica of this primary, to be seeded again (a lagging replica's
     // case): its data is of the same history, so with swapdb it keeps
     // serving it while the new copy loads. Loading is slowed
     // (key-load-delay, µs per key) so the test can read and knock during it.
     let replica_redis = Redis::start(
+        server,
         &root.join("replica-redis"),
         &[
             "--repl-diskless-load",
@@ -1475,12 +1544,12 @@ fn a_replica_reseeded_with_swapdb_serves_its_old_data_while_it_loads_and_the_see
     );
 }
 
-#[test]
-fn a_server_that_refuses_replicaof_fails_the_handoff_and_is_left_as_it_was() {
+fn a_server_that_refuses_replicaof_fails_the_handoff_and_is_left_as_it_was(server: Server) {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
-    let (primary, _) = loaded_primary(root, "64mb");
+    let (primary, _) = loaded_primary(server, root, "64mb");
     let replica_redis = Redis::start(
+        server,
         &root.join("replica-redis"),
         &[
             "--rename-command",
@@ -1526,8 +1595,7 @@ fn gid(user: &str) -> u32 {
     id("-g", user)
 }
 
-#[test]
-fn agents_run_as_nobody_seed_a_server_run_as_redis_with_debians_modes() {
+fn agents_run_as_nobody_seed_a_server_run_as_redis_with_debians_modes(server: Server) {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         return skip(
@@ -1540,9 +1608,10 @@ fn agents_run_as_nobody_seed_a_server_run_as_redis_with_debians_modes() {
     std::fs::set_permissions(root, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     // The primary runs as redis: its dir 0750 redis:redis, its dump 0660.
     let primary = Redis::start_as(
+        server,
         &root.join("primary"),
         &["--repl-backlog-size", "64mb"],
-        Some("redis"),
+        Some(server.user()),
     );
     primary.make_backlog(root);
     primary.fill("key", 10_000, "value");
@@ -1550,7 +1619,12 @@ fn agents_run_as_nobody_seed_a_server_run_as_redis_with_debians_modes() {
     let mode =
         std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&rdb).unwrap().permissions());
     assert_eq!(mode & 0o777, 0o660, "Debian's modes");
-    let replica_redis = Redis::start_as(&root.join("replica-redis"), &[], Some("redis"));
+    let replica_redis = Redis::start_as(
+        server,
+        &root.join("replica-redis"),
+        &[],
+        Some(server.user()),
+    );
     let _: () = replica_redis.cmd(&["SET", "mine", "1"]);
     // Both agents run as nobody; the source also in group redis (the
     // drop-in's SupplementaryGroups), with its record outside the
@@ -1562,7 +1636,14 @@ fn agents_run_as_nobody_seed_a_server_run_as_redis_with_debians_modes() {
         std::os::unix::fs::chown(d, Some(uid("nobody")), Some(gid("nobody"))).unwrap();
     }
     let source_as = [
-        "setpriv", "--reuid", "nobody", "--regid", "nogroup", "--groups", "redis", "--",
+        "setpriv",
+        "--reuid",
+        "nobody",
+        "--regid",
+        "nogroup",
+        "--groups",
+        server.user(),
+        "--",
     ];
     let replica_as = [
         "setpriv",
@@ -1632,12 +1713,14 @@ fn seed_record(root: &Path) -> PathBuf {
     root.join("replica-agent").join(kvsync::kv::seed::RECORD)
 }
 
-#[test]
-fn a_replica_with_masterauth_is_seeded_while_a_local_process_on_the_seed_port_gets_no_rdb_byte() {
+fn a_replica_with_masterauth_is_seeded_while_a_local_process_on_the_seed_port_gets_no_rdb_byte(
+    server: Server,
+) {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
     let secret = ["--requirepass", "fleet-secret"];
     let primary = Redis::start(
+        server,
         &root.join("primary"),
         &[&secret[..], &["--repl-backlog-size", "64mb"]].concat(),
     );
@@ -1645,6 +1728,7 @@ fn a_replica_with_masterauth_is_seeded_while_a_local_process_on_the_seed_port_ge
     primary.fill("key", 10_000, "value");
     primary.bgsave();
     let replica_redis = Redis::start(
+        server,
         &root.join("replica-redis"),
         &[&secret[..], &["--masterauth", "fleet-secret"]].concat(),
     );
@@ -1685,12 +1769,17 @@ fn a_replica_with_masterauth_is_seeded_while_a_local_process_on_the_seed_port_ge
     );
 }
 
-#[test]
-fn an_agent_killed_while_seeding_puts_the_servers_masterauth_back_when_it_starts_again() {
+fn an_agent_killed_while_seeding_puts_the_servers_masterauth_back_when_it_starts_again(
+    server: Server,
+) {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
-    let (primary, _) = loaded_primary(root, "64mb");
-    let replica_redis = Redis::start(&root.join("replica-redis"), &["--masterauth", "before"]);
+    let (primary, _) = loaded_primary(server, root, "64mb");
+    let replica_redis = Redis::start(
+        server,
+        &root.join("replica-redis"),
+        &["--masterauth", "before"],
+    );
     // Loading is slowed (µs per key) so the agent dies while it seeds.
     let _: () = replica_redis.cmd(&["CONFIG", "SET", "key-load-delay", "20"]);
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -1733,12 +1822,11 @@ fn an_agent_killed_while_seeding_puts_the_servers_masterauth_back_when_it_starts
     );
 }
 
-#[test]
-fn a_fixed_seed_port_that_is_taken_fails_the_handoff_and_says_so() {
+fn a_fixed_seed_port_that_is_taken_fails_the_handoff_and_says_so(server: Server) {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
-    let (primary, _) = loaded_primary(root, "64mb");
-    let replica_redis = Redis::start(&root.join("replica-redis"), &[]);
+    let (primary, _) = loaded_primary(server, root, "64mb");
+    let replica_redis = Redis::start(server, &root.join("replica-redis"), &[]);
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = taken.local_addr().unwrap().port();
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -1765,3 +1853,26 @@ fn a_fixed_seed_port_that_is_taken_fails_the_handoff_and_says_so() {
         Some("master")
     );
 }
+
+on_both_servers!(
+    rdbs_saved_by_the_real_server_carry_the_replication_position,
+    replica_seeded_over_tcp_continues_with_a_partial_resync,
+    replica_seeded_over_the_emulated_rdma_fabric_continues_with_a_partial_resync,
+    refusals_leave_the_replica_server_untouched,
+    a_full_resync_is_a_failed_handoff,
+    an_rdb_without_its_own_checksum_is_verified_piece_by_piece,
+    replication_health_of_both_servers_reaches_prometheus,
+    check_replica_ignores_writes_in_flight_and_finds_exactly_the_planted_keys,
+    a_primary_writing_faster_than_its_backlog_can_hold_is_refused_before_anything_moves,
+    a_backlog_too_small_for_the_writes_during_a_seeding_is_grown_then_restored,
+    writes_faster_during_a_seeding_than_at_the_offer_grow_the_backlog_in_time,
+    an_agent_killed_holding_a_grown_backlog_restores_it_when_it_starts_again,
+    a_burst_of_writes_that_pushes_m_out_of_the_backlog_is_reported_before_the_handoff,
+    a_running_replica_is_seeded_over_the_replication_protocol_without_a_restart,
+    a_server_that_refuses_replicaof_fails_the_handoff_and_is_left_as_it_was,
+    agents_run_as_nobody_seed_a_server_run_as_redis_with_debians_modes,
+    a_replica_with_masterauth_is_seeded_while_a_local_process_on_the_seed_port_gets_no_rdb_byte,
+    an_agent_killed_while_seeding_puts_the_servers_masterauth_back_when_it_starts_again,
+    a_fixed_seed_port_that_is_taken_fails_the_handoff_and_says_so,
+    a_replica_reseeded_with_swapdb_serves_its_old_data_while_it_loads_and_the_seed_admits_one_connection,
+);
