@@ -16,7 +16,8 @@
 #      (scripts/bench-rdma-vms.sh; as root, BENCH_VM=1, the default when root)
 #   3. fan-out: 1, 2, 4, 8 replicas of one snapshot at once
 #   4. `kvsync verify` vs a sequential read
-#   5. seeding a Redis replica vs Redis's own full sync (BENCH_REDIS=1)
+#   5. seeding a Redis replica vs Redis's own full sync (BENCH_REDIS=1); a
+#      Valkey replica vs Valkey's classic and dual-channel full syncs
 #   6. pieces and resume: the piece checksum candidates; a sync whose replica
 #      agent was killed at 75 % and restarted, resumed, vs a full sync
 #   7. relay fan-out on a network that is the bottleneck: one network
@@ -380,6 +381,12 @@ if [ "$redis" = 1 ] && section 5; then
     out "| dataset | \`redis\` handoff (restart) | \`redis-replicate\`, swapdb, replica of the same primary | Redis full sync | notes |"
     out "|---|---|---|---|---|"
     out "$(echo "$rows" | tail -1)"
+    out ""
+    out "Valkey 8.0 (Debian 12's backports), same dataset: kvsync seeding vs Valkey's classic full sync vs its dual-channel full sync (both ends \`dual-channel-replication-enabled yes\`, diskless sync, delay 0), in one run:"
+    out ""
+    out "| dataset | kvsync seeding | classic full sync | ratio | primary forks (kvsync / classic) | primary CoW (kvsync / classic) | notes | dual-channel full sync | ratio | its forks | its CoW |"
+    out "|---|---|---|---|---|---|---|---|---|---|---|"
+    out "$(SERVER=valkey bash scripts/redis-seed-demo.sh 10000000 100 | grep '^| ' | head -1)"
     out ""
 fi
 

@@ -23,13 +23,24 @@
 # seeding with `redis-replicate` of a server already replicating the primary
 # with repl-diskless-load swapdb; a second markdown row: dataset | redis |
 # redis-replicate + swapdb | Redis full sync | cores.
+# SERVER=valkey runs Valkey (8.0, from Debian's backports) instead of Redis,
+# and times a third full sync in the same run: Valkey's dual-channel
+# replication (both ends dual-channel-replication-enabled, diskless sync,
+# delay 0), with its forks and copy-on-write; its row adds: dual-channel
+# full sync | ratio | forks | copy-on-write.
 # KVSYNC_BIN=path uses that kvsync binary instead of building a release one.
 # Everything it starts (servers, agents) is stopped when it exits.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 keys=${1:-100000}
 size=${2:-100}
-bash scripts/deps.sh redis-server bc
+srv=${SERVER:-redis}
+case "$srv" in
+    redis) bash scripts/deps.sh redis-server bc ;;
+    valkey) bash scripts/deps.sh valkey-server/backports valkey-tools/backports bc ;;
+    *) echo "SERVER must be redis or valkey, not $srv" >&2; exit 2 ;;
+esac
+server_bin=$srv-server cli=$srv-cli
 write_rate=${WRITE_RATE:-0}
 backlog=${BACKLOG:-256mb}
 if [ -n "${KVSYNC_BIN:-}" ]; then
@@ -62,15 +73,15 @@ trap cleanup EXIT
 low=$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range)
 base=$((10000 + RANDOM % (low - 10004)))
 P=$base; A=$((base + 1)); B=$((base + 2)); H=$((base + 3))
-server() { # NAME PORT [ARGS...]: a daemonized redis-server in $work/NAME
+server() { # NAME PORT [ARGS...]: a daemonized server in $work/NAME
     local name=$1 port=$2; shift 2
     mkdir -p "$work/$name"
-    redis-server --port "$port" --bind 127.0.0.1 --dir "$work/$name" --save "" --appendonly no \
+    $server_bin --port "$port" --bind 127.0.0.1 --dir "$work/$name" --save "" --appendonly no \
         --daemonize yes --pidfile "$work/$name/redis.pid" --logfile "$work/$name/redis.log" "$@"
-    for _ in $(seq 200); do redis-cli -p "$port" ping >/dev/null 2>&1 && return; sleep 0.05; done
+    for _ in $(seq 200); do $cli -p "$port" ping >/dev/null 2>&1 && return; sleep 0.05; done
     echo "redis $name did not start on port $port:" >&2; tail -5 "$work/$name/redis.log" >&2; exit 1
 }
-field() { redis-cli -p "$1" info "$2" | tr -d '\r' | awk -F: -v k="$3" '$1 == k {print $2}'; }
+field() { $cli -p "$1" info "$2" | tr -d '\r' | awk -F: -v k="$3" '$1 == k {print $2}'; }
 wait_link() { # PORT: until master_link_status:up
     for _ in $(seq 36000); do [ "$(field "$1" replication master_link_status)" = up ] && return; sleep 0.01; done
     echo "replica on $1 never linked" >&2; exit 1
@@ -89,22 +100,23 @@ unpoll() { # PORT: stops its poller; prints the seconds it saw the server unavai
 }
 
 echo "== primary: $keys keys of $size bytes"
-# No diskless-sync delay: Redis's own full sync starts at once (fair timing).
-server primary $P --repl-backlog-size "$backlog" --repl-diskless-sync-delay 0 --enable-debug-command yes
+# Diskless sync without delay: the server's own full sync starts at once
+# (fair timing).
+server primary $P --repl-backlog-size "$backlog" --repl-diskless-sync yes --repl-diskless-sync-delay 0 --enable-debug-command yes
 server helper $H --replicaof 127.0.0.1 $P   # a replica once: the backlog exists
 wait_link $H
-redis-cli -p $H shutdown nosave >/dev/null 2>&1 || true
-redis-cli -p $P debug populate "$keys" key "$size" >/dev/null
+$cli -p $H shutdown nosave >/dev/null 2>&1 || true
+$cli -p $P debug populate "$keys" key "$size" >/dev/null
 # The fork that served the helper may still be running: BGSAVE is refused
 # until it is reaped.
 for _ in $(seq 600); do
-    [ "$(redis-cli -p $P bgsave)" = "Background saving started" ] && break
+    [ "$($cli -p $P bgsave)" = "Background saving started" ] && break
     sleep 0.05
 done
 while [ "$(field $P persistence rdb_bgsave_in_progress)" != 0 ]; do sleep 0.05; done
 [ "$(field $P persistence rdb_last_bgsave_status)" = ok ] && [ -f "$work/primary/dump.rdb" ] ||
     { echo "the primary's BGSAVE failed" >&2; exit 1; }
-for i in $(seq 100); do redis-cli -p $P set "after:$i" "written after the save" >/dev/null; done
+for i in $(seq 100); do $cli -p $P set "after:$i" "written after the save" >/dev/null; done
 dataset_mib=$(( $(field $P memory used_memory) / 1048576 ))
 echo "dataset: used_memory $dataset_mib MiB; RDB: $(stat -c %s "$work/primary/dump.rdb") bytes; $("$bin" verify "$work/primary/dump.rdb")"
 
@@ -143,7 +155,7 @@ server_addr = \"127.0.0.1:$A\"
 dir = \"$work/a\"
 dbfilename = \"dump.rdb\"
 primary = \"127.0.0.1:$P\"
-start = [\"redis-server\", \"--port\", \"$A\", \"--bind\", \"127.0.0.1\", \"--dir\", \"{dir}\", \"--dbfilename\", \"{dbfilename}\", \"--replicaof\", \"{primary_host}\", \"{primary_port}\", \"--appendonly\", \"no\", \"--save\", \"\", \"--daemonize\", \"yes\", \"--pidfile\", \"$work/a/redis.pid\", \"--logfile\", \"$work/a/redis.log\"]")
+start = [\"$server_bin\", \"--port\", \"$A\", \"--bind\", \"127.0.0.1\", \"--dir\", \"{dir}\", \"--dbfilename\", \"{dbfilename}\", \"--replicaof\", \"{primary_host}\", \"{primary_port}\", \"--appendonly\", \"no\", \"--save\", \"\", \"--daemonize\", \"yes\", \"--pidfile\", \"$work/a/redis.pid\", \"--logfile\", \"$work/a/redis.log\"]")
 server a $A   # the replica's server, standalone until seeded
 for _ in $(seq 400); do "$bin" snapshots --agent "$src" | grep -q dump.rdb && break; sleep 0.05; done
 
@@ -160,16 +172,16 @@ t0=$(now)
 "$bin" sync --agent "$dst" --source "$src" --wait --json
 t1=$(now)
 down_redis=$(unpoll $A)
-echo "primary after: $(stats); repl-backlog-size $(redis-cli -p $P config get repl-backlog-size | tail -1)"
+echo "primary after: $(stats); repl-backlog-size $($cli -p $P config get repl-backlog-size | tail -1)"
 seed_s=$(echo "$t1 - $t0" | bc)
 seed_forks=$(( $(field $P stats total_forks) - forks0 ))
 
-echo "== Redis full sync of an empty replica (primary before: $(stats))"
+echo "== $srv's own full sync of an empty replica (primary before: $(stats))"
 forks0=$(field $P stats total_forks)
 server b $B
 poll $B
 t0=$(now)
-redis-cli -p $B replicaof 127.0.0.1 $P >/dev/null
+$cli -p $B replicaof 127.0.0.1 $P >/dev/null
 wait_link $B
 t1=$(now)
 down_full=$(unpoll $B)
@@ -178,12 +190,32 @@ full_s=$(echo "$t1 - $t0" | bc)
 full_forks=$(( $(field $P stats total_forks) - forks0 ))
 cow_mib=$(( $(field $P persistence rdb_last_cow_size) / 1048576 ))
 
-echo "== keys: primary $(redis-cli -p $P dbsize), kvsync-seeded $(redis-cli -p $A dbsize), full-synced $(redis-cli -p $B dbsize)"
+dual=""
+if [ "$srv" = valkey ]; then
+    echo "== Valkey dual-channel full sync of an empty replica (primary before: $(stats))"
+    $cli -p $P config set dual-channel-replication-enabled yes >/dev/null
+    forks0=$(field $P stats total_forks)
+    D=$((base + 5))
+    server d $D --dual-channel-replication-enabled yes
+    t0=$(now)
+    $cli -p $D replicaof 127.0.0.1 $P >/dev/null
+    wait_link $D
+    t1=$(now)
+    $cli -p $P config set dual-channel-replication-enabled no >/dev/null
+    echo "primary after: $(stats); rdb_last_cow_size=$(field $P persistence rdb_last_cow_size); replica keys $($cli -p $D dbsize)"
+    dual_s=$(echo "$t1 - $t0" | bc)
+    dual_forks=$(( $(field $P stats total_forks) - forks0 ))
+    dual_cow=$(( $(field $P persistence rdb_last_cow_size) / 1048576 ))
+    dual=$(awk -v s="$seed_s" -v d="$dual_s" -v f="$dual_forks" -v c="$dual_cow" \
+        'BEGIN { printf " %.2f s | %.2f | %d | %d MiB |", d, s/d, f, c }')
+fi
+
+echo "== keys: primary $($cli -p $P dbsize), kvsync-seeded $($cli -p $A dbsize), full-synced $($cli -p $B dbsize)"
 rdb_mib=$(( $(stat -c %s "$work/primary/dump.rdb") / 1048576 ))
 awk -v s="$seed_s" -v f="$full_s" -v k="$keys" -v z="$size" -v r="$rdb_mib" -v m="$dataset_mib" -v c="$(nproc)" \
-    -v sf="$seed_forks" -v ff="$full_forks" -v cow="$cow_mib" -v load="$load" 'BEGIN {
-    printf "| %d keys x %d B (used_memory %d MiB, RDB %d MiB)%s | %.2f s | %.2f s | %.2f | %d / %d | 0 / %d MiB | %d cores |\n",
-        k, z, m, r, load, s, f, s/f, sf, ff, cow, c }'
+    -v sf="$seed_forks" -v ff="$full_forks" -v cow="$cow_mib" -v load="$load" -v dual="$dual" 'BEGIN {
+    printf "| %d keys x %d B (used_memory %d MiB, RDB %d MiB)%s | %.2f s | %.2f s | %.2f | %d / %d | 0 / %d MiB | %d cores |%s\n",
+        k, z, m, r, load, s, f, s/f, sf, ff, cow, c, dual }'
 
 [ "$availability" = 1 ] || exit 0
 echo "== redis-replicate of a replica of the primary (repl-diskless-load swapdb)"

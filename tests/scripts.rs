@@ -24,6 +24,24 @@ fn the_demo_script_syncs_and_leaves_nothing_running() {
 
 #[test]
 fn the_redis_seeding_demo_seeds_a_replica_and_leaves_nothing_running() {
+    seeding_demo("redis");
+}
+
+#[test]
+fn the_valkey_seeding_demo_also_times_a_dual_channel_full_sync() {
+    let stdout = seeding_demo("valkey");
+    assert!(
+        stdout.contains("== Valkey dual-channel full sync") && stdout.contains("replica keys 2100"),
+        "{stdout}"
+    );
+    // Its row has the dual-channel columns: time, ratio, forks, CoW.
+    let row = stdout.lines().find(|l| l.starts_with("| ")).unwrap();
+    assert_eq!(row.matches('|').count(), 12, "{row}");
+}
+
+/// Runs the seeding demo small against `server` and checks what every
+/// run must show; its output.
+fn seeding_demo(server: &str) -> String {
     let tmp = tempfile::tempdir().unwrap();
     let out = run_script(
         "redis-seed-demo.sh",
@@ -31,6 +49,7 @@ fn the_redis_seeding_demo_seeds_a_replica_and_leaves_nothing_running() {
         &[
             ("KVSYNC_BIN", kvsync_bin()),
             ("TMPDIR", tmp.path().to_str().unwrap()),
+            ("SERVER", server),
         ],
     );
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -49,4 +68,5 @@ fn the_redis_seeding_demo_seeds_a_replica_and_leaves_nothing_running() {
     assert!(stdout.contains("keys: primary 2100,"), "{stdout}");
     // Its work directory went with it.
     assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
+    stdout.into_owned()
 }
