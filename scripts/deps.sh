@@ -3,7 +3,11 @@
 # Usage: scripts/deps.sh [extra-package ...]
 # A package named NAME/backports comes from the release's backports suite
 # (valkey-server/backports: Valkey 8 on Debian 12); the suite is added to
-# apt's sources, from the mirror the system already uses, when missing.
+# apt's sources, from the mirror the system already uses, for that install
+# only: afterwards the suite is removed again, so that later installs resolve
+# as on the plain release (with backports listed, apt refuses Debian 12's
+# qemu-system-x86 next to a backported qemu-utils, and the backported qemu
+# does not run the soft-RoCE VM).
 # Run by scripts/test.sh, the demos, the benchmarks and the VM harness; safe to
 # run repeatedly and side by side.
 set -euo pipefail
@@ -40,6 +44,7 @@ for p in "${missing[@]}"; do
     esac
 done
 suite="$VERSION_CODENAME-backports"
+added=""
 if [ ${#backports[@]} -gt 0 ] && ! grep -rqs "$suite" /etc/apt/sources.list /etc/apt/sources.list.d/; then
     # The mirror that serves the release's own suite.
     mirror=$(cat /etc/apt/sources.list.d/*.sources 2>/dev/null | awk -v c="$VERSION_CODENAME" '
@@ -49,9 +54,14 @@ if [ ${#backports[@]} -gt 0 ] && ! grep -rqs "$suite" /etc/apt/sources.list /etc
     [ -n "$mirror" ] || { echo "kvsync: no Debian mirror in apt's sources to add $suite from" >&2; exit 1; }
     printf 'Types: deb\nURIs: %s\nSuites: %s\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
         "$mirror" "$suite" | $sudo tee /etc/apt/sources.list.d/kvsync-backports.sources >/dev/null
-    echo "kvsync: added $suite to apt's sources (/etc/apt/sources.list.d/kvsync-backports.sources)" >&2
+    added=/etc/apt/sources.list.d/kvsync-backports.sources
+    trap '$sudo rm -f "$added"' EXIT
 fi
 $sudo apt-get update -qq
 [ ${#plain[@]} -eq 0 ] || $sudo apt-get install -y -qq --no-install-recommends "${plain[@]}" >/dev/null
 [ ${#backports[@]} -eq 0 ] || $sudo apt-get install -y -qq --no-install-recommends -t "$suite" "${backports[@]}" >/dev/null
+if [ -n "$added" ]; then
+    $sudo rm -f "$added"
+    $sudo apt-get update -qq
+fi
 echo "kvsync: installed ${missing[*]}" >&2
