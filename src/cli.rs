@@ -354,17 +354,12 @@ fn init_logging(default: &str) {
         .try_init();
 }
 
+/// The runtime of every command. For the agent, its blocking pool has a
+/// thread for every stream the source may serve at once
+/// ([`MAX_SERVED_STREAMS`]), and room for its other blocking work
+/// (receiving, installing, loading, scanning); threads start only when
+/// needed, so the other commands pay nothing for the room.
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")
-}
-
-/// The agent's runtime: its blocking pool has a thread for every stream
-/// the source may serve at once ([`MAX_SERVED_STREAMS`]), and room for its
-/// other blocking work (receiving, installing, loading, scanning).
-fn agent_runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .max_blocking_threads(MAX_SERVED_STREAMS + 256)
@@ -400,7 +395,7 @@ fn load_config(args: &AgentArgs) -> anyhow::Result<Config> {
 fn run_agent(args: AgentArgs) -> anyhow::Result<ExitCode> {
     let config = load_config(&args)?;
     let drain_timeout = config.sync.drain_timeout;
-    let runtime = agent_runtime()?;
+    let runtime = runtime()?;
     let code = runtime.block_on(async move {
         let agent = RunningAgent::start(config).await?;
         println!("{}", agent.ready_line());

@@ -114,9 +114,8 @@ impl Asked {
             return Err(other);
         }
         if let Some(&last) = pieces.back() {
-            if taken.len() <= last as usize {
-                taken.resize(last as usize + 1, false);
-            }
+            let len = taken.len().max(last as usize + 1);
+            taken.resize(len, false);
         }
         for &i in pieces {
             taken[i as usize] = true;
