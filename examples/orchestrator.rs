@@ -78,7 +78,10 @@ async fn main() -> Result<std::process::ExitCode, Box<dyn std::error::Error>> {
             let mut c = connect(replica).await?;
             let id = start(&mut c, source).await?;
             let last = watch(&mut c, &id).await?;
-            let status = c.get_status(pb::GetStatusRequest {}).await?.into_inner();
+            let status = c
+                .get_status(pb::GetStatusRequest::default())
+                .await?
+                .into_inner();
             println!(
                 "GetStatus: node {} has {} recent sync(s); installed {}",
                 status.node_id,
@@ -95,6 +98,7 @@ async fn main() -> Result<std::process::ExitCode, Box<dyn std::error::Error>> {
                     replicas: replicas.iter().map(|r| r.to_string()).collect(),
                     degree: 2,
                     transport: pb::TransportPreference::Auto as i32,
+                    ..Default::default()
                 })
                 .await?
                 .into_inner();

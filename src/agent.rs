@@ -1,10 +1,12 @@
 //! The running agent: binds the listeners and starts the long-running tasks
-//! (snapshot watcher, gRPC control plane with its TLS and request limits,
-//! the data plane's serve loops, metrics endpoint) with one shutdown signal.
+//! (gRPC control plane with its TLS and request limits, the data plane's
+//! serve loops, metrics endpoint, and per KV instance its snapshot
+//! watcher and KV tasks) with one shutdown signal.
 //!
 //! Owns start-up order, the "ready" announcement, the drain before a
-//! shutdown and what a reload changes; each task's behaviour belongs to its
-//! own module, and each service gets only the handles it needs.
+//! shutdown and what a reload changes (instances added, removed or
+//! changed among them); each task's behaviour belongs to its own module,
+//! and each service gets only the handles it needs.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -18,7 +20,7 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::ServerTlsConfig;
 use tracing::{info, warn};
 
-use crate::config::{Config, RdmaProvider};
+use crate::config::{Config, HandoffMode, InstanceConfig, RdmaProvider};
 use crate::control::orchestrator::OrchestratorService;
 use crate::control::peer::PeerService;
 use crate::fanout::FanoutManager;
@@ -30,6 +32,7 @@ use crate::rpc::{pb, tls, Dialer};
 use crate::store::cache::SnapshotCache;
 use crate::store::catalog::Catalog;
 use crate::store::watch::DirWatcher;
+use crate::sync::instance::{Instance, Instances};
 use crate::sync::offer::Offers;
 use crate::sync::serve::{self, DataEndpoints, DataPlane, SessionTable};
 use crate::sync::SyncManager;
@@ -81,7 +84,9 @@ const CANCEL_GRACE: Duration = Duration::from_secs(10);
 /// A started agent: its bound addresses and a handle to stop it.
 pub struct RunningAgent {
     config: Config,
-    catalog: Arc<Catalog>,
+    instances: Arc<Instances>,
+    /// What every instance's parts are made with.
+    parts: Parts,
     cache: Arc<SnapshotCache>,
     sessions: Arc<SessionTable>,
     data: Arc<DataEndpoints>,
@@ -96,6 +101,15 @@ pub struct RunningAgent {
     shutdown: CancellationToken,
     tasks: JoinSet<()>,
     health: tonic_health::server::HealthReporter,
+}
+
+/// The agent-wide handles an instance's parts are made with.
+#[derive(Clone)]
+struct Parts {
+    metrics: Arc<Metrics>,
+    /// The source's send rate, which the backlog guard reckons with.
+    rate: Arc<RateLimiter>,
+    shutdown: CancellationToken,
 }
 
 /// What is read and checked before anything binds.
@@ -135,7 +149,6 @@ impl RunningAgent {
                 move |n| unproved.set(n as i64),
             )
         };
-        let catalog = Catalog::new(metrics.clone());
         let shutdown = CancellationToken::new();
         let cache = SnapshotCache::new(
             config.cache.memory_budget.as_u64(),
@@ -145,11 +158,6 @@ impl RunningAgent {
         cache.set_linger(config.cache.linger);
         let mut tasks = JoinSet::new();
         tasks.spawn(cache.clone().expire(shutdown.clone()));
-        tasks.spawn(crate::store::journal::sweep_every(
-            config.snapshot_dir.clone(),
-            config.data.resume_ttl,
-            shutdown.clone(),
-        ));
         let sessions = Arc::new(SessionTable::new((&config.sync).into()));
         let draining = CancellationToken::new();
         let probe = probe::probe_agent(&config);
@@ -187,10 +195,18 @@ impl RunningAgent {
             shutdown.clone(),
             draining.clone(),
         );
-        let relays = syncs.relays().clone();
+        let parts = Parts {
+            metrics: metrics.clone(),
+            rate: plane.rate.clone(),
+            shutdown: shutdown.clone(),
+        };
+        let instances = Arc::new(Instances::default());
+        for ic in config.instances() {
+            instances.insert(start_instance(&config, &ic, &parts).await?);
+        }
+        cache.set_instances(instances.len());
         let fanouts = FanoutManager::new(
-            catalog.clone(),
-            config.snapshot_format,
+            instances.clone(),
             metrics.clone(),
             prepared.dialer,
             config.fanout.allowed_replicas.clone(),
@@ -198,81 +214,24 @@ impl RunningAgent {
         );
         let metrics_addr =
             start_metrics(&config, &metrics, &draining, &shutdown, &mut tasks).await?;
-        let redis = &config.redis;
-        let backlog = if redis.primary_addr.is_empty() {
-            None
-        } else {
-            let guard = BacklogGuard::start(
-                redis.clone(),
-                &config.snapshot_dir,
-                metrics.clone(),
-                plane.rate.clone(),
-            );
-            Some(guard.await)
-        };
-        if config.handoff.mode == crate::config::HandoffMode::RedisReplicate {
-            tasks.spawn(crate::kv::seed::recover(
-                redis.clone(),
-                config.snapshot_dir.clone(),
-                shutdown.clone(),
-            ));
-        }
-        if let Some(addr) = redis.local_server(config.handoff.mode) {
-            if !redis.health_interval.is_zero() {
-                tasks.spawn(crate::kv::health::watch(
-                    addr.to_string(),
-                    redis.password.clone(),
-                    redis.health_interval,
-                    metrics.clone(),
-                    shutdown.clone(),
-                ));
-            }
-        }
-        if config.handoff.mode.is_redis()
-            && !redis.consistency_interval.is_zero()
-            && !redis.primary.is_empty()
-        {
-            tasks.spawn(crate::kv::check::every(
-                (redis.primary.clone(), redis.server_addr.clone()),
-                redis.password.clone(),
-                (redis.consistency_interval, redis.consistency_sample),
-                metrics.clone(),
-                shutdown.clone(),
-            ));
-        }
-        tasks.spawn(
-            DirWatcher::new(
-                config.snapshot_dir.clone(),
-                (config.snapshot_format, config.data.piece_size.as_u64()),
-                catalog.clone(),
-                metrics.clone(),
-                config.watch.clone(),
-            )
-            .run(shutdown.clone()),
-        );
         let services = Services {
             orchestrator: OrchestratorService {
                 node_id: config.node_id.clone(),
                 fallback_to_tcp: config.transport.fallback_to_tcp,
-                catalog: catalog.clone(),
+                instances: instances.clone(),
                 syncs: syncs.clone(),
                 sessions: sessions.clone(),
                 data: data.clone(),
-                relays: relays.clone(),
                 metrics: metrics.clone(),
                 fanouts,
-                backlog: backlog.clone(),
             },
             peer: PeerService {
                 offers: Offers {
-                    config: config.clone(),
-                    catalog: catalog.clone(),
+                    instances: instances.clone(),
                     cache: cache.clone(),
                     sessions: sessions.clone(),
                     data: data.clone(),
                     draining: draining.clone(),
-                    relays,
-                    backlog,
                 },
             },
             auth: ServerAuth::pair(
@@ -293,7 +252,7 @@ impl RunningAgent {
         .await?;
         info!(
             node_id = %config.node_id,
-            snapshot_dir = %config.snapshot_dir.display(),
+            instances = %config.instances().iter().map(|i| i.name.as_str()).collect::<Vec<_>>().join(","),
             grpc = %grpc_addr,
             tls = config.tls.enabled(),
             client_auth = config.tls.client_auth,
@@ -304,7 +263,8 @@ impl RunningAgent {
         );
         Ok(RunningAgent {
             config,
-            catalog,
+            instances,
+            parts,
             cache,
             sessions,
             data,
@@ -343,9 +303,9 @@ impl RunningAgent {
         self.data.tcp
     }
 
-    /// The snapshots this agent offers.
-    pub fn catalog(&self) -> &Arc<Catalog> {
-        &self.catalog
+    /// The snapshots instance `name` offers (`""`: the only instance's).
+    pub fn catalog(&self, name: &str) -> Option<Arc<Catalog>> {
+        self.instances.resolve(name).ok().map(|i| i.catalog.clone())
     }
 
     /// The configuration the agent runs with.
@@ -360,8 +320,12 @@ impl RunningAgent {
 
     /// Applies what a SIGHUP reloads from a re-read configuration: the
     /// token file, the bandwidth limit, the admission limits (incoming,
-    /// outgoing, per replica), the cache budget and its linger time.
-    pub fn reload(&self, config: &Config) -> Result<(), String> {
+    /// outgoing, per replica), the cache budget and its linger time, and
+    /// the instances: new ones start, removed ones stop (their running
+    /// syncs are cancelled), and one whose own settings changed restarts
+    /// with them; the others, and their running syncs, are not touched.
+    pub async fn reload(&self, config: &Config) -> Result<(), String> {
+        self.reload_instances(config).await?;
         self.rate.set_rate(config.sync.rate_limit.as_u64());
         self.sessions.set_limits((&config.sync).into());
         self.syncs.set_max_incoming(config.sync.max_incoming_syncs);
@@ -380,6 +344,50 @@ impl RunningAgent {
             tokens,
             "configuration reloaded"
         );
+        Ok(())
+    }
+
+    /// Starts, stops and restarts instances so that they are `config`'s.
+    async fn reload_instances(&self, config: &Config) -> Result<(), String> {
+        let wanted = config.instances();
+        let mut started = Vec::new();
+        for ic in &wanted {
+            let current = self.instances.resolve(&ic.name).ok();
+            let current = current.filter(|i| i.name == ic.name);
+            if current.is_some_and(|i| i.has_settings(ic)) {
+                continue;
+            }
+            // Start what is new before anything stops: a bad directory
+            // leaves every instance as it was.
+            started.push(
+                start_instance(config, ic, &self.parts)
+                    .await
+                    .map_err(|e| format!("instance {}: {e}", ic.name))?,
+            );
+        }
+        for old in self.instances.all() {
+            let kept = wanted.iter().any(|ic| ic.name == old.name);
+            let replaced = started.iter().any(|n| n.name == old.name);
+            if kept && !replaced {
+                continue;
+            }
+            self.instances.remove(&old.name);
+            let cancelled = self.syncs.running_count_of(Some(&old.name));
+            old.end().await;
+            if replaced {
+                info!(instance = %old.name, cancelled_syncs = cancelled, "instance settings changed: restarting it (its running syncs were cancelled)");
+            } else {
+                let primary = &old.config.redis.primary_addr;
+                let primary = (!primary.is_empty()).then_some(primary.as_str());
+                self.parts.metrics.remove_instance(&old.name, primary);
+                info!(instance = %old.name, cancelled_syncs = cancelled, "instance removed (its running syncs were cancelled)");
+            }
+        }
+        for new in started {
+            info!(instance = %new.name, snapshot_dir = %new.config.snapshot_dir.display(), "instance started");
+            self.instances.insert(new);
+        }
+        self.cache.set_instances(self.instances.len());
         Ok(())
     }
 
@@ -424,6 +432,9 @@ impl RunningAgent {
         self.syncs.cancel_all();
         self.sessions.clear();
         while self.tasks.join_next().await.is_some() {}
+        for instance in self.instances.all() {
+            instance.end().await;
+        }
         let deadline = tokio::time::Instant::now() + CANCEL_GRACE;
         while self.syncs.running_count() > 0 && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -431,16 +442,9 @@ impl RunningAgent {
     }
 }
 
-/// Reads and checks what must be right before anything binds: the snapshot
-/// directory, fault injection, tokens and TLS files; sweeps temp files that
-/// cannot be resumed.
+/// Reads and checks what must be right before anything binds: fault
+/// injection, tokens and TLS files.
 fn prepare(config: &Config) -> Result<Prepared, AgentError> {
-    if let Err(source) = std::fs::create_dir_all(&config.snapshot_dir) {
-        return Err(AgentError::SnapshotDir {
-            path: config.snapshot_dir.clone(),
-            source,
-        });
-    }
     let faults = Faults::from_env()?;
     if faults.any() {
         warn!(?faults, "FAULT INJECTION ACTIVE (KVSYNC_FAULTS): this agent corrupts or stalls transfers on purpose");
@@ -468,13 +472,6 @@ fn prepare(config: &Config) -> Result<Prepared, AgentError> {
             None
         },
     };
-    let swept = crate::store::journal::sweep(&config.snapshot_dir, config.data.resume_ttl, true);
-    if swept > 0 {
-        info!(
-            count = swept,
-            "removed temp files of an earlier run that cannot be resumed"
-        );
-    }
     Ok(Prepared {
         faults,
         tokens,
@@ -487,6 +484,93 @@ fn prepare(config: &Config) -> Result<Prepared, AgentError> {
         },
         dialer,
     })
+}
+
+/// Makes instance `ic`'s parts and starts its tasks: its snapshot
+/// directory (created, and swept of temp files that cannot be resumed), its
+/// catalog and watcher, its primary's backlog guard, and its KV's seeding
+/// recovery, health poll and consistency check.
+async fn start_instance(
+    agent: &Config,
+    ic: &InstanceConfig,
+    parts: &Parts,
+) -> Result<Arc<Instance>, AgentError> {
+    let config = agent.for_instance(ic);
+    let (name, dir, redis) = (ic.name.as_str(), &config.snapshot_dir, &config.redis);
+    std::fs::create_dir_all(dir).map_err(|source| AgentError::SnapshotDir {
+        path: dir.clone(),
+        source,
+    })?;
+    let swept = crate::store::journal::sweep(dir, config.data.resume_ttl, true);
+    if swept > 0 {
+        info!(
+            instance = name,
+            count = swept,
+            "removed temp files of an earlier run that cannot be resumed"
+        );
+    }
+    let metrics = &parts.metrics;
+    metrics.add_instance(name);
+    let catalog = Catalog::new(metrics.clone(), name);
+    let backlog = match redis.primary_addr.is_empty() {
+        true => None,
+        false => Some(
+            BacklogGuard::start(
+                (name, redis.clone()),
+                dir,
+                metrics.clone(),
+                parts.rate.clone(),
+            )
+            .await,
+        ),
+    };
+    let stop = parts.shutdown.child_token();
+    let instance = Instance::new(config.clone(), catalog.clone(), backlog, stop.clone());
+    instance.spawn(crate::store::journal::sweep_every(
+        dir.clone(),
+        config.data.resume_ttl,
+        stop.clone(),
+    ));
+    let mode = config.handoff.mode;
+    if mode == HandoffMode::RedisReplicate {
+        instance.spawn(crate::kv::seed::recover(
+            redis.clone(),
+            dir.clone(),
+            stop.clone(),
+        ));
+    }
+    if let Some(addr) = redis.local_server(mode) {
+        if !redis.health_interval.is_zero() {
+            instance.spawn(crate::kv::health::watch(
+                (name.to_string(), addr.to_string()),
+                redis.password.clone(),
+                redis.health_interval,
+                metrics.clone(),
+                stop.clone(),
+            ));
+        }
+    }
+    if mode.is_redis() && !redis.consistency_interval.is_zero() && !redis.primary.is_empty() {
+        instance.spawn(crate::kv::check::every(
+            name.to_string(),
+            (redis.primary.clone(), redis.server_addr.clone()),
+            redis.password.clone(),
+            (redis.consistency_interval, redis.consistency_sample),
+            metrics.clone(),
+            stop.clone(),
+        ));
+    }
+    instance.spawn(
+        DirWatcher::new(
+            dir.clone(),
+            (config.snapshot_format, config.data.piece_size.as_u64()),
+            catalog,
+            metrics.clone(),
+            config.watch.clone(),
+        )
+        .run(stop),
+    );
+    Ok(Arc::new(instance))
 }
 
 /// Binds a TCP listener for the setting `what`.

@@ -116,7 +116,29 @@ pub struct SyncArgs {
     #[arg(long, value_name = "DIGEST", value_parser = parse_digest)]
     pub snapshot: Option<blake3::Hash>,
     #[command(flatten)]
+    pub instance: InstanceArg,
+    /// The source's instance to pull from (default: the one --instance
+    /// names, or the source's only one).
+    #[arg(long, value_name = "NAME")]
+    pub source_instance: Option<String>,
+    #[command(flatten)]
     pub run: RunArgs,
+}
+
+/// Which of an agent's KV instances a command is about.
+#[derive(Debug, Clone, clap::Args)]
+pub struct InstanceArg {
+    /// The agent's instance (`[[instance]] name`); may be left out when it
+    /// serves one.
+    #[arg(long = "instance", value_name = "NAME", env = "KVSYNC_INSTANCE")]
+    pub name: Option<String>,
+}
+
+impl InstanceArg {
+    /// The name as a request carries it (empty: the agent's only one).
+    pub fn wire(&self) -> String {
+        self.name.clone().unwrap_or_default()
+    }
 }
 
 fn parse_digest(s: &str) -> Result<blake3::Hash, String> {
@@ -149,6 +171,10 @@ pub struct FanoutArgs {
     /// Replicas each node (the origin too) serves.
     #[arg(long, default_value_t = 2)]
     pub degree: u32,
+    /// The origin's instance; each replica installs into its instance of
+    /// the same name (or its only one).
+    #[command(flatten)]
+    pub instance: InstanceArg,
     #[command(flatten)]
     pub run: RunArgs,
 }
@@ -165,6 +191,9 @@ pub struct StatusArgs {
     /// gRPC address of the agent (host:port).
     #[arg(long)]
     pub agent: String,
+    /// Only this instance (`status`: default every one).
+    #[command(flatten)]
+    pub instance: InstanceArg,
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
@@ -377,6 +406,9 @@ fn load_config(args: &AgentArgs) -> anyhow::Result<Config> {
         config.node_id = v.clone();
     }
     if let Some(v) = &args.snapshot_dir {
+        if !config.instance.is_empty() {
+            anyhow::bail!("--snapshot-dir sets the directory of a single-instance configuration; this file has [[instance]] tables, each with its own snapshot_dir");
+        }
         config.snapshot_dir = v.clone();
     }
     if let Some(v) = &args.metrics_listen {
@@ -415,12 +447,17 @@ fn run_agent(args: AgentArgs) -> anyhow::Result<ExitCode> {
                 }
             });
         }
-        // SIGHUP re-reads the configuration: tokens, rate limit, cache budget.
+        // SIGHUP re-reads the configuration: tokens, rate limit, cache
+        // budget, instances.
         let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
             .context("SIGHUP handler")?;
         let reloads = async {
             while hup.recv().await.is_some() {
-                match load_config(&args).map_err(|e| format!("{e:#}")).and_then(|c| agent.reload(&c)) {
+                let reloaded = match load_config(&args) {
+                    Ok(c) => agent.reload(&c).await,
+                    Err(e) => Err(format!("{e:#}")),
+                };
+                match reloaded {
                     Ok(()) => tracing::info!("SIGHUP: reloaded"),
                     Err(e) => tracing::warn!(error = %e, "SIGHUP: not reloaded; the previous settings stay"),
                 }

@@ -39,7 +39,45 @@ pub struct Config {
     pub auth: AuthConfig,
     pub tls: TlsConfig,
     pub fanout: FanoutConfig,
+    /// The KV instances this agent serves (`[[instance]]`), when it serves
+    /// more than the one the top-level `snapshot_dir`, `snapshot_format`,
+    /// `[handoff]` and `[redis]` describe; those four are then set in each
+    /// instance instead.
+    pub instance: Vec<InstanceConfig>,
 }
+
+/// The name of the one instance of a file without `[[instance]]` tables.
+pub const DEFAULT_INSTANCE: &str = "default";
+
+/// The settings that belong to one KV instance: its snapshot directory and
+/// format, how a received snapshot reaches it, and its Redis/Valkey server.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct InstanceConfig {
+    /// How requests, status and metrics (`kv_instance`) name it: a plain
+    /// name, as node ids are.
+    pub name: String,
+    pub snapshot_dir: PathBuf,
+    pub snapshot_format: Format,
+    pub handoff: HandoffConfig,
+    pub redis: RedisConfig,
+}
+
+impl Default for InstanceConfig {
+    fn default() -> Self {
+        let c = Config::default();
+        InstanceConfig {
+            name: String::new(),
+            snapshot_dir: c.snapshot_dir,
+            snapshot_format: c.snapshot_format,
+            handoff: c.handoff,
+            redis: c.redis,
+        }
+    }
+}
+
+/// The keys a file with `[[instance]]` tables sets per instance only.
+const INSTANCE_KEYS: [&str; 4] = ["snapshot_dir", "snapshot_format", "handoff", "redis"];
 
 /// Fan-outs this agent runs as their origin.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -111,7 +149,7 @@ pub struct AuthConfig {
 
 /// Redis/Valkey: the local primary (source role, pre-flight check) and the
 /// local server a `redis` handoff seeds (replica role).
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RedisConfig {
     /// Source: the local primary (`host:port`) whose backlog must still hold
@@ -473,7 +511,7 @@ impl HandoffMode {
 }
 
 /// Handoff settings.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct HandoffConfig {
     pub mode: HandoffMode,
@@ -575,6 +613,7 @@ impl Default for Config {
             auth: AuthConfig::default(),
             tls: TlsConfig::default(),
             fanout: FanoutConfig::default(),
+            instance: Vec::new(),
         }
     }
 }
@@ -748,7 +787,44 @@ impl Config {
 
     /// Parses TOML text (no validation).
     pub fn parse(text: &str) -> Result<Config, String> {
+        let table: toml::Table = toml::from_str(text).map_err(|e| e.to_string())?;
+        if table.contains_key("instance") {
+            if let Some(key) = INSTANCE_KEYS.iter().find(|k| table.contains_key(**k)) {
+                return Err(format!(
+                    "`{key}` is set at the top level and the file has [[instance]] tables: with instances, {} belong in each [[instance]]",
+                    INSTANCE_KEYS.join(", ")
+                ));
+            }
+        }
         toml::from_str(text).map_err(|e| e.to_string())
+    }
+
+    /// The instances this agent serves: the `[[instance]]` tables, or the
+    /// one named `default` that the top-level sections describe.
+    pub fn instances(&self) -> Vec<InstanceConfig> {
+        if !self.instance.is_empty() {
+            return self.instance.clone();
+        }
+        vec![InstanceConfig {
+            name: DEFAULT_INSTANCE.into(),
+            snapshot_dir: self.snapshot_dir.clone(),
+            snapshot_format: self.snapshot_format,
+            handoff: self.handoff.clone(),
+            redis: self.redis.clone(),
+        }]
+    }
+
+    /// The configuration one instance's parts run with: this agent's
+    /// shared sections, and the instance's own in the top-level places.
+    pub fn for_instance(&self, instance: &InstanceConfig) -> Config {
+        Config {
+            snapshot_dir: instance.snapshot_dir.clone(),
+            snapshot_format: instance.snapshot_format,
+            handoff: instance.handoff.clone(),
+            redis: instance.redis.clone(),
+            instance: Vec::new(),
+            ..self.clone()
+        }
     }
 
     /// Checks every setting and returns all problems found.
@@ -756,7 +832,7 @@ impl Config {
         let mut p = Problems::default();
         self.check_basics(&mut p);
         self.check_transport(&mut p);
-        self.check_handoff(&mut p);
+        self.check_instances(&mut p);
         self.check_limits(&mut p);
         self.check_tls(&mut p);
         self.check_auth(&mut p);
@@ -777,12 +853,6 @@ impl Config {
                     crate::peer_text::MAX_NAME,
                     self.node_id
                 ),
-            );
-        }
-        if !self.snapshot_dir.is_absolute() {
-            p.bad(
-                "snapshot_dir",
-                format!("must be an absolute path, got {:?}", self.snapshot_dir),
             );
         }
         for (key, value, may_be_empty) in [
@@ -895,6 +965,91 @@ impl Config {
                 ),
             );
         }
+    }
+
+    /// Every instance's own settings, each problem under the instance's
+    /// name when the file has `[[instance]]` tables; and what instances
+    /// may not share: a name, a directory, a Redis server, a seed port.
+    fn check_instances(&self, p: &mut Problems) {
+        let instances = self.instances();
+        let tables = !self.instance.is_empty();
+        for (i, inst) in instances.iter().enumerate() {
+            let view = self.for_instance(inst);
+            let mut own = Problems::default();
+            view.check_instance(&mut own);
+            let prefix = if tables {
+                if !crate::peer_text::is_plain_name(&inst.name) {
+                    p.bad(
+                        &format!("instance[{i}].name"),
+                        format!(
+                            "must be a plain name (1 to {} letters, digits, '.', '_', '-'), got {:?}",
+                            crate::peer_text::MAX_NAME,
+                            inst.name
+                        ),
+                    );
+                }
+                format!("instance.{}.", inst.name)
+            } else {
+                String::new()
+            };
+            for problem in own.0 {
+                p.bad(&format!("{prefix}{}", problem.key), problem.message);
+            }
+        }
+        let shared = |what: &str, key: fn(&InstanceConfig) -> Option<String>| {
+            let mut seen: Vec<(String, &str)> = Vec::new();
+            let mut found = Vec::new();
+            for inst in &instances {
+                let Some(k) = key(inst) else { continue };
+                match seen.iter().find(|(s, _)| *s == k) {
+                    Some((_, other)) => found.push(format!(
+                        "instances {other:?} and {:?} share {what} {k}; give each its own",
+                        inst.name
+                    )),
+                    None => seen.push((k, &inst.name)),
+                }
+            }
+            found
+        };
+        type Key = fn(&InstanceConfig) -> Option<String>;
+        let checks: [(&str, Key); 5] = [
+            ("the name", |i| Some(i.name.clone())),
+            ("the snapshot_dir", |i| Some(normal_path(&i.snapshot_dir))),
+            ("the Redis primary", |i| {
+                (!i.redis.primary_addr.is_empty()).then(|| i.redis.primary_addr.clone())
+            }),
+            ("the Redis server", |i| {
+                i.handoff
+                    .mode
+                    .is_redis()
+                    .then(|| i.redis.server_addr.clone())
+            }),
+            ("the seed port", |i| {
+                let seeds = i.handoff.mode == HandoffMode::RedisReplicate;
+                let fixed = i
+                    .redis
+                    .seed_listen
+                    .parse::<SocketAddr>()
+                    .is_ok_and(|a| a.port() != 0);
+                (seeds && fixed).then(|| i.redis.seed_listen.clone())
+            }),
+        ];
+        for (what, of) in checks {
+            for message in shared(what, of) {
+                p.bad("instance", message);
+            }
+        }
+    }
+
+    /// One instance's own settings, on its view ([`Config::for_instance`]).
+    fn check_instance(&self, p: &mut Problems) {
+        if !self.snapshot_dir.is_absolute() {
+            p.bad(
+                "snapshot_dir",
+                format!("must be an absolute path, got {:?}", self.snapshot_dir),
+            );
+        }
+        self.check_handoff(p);
     }
 
     /// `[handoff]`, and `[redis]` for the redis mode and the pre-flight.
@@ -1168,6 +1323,12 @@ impl Config {
     }
 }
 
+/// A path with `.` components and trailing slashes left out, so that two
+/// spellings of one directory compare equal.
+fn normal_path(path: &Path) -> String {
+    path.components().collect::<PathBuf>().display().to_string()
+}
+
 /// Every problem found, in order.
 #[derive(Default)]
 struct Problems(Vec<Problem>);
@@ -1226,6 +1387,77 @@ mod tests {
         assert_eq!(c.node_id, "primary-1");
         assert_eq!(c.cache.memory_budget, ByteSize::gib(8));
         assert_eq!(c.transport.mode, TransportMode::Auto);
+    }
+
+    #[test]
+    fn a_file_without_instance_tables_is_one_instance_named_default() {
+        let c = Config::parse("snapshot_dir = \"/srv/kv\"\n[handoff]\nmode = \"file\"\n").unwrap();
+        let all = c.instances();
+        assert_eq!(all.len(), 1);
+        assert_eq!(all[0].name, DEFAULT_INSTANCE);
+        assert_eq!(all[0].snapshot_dir, PathBuf::from("/srv/kv"));
+        let view = c.for_instance(&all[0]);
+        assert_eq!(view.snapshot_dir, c.snapshot_dir);
+        assert!(view.instance.is_empty());
+    }
+
+    #[test]
+    fn instances_get_their_own_sections_and_share_the_agents() {
+        let c = Config::parse(
+            "node_id = \"n\"\n[data]\ntcp_streams = 3\n[[instance]]\nname = \"a\"\nsnapshot_dir = \"/kv/a\"\nsnapshot_format = \"redis-rdb\"\n[instance.redis]\nprimary_addr = \"127.0.0.1:7001\"\n[[instance]]\nname = \"b\"\nsnapshot_dir = \"/kv/b\"\n",
+        )
+        .unwrap();
+        c.validate().unwrap();
+        let all = c.instances();
+        let (a, b) = (c.for_instance(&all[0]), c.for_instance(&all[1]));
+        assert_eq!(a.redis.primary_addr, "127.0.0.1:7001");
+        assert_eq!(a.snapshot_format, Format::RedisRdb);
+        assert_eq!(b.redis.primary_addr, "");
+        assert_eq!(b.snapshot_format, Format::Kvr1);
+        assert_eq!((a.data.tcp_streams, b.data.tcp_streams), (3, 3));
+    }
+
+    #[test]
+    fn instances_may_not_share_a_name_a_redis_server_or_a_seed_port() {
+        let table = |name: &str, dir: &str, extra: &str| {
+            format!("[[instance]]\nname = \"{name}\"\nsnapshot_dir = \"{dir}\"\nsnapshot_format = \"redis-rdb\"\n{extra}")
+        };
+        let replicate = |port: u16, seed: &str| {
+            format!("[instance.handoff]\nmode = \"redis-replicate\"\n[instance.redis]\nserver_addr = \"127.0.0.1:{port}\"\nprimary = \"10.0.0.1:6379\"\nseed_listen = \"{seed}\"\n")
+        };
+        let problems = |text: String| {
+            let c = Config::parse(&text).unwrap();
+            c.validate().unwrap_err()
+        };
+        let p = problems(table("a", "/kv/a", "") + &table("a", "/kv/b", ""));
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert!(
+            p[0].message.contains("\"a\" and \"a\" share the name"),
+            "{p:?}"
+        );
+        let p = problems(
+            table("a", "/kv/a", &replicate(7001, "127.0.0.1:7100"))
+                + &table("b", "/kv/b", &replicate(7001, "127.0.0.1:7100")),
+        );
+        let text: Vec<_> = p.iter().map(|p| p.to_string()).collect();
+        assert_eq!(text.len(), 2, "{text:?}");
+        assert!(
+            text[0].contains("share the Redis server 127.0.0.1:7001"),
+            "{text:?}"
+        );
+        assert!(
+            text[1].contains("share the seed port 127.0.0.1:7100"),
+            "{text:?}"
+        );
+        // Port 0 is a fresh port per seeding: not shared.
+        let c = Config::parse(
+            &(table("a", "/kv/a", &replicate(7001, "127.0.0.1:0"))
+                + &table("b", "/kv/b", &replicate(7002, "127.0.0.1:0"))),
+        )
+        .unwrap();
+        c.validate().unwrap();
+        let p = problems(table("bad name", "/kv/a", ""));
+        assert_eq!(p[0].key, "instance[0].name", "{p:?}");
     }
 
     #[test]

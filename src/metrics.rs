@@ -11,8 +11,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use prometheus::{
-    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
-    IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+    Encoder, Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// Histogram buckets for whole syncs and bulk phases: 10 ms up to one hour.
@@ -65,6 +65,9 @@ impl Drop for Running {
     }
 }
 
+/// The `mode` labels of `kvsync_handoff_total`.
+const HANDOFF_MODES: &[&str] = &["file", "command", "exec", "redis", "redis-replicate"];
+
 /// The `result` labels of `kvsync_fullsync_total`.
 pub const SYNC_RESULTS: &[&str] = &["ok", "failed", "checksum_mismatch", "cancelled"];
 
@@ -83,11 +86,11 @@ pub struct Metrics {
     // Syncs.
     pub fullsync_total: IntCounterVec,
     pub fullsync_bytes: IntCounterVec,
-    pub resumed_bytes: IntCounter,
-    pub relay_bytes: IntCounter,
+    pub resumed_bytes: IntCounterVec,
+    pub relay_bytes: IntCounterVec,
     pub piece_refetch: IntCounterVec,
     pub fullsync_duration: HistogramVec,
-    pub bulk_duration: Histogram,
+    pub bulk_duration: HistogramVec,
     pub fullsync_in_progress: IntGaugeVec,
     pub handoff_total: IntCounterVec,
     pub data_auth_failures: IntCounter,
@@ -138,21 +141,21 @@ impl Metrics {
                     "kvsync_snapshot_latest_seq",
                     "Sequence number M of the latest valid snapshot"
                 ),
-                &["format"]
+                &["kv_instance", "format"]
             )),
             snapshot_latest_bytes: reg!(IntGaugeVec::new(
                 Opts::new(
                     "kvsync_snapshot_latest_bytes",
                     "Size of the latest valid snapshot"
                 ),
-                &["format"]
+                &["kv_instance", "format"]
             )),
             snapshots_rejected: reg!(IntCounterVec::new(
                 Opts::new(
                     "kvsync_snapshots_rejected_total",
                     "Snapshot files found invalid and not offered"
                 ),
-                &["reason"]
+                &["kv_instance", "reason"]
             )),
             cache_bytes: reg!(IntGauge::new(
                 "kvsync_snapshot_cache_bytes",
@@ -176,48 +179,57 @@ impl Metrics {
             )),
             fullsync_total: reg!(IntCounterVec::new(
                 Opts::new("kvsync_fullsync_total", "Finished full syncs"),
-                &["role", "transport", "result"]
+                &["kv_instance", "role", "transport", "result"]
             )),
             fullsync_bytes: reg!(IntCounterVec::new(
                 Opts::new(
                     "kvsync_fullsync_bytes_total",
                     "Snapshot bytes moved by full syncs"
                 ),
-                &["role", "transport"]
+                &["kv_instance", "role", "transport"]
             )),
-            resumed_bytes: reg!(IntCounter::new(
-                "kvsync_resumed_bytes_total",
-                "Snapshot bytes a replica's sync found verified in place and did not move again"
+            resumed_bytes: reg!(IntCounterVec::new(
+                Opts::new(
+                    "kvsync_resumed_bytes_total",
+                    "Snapshot bytes a replica's sync found verified in place and did not move again"
+                ),
+                &["kv_instance"]
             )),
-            relay_bytes: reg!(IntCounter::new(
-                "kvsync_relay_bytes_total",
-                "Snapshot bytes this agent sent of snapshots it received from another agent (relay fan-out)"
+            relay_bytes: reg!(IntCounterVec::new(
+                Opts::new(
+                    "kvsync_relay_bytes_total",
+                    "Snapshot bytes this agent sent of snapshots it received from another agent (relay fan-out)"
+                ),
+                &["kv_instance"]
             )),
             piece_refetch: reg!(IntCounterVec::new(
                 Opts::new(
                     "kvsync_piece_refetch_total",
                     "Pieces that failed their check on a replica and were fetched again"
                 ),
-                &["transport"]
+                &["kv_instance", "transport"]
             )),
             fullsync_duration: reg!(HistogramVec::new(
                 hist(
                     "kvsync_fullsync_duration_seconds",
                     "Duration of full syncs, negotiation to handoff"
                 ),
-                &["role", "transport"]
+                &["kv_instance", "role", "transport"]
             )),
-            bulk_duration: reg!(Histogram::with_opts(hist(
-                "kvsync_bulk_duration_seconds",
-                "Duration of the bulk phase of full syncs"
-            ))),
+            bulk_duration: reg!(HistogramVec::new(
+                hist(
+                    "kvsync_bulk_duration_seconds",
+                    "Duration of the bulk phase of full syncs"
+                ),
+                &["kv_instance"]
+            )),
             fullsync_in_progress: reg!(IntGaugeVec::new(
                 Opts::new("kvsync_fullsync_in_progress", "Full syncs running now"),
-                &["role"]
+                &["kv_instance", "role"]
             )),
             handoff_total: reg!(IntCounterVec::new(
                 Opts::new("kvsync_handoff_total", "Handoffs to the local KV"),
-                &["mode", "result"]
+                &["kv_instance", "mode", "result"]
             )),
             data_auth_failures: reg!(IntCounter::new(
                 "kvsync_data_auth_failures_total",
@@ -250,7 +262,7 @@ impl Metrics {
                     "kvsync_last_success_timestamp_seconds",
                     "Unix time of the last successful full sync"
                 ),
-                &["role"]
+                &["kv_instance", "role"]
             )),
             build_info: reg!(IntGaugeVec::new(
                 Opts::new("kvsync_build_info", "Build information (value is always 1)"),
@@ -265,7 +277,7 @@ impl Metrics {
                     "kvsync_transport_fallback_total",
                     "RDMA sessions retried over TCP, by reason"
                 ),
-                &["reason"]
+                &["kv_instance", "reason"]
             )),
             rdma_available: reg!(IntGauge::new(
                 "kvsync_rdma_available",
@@ -283,63 +295,63 @@ impl Metrics {
                     "kvsync_kv_up",
                     "1 when the local KV server answered the last health poll"
                 ),
-                &["server"]
+                &["kv_instance", "server"]
             )),
             kv_link_up: reg!(IntGaugeVec::new(
                 Opts::new(
                     "kvsync_kv_link_up",
                     "1 when the local KV server answers and, if it is a replica, its link to its primary is up"
                 ),
-                &["server"]
+                &["kv_instance", "server"]
             )),
             kv_replication_offset: reg!(IntGaugeVec::new(
                 Opts::new(
                     "kvsync_kv_replication_offset",
                     "The local KV server's replication offset (master_repl_offset on a primary, slave_repl_offset on a replica)"
                 ),
-                &["server"]
+                &["kv_instance", "server"]
             )),
             kv_replica_lag_bytes: reg!(IntGaugeVec::new(
                 Opts::new(
                     "kvsync_kv_replica_lag_bytes",
                     "Bytes a replica of the local primary has yet to acknowledge"
                 ),
-                &["server", "replica"]
+                &["kv_instance", "server", "replica"]
             )),
             kv_full_syncs: reg!(IntCounterVec::new(
                 Opts::new(
                     "kvsync_kv_full_syncs_total",
                     "Full resyncs the local primary served (its sync_full)"
                 ),
-                &["server"]
+                &["kv_instance", "server"]
             )),
             kv_partial_syncs: reg!(IntCounterVec::new(
                 Opts::new(
                     "kvsync_kv_partial_syncs_total",
                     "Partial resyncs the local primary accepted (its sync_partial_ok)"
                 ),
-                &["server"]
+                &["kv_instance", "server"]
             )),
             kv_consistency_mismatches: reg!(IntCounterVec::new(
                 Opts::new(
                     "kvsync_kv_consistency_mismatches_total",
                     "Sampled keys whose value on the local replica differed from its primary's (periodic consistency check)"
                 ),
-                &["server"]
+                &["kv_instance", "server"]
             )),
             kv_backlog_grown_bytes: reg!(IntGaugeVec::new(
                 Opts::new(
                     "kvsync_kv_backlog_grown_bytes",
                     "The repl-backlog-size this agent set on the local primary for running seedings (0: the operator's own value is in force)"
                 ),
-                &["server"]
+                &["kv_instance", "server"]
             )),
             kv_backlog_at_risk: reg!(IntCounterVec::new(
                 Opts::new(
                     "kvsync_kv_backlog_at_risk_total",
                     "Seedings during which the local primary's backlog was about to lose, or lost, the offset the replica will ask for"
                 ),
-                &["server"]
+                &["kv_instance", "server"]
             )),
             registry,
         };
@@ -359,35 +371,103 @@ impl Metrics {
             ])
             .set(1);
         m.up_since.set(unix_now());
-        // Every fallback reason exists from the start, so rates work.
-        for reason in FALLBACK_REASONS {
-            m.transport_fallback.with_label_values(&[reason]);
-        }
         for reason in REFUSAL_REASONS {
             m.data_refused.with_label_values(&[reason]);
         }
         for reason in ["total", "per_peer", "evicted", "handshake_timeout"] {
             m.grpc_refused.with_label_values(&[reason]);
         }
-        // Every series with a known label set exists from the start, so a
-        // scrape tells "zero" from "missing" (and dashboards see zeros).
-        for role in ["source", "replica"] {
-            m.fullsync_in_progress.with_label_values(&[role]);
-            for transport in ["tcp", "rdma"] {
-                m.piece_refetch.with_label_values(&[transport]);
-                m.fullsync_bytes.with_label_values(&[role, transport]);
-                for result in SYNC_RESULTS {
-                    m.fullsync_total
-                        .with_label_values(&[role, transport, result]);
-                }
-            }
-        }
-        for mode in ["file", "command", "exec", "redis"] {
-            for result in ["ok", "failed"] {
-                m.handoff_total.with_label_values(&[mode, result]);
-            }
-        }
         Arc::new(m)
+    }
+
+    /// Creates instance `name`'s series whose label sets are known, so
+    /// that a scrape tells "zero" from "missing" (and dashboards and rates
+    /// see zeros) from its start.
+    pub fn add_instance(&self, name: &str) {
+        for (role, transport, result) in self.instance_series() {
+            self.fullsync_in_progress.with_label_values(&[name, role]);
+            self.piece_refetch.with_label_values(&[name, transport]);
+            self.fullsync_bytes
+                .with_label_values(&[name, role, transport]);
+            self.fullsync_total
+                .with_label_values(&[name, role, transport, result]);
+        }
+        for reason in FALLBACK_REASONS {
+            self.transport_fallback.with_label_values(&[name, reason]);
+        }
+        for mode in HANDOFF_MODES {
+            for result in ["ok", "failed"] {
+                self.handoff_total.with_label_values(&[name, mode, result]);
+            }
+        }
+        self.resumed_bytes.with_label_values(&[name]);
+        self.relay_bytes.with_label_values(&[name]);
+    }
+
+    /// Removes instance `name`'s series (those of its KV's health poll go
+    /// when the poll ends; `primary` is its backlog guard's server): a
+    /// removed instance leaves nothing behind that dashboards would show
+    /// as its state.
+    pub fn remove_instance(&self, name: &str, primary: Option<&str>) {
+        for (role, transport, result) in self.instance_series() {
+            let _ = self.fullsync_in_progress.remove_label_values(&[name, role]);
+            let _ = self.piece_refetch.remove_label_values(&[name, transport]);
+            let _ = self
+                .fullsync_bytes
+                .remove_label_values(&[name, role, transport]);
+            let _ = self
+                .fullsync_total
+                .remove_label_values(&[name, role, transport, result]);
+        }
+        for reason in FALLBACK_REASONS {
+            let _ = self.transport_fallback.remove_label_values(&[name, reason]);
+        }
+        for mode in HANDOFF_MODES {
+            for result in ["ok", "failed"] {
+                let _ = self
+                    .handoff_total
+                    .remove_label_values(&[name, mode, result]);
+            }
+        }
+        for (role, transport, _) in self.instance_series() {
+            let _ = self
+                .fullsync_duration
+                .remove_label_values(&[name, role, transport]);
+            let _ = self.last_success.remove_label_values(&[name, role]);
+        }
+        for reason in crate::snapshot::REJECTION_REASONS {
+            let _ = self.snapshots_rejected.remove_label_values(&[name, reason]);
+        }
+        if let Some(primary) = primary {
+            let _ = self
+                .kv_backlog_grown_bytes
+                .remove_label_values(&[name, primary]);
+            let _ = self
+                .kv_backlog_at_risk
+                .remove_label_values(&[name, primary]);
+        }
+        let _ = self.bulk_duration.remove_label_values(&[name]);
+        for format in ["kvr1", "redis-rdb"] {
+            let _ = self
+                .snapshot_latest_seq
+                .remove_label_values(&[name, format]);
+            let _ = self
+                .snapshot_latest_bytes
+                .remove_label_values(&[name, format]);
+        }
+        let _ = self.resumed_bytes.remove_label_values(&[name]);
+        let _ = self.relay_bytes.remove_label_values(&[name]);
+    }
+
+    /// Every (role, transport, result) of the per-sync series.
+    fn instance_series(&self) -> impl Iterator<Item = (&'static str, &'static str, &'static str)> {
+        ["source", "replica"].into_iter().flat_map(|role| {
+            ["tcp", "rdma"].into_iter().flat_map(move |transport| {
+                SYNC_RESULTS
+                    .iter()
+                    .map(move |result| (role, transport, *result))
+            })
+        })
     }
 
     /// The registry in Prometheus text format.

@@ -214,6 +214,7 @@ async fn run(case: Case, wire: Wire, dir: &Path, tls: &Tls) -> Run {
     }));
     let offer = OfferedSession {
         id: "s1".into(),
+        instance: "default".into(),
         replica: "r".into(),
         replica_ip: Some(std::net::Ipv4Addr::LOCALHOST.into()),
         entry: entry.clone(),
@@ -221,7 +222,7 @@ async fn run(case: Case, wire: Wire, dir: &Path, tls: &Tls) -> Run {
         snapshot: if kind == TransportKind::Tcp {
             Served::File(SnapshotFile::open(&entry).unwrap())
         } else {
-            Served::Image(cache.acquire(&entry).await.unwrap())
+            Served::Image(cache.acquire("default", &entry).await.unwrap())
         },
         transport: kind,
         tls: wire == Wire::Tls,
@@ -310,7 +311,7 @@ async fn run(case: Case, wire: Wire, dir: &Path, tls: &Tls) -> Run {
     let total = |l: &str| {
         metrics
             .fullsync_total
-            .with_label_values(&["source", kind.as_str(), l])
+            .with_label_values(&["default", "source", kind.as_str(), l])
             .get()
     };
     let auth_failures = || metrics.data_auth_failures.get();
@@ -333,7 +334,7 @@ async fn run(case: Case, wire: Wire, dir: &Path, tls: &Tls) -> Run {
     Run {
         source_bytes: metrics
             .fullsync_bytes
-            .with_label_values(&["source", kind.as_str()])
+            .with_label_values(&["default", "source", kind.as_str()])
             .get(),
         temp_files: temp_files(&dst_dir),
         auth_failures: auth_failures(),

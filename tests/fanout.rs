@@ -65,7 +65,7 @@ async fn receiving(node: &Node, bytes: u64) {
         || {
             let mut c = client.clone();
             async move {
-                let s = c.get_status(pb::GetStatusRequest {}).await.ok()?;
+                let s = c.get_status(pb::GetStatusRequest::default()).await.ok()?;
                 let s = s.into_inner();
                 s.running.iter().find(|p| p.bytes_done >= bytes).map(drop)
             }
@@ -317,6 +317,7 @@ async fn a_relay_serving_a_crc_neutral_forgery_is_refused_by_the_digest_and_the_
             manifest_digest: digest,
         }),
         transport: pb::TransportPreference::Tcp as i32,
+        ..Default::default()
     };
     // By size, seq and checksum alone, the relay's copy is the snapshot
     // asked for: that request installs the forgery.

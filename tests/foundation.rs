@@ -140,7 +140,7 @@ fn start_watcher(dir: &Path) -> Watched {
 
 fn start_watcher_rescanning(dir: &Path, rescan_interval: Duration) -> Watched {
     let metrics = Metrics::new();
-    let catalog = Catalog::new(metrics.clone());
+    let catalog = Catalog::new(metrics.clone(), "default");
     let config = WatchConfig {
         debounce: Duration::from_millis(50),
         rescan_interval,
@@ -182,7 +182,7 @@ impl Watched {
     fn rejected(&self, reason: &str) -> u64 {
         self.metrics
             .snapshots_rejected
-            .with_label_values(&[reason])
+            .with_label_values(&["default", reason])
             .get()
     }
 
@@ -230,7 +230,7 @@ async fn watcher_offers_snapshot_renamed_into_place() {
     assert_eq!(
         w.metrics
             .snapshot_latest_seq
-            .with_label_values(&["kvr1"])
+            .with_label_values(&["default", "kvr1"])
             .get(),
         9
     );
@@ -369,7 +369,7 @@ async fn cache_eight_concurrent_acquirers_share_one_load() {
         let (cache, entry, barrier) = (cache.clone(), entry.clone(), barrier.clone());
         tasks.push(tokio::spawn(async move {
             barrier.wait().await;
-            cache.acquire(&entry).await.unwrap()
+            cache.acquire("default", &entry).await.unwrap()
         }));
     }
     let mut refs = Vec::new();
@@ -407,13 +407,13 @@ async fn cache_replaced_file_gets_new_entry_old_holder_keeps_old_bytes() {
     let metrics = Metrics::new();
     let cache = SnapshotCache::new(1 << 30, Duration::from_secs(5), metrics.clone());
     let old_entry = entry_for(&path);
-    let holder = cache.acquire(&old_entry).await.unwrap();
+    let holder = cache.acquire("default", &old_entry).await.unwrap();
     // The file is replaced right after the acquisition: the holder opened
     // it already and still gets the old bytes.
 
     let new = write_snapshot(&path, 120_000, 2);
     let new_entry = entry_for(&path);
-    let fresh = cache.acquire(&new_entry).await.unwrap();
+    let fresh = cache.acquire("default", &new_entry).await.unwrap();
     fresh.complete().await.unwrap();
     holder.complete().await.unwrap();
     assert_eq!(
@@ -432,7 +432,7 @@ async fn cache_replaced_file_gets_new_entry_old_holder_keeps_old_bytes() {
     // The old entry can no longer be loaded from disk: clear error.
     drop(holder);
     assert_eq!(cache.entries(), 1);
-    match cache.acquire(&old_entry).await {
+    match cache.acquire("default", &old_entry).await {
         Err(CacheError::Changed { path: p }) => assert_eq!(p, path),
         other => panic!("expected Changed, got {:?}", other.map(|_| ())),
     }
@@ -452,29 +452,29 @@ async fn cache_budget_waits_then_fails_or_proceeds() {
     // Larger than the whole budget: refused at once.
     let tiny = SnapshotCache::new(1000, Duration::from_secs(5), metrics.clone());
     assert!(matches!(
-        tiny.acquire(&entry_for(&a)).await,
+        tiny.acquire("default", &entry_for(&a)).await,
         Err(CacheError::TooLarge { .. })
     ));
 
     // Room for one: the second waits, and fails when nothing is released.
     let cache = SnapshotCache::new(1_000_000, Duration::from_millis(200), metrics.clone());
-    let held = cache.acquire(&entry_for(&a)).await.unwrap();
+    let held = cache.acquire("default", &entry_for(&a)).await.unwrap();
     let err = cache
-        .acquire(&entry_for(&b))
+        .acquire("default", &entry_for(&b))
         .await
         .err()
         .expect("over budget");
     assert!(matches!(err, CacheError::OverBudget { .. }), "{err}");
     assert!(err.to_string().contains("retry later"));
     // The same snapshot is still shared within budget.
-    let shared = cache.acquire(&entry_for(&a)).await.unwrap();
+    let shared = cache.acquire("default", &entry_for(&a)).await.unwrap();
     drop(shared);
 
     // Waiting acquirer proceeds as soon as the holder releases.
     let cache = SnapshotCache::new(1_000_000, DEADLINE, metrics.clone());
-    let held2 = cache.acquire(&entry_for(&a)).await.unwrap();
+    let held2 = cache.acquire("default", &entry_for(&a)).await.unwrap();
     let (c2, eb) = (cache.clone(), entry_for(&b));
-    let mut waiter = tokio::spawn(async move { c2.acquire(&eb).await.map(|r| r.len()) });
+    let mut waiter = tokio::spawn(async move { c2.acquire("default", &eb).await.map(|r| r.len()) });
     // The waiter runs (this await yields to it) and blocks: it cannot
     // finish while `held2` exists.
     let blocked = tokio::time::timeout(Duration::from_millis(300), &mut waiter).await;
@@ -507,15 +507,15 @@ async fn a_released_image_lingers_for_stragglers_and_yields_to_new_loads() {
         .await
         .unwrap()
     };
-    drop(loaded(cache.acquire(&entry_for(&a)).await.unwrap()).await);
+    drop(loaded(cache.acquire("default", &entry_for(&a)).await.unwrap()).await);
     assert_eq!((cache.refs(), cache.entries()), (0, 1), "lingering");
     // A straggler reuses it: no second load.
-    drop(cache.acquire(&entry_for(&a)).await.unwrap());
+    drop(cache.acquire("default", &entry_for(&a)).await.unwrap());
     assert_eq!(metrics.cache_loads.get(), 1);
     assert_eq!(metrics.cache_hits.get(), 1);
     // Another snapshot needs the room: the lingering image gives it up at
     // once instead of making the load wait.
-    let other = loaded(cache.acquire(&entry_for(&b)).await.unwrap()).await;
+    let other = loaded(cache.acquire("default", &entry_for(&b)).await.unwrap()).await;
     assert_eq!((cache.refs(), cache.entries()), (1, 1));
     assert_eq!(metrics.cache_loads.get(), 2);
     drop(other);
@@ -535,8 +535,8 @@ async fn cache_load_failure_reaches_every_holder() {
     // The catalog believed in other bytes (rewritten in place, same size and mtime).
     let mut entry = entry_for(&path);
     entry.info.checksum ^= 1;
-    let a = cache.acquire(&entry).await.unwrap();
-    let b = cache.acquire(&entry).await.unwrap();
+    let a = cache.acquire("default", &entry).await.unwrap();
+    let b = cache.acquire("default", &entry).await.unwrap();
     for r in [&a, &b] {
         let err = r.complete().await.unwrap_err();
         assert!(
@@ -647,4 +647,54 @@ fn agent_reports_every_config_problem() {
     std::fs::write(&cfg, "[grpc]\nlisten = \"127.0.0.1:1\"\nbogus = 1\n").unwrap();
     let o = run(&["agent", "--config", cfg.to_str().unwrap()]);
     assert!(String::from_utf8_lossy(&o.stderr).contains("bogus"));
+}
+
+#[test]
+fn check_config_names_both_instances_that_share_a_directory_and_each_instances_problem() {
+    let dir = tmpdir();
+    let cfg = dir.path().join("instances.toml");
+    let table = |name: &str, dir: &str, extra: &str| {
+        format!("[[instance]]\nname = \"{name}\"\nsnapshot_dir = \"{dir}\"\n{extra}")
+    };
+    std::fs::write(
+        &cfg,
+        [
+            table("shard-1", "/var/lib/kv/one", ""),
+            table("shard-2", "/var/lib/kv/one/", ""),
+            table(
+                "shard-3",
+                "/var/lib/kv/three",
+                "[instance.handoff]\nmode = \"exec\"\n",
+            ),
+        ]
+        .concat(),
+    )
+    .unwrap();
+    let o = run(&["check-config", cfg.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains(
+            "instances \"shard-1\" and \"shard-2\" share the snapshot_dir /var/lib/kv/one"
+        ),
+        "{err}"
+    );
+    assert!(
+        err.contains("instance.shard-3.handoff.exec: mode \"exec\" needs a program"),
+        "{err}"
+    );
+    assert!(err.contains("2 problems"), "{err}");
+    // With instances, the per-instance keys are not at the top level.
+    std::fs::write(
+        &cfg,
+        format!("snapshot_dir = \"/x\"\n{}", table("a", "/y", "")),
+    )
+    .unwrap();
+    let o = run(&["check-config", cfg.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("belong in each [[instance]]"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
 }

@@ -63,7 +63,10 @@ async fn syncs_small_odd_and_64mib_snapshots_byte_identical() {
         Some(3.0)
     );
     assert!(scrape.contains("kvsync_fullsync_duration_seconds_bucket"));
-    assert!(scrape.contains("kvsync_bulk_duration_seconds_count 3"));
+    assert_eq!(
+        metric_value(&scrape, "kvsync_bulk_duration_seconds_count"),
+        Some(3.0)
+    );
     assert!(
         metric_value(
             &scrape,
@@ -795,6 +798,34 @@ async fn dashboard_queries_only_existing_metrics() {
         }
     }
     used.extend(metric_names(&dashboard["templating"].to_string()));
+    // Every query of a per-instance series follows the dashboard's
+    // instance variable.
+    let per_instance: std::collections::BTreeSet<String> =
+        [source.proc.metrics(), replica.proc.metrics()]
+            .iter()
+            .flat_map(|scrape| {
+                scrape
+                    .lines()
+                    .filter(|l| l.contains("kv_instance=\"default\""))
+                    .filter_map(|l| l.split('{').next().map(str::to_string))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+    assert!(
+        per_instance.contains("kvsync_fullsync_total"),
+        "{per_instance:?}"
+    );
+    for panel in dashboard["panels"].as_array().expect("panels") {
+        for target in panel["targets"].as_array().expect("targets") {
+            let expr = target["expr"].as_str().expect("expr");
+            if metric_names(expr).iter().any(|n| per_instance.contains(n)) {
+                assert!(
+                    expr.contains("kv_instance=~\"$kv_instance\""),
+                    "{expr} does not follow the kv_instance variable"
+                );
+            }
+        }
+    }
     assert!(
         used.len() >= 12,
         "the dashboard covers the agent's metrics: {used:?}"

@@ -287,7 +287,7 @@ async fn admission_limits_refuse_the_next_sync_with_retry_advice() {
     );
     // Raised by a SIGHUP reload, the limit admits it; the running sync goes on.
     agent_config(root.path(), "replica", "max_incoming_syncs = 2");
-    reload(&replica).await;
+    replica.reload();
     let second = start_sync(&replica, &other).await;
     assert_ne!(second, id);
     let status = replica.status().await;
@@ -316,20 +316,9 @@ async fn admission_limits_refuse_the_next_sync_with_retry_advice() {
     assert!(p.error.contains("max_outgoing_syncs"), "{}", p.error);
     // Raised by a SIGHUP reload, the source serves the next one too.
     agent_config(root.path(), "tight", "max_outgoing_syncs = 2");
-    reload(&tight).await;
+    tight.reload();
     let third = Node::start(root.path(), "r3", "", &[]);
     sync_in_flight(&third, &tight).await;
-}
-
-/// Sends SIGHUP and waits until the agent says it reloaded.
-async fn reload(node: &Node) {
-    let before = node.proc.log().matches("SIGHUP: reloaded").count();
-    node.proc.signal(libc::SIGHUP);
-    wait_for("the reload", DEADLINE, || {
-        let log = node.proc.log();
-        assert!(!log.contains("not reloaded"), "{log}");
-        (log.matches("SIGHUP: reloaded").count() > before).then_some(())
-    });
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -363,7 +352,7 @@ async fn the_cache_budget_and_linger_reload_on_sighup_and_the_budget_refuses_wha
     // Raised by a reload (and the linger time with it, to none).
     let raised = format!("{}\nlinger = \"0s\"", budget("64MiB"));
     agent_config_with(root.path(), "source", EMULATED, &raised);
-    reload(&source).await;
+    source.reload();
     let id = start_sync(&replica, &source).await;
     let p = wait_done(&replica, &id).await;
     assert_eq!(p.phase, pb::Phase::Succeeded as i32, "{p:?}");
@@ -497,8 +486,8 @@ async fn bearer_tokens_are_required_counted_and_reloaded_on_sighup() {
 
     // A new token, reloaded by both agents on SIGHUP: the old one stops working.
     std::fs::write(&tokens, "second-fleet-token-0002\n").unwrap();
-    reload(&source).await;
-    reload(&replica).await;
+    source.reload();
+    replica.reload();
     let old = root.path().join("old");
     std::fs::write(&old, "first-fleet-token-0001\n").unwrap();
     assert!(String::from_utf8_lossy(&cli(Some(&old)).stderr).contains("not accepted"));
@@ -525,7 +514,7 @@ async fn rate_limit_holds_and_reloads_on_sighup() {
 
     // Lowered by a reload: 16 MiB at 8 MiB/s (0.5 s at the old limit).
     agent_config(root.path(), "source", "rate_limit = \"8MiB\"");
-    reload(&source).await;
+    source.reload();
     put_snapshot(&source.dir, "t.kvr1", 16 << 20, 7);
     source.offered(7).await;
     at_least(sync_ok(&replica, &source).await, 1800);
@@ -813,6 +802,7 @@ async fn traversal_attempts_and_oversize_fields_are_refused_without_harm() {
             ok: false,
             error: "e".into(),
             handoff_ms: 0,
+            ..Default::default()
         })
         .await,
         "session id length",

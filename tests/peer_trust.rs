@@ -336,6 +336,7 @@ async fn one_replica_cannot_take_every_session_of_a_source() {
             ok: false,
             error: "not needed".into(),
             handoff_ms: 0,
+            ..Default::default()
         })
         .await
         .unwrap();
@@ -387,7 +388,7 @@ async fn concurrent_offers_never_exceed_max_outgoing_syncs() {
     let status = source
         .client()
         .await
-        .get_status(pb::GetStatusRequest {})
+        .get_status(pb::GetStatusRequest::default())
         .await
         .unwrap()
         .into_inner();
@@ -426,7 +427,7 @@ async fn orchestrator_and_peer_tokens_are_separate() {
     let peer_client = |t| pb::peer_client::PeerClient::new(with(t));
 
     orchestrator(orch)
-        .get_status(pb::GetStatusRequest {})
+        .get_status(pb::GetStatusRequest::default())
         .await
         .unwrap();
     let denied = orchestrator(peer)

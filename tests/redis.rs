@@ -1854,6 +1854,175 @@ fn a_fixed_seed_port_that_is_taken_fails_the_handoff_and_says_so(server: Server)
     );
 }
 
+/// An agent with `instances` (`[[instance]]` tables) and nothing else of
+/// its own: both transports, the emulated RDMA fabric.
+fn multi_instance_agent(root: &Path, name: &str, instances: &str) -> Node {
+    let path = root.join(format!("{name}.toml"));
+    std::fs::write(
+        &path,
+        format!(
+            "node_id = \"{name}\"\n[grpc]\nlisten = \"127.0.0.1:0\"\n[data]\ntcp_listen = \"127.0.0.1:0\"\nrdma_port = 0\n[metrics]\nlisten = \"127.0.0.1:0\"\n[watch]\ndebounce = \"20ms\"\n[sync]\nretries = 0\n[transport]\nmode = \"auto\"\nrdma_provider = \"emulated\"\n{instances}"
+        ),
+    )
+    .unwrap();
+    Node {
+        proc: AgentProcess::start(&["--config", path.to_str().unwrap()], root),
+        dir: root.to_owned(),
+        token: None,
+    }
+}
+
+/// A primary with a backlog and `n` keys `prefix:i`, saved.
+fn small_primary(server: Server, root: &Path, prefix: &str, n: usize) -> Redis {
+    let primary = Redis::start(
+        server,
+        &root.join(format!("primary-{prefix}")),
+        &["--repl-backlog-size", "16mb"],
+    );
+    primary.make_backlog(&root.join(format!("helper-{prefix}")));
+    primary.fill(prefix, n, "value");
+    primary.bgsave();
+    primary
+}
+
+fn one_agent_pair_seeds_two_redis_instances_and_a_kvr1_one_at_once(server: Server) {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let a = small_primary(server, root, "a", 20_000);
+    let b = small_primary(server, root, "b", 30_000);
+    let (ra, rb) = (
+        Redis::start(server, &root.join("replica-a"), &[]),
+        Redis::start(server, &root.join("replica-b"), &[]),
+    );
+    let before: Vec<_> = [&a, &b].iter().map(|p| p.info("stats")).collect();
+    let blobs = root.join("blobs-source");
+    std::fs::create_dir_all(&blobs).unwrap();
+    put_snapshot(&blobs, "s.kvr1", 3 << 20, 77);
+    let redis_source = |name: &str, primary: &Redis| {
+        format!(
+            "[[instance]]\nname = \"{name}\"\nsnapshot_dir = \"{}\"\nsnapshot_format = \"redis-rdb\"\n[instance.redis]\nprimary_addr = \"{}\"\nrate_window = \"300ms\"\nhealth_interval = \"200ms\"\n",
+            primary.dir.display(),
+            primary.addr()
+        )
+    };
+    let source = multi_instance_agent(
+        root,
+        "source",
+        &format!(
+            "{}{}[[instance]]\nname = \"blobs\"\nsnapshot_dir = \"{}\"\n",
+            redis_source("cache-a", &a),
+            redis_source("cache-b", &b),
+            blobs.display()
+        ),
+    );
+    let redis_replica = |name: &str, primary: &Redis, server: &Redis| {
+        format!(
+            "[[instance]]\nname = \"{name}\"\nsnapshot_dir = \"{}\"\nsnapshot_format = \"redis-rdb\"\n[instance.handoff]\nmode = \"redis-replicate\"\ntimeout = \"60s\"\n[instance.redis]\nserver_addr = \"{}\"\nprimary = \"{}\"\n",
+            root.join(format!("{name}-replica")).display(),
+            server.addr(),
+            primary.addr()
+        )
+    };
+    let replica = multi_instance_agent(
+        root,
+        "replica",
+        &format!(
+            "{}{}[[instance]]\nname = \"blobs\"\nsnapshot_dir = \"{}\"\n",
+            redis_replica("cache-a", &a, &ra),
+            redis_replica("cache-b", &b, &rb),
+            root.join("blobs-replica").display()
+        ),
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        for (instance, primary) in [("cache-a", &a), ("cache-b", &b)] {
+            let seq = kvsync::snapshot::verify_file(&primary.dir.join("dump.rdb"), None)
+                .unwrap()
+                .seq;
+            source.offered_in(instance, seq).await;
+        }
+        source.offered_in("blobs", 77).await;
+        // All three at once: two over the emulated RDMA fabric, one over TCP.
+        let mut c = replica.client().await;
+        let mut ids = Vec::new();
+        for (instance, transport) in [
+            ("cache-a", pb::TransportPreference::Rdma),
+            ("cache-b", pb::TransportPreference::Tcp),
+            ("blobs", pb::TransportPreference::Rdma),
+        ] {
+            let started = c
+                .start_full_sync(pb::StartFullSyncRequest {
+                    source: source.grpc(),
+                    instance: instance.into(),
+                    transport: transport as i32,
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            ids.push((instance, transport, started.sync_id));
+        }
+        for (instance, transport, id) in ids {
+            let p = wait_done(&replica, &id).await;
+            assert_eq!(p.phase, pb::Phase::Succeeded as i32, "{instance}: {p:?}");
+            assert_eq!(p.instance, instance);
+            let (expected, label) = match transport {
+                pb::TransportPreference::Tcp => (pb::Transport::Tcp, "tcp"),
+                _ => (pb::Transport::Rdma, "rdma"),
+            };
+            assert_eq!(p.transport, expected as i32, "{instance}: {p:?}");
+            if instance != "blobs" {
+                assert!(p.handoff.contains("partial resync accepted"), "{p:?}");
+            }
+            for (node, role) in [(&replica, "replica"), (&source, "source")] {
+                assert_eq!(
+                    node.metric(&format!(
+                        r#"kvsync_fullsync_total{{kv_instance="{instance}",result="ok",role="{role}",transport="{label}"}}"#
+                    )),
+                    1.0,
+                    "{instance} {role}"
+                );
+            }
+        }
+    });
+    // Each server continued from its own primary, which never full-synced it.
+    for ((primary, replica_server), stats) in [(&a, &ra), (&b, &rb)].into_iter().zip(&before) {
+        let now = primary.info("stats");
+        assert_eq!(now.num("sync_full"), stats.num("sync_full"));
+        assert_eq!(now.num("sync_partial_ok"), stats.num("sync_partial_ok") + 1);
+        let keys: u64 = primary.cmd(&["DBSIZE"]);
+        wait_for("the replica to catch up", DEADLINE, || {
+            (replica_server.cmd::<u64>(&["DBSIZE"]) == keys).then_some(())
+        });
+        assert_eq!(
+            replica_server.info("replication").get("master_port"),
+            Some(primary.port.to_string().as_str())
+        );
+    }
+    assert_eq!(
+        ra.cmd::<Option<String>>(&["GET", "a:19999"]).as_deref(),
+        Some("value")
+    );
+    assert_eq!(ra.cmd::<Option<String>>(&["GET", "b:0"]), None);
+    for (instance, primary) in [("cache-a", &a), ("cache-b", &b)] {
+        wait_metric(
+            &source,
+            &format!(
+                r#"kvsync_kv_up{{kv_instance="{instance}",server="{}"}}"#,
+                primary.addr()
+            ),
+            "the source's health poll of each primary",
+            |v| v == 1.0,
+        );
+        assert_eq!(
+            replica.metric(&format!(
+                r#"kvsync_handoff_total{{kv_instance="{instance}",mode="redis-replicate",result="ok"}}"#
+            )),
+            1.0
+        );
+    }
+}
+
 on_both_servers!(
     rdbs_saved_by_the_real_server_carry_the_replication_position,
     replica_seeded_over_tcp_continues_with_a_partial_resync,
@@ -1875,4 +2044,5 @@ on_both_servers!(
     an_agent_killed_while_seeding_puts_the_servers_masterauth_back_when_it_starts_again,
     a_fixed_seed_port_that_is_taken_fails_the_handoff_and_says_so,
     a_replica_reseeded_with_swapdb_serves_its_old_data_while_it_loads_and_the_seed_admits_one_connection,
+    one_agent_pair_seeds_two_redis_instances_and_a_kvr1_one_at_once,
 );

@@ -83,6 +83,8 @@ pub async fn sync(args: SyncArgs) -> anyhow::Result<ExitCode> {
                 manifest_digest: d.as_bytes().to_vec(),
                 ..Default::default()
             }),
+            instance: args.instance.wire(),
+            source_instance: args.source_instance.clone().unwrap_or_default(),
             ..Default::default()
         })
         .await
@@ -175,6 +177,7 @@ fn exit_code(p: &pb::SyncProgress) -> ExitCode {
 pub fn progress_json(p: &pb::SyncProgress) -> serde_json::Value {
     json!({
         "sync_id": p.sync_id,
+        "instance": p.instance,
         "source": p.source,
         "status": phase_name(p.phase),
         "result": p.result,
@@ -236,6 +239,7 @@ pub async fn fanout(args: FanoutArgs) -> anyhow::Result<ExitCode> {
             replicas: args.replicas.clone(),
             degree: args.degree,
             transport: preference(args.run.transport) as i32,
+            instance: args.instance.wire(),
         })
         .await
         .map_err(|s| status_err("fan-out refused", s))?
@@ -293,6 +297,7 @@ pub fn fanout_json(s: &pb::FanoutStatus) -> serde_json::Value {
     json!({
         "fanout_id": s.fanout_id,
         "origin": s.origin,
+        "instance": s.instance,
         "snapshot": { "size": snapshot.size, "seq": snapshot.seq, "checksum": snapshot.checksum },
         "degree": s.degree,
         "done": s.done,
@@ -348,7 +353,9 @@ fn print_fanout(s: &pb::FanoutStatus) {
 pub async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
     let mut c = client(&args.agent).await?;
     let s = c
-        .get_status(pb::GetStatusRequest {})
+        .get_status(pb::GetStatusRequest {
+            instance: args.instance.wire(),
+        })
         .await
         .map_err(|s| status_err("status", s))?
         .into_inner();
@@ -367,11 +374,20 @@ pub async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
             "data_tcp_endpoint": s.data_tcp_endpoint,
             "data_tls": s.data_tls,
             "relay_bytes": s.relay_bytes,
-            "relaying": s.relaying.iter().map(|r| {
-                let id = r.snapshot.clone().unwrap_or_default();
-                json!({ "seq": id.seq, "size": id.size, "checksum": id.checksum, "origin_node_id": r.origin_node_id, "state": r.state })
-            }).collect::<Vec<_>>(),
+            "relaying": s.relaying.iter().map(relay_json).collect::<Vec<_>>(),
             "warnings": s.warnings,
+            "instances": s.instances.iter().map(|i| json!({
+                "name": i.name,
+                "snapshot_dir": i.snapshot_dir,
+                "format": i.format,
+                "handoff": i.handoff,
+                "latest_snapshots": i.latest_snapshots.iter().map(snapshot_json).collect::<Vec<_>>(),
+                "running": i.running.iter().map(progress_json).collect::<Vec<_>>(),
+                "recent": i.recent.iter().map(progress_json).collect::<Vec<_>>(),
+                "relay_bytes": i.relay_bytes,
+                "relaying": i.relaying.iter().map(relay_json).collect::<Vec<_>>(),
+                "warnings": i.warnings,
+            })).collect::<Vec<_>>(),
         });
         println!("{v}");
         return Ok(ExitCode::SUCCESS);
@@ -386,30 +402,42 @@ pub async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
         "serving {} session(s) as a source ({} admitted); data endpoint {} (TLS: {})",
         s.serving_sessions, s.admitted_sessions, s.data_tcp_endpoint, s.data_tls
     );
-    for r in &s.relaying {
+    for i in &s.instances {
+        print_instance(i);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// One instance of `kvsync status`.
+fn print_instance(i: &pb::InstanceStatus) {
+    println!(
+        "\ninstance {}: {} snapshots in {}, handoff {}",
+        i.name, i.format, i.snapshot_dir, i.handoff
+    );
+    for r in &i.relaying {
         let id = r.snapshot.clone().unwrap_or_default();
         println!(
-            "relaying seq {} ({} bytes) of {} ({}); {} bytes relayed so far",
-            id.seq, id.size, r.origin_node_id, r.state, s.relay_bytes
+            "  relaying seq {} ({} bytes) of {} ({}); {} bytes relayed so far",
+            id.seq, id.size, r.origin_node_id, r.state, i.relay_bytes
         );
     }
-    for w in &s.warnings {
-        println!("WARNING: {w}");
+    for w in &i.warnings {
+        println!("  WARNING: {w}");
     }
-    println!("\nlatest snapshots:");
-    if s.latest_snapshots.is_empty() {
-        println!("  (none)");
+    println!("  latest snapshots:");
+    if i.latest_snapshots.is_empty() {
+        println!("    (none)");
     }
-    for e in &s.latest_snapshots {
+    for e in &i.latest_snapshots {
         println!(
-            "  {:<10} seq {:<12} {:>14} bytes  {}",
+            "    {:<10} seq {:<12} {:>14} bytes  {}",
             e.format, e.seq, e.size, e.path
         );
     }
-    for (title, list) in [("running syncs", &s.running), ("recent syncs", &s.recent)] {
-        println!("\n{title}:");
+    for (title, list) in [("running syncs", &i.running), ("recent syncs", &i.recent)] {
+        println!("  {title}:");
         if list.is_empty() {
-            println!("  (none)");
+            println!("    (none)");
         }
         for p in list.iter() {
             let mut what = if p.error.is_empty() {
@@ -424,7 +452,7 @@ pub async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
                 );
             }
             println!(
-                "  {}  {:<12} {:>14}/{:<14} {:<4} from {}  {}",
+                "    {}  {:<12} {:>14}/{:<14} {:<4} from {}  {}",
                 p.sync_id,
                 phase_name(p.phase),
                 p.bytes_done,
@@ -435,11 +463,15 @@ pub async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
             );
         }
     }
-    Ok(ExitCode::SUCCESS)
+}
+
+fn relay_json(r: &pb::RelayEntry) -> serde_json::Value {
+    let id = r.snapshot.clone().unwrap_or_default();
+    json!({ "seq": id.seq, "size": id.size, "checksum": id.checksum, "origin_node_id": r.origin_node_id, "state": r.state, "instance": r.instance })
 }
 
 fn snapshot_json(e: &pb::SnapshotEntry) -> serde_json::Value {
-    json!({ "path": e.path, "format": e.format, "size": e.size, "seq": e.seq, "mtime_unix_ms": e.mtime_unix_ms, "checksum": e.checksum, "manifest_digest": hex(&e.manifest_digest) })
+    json!({ "path": e.path, "format": e.format, "size": e.size, "seq": e.seq, "mtime_unix_ms": e.mtime_unix_ms, "checksum": e.checksum, "manifest_digest": hex(&e.manifest_digest), "instance": e.instance })
 }
 
 /// A digest as `kvsync sync --snapshot` takes it.
@@ -451,7 +483,9 @@ fn hex(bytes: &[u8]) -> String {
 pub async fn snapshots(args: StatusArgs) -> anyhow::Result<ExitCode> {
     let mut c = client(&args.agent).await?;
     let list = c
-        .list_snapshots(pb::ListSnapshotsRequest {})
+        .list_snapshots(pb::ListSnapshotsRequest {
+            instance: args.instance.wire(),
+        })
         .await
         .map_err(|s| status_err("list snapshots", s))?
         .into_inner()
@@ -586,7 +620,9 @@ async fn offer_generated(source: &RunningAgent, args: &DemoArgs, show: bool) -> 
     tokio::task::spawn_blocking(move || spec.write_file(&p)).await??;
 
     // Wait until the source's watcher offers it.
-    let catalog = source.catalog().clone();
+    let catalog = source
+        .catalog("")
+        .context("the demo source serves one instance")?;
     let mut changes = catalog.subscribe();
     tokio::time::timeout(Duration::from_secs(120), async {
         while catalog.get(&path).is_none() {

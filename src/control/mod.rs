@@ -72,7 +72,7 @@ impl From<OfferError> for ApiError {
     fn from(e: OfferError) -> ApiError {
         let msg = e.to_string();
         match e {
-            OfferError::BadRequest(_) => ApiError::InvalidArgument(msg),
+            OfferError::BadRequest(_) | OfferError::Instance(_) => ApiError::InvalidArgument(msg),
             OfferError::Unsupported(_) => ApiError::FailedPrecondition(msg),
             OfferError::Draining => ApiError::Unavailable(msg),
             OfferError::Busy(_) => ApiError::Busy(msg),

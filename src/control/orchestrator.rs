@@ -1,8 +1,8 @@
 //! The orchestrator-facing service, served by every agent: start, watch and
 //! cancel full syncs into this agent, start and watch fan-outs of its
-//! snapshot to many replicas, read its status and its catalog. Thin:
-//! requests are checked and handed to the sync manager, the fan-out
-//! manager and the catalog.
+//! snapshot to many replicas, read its status and its catalog, each for
+//! the instance a request names. Thin: requests are checked and handed to
+//! the sync manager, the fan-out manager and the instance's catalog.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -15,8 +15,8 @@ use crate::fanout::FanoutManager;
 use crate::rpc::auth::ClientAuth;
 use crate::rpc::{is_terminal, pb};
 use crate::snapshot::Format;
-use crate::store::catalog::{Catalog, CatalogEntry};
-use crate::sync::relay::RelayTable;
+use crate::store::catalog::CatalogEntry;
+use crate::sync::instance::{Instance, Instances};
 use crate::sync::serve::{DataEndpoints, SessionTable};
 use crate::sync::{Pull, SyncManager};
 
@@ -26,18 +26,44 @@ pub struct OrchestratorService {
     /// `transport.fallback_to_tcp`: whether a sync may ask for RDMA that
     /// this agent cannot do.
     pub fallback_to_tcp: bool,
-    pub catalog: Arc<Catalog>,
+    /// The instances whose snapshots and syncs requests name.
+    pub instances: Arc<Instances>,
     pub syncs: Arc<SyncManager>,
     /// Served sessions, for the status.
     pub sessions: Arc<SessionTable>,
     pub data: Arc<DataEndpoints>,
-    /// What this agent relays, for the status.
-    pub relays: Arc<RelayTable>,
     pub metrics: Arc<crate::metrics::Metrics>,
     /// The fan-outs this agent runs as their origin.
     pub fanouts: Arc<FanoutManager>,
-    /// The local primary's backlog guard, for its warnings.
-    pub backlog: Option<Arc<crate::kv::backlog::BacklogGuard>>,
+}
+
+impl OrchestratorService {
+    /// The instance a request names ([`Instances::resolve`]).
+    fn instance(&self, name: &str) -> Result<Arc<Instance>, Status> {
+        self.instances
+            .resolve(name)
+            .map_err(|e| Status::invalid_argument(e.to_string()))
+    }
+
+    /// What one instance holds and does now.
+    fn instance_status(&self, i: &Instance) -> pb::InstanceStatus {
+        pb::InstanceStatus {
+            name: i.name.clone(),
+            snapshot_dir: i.config.snapshot_dir.display().to_string(),
+            format: i.config.snapshot_format.as_str().into(),
+            handoff: i.config.handoff.mode.as_str().into(),
+            latest_snapshots: [Format::Kvr1, Format::RedisRdb]
+                .into_iter()
+                .filter_map(|f| i.catalog.latest(f))
+                .map(|e| entry_to_pb(&i.name, &e))
+                .collect(),
+            running: self.syncs.running(&i.name),
+            recent: self.syncs.recent(&i.name),
+            relaying: i.relays.list(&i.name),
+            relay_bytes: self.metrics.relay_bytes.with_label_values(&[&i.name]).get(),
+            warnings: i.backlog.as_ref().map(|b| b.warnings()).unwrap_or_default(),
+        }
+    }
 }
 
 /// Longest accepted sync id.
@@ -68,9 +94,10 @@ fn asked_mode(p: pb::TransportPreference) -> Option<TransportMode> {
     }
 }
 
-/// Catalog entry → wire form.
-pub fn entry_to_pb(e: &CatalogEntry) -> pb::SnapshotEntry {
+/// Instance `instance`'s catalog entry → wire form.
+fn entry_to_pb(instance: &str, e: &CatalogEntry) -> pb::SnapshotEntry {
     pb::SnapshotEntry {
+        instance: instance.to_string(),
         path: e.path.display().to_string(),
         format: e.format().as_str().into(),
         size: e.info.size,
@@ -119,16 +146,24 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
                 rdma.reason()
             )));
         }
-        let (sync_id, created) = self.syncs.start(Pull {
-            source: req.source,
-            upstream: req.upstream,
-            want: req
-                .snapshot
-                .map(TryInto::try_into)
-                .transpose()
-                .map_err(|e: crate::rpc::BadDigest| Status::invalid_argument(e.to_string()))?,
-            mode: asked_mode(preference),
-        })?;
+        let instance = self.instance(&req.instance)?;
+        let source_instance = match req.source_instance.as_str() {
+            "" => req.instance.clone(),
+            named => named.to_string(),
+        };
+        let (sync_id, created) =
+            self.syncs.start(
+                &instance,
+                Pull {
+                    source: req.source,
+                    upstream: req.upstream,
+                    want: req.snapshot.map(TryInto::try_into).transpose().map_err(
+                        |e: crate::rpc::BadDigest| Status::invalid_argument(e.to_string()),
+                    )?,
+                    mode: asked_mode(preference),
+                    source_instance,
+                },
+            )?;
         Ok(Response::new(pb::StartFullSyncResponse {
             sync_id,
             created,
@@ -166,6 +201,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             degree: req.degree,
             transport,
             auth,
+            instance: req.instance,
         })?;
         Ok(Response::new(pb::StartFanoutResponse { fanout_id }))
     }
@@ -184,20 +220,31 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
 
     async fn get_status(
         &self,
-        _: Request<pb::GetStatusRequest>,
+        request: Request<pb::GetStatusRequest>,
     ) -> Result<Response<pb::AgentStatus>, Status> {
         let (data, rdma) = (&self.data, &self.data.local_rdma);
-        let latest_snapshots = [Format::Kvr1, Format::RedisRdb]
-            .into_iter()
-            .filter_map(|f| self.catalog.latest(f))
-            .map(|e| entry_to_pb(&e))
-            .collect();
+        let named = request.into_inner().instance;
+        let instances: Vec<pb::InstanceStatus> = match named.as_str() {
+            "" => self.instances.all(),
+            name => vec![self.instance(name)?],
+        }
+        .iter()
+        .map(|i| self.instance_status(i))
+        .collect();
+        let syncs = |f: fn(&pb::InstanceStatus) -> &Vec<pb::SyncProgress>| {
+            instances.iter().flat_map(f).cloned().collect::<Vec<_>>()
+        };
+        let mut recent = syncs(|i| &i.recent);
+        recent.sort_by_key(|p| std::cmp::Reverse(p.started_unix_ms));
         Ok(Response::new(pb::AgentStatus {
             node_id: self.node_id.clone(),
             version: env!("CARGO_PKG_VERSION").into(),
-            latest_snapshots,
-            running: self.syncs.running(),
-            recent: self.syncs.recent(),
+            latest_snapshots: instances
+                .iter()
+                .flat_map(|i| i.latest_snapshots.clone())
+                .collect(),
+            running: syncs(|i| &i.running),
+            recent,
             serving_sessions: self.sessions.serving() as u32,
             admitted_sessions: self.sessions.admitted() as u32,
             transports: if data.rdma_endpoint().is_some() {
@@ -209,21 +256,27 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             rdma_detail: rdma.reason(),
             data_tcp_endpoint: data.tcp.to_string(),
             data_tls: data.tls.clone(),
-            relaying: self.relays.list(),
-            relay_bytes: self.metrics.relay_bytes.get(),
-            warnings: self
-                .backlog
-                .as_ref()
-                .map(|b| b.warnings())
-                .unwrap_or_default(),
+            relaying: instances.iter().flat_map(|i| i.relaying.clone()).collect(),
+            relay_bytes: instances.iter().map(|i| i.relay_bytes).sum(),
+            warnings: instances
+                .iter()
+                .flat_map(|i| i.warnings.iter().map(|w| format!("{}: {w}", i.name)))
+                .collect(),
+            instances,
         }))
     }
 
     async fn list_snapshots(
         &self,
-        _: Request<pb::ListSnapshotsRequest>,
+        request: Request<pb::ListSnapshotsRequest>,
     ) -> Result<Response<pb::ListSnapshotsResponse>, Status> {
-        let snapshots = self.catalog.list().iter().map(|e| entry_to_pb(e)).collect();
+        let instance = self.instance(&request.into_inner().instance)?;
+        let snapshots = instance
+            .catalog
+            .list()
+            .iter()
+            .map(|e| entry_to_pb(&instance.name, e))
+            .collect();
         Ok(Response::new(pb::ListSnapshotsResponse { snapshots }))
     }
 

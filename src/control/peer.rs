@@ -3,7 +3,9 @@
 //! source's offers (`sync::offer`, where every decision is), then sends the
 //! offer back; `GetManifest` streams the offered snapshot's piece manifest;
 //! `ReportResult` records how the session ended and releases its backlog
-//! lease. This module only translates between the wire and the domain.
+//! lease. Both name the session's instance, and a session of another
+//! instance is refused. This module only translates between the wire and
+//! the domain.
 
 use std::time::Duration;
 
@@ -35,8 +37,11 @@ fn check_request(req: &pb::OpenFullSyncRequest) -> Result<(), ApiError> {
             "at most {MAX_TRANSPORTS} transports, got {}",
             req.transports.len()
         )
-    } else if req.format.len() > MAX_NAME || req.rdma_provider.len() > MAX_NAME {
-        format!("format and rdma_provider are names of at most {MAX_NAME} bytes")
+    } else if req.format.len() > MAX_NAME
+        || req.rdma_provider.len() > MAX_NAME
+        || req.instance.len() > MAX_NAME
+    {
+        format!("format, rdma_provider and instance are names of at most {MAX_NAME} bytes")
     } else {
         return Ok(());
     };
@@ -70,13 +75,14 @@ fn ask_from_wire(req: pb::OpenFullSyncRequest) -> Result<Ask, ApiError> {
         format: req.format,
         data_tls: req.data_tls,
         tcp_streams: req.tcp_streams,
+        instance: req.instance,
     })
 }
 
 impl PeerService {
     /// The offer as the replica receives it.
     fn offer_message(&self, o: Offered) -> pb::SyncOffer {
-        let (config, probe) = (&self.offers.config, self.offers.data.local_rdma.probe());
+        let (config, probe) = (&o.instance.config, self.offers.data.local_rdma.probe());
         let ttl = config.sync.session_token_ttl;
         let info = &o.entry.info;
         pb::SyncOffer {
@@ -105,6 +111,33 @@ impl PeerService {
             manifest_digest: o.entry.manifest.digest().as_bytes().to_vec(),
             origin_node_id: o.origin.unwrap_or_default(),
             tcp_streams: o.streams,
+            instance: o.instance.name.clone(),
+        }
+    }
+
+    /// Checks that session `id` (if it is still offered) belongs to the
+    /// instance a request names: a session proves nothing for another
+    /// instance. Returns that instance's name.
+    fn session_of(&self, id: &str, instance: &str) -> Result<String, Status> {
+        if id.len() > MAX_NAME || instance.len() > MAX_NAME {
+            return Err(ApiError::InvalidArgument(format!(
+                "session_id and instance are at most {MAX_NAME} bytes"
+            ))
+            .into());
+        }
+        let named = self
+            .offers
+            .instances
+            .resolve(instance)
+            .map_err(|e| ApiError::InvalidArgument(e.to_string()))?
+            .name
+            .clone();
+        match self.offers.sessions.offered(id) {
+            Some((owner, _)) if owner != named => Err(ApiError::PermissionDenied(format!(
+                "session {id} was not offered for instance {named:?}"
+            ))
+            .into()),
+            _ => Ok(named),
         }
     }
 }
@@ -137,14 +170,9 @@ impl pb::peer_server::Peer for PeerService {
         &self,
         request: Request<pb::GetManifestRequest>,
     ) -> Result<Response<Self::GetManifestStream>, Status> {
-        let id = request.into_inner().session_id;
-        if id.len() > MAX_NAME {
-            return Err(ApiError::InvalidArgument(format!(
-                "session_id longer than {MAX_NAME} bytes"
-            ))
-            .into());
-        }
-        let manifest = self.offers.sessions.manifest(&id).ok_or_else(|| {
+        let req = request.into_inner();
+        self.session_of(&req.session_id, &req.instance)?;
+        let (_, manifest) = self.offers.sessions.offered(&req.session_id).ok_or_else(|| {
             Status::not_found("no such offered session (it expired, or its data connection already began); ask for a new offer")
         })?;
         let parts: Vec<_> = manifest
@@ -160,13 +188,14 @@ impl pb::peer_server::Peer for PeerService {
         request: Request<pb::ReportResultRequest>,
     ) -> Result<Response<pb::ReportResultResponse>, Status> {
         let r = request.into_inner();
-        if r.session_id.len() > MAX_NAME {
-            return Err(ApiError::InvalidArgument(format!(
-                "session_id longer than {MAX_NAME} bytes"
-            ))
-            .into());
-        }
-        if let Some(guard) = &self.offers.backlog {
+        let instance = self.session_of(&r.session_id, &r.instance)?;
+        let backlog = self
+            .offers
+            .instances
+            .resolve(&instance)
+            .ok()
+            .and_then(|i| i.backlog.clone());
+        if let Some(guard) = &backlog {
             let handoff = Duration::from_millis(r.handoff_ms);
             guard.release(&r.session_id, r.ok.then_some(handoff)).await;
         }

@@ -25,8 +25,7 @@ use tracing::{info, warn};
 use crate::metrics::Metrics;
 use crate::rpc::auth::ClientAuth;
 use crate::rpc::{is_terminal, pb, AgentChannel, Dialer};
-use crate::snapshot::Format;
-use crate::store::catalog::Catalog;
+use crate::sync::instance::Instances;
 use crate::sync::{new_id, unix_ms, SyncError};
 use plan::Place;
 
@@ -50,12 +49,14 @@ pub struct Request {
     pub transport: pb::TransportPreference,
     /// The caller's token, presented to the replicas' agents.
     pub auth: ClientAuth,
+    /// The origin's instance, as named (empty: its only one); every
+    /// replica installs into its instance of that name (or its only one).
+    pub instance: String,
 }
 
 /// The fan-outs this agent runs as their origin.
 pub struct FanoutManager {
-    catalog: Arc<Catalog>,
-    format: Format,
+    instances: Arc<Instances>,
     metrics: Arc<Metrics>,
     dialer: Dialer,
     /// `[fanout] allowed_replicas`: the agents a fan-out may call.
@@ -66,16 +67,14 @@ pub struct FanoutManager {
 
 impl FanoutManager {
     pub fn new(
-        catalog: Arc<Catalog>,
-        format: Format,
+        instances: Arc<Instances>,
         metrics: Arc<Metrics>,
         dialer: Dialer,
         allowed: Vec<String>,
         shutdown: CancellationToken,
     ) -> Arc<FanoutManager> {
         Arc::new(FanoutManager {
-            catalog,
-            format,
+            instances,
             metrics,
             dialer,
             allowed,
@@ -120,10 +119,15 @@ impl FanoutManager {
         if seen.contains(req.origin.as_str()) {
             return bad("the origin cannot be one of its replicas".into());
         }
-        let format = self.format;
-        let entry = self.catalog.latest(format).ok_or_else(|| {
+        let instance = self
+            .instances
+            .resolve(&req.instance)
+            .map_err(|e| SyncError::BadRequest(e.to_string()))?;
+        let format = instance.config.snapshot_format;
+        let entry = instance.catalog.latest(format).ok_or_else(|| {
             SyncError::CannotStart(format!(
-                "this agent has no valid {format} snapshot to fan out yet"
+                "instance {} of this agent has no valid {format} snapshot to fan out yet",
+                instance.name
             ))
         })?;
         let id = new_id();
@@ -150,6 +154,7 @@ impl FanoutManager {
                 })
                 .collect(),
             started_unix_ms: unix_ms(),
+            instance: instance.name.clone(),
             ..Default::default()
         };
         let (tx, rx) = watch::channel(status);
@@ -163,13 +168,13 @@ impl FanoutManager {
                 }
             }
         }
-        info!(fanout = %id, replicas = req.replicas.len(), degree, seq = entry.info.seq, "fan-out started");
+        info!(fanout = %id, instance = %instance.name, replicas = req.replicas.len(), degree, seq = entry.info.seq, "fan-out started");
         let run = Run {
             manager: self.clone(),
             req,
             places,
             status: tx,
-            sent_before: self.source_bytes(),
+            sent_before: self.source_bytes(&instance.name),
             started: Instant::now(),
         };
         tokio::spawn(run.run());
@@ -187,14 +192,15 @@ impl FanoutManager {
             .ok_or_else(|| SyncError::NoSuchSync(id.to_string()))
     }
 
-    /// Bytes this agent has sent as a source, over every transport.
-    fn source_bytes(&self) -> u64 {
+    /// Bytes this agent has sent as a source of `instance`, over every
+    /// transport.
+    fn source_bytes(&self, instance: &str) -> u64 {
         ["tcp", "rdma"]
             .iter()
             .map(|t| {
                 self.metrics
                     .fullsync_bytes
-                    .with_label_values(&["source", t])
+                    .with_label_values(&[instance, "source", t])
                     .get()
             })
             .sum()
@@ -311,7 +317,11 @@ impl Run {
                 }
             }
         }
-        let sent = self.manager.source_bytes().saturating_sub(self.sent_before);
+        let instance = self.status.borrow().instance.clone();
+        let sent = self
+            .manager
+            .source_bytes(&instance)
+            .saturating_sub(self.sent_before);
         let elapsed = self.started.elapsed();
         // Relays serve their children after their own sync ended: what they
         // forwarded is known now.
@@ -369,6 +379,8 @@ impl Run {
             transport: self.req.transport as i32,
             snapshot: self.status.borrow().snapshot.clone(),
             upstream: chain,
+            instance: self.req.instance.clone(),
+            source_instance: self.req.instance.clone(),
         };
         let follower = Follower {
             index: i,
@@ -449,6 +461,9 @@ impl Follower {
 
 /// The agent's `relay_bytes`, when its status can be read in time.
 async fn relay_bytes(client: &mut OrchestratorClient) -> Option<u64> {
-    let status = tokio::time::timeout(CALL_TIMEOUT, client.get_status(pb::GetStatusRequest {}));
+    let status = tokio::time::timeout(
+        CALL_TIMEOUT,
+        client.get_status(pb::GetStatusRequest::default()),
+    );
     Some(status.await.ok()?.ok()?.into_inner().relay_bytes)
 }

@@ -68,6 +68,8 @@ pub struct BacklogGuard {
     cfg: RedisConfig,
     record: PathBuf,
     metrics: Arc<Metrics>,
+    /// The instance whose primary this is (its `kv_instance` label).
+    instance: String,
     /// Held across the server conversations that raise or restore.
     state: tokio::sync::Mutex<Leases>,
     /// What the watchers found, by session, for the status.
@@ -168,7 +170,7 @@ impl BacklogGuard {
     /// and the operator's value put back at once (or at the next release,
     /// if the primary does not answer now).
     pub async fn start(
-        cfg: RedisConfig,
+        (instance, cfg): (&str, RedisConfig),
         snapshot_dir: &Path,
         metrics: Arc<Metrics>,
         rate_limit: Arc<RateLimiter>,
@@ -182,14 +184,15 @@ impl BacklogGuard {
         // Both series exist from the start, at zero.
         metrics
             .kv_backlog_grown_bytes
-            .with_label_values(&[&cfg.primary_addr]);
+            .with_label_values(&[instance, &cfg.primary_addr]);
         metrics
             .kv_backlog_at_risk
-            .with_label_values(&[&cfg.primary_addr]);
+            .with_label_values(&[instance, &cfg.primary_addr]);
         let guard = Arc::new(BacklogGuard {
             cfg,
             record,
             metrics,
+            instance: instance.to_string(),
             state: tokio::sync::Mutex::new(Leases {
                 original,
                 leases: HashMap::new(),
@@ -287,7 +290,7 @@ impl BacklogGuard {
         redis::set_backlog_size(addr, password, needed).await?;
         self.metrics
             .kv_backlog_grown_bytes
-            .with_label_values(&[addr])
+            .with_label_values(&[&self.instance, addr])
             .set(needed as i64);
         info!(
             needed,
@@ -324,7 +327,7 @@ impl BacklogGuard {
                 info!(server = %original.server, repl_backlog_size = size, "restored the primary's repl-backlog-size");
                 self.metrics
                     .kv_backlog_grown_bytes
-                    .with_label_values(&[&original.server])
+                    .with_label_values(&[&self.instance, &original.server])
                     .set(0);
                 if let Err(e) = std::fs::remove_file(&self.record) {
                     warn!(record = %self.record.display(), error = %e, "cannot remove the backlog record");
@@ -408,7 +411,7 @@ impl BacklogGuard {
                 counted = true;
                 self.metrics
                     .kv_backlog_at_risk
-                    .with_label_values(&[addr])
+                    .with_label_values(&[&self.instance, addr])
                     .inc();
             }
             if matches!(risk, Risk::Lost { .. }) {

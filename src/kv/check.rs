@@ -239,6 +239,7 @@ async fn content(
 /// `every`, counting mismatches in `kvsync_kv_consistency_mismatches_total`,
 /// until `shutdown`.
 pub async fn every(
+    instance: String,
     (primary, replica): (String, String),
     password: String,
     (every, sample): (Duration, usize),
@@ -247,7 +248,7 @@ pub async fn every(
 ) {
     let counter = metrics
         .kv_consistency_mismatches
-        .with_label_values(&[replica.as_str()]);
+        .with_label_values(&[instance.as_str(), replica.as_str()]);
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tick.tick().await;

@@ -80,22 +80,25 @@ fn advance(counter: &IntCounter, last: &mut Option<u64>, now: u64) {
     *last = Some(now);
 }
 
-/// Polls the server at `addr` every `every` until `shutdown`.
+/// Polls instance `instance`'s server at `addr` every `every` until
+/// `shutdown`, then removes its gauges (a removed instance's last state
+/// must not stay on dashboards).
 pub async fn watch(
-    addr: String,
+    (instance, addr): (String, String),
     password: String,
     every: Duration,
     metrics: Arc<Metrics>,
     shutdown: CancellationToken,
 ) {
     let server = addr.as_str();
+    let labels = [instance.as_str(), server];
     let (up, link_up, offset) = (
-        metrics.kv_up.with_label_values(&[server]),
-        metrics.kv_link_up.with_label_values(&[server]),
-        metrics.kv_replication_offset.with_label_values(&[server]),
+        metrics.kv_up.with_label_values(&labels),
+        metrics.kv_link_up.with_label_values(&labels),
+        metrics.kv_replication_offset.with_label_values(&labels),
     );
-    let full_syncs = metrics.kv_full_syncs.with_label_values(&[server]);
-    let partial_syncs = metrics.kv_partial_syncs.with_label_values(&[server]);
+    let full_syncs = metrics.kv_full_syncs.with_label_values(&labels);
+    let partial_syncs = metrics.kv_partial_syncs.with_label_values(&labels);
     let lag = &metrics.kv_replica_lag_bytes;
     let (mut full, mut partial) = (None, None);
     let mut replicas: HashSet<String> = HashSet::new();
@@ -104,7 +107,7 @@ pub async fn watch(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
-            _ = shutdown.cancelled() => return,
+            _ = shutdown.cancelled() => break,
             _ = tick.tick() => {}
         }
         let polled = crate::kv::redis::infos(&addr, &password, &["replication", "stats"]).await;
@@ -118,7 +121,7 @@ pub async fn watch(
                 up.set(0);
                 link_up.set(0);
                 for r in replicas.drain() {
-                    let _ = lag.remove_label_values(&[server, &r]);
+                    let _ = lag.remove_label_values(&[&instance, server, &r]);
                 }
                 continue;
             }
@@ -132,14 +135,25 @@ pub async fn watch(
         offset.set(health.offset as i64);
         let now: HashSet<String> = health.lags.iter().map(|(r, _)| r.clone()).collect();
         for gone in replicas.difference(&now) {
-            let _ = lag.remove_label_values(&[server, gone]);
+            let _ = lag.remove_label_values(&[&instance, server, gone]);
         }
         for (r, bytes) in &health.lags {
-            lag.with_label_values(&[server, r]).set(*bytes as i64);
+            lag.with_label_values(&[&instance, server, r])
+                .set(*bytes as i64);
         }
         replicas = now;
         advance(&full_syncs, &mut full, health.full_syncs);
         advance(&partial_syncs, &mut partial, health.partial_syncs);
+    }
+    for r in &replicas {
+        let _ = lag.remove_label_values(&[&instance, server, r]);
+    }
+    for gauge in [
+        &metrics.kv_up,
+        &metrics.kv_link_up,
+        &metrics.kv_replication_offset,
+    ] {
+        let _ = gauge.remove_label_values(&labels);
     }
 }
 

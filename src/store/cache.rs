@@ -5,7 +5,15 @@
 //! session that serves it, keyed by (path, size, mtime): one background load
 //! that verifies as it goes while sessions send what is loaded; a refcount and
 //! a `cache.linger` after the last holder; a memory budget that makes loads
-//! wait or fail clearly; and relay images filled as their pieces verify.
+//! wait or fail clearly, shared fairly by the agent's instances; and relay
+//! images filled as their pieces verify.
+//!
+//! The sharing rule: with `n` instances, each is guaranteed `budget / n`
+//! and may borrow what the others do not use. A load of instance `i` is
+//! admitted when `Σ_j max(reserved_j, share)` over every instance, with
+//! `i`'s new load counted, stays within the budget: a borrower never takes
+//! room another instance is guaranteed and has not used, so an instance
+//! within its share never waits for a busy one.
 
 use std::collections::HashMap;
 use std::os::fd::AsRawFd;
@@ -52,11 +60,12 @@ pub enum CacheError {
     #[error("snapshot of {size} bytes exceeds the cache memory budget of {budget} bytes (raise cache.memory_budget)")]
     TooLarge { size: u64, budget: u64 },
     /// Other snapshots hold the budget and none was released in time.
-    #[error("cache memory budget exhausted: {size} bytes needed, {in_use} of {budget} in use after waiting {waited:?}; retry later")]
+    #[error("cache memory budget exhausted: {size} bytes needed, {in_use} of {budget} in use after waiting {waited:?} (each of its {instances} instances is guaranteed {}); retry later", budget / (*instances).max(1) as u64)]
     OverBudget {
         size: u64,
         in_use: u64,
         budget: u64,
+        instances: usize,
         waited: Duration,
     },
     /// The file is no longer the one the catalog offered.
@@ -152,6 +161,8 @@ impl Image {
 }
 
 struct Slot {
+    /// The instance that loaded it (whose share it counts in).
+    instance: String,
     refs: usize,
     image: Arc<Image>,
     /// Held by nobody since then, lingering.
@@ -165,10 +176,23 @@ impl Image {
 }
 
 impl Slots {
-    /// Frees lingering images, oldest first, until `size` more bytes fit
-    /// in `budget`; false when they cannot.
-    fn make_room(&mut self, size: u64, budget: u64) -> bool {
-        while self.reserved + size > budget {
+    /// Whether `size` more bytes of `instance` fit in `budget` shared by
+    /// `instances` (the rule in this module's head).
+    fn fits(&self, instance: &str, size: u64, budget: u64, instances: usize) -> bool {
+        let share = budget / instances.max(1) as u64;
+        let mine = self.by_instance.get(instance).copied().unwrap_or(0) + size;
+        let others = self.by_instance.iter().filter(|(i, _)| *i != instance);
+        let (used, count) = others.fold((0u64, 0usize), |(sum, n), (_, r)| {
+            (sum + (*r).max(share), n + 1)
+        });
+        let unused = instances.saturating_sub(1).saturating_sub(count) as u64 * share;
+        used + unused + mine.max(share) <= budget
+    }
+
+    /// Frees lingering images, oldest first, until `size` more bytes of
+    /// `instance` fit; false when they cannot.
+    fn make_room(&mut self, instance: &str, size: u64, budget: u64, instances: usize) -> bool {
+        while !self.fits(instance, size, budget, instances) {
             let oldest = self
                 .slots
                 .iter()
@@ -177,10 +201,28 @@ impl Slots {
             let Some((_, key)) = oldest else {
                 return false;
             };
-            self.slots.remove(&key);
-            self.reserved -= key.size;
+            self.free(&key);
         }
         true
+    }
+
+    fn add(&mut self, key: CacheKey, slot: Slot) {
+        self.reserved += key.size;
+        *self.by_instance.entry(slot.instance.clone()).or_default() += key.size;
+        self.slots.insert(key, slot);
+    }
+
+    fn free(&mut self, key: &CacheKey) {
+        let Some(slot) = self.slots.remove(key) else {
+            return;
+        };
+        self.reserved -= key.size;
+        if let Some(r) = self.by_instance.get_mut(&slot.instance) {
+            *r -= key.size;
+            if *r == 0 {
+                self.by_instance.remove(&slot.instance);
+            }
+        }
     }
 }
 
@@ -189,6 +231,8 @@ struct Slots {
     slots: HashMap<CacheKey, Slot>,
     /// Bytes reserved by all slots (loaded or loading).
     reserved: u64,
+    /// The same, by instance (only instances with slots).
+    by_instance: HashMap<String, u64>,
 }
 
 /// The cache. Cheap to share as `Arc<SnapshotCache>`.
@@ -196,6 +240,8 @@ pub struct SnapshotCache {
     state: Mutex<Slots>,
     released: Notify,
     budget: AtomicU64,
+    /// Instances the budget is shared by.
+    instances: AtomicUsize,
     acquire_timeout: Duration,
     /// How long an image nobody holds stays loaded.
     linger: Mutex<Duration>,
@@ -212,6 +258,7 @@ impl SnapshotCache {
             state: Mutex::default(),
             released: Notify::new(),
             budget: AtomicU64::new(budget),
+            instances: AtomicUsize::new(1),
             acquire_timeout,
             linger: Mutex::new(Duration::ZERO),
             metrics,
@@ -223,11 +270,21 @@ impl SnapshotCache {
         *self.linger.lock().expect("linger lock") = linger;
     }
 
-    /// Returns a reference to the snapshot, starting its load if it is not
-    /// loaded or loading yet. Does not wait for the load.
-    pub async fn acquire(self: &Arc<Self>, entry: &CatalogEntry) -> Result<CacheRef, CacheError> {
+    /// Sets how many instances share the budget (at start and on reload).
+    pub fn set_instances(&self, n: usize) {
+        self.instances.store(n.max(1), Ordering::Relaxed);
+        self.released.notify_waiters();
+    }
+
+    /// Returns a reference to `instance`'s snapshot, starting its load if it
+    /// is not loaded or loading yet. Does not wait for the load.
+    pub async fn acquire(
+        self: &Arc<Self>,
+        instance: &str,
+        entry: &CatalogEntry,
+    ) -> Result<CacheRef, CacheError> {
         let e = entry.clone();
-        self.acquire_with(CacheKey::of(entry), move || {
+        self.acquire_with(instance, CacheKey::of(entry), move || {
             // Open now: from here the inode is ours even if the file is
             // deleted or replaced before the load reads it.
             let file = open_checked(&e)?;
@@ -240,13 +297,17 @@ impl SnapshotCache {
     /// receiving (it relays it): each piece is read from the staging file
     /// once the receiver verified it, and checked against the manifest
     /// again on its way in. Sessions send each piece as soon as it is there.
-    pub async fn acquire_relay(self: &Arc<Self>, feed: RelayFeed) -> Result<CacheRef, CacheError> {
+    pub async fn acquire_relay(
+        self: &Arc<Self>,
+        instance: &str,
+        feed: RelayFeed,
+    ) -> Result<CacheRef, CacheError> {
         let key = CacheKey {
             path: feed.path.clone(),
             size: feed.manifest.info.size,
             mtime_ns: 0,
         };
-        self.acquire_with(key, move || {
+        self.acquire_with(instance, key, move || {
             let file = feed.file.try_clone().map_err(|source| CacheError::Io {
                 path: feed.path.clone(),
                 source,
@@ -263,6 +324,7 @@ impl SnapshotCache {
     /// blocking thread.
     async fn acquire_with(
         self: &Arc<Self>,
+        instance: &str,
         key: CacheKey,
         open: impl FnOnce() -> Result<Loader, CacheError>,
     ) -> Result<CacheRef, CacheError> {
@@ -292,7 +354,8 @@ impl SnapshotCache {
                 if size > budget {
                     return Err(CacheError::TooLarge { size, budget });
                 }
-                if st.make_room(size, budget) {
+                let instances = self.instances.load(Ordering::Relaxed);
+                if st.make_room(instance, size, budget, instances) {
                     let open = open.take().expect("a load is opened once");
                     let loader = open()?;
                     let buf = AlignedBuf::new(size as usize).map_err(|source| CacheError::Io {
@@ -305,15 +368,15 @@ impl SnapshotCache {
                         state: Mutex::new(LoadState::Loading),
                         progress: Condvar::new(),
                     });
-                    st.slots.insert(
+                    st.add(
                         key.clone(),
                         Slot {
+                            instance: instance.to_string(),
                             refs: 1,
                             image: image.clone(),
                             idle_since: None,
                         },
                     );
-                    st.reserved += size;
                     drop(st);
                     self.publish();
                     self.metrics.cache_loads.inc();
@@ -329,6 +392,7 @@ impl SnapshotCache {
                     return Err(CacheError::OverBudget {
                         size,
                         in_use: st.reserved,
+                        instances,
                         budget,
                         waited: started.elapsed(),
                     });
@@ -370,8 +434,7 @@ impl SnapshotCache {
                 if !linger.is_zero() && slot.image.verified() {
                     slot.idle_since = Some(Instant::now());
                 } else {
-                    st.slots.remove(key);
-                    st.reserved -= key.size;
+                    st.free(key);
                 }
             }
         }
@@ -392,8 +455,7 @@ impl SnapshotCache {
                 .map(|(k, _)| k.clone())
                 .collect();
             for key in &expired {
-                st.slots.remove(key);
-                st.reserved -= key.size;
+                st.free(key);
             }
             expired.len()
         };
@@ -657,12 +719,15 @@ mod tests {
         let arrivals = Arc::new(Arrivals::new(vec![false; 4]));
         let cache = SnapshotCache::new(1 << 30, Duration::from_secs(5), Metrics::new());
         let image = cache
-            .acquire_relay(RelayFeed {
-                path: file.path().to_owned(),
-                file: file.as_file().try_clone().unwrap(),
-                manifest,
-                arrivals: arrivals.clone(),
-            })
+            .acquire_relay(
+                "default",
+                RelayFeed {
+                    path: file.path().to_owned(),
+                    file: file.as_file().try_clone().unwrap(),
+                    manifest,
+                    arrivals: arrivals.clone(),
+                },
+            )
             .await
             .unwrap();
         (file, arrivals, image, bytes)

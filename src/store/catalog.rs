@@ -69,15 +69,23 @@ pub struct Catalog {
     entries: RwLock<BTreeMap<PathBuf, Arc<CatalogEntry>>>,
     generation: watch::Sender<u64>,
     metrics: Arc<Metrics>,
+    /// The instance whose snapshots these are (its `kv_instance` label).
+    instance: String,
 }
 
 impl Catalog {
-    pub fn new(metrics: Arc<Metrics>) -> Arc<Catalog> {
+    pub fn new(metrics: Arc<Metrics>, instance: &str) -> Arc<Catalog> {
         Arc::new(Catalog {
             entries: RwLock::default(),
             generation: watch::channel(0).0,
             metrics,
+            instance: instance.to_string(),
         })
+    }
+
+    /// The instance whose snapshots these are.
+    pub fn instance(&self) -> &str {
+        &self.instance
     }
 
     /// Adds or replaces the entry for `entry.path`.
@@ -160,7 +168,7 @@ impl Catalog {
                 .latest(format)
                 .map(|e| (e.info.seq as i64, e.info.size as i64))
                 .unwrap_or((0, 0));
-            let label = [format.as_str()];
+            let label = [self.instance.as_str(), format.as_str()];
             self.metrics
                 .snapshot_latest_seq
                 .with_label_values(&label)

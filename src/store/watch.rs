@@ -69,7 +69,9 @@ impl DirWatcher {
         // Every rejection reason is a series from the start (zero, not
         // missing).
         for reason in crate::snapshot::REJECTION_REASONS {
-            metrics.snapshots_rejected.with_label_values(&[reason]);
+            metrics
+                .snapshots_rejected
+                .with_label_values(&[catalog.instance(), reason]);
         }
         DirWatcher {
             dir,
@@ -313,7 +315,7 @@ impl DirWatcher {
                 warn!(error = %e, "snapshot rejected; not offered");
                 self.metrics
                     .snapshots_rejected
-                    .with_label_values(&[e.reason()])
+                    .with_label_values(&[self.catalog.instance(), e.reason()])
                     .inc();
                 self.catalog.remove(&path);
             }

@@ -50,6 +50,11 @@ pub struct JobContext {
     pub want: Option<SnapshotId>,
     /// The transport mode asked for (`None`: the configured one).
     pub mode: Option<TransportMode>,
+    /// The instance it installs into (the `kv_instance` of its metrics).
+    pub instance: String,
+    /// The source's instance it asks for (empty: the source's only one).
+    pub source_instance: String,
+    /// Its instance's configuration.
     pub config: Config,
     pub metrics: Arc<Metrics>,
     /// This agent's RDMA: the probe (provider, local address, soft
@@ -93,10 +98,14 @@ pub fn check_writable(dir: &Path) -> Result<(), InstallError> {
 
 /// Runs the job to its end and returns the final progress record.
 pub async fn run(mut ctx: JobContext) -> pb::SyncProgress {
-    let span = info_span!("sync", id = %ctx.id, source = %ctx.source);
+    let span = info_span!("sync", id = %ctx.id, instance = %ctx.instance, source = %ctx.source);
     async {
         let m = ctx.metrics.clone();
-        let _running = Running::start(m.fullsync_in_progress.with_label_values(&["replica"]));
+        let instance = ctx.instance.clone();
+        let _running = Running::start(
+            m.fullsync_in_progress
+                .with_label_values(&[&instance, "replica"]),
+        );
         let started = Instant::now();
         let result = with_retries(&mut ctx).await;
         let transport = match ctx.progress.borrow().transport {
@@ -128,16 +137,16 @@ pub async fn run(mut ctx: JobContext) -> pb::SyncProgress {
             Ok(()) => {
                 info!(elapsed = ?elapsed, "full sync succeeded");
                 m.last_success
-                    .with_label_values(&["replica"])
+                    .with_label_values(&[&instance, "replica"])
                     .set(unix_now());
             }
             Err(e) => warn!(error = %e, "full sync failed"),
         }
         m.fullsync_total
-            .with_label_values(&["replica", transport, label])
+            .with_label_values(&[&instance, "replica", transport, label])
             .inc();
         m.fullsync_duration
-            .with_label_values(&["replica", transport])
+            .with_label_values(&[&instance, "replica", transport])
             .observe(elapsed.as_secs_f64());
         let last = ctx.progress.borrow().clone();
         last
@@ -220,7 +229,7 @@ async fn attempt(ctx: &JobContext) -> Result<(), JobError> {
     // A Redis primary's source holds its backlog until it hears.
     let outcome = done.as_ref().copied().map_err(ToString::to_string);
     let outcome = outcome.as_ref().copied().map_err(String::as_str);
-    report(&mut peer, &offer.session_id, outcome).await;
+    report(&mut peer, &(&offer).into(), outcome).await;
     done.map(drop)
 }
 
@@ -258,7 +267,7 @@ async fn receive(
         Err(e) => match plan.fall_back_after(&e) {
             Some(reason) => {
                 fell_back(ctx, reason, &e.to_string());
-                decline(peer, &offer.session_id, &e.to_string()).await;
+                decline(peer, &(&offer).into(), &e.to_string()).await;
                 let offer = negotiate(ctx, peer, false, false).await?;
                 let received = transfer(ctx, peer, &offer).await;
                 settle(peer, offer, received).await
@@ -282,7 +291,7 @@ async fn usable_offer(
     else {
         return Ok(offer);
     };
-    decline(peer, &offer.session_id, &why).await;
+    decline(peer, &(&offer).into(), &why).await;
     if !plan.may_fall_back {
         return Err(JobError::RdmaUnavailable(why));
     }
@@ -310,17 +319,33 @@ fn check_offer(ctx: &JobContext, offer: &Offer) -> Result<(), JobError> {
     policy::within_limits(&limits, &ctx.source, offer, free)
 }
 
+/// What names an offered session to its source.
+struct Offered {
+    session_id: String,
+    instance: String,
+}
+
+impl From<&Offer> for Offered {
+    fn from(o: &Offer) -> Offered {
+        Offered {
+            session_id: o.session_id.clone(),
+            instance: o.instance.clone(),
+        }
+    }
+}
+
 /// Hands an offer back to its source (best effort, briefly), so it
 /// releases the snapshot at once instead of when the token expires.
-async fn decline(peer: &mut PeerClient, session_id: &str, why: &str) {
-    report(peer, session_id, Err(why)).await;
+async fn decline(peer: &mut PeerClient, offer: &Offered, why: &str) {
+    report(peer, offer, Err(why)).await;
 }
 
 /// Tells the source how its offer ended: the handoff's duration, or the
 /// error (best effort, briefly).
-async fn report(peer: &mut PeerClient, session_id: &str, outcome: Result<Duration, &str>) {
+async fn report(peer: &mut PeerClient, offer: &Offered, outcome: Result<Duration, &str>) {
     let report = peer.report_result(pb::ReportResultRequest {
-        session_id: session_id.to_string(),
+        session_id: offer.session_id.clone(),
+        instance: offer.instance.clone(),
         ok: outcome.is_ok(),
         error: outcome.err().unwrap_or("").chars().take(1024).collect(),
         handoff_ms: outcome.map_or(0, |d| d.as_millis() as u64),
@@ -337,7 +362,7 @@ async fn settle(
     match received {
         Ok(received) => Ok((offer, received)),
         Err(e) => {
-            decline(peer, &offer.session_id, &e.to_string()).await;
+            decline(peer, &(&offer).into(), &e.to_string()).await;
             Err(e)
         }
     }
@@ -429,7 +454,7 @@ async fn hand_off(
     let result = if handoff.is_ok() { "ok" } else { "failed" };
     ctx.metrics
         .handoff_total
-        .with_label_values(&[mode, result])
+        .with_label_values(&[&ctx.instance, mode, result])
         .inc();
     let done = handoff.map_err(|source| JobError::Handoff { installed, source })?;
     ctx.progress.send_modify(|p| p.handoff = done);
@@ -444,7 +469,7 @@ fn fell_back(ctx: &JobContext, reason: &'static str, detail: &str) {
     );
     ctx.metrics
         .transport_fallback
-        .with_label_values(&[reason])
+        .with_label_values(&[&ctx.instance, reason])
         .inc();
     ctx.progress
         .send_modify(|p| p.fallback_reason = format!("{reason}: {detail}"));
@@ -466,6 +491,7 @@ async fn negotiate(
     }
     let request = pb::OpenFullSyncRequest {
         replica_node_id: ctx.config.node_id.clone(),
+        instance: ctx.source_instance.clone(),
         transports,
         rdma_reachable: rdma,
         preference: if !rdma {
@@ -499,11 +525,15 @@ async fn negotiate(
             },
         })?
         .into_inner();
-    let session_id = offer.session_id.clone();
+    let offered = Offered {
+        session_id: offer.session_id.clone(),
+        instance: offer.instance.clone(),
+    };
     let asked = Asked {
         format,
         snapshot: ctx.want,
         rdma,
+        instance: ctx.source_instance.clone(),
     };
     // The one offer gate: every offer, whichever step asked for it (the
     // first, the TCP one after RDMA went back or failed), is checked here.
@@ -515,7 +545,7 @@ async fn negotiate(
     let offer = match checked {
         Ok(offer) => offer,
         Err(e) => {
-            decline(peer, &session_id, &e.to_string()).await;
+            decline(peer, &offered, &e.to_string()).await;
             return Err(e);
         }
     };
@@ -594,6 +624,7 @@ fn offer_from_wire(o: pb::SyncOffer) -> Result<Offer, JobError> {
         tcp_streams: o.tcp_streams,
         rdma_device: o.rdma_device,
         backlog_bytes_left: o.backlog_bytes_left,
+        instance: o.instance,
     })
 }
 
@@ -634,6 +665,7 @@ async fn fetch_manifest(
     ));
     let request = pb::GetManifestRequest {
         session_id: offer.session_id.clone(),
+        instance: offer.instance.clone(),
     };
     let unreachable = |s: tonic::Status| JobError::Unreachable {
         source_addr: ctx.source.clone(),
@@ -745,18 +777,23 @@ async fn transfer(
         }
     };
     let (result, memory, receiver) = joined.map_err(|e| JobError::Panicked(panic_text(e)))?;
+    let instance = ctx.instance.as_str();
     ctx.metrics
         .bulk_duration
+        .with_label_values(&[instance])
         .observe(bulk_started.elapsed().as_secs_f64());
     ctx.metrics
         .fullsync_bytes
-        .with_label_values(&["replica", kind.as_str()])
+        .with_label_values(&[instance, "replica", kind.as_str()])
         .inc_by(receiver.written());
-    ctx.metrics.resumed_bytes.inc_by(resumed);
+    ctx.metrics
+        .resumed_bytes
+        .with_label_values(&[instance])
+        .inc_by(resumed);
     let refetched = receiver.refetched();
     ctx.metrics
         .piece_refetch
-        .with_label_values(&[kind.as_str()])
+        .with_label_values(&[instance, kind.as_str()])
         .inc_by(refetched as u64);
     ctx.progress
         .send_modify(|p| p.pieces_refetched += refetched);

@@ -1,7 +1,8 @@
 //! Sync jobs: what drives a full sync end to end, for each role.
 //!
-//! [`SyncManager`] owns the replica-side jobs of this agent: starting one
-//! (or returning the running one for the same source), their progress as a
+//! [`SyncManager`] owns the replica-side jobs of this agent, for every
+//! [`instance`] it serves: starting one (or returning the running one for
+//! the same instance and source), their progress as a
 //! watchable [`pb::SyncProgress`], cancellation, and the list of recent
 //! finished syncs. The job itself is driven by [`job`] and decided by
 //! [`policy`], its receiving end is [`receive`] (run on several TCP
@@ -11,6 +12,7 @@
 //! [`relay`] is what this agent passes on to other replicas.
 
 pub mod error;
+pub mod instance;
 pub mod job;
 pub mod offer;
 pub mod policy;
@@ -57,6 +59,7 @@ pub enum SyncError {
 }
 
 struct Running {
+    instance: String,
     source: String,
     /// The manifest digest the sync was asked for, if any.
     digest: Option<blake3::Hash>,
@@ -72,6 +75,8 @@ struct Jobs {
 
 /// The replica-side jobs of one agent.
 pub struct SyncManager {
+    /// The agent's configuration: its shared sections are what the manager
+    /// reads (each job gets its instance's).
     config: Config,
     metrics: Arc<Metrics>,
     rdma: Arc<LocalRdma>,
@@ -84,8 +89,6 @@ pub struct SyncManager {
     shutdown: CancellationToken,
     /// Cancelled when the agent starts draining: no new syncs.
     draining: CancellationToken,
-    /// What this agent passes on to other replicas.
-    relays: Arc<relay::RelayTable>,
 }
 
 /// What to pull, and from where.
@@ -99,6 +102,8 @@ pub struct Pull {
     pub want: Option<crate::snapshot::SnapshotId>,
     /// The transport mode asked for (`None`: the configured one).
     pub mode: Option<crate::config::TransportMode>,
+    /// The source's instance to ask for (empty: its only one).
+    pub source_instance: String,
 }
 
 /// Longest accepted source address.
@@ -117,7 +122,6 @@ impl SyncManager {
         draining: CancellationToken,
     ) -> Arc<SyncManager> {
         Arc::new(SyncManager {
-            relays: Arc::default(),
             metrics,
             rdma,
             faults,
@@ -130,9 +134,13 @@ impl SyncManager {
         })
     }
 
-    /// Starts a pull, or returns the sync already running from the same
-    /// source. Returns (id, created).
-    pub fn start(self: &Arc<Self>, pull: Pull) -> Result<(String, bool), SyncError> {
+    /// Starts a pull into `instance`, or returns the sync already running
+    /// into it from the same source. Returns (id, created).
+    pub fn start(
+        self: &Arc<Self>,
+        instance: &Arc<instance::Instance>,
+        pull: Pull,
+    ) -> Result<(String, bool), SyncError> {
         let source = self.check_source(&pull.source)?;
         let upstream = pull
             .upstream
@@ -144,15 +152,23 @@ impl SyncManager {
                 "at most {MAX_UPSTREAM} upstream sources"
             )));
         }
-        let mut jobs = self.jobs.lock().expect("jobs lock");
-        // One sync per source, and one per snapshot asked for by digest
-        // (from whichever source): never two receiving the same bytes.
-        let digest = pull.want.and_then(|w| w.digest);
-        if let Some((id, _)) = jobs
-            .running
-            .iter()
-            .find(|(_, r)| r.source == source || (digest.is_some() && r.digest == digest))
+        if !pull.source_instance.is_empty()
+            && !crate::peer_text::is_plain_name(&pull.source_instance)
         {
+            return Err(SyncError::BadRequest(format!(
+                "source_instance must be a plain name, got {:?}",
+                pull.source_instance
+            )));
+        }
+        let mut jobs = self.jobs.lock().expect("jobs lock");
+        // Per instance, one sync per source, and one per snapshot asked for
+        // by digest (from whichever source): never two receiving the same
+        // bytes.
+        let digest = pull.want.and_then(|w| w.digest);
+        if let Some((id, _)) = jobs.running.iter().find(|(_, r)| {
+            r.instance == instance.name
+                && (r.source == source || (digest.is_some() && r.digest == digest))
+        }) {
             return Ok((id.clone(), false));
         }
         let limit = self.max_incoming.load(Ordering::Relaxed);
@@ -162,7 +178,7 @@ impl SyncManager {
             )));
         }
         // Refuse before anything moves when we could not install the result.
-        job::check_writable(&self.config.snapshot_dir)
+        job::check_writable(&instance.config.snapshot_dir)
             .map_err(|e| SyncError::CannotStart(e.to_string()))?;
         let id = new_id();
         let initial = pb::SyncProgress {
@@ -170,14 +186,17 @@ impl SyncManager {
             source: source.to_string(),
             phase: pb::Phase::Negotiating as i32,
             started_unix_ms: unix_ms(),
-            format: self.config.snapshot_format.as_str().into(),
+            format: instance.config.snapshot_format.as_str().into(),
+            instance: instance.name.clone(),
             ..Default::default()
         };
         let (tx, rx) = watch::channel(initial);
-        let cancel = self.shutdown.child_token();
+        // Removing the instance (or stopping the agent) cancels it.
+        let cancel = instance.stop.child_token();
         jobs.running.insert(
             id.clone(),
             Running {
+                instance: instance.name.clone(),
                 source: source.to_string(),
                 digest,
                 progress: rx,
@@ -192,8 +211,10 @@ impl SyncManager {
             upstream,
             want: pull.want,
             mode: pull.mode,
-            relays: self.relays.clone(),
-            config: self.config.clone(),
+            instance: instance.name.clone(),
+            source_instance: pull.source_instance,
+            relays: instance.relays.clone(),
+            config: instance.config.clone(),
             metrics: self.metrics.clone(),
             rdma: self.rdma.clone(),
             faults: self.faults.clone(),
@@ -253,11 +274,6 @@ impl SyncManager {
             .ok_or_else(|| SyncError::NoSuchSync(id.to_string()))
     }
 
-    /// What this agent's jobs offer to other replicas as they receive it.
-    pub fn relays(&self) -> &Arc<relay::RelayTable> {
-        &self.relays
-    }
-
     /// Changes how many syncs may run at once (running ones continue).
     pub fn set_max_incoming(&self, limit: usize) {
         self.max_incoming.store(limit, Ordering::Relaxed);
@@ -276,29 +292,40 @@ impl SyncManager {
         Err(SyncError::NoSuchSync(id.to_string()))
     }
 
-    /// Progress of every running sync.
-    pub fn running(&self) -> Vec<pb::SyncProgress> {
+    /// Progress of every running sync into `instance`.
+    pub fn running(&self, instance: &str) -> Vec<pb::SyncProgress> {
         let jobs = self.jobs.lock().expect("jobs lock");
         jobs.running
             .values()
+            .filter(|r| r.instance == instance)
             .map(|r| r.progress.borrow().clone())
             .collect()
     }
 
-    /// Finished syncs, newest first.
-    pub fn recent(&self) -> Vec<pb::SyncProgress> {
+    /// Finished syncs into `instance`, newest first.
+    pub fn recent(&self, instance: &str) -> Vec<pb::SyncProgress> {
         self.jobs
             .lock()
             .expect("jobs lock")
             .recent
             .iter()
+            .filter(|p| p.instance == instance)
             .cloned()
             .collect()
     }
 
+    /// Number of syncs running (into `instance`; `None`: into any).
+    pub fn running_count_of(&self, instance: Option<&str>) -> usize {
+        let jobs = self.jobs.lock().expect("jobs lock");
+        jobs.running
+            .values()
+            .filter(|r| instance.is_none_or(|i| r.instance == i))
+            .count()
+    }
+
     /// Number of syncs running.
     pub fn running_count(&self) -> usize {
-        self.jobs.lock().expect("jobs lock").running.len()
+        self.running_count_of(None)
     }
 
     /// Cancels every running sync (shutdown).

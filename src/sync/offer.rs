@@ -1,5 +1,6 @@
-//! A source's offers: a replica's request ([`Ask`]) becomes a session offer
-//! ([`Offered`]) of this agent's own snapshot or of one it relays, on the
+//! A source's offers: a replica's request ([`Ask`]) for one of this agent's
+//! instances becomes a session offer ([`Offered`]) of that instance's own
+//! snapshot or of one it relays, on the
 //! transport both ends can use, under TLS when both can, admitted under
 //! the session limits, with the primary's backlog leased for a Redis
 //! seeding and the snapshot's bytes held from this moment. The gRPC
@@ -12,16 +13,17 @@ use std::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
+use super::instance::{Instance, InstanceError, Instances};
 use super::new_id;
-use super::relay::{RelaySource, RelayTable};
+use super::relay::RelaySource;
 use super::serve::{replica_key, DataEndpoints, OfferedSession, Refusal, SessionTable};
 use crate::blk3::token::SESSION_TOKEN_LEN;
 use crate::config::{Config, DataTls, TransportMode};
-use crate::kv::backlog::{BacklogGuard, Lease};
+use crate::kv::backlog::Lease;
 use crate::kv::redis::RedisError;
 use crate::snapshot::{Format, SnapshotId, SnapshotInfo};
 use crate::store::cache::{CacheError, RelayFeed, SnapshotCache};
-use crate::store::catalog::{Catalog, CatalogEntry};
+use crate::store::catalog::CatalogEntry;
 use crate::store::served::{Served, SnapshotFile};
 use crate::transport::TransportKind;
 
@@ -45,6 +47,8 @@ pub struct Ask {
     pub snapshot: Option<SnapshotId>,
     /// TCP streams it asks for.
     pub tcp_streams: u32,
+    /// The instance it asks for (empty: the only one).
+    pub instance: String,
 }
 
 /// Why a source makes no offer.
@@ -53,6 +57,9 @@ pub enum OfferError {
     /// The request contradicts this source (another format).
     #[error("{0}")]
     BadRequest(String),
+    /// It names no instance of this source, or none among several.
+    #[error(transparent)]
+    Instance(#[from] InstanceError),
     /// The two ends cannot agree (transport, TLS, the primary's backlog).
     #[error("{0}")]
     Unsupported(String),
@@ -72,6 +79,8 @@ pub enum OfferError {
 /// An offer made: the session is in the table, its snapshot held.
 pub struct Offered {
     pub id: String,
+    /// The instance whose snapshot it is.
+    pub instance: Arc<Instance>,
     pub token: [u8; SESSION_TOKEN_LEN],
     pub entry: Arc<CatalogEntry>,
     /// The snapshot's file name at its origin.
@@ -90,18 +99,13 @@ pub struct Offered {
 
 /// What a source offers from, and under which limits.
 pub struct Offers {
-    pub config: Config,
-    /// What this agent can offer.
-    pub catalog: Arc<Catalog>,
+    /// The instances whose snapshots this agent offers.
+    pub instances: Arc<Instances>,
     pub cache: Arc<SnapshotCache>,
     pub sessions: Arc<SessionTable>,
     pub data: Arc<DataEndpoints>,
     /// Cancelled when the agent starts draining: no new offers.
     pub draining: CancellationToken,
-    /// What this agent relays from other agents.
-    pub relays: Arc<RelayTable>,
-    /// The local primary's backlog, when `[redis] primary_addr` is set.
-    pub backlog: Option<Arc<BacklogGuard>>,
 }
 
 /// The snapshot an offer is for.
@@ -124,7 +128,8 @@ impl Offers {
         local: Option<SocketAddr>,
         remote: Option<SocketAddr>,
     ) -> Result<Offered, OfferError> {
-        let config = &self.config;
+        let instance = self.instances.resolve(&ask.instance)?;
+        let config = &instance.config;
         let format = config.snapshot_format;
         if !ask.format.is_empty() && ask.format != format.as_str() {
             return Err(OfferError::BadRequest(format!(
@@ -149,19 +154,20 @@ impl Offers {
                 ),
             })
         })?;
-        let mut chosen = self.choose(format, ask.snapshot.as_ref())?;
+        let mut chosen = choose(&instance, ask.snapshot.as_ref())?;
         let id = new_id();
-        let (backlog, backlog_bytes_left) = self.lease_backlog(&id, &chosen.entry.info).await?;
-        let snapshot = self.hold(&mut chosen, transport).await?;
+        let (backlog, backlog_bytes_left) =
+            lease_backlog(&instance, &id, &chosen.entry.info).await?;
+        let snapshot = self.hold(&instance, &mut chosen, transport).await?;
         let replica = match ask.replica_node.as_str() {
             "" => "unnamed".to_string(),
             node => node.to_string(),
         };
-        let streams =
-            super::streams::granted(transport, ask.tcp_streams, self.config.data.tcp_streams);
+        let streams = super::streams::granted(transport, ask.tcp_streams, config.data.tcp_streams);
         let token = self.sessions.insert(
             OfferedSession {
                 id: id.clone(),
+                instance: instance.name.clone(),
                 replica,
                 replica_ip: remote.map(|a| a.ip()),
                 entry: chosen.entry.clone(),
@@ -179,9 +185,10 @@ impl Offers {
             (TransportKind::Rdma, Some(rdma)) => rdma,
             _ => advertised(self.data.tcp, local),
         };
-        info!(session = %id, replica = %ask.replica_node, path = %chosen.entry.path.display(), seq = chosen.entry.info.seq, transport = transport.as_str(), tls, streams, %endpoint, relayed_from = ?chosen.origin, "offered snapshot");
+        info!(session = %id, instance = %instance.name, replica = %ask.replica_node, path = %chosen.entry.path.display(), seq = chosen.entry.info.seq, transport = transport.as_str(), tls, streams, %endpoint, relayed_from = ?chosen.origin, "offered snapshot");
         Ok(Offered {
             id,
+            instance: instance.clone(),
             token,
             entry: chosen.entry,
             name: chosen.name,
@@ -193,99 +200,102 @@ impl Offers {
             backlog_bytes_left,
         })
     }
+}
 
-    /// For an RDB, when the local primary is configured: the backlog guard's
-    /// lease for session `id` (refused with what to do when the backlog
-    /// cannot hold M+1 through the seeding), and the slack it has now.
-    async fn lease_backlog(
-        &self,
-        id: &str,
-        info: &SnapshotInfo,
-    ) -> Result<(Option<Lease>, u64), OfferError> {
-        let Some(guard) = self
-            .backlog
-            .as_ref()
-            .filter(|_| info.format == Format::RedisRdb)
-        else {
-            return Ok((None, 0));
-        };
-        match guard.lease(id, info).await {
-            Ok((lease, p)) => {
-                info!(
-                    seq = info.seq,
-                    backlog_bytes_left = p.backlog_bytes_left,
-                    "redis pre-flight passed"
-                );
-                Ok((Some(lease), p.backlog_bytes_left))
-            }
-            Err(e @ RedisError::Precondition(_)) => Err(OfferError::Unsupported(e.to_string())),
-            Err(e) => Err(OfferError::Unsupported(format!(
-                "cannot check the primary's replication backlog: {e}"
-            ))),
+/// For an RDB, when the instance's primary is configured: the backlog
+/// guard's lease for session `id` (refused with what to do when the backlog
+/// cannot hold M+1 through the seeding), and the slack it has now.
+async fn lease_backlog(
+    instance: &Instance,
+    id: &str,
+    info: &SnapshotInfo,
+) -> Result<(Option<Lease>, u64), OfferError> {
+    let Some(guard) = instance
+        .backlog
+        .as_ref()
+        .filter(|_| info.format == Format::RedisRdb)
+    else {
+        return Ok((None, 0));
+    };
+    match guard.lease(id, info).await {
+        Ok((lease, p)) => {
+            info!(
+                seq = info.seq,
+                backlog_bytes_left = p.backlog_bytes_left,
+                "redis pre-flight passed"
+            );
+            Ok((Some(lease), p.backlog_bytes_left))
         }
+        Err(e @ RedisError::Precondition(_)) => Err(OfferError::Unsupported(e.to_string())),
+        Err(e) => Err(OfferError::Unsupported(format!(
+            "cannot check the primary's replication backlog: {e}"
+        ))),
     }
+}
 
-    /// The snapshot to offer: `want`, or the newest (this agent's own, or
-    /// one it relays, whichever is newer).
-    fn choose(&self, format: Format, want: Option<&SnapshotId>) -> Result<Chosen, OfferError> {
-        let own = match want {
-            Some(id) => self
-                .catalog
-                .list()
-                .into_iter()
-                .filter(|e| e.format() == format && id.is(&e.manifest))
-                .max_by_key(|e| e.mtime),
-            None => self.catalog.latest(format),
-        };
-        // A relayed snapshot keeps its origin even once installed here (the
-        // watcher then lists it too), so that partial syncs resume across
-        // relays.
-        let relayed = self.relays.find(format, want).filter(|r| {
-            own.as_ref()
-                .is_none_or(|e| r.manifest.info.seq >= e.info.seq)
+/// The snapshot of `instance` to offer: `want`, or the newest (its own,
+/// or one it relays, whichever is newer).
+fn choose(instance: &Instance, want: Option<&SnapshotId>) -> Result<Chosen, OfferError> {
+    let format = instance.config.snapshot_format;
+    let own = match want {
+        Some(id) => instance
+            .catalog
+            .list()
+            .into_iter()
+            .filter(|e| e.format() == format && id.is(&e.manifest))
+            .max_by_key(|e| e.mtime),
+        None => instance.catalog.latest(format),
+    };
+    // A relayed snapshot keeps its origin even once installed here (the
+    // watcher then lists it too), so that partial syncs resume across
+    // relays.
+    let relayed = instance.relays.find(format, want).filter(|r| {
+        own.as_ref()
+            .is_none_or(|e| r.manifest.info.seq >= e.info.seq)
+    });
+    let Some(relayed) = relayed else {
+        let entry = own.ok_or_else(|| match want {
+            Some(id) => OfferError::NoSnapshot(format!(
+                "this agent does not have {format} snapshot {id}, or no longer: it was superseded"
+            )),
+            None => OfferError::NoSnapshot(format!(
+                "no valid {format} snapshot in {} yet; save one on the primary first",
+                instance.config.snapshot_dir.display()
+            )),
+        })?;
+        let name = entry
+            .path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        return Ok(Chosen {
+            entry,
+            name,
+            origin: None,
+            feed: None,
         });
-        let Some(relayed) = relayed else {
-            let entry = own.ok_or_else(|| match want {
-                Some(id) => OfferError::NoSnapshot(format!(
-                    "this agent does not have {format} snapshot {id}, or no longer: it was superseded"
-                )),
-                None => OfferError::NoSnapshot(format!(
-                    "no valid {format} snapshot in {} yet; save one on the primary first",
-                    self.config.snapshot_dir.display()
-                )),
-            })?;
-            let name = entry
-                .path
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default();
-            return Ok(Chosen {
-                entry,
-                name,
-                origin: None,
-                feed: None,
-            });
-        };
-        let (entry, feed) = match relayed.source {
-            RelaySource::Feed(feed) => {
-                let entry = CatalogEntry {
-                    path: feed.path.clone(),
-                    mtime: std::time::SystemTime::UNIX_EPOCH,
-                    info: relayed.manifest.info.clone(),
-                    manifest: relayed.manifest.clone(),
-                };
-                (entry, Some(feed))
-            }
-            RelaySource::File(entry) => (entry, None),
-        };
-        Ok(Chosen {
-            entry: Arc::new(entry),
-            name: relayed.name,
-            origin: Some(relayed.origin),
-            feed,
-        })
-    }
+    };
+    let (entry, feed) = match relayed.source {
+        RelaySource::Feed(feed) => {
+            let entry = CatalogEntry {
+                path: feed.path.clone(),
+                mtime: std::time::SystemTime::UNIX_EPOCH,
+                info: relayed.manifest.info.clone(),
+                manifest: relayed.manifest.clone(),
+            };
+            (entry, Some(feed))
+        }
+        RelaySource::File(entry) => (entry, None),
+    };
+    Ok(Chosen {
+        entry: Arc::new(entry),
+        name: relayed.name,
+        origin: Some(relayed.origin),
+        feed,
+    })
+}
 
+impl Offers {
     /// Holds the chosen snapshot's bytes for a session over `transport`:
     /// a TCP session of a file on disk sends the file itself (the kernel's
     /// page cache is the shared copy); RDMA and a relay still receiving
@@ -293,18 +303,28 @@ impl Offers {
     /// image). A relayed file that changed is no longer relayed.
     async fn hold(
         &self,
+        instance: &Instance,
         chosen: &mut Chosen,
         transport: TransportKind,
     ) -> Result<Served, OfferError> {
+        let name = &instance.name;
         let held = match chosen.feed.take() {
-            Some(feed) => self.cache.acquire_relay(feed).await.map(Served::Image),
+            Some(feed) => self
+                .cache
+                .acquire_relay(name, feed)
+                .await
+                .map(Served::Image),
             None if transport == TransportKind::Tcp => {
                 SnapshotFile::open(&chosen.entry).map(Served::File)
             }
-            None => self.cache.acquire(&chosen.entry).await.map(Served::Image),
+            None => self
+                .cache
+                .acquire(name, &chosen.entry)
+                .await
+                .map(Served::Image),
         };
         if let (Err(CacheError::Changed { .. }), Some(_)) = (&held, &chosen.origin) {
-            self.relays.withdraw(&chosen.entry.info);
+            instance.relays.withdraw(&chosen.entry.info);
         }
         Ok(held?)
     }

@@ -47,6 +47,9 @@ pub struct Offer {
     pub rdma_device: String,
     /// Redis: bytes the primary can still write before M+1 leaves its backlog.
     pub backlog_bytes_left: u64,
+    /// The source's instance it is of (empty from a source that predates
+    /// instances).
+    pub instance: String,
 }
 
 impl Offer {
@@ -123,6 +126,8 @@ pub struct Asked {
     pub snapshot: Option<SnapshotId>,
     /// RDMA was among the transports asked for.
     pub rdma: bool,
+    /// The source's instance asked for (empty: its only one).
+    pub instance: String,
 }
 
 /// The offer answers the request: the format, the snapshot and a
@@ -143,6 +148,13 @@ pub fn answers(offer: &Offer, asked: &Asked) -> Result<(), JobError> {
     }
     if offer.transport == TransportKind::Rdma && !asked.rdma {
         return bad("transport rdma is not available here".into());
+    }
+    if !asked.instance.is_empty() && !offer.instance.is_empty() && offer.instance != asked.instance
+    {
+        return bad(format!(
+            "it is of instance {:?}, not the requested {:?}",
+            offer.instance, asked.instance
+        ));
     }
     Ok(())
 }

@@ -151,8 +151,8 @@ impl RelayTable {
         }
     }
 
-    /// What status shows: each relayed snapshot and its state.
-    pub fn list(&self) -> Vec<pb::RelayEntry> {
+    /// What status shows: each relayed snapshot of `instance` and its state.
+    pub fn list(&self, instance: &str) -> Vec<pb::RelayEntry> {
         let entries = self.entries.lock().expect("relay lock");
         entries
             .0
@@ -165,6 +165,7 @@ impl RelayTable {
                     Held::Installed(_) => "installed",
                 }
                 .into(),
+                instance: instance.to_string(),
             })
             .collect()
     }
@@ -257,7 +258,7 @@ mod tests {
             matches!(found.source, RelaySource::File(_)),
             "still offered, installed"
         );
-        assert_eq!(table.list()[0].state, "installed");
+        assert_eq!(table.list("default")[0].state, "installed");
 
         let newer = register(&table, 6);
         assert!(
@@ -268,6 +269,6 @@ mod tests {
         drop(newer); // not its entry any more: leaves seq 7 alone
         assert!(table.find(Format::Kvr1, Some(&want(7))).is_some());
         drop(stale);
-        assert!(table.list().is_empty());
+        assert!(table.list("default").is_empty());
     }
 }

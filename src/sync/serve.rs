@@ -33,6 +33,8 @@ use crate::transport::{ktls, Faults, Serve, TransportKind};
 /// A session offered to a replica, waiting for its data connection.
 pub struct OfferedSession {
     pub id: String,
+    /// The instance whose snapshot it serves (and no other's).
+    pub instance: String,
     pub replica: String,
     /// The address the replica asked from: its data connections are
     /// expected from there.
@@ -278,14 +280,15 @@ impl SessionTable {
         offers.len() < before
     }
 
-    /// The piece manifest of the offered (not yet used) session `id`.
-    pub fn manifest(&self, id: &str) -> Option<Arc<crate::snapshot::manifest::Manifest>> {
+    /// The offered (not yet used) session `id`: its instance and its
+    /// piece manifest.
+    pub fn offered(&self, id: &str) -> Option<(String, Arc<crate::snapshot::manifest::Manifest>)> {
         let now = Instant::now();
         let offers = self.offers.lock().expect("sessions lock");
         offers
             .values()
             .find(|w| w.offer.id == id && w.offer.expires > now)
-            .map(|w| w.offer.entry.manifest.clone())
+            .map(|w| (w.offer.instance.clone(), w.offer.entry.manifest.clone()))
     }
 
     /// Sessions admitted: offered and not yet taken (or being admitted),
@@ -505,11 +508,16 @@ fn serve_proved(proved: Proved, session: Session, peer: &str, plane: &DataPlane)
 /// Runs one authenticated session with its logs and metrics.
 fn serve_session(plane: &DataPlane, session: &Session, peer: &str, link: SourceLink) {
     let offer = &session.offer;
-    let span = info_span!("session", id = %offer.id, replica = %offer.replica);
+    let span =
+        info_span!("session", id = %offer.id, instance = %offer.instance, replica = %offer.replica);
     let _enter = span.enter();
     let m = &plane.metrics;
     let transport = offer.transport.as_str();
-    let _running = Running::start(m.fullsync_in_progress.with_label_values(&["source"]));
+    let instance = offer.instance.as_str();
+    let _running = Running::start(
+        m.fullsync_in_progress
+            .with_label_values(&[instance, "source"]),
+    );
     let started = Instant::now();
     let progress = AtomicU64::new(0);
     info!(%peer, bytes = offer.snapshot.len(), from = if offer.snapshot.image().is_some() { "memory" } else { "file" }, seq = offer.entry.info.seq, tls = link.tls(), "serving snapshot over {transport}");
@@ -529,10 +537,10 @@ fn serve_session(plane: &DataPlane, session: &Session, peer: &str, link: SourceL
     });
     let sent = progress.load(Ordering::Relaxed);
     m.fullsync_bytes
-        .with_label_values(&["source", transport])
+        .with_label_values(&[instance, "source", transport])
         .inc_by(sent);
     if offer.origin.is_some() {
-        m.relay_bytes.inc_by(sent);
+        m.relay_bytes.with_label_values(&[instance]).inc_by(sent);
     }
     let label = served_label(&result);
     match &result {
@@ -542,7 +550,7 @@ fn serve_session(plane: &DataPlane, session: &Session, peer: &str, link: SourceL
                 lease.served(sent, started.elapsed());
             }
             m.last_success
-                .with_label_values(&["source"])
+                .with_label_values(&[instance, "source"])
                 .set(unix_now());
         }
         Ok(Err(e)) if label == "checksum_mismatch" => {
@@ -553,10 +561,10 @@ fn serve_session(plane: &DataPlane, session: &Session, peer: &str, link: SourceL
         Err(e) => warn!(error = %e, "session failed"),
     }
     m.fullsync_total
-        .with_label_values(&["source", transport, label])
+        .with_label_values(&[instance, "source", transport, label])
         .inc();
     m.fullsync_duration
-        .with_label_values(&["source", transport])
+        .with_label_values(&[instance, "source", transport])
         .observe(started.elapsed().as_secs_f64());
 }
 

@@ -238,13 +238,47 @@ pub fn http_status(addr: &str, path: &str) -> (u16, String) {
     (status, body.to_string())
 }
 
-/// The value of a sample line `name{labels} value` in a Prometheus scrape
-/// (`name_and_labels` must match exactly up to the value).
+/// The value of a series selector `name{labels}` in a Prometheus scrape,
+/// as PromQL's `sum(name{labels})` reads it: the sum over every sample of
+/// that name with those labels (others free, like an agent's
+/// `kv_instance`); `None` when no sample matches.
 pub fn metric_value(scrape: &str, name_and_labels: &str) -> Option<f64> {
-    scrape.lines().find_map(|l| {
-        let (k, v) = l.rsplit_once(' ')?;
-        (k == name_and_labels).then(|| v.parse().ok())?
-    })
+    let (name, want) = series(name_and_labels);
+    let mut found = None;
+    for l in scrape.lines().filter(|l| !l.starts_with('#')) {
+        let Some((k, v)) = l.rsplit_once(' ') else {
+            continue;
+        };
+        let (n, labels) = series(k);
+        if n == name && want.iter().all(|w| labels.contains(w)) {
+            *found.get_or_insert(0.0) += v.parse::<f64>().ok()?;
+        }
+    }
+    found
+}
+
+/// A series' name and its `label="value"` pairs.
+fn series(text: &str) -> (&str, Vec<(String, String)>) {
+    let Some((name, rest)) = text.split_once('{') else {
+        return (text, Vec::new());
+    };
+    let mut labels = Vec::new();
+    let mut chars = rest.trim_end_matches('}').chars().peekable();
+    while chars.peek().is_some() {
+        let key: String = chars.by_ref().take_while(|c| *c != '=').collect();
+        chars.next(); // the opening quote
+        let mut value = String::new();
+        while let Some(c) = chars.next() {
+            match c {
+                '\\' => value.extend(chars.next()),
+                '"' => break,
+                c => value.push(c),
+            }
+        }
+        chars.next_if_eq(&',');
+        labels.push((key.trim().to_string(), value));
+    }
+    (name, labels)
 }
 
 /// Writes a generated KVR1 snapshot with the CLI.

@@ -115,15 +115,23 @@ impl Node {
 
     /// Waits until the agent offers a snapshot with `seq`.
     pub async fn offered(&self, seq: u64) {
+        self.offered_in("", seq).await
+    }
+
+    /// Waits until the agent's instance `instance` (`""`: its only one)
+    /// offers a snapshot with `seq`.
+    pub async fn offered_in(&self, instance: &str, seq: u64) {
         let c = self.client().await;
         wait_for_async(
-            &format!("{} to offer seq {seq}", self.grpc()),
+            &format!("{} to offer seq {seq} of {instance:?}", self.grpc()),
             DEADLINE,
             || {
                 let mut c = c.clone();
                 async move {
                     let list = c
-                        .list_snapshots(pb::ListSnapshotsRequest {})
+                        .list_snapshots(pb::ListSnapshotsRequest {
+                            instance: instance.into(),
+                        })
                         .await
                         .unwrap()
                         .into_inner();
@@ -132,6 +140,17 @@ impl Node {
             },
         )
         .await;
+    }
+
+    /// Sends SIGHUP and waits until the agent says it reloaded.
+    pub fn reload(&self) {
+        let before = self.proc.log().matches("SIGHUP: reloaded").count();
+        self.proc.signal(libc::SIGHUP);
+        wait_for("the reload", DEADLINE, || {
+            let log = self.proc.log();
+            assert!(!log.contains("not reloaded"), "{log}");
+            (log.matches("SIGHUP: reloaded").count() > before).then_some(())
+        });
     }
 
     /// kvsync's temp files in the snapshot directory.
@@ -148,7 +167,7 @@ impl Node {
     pub async fn status(&self) -> pb::AgentStatus {
         self.client()
             .await
-            .get_status(pb::GetStatusRequest {})
+            .get_status(pb::GetStatusRequest::default())
             .await
             .unwrap()
             .into_inner()
@@ -175,6 +194,7 @@ impl Node {
             .unwrap()
             .get_manifest(pb::GetManifestRequest {
                 session_id: offer.session_id.clone(),
+                ..Default::default()
             })
             .await
             .unwrap()
@@ -273,11 +293,18 @@ pub async fn sync_in_flight(replica: &Node, source: &Node) -> String {
 
 /// Syncs from the agent at `source` (any address) and follows it to its end.
 pub async fn sync_from(replica: &Node, source: &str) -> pb::SyncProgress {
+    sync_into(replica, source, "").await
+}
+
+/// Syncs instance `instance` of the agent at `source` into the same-named
+/// instance of `replica` (`""`: their only ones) and follows it to its end.
+pub async fn sync_into(replica: &Node, source: &str, instance: &str) -> pb::SyncProgress {
     let id = replica
         .client()
         .await
         .start_full_sync(pb::StartFullSyncRequest {
             source: source.to_string(),
+            instance: instance.to_string(),
             ..Default::default()
         })
         .await

@@ -31,6 +31,7 @@ fn offer(transport: TransportKind, size: u64) -> Offer {
         tcp_streams: 1,
         rdma_device: String::new(),
         backlog_bytes_left: 0,
+        instance: String::new(),
     }
 }
 
@@ -136,6 +137,7 @@ fn an_offer_must_answer_the_request() {
             digest: None,
         }),
         rdma: false,
+        instance: String::new(),
     };
     assert!(answers(&offer(TransportKind::Tcp, MIB), &asked).is_ok());
     let mut by_digest = asked.clone();
@@ -165,6 +167,28 @@ fn an_offer_must_answer_the_request() {
         ..asked
     };
     assert!(answers(&offer(TransportKind::Rdma, 2 * MIB), &latest).is_ok());
+}
+
+#[test]
+fn an_offer_of_another_instance_is_refused() {
+    let asked = Asked {
+        format: Format::Kvr1,
+        snapshot: None,
+        rdma: false,
+        instance: "shard-1".into(),
+    };
+    let mut of = offer(TransportKind::Tcp, MIB);
+    of.instance = "shard-2".into();
+    let err = answers(&of, &asked).unwrap_err().to_string();
+    assert!(
+        err.contains("of instance \"shard-2\", not the requested \"shard-1\""),
+        "{err}"
+    );
+    of.instance = "shard-1".into();
+    assert!(answers(&of, &asked).is_ok());
+    // A source that predates instances names none: its only one.
+    of.instance = String::new();
+    assert!(answers(&of, &asked).is_ok());
 }
 
 #[test]

@@ -45,7 +45,7 @@ fn snapshot_in(dir: &Path, size: u64, seq: u64, piece: u64) -> CatalogEntry {
 /// The entry's cached image and its manifest.
 async fn cached(entry: &CatalogEntry) -> (CacheRef, Arc<Manifest>) {
     let image = crate::store::cache::SnapshotCache::new(8 << 30, T, Metrics::new())
-        .acquire(entry)
+        .acquire("default", entry)
         .await
         .unwrap();
     (image, entry.manifest.clone())

@@ -1,0 +1,185 @@
+//! The KV instances one agent serves, each with its own parts: its
+//! configuration (the agent's shared sections with the instance's own),
+//! the catalog of its snapshots, what it relays to other replicas, its
+//! primary's backlog guard, and the token and tasks of its watchers. What
+//! stays agent-wide (the listeners, the session table and its limits, the
+//! cache's budget) is not here.
+//!
+//! A request names an instance, or none; [`Instances::resolve`] is the one
+//! rule for which instance that means.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, RwLock};
+
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use super::relay::RelayTable;
+use crate::config::{Config, InstanceConfig};
+use crate::kv::backlog::BacklogGuard;
+use crate::store::catalog::Catalog;
+
+/// One KV instance and its parts.
+pub struct Instance {
+    pub name: String,
+    /// The configuration its parts run with ([`Config::for_instance`]).
+    pub config: Config,
+    pub catalog: Arc<Catalog>,
+    /// What this agent passes on of the instance's snapshots it receives.
+    pub relays: Arc<RelayTable>,
+    /// Its local primary's backlog, when `[redis] primary_addr` is set.
+    pub backlog: Option<Arc<BacklogGuard>>,
+    /// Cancelled when the instance is removed or the agent stops: its
+    /// tasks end and its running syncs are cancelled.
+    pub stop: CancellationToken,
+    tasks: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Instance {
+    pub fn new(
+        config: Config,
+        catalog: Arc<Catalog>,
+        backlog: Option<Arc<BacklogGuard>>,
+        stop: CancellationToken,
+    ) -> Instance {
+        Instance {
+            name: catalog.instance().to_string(),
+            config,
+            catalog,
+            relays: Arc::default(),
+            backlog,
+            stop,
+            tasks: Mutex::default(),
+        }
+    }
+
+    /// Whether the instance runs with `ic`'s own settings.
+    pub fn has_settings(&self, ic: &InstanceConfig) -> bool {
+        let c = &self.config;
+        c.snapshot_dir == ic.snapshot_dir
+            && c.snapshot_format == ic.snapshot_format
+            && c.handoff == ic.handoff
+            && c.redis == ic.redis
+    }
+
+    /// Runs `task` as one of the instance's own, until [`Instance::end`].
+    pub fn spawn(&self, task: impl std::future::Future<Output = ()> + Send + 'static) {
+        let handle = tokio::spawn(task);
+        self.tasks.lock().expect("tasks lock").push(handle);
+    }
+
+    /// Stops the instance's tasks and waits for them to end.
+    pub async fn end(&self) {
+        self.stop.cancel();
+        let tasks = std::mem::take(&mut *self.tasks.lock().expect("tasks lock"));
+        for task in tasks {
+            let _ = task.await;
+        }
+    }
+}
+
+/// Why a request's instance is not one this agent serves.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InstanceError {
+    #[error("this agent serves no instance {name:?}; it serves {}", .names.join(", "))]
+    Unknown { name: String, names: Vec<String> },
+    #[error("this agent serves {} instances ({}); name the one meant (the request's instance field, or --instance)", .names.len(), .names.join(", "))]
+    Unnamed { names: Vec<String> },
+}
+
+/// The instances of one agent, by name.
+#[derive(Default)]
+pub struct Instances(RwLock<BTreeMap<String, Arc<Instance>>>);
+
+impl Instances {
+    /// The instance `name` means: that one, or, for an empty name, the
+    /// only one (so that callers that do not know instances keep working
+    /// against a single-instance agent).
+    pub fn resolve(&self, name: &str) -> Result<Arc<Instance>, InstanceError> {
+        let map = self.0.read().expect("instances lock");
+        let names = || map.keys().cloned().collect();
+        match name {
+            "" if map.len() == 1 => Ok(map.values().next().expect("one instance").clone()),
+            "" => Err(InstanceError::Unnamed { names: names() }),
+            name => map
+                .get(name)
+                .cloned()
+                .ok_or_else(|| InstanceError::Unknown {
+                    name: name.to_string(),
+                    names: names(),
+                }),
+        }
+    }
+
+    /// Every instance, by name.
+    pub fn all(&self) -> Vec<Arc<Instance>> {
+        self.0
+            .read()
+            .expect("instances lock")
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    /// Adds `instance`, returning the one it replaces.
+    pub fn insert(&self, instance: Arc<Instance>) -> Option<Arc<Instance>> {
+        self.0
+            .write()
+            .expect("instances lock")
+            .insert(instance.name.clone(), instance)
+    }
+
+    /// Removes instance `name`.
+    pub fn remove(&self, name: &str) -> Option<Arc<Instance>> {
+        self.0.write().expect("instances lock").remove(name)
+    }
+
+    /// How many instances there are.
+    pub fn len(&self) -> usize {
+        self.0.read().expect("instances lock").len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn instance(name: &str) -> Arc<Instance> {
+        let metrics = crate::metrics::Metrics::new();
+        Arc::new(Instance::new(
+            Config::default(),
+            Catalog::new(metrics, name),
+            None,
+            CancellationToken::new(),
+        ))
+    }
+
+    #[test]
+    fn an_unnamed_request_means_the_only_instance_and_is_refused_among_several() {
+        let all = Instances::default();
+        all.insert(instance("shard-1"));
+        assert_eq!(all.resolve("").unwrap().name, "shard-1");
+        assert_eq!(all.resolve("shard-1").unwrap().name, "shard-1");
+        all.insert(instance("shard-2"));
+        let err = all.resolve("").err().unwrap();
+        assert_eq!(
+            err,
+            InstanceError::Unnamed {
+                names: vec!["shard-1".into(), "shard-2".into()]
+            }
+        );
+        assert!(err.to_string().contains("shard-1, shard-2"), "{err}");
+        let err = all.resolve("shard-3").err().unwrap();
+        assert!(
+            err.to_string()
+                .contains("no instance \"shard-3\"; it serves shard-1, shard-2"),
+            "{err}"
+        );
+        assert_eq!(all.resolve("shard-2").unwrap().name, "shard-2");
+    }
+}
