@@ -1461,6 +1461,20 @@ mod tests {
     }
 
     #[test]
+    fn the_reference_configs_instance_example_parses_and_validates() {
+        let text = include_str!("../deploy/kvsync.toml");
+        let example: String = text[text.find("# [[instance]]").expect("the example")..]
+            .lines()
+            .map(|l| l.strip_prefix("# ").unwrap_or(l.trim_start_matches('#')))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let c = Config::parse(&example).unwrap();
+        c.validate().unwrap();
+        let names: Vec<_> = c.instances().into_iter().map(|i| i.name).collect();
+        assert_eq!(names, ["shard-1", "shard-2"]);
+    }
+
+    #[test]
     fn unknown_keys_are_rejected() {
         let err = Config::parse("[grpc]\nlisten = \"127.0.0.1:1\"\nlisen = 3\n").unwrap_err();
         assert!(err.contains("lisen"), "{err}");

@@ -488,6 +488,43 @@ async fn cache_budget_waits_then_fails_or_proceeds() {
     drop(held);
 }
 
+#[tokio::test]
+async fn an_instance_borrows_idle_room_but_one_within_its_share_is_served_first() {
+    let dir = tmpdir();
+    let files: Vec<PathBuf> = (0..4)
+        .map(|i| {
+            let p = dir.path().join(format!("{i}.kvr1"));
+            write_snapshot(&p, 600_000, i + 1);
+            p
+        })
+        .collect();
+    let metrics = Metrics::new();
+    // Two instances: each is guaranteed one image's room of the two.
+    let cache = SnapshotCache::new(1_200_000, DEADLINE, metrics.clone());
+    cache.set_instances(2);
+    let a1 = cache.acquire("a", &entry_for(&files[0])).await.unwrap();
+    // b is idle: a borrows its room.
+    let a2 = cache.acquire("a", &entry_for(&files[1])).await.unwrap();
+    // b, within its share, waits for room; so does a's third load.
+    let (c, e) = (cache.clone(), entry_for(&files[2]));
+    let mut b = tokio::spawn(async move { c.acquire("b", &e).await });
+    let (c, e) = (cache.clone(), entry_for(&files[3]));
+    let mut a3 = tokio::spawn(async move { c.acquire("a", &e).await });
+    for waiter in [&mut b, &mut a3] {
+        let blocked = tokio::time::timeout(Duration::from_millis(200), waiter).await;
+        assert!(blocked.is_err(), "got past a full budget");
+    }
+    // The room a gives back goes to b, not to a's third load.
+    drop(a1);
+    let b = b.await.unwrap().unwrap();
+    assert_eq!(b.len(), 600_000);
+    let blocked = tokio::time::timeout(Duration::from_millis(200), &mut a3).await;
+    assert!(blocked.is_err(), "a borrowed room b was waiting for");
+    drop(a2);
+    assert_eq!(a3.await.unwrap().unwrap().len(), 600_000);
+    drop(b);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_released_image_lingers_for_stragglers_and_yields_to_new_loads() {
     let dir = tmpdir();

@@ -8,12 +8,11 @@
 //! wait or fail clearly, shared fairly by the agent's instances; and relay
 //! images filled as their pieces verify.
 //!
-//! The sharing rule: with `n` instances, each is guaranteed `budget / n`
-//! and may borrow what the others do not use. A load of instance `i` is
-//! admitted when `Σ_j max(reserved_j, share)` over every instance, with
-//! `i`'s new load counted, stays within the budget: a borrower never takes
-//! room another instance is guaranteed and has not used, so an instance
-//! within its share never waits for a busy one.
+//! The sharing rule: with `n` instances, each is guaranteed a share of
+//! `budget / n` and may borrow free room beyond it, except while another
+//! instance that is still within its share waits for room: then room that
+//! frees up goes to that instance first. Images in use cannot be taken
+//! back, so a borrower's are not; lingering ones are freed for any load.
 
 use std::collections::HashMap;
 use std::os::fd::AsRawFd;
@@ -176,23 +175,25 @@ impl Image {
 }
 
 impl Slots {
-    /// Whether `size` more bytes of `instance` fit in `budget` shared by
-    /// `instances` (the rule in this module's head).
-    fn fits(&self, instance: &str, size: u64, budget: u64, instances: usize) -> bool {
-        let share = budget / instances.max(1) as u64;
-        let mine = self.by_instance.get(instance).copied().unwrap_or(0) + size;
-        let others = self.by_instance.iter().filter(|(i, _)| *i != instance);
-        let (used, count) = others.fold((0u64, 0usize), |(sum, n), (_, r)| {
-            (sum + (*r).max(share), n + 1)
-        });
-        let unused = instances.saturating_sub(1).saturating_sub(count) as u64 * share;
-        used + unused + mine.max(share) <= budget
+    fn reserved_by(&self, instance: &str) -> u64 {
+        self.by_instance.get(instance).copied().unwrap_or(0)
     }
 
-    /// Frees lingering images, oldest first, until `size` more bytes of
-    /// `instance` fit; false when they cannot.
-    fn make_room(&mut self, instance: &str, size: u64, budget: u64, instances: usize) -> bool {
-        while !self.fits(instance, size, budget, instances) {
+    /// Whether `instance` may take `size` more bytes of `budget` shared by
+    /// `instances`, room permitting (the rule in this module's head).
+    fn may_take(&self, instance: &str, size: u64, budget: u64, instances: usize) -> bool {
+        let share = budget / instances.max(1) as u64;
+        self.reserved_by(instance) + size <= share
+            || !self
+                .waiting
+                .iter()
+                .any(|(i, _)| i != instance && self.reserved_by(i) < share)
+    }
+
+    /// Frees lingering images, oldest first, until `size` more bytes fit;
+    /// false when they cannot.
+    fn make_room(&mut self, size: u64, budget: u64) -> bool {
+        while self.reserved + size > budget {
             let oldest = self
                 .slots
                 .iter()
@@ -233,6 +234,43 @@ struct Slots {
     reserved: u64,
     /// The same, by instance (only instances with slots).
     by_instance: HashMap<String, u64>,
+    /// Instances with loads waiting for room, and how many.
+    waiting: HashMap<String, usize>,
+}
+
+/// One load waiting for room, counted in [`Slots::waiting`] until it is
+/// admitted, gives up or is dropped.
+struct Queued<'a> {
+    cache: &'a SnapshotCache,
+    instance: &'a str,
+    on: bool,
+}
+
+impl Queued<'_> {
+    /// Counts it (`true`) or not, under the cache lock `st`.
+    fn set(&mut self, st: &mut Slots, on: bool) {
+        if on == self.on {
+            return;
+        }
+        self.on = on;
+        if on {
+            *st.waiting.entry(self.instance.to_string()).or_default() += 1;
+        } else if let Some(n) = st.waiting.get_mut(self.instance) {
+            *n -= 1;
+            if *n == 0 {
+                st.waiting.remove(self.instance);
+            }
+        }
+    }
+}
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        if self.on {
+            let mut st = self.cache.state.lock().expect("cache lock");
+            self.set(&mut st, false);
+        }
+    }
 }
 
 /// The cache. Cheap to share as `Arc<SnapshotCache>`.
@@ -332,10 +370,16 @@ impl SnapshotCache {
         let started = tokio::time::Instant::now();
         let deadline = started + self.acquire_timeout;
         let mut open = Some(open);
+        let mut queued = Queued {
+            cache: self,
+            instance,
+            on: false,
+        };
         loop {
             let released = self.released.notified();
             {
                 let mut st = self.state.lock().expect("cache lock");
+                queued.set(&mut st, false);
                 if let Some(slot) = st.slots.get_mut(&key) {
                     slot.refs += 1;
                     slot.idle_since = None;
@@ -355,7 +399,7 @@ impl SnapshotCache {
                     return Err(CacheError::TooLarge { size, budget });
                 }
                 let instances = self.instances.load(Ordering::Relaxed);
-                if st.make_room(instance, size, budget, instances) {
+                if st.may_take(instance, size, budget, instances) && st.make_room(size, budget) {
                     let open = open.take().expect("a load is opened once");
                     let loader = open()?;
                     let buf = AlignedBuf::new(size as usize).map_err(|source| CacheError::Io {
@@ -397,6 +441,7 @@ impl SnapshotCache {
                         waited: started.elapsed(),
                     });
                 }
+                queued.set(&mut st, true);
             }
             let _ = tokio::time::timeout_at(deadline, released).await;
         }
