@@ -34,7 +34,8 @@ instance() { # NAME DIR
     printf '\n[[instance]]\nname = "%s"\nsnapshot_dir = "%s"\n' "$1" "$2"
 }
 
-# start NAME CONFIG: starts an agent; echoes its gRPC address, records its pid.
+# start NAME CONFIG: starts an agent, records its pid; sets ADDR to its
+# gRPC address.
 started=()
 start() {
     KVSYNC_LOG=warn "$bin" agent --config "$2" > "$work/$1.out" 2> "$work/$1.log" &
@@ -45,19 +46,19 @@ start() {
         grep -q "ready" "$work/$1.out" 2>/dev/null && break
         sleep 0.05
     done
-    grep -o 'grpc=[^ ]*' "$work/$1.out" | cut -d= -f2
+    ADDR=$(grep -o 'grpc=[^ ]*' "$work/$1.out" | cut -d= -f2)
 }
 
-# stop_all: the summed VmHWM (KiB) of the agents started since the last call.
+# stop_all: stops the agents started since the last call; sets KIB to
+# their summed peak RSS (VmHWM).
 stop_all() {
-    local kib=0
+    KIB=0
     for p in "${started[@]}"; do
-        kib=$((kib + $(awk '/VmHWM/ {print $2}' "/proc/$p/status")))
+        KIB=$((KIB + $(awk '/VmHWM/ {print $2}' "/proc/$p/status")))
         kill "$p"
     done
     for p in "${started[@]}"; do wait "$p" 2>/dev/null || true; done
     started=()
-    echo "$kib"
 }
 
 # sync_all SOURCE... : one sync per instance at once (pairs of replica
@@ -81,8 +82,10 @@ one_pair() {
     { agent_head src; for i in $(seq "$n"); do instance "i$i" "$work/src/i$i"; done; } > "$work/src.toml"
     { agent_head dst; for i in $(seq "$n"); do mkdir -p "$work/dst/i$i"; instance "i$i" "$work/dst/i$i"; done; } > "$work/dst.toml"
     local s r t0 t1
-    s=$(start src "$work/src.toml")
-    r=$(start dst "$work/dst.toml")
+    start src "$work/src.toml"
+    s=$ADDR
+    start dst "$work/dst.toml"
+    r=$ADDR
     # Both agents offer every snapshot before the clock starts.
     for i in $(seq "$n"); do
         until "$bin" snapshots --agent "$s" --instance "i$i" --json | grep -q '"seq"'; do sleep 0.05; done
@@ -90,7 +93,8 @@ one_pair() {
     t0=$(now)
     for i in $(seq "$n"); do echo "$r $s i$i"; done | sync_all
     t1=$(now)
-    echo "$(echo "$t1 - $t0" | bc) $(stop_all)"
+    stop_all
+    RESULT="$(echo "$t1 - $t0" | bc) $KIB"
 }
 
 separate_pairs() {
@@ -100,15 +104,18 @@ separate_pairs() {
         mkdir -p "$work/dst/i$i"
         { agent_head "src$i"; instance default "$work/src/i$i"; } > "$work/src$i.toml"
         { agent_head "dst$i"; instance default "$work/dst/i$i"; } > "$work/dst$i.toml"
-        s=$(start "src$i" "$work/src$i.toml")
-        r=$(start "dst$i" "$work/dst$i.toml")
+        start "src$i" "$work/src$i.toml"
+        s=$ADDR
+        start "dst$i" "$work/dst$i.toml"
+        r=$ADDR
         until "$bin" snapshots --agent "$s" --json | grep -q '"seq"'; do sleep 0.05; done
         lines+=("$r $s")
     done
     t0=$(now)
     printf '%s\n' "${lines[@]}" | sync_all
     t1=$(now)
-    echo "$(echo "$t1 - $t0" | bc) $(stop_all)"
+    stop_all
+    RESULT="$(echo "$t1 - $t0" | bc) $KIB"
 }
 
 median() { sort -g | awk '{a[NR] = $1} END {print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}'; }
@@ -116,8 +123,10 @@ median() { sort -g | awk '{a[NR] = $1} END {print (NR % 2) ? a[(NR + 1) / 2] : (
 : > "$work/one"
 : > "$work/sep"
 for _ in $(seq "$runs"); do
-    one_pair >> "$work/one"
-    separate_pairs >> "$work/sep"
+    one_pair
+    echo "$RESULT" >> "$work/one"
+    separate_pairs
+    echo "$RESULT" >> "$work/sep"
 done
 t_one=$(cut -d' ' -f1 "$work/one" | median)
 t_sep=$(cut -d' ' -f1 "$work/sep" | median)

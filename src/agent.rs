@@ -347,48 +347,80 @@ impl RunningAgent {
         Ok(())
     }
 
-    /// Starts, stops and restarts instances so that they are `config`'s.
+    /// Starts, stops and restarts instances so that they are `config`'s:
+    /// new ones first (one that cannot start leaves every instance as it
+    /// was), then removed ones, then changed ones, each stopped before its
+    /// new settings start (two watchers or backlog guards never share a
+    /// directory or a primary).
     async fn reload_instances(&self, config: &Config) -> Result<(), String> {
         let wanted = config.instances();
-        let mut started = Vec::new();
+        let (mut added, mut changed) = (Vec::new(), Vec::new());
         for ic in &wanted {
-            let current = self.instances.resolve(&ic.name).ok();
-            let current = current.filter(|i| i.name == ic.name);
-            if current.is_some_and(|i| i.has_settings(ic)) {
-                continue;
+            match self.instances.resolve(&ic.name) {
+                Ok(current) if current.has_settings(ic) => {}
+                Ok(current) => changed.push((current, ic)),
+                Err(_) => added.push(ic),
             }
-            // Start what is new before anything stops: a bad directory
-            // leaves every instance as it was.
-            started.push(
-                start_instance(config, ic, &self.parts)
-                    .await
-                    .map_err(|e| format!("instance {}: {e}", ic.name))?,
-            );
+        }
+        let mut started = Vec::new();
+        for ic in added {
+            match start_instance(config, ic, &self.parts).await {
+                Ok(instance) => started.push(instance),
+                Err(e) => {
+                    for instance in started {
+                        instance.end().await;
+                        self.forget(&instance);
+                    }
+                    return Err(format!("instance {}: {e}", ic.name));
+                }
+            }
+        }
+        for instance in started {
+            info!(instance = %instance.name, snapshot_dir = %instance.config.snapshot_dir.display(), "instance started");
+            self.instances.insert(instance);
         }
         for old in self.instances.all() {
-            let kept = wanted.iter().any(|ic| ic.name == old.name);
-            let replaced = started.iter().any(|n| n.name == old.name);
-            if kept && !replaced {
-                continue;
-            }
-            self.instances.remove(&old.name);
-            let cancelled = self.syncs.running_count_of(Some(&old.name));
-            old.end().await;
-            if replaced {
-                info!(instance = %old.name, cancelled_syncs = cancelled, "instance settings changed: restarting it (its running syncs were cancelled)");
-            } else {
-                let primary = &old.config.redis.primary_addr;
-                let primary = (!primary.is_empty()).then_some(primary.as_str());
-                self.parts.metrics.remove_instance(&old.name, primary);
+            if !wanted.iter().any(|ic| ic.name == old.name) {
+                let cancelled = self.stop_instance(&old).await;
+                self.forget(&old);
                 info!(instance = %old.name, cancelled_syncs = cancelled, "instance removed (its running syncs were cancelled)");
             }
         }
-        for new in started {
-            info!(instance = %new.name, snapshot_dir = %new.config.snapshot_dir.display(), "instance started");
-            self.instances.insert(new);
+        let mut failed = None;
+        for (old, ic) in changed {
+            let cancelled = self.stop_instance(&old).await;
+            info!(instance = %old.name, cancelled_syncs = cancelled, "instance settings changed: restarting it (its running syncs were cancelled)");
+            match start_instance(config, ic, &self.parts).await {
+                Ok(instance) => {
+                    self.instances.insert(instance);
+                }
+                Err(e) => {
+                    self.forget(&old);
+                    failed = Some(format!(
+                        "instance {} is stopped until a reload can start it: {e}",
+                        ic.name
+                    ));
+                }
+            }
         }
         self.cache.set_instances(self.instances.len());
-        Ok(())
+        failed.map_or(Ok(()), Err)
+    }
+
+    /// Takes `instance` out of service: removed from the table, its syncs
+    /// cancelled, its tasks ended. Returns how many syncs were running.
+    async fn stop_instance(&self, instance: &Instance) -> usize {
+        self.instances.remove(&instance.name);
+        let running = self.syncs.running_count_of(Some(&instance.name));
+        instance.end().await;
+        running
+    }
+
+    /// Drops the series of an instance that is gone.
+    fn forget(&self, instance: &Instance) {
+        let primary = &instance.config.redis.primary_addr;
+        let primary = (!primary.is_empty()).then_some(primary.as_str());
+        self.parts.metrics.remove_instance(&instance.name, primary);
     }
 
     /// Graceful shutdown, step one: refuse new syncs and offers (health

@@ -591,7 +591,8 @@ pub struct SyncConfig {
     /// Sources this agent pulls from: gRPC addresses (`host:port`) or node
     /// ids; empty allows any source the orchestrator names.
     pub allowed_sources: Vec<String>,
-    /// Sessions one replica address may hold on this source at once.
+    /// Sessions one replica (a node id at an address) may hold on one
+    /// instance of this source at once.
     pub max_sessions_per_replica: usize,
 }
 

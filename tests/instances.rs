@@ -284,3 +284,43 @@ async fn sighup_adds_an_instance_while_another_instances_sync_runs_untouched() {
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::InvalidArgument);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replicas_session_limit_counts_per_instance_of_the_source() {
+    let root = tempfile::tempdir().unwrap();
+    let source = multi(
+        root.path(),
+        "source",
+        &["a", "b"],
+        "[sync]\nmax_sessions_per_replica = 1\n",
+    );
+    for (i, name) in ["a", "b"].iter().enumerate() {
+        put_snapshot(
+            &instance_dir(root.path(), "source", name),
+            "s.kvr1",
+            1 << 20,
+            i as u64 + 1,
+        );
+        source.offered_in(name, i as u64 + 1).await;
+    }
+    let mut peer = peer(&source).await;
+    let ask = |instance: &str| pb::OpenFullSyncRequest {
+        replica_node_id: "replica-1".into(),
+        instance: instance.into(),
+        ..Default::default()
+    };
+    // One replica agent pulls both instances at once.
+    let held: Vec<_> = ["a", "b"].iter().map(|i| ask(i)).collect();
+    let mut offers = Vec::new();
+    for a in held {
+        offers.push(
+            peer.open_full_sync(a)
+                .await
+                .expect("one session per instance")
+                .into_inner(),
+        );
+    }
+    let err = peer.open_full_sync(ask("a")).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+    assert!(err.message().contains("replica-1@127.0.0.1/a"), "{err:?}");
+}

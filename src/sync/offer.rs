@@ -143,14 +143,14 @@ impl Offers {
         if self.draining.is_cancelled() {
             return Err(OfferError::Draining);
         }
-        let replica_key = replica_key(&ask.replica_node, remote.map(|a| a.ip()));
+        let replica_key = replica_key(&ask.replica_node, remote.map(|a| a.ip()), &instance.name);
         let admitted = self.sessions.admit(&replica_key).map_err(|refusal| {
             OfferError::Busy(match refusal {
                 Refusal::Busy(limit) => format!(
                     "this source already serves {limit} sessions (sync.max_outgoing_syncs); retry in a few seconds"
                 ),
                 Refusal::ReplicaBusy(limit) => format!(
-                    "replica {replica_key} already holds {limit} sessions of this source (sync.max_sessions_per_replica); retry when one has ended"
+                    "replica {replica_key} already holds {limit} sessions of this source's instance (sync.max_sessions_per_replica); retry when one has ended"
                 ),
             })
         })?;

@@ -94,6 +94,23 @@ struct Checker {
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
+/// Unmaps `[offset, offset + len)` of the read-only mapping of the staging
+/// file: its pages stay in the page cache, but leave this process's RSS,
+/// and the kernel can write them back and reclaim them like any unmapped
+/// file page.
+fn unmap(map: &memmap2::Mmap, offset: u64, len: u64) {
+    // SAFETY: a shared, read-only mapping of the staging file, read only
+    // through slices that do not outlive a call; after MADV_DONTNEED a read
+    // faults the same file pages back in.
+    let _ = unsafe {
+        map.unchecked_advise_range(
+            memmap2::UncheckedAdvice::DontNeed,
+            offset as usize,
+            len as usize,
+        )
+    };
+}
+
 impl Checker {
     fn start(landed: Arc<memmap2::Mmap>) -> std::io::Result<Checker> {
         let (jobs, inbox) = std::sync::mpsc::channel::<Check>();
@@ -117,6 +134,10 @@ impl Checker {
                                     *format = Some(Err(e));
                                 }
                             }
+                            // Hashed bytes leave this process's RSS at
+                            // once, not at the piece's end: a session
+                            // keeps a chunk mapped, not a piece.
+                            unmap(&landed, offset, len);
                         }
                         Check::Finish { index, reply } => {
                             let (hash, format) = pieces
@@ -475,21 +496,10 @@ impl Receiver {
         self.manifest.range(index).0 + got
     }
 
-    /// Unmaps a checked piece's pages from the read-only mapping: they stay
-    /// in the page cache, but leave this process's RSS, and the kernel can
-    /// write them back and reclaim them like any unmapped file page.
+    /// Unmaps a piece's pages from the read-only mapping ([`unmap`]).
     fn unmap_landed(&self, offset: u64, len: u64) {
         if let Some(map) = &self.landed {
-            // SAFETY: a shared, read-only mapping of the staging file, read
-            // only through slices that do not outlive a call; after
-            // MADV_DONTNEED a read faults the same file pages back in.
-            let _ = unsafe {
-                map.unchecked_advise_range(
-                    memmap2::UncheckedAdvice::DontNeed,
-                    offset as usize,
-                    len as usize,
-                )
-            };
+            unmap(map, offset, len);
         }
     }
 

@@ -327,12 +327,13 @@ impl SessionTable {
     }
 }
 
-/// The key a replica's sessions are counted under: its node id at its
-/// address.
-pub fn replica_key(node_id: &str, addr: Option<IpAddr>) -> String {
+/// The key a replica's sessions of one of this agent's instances are
+/// counted under: its node id at its address, and the instance (a replica
+/// agent serving many instances pulls each of them).
+pub fn replica_key(node_id: &str, addr: Option<IpAddr>, instance: &str) -> String {
     match addr {
-        Some(ip) => format!("{node_id}@{ip}"),
-        None => format!("{node_id}@?"),
+        Some(ip) => format!("{node_id}@{ip}/{instance}"),
+        None => format!("{node_id}@?/{instance}"),
     }
 }
 
@@ -674,9 +675,9 @@ mod tests {
         });
         let ip = |last: u8| Some(IpAddr::from([10, 0, 0, last]));
         let (a, b, c) = (
-            &replica_key("r1", ip(1)),
-            &replica_key("r2", ip(2)),
-            &replica_key("r1", ip(3)),
+            &replica_key("r1", ip(1), "default"),
+            &replica_key("r2", ip(2), "default"),
+            &replica_key("r1", ip(3), "default"),
         );
         let a1 = table.admit(a).unwrap();
         let _a2 = table.admit(a).unwrap();
