@@ -186,6 +186,45 @@ async fn a_session_offered_for_one_instance_proves_nothing_for_another() {
         ),
         20.0
     );
+    // The CLI: a verb needs --instance among several; status lists them.
+    let cli = |args: &[&str]| {
+        let out = std::process::Command::new(kvsync_bin())
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (ok, _, err) = cli(&["snapshots", "--agent", &source.grpc()]);
+    assert!(!ok && err.contains("serves 2 instances (a, b)"), "{err}");
+    let (ok, out, err) = cli(&[
+        "snapshots",
+        "--agent",
+        &source.grpc(),
+        "--instance",
+        "b",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let list: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (list[0]["instance"].as_str(), list[0]["seq"].as_u64()),
+        (Some("b"), Some(20))
+    );
+    let (ok, out, err) = cli(&["status", "--agent", &replica.grpc(), "--json"]);
+    assert!(ok, "{err}");
+    let status: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(status["instances"][0]["name"], "a");
+    assert_eq!(status["instances"][0]["recent"][0]["status"], "succeeded");
+    assert_eq!(status["instances"][1]["name"], "b");
+    let (ok, out, _) = cli(&["status", "--agent", &replica.grpc()]);
+    assert!(
+        ok && out.contains("instance a: kvr1 snapshots in") && out.contains("instance b:"),
+        "{out}"
+    );
     // Status groups by instance.
     let status = replica.status().await;
     let names: Vec<_> = status.instances.iter().map(|i| i.name.as_str()).collect();
