@@ -32,6 +32,8 @@ use crate::rpc::{pb, tls, Dialer};
 use crate::store::cache::SnapshotCache;
 use crate::store::catalog::Catalog;
 use crate::store::watch::DirWatcher;
+use crate::stream::follow::{Follow, SharedLog};
+use crate::stream::log::Log;
 use crate::sync::instance::{Instance, Instances};
 use crate::sync::offer::Offers;
 use crate::sync::serve::{self, DataEndpoints, DataPlane, SessionTable};
@@ -68,6 +70,9 @@ pub enum AgentError {
     /// The gRPC server refused the TLS settings.
     #[error("tls: {0}")]
     TlsServer(String),
+    /// An instance's stream log cannot be opened.
+    #[error("{0}")]
+    StreamLog(#[from] crate::stream::log::LogError),
     /// The gRPC reflection service could not be built.
     #[error("grpc reflection: {0}")]
     Reflection(String),
@@ -557,7 +562,10 @@ async fn start_instance(
         ),
     };
     let stop = parts.shutdown.child_token();
-    let instance = Instance::new(config.clone(), catalog.clone(), backlog, stop.clone());
+    let mut instance = Instance::new(config.clone(), catalog.clone(), backlog, stop.clone());
+    if config.stream.enabled() {
+        instance.stream = Some(follow_primary(name, &config, &catalog, &instance).await?);
+    }
     instance.spawn(crate::store::journal::sweep_every(
         dir.clone(),
         config.data.resume_ttl,
@@ -603,6 +611,43 @@ async fn start_instance(
         .run(stop),
     );
     Ok(Arc::new(instance))
+}
+
+/// Opens the instance's stream log and follows its primary into it.
+async fn follow_primary(
+    name: &str,
+    config: &Config,
+    catalog: &Arc<Catalog>,
+    instance: &Instance,
+) -> Result<SharedLog, AgentError> {
+    let st = config.stream.clone();
+    let log = tokio::task::spawn_blocking(move || Log::open(st))
+        .await
+        .expect("log open task")?;
+    let log = Arc::new(std::sync::Mutex::new(log));
+    let offered = {
+        let catalog = catalog.clone();
+        move || {
+            catalog
+                .list()
+                .iter()
+                .filter_map(|e| Some((e.info.repl_id.clone()?, e.info.seq)))
+                .collect()
+        }
+    };
+    let follow = Follow {
+        instance: name.to_string(),
+        primary: config.redis.primary_addr.clone(),
+        password: config.redis.password.clone(),
+        snapshot_dir: config.snapshot_dir.clone(),
+        offered: Box::new(offered),
+    };
+    instance.spawn(crate::stream::follow::run(
+        follow,
+        log.clone(),
+        instance.stop.clone(),
+    ));
+    Ok(log)
 }
 
 /// Binds a TCP listener for the setting `what`.

@@ -36,6 +36,7 @@ pub struct Config {
     pub watch: WatchConfig,
     pub sync: SyncConfig,
     pub redis: RedisConfig,
+    pub stream: StreamConfig,
     pub auth: AuthConfig,
     pub tls: TlsConfig,
     pub fanout: FanoutConfig,
@@ -61,6 +62,7 @@ pub struct InstanceConfig {
     pub snapshot_format: Format,
     pub handoff: HandoffConfig,
     pub redis: RedisConfig,
+    pub stream: StreamConfig,
 }
 
 impl Default for InstanceConfig {
@@ -72,12 +74,67 @@ impl Default for InstanceConfig {
             snapshot_format: c.snapshot_format,
             handoff: c.handoff,
             redis: c.redis,
+            stream: c.stream,
         }
     }
 }
 
 /// The keys a file with `[[instance]]` tables sets per instance only.
-const INSTANCE_KEYS: [&str; 4] = ["snapshot_dir", "snapshot_format", "handoff", "redis"];
+const INSTANCE_KEYS: [&str; 5] = [
+    "snapshot_dir",
+    "snapshot_format",
+    "handoff",
+    "redis",
+    "stream",
+];
+
+/// The replication stream's log (`[stream]`, or `[instance.stream]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StreamConfig {
+    /// The log's directory; empty (the default) leaves the stream off. On
+    /// the primary's host (`[redis] primary_addr` set) the agent follows
+    /// the primary as a replica into it.
+    pub dir: PathBuf,
+    /// The log keeps whole segments while it holds at most `retain` bytes
+    /// and they are younger than `retain_age`, and always what the
+    /// snapshots it offers need to continue.
+    pub retain: ByteSize,
+    #[serde(with = "humantime_serde")]
+    pub retain_age: Duration,
+    /// The size a segment file is closed at.
+    pub segment_size: ByteSize,
+    pub fsync: Fsync,
+}
+
+impl Default for StreamConfig {
+    fn default() -> Self {
+        StreamConfig {
+            dir: PathBuf::new(),
+            retain: ByteSize::gib(1),
+            retain_age: Duration::from_secs(24 * 3600),
+            segment_size: ByteSize::mib(64),
+            fsync: Fsync::Everysec,
+        }
+    }
+}
+
+impl StreamConfig {
+    pub fn enabled(&self) -> bool {
+        !self.dir.as_os_str().is_empty()
+    }
+}
+
+/// When the stream log's records are flushed to the disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Fsync {
+    /// After every record: nothing acknowledged is lost to a power cut.
+    Always,
+    /// At most a second after a record, as AOF's `everysec`: a power cut
+    /// may lose the last second, a crash of the agent loses nothing.
+    Everysec,
+}
 
 /// Fan-outs this agent runs as their origin.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -611,6 +668,7 @@ impl Default for Config {
             watch: WatchConfig::default(),
             sync: SyncConfig::default(),
             redis: RedisConfig::default(),
+            stream: StreamConfig::default(),
             auth: AuthConfig::default(),
             tls: TlsConfig::default(),
             fanout: FanoutConfig::default(),
@@ -812,6 +870,7 @@ impl Config {
             snapshot_format: self.snapshot_format,
             handoff: self.handoff.clone(),
             redis: self.redis.clone(),
+            stream: self.stream.clone(),
         }]
     }
 
@@ -823,6 +882,7 @@ impl Config {
             snapshot_format: instance.snapshot_format,
             handoff: instance.handoff.clone(),
             redis: instance.redis.clone(),
+            stream: instance.stream.clone(),
             instance: Vec::new(),
             ..self.clone()
         }
@@ -1013,8 +1073,11 @@ impl Config {
             found
         };
         type Key = fn(&InstanceConfig) -> Option<String>;
-        let checks: [(&str, Key); 5] = [
+        let checks: [(&str, Key); 6] = [
             ("the name", |i| Some(i.name.clone())),
+            ("the stream log dir", |i| {
+                i.stream.enabled().then(|| normal_path(&i.stream.dir))
+            }),
             ("the snapshot_dir", |i| Some(normal_path(&i.snapshot_dir))),
             ("the Redis primary", |i| {
                 (!i.redis.primary_addr.is_empty()).then(|| i.redis.primary_addr.clone())
@@ -1051,6 +1114,48 @@ impl Config {
             );
         }
         self.check_handoff(p);
+        self.check_stream(p);
+    }
+
+    /// `[stream]`: a log needs a primary to follow, a directory of its own.
+    fn check_stream(&self, p: &mut Problems) {
+        let st = &self.stream;
+        if !st.enabled() {
+            return;
+        }
+        if !st.dir.is_absolute() {
+            p.bad(
+                "stream.dir",
+                format!("must be an absolute path, got {:?}", st.dir),
+            );
+        }
+        if normal_path(&st.dir) == normal_path(&self.snapshot_dir) {
+            p.bad(
+                "stream.dir",
+                "must not be snapshot_dir, whose every file is taken for a snapshot".into(),
+            );
+        }
+        if self.redis.primary_addr.is_empty() {
+            p.bad(
+                "stream.dir",
+                "needs [redis] primary_addr, the primary the agent follows into the log".into(),
+            );
+        }
+        if !(ByteSize::mib(1)..=ByteSize::gib(4)).contains(&st.segment_size) {
+            p.bad(
+                "stream.segment_size",
+                format!("must be 1 MiB to 4 GiB, got {}", st.segment_size),
+            );
+        }
+        if st.retain < st.segment_size {
+            p.bad(
+                "stream.retain",
+                format!(
+                    "must hold at least one segment ({}), got {}",
+                    st.segment_size, st.retain
+                ),
+            );
+        }
     }
 
     /// `[handoff]`, and `[redis]` for the redis mode and the pre-flight.
@@ -1562,6 +1667,30 @@ expected_transfer_rate = "0"
             .into_iter()
             .map(|p| p.key)
             .collect()
+    }
+
+    #[test]
+    fn a_stream_log_needs_a_primary_and_a_directory_of_its_own() {
+        let mut c = valid();
+        c.stream.dir = c.snapshot_dir.clone();
+        c.stream.segment_size = ByteSize::kib(4);
+        assert_eq!(
+            problem_keys(&c),
+            ["stream.dir", "stream.dir", "stream.segment_size"]
+        );
+        c.stream.dir = "/var/lib/kvsync/stream".into();
+        c.stream.segment_size = ByteSize::mib(64);
+        c.redis.primary_addr = "127.0.0.1:6379".into();
+        c.validate().unwrap();
+        let text = "node_id = \"n\"\n[[instance]]\nname = \"a\"\nsnapshot_dir = \"/kv/a\"\n[instance.redis]\nprimary_addr = \"127.0.0.1:7001\"\n[instance.stream]\ndir = \"/log\"\n[[instance]]\nname = \"b\"\nsnapshot_dir = \"/kv/b\"\n[instance.redis]\nprimary_addr = \"127.0.0.1:7002\"\n[instance.stream]\ndir = \"/log\"\n";
+        let c = Config::parse(text).unwrap();
+        let problems = c.validate().unwrap_err();
+        assert!(
+            problems
+                .iter()
+                .any(|p| p.message.contains("share the stream log dir")),
+            "{problems:?}"
+        );
     }
 
     #[test]

@@ -21,6 +21,7 @@ pub mod peer_text;
 pub mod rpc;
 pub mod snapshot;
 pub mod store;
+pub mod stream;
 pub mod sync;
 pub mod sys;
 pub mod transport;

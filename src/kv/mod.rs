@@ -1,6 +1,7 @@
 //! The KV side: everything that talks to the local key-value server.
 //!
-//! [`redis`] is the Redis/Valkey client the rest talk through.
+//! [`redis`] is the Redis/Valkey client the rest talk through; [`resp`]
+//! the bits of RESP spoken on raw replication connections.
 //! Replica side: [`handoff`] tells the KV about an installed snapshot's M,
 //! by [`restart`] (place the RDB, restart the server) or [`seed`] (the
 //! agent as a one-shot master of a running server). Source side:
@@ -15,5 +16,6 @@ pub mod handoff;
 pub mod health;
 pub mod preflight;
 pub mod redis;
+pub mod resp;
 pub mod restart;
 pub mod seed;

@@ -21,7 +21,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{info, warn};
@@ -556,20 +556,16 @@ async fn read_command<R: tokio::io::AsyncBufRead + Unpin>(
 
 /// One CRLF-terminated line of at most `MAX_ARG` bytes.
 async fn read_line<R: tokio::io::AsyncBufRead + Unpin>(read: &mut R) -> Result<String, RedisError> {
-    let mut line = Vec::new();
-    let n = read
-        .take(MAX_ARG as u64 + 2)
-        .read_until(b'\n', &mut line)
+    crate::kv::resp::read_line(read, MAX_ARG)
         .await
-        .map_err(|e| RedisError::Seed(e.to_string()))?;
-    if n == 0 || !line.ends_with(b"\n") {
-        return Err(RedisError::Seed(
-            "the local server closed the seed connection, or sent an overlong line".into(),
-        ));
-    }
-    String::from_utf8(line)
-        .map(|l| l.trim_end().to_string())
-        .map_err(|_| RedisError::Seed("the local server sent a non-UTF-8 line".into()))
+        .map_err(|e| {
+            RedisError::Seed(match e.kind() {
+                std::io::ErrorKind::UnexpectedEof => {
+                    "the local server closed the seed connection".to_string()
+                }
+                _ => format!("the local server sent {e}"),
+            })
+        })
 }
 
 /// Waits until the server has loaded the RDB from the seed: linked to it,

@@ -1,7 +1,7 @@
 //! The KV instances one agent serves, each with its own parts: its
 //! configuration (the agent's shared sections with the instance's own),
 //! the catalog of its snapshots, what it relays to other replicas, its
-//! primary's backlog guard, and the token and tasks of its watchers. What
+//! primary's backlog guard, its replication stream's log, and the token and tasks of its watchers. What
 //! stays agent-wide (the listeners, the session table and its limits, the
 //! cache's budget) is not here.
 //!
@@ -18,6 +18,7 @@ use super::relay::RelayTable;
 use crate::config::{Config, InstanceConfig};
 use crate::kv::backlog::BacklogGuard;
 use crate::store::catalog::Catalog;
+use crate::stream::follow::SharedLog;
 
 /// One KV instance and its parts.
 pub struct Instance {
@@ -29,6 +30,8 @@ pub struct Instance {
     pub relays: Arc<RelayTable>,
     /// Its local primary's backlog, when `[redis] primary_addr` is set.
     pub backlog: Option<Arc<BacklogGuard>>,
+    /// Its replication stream's log, when `[stream] dir` is set.
+    pub stream: Option<SharedLog>,
     /// Cancelled when the instance is removed or the agent stops: its
     /// tasks end and its running syncs are cancelled.
     pub stop: CancellationToken,
@@ -48,6 +51,7 @@ impl Instance {
             catalog,
             relays: Arc::default(),
             backlog,
+            stream: None,
             stop,
             tasks: Mutex::default(),
         }
@@ -60,6 +64,7 @@ impl Instance {
             && c.snapshot_format == ic.snapshot_format
             && c.handoff == ic.handoff
             && c.redis == ic.redis
+            && c.stream == ic.stream
     }
 
     /// Runs `task` as one of the instance's own, until [`Instance::end`].

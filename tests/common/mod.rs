@@ -3,6 +3,7 @@
 //! `/metrics` over HTTP.
 #![allow(dead_code)]
 
+pub mod kv;
 pub mod netns;
 pub mod node;
 pub mod pki;

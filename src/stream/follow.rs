@@ -1,0 +1,331 @@
+//! Following the local primary as one of its replicas, into the log: the
+//! replica's side of the replication protocol (`AUTH`, `REPLCONF capa
+//! psync2`, `PSYNC <id> <offset>`), the stream appended record by record
+//! as it arrives, and `REPLCONF ACK` of what the log holds.
+//!
+//! Where it starts: the log's end when it holds a stream; else the oldest
+//! offered snapshot's (id, M), so every snapshot offered continues into the
+//! log; else `PSYNC ? -1`. The primary answers `+CONTINUE` (from its
+//! backlog: no fork) or `+FULLRESYNC <id> <offset>` with an RDB, as it
+//! would for any replica; that RDB becomes an offered snapshot
+//! (`stream-<offset>.rdb` in `snapshot_dir`, the one before it removed) and
+//! the log starts over at its offset. A `+CONTINUE <new id>` after the
+//! primary's restart or promotion continues the log under the new id.
+//!
+//! Acknowledgement (`ack = "log"`): the primary is told the log's end,
+//! within [`ACK_DELAY`] of a record being logged and every second, so
+//! `WAIT` counts the agent once the bytes are in its log. A lost link, a
+//! primary that falls silent for [`PRIMARY_TIMEOUT`] or a log that cannot
+//! be written ends the session; the next continues from the log's end.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::log::{Log, LogError, Record};
+use crate::kv::resp;
+
+/// A log shared by its writer (the follower) and its readers.
+pub type SharedLog = Arc<Mutex<Log>>;
+
+/// The longest the primary's acknowledgement waits after a record is
+/// logged: acks are batched this much under a steady stream.
+pub const ACK_DELAY: Duration = Duration::from_millis(5);
+/// A primary that sends nothing (not even its pings) for this long is
+/// taken as gone, as a replica's `repl-timeout` does.
+pub const PRIMARY_TIMEOUT: Duration = Duration::from_secs(60);
+/// The most stream bytes one record takes from the socket.
+const READ_CHUNK: usize = 256 << 10;
+/// Longest reply line accepted from the primary.
+const MAX_LINE: usize = 512;
+
+/// What the follower needs to know of its instance.
+pub struct Follow {
+    pub instance: String,
+    /// The primary (`host:port`) and its password.
+    pub primary: String,
+    pub password: String,
+    /// Where an RDB of a full resync is offered.
+    pub snapshot_dir: PathBuf,
+    /// The (replication id, M) of the snapshots offered now.
+    pub offered: Box<dyn Fn() -> Vec<(String, u64)> + Send + Sync>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum FollowError {
+    #[error("the primary {addr}: {source}")]
+    Io {
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the primary {addr} answered {answer:?} to {asked}")]
+    Refused {
+        addr: String,
+        asked: &'static str,
+        answer: String,
+    },
+    #[error("the primary {0} sent nothing for {PRIMARY_TIMEOUT:?}")]
+    Silent(String),
+    #[error("the RDB of a full resync: {0}")]
+    Rdb(std::io::Error),
+    #[error(transparent)]
+    Log(#[from] LogError),
+}
+
+/// Follows the primary until `stop`, reconnecting after every failure
+/// (100 ms, doubling to 5 s while sessions fail before any stream).
+pub async fn run(follow: Follow, log: SharedLog, stop: CancellationToken) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let before = position(&log);
+        let result = tokio::select! {
+            _ = stop.cancelled() => return,
+            r = session(&follow, &log) => r,
+        };
+        if let Err(e) = result {
+            warn!(instance = %follow.instance, error = %e, "following the primary into the stream log stopped; it reconnects");
+        }
+        if position(&log) != before {
+            backoff = Duration::from_millis(100);
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(5));
+    }
+}
+
+fn position(log: &SharedLog) -> Option<(String, u64)> {
+    log.lock().expect("log lock").position()
+}
+
+/// Where to ask the primary to continue from: `(id, offset)` of the
+/// replica's state, or `None` for a full resync.
+fn start_point(follow: &Follow, log: &SharedLog) -> Option<(String, u64)> {
+    position(log).or_else(|| (follow.offered)().into_iter().min_by_key(|(_, m)| *m))
+}
+
+async fn session(follow: &Follow, log: &SharedLog) -> Result<(), FollowError> {
+    let addr = follow.primary.as_str();
+    let io_err = |source| FollowError::Io {
+        addr: addr.to_string(),
+        source,
+    };
+    let stream = tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(addr))
+        .await
+        .map_err(|_| io_err(std::io::ErrorKind::TimedOut.into()))?
+        .map_err(io_err)?;
+    stream.set_nodelay(true).map_err(io_err)?;
+    let (read, mut write) = stream.into_split();
+    let mut read = BufReader::with_capacity(READ_CHUNK, read);
+    let mut ask = async |asked: &'static str, args: &[&str]| -> Result<String, FollowError> {
+        write
+            .write_all(&resp::command(args))
+            .await
+            .map_err(io_err)?;
+        let answer = reply(&mut read, addr).await?;
+        match answer.starts_with('+') {
+            true => Ok(answer),
+            false => Err(FollowError::Refused {
+                addr: addr.to_string(),
+                asked,
+                answer,
+            }),
+        }
+    };
+    if !follow.password.is_empty() {
+        ask("AUTH", &["AUTH", &follow.password]).await?;
+    }
+    ask(
+        "REPLCONF listening-port",
+        &["REPLCONF", "listening-port", "0"],
+    )
+    .await?;
+    ask("REPLCONF capa", &["REPLCONF", "capa", "psync2"]).await?;
+    let asked = start_point(follow, log);
+    let (id, offset) = match &asked {
+        Some((id, offset)) => (id.clone(), (offset + 1).to_string()),
+        None => ("?".to_string(), "-1".to_string()),
+    };
+    let answer = ask("PSYNC", &["PSYNC", &id, &offset]).await?;
+    let refused = || FollowError::Refused {
+        addr: addr.to_string(),
+        asked: "PSYNC",
+        answer: answer.clone(),
+    };
+    let words: Vec<&str> = answer.split_whitespace().collect();
+    let log_ = log.clone();
+    match (words.as_slice(), asked) {
+        (["+FULLRESYNC", id, offset], _) => {
+            let offset: u64 = offset.parse().map_err(|_| refused())?;
+            receive_rdb(follow, &mut read, offset).await?;
+            let id = id.to_string();
+            blocking(move || log_.lock().expect("log lock").restart(&id, offset)).await?;
+            info!(instance = %follow.instance, offset, "full resync from the primary: its RDB is offered and the stream log starts over at its offset");
+        }
+        (["+CONTINUE", rest @ ..], Some((id, start))) if rest.len() <= 1 => {
+            let id = rest.first().map_or(id, |new| new.to_string());
+            blocking(move || {
+                let mut log = log_.lock().expect("log lock");
+                // A log still empty continues from the snapshot's point.
+                match log.position() {
+                    Some(_) => log.switch(&id),
+                    None => log.restart(&id, start),
+                }
+            })
+            .await?;
+            info!(instance = %follow.instance, offset = start, "the primary continues the stream");
+        }
+        _ => return Err(refused()),
+    }
+    stream_into(follow, read, write, log).await
+}
+
+/// The primary's reply line, skipping the empty lines it sends to keep
+/// the link alive while it prepares an RDB.
+async fn reply(read: &mut BufReader<OwnedReadHalf>, addr: &str) -> Result<String, FollowError> {
+    loop {
+        let line = tokio::time::timeout(PRIMARY_TIMEOUT, resp::read_line(read, MAX_LINE))
+            .await
+            .map_err(|_| FollowError::Silent(addr.to_string()))?
+            .map_err(|source| FollowError::Io {
+                addr: addr.to_string(),
+                source,
+            })?;
+        if !line.is_empty() {
+            return Ok(line);
+        }
+    }
+}
+
+/// Receives the `$<len>` RDB of a full resync into a hidden temp file of
+/// `snapshot_dir`, then offers it as `stream-<offset>.rdb`.
+async fn receive_rdb(
+    follow: &Follow,
+    read: &mut BufReader<OwnedReadHalf>,
+    offset: u64,
+) -> Result<(), FollowError> {
+    let line = reply(read, &follow.primary).await?;
+    let len: u64 = line
+        .strip_prefix('$')
+        .and_then(|l| l.parse().ok())
+        .ok_or_else(|| FollowError::Refused {
+            addr: follow.primary.clone(),
+            asked: "PSYNC (the RDB's length)",
+            answer: line.clone(),
+        })?;
+    let dir = follow.snapshot_dir.clone();
+    let tmp = tempfile::Builder::new()
+        .prefix(".kvsync-stream-")
+        .suffix(".tmp")
+        .tempfile_in(&dir)
+        .map_err(FollowError::Rdb)?;
+    let (file, tmp_path) = tmp.into_parts();
+    let mut file = tokio::fs::File::from_std(file);
+    let copied = tokio::io::copy(&mut read.take(len), &mut file)
+        .await
+        .map_err(FollowError::Rdb)?;
+    if copied != len {
+        return Err(FollowError::Rdb(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            format!("the primary closed the link after {copied} of {len} bytes"),
+        )));
+    }
+    file.sync_all().await.map_err(FollowError::Rdb)?;
+    drop(file);
+    let name = format!("stream-{offset}.rdb");
+    blocking(move || offer_rdb(&dir, &name, tmp_path))
+        .await
+        .map_err(FollowError::Rdb)?;
+    Ok(())
+}
+
+/// Renames the received RDB into place and removes the follower's earlier
+/// ones: the newest continues into the log, the older ones no longer do.
+fn offer_rdb(dir: &Path, name: &str, tmp: tempfile::TempPath) -> std::io::Result<()> {
+    let path = dir.join(name);
+    tmp.persist(&path).map_err(|e| e.error)?;
+    crate::sys::fs::sync_dir(dir)?;
+    for e in std::fs::read_dir(dir)? {
+        let p = e?.path();
+        let n = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if n != name && n.starts_with("stream-") && n.ends_with(".rdb") {
+            std::fs::remove_file(&p)?;
+        }
+    }
+    Ok(())
+}
+
+async fn blocking<T: Send + 'static, E: Send + 'static>(
+    f: impl FnOnce() -> Result<T, E> + Send + 'static,
+) -> Result<T, E> {
+    tokio::task::spawn_blocking(f).await.expect("log task")
+}
+
+/// The stream: every read becomes a record, appended at the log's end;
+/// the log's end is acknowledged, and each second the log is flushed (as
+/// `everysec` asks) and trimmed to its retention.
+async fn stream_into(
+    follow: &Follow,
+    mut read: BufReader<OwnedReadHalf>,
+    mut write: OwnedWriteHalf,
+    log: &SharedLog,
+) -> Result<(), FollowError> {
+    let addr = follow.primary.as_str();
+    let io_err = |source| FollowError::Io {
+        addr: addr.to_string(),
+        source,
+    };
+    let (_, mut end) = position(log).expect("the session set the log's start");
+    let mut ack_at = Instant::now();
+    let mut heard = Instant::now();
+    let mut buf = Vec::with_capacity(READ_CHUNK);
+    loop {
+        tokio::select! {
+            n = read.read_buf(&mut buf) => {
+                let n = n.map_err(io_err)?;
+                if n == 0 {
+                    return Err(io_err(std::io::ErrorKind::UnexpectedEof.into()));
+                }
+                heard = Instant::now();
+                let rec = Record::new(end, std::mem::replace(&mut buf, Vec::with_capacity(READ_CHUNK)));
+                end = rec.end();
+                let log = log.clone();
+                blocking(move || log.lock().expect("log lock").append(&rec)).await?;
+                ack_at = ack_at.min(Instant::now() + ACK_DELAY);
+            }
+            _ = tokio::time::sleep_until(ack_at) => {
+                if heard.elapsed() > PRIMARY_TIMEOUT {
+                    return Err(FollowError::Silent(addr.to_string()));
+                }
+                let ack = resp::command(&["REPLCONF", "ACK", &end.to_string()]);
+                write.write_all(&ack).await.map_err(io_err)?;
+                ack_at = Instant::now() + Duration::from_secs(1);
+                let log = log.clone();
+                let floor = floor(follow, &log);
+                blocking(move || log.lock().expect("log lock").tick(floor)).await?;
+            }
+        }
+    }
+}
+
+/// The oldest offset an offered snapshot continues from, which the log
+/// keeps (`u64::MAX`: none does).
+fn floor(follow: &Follow, log: &SharedLog) -> u64 {
+    let log = log.lock().expect("log lock");
+    (follow.offered)()
+        .into_iter()
+        .filter(|(id, m)| log.covers(id, *m).is_ok())
+        .map(|(_, m)| m)
+        .min()
+        .unwrap_or(u64::MAX)
+}

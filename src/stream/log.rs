@@ -1,0 +1,833 @@
+//! The replication stream's log on disk: the bytes a primary sent its
+//! replicas, in order, each record checksummed, so an agent can serve any
+//! retained offset again (to a replica server that reconnects, to a replica
+//! agent that resumes) without asking the primary.
+//!
+//! Offsets are the primary's own (`master_repl_offset`): a record at offset
+//! `o` holds the stream's bytes `o+1 ..= o+len`, so a replica whose offset is
+//! `o` continues with it (it asks `PSYNC <id> o+1`). The log is a directory of
+//! segment files, `<start offset>.kvslog`, oldest first; each opens with a
+//! header (magic, the start offset, the replication id its records belong
+//! to, a hash of the header) and holds records `[offset u64][len u32]
+//! [BLAKE3 of offset, len and bytes][bytes]`, each following the one before
+//! without a gap. The hash is made once, where the stream enters kvsync (the
+//! primary's agent), and travels with the record to every agent that logs,
+//! forwards or feeds it, so each checks the very bytes the primary sent.
+//!
+//! The replication ids the stream has carried, and from which offset each
+//! ([`Epoch`]), are the log's history (`history.json`), the generalisation of
+//! PSYNC2's second replication id: a replica that still names an earlier id
+//! continues as long as its offset lies in that id's span and is retained.
+//! A new id starts a new segment, so each segment has exactly one.
+//!
+//! On open, the newest segment is checked record by record and cut after
+//! its last whole, matching record (a write torn by a crash); older
+//! segments are checked as they are read. Reads take a [`ReadPlan`] under
+//! the caller's lock and then read without it: segments only grow at their
+//! end and are removed whole, so the planned bytes stay put (a removed file
+//! reads as "no longer retained").
+
+use std::fs::{File, OpenOptions};
+use std::io::{BufReader, Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime};
+
+use serde::{Deserialize, Serialize};
+use tracing::warn;
+
+use crate::config::{Fsync, StreamConfig};
+use crate::sys::fs::{open_regular, sync_dir, write_atomic};
+
+/// Segment file header: magic, start offset, replication id, header hash.
+const MAGIC: &[u8; 8] = b"KVSLOG01";
+const REPLID_LEN: usize = 40;
+const HEADER_LEN: usize = 8 + 8 + REPLID_LEN + 16;
+/// Record header: offset, length, BLAKE3.
+pub const RECORD_HEADER: usize = 8 + 4 + 32;
+/// The most bytes one record holds.
+pub const MAX_RECORD: usize = 1 << 20;
+/// An index entry at least every this many bytes of a segment.
+const INDEX_EVERY: u64 = 64 << 10;
+/// The replication ids the history keeps, newest last.
+const MAX_EPOCHS: usize = 64;
+const HISTORY: &str = "history.json";
+const SUFFIX: &str = ".kvslog";
+
+/// What went wrong with the log, for the operator and for the caller's
+/// decision (refetch from upstream, answer "too old", stop logging).
+#[derive(Debug, thiserror::Error)]
+pub enum LogError {
+    #[error("stream log {}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("stream log {}: the record at offset {offset} is damaged ({why}); nothing is served past offset {offset} until it is fetched again from upstream", path.display())]
+    Corrupt {
+        path: PathBuf,
+        offset: u64,
+        why: String,
+    },
+    /// The offset is not (or no longer) in the log.
+    #[error("offset {offset} of replication id {replid} is not in the log, which holds {held}")]
+    NotHeld {
+        replid: String,
+        offset: u64,
+        held: String,
+    },
+    #[error("a record at offset {offset} does not continue the log, which ends at {end}")]
+    Gap { offset: u64, end: u64 },
+    #[error("a record of {0} bytes is larger than a record may be ({MAX_RECORD})")]
+    TooLarge(usize),
+    #[error("the log holds no stream yet: it starts with the replication id and offset of a full resync")]
+    Empty,
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> LogError + '_ {
+    move |source| LogError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// One replication id and the offset the stream carried it from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Epoch {
+    pub replid: String,
+    pub start: u64,
+}
+
+/// A checksummed piece of the stream: its bytes follow offset `offset`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    pub offset: u64,
+    pub bytes: Vec<u8>,
+    pub hash: [u8; 32],
+}
+
+impl Record {
+    /// A record of bytes as they arrive from the primary: hashed here.
+    pub fn new(offset: u64, bytes: Vec<u8>) -> Record {
+        let hash = Record::digest(offset, &bytes);
+        Record {
+            offset,
+            bytes,
+            hash,
+        }
+    }
+
+    fn digest(offset: u64, bytes: &[u8]) -> [u8; 32] {
+        let mut h = blake3::Hasher::new();
+        h.update(&offset.to_be_bytes());
+        h.update(&(bytes.len() as u32).to_be_bytes());
+        h.update(bytes);
+        *h.finalize().as_bytes()
+    }
+
+    /// Whether the bytes are the ones the hash was made of.
+    pub fn verify(&self) -> bool {
+        Record::digest(self.offset, &self.bytes) == self.hash
+    }
+
+    /// The offset after its last byte.
+    pub fn end(&self) -> u64 {
+        self.offset + self.bytes.len() as u64
+    }
+
+    /// The record as it is stored (and framed on the wire).
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.offset.to_be_bytes());
+        out.extend_from_slice(&(self.bytes.len() as u32).to_be_bytes());
+        out.extend_from_slice(&self.hash);
+        out.extend_from_slice(&self.bytes);
+    }
+
+    /// A record header's offset and length.
+    pub fn parse_header(h: &[u8; RECORD_HEADER]) -> (u64, usize, [u8; 32]) {
+        let offset = u64::from_be_bytes(h[0..8].try_into().expect("8 bytes"));
+        let len = u32::from_be_bytes(h[8..12].try_into().expect("4 bytes")) as usize;
+        (offset, len, h[12..44].try_into().expect("32 bytes"))
+    }
+}
+
+#[derive(Debug)]
+struct Segment {
+    path: PathBuf,
+    start: u64,
+    end: u64,
+    replid: String,
+    bytes: u64,
+    modified: SystemTime,
+    /// `(offset, file position)` of a record at least every `INDEX_EVERY`.
+    index: Vec<(u64, u64)>,
+}
+
+/// Where a read of the log starts and what it may read, taken under the
+/// log's lock and carried out without it ([`read`]).
+#[derive(Debug, Clone)]
+pub struct ReadPlan {
+    path: PathBuf,
+    pos: u64,
+    /// The offset the plan reads from, and the end of the records planned.
+    from: u64,
+    end: u64,
+}
+
+/// The stream log of one instance. Not shared by itself: callers hold it
+/// under a lock and read through [`Log::plan`] and [`read`].
+#[derive(Debug)]
+pub struct Log {
+    cfg: StreamConfig,
+    segments: Vec<Segment>,
+    history: Vec<Epoch>,
+    file: Option<File>,
+    synced: u64,
+    last_sync: Instant,
+}
+
+impl Log {
+    /// Opens (or creates) the log in `cfg.dir`, cutting a torn tail.
+    pub fn open(cfg: StreamConfig) -> Result<Log, LogError> {
+        let dir = cfg.dir.clone();
+        std::fs::create_dir_all(&dir).map_err(io(&dir))?;
+        let hist_path = dir.join(HISTORY);
+        let history: Vec<Epoch> = match std::fs::read(&hist_path) {
+            Ok(b) => serde_json::from_slice(&b).map_err(|e| LogError::Corrupt {
+                path: hist_path.clone(),
+                offset: 0,
+                why: format!("unreadable history: {e}"),
+            })?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(io(&hist_path)(e)),
+        };
+        let mut paths: Vec<(u64, PathBuf)> = Vec::new();
+        for e in std::fs::read_dir(&dir).map_err(io(&dir))? {
+            let p = e.map_err(io(&dir))?.path();
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            if let Some(start) = name.strip_suffix(SUFFIX).and_then(|s| s.parse().ok()) {
+                paths.push((start, p));
+            }
+        }
+        paths.sort();
+        let mut segments: Vec<Segment> = Vec::new();
+        let last = paths.len().saturating_sub(1);
+        for (i, (_, path)) in paths.into_iter().enumerate() {
+            let seg = scan(&path, i == last)?;
+            if let Some(prev) = segments.last() {
+                if prev.end != seg.start {
+                    warn!(
+                        log = %dir.display(),
+                        "segments before offset {} do not reach it (they end at {}); they are removed",
+                        seg.start, prev.end
+                    );
+                    for old in segments.drain(..) {
+                        let _ = std::fs::remove_file(&old.path);
+                    }
+                }
+            }
+            segments.push(seg);
+        }
+        let file = match segments.last() {
+            Some(s) => {
+                Some(open_regular(&s.path, OpenOptions::new().append(true)).map_err(io(&s.path))?)
+            }
+            None => None,
+        };
+        let synced = segments.last().map_or(0, |s| s.end);
+        Ok(Log {
+            cfg,
+            segments,
+            history,
+            file,
+            synced,
+            last_sync: Instant::now(),
+        })
+    }
+
+    /// The replication id of the newest record and the log's end offset,
+    /// or `None` for a log that holds no stream.
+    pub fn position(&self) -> Option<(String, u64)> {
+        let seg = self.segments.last()?;
+        Some((seg.replid.clone(), seg.end))
+    }
+
+    /// The first offset the log holds (records continue it to the end).
+    pub fn first(&self) -> Option<u64> {
+        self.segments.first().map(|s| s.start)
+    }
+
+    /// Bytes on disk.
+    pub fn bytes(&self) -> u64 {
+        self.segments.iter().map(|s| s.bytes).sum()
+    }
+
+    /// The offset up to which records have reached the disk: every record
+    /// under `always`, those of the last `sync` under `everysec`.
+    pub fn synced(&self) -> u64 {
+        self.synced
+    }
+
+    pub fn history(&self) -> &[Epoch] {
+        &self.history
+    }
+
+    /// Starts the log over at a full resync: `replid` from `offset` (the
+    /// RDB's), dropping what it held, which no longer continues.
+    pub fn restart(&mut self, replid: &str, offset: u64) -> Result<(), LogError> {
+        self.file = None;
+        for s in self.segments.drain(..) {
+            std::fs::remove_file(&s.path).map_err(io(&s.path))?;
+        }
+        self.history.clear();
+        self.open_segment(replid, offset)?;
+        self.synced = offset;
+        Ok(())
+    }
+
+    /// The primary continues under a new replication id from the log's
+    /// end (`+CONTINUE <new id>` after a promotion or restart).
+    pub fn switch(&mut self, replid: &str) -> Result<(), LogError> {
+        let (old, end) = self.position().ok_or(LogError::Empty)?;
+        if old != replid {
+            self.open_segment(replid, end)?;
+        }
+        Ok(())
+    }
+
+    fn open_segment(&mut self, replid: &str, start: u64) -> Result<(), LogError> {
+        if replid.len() != REPLID_LEN || !replid.bytes().all(|b| b.is_ascii_alphanumeric()) {
+            return Err(LogError::Corrupt {
+                path: self.cfg.dir.clone(),
+                offset: start,
+                why: format!("{replid:?} is not a replication id"),
+            });
+        }
+        if self.history.last().is_none_or(|e| e.replid != replid) {
+            self.history.push(Epoch {
+                replid: replid.to_string(),
+                start,
+            });
+            let drop = self.history.len().saturating_sub(MAX_EPOCHS);
+            self.history.drain(..drop);
+            let path = self.cfg.dir.join(HISTORY);
+            let json = serde_json::to_vec(&self.history).expect("plain data");
+            write_atomic(&path, &json, (".history", ".tmp"), 0o600).map_err(io(&path))?;
+        }
+        let path = self.cfg.dir.join(format!("{start:020}{SUFFIX}"));
+        let mut header = Vec::with_capacity(HEADER_LEN);
+        header.extend_from_slice(MAGIC);
+        header.extend_from_slice(&start.to_be_bytes());
+        header.extend_from_slice(replid.as_bytes());
+        let hash = blake3::hash(&header);
+        header.extend_from_slice(&hash.as_bytes()[..16]);
+        let mut file = open_regular(
+            &path,
+            OpenOptions::new().create_new(true).append(true).mode(0o600),
+        )
+        .map_err(io(&path))?;
+        file.write_all(&header).map_err(io(&path))?;
+        file.sync_all().map_err(io(&path))?;
+        sync_dir(&self.cfg.dir).map_err(io(&self.cfg.dir))?;
+        self.segments.push(Segment {
+            path,
+            start,
+            end: start,
+            replid: replid.to_string(),
+            bytes: HEADER_LEN as u64,
+            modified: SystemTime::now(),
+            index: Vec::new(),
+        });
+        self.file = Some(file);
+        Ok(())
+    }
+
+    /// Appends a record that continues the log, after checking its hash
+    /// (a record from upstream is checked before it is logged).
+    pub fn append(&mut self, rec: &Record) -> Result<(), LogError> {
+        if rec.bytes.len() > MAX_RECORD {
+            return Err(LogError::TooLarge(rec.bytes.len()));
+        }
+        let (_, end) = self.position().ok_or(LogError::Empty)?;
+        if rec.offset != end {
+            return Err(LogError::Gap {
+                offset: rec.offset,
+                end,
+            });
+        }
+        if !rec.verify() {
+            return Err(LogError::Corrupt {
+                path: self.cfg.dir.clone(),
+                offset: rec.offset,
+                why: "its bytes do not match their BLAKE3 hash as received".into(),
+            });
+        }
+        if self
+            .segments
+            .last()
+            .is_some_and(|s| s.bytes >= self.cfg.segment_size.as_u64())
+        {
+            let replid = self.segments.last().expect("checked").replid.clone();
+            self.file = None;
+            self.open_segment(&replid, end)?;
+        }
+        let mut buf = Vec::with_capacity(RECORD_HEADER + rec.bytes.len());
+        rec.encode(&mut buf);
+        let seg = self.segments.last_mut().expect("a segment is open");
+        let file = self.file.as_mut().expect("the newest segment is open");
+        if let Err(e) = file.write_all(&buf) {
+            // A partial record (disk full) is cut, so the file ends whole.
+            let _ = file.set_len(seg.bytes);
+            return Err(io(&seg.path)(e));
+        }
+        if seg
+            .index
+            .last()
+            .is_none_or(|&(_, pos)| seg.bytes - pos >= INDEX_EVERY)
+        {
+            seg.index.push((rec.offset, seg.bytes));
+        }
+        seg.bytes += buf.len() as u64;
+        seg.end = rec.end();
+        seg.modified = SystemTime::now();
+        match self.cfg.fsync {
+            Fsync::Always => self.sync(),
+            Fsync::Everysec => self.sync_due(),
+        }
+    }
+
+    /// Flushes under `everysec` once a second has passed since the last.
+    fn sync_due(&mut self) -> Result<(), LogError> {
+        let (_, end) = self.position().ok_or(LogError::Empty)?;
+        if self.synced < end && self.last_sync.elapsed() >= Duration::from_secs(1) {
+            self.sync()?;
+        }
+        Ok(())
+    }
+
+    /// The writer's once-a-second care: a due flush, and trimming to the
+    /// retention above `floor` ([`Log::trim`]).
+    pub fn tick(&mut self, floor: u64) -> Result<(), LogError> {
+        self.sync_due()?;
+        self.trim(floor)?;
+        Ok(())
+    }
+
+    /// Flushes the newest segment to the disk.
+    pub fn sync(&mut self) -> Result<(), LogError> {
+        if let (Some(file), Some(seg)) = (&self.file, self.segments.last()) {
+            file.sync_data().map_err(io(&seg.path))?;
+            self.synced = seg.end;
+        }
+        self.last_sync = Instant::now();
+        Ok(())
+    }
+
+    /// Whether a replica at `offset` under `replid` can continue from the
+    /// log: that id's span holds the offset and the log still does.
+    pub fn covers(&self, replid: &str, offset: u64) -> Result<(), LogError> {
+        let not_held = || LogError::NotHeld {
+            replid: replid.to_string(),
+            offset,
+            held: self.describe(),
+        };
+        let (_, end) = self.position().ok_or_else(not_held)?;
+        let first = self.first().unwrap_or(end);
+        let span = self.history.iter().enumerate().find(|(i, e)| {
+            let until = self.history.get(i + 1).map_or(end, |n| n.start);
+            e.replid == replid && e.start <= offset && offset <= until
+        });
+        if span.is_none() || offset < first || offset > end {
+            return Err(not_held());
+        }
+        Ok(())
+    }
+
+    fn describe(&self) -> String {
+        match (self.first(), self.position()) {
+            (Some(first), Some((id, end))) => format!("offsets {first}..{end} (now {id})"),
+            _ => "nothing".into(),
+        }
+    }
+
+    /// Plans a read of the records from `offset` on (the first may start
+    /// before it), within one segment.
+    pub fn plan(&self, offset: u64) -> Result<ReadPlan, LogError> {
+        let seg = self
+            .segments
+            .iter()
+            .find(|s| s.start <= offset && offset < s.end)
+            .ok_or_else(|| LogError::NotHeld {
+                replid: String::new(),
+                offset,
+                held: self.describe(),
+            })?;
+        let at = seg.index.partition_point(|&(o, _)| o <= offset);
+        let pos = if at == 0 {
+            HEADER_LEN as u64
+        } else {
+            seg.index[at - 1].1
+        };
+        Ok(ReadPlan {
+            path: seg.path.clone(),
+            pos,
+            from: offset,
+            end: seg.end,
+        })
+    }
+
+    /// Removes whole old segments past `retain` (bytes or age), never one
+    /// holding offsets at or after `floor` (what offered snapshots still
+    /// need) and never the newest. Returns how many went.
+    pub fn trim(&mut self, floor: u64) -> Result<usize, LogError> {
+        let now = SystemTime::now();
+        let mut total = self.bytes();
+        let mut removed = 0;
+        while self.segments.len() > 1 {
+            let s = &self.segments[0];
+            let old = now
+                .duration_since(s.modified)
+                .is_ok_and(|age| age > self.cfg.retain_age);
+            if s.end > floor || !(total > self.cfg.retain.as_u64() || old) {
+                break;
+            }
+            std::fs::remove_file(&s.path).map_err(io(&s.path))?;
+            total -= s.bytes;
+            self.segments.remove(0);
+            removed += 1;
+        }
+        Ok(removed)
+    }
+}
+
+/// Reads whole records of `plan`, from the one holding its offset, up to
+/// about `max` bytes; each is checked against its hash.
+pub fn read(plan: &ReadPlan, max: usize) -> Result<Vec<Record>, LogError> {
+    let gone = |offset| LogError::NotHeld {
+        replid: String::new(),
+        offset,
+        held: "no segment with it any more".into(),
+    };
+    let file = match File::open(&plan.path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(gone(plan.from)),
+        Err(e) => return Err(io(&plan.path)(e)),
+    };
+    let mut r = BufReader::with_capacity(256 << 10, file);
+    r.seek(SeekFrom::Start(plan.pos)).map_err(io(&plan.path))?;
+    let (mut out, mut size) = (Vec::new(), 0);
+    // The offset the next record must start at (`None`: the first read,
+    // at an index entry at or before the plan's offset).
+    let mut next: Option<u64> = None;
+    while size < max && next.is_none_or(|n| n < plan.end) {
+        let at = next.unwrap_or(plan.from);
+        let mut h = [0u8; RECORD_HEADER];
+        r.read_exact(&mut h)
+            .map_err(|e| damaged(&plan.path, at, e))?;
+        let (offset, len, hash) = Record::parse_header(&h);
+        let in_order = next.map_or(offset <= plan.from, |n| n == offset);
+        if len > MAX_RECORD || !in_order {
+            return Err(damaged(&plan.path, at, "a record header out of order"));
+        }
+        next = Some(offset + len as u64);
+        if offset + (len as u64) <= plan.from {
+            r.seek_relative(len as i64).map_err(io(&plan.path))?;
+            continue;
+        }
+        let mut bytes = vec![0u8; len];
+        r.read_exact(&mut bytes)
+            .map_err(|e| damaged(&plan.path, offset, e))?;
+        let rec = Record {
+            offset,
+            bytes,
+            hash,
+        };
+        if !rec.verify() {
+            return Err(damaged(
+                &plan.path,
+                offset,
+                "its bytes do not match their hash",
+            ));
+        }
+        size += len;
+        out.push(rec);
+    }
+    Ok(out)
+}
+
+fn damaged(path: &Path, offset: u64, why: impl std::fmt::Display) -> LogError {
+    LogError::Corrupt {
+        path: path.to_path_buf(),
+        offset,
+        why: why.to_string(),
+    }
+}
+
+/// Reads a segment's header and walks its records; `check` hashes each
+/// and cuts the file after the last good one (the newest segment).
+fn scan(path: &Path, check: bool) -> Result<Segment, LogError> {
+    let mut file =
+        open_regular(path, OpenOptions::new().read(true).write(check)).map_err(io(path))?;
+    let meta = file.metadata().map_err(io(path))?;
+    let mut r = BufReader::with_capacity(256 << 10, &mut file);
+    let mut header = [0u8; HEADER_LEN];
+    r.read_exact(&mut header)
+        .map_err(|e| damaged(path, 0, format!("no whole header: {e}")))?;
+    let hash = blake3::hash(&header[..HEADER_LEN - 16]);
+    if &header[..8] != MAGIC || header[HEADER_LEN - 16..] != hash.as_bytes()[..16] {
+        return Err(damaged(
+            path,
+            0,
+            "not a kvsync stream segment, or its header is damaged",
+        ));
+    }
+    let start = u64::from_be_bytes(header[8..16].try_into().expect("8 bytes"));
+    let replid = String::from_utf8_lossy(&header[16..16 + REPLID_LEN]).into_owned();
+    let (mut end, mut pos, mut index) = (start, HEADER_LEN as u64, Vec::new());
+    let mut bad = None;
+    loop {
+        let mut h = [0u8; RECORD_HEADER];
+        match r.read_exact(&mut h) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                if pos != meta.len() {
+                    bad = Some("a torn record header");
+                }
+                break;
+            }
+            Err(e) => return Err(io(path)(e)),
+        }
+        let (o, len, hash) = Record::parse_header(&h);
+        if o != end || len > MAX_RECORD || pos + (RECORD_HEADER + len) as u64 > meta.len() {
+            bad = Some("a torn or out-of-order record");
+            break;
+        }
+        if check {
+            let mut bytes = vec![0u8; len];
+            r.read_exact(&mut bytes).map_err(io(path))?;
+            if !(Record {
+                offset: o,
+                bytes,
+                hash,
+            })
+            .verify()
+            {
+                bad = Some("a record whose bytes do not match their hash");
+                break;
+            }
+        } else {
+            r.seek_relative(len as i64).map_err(io(path))?;
+        }
+        if index.last().is_none_or(|&(_, p)| pos - p >= INDEX_EVERY) {
+            index.push((o, pos));
+        }
+        pos += (RECORD_HEADER + len) as u64;
+        end = o + len as u64;
+    }
+    drop(r);
+    if let Some(why) = bad {
+        if !check {
+            return Err(damaged(path, end, why));
+        }
+        warn!(segment = %path.display(), "the log's newest segment ends in {why} at offset {end}; it is cut there");
+        file.set_len(pos).map_err(io(path))?;
+        file.sync_all().map_err(io(path))?;
+    }
+    Ok(Segment {
+        path: path.to_path_buf(),
+        start,
+        end,
+        replid,
+        bytes: pos,
+        modified: meta.modified().unwrap_or(SystemTime::now()),
+        index,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ID_A: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+    const ID_B: &str = "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb";
+
+    fn cfg(dir: &Path) -> StreamConfig {
+        StreamConfig {
+            dir: dir.to_path_buf(),
+            segment_size: bytesize::ByteSize::b(4096),
+            fsync: Fsync::Always,
+            ..StreamConfig::default()
+        }
+    }
+
+    /// Appends `n` records of `len` bytes from the log's end.
+    fn fill(log: &mut Log, n: usize, len: usize) -> Vec<u8> {
+        let mut all = Vec::new();
+        for i in 0..n {
+            let (_, end) = log.position().unwrap();
+            let bytes: Vec<u8> = (0..len).map(|j| (i * 7 + j) as u8).collect();
+            all.extend_from_slice(&bytes);
+            log.append(&Record::new(end, bytes)).unwrap();
+        }
+        all
+    }
+
+    /// The stream's bytes from `offset` to the end, read back.
+    fn read_all(log: &Log, mut offset: u64) -> Vec<u8> {
+        let mut out = Vec::new();
+        let (_, end) = log.position().unwrap();
+        while offset < end {
+            let recs = read(&log.plan(offset).unwrap(), 1000).unwrap();
+            for r in recs {
+                let skip = (offset - r.offset) as usize;
+                out.extend_from_slice(&r.bytes[skip..]);
+                offset = r.end();
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn records_read_back_from_any_offset_across_segments_and_reopens() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = Log::open(cfg(dir.path())).unwrap();
+        assert_eq!(log.position(), None);
+        log.restart(ID_A, 1000).unwrap();
+        let all = fill(&mut log, 40, 300);
+        assert!(log.segments.len() > 2, "{} segments", log.segments.len());
+        assert_eq!(log.position(), Some((ID_A.to_string(), 1000 + 12_000)));
+        for from in [1000, 1001, 1299, 1300, 5555, 12_999] {
+            assert_eq!(
+                read_all(&log, from),
+                all[(from - 1000) as usize..],
+                "from {from}"
+            );
+        }
+        drop(log);
+        let log = Log::open(cfg(dir.path())).unwrap();
+        assert_eq!(log.position(), Some((ID_A.to_string(), 13_000)));
+        assert_eq!(log.first(), Some(1000));
+        assert_eq!(read_all(&log, 4321), all[3321..]);
+    }
+
+    #[test]
+    fn a_record_that_does_not_continue_the_log_or_fails_its_hash_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = Log::open(cfg(dir.path())).unwrap();
+        assert!(matches!(
+            log.append(&Record::new(0, vec![1])),
+            Err(LogError::Empty)
+        ));
+        log.restart(ID_A, 0).unwrap();
+        fill(&mut log, 1, 10);
+        assert!(matches!(
+            log.append(&Record::new(11, vec![1])),
+            Err(LogError::Gap {
+                offset: 11,
+                end: 10
+            })
+        ));
+        let mut forged = Record::new(10, b"SET k v".to_vec());
+        forged.bytes[0] = b'D';
+        assert!(matches!(
+            log.append(&forged),
+            Err(LogError::Corrupt { offset: 10, .. })
+        ));
+        assert_eq!(log.position().unwrap().1, 10);
+    }
+
+    #[test]
+    fn a_torn_tail_is_cut_and_a_damaged_record_is_never_served() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = Log::open(cfg(dir.path())).unwrap();
+        log.restart(ID_A, 0).unwrap();
+        let all = fill(&mut log, 30, 300);
+        let newest = log.segments.last().unwrap().path.clone();
+        let oldest = log.segments[0].path.clone();
+        drop(log);
+        // A crash mid-write: half a record at the end of the newest.
+        let mut f = OpenOptions::new().append(true).open(&newest).unwrap();
+        let mut torn = Vec::new();
+        Record::new(9000, vec![5; 300]).encode(&mut torn);
+        f.write_all(&torn[..100]).unwrap();
+        drop(f);
+        // A flipped byte in the middle of an older segment.
+        let mut b = std::fs::read(&oldest).unwrap();
+        b[HEADER_LEN + RECORD_HEADER + 300 + RECORD_HEADER + 17] ^= 1;
+        std::fs::write(&oldest, b).unwrap();
+        let log = Log::open(cfg(dir.path())).unwrap();
+        assert_eq!(log.position().unwrap().1, 9000, "the torn record is cut");
+        assert_eq!(read_all(&log, 6000), all[6000..]);
+        // The damaged record (offset 300) is refused; the one before reads.
+        let first = read(&log.plan(0).unwrap(), 100).unwrap();
+        assert_eq!(first.len(), 1);
+        let err = read(&log.plan(0).unwrap(), 1000).unwrap_err();
+        assert!(
+            matches!(err, LogError::Corrupt { offset: 300, .. }),
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains("fetched again from upstream"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn earlier_replication_ids_continue_within_their_span() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = Log::open(cfg(dir.path())).unwrap();
+        log.restart(ID_A, 100).unwrap();
+        fill(&mut log, 2, 50);
+        log.switch(ID_B).unwrap();
+        fill(&mut log, 2, 50);
+        assert_eq!(
+            log.history(),
+            [
+                Epoch {
+                    replid: ID_A.into(),
+                    start: 100
+                },
+                Epoch {
+                    replid: ID_B.into(),
+                    start: 200
+                }
+            ]
+        );
+        log.covers(ID_A, 150).unwrap();
+        log.covers(ID_A, 200).unwrap();
+        assert!(log.covers(ID_A, 201).is_err(), "A's stream ended at 200");
+        log.covers(ID_B, 250).unwrap();
+        assert!(log.covers(ID_B, 150).is_err(), "B started at 200");
+        assert!(log.covers(ID_A, 99).is_err());
+        assert!(log.covers(ID_B, 301).is_err());
+        drop(log);
+        let log = Log::open(cfg(dir.path())).unwrap();
+        log.covers(ID_A, 150).unwrap();
+        assert_eq!(log.position(), Some((ID_B.to_string(), 300)));
+    }
+
+    #[test]
+    fn retention_keeps_the_newest_segment_and_what_snapshots_need() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = cfg(dir.path());
+        c.retain = bytesize::ByteSize::b(10_000);
+        let mut log = Log::open(c).unwrap();
+        log.restart(ID_A, 0).unwrap();
+        fill(&mut log, 100, 300);
+        let segs = log.segments.len();
+        // A snapshot at offset 1000 keeps everything from it.
+        assert_eq!(log.trim(1000).unwrap(), 0);
+        assert_eq!(log.segments.len(), segs);
+        let removed = log.trim(u64::MAX).unwrap();
+        assert!(
+            removed > 0 && log.bytes() <= 10_000 + 4096,
+            "{} bytes",
+            log.bytes()
+        );
+        let first = log.first().unwrap();
+        assert!(log.covers(ID_A, first - 1).is_err());
+        log.covers(ID_A, first).unwrap();
+        assert!(matches!(log.plan(0), Err(LogError::NotHeld { .. })));
+    }
+}

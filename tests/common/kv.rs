@@ -1,0 +1,375 @@
+//! Real Redis/Valkey servers for the KV tests: Debian's `redis-server` and
+//! `valkey-server` (installed by the test command) started on free ports,
+//! clients that work on them until dropped, and agents configured for them.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use super::node::Node;
+use super::*;
+
+/// A free TCP port on 127.0.0.1 for redis-server, which cannot bind port
+/// 0: below the kernel's ephemeral range, so no client connection of the
+/// suite can be holding it when the server binds.
+pub fn free_port() -> u16 {
+    use std::sync::atomic::{AtomicU16, Ordering};
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32768);
+    let start = 10_000 + (std::process::id() % 1000) as u16 * 16;
+    if low < start + 1000 {
+        // An unusual port range: any free port.
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        return l.local_addr().unwrap().port();
+    }
+    loop {
+        let port = start + NEXT.fetch_add(1, Ordering::Relaxed) % (low - start);
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+}
+
+/// The servers every test here runs against: Debian's `redis-server`, and
+/// `valkey-server` from its backports (both installed by the test command).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Server {
+    Redis,
+    Valkey,
+}
+
+impl Server {
+    pub fn bin(self) -> &'static str {
+        match self {
+            Server::Redis => "redis-server",
+            Server::Valkey => "valkey-server",
+        }
+    }
+
+    pub fn cli(self) -> &'static str {
+        match self {
+            Server::Redis => "redis-cli",
+            Server::Valkey => "valkey-cli",
+        }
+    }
+
+    /// The user Debian's package runs the server as.
+    pub fn user(self) -> &'static str {
+        match self {
+            Server::Redis => "redis",
+            Server::Valkey => "valkey",
+        }
+    }
+}
+
+/// Runs each named test (a `fn(Server)`) once per server, as
+/// `name::redis` and `name::valkey`.
+#[macro_export]
+macro_rules! on_both_servers {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[test]
+            fn redis() {
+                super::$name(super::Server::Redis)
+            }
+            #[test]
+            fn valkey() {
+                super::$name(super::Server::Valkey)
+            }
+        }
+    )*};
+}
+
+/// A redis-server or valkey-server: a child process, or a daemonized one
+/// found by pidfile.
+pub struct Redis {
+    pub server: Server,
+    pub port: u16,
+    pub dir: PathBuf,
+    pub child: Option<Child>,
+    /// Its `--requirepass`, if it was started with one.
+    pub password: Option<String>,
+}
+
+impl Redis {
+    /// Starts a server in `dir` with `extra` arguments and waits for PING.
+    pub fn start(server: Server, dir: &Path, extra: &[&str]) -> Redis {
+        Redis::start_as(server, dir, extra, None)
+    }
+
+    /// Like [`Redis::start`], as `user` when given, the way Debian's unit
+    /// runs it: `dir` is `0750 user:user`, and the server's umask 007.
+    pub fn start_as(server: Server, dir: &Path, extra: &[&str], user: Option<&str>) -> Redis {
+        std::fs::create_dir_all(dir).unwrap();
+        let port = free_port();
+        let bin = server.bin();
+        let mut command = Command::new(bin);
+        if let Some(user) = user {
+            std::os::unix::fs::chown(dir, Some(uid(user)), Some(gid(user))).unwrap();
+            std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o750))
+                .unwrap();
+            command = Command::new("setpriv");
+            command
+                .args(["--reuid", user, "--regid", user, "--clear-groups", "--"])
+                .args(["sh", "-c", &format!("umask 007 && exec {bin} \"$@\""), bin]);
+        }
+        let child = command
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args([
+                "--dir",
+                dir.to_str().unwrap(),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .args(["--logfile", dir.join("redis.log").to_str().unwrap()])
+            .args(extra)
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("{bin} (the test command installs it): {e}"));
+        let r = Redis {
+            server,
+            port,
+            dir: dir.to_owned(),
+            child: Some(child),
+            password: extra
+                .windows(2)
+                .find(|w| w[0] == "--requirepass")
+                .map(|w| w[1].to_string()),
+        };
+        r.wait_up();
+        r
+    }
+
+    /// A replica's server, standalone until a handoff seeds it (its pidfile
+    /// lets the handoff's start and stop find it).
+    pub fn standalone_replica(server: Server, dir: &Path) -> Redis {
+        Redis::start(
+            server,
+            dir,
+            &["--pidfile", dir.join("redis.pid").to_str().unwrap()],
+        )
+    }
+
+    pub fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// A URL for the server, with its password.
+    pub fn url(&self) -> String {
+        let auth = self
+            .password
+            .as_ref()
+            .map_or(String::new(), |p| format!(":{p}@"));
+        format!("redis://{auth}{}/", self.addr())
+    }
+
+    pub fn con(&self) -> redis::Connection {
+        redis::Client::open(self.url())
+            .unwrap()
+            .get_connection()
+            .unwrap()
+    }
+
+    pub fn wait_up(&self) {
+        wait_for(
+            &format!("redis on {} to answer PING", self.port),
+            DEADLINE,
+            || {
+                let c = redis::Client::open(self.url()).ok()?;
+                let mut con = c.get_connection().ok()?;
+                redis::cmd("PING").query::<String>(&mut con).ok()
+            },
+        );
+    }
+
+    pub fn cmd<T: redis::FromRedisValue>(&self, args: &[&str]) -> T {
+        let mut c = redis::cmd(args[0]);
+        for a in &args[1..] {
+            c.arg(*a);
+        }
+        c.query(&mut self.con()).unwrap()
+    }
+
+    pub fn info(&self, section: &str) -> kvsync::kv::redis::Info {
+        kvsync::kv::redis::Info::parse(&self.cmd::<String>(&["INFO", section]))
+    }
+
+    /// Creates the replication backlog: a replica attaches once and leaves.
+    pub fn make_backlog(&self, root: &Path) {
+        let port = self.port.to_string();
+        let mut args = vec!["--replicaof", "127.0.0.1", &port];
+        if let Some(password) = &self.password {
+            args.extend(["--masterauth", password]);
+        }
+        let helper = Redis::start(self.server, &root.join("helper"), &args);
+        wait_for("the helper replica's link", DEADLINE, || {
+            (helper.info("replication").get("master_link_status") == Some("up")).then_some(())
+        });
+        drop(helper);
+        assert_eq!(self.info("replication").num("repl_backlog_active"), 1);
+        // With diskless sync the replica's link can come up before the
+        // primary has reaped the fork that streamed its RDB; a SAVE or
+        // BGSAVE issued then is refused.
+        wait_for("the primary's replication fork to exit", DEADLINE, || {
+            (self.info("persistence").num("rdb_bgsave_in_progress") == 0).then_some(())
+        });
+    }
+
+    /// Writes `n` string keys `prefix:i` (pipelined).
+    pub fn fill(&self, prefix: &str, n: usize, value: &str) {
+        let mut con = self.con();
+        for chunk in (0..n).collect::<Vec<_>>().chunks(5000) {
+            let mut p = redis::pipe();
+            for i in chunk {
+                p.cmd("SET")
+                    .arg(format!("{prefix}:{i}"))
+                    .arg(value)
+                    .ignore();
+            }
+            p.query::<()>(&mut con).unwrap();
+        }
+    }
+
+    /// BGSAVE and wait until it finished well; returns the RDB path.
+    pub fn bgsave(&self) -> PathBuf {
+        // Once BGSAVE answers, its child is running (in progress = 1); a
+        // finished save leaves no change unsaved (the writes happened
+        // before it).
+        let started: String = self.cmd(&["BGSAVE"]);
+        assert_eq!(started, "Background saving started");
+        wait_for("BGSAVE to finish", DEADLINE, || {
+            let p = self.info("persistence");
+            (p.num("rdb_bgsave_in_progress") == 0
+                && p.num("rdb_changes_since_last_save") == 0
+                && p.get("rdb_last_bgsave_status") == Some("ok"))
+            .then_some(())
+        });
+        self.dir.join("dump.rdb")
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        // Daemonized servers (started by a handoff) are found by pidfile.
+        if let Ok(pid) = std::fs::read_to_string(self.dir.join("redis.pid")) {
+            if let Ok(pid) = pid.trim().parse::<i32>() {
+                // SAFETY: signalling a process we started.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// A client thread working on a server until dropped: `step(con, i)` for
+/// i = 0, 1, 2, … (a writer, or a reader).
+pub struct Client {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Client {
+    pub fn start(
+        server: &Redis,
+        mut step: impl FnMut(&mut redis::Connection, u64) + Send + 'static,
+    ) -> Client {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (stopped, mut con) = (stop.clone(), server.con());
+        let thread = std::thread::spawn(move || {
+            let mut i = 0u64;
+            while !stopped.load(std::sync::atomic::Ordering::Relaxed) {
+                step(&mut con, i);
+                i += 1;
+            }
+        });
+        Client {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(Err(panic)) = self.thread.take().map(|t| t.join()) {
+            if !std::thread::panicking() {
+                std::panic::resume_unwind(panic);
+            }
+        }
+    }
+}
+
+/// A kvsync agent with `config` (TOML) in `root/name.toml`.
+pub fn agent(
+    root: &Path,
+    name: &str,
+    snapshot_dir: &Path,
+    config: &str,
+    env: &[(&str, &str)],
+) -> Node {
+    agent_as(root, name, snapshot_dir, config, env, &[])
+}
+
+/// Like [`agent`], run through `wrapper` (e.g. `setpriv` as another user).
+pub fn agent_as(
+    root: &Path,
+    name: &str,
+    snapshot_dir: &Path,
+    config: &str,
+    env: &[(&str, &str)],
+    wrapper: &[&str],
+) -> Node {
+    let path = root.join(format!("{name}.toml"));
+    std::fs::create_dir_all(snapshot_dir).unwrap();
+    // `[data]` keys of `config` join the [data] section written here.
+    let (data, config) = match config.split_once("[data]\n") {
+        Some((before, after)) => {
+            let end = after.find("\n[").map_or(after.len(), |i| i + 1);
+            (
+                after[..end].to_string(),
+                format!("{before}{}", &after[end..]),
+            )
+        }
+        None => (String::new(), config.to_string()),
+    };
+    std::fs::write(
+        &path,
+        format!(
+            "node_id = \"{name}\"\nsnapshot_dir = \"{}\"\nsnapshot_format = \"redis-rdb\"\n[grpc]\nlisten = \"127.0.0.1:0\"\n[data]\ntcp_listen = \"127.0.0.1:0\"\nrdma_port = 0\n{data}[metrics]\nlisten = \"127.0.0.1:0\"\n[watch]\ndebounce = \"20ms\"\n[sync]\nretries = 0\n{config}",
+            snapshot_dir.display()
+        ),
+    )
+    .unwrap();
+    Node {
+        proc: AgentProcess::start_wrapped(
+            wrapper,
+            &["--config", path.to_str().unwrap()],
+            env,
+            root,
+        ),
+        dir: snapshot_dir.to_owned(),
+        token: None,
+    }
+}
+
+fn id(flag: &str, user: &str) -> u32 {
+    let out = Command::new("id").args([flag, user]).output().unwrap();
+    assert!(out.status.success(), "no user {user}");
+    String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+}
+
+pub fn uid(user: &str) -> u32 {
+    id("-u", user)
+}
+
+pub fn gid(user: &str) -> u32 {
+    id("-g", user)
+}
