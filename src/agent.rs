@@ -32,8 +32,10 @@ use crate::rpc::{pb, tls, Dialer};
 use crate::store::cache::SnapshotCache;
 use crate::store::catalog::Catalog;
 use crate::store::watch::DirWatcher;
-use crate::stream::follow::{Follow, SharedLog};
+use crate::stream::follow::Follow;
 use crate::stream::log::Log;
+use crate::stream::pull::Pull;
+use crate::stream::{SharedLog, Stream};
 use crate::sync::instance::{Instance, Instances};
 use crate::sync::offer::Offers;
 use crate::sync::serve::{self, DataEndpoints, DataPlane, SessionTable};
@@ -70,6 +72,9 @@ pub enum AgentError {
     /// The gRPC server refused the TLS settings.
     #[error("tls: {0}")]
     TlsServer(String),
+    /// An instance's stream feed cannot start.
+    #[error(transparent)]
+    StreamFeed(#[from] crate::stream::feed::FeedError),
     /// An instance's stream log cannot be opened.
     #[error("{0}")]
     StreamLog(#[from] crate::stream::log::LogError),
@@ -94,6 +99,7 @@ pub struct RunningAgent {
     parts: Parts,
     cache: Arc<SnapshotCache>,
     sessions: Arc<SessionTable>,
+    streams: Arc<crate::stream::serve::StreamOffers>,
     data: Arc<DataEndpoints>,
     tokens: Arc<Tokens>,
     peer_tokens: Option<Arc<Tokens>>,
@@ -115,6 +121,8 @@ struct Parts {
     /// The source's send rate, which the backlog guard reckons with.
     rate: Arc<RateLimiter>,
     shutdown: CancellationToken,
+    /// How an instance's stream reaches its upstream agent.
+    dialer: Dialer,
 }
 
 /// What is read and checked before anything binds.
@@ -178,6 +186,7 @@ impl RunningAgent {
             hello_timeout: config.data.hello_timeout,
             tls: prepared.data_tls.clone(),
             kernel_tls: config.data.kernel_tls,
+            streams: Arc::default(),
             pending: crate::rpc::conn_limit::Limits {
                 total: config.data.max_pending_connections,
                 per_peer: config.data.max_pending_per_peer,
@@ -204,6 +213,7 @@ impl RunningAgent {
             metrics: metrics.clone(),
             rate: plane.rate.clone(),
             shutdown: shutdown.clone(),
+            dialer: prepared.dialer.clone(),
         };
         let instances = Arc::new(Instances::default());
         for ic in config.instances() {
@@ -237,6 +247,7 @@ impl RunningAgent {
                     sessions: sessions.clone(),
                     data: data.clone(),
                     draining: draining.clone(),
+                    streams: plane.streams.clone(),
                 },
             },
             auth: ServerAuth::pair(
@@ -272,6 +283,7 @@ impl RunningAgent {
             parts,
             cache,
             sessions,
+            streams: plane.streams.clone(),
             data,
             tokens: prepared.tokens,
             peer_tokens: prepared.peer_tokens,
@@ -468,6 +480,7 @@ impl RunningAgent {
         self.shutdown.cancel();
         self.syncs.cancel_all();
         self.sessions.clear();
+        self.streams.clear();
         while self.tasks.join_next().await.is_some() {}
         for instance in self.instances.all() {
             instance.end().await;
@@ -564,7 +577,26 @@ async fn start_instance(
     let stop = parts.shutdown.child_token();
     let mut instance = Instance::new(config.clone(), catalog.clone(), backlog, stop.clone());
     if config.stream.enabled() {
-        instance.stream = Some(follow_primary(name, &config, &catalog, &instance).await?);
+        let stream = follow_stream(name, &config, &catalog, &instance, parts).await?;
+        if config.handoff.mode == HandoffMode::RedisStream {
+            let (listener, feed) =
+                crate::stream::feed::bind(&redis.seed_listen, &config.stream.dir).await?;
+            instance.spawn(crate::kv::seed::repoint(
+                redis.clone(),
+                feed.addr,
+                feed.secret.clone(),
+                stop.clone(),
+            ));
+            instance.spawn(crate::stream::feed::run(
+                listener,
+                feed.clone(),
+                redis.server_addr.clone(),
+                stream.clone(),
+                stop.clone(),
+            ));
+            instance.feed = Some(feed);
+        }
+        instance.stream = Some(stream);
     }
     instance.spawn(crate::store::journal::sweep_every(
         dir.clone(),
@@ -613,18 +645,19 @@ async fn start_instance(
     Ok(Arc::new(instance))
 }
 
-/// Opens the instance's stream log and follows its primary into it.
-async fn follow_primary(
+/// Opens the instance's stream log and follows its upstream agent, or
+/// else its primary, into it.
+async fn follow_stream(
     name: &str,
     config: &Config,
     catalog: &Arc<Catalog>,
     instance: &Instance,
+    parts: &Parts,
 ) -> Result<SharedLog, AgentError> {
     let st = config.stream.clone();
     let log = tokio::task::spawn_blocking(move || Log::open(st))
         .await
         .expect("log open task")?;
-    let log = Arc::new(std::sync::Mutex::new(log));
     let offered = {
         let catalog = catalog.clone();
         move || {
@@ -635,6 +668,31 @@ async fn follow_primary(
                 .collect()
         }
     };
+    let upstream = &config.stream.upstream;
+    if !upstream.is_empty() {
+        let stream = Stream::new(log, format!("agent {upstream}"));
+        let pull = Pull {
+            instance: name.to_string(),
+            upstream: upstream.clone(),
+            upstream_instance: match config.stream.upstream_instance.as_str() {
+                "" => name.to_string(),
+                other => other.to_string(),
+            },
+            node_id: config.node_id.clone(),
+            dialer: parts.dialer.clone(),
+            tls_name: crate::sync::policy::tls_name(&config.tls.server_name, upstream),
+            peer_timeout: config.data.peer_timeout,
+            metrics: parts.metrics.clone(),
+            offered: Box::new(offered),
+        };
+        instance.spawn(crate::stream::pull::run(
+            pull,
+            stream.clone(),
+            instance.stop.clone(),
+        ));
+        return Ok(stream);
+    }
+    let stream = Stream::new(log, format!("primary {}", config.redis.primary_addr));
     let follow = Follow {
         instance: name.to_string(),
         primary: config.redis.primary_addr.clone(),
@@ -644,10 +702,10 @@ async fn follow_primary(
     };
     instance.spawn(crate::stream::follow::run(
         follow,
-        log.clone(),
+        stream.clone(),
         instance.stop.clone(),
     ));
-    Ok(log)
+    Ok(stream)
 }
 
 /// Binds a TCP listener for the setting `what`.

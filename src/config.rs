@@ -94,8 +94,13 @@ const INSTANCE_KEYS: [&str; 5] = [
 pub struct StreamConfig {
     /// The log's directory; empty (the default) leaves the stream off. On
     /// the primary's host (`[redis] primary_addr` set) the agent follows
-    /// the primary as a replica into it.
+    /// the primary as a replica into it; elsewhere it follows `upstream`.
     pub dir: PathBuf,
+    /// The agent (its gRPC `host:port`) whose stream log this one follows,
+    /// instead of a primary.
+    pub upstream: String,
+    /// The upstream's instance to follow (empty: this one's name).
+    pub upstream_instance: String,
     /// The log keeps whole segments while it holds at most `retain` bytes
     /// and they are younger than `retain_age`, and always what the
     /// snapshots it offers need to continue.
@@ -111,6 +116,8 @@ impl Default for StreamConfig {
     fn default() -> Self {
         StreamConfig {
             dir: PathBuf::new(),
+            upstream: String::new(),
+            upstream_instance: String::new(),
             retain: ByteSize::gib(1),
             retain_age: Duration::from_secs(24 * 3600),
             segment_size: ByteSize::mib(64),
@@ -547,6 +554,10 @@ pub enum HandoffMode {
     /// without a restart.
     #[serde(rename = "redis-replicate")]
     RedisReplicate,
+    /// Redis/Valkey fed by the agent as its master from the stream log
+    /// (`[stream]`), seeded with the snapshot first, without a restart.
+    #[serde(rename = "redis-stream")]
+    RedisStream,
 }
 
 impl HandoffMode {
@@ -558,12 +569,16 @@ impl HandoffMode {
             HandoffMode::Exec => "exec",
             HandoffMode::Redis => "redis",
             HandoffMode::RedisReplicate => "redis-replicate",
+            HandoffMode::RedisStream => "redis-stream",
         }
     }
 
     /// A mode that seeds a Redis/Valkey server.
     pub fn is_redis(self) -> bool {
-        matches!(self, HandoffMode::Redis | HandoffMode::RedisReplicate)
+        matches!(
+            self,
+            HandoffMode::Redis | HandoffMode::RedisReplicate | HandoffMode::RedisStream
+        )
     }
 }
 
@@ -1089,7 +1104,10 @@ impl Config {
                     .then(|| i.redis.server_addr.clone())
             }),
             ("the seed port", |i| {
-                let seeds = i.handoff.mode == HandoffMode::RedisReplicate;
+                let seeds = matches!(
+                    i.handoff.mode,
+                    HandoffMode::RedisReplicate | HandoffMode::RedisStream
+                );
                 let fixed = i
                     .redis
                     .seed_listen
@@ -1135,10 +1153,21 @@ impl Config {
                 "must not be snapshot_dir, whose every file is taken for a snapshot".into(),
             );
         }
-        if self.redis.primary_addr.is_empty() {
-            p.bad(
+        match (self.redis.primary_addr.is_empty(), st.upstream.is_empty()) {
+            (true, true) => p.bad(
                 "stream.dir",
-                "needs [redis] primary_addr, the primary the agent follows into the log".into(),
+                "needs what to follow into the log: [redis] primary_addr (the local primary) or stream.upstream (another agent)".into(),
+            ),
+            (false, false) => p.bad(
+                "stream.upstream",
+                "a log follows one source: the primary of [redis] primary_addr or stream.upstream, not both".into(),
+            ),
+            _ => {}
+        }
+        if !st.upstream.is_empty() && !is_host_port(&st.upstream) {
+            p.bad(
+                "stream.upstream",
+                format!("must be an agent's gRPC host:port, got {:?}", st.upstream),
             );
         }
         if !(ByteSize::mib(1)..=ByteSize::gib(4)).contains(&st.segment_size) {
@@ -1229,10 +1258,15 @@ impl Config {
                 format!("mode \"{mode}\" needs snapshot_format = \"redis-rdb\""),
             );
         }
+        let streams = self.handoff.mode == HandoffMode::RedisStream;
         for (key, value) in [
             ("redis.server_addr", &r.server_addr),
             ("redis.primary", &r.primary),
         ] {
+            // The stream handoff's server follows the agent, not a primary.
+            if streams && key == "redis.primary" && value.is_empty() {
+                continue;
+            }
             if !is_host_port(value) {
                 p.bad(
                     key,
@@ -1240,7 +1274,16 @@ impl Config {
                 );
             }
         }
-        if self.handoff.mode == HandoffMode::RedisReplicate {
+        if streams && !self.stream.enabled() {
+            p.bad(
+                "handoff.mode",
+                "mode \"redis-stream\" feeds the server from the stream log: set [stream] dir (and upstream)".into(),
+            );
+        }
+        if matches!(
+            self.handoff.mode,
+            HandoffMode::RedisReplicate | HandoffMode::RedisStream
+        ) {
             if r.seed_listen.parse::<SocketAddr>().is_err() {
                 p.bad(
                     "redis.seed_listen",
@@ -1670,7 +1713,7 @@ expected_transfer_rate = "0"
     }
 
     #[test]
-    fn a_stream_log_needs_a_primary_and_a_directory_of_its_own() {
+    fn a_stream_log_needs_one_source_and_a_directory_of_its_own() {
         let mut c = valid();
         c.stream.dir = c.snapshot_dir.clone();
         c.stream.segment_size = ByteSize::kib(4);
@@ -1682,6 +1725,20 @@ expected_transfer_rate = "0"
         c.stream.segment_size = ByteSize::mib(64);
         c.redis.primary_addr = "127.0.0.1:6379".into();
         c.validate().unwrap();
+        c.stream.upstream = "agent-a:7400".into();
+        assert_eq!(problem_keys(&c), ["stream.upstream"], "one source, not two");
+        c.redis.primary_addr.clear();
+        c.validate().unwrap();
+        c.stream.upstream = "agent-a".into();
+        assert_eq!(problem_keys(&c), ["stream.upstream"]);
+        // The stream handoff feeds its server from the log: no primary.
+        c.stream.upstream = "agent-a:7400".into();
+        c.snapshot_format = Format::RedisRdb;
+        c.handoff.mode = HandoffMode::RedisStream;
+        c.redis.server_addr = "127.0.0.1:6380".into();
+        c.validate().unwrap();
+        c.stream.dir = PathBuf::new();
+        assert_eq!(problem_keys(&c), ["handoff.mode"]);
         let text = "node_id = \"n\"\n[[instance]]\nname = \"a\"\nsnapshot_dir = \"/kv/a\"\n[instance.redis]\nprimary_addr = \"127.0.0.1:7001\"\n[instance.stream]\ndir = \"/log\"\n[[instance]]\nname = \"b\"\nsnapshot_dir = \"/kv/b\"\n[instance.redis]\nprimary_addr = \"127.0.0.1:7002\"\n[instance.stream]\ndir = \"/log\"\n";
         let c = Config::parse(text).unwrap();
         let problems = c.validate().unwrap_err();

@@ -66,7 +66,14 @@ impl Drop for Running {
 }
 
 /// The `mode` labels of `kvsync_handoff_total`.
-const HANDOFF_MODES: &[&str] = &["file", "command", "exec", "redis", "redis-replicate"];
+const HANDOFF_MODES: &[&str] = &[
+    "file",
+    "command",
+    "exec",
+    "redis",
+    "redis-replicate",
+    "redis-stream",
+];
 
 /// The `result` labels of `kvsync_fullsync_total`.
 pub const SYNC_RESULTS: &[&str] = &["ok", "failed", "checksum_mismatch", "cancelled"];
@@ -116,7 +123,24 @@ pub struct Metrics {
     pub kv_backlog_grown_bytes: IntGaugeVec,
     pub kv_backlog_at_risk: IntCounterVec,
     pub transport_fallback: IntCounterVec,
+    // The replication stream (`stream`).
+    pub stream_bytes: IntCounterVec,
+    pub stream_sessions: IntGaugeVec,
+    pub stream_refused: IntCounterVec,
 }
+
+/// The `reason` labels of `kvsync_stream_refused_total`: a session ended
+/// because its peer broke the stream's rules (a frame that fails its MAC,
+/// does not continue the stream, or exceeds the credit window; an
+/// acknowledgement of bytes never sent), or a replica asked for an offset
+/// the log does not hold.
+pub const STREAM_REFUSALS: &[&str] = &[
+    "forged",
+    "discontinuous",
+    "over_window",
+    "bad_ack",
+    "too_old",
+];
 
 impl Metrics {
     /// Creates and registers every metric. Long on purpose: one
@@ -234,6 +258,27 @@ impl Metrics {
             data_auth_failures: reg!(IntCounter::new(
                 "kvsync_data_auth_failures_total",
                 "Data-plane connections refused for a bad session token"
+            )),
+            stream_bytes: reg!(IntCounterVec::new(
+                Opts::new(
+                    "kvsync_stream_bytes_total",
+                    "Replication stream bytes sent to replica agents (role=source) or received from an upstream agent and logged (role=replica)"
+                ),
+                &["kv_instance", "role"]
+            )),
+            stream_sessions: reg!(IntGaugeVec::new(
+                Opts::new(
+                    "kvsync_stream_sessions",
+                    "Stream sessions running: served to replica agents (role=source) or followed from an upstream agent (role=replica)"
+                ),
+                &["kv_instance", "role"]
+            )),
+            stream_refused: reg!(IntCounterVec::new(
+                Opts::new(
+                    "kvsync_stream_refused_total",
+                    "Stream sessions ended or refused, by reason: a peer that broke the stream's rules, or an offset the log does not hold (too_old)"
+                ),
+                &["kv_instance", "reason"]
             )),
             data_refused: reg!(IntCounterVec::new(
                 Opts::new(
@@ -402,6 +447,13 @@ impl Metrics {
         }
         self.resumed_bytes.with_label_values(&[name]);
         self.relay_bytes.with_label_values(&[name]);
+        for role in ["source", "replica"] {
+            self.stream_bytes.with_label_values(&[name, role]);
+            self.stream_sessions.with_label_values(&[name, role]);
+        }
+        for reason in STREAM_REFUSALS {
+            self.stream_refused.with_label_values(&[name, reason]);
+        }
     }
 
     /// Removes instance `name`'s series (those of its KV's health poll go
@@ -456,6 +508,13 @@ impl Metrics {
                 .remove_label_values(&[name, format]);
         }
         let _ = self.resumed_bytes.remove_label_values(&[name]);
+        for role in ["source", "replica"] {
+            let _ = self.stream_bytes.remove_label_values(&[name, role]);
+            let _ = self.stream_sessions.remove_label_values(&[name, role]);
+        }
+        for reason in STREAM_REFUSALS {
+            let _ = self.stream_refused.remove_label_values(&[name, reason]);
+        }
         let _ = self.relay_bytes.remove_label_values(&[name]);
     }
 

@@ -256,6 +256,7 @@ async fn run(case: Case, wire: Wire, dir: &Path, tls: &Tls) -> Run {
         // Plain connections are told from TLS ones by their first byte.
         tls: Some(tls.server.clone()),
         kernel_tls: true,
+        streams: Arc::default(),
     };
     let conns = serve::tcp_connections(listener, kind == TransportKind::Rdma);
     tokio::spawn(serve::serve(conns, plane));

@@ -808,6 +808,13 @@ impl pb::peer_server::Peer for FloodingSource {
         Ok(tonic::Response::new(pb::ReportResultResponse {}))
     }
 
+    async fn open_stream(
+        &self,
+        _: tonic::Request<pb::OpenStreamRequest>,
+    ) -> Result<tonic::Response<pb::StreamOffer>, tonic::Status> {
+        Err(tonic::Status::unimplemented("this source serves no stream"))
+    }
+
     type GetManifestStream = std::pin::Pin<
         Box<dyn futures::Stream<Item = Result<pb::ManifestPart, tonic::Status>> + Send>,
     >;

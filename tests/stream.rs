@@ -3,7 +3,9 @@
 //! primary's agent follows its primary into the stream log (a full resync
 //! whose RDB becomes an offered snapshot, then the stream, acknowledged so
 //! `WAIT` counts it), and after a restart continues from its log with a
-//! partial resync.
+//! partial resync; a replica agent follows the primary's agent into a log
+//! of its own, byte for byte, resumes from its log after being killed, and
+//! refuses a frame changed on the wire.
 
 mod common;
 
@@ -122,6 +124,379 @@ fn the_primarys_agent_follows_it_into_the_log_and_continues_after_a_restart(serv
     assert_eq!(&bytes2[..bytes.len()], &bytes[..]);
     assert!(String::from_utf8_lossy(&bytes2).contains("while-down:299"));
 }
+
+/// The stream status of an agent's only instance.
+fn stream_status(agent: &Node) -> kvsync::rpc::pb::StreamStatus {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let s = rt.block_on(agent.status());
+    s.instances[0]
+        .stream
+        .clone()
+        .expect("the instance keeps a stream log")
+}
+
+/// Waits until `agent` follows its source and its log ends at the
+/// primary's offset then.
+fn wait_logged(agent: &Node, primary: &Redis, what: &str) -> u64 {
+    wait_for(what, DEADLINE, || {
+        let end = primary.info("replication").num("master_repl_offset");
+        let st = stream_status(agent);
+        (st.state.starts_with("following") && st.end_offset == end && end > 0).then_some(end)
+    })
+}
+
+/// Waits until `agent` follows its source, so that writes from now on go
+/// into the stream (not into a full resync's RDB).
+fn wait_following(agent: &Node) {
+    wait_for("the agent to follow its source", DEADLINE, || {
+        stream_status(agent)
+            .state
+            .starts_with("following")
+            .then_some(())
+    });
+}
+
+/// The config of a replica agent following `upstream`'s stream.
+fn puller_config(upstream: &Node, log_dir: &Path) -> String {
+    format!(
+        "[stream]\ndir = \"{}\"\nupstream = \"{}\"\n",
+        log_dir.display(),
+        upstream.grpc()
+    )
+}
+
+fn a_replica_agent_follows_the_primarys_agent_into_its_own_log_and_resumes_after_a_kill(
+    server: Server,
+) {
+    let root = tempfile::tempdir().unwrap();
+    let primary = Redis::start(server, &root.path().join("p"), &[]);
+    primary.fill("before", 200, "v");
+    let src_log = root.path().join("src-log");
+    let source = agent(
+        root.path(),
+        "src",
+        &root.path().join("src-snaps"),
+        &follower_config(&primary, &src_log),
+        &[],
+    );
+    wait_following(&source);
+    primary.fill("first", 1000, "first-value");
+    wait_logged(&source, &primary, "the source agent to log the stream");
+    let rep_log = root.path().join("rep-log");
+    let rep_config = puller_config(&source, &rep_log);
+    let rep_snaps = root.path().join("rep-snaps");
+    let mut replica = agent(root.path(), "rep", &rep_snaps, &rep_config, &[]);
+    wait_logged(
+        &replica,
+        &primary,
+        "the replica agent to follow the source's log",
+    );
+    let st = stream_status(&replica);
+    assert!(st.state.starts_with("following agent"), "{st:?}");
+    assert_eq!(
+        st.first_offset,
+        stream_status(&source).first_offset,
+        "an empty log starts where the upstream's does"
+    );
+    assert_eq!(stream_status(&source).serving, 1);
+    // The stream keeps flowing to it as the primary writes.
+    primary.fill("second", 1000, "second-value");
+    wait_logged(&replica, &primary, "the replica agent to follow new writes");
+
+    // Killed while the primary writes, then started again: it asks from
+    // its log's end and nothing is skipped or applied twice.
+    replica.proc.signal(libc::SIGKILL);
+    replica.proc.wait_exit();
+    primary.fill("while-killed", 500, "v");
+    let replica = agent(root.path(), "rep", &rep_snaps, &rep_config, &[]);
+    primary.fill("after-restart", 500, "v");
+    let end = wait_logged(
+        &replica,
+        &primary,
+        "the restarted replica agent to catch up",
+    );
+    wait_logged(&source, &primary, "the source agent");
+    assert!(
+        replica.metric("kvsync_stream_bytes_total{kv_instance=\"default\",role=\"replica\"}") > 0.0
+    );
+    assert!(
+        source.metric("kvsync_stream_bytes_total{kv_instance=\"default\",role=\"source\"}") > 0.0
+    );
+    drop(replica);
+    drop(source);
+    let (first, src) = log_bytes(&src_log);
+    let (rep_first, rep) = log_bytes(&rep_log);
+    assert_eq!(rep_first, first);
+    assert_eq!(first + rep.len() as u64, end);
+    assert!(
+        rep == src,
+        "the replica agent's log is the source's, byte for byte"
+    );
+    assert!(String::from_utf8_lossy(&rep).contains("while-killed:499"));
+}
+
+on_both_servers!(
+    a_replica_agent_follows_the_primarys_agent_into_its_own_log_and_resumes_after_a_kill
+);
+
+#[test]
+fn a_stream_frame_changed_on_the_wire_is_refused_and_never_logged() {
+    // As an on-path attacker without the session's key would: one bit of
+    // the stream flipped after its frame's MAC was made, in every session.
+    let root = tempfile::tempdir().unwrap();
+    let primary = Redis::start(Server::Redis, &root.path().join("p"), &[]);
+    let at = primary.info("replication").num("master_repl_offset") + 5000;
+    let src_log = root.path().join("src-log");
+    let fault = format!("stream_corrupt_at={at}");
+    let source = agent(
+        root.path(),
+        "src",
+        &root.path().join("src-snaps"),
+        &follower_config(&primary, &src_log),
+        &[("KVSYNC_FAULTS", &fault)],
+    );
+    wait_following(&source);
+    primary.fill("k", 1000, "value-of-the-stream");
+    wait_logged(&source, &primary, "the source agent to log the stream");
+    let rep_log = root.path().join("rep-log");
+    let replica = agent(
+        root.path(),
+        "rep",
+        &root.path().join("rep-snaps"),
+        &puller_config(&source, &rep_log),
+        &[],
+    );
+    let series = "kvsync_stream_refused_total{kv_instance=\"default\",reason=\"forged\"}";
+    wait_for(
+        "the replica agent to refuse the changed frame twice",
+        DEADLINE,
+        || (replica.metric(series) >= 2.0).then_some(()),
+    );
+    let st = stream_status(&replica);
+    assert!(
+        st.end_offset <= at,
+        "nothing at or past the changed byte was logged: {st:?}"
+    );
+    assert!(st.state.contains("fails its MAC"), "{st:?}");
+    drop(replica);
+    drop(source);
+    let (first, src) = log_bytes(&src_log);
+    let (rep_first, rep) = log_bytes(&rep_log);
+    assert_eq!(rep_first, first);
+    assert!(
+        src.starts_with(&rep),
+        "what was logged is the stream itself"
+    );
+}
+
+#[test]
+fn a_stream_session_runs_under_tls_when_the_source_requires_it() {
+    let root = tempfile::tempdir().unwrap();
+    let fleet = common::pki::Pki::new(root.path(), "fleet");
+    let tls = |who: &str| {
+        let (cert, key) = fleet.issue(who, &["localhost", "127.0.0.1"]);
+        format!(
+            "[tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\nca_file = \"{}\"\n",
+            cert.display(),
+            key.display(),
+            fleet.ca_file().display()
+        )
+    };
+    let primary = Redis::start(Server::Redis, &root.path().join("p"), &[]);
+    let src_log = root.path().join("src-log");
+    let source = agent(
+        root.path(),
+        "src",
+        &root.path().join("src-snaps"),
+        &format!(
+            "[data]\ntls = \"required\"\n{}{}",
+            follower_config(&primary, &src_log),
+            tls("src")
+        ),
+        &[],
+    );
+    let ca = fleet.ca_file().display().to_string();
+    let status = |agent: &Node| -> serde_json::Value {
+        let out = std::process::Command::new(kvsync_bin())
+            .args([
+                "--tls-ca",
+                &ca,
+                "status",
+                "--agent",
+                &agent.grpc(),
+                "--json",
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["instances"][0]["stream"].clone()
+    };
+    let logged = |agent: &Node, what: &str| {
+        wait_for(what, DEADLINE, || {
+            let end = primary.info("replication").num("master_repl_offset");
+            let st = status(agent);
+            (st["state"].as_str()?.starts_with("following") && st["end_offset"] == end && end > 0)
+                .then_some(end)
+        })
+    };
+    wait_for("the source agent to follow its primary", DEADLINE, || {
+        status(&source)["state"]
+            .as_str()?
+            .starts_with("following")
+            .then_some(())
+    });
+    primary.fill("k", 500, "value-of-the-stream");
+    logged(&source, "the source agent to log the stream");
+    let rep_log = root.path().join("rep-log");
+    let replica = agent(
+        root.path(),
+        "rep",
+        &root.path().join("rep-snaps"),
+        &format!("{}{}", puller_config(&source, &rep_log), tls("rep")),
+        &[],
+    );
+    logged(&replica, "the replica agent to follow under TLS");
+    let log = source.proc.log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("serving the replication stream") && l.contains("tls=true")),
+        "{log}"
+    );
+}
+
+#[test]
+fn an_offset_the_upstream_does_not_hold_is_reported_and_the_log_left_as_it_is() {
+    let root = tempfile::tempdir().unwrap();
+    let primary = Redis::start(Server::Redis, &root.path().join("p"), &[]);
+    let source = agent(
+        root.path(),
+        "src",
+        &root.path().join("src-snaps"),
+        &follower_config(&primary, &root.path().join("src-log")),
+        &[],
+    );
+    wait_following(&source);
+    primary.fill("k", 100, "v");
+    wait_logged(&source, &primary, "the source agent to log the stream");
+    // A log of another history: nothing the upstream holds continues it.
+    let rep_log = root.path().join("rep-log");
+    let other = "f".repeat(40);
+    let cfg = kvsync::config::StreamConfig {
+        dir: rep_log.clone(),
+        ..Default::default()
+    };
+    Log::open(cfg.clone()).unwrap().restart(&other, 7).unwrap();
+    let replica = agent(
+        root.path(),
+        "rep",
+        &root.path().join("rep-snaps"),
+        &puller_config(&source, &rep_log),
+        &[],
+    );
+    let series = "kvsync_stream_refused_total{kv_instance=\"default\",reason=\"too_old\"}";
+    wait_for("the replica agent to hear \"too old\"", DEADLINE, || {
+        (replica.metric(series) >= 1.0).then_some(())
+    });
+    let st = stream_status(&replica);
+    assert!(
+        st.state.contains("no longer holds offset 7")
+            && st.state.contains("needs a snapshot first"),
+        "{st:?}"
+    );
+    assert_eq!((st.replid.as_str(), st.end_offset), (other.as_str(), 7));
+    drop(replica);
+    assert_eq!(Log::open(cfg).unwrap().position(), Some((other, 7)));
+}
+
+fn a_server_fed_from_the_replica_agents_log_converges_and_continues_after_a_cut(server: Server) {
+    let root = tempfile::tempdir().unwrap();
+    let primary = Redis::start(server, &root.path().join("p"), &[]);
+    let source = agent(
+        root.path(),
+        "src",
+        &root.path().join("src-snaps"),
+        &follower_config(&primary, &root.path().join("src-log")),
+        &[],
+    );
+    wait_following(&source);
+    primary.fill("before", 500, "v");
+    let snapshot = wait_for("the full resync's RDB offered", DEADLINE, || {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let s = rt.block_on(source.status());
+        s.instances[0].latest_snapshots.first().map(|e| e.seq)
+    });
+    let rs = Redis::standalone_replica(server, &root.path().join("r"));
+    let config = format!(
+        "{}[handoff]\nmode = \"redis-stream\"\ntimeout = \"60s\"\n[redis]\nserver_addr = \"{}\"\n",
+        puller_config(&source, &root.path().join("rep-log")),
+        rs.addr()
+    );
+    let replica = agent(
+        root.path(),
+        "rep",
+        &root.path().join("rep-snaps"),
+        &config,
+        &[],
+    );
+    wait_following(&replica);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let p = rt.block_on(sync_from(&replica, &source.grpc()));
+    assert_eq!(p.phase, kvsync::rpc::pb::Phase::Succeeded as i32, "{p:?}");
+    assert_eq!(p.seq, snapshot);
+    assert!(
+        p.handoff.contains("follows this agent's stream log"),
+        "{}",
+        p.handoff
+    );
+    // The primary's writes reach the server through both agents' logs.
+    primary.fill("after", 2000, "value-of-the-stream");
+    let converged = |what: &str| {
+        wait_for(what, DEADLINE, || {
+            let end = primary.info("replication").num("master_repl_offset");
+            let at = rs.info("replication").num("master_repl_offset");
+            (at == end && rs.cmd::<i64>(&["DBSIZE"]) == primary.cmd::<i64>(&["DBSIZE"]))
+                .then_some(())
+        })
+    };
+    converged("the fed server to converge with the primary");
+    let value: String = rs.cmd(&["GET", "after:1999"]);
+    assert_eq!(value, "value-of-the-stream");
+    // A cut link between the server and the agent: the server reconnects
+    // and continues from the agent's log, no full sync anywhere.
+    let continued = || {
+        replica
+            .proc
+            .log()
+            .matches("continues its server from the log")
+            .count()
+    };
+    let before = continued();
+    let killed: i64 = rs.cmd(&["CLIENT", "KILL", "TYPE", "master"]);
+    assert_eq!(killed, 1);
+    primary.fill("after-cut", 300, "v");
+    converged("the server to continue after the cut");
+    wait_for("the feed to continue its server", DEADLINE, || {
+        (continued() > before).then_some(())
+    });
+    let log = replica.proc.log();
+    assert_eq!(
+        log.matches("sent its server the RDB").count(),
+        1,
+        "one full sync, the seeding: {log}"
+    );
+    assert_eq!(
+        primary.info("stats").num("sync_full"),
+        1,
+        "only the source agent's"
+    );
+}
+
+on_both_servers!(a_server_fed_from_the_replica_agents_log_converges_and_continues_after_a_cut);
 
 /// The agent started again with the same config file.
 fn agent_again(root: &Path, snaps: &Path, config: &str) -> Node {

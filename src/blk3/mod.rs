@@ -11,6 +11,7 @@
 pub mod plan;
 pub mod replica;
 pub mod source;
+pub mod stream;
 pub mod token;
 
 #[cfg(test)]

@@ -30,6 +30,9 @@ pub enum Kind {
     Pdon,
     Pack,
     Preq,
+    Strm,
+    Sepo,
+    Sack,
 }
 
 impl Kind {
@@ -51,11 +54,14 @@ impl Kind {
             Kind::Pdon => b"PDON",
             Kind::Pack => b"PACK",
             Kind::Preq => b"PREQ",
+            Kind::Strm => b"STRM",
+            Kind::Sepo => b"SEPO",
+            Kind::Sack => b"SACK",
         }
     }
 
     fn from_magic(m: &[u8]) -> Option<Kind> {
-        const ALL: [Kind; 15] = [
+        const ALL: [Kind; 18] = [
             Kind::Sess,
             Kind::Srdy,
             Kind::Crea,
@@ -71,6 +77,9 @@ impl Kind {
             Kind::Pdon,
             Kind::Pack,
             Kind::Preq,
+            Kind::Strm,
+            Kind::Sepo,
+            Kind::Sack,
         ];
         ALL.into_iter().find(|k| k.magic() == m)
     }
@@ -122,7 +131,27 @@ pub enum Token {
     Pack { index: u32 },
     /// Replica → source: piece `index` did not; send it again (one credit back).
     Preq { index: u32 },
+    /// Stream source → replica: `len` bytes of the replication stream from
+    /// `offset` follow (TCP), under the session's MAC (`blk3::stream`).
+    Strm {
+        offset: u64,
+        len: u32,
+        mac: [u8; 32],
+    },
+    /// Stream source → replica: from `offset` on, the stream is of
+    /// replication id `replid` (the primary restarted or was promoted).
+    Sepo {
+        offset: u64,
+        replid: [u8; REPLID_LEN],
+        mac: [u8; 32],
+    },
+    /// Stream replica → source: the replica's log holds the stream up to
+    /// `offset` (credits back).
+    Sack { offset: u64 },
 }
+
+/// Bytes of a Redis replication id.
+pub const REPLID_LEN: usize = 40;
 
 /// Most ranges one NEED carries (more are merged, asking for a few
 /// verified pieces again).
@@ -167,6 +196,9 @@ impl Token {
             Token::Pdon { .. } => Kind::Pdon,
             Token::Pack { .. } => Kind::Pack,
             Token::Preq { .. } => Kind::Preq,
+            Token::Strm { .. } => Kind::Strm,
+            Token::Sepo { .. } => Kind::Sepo,
+            Token::Sack { .. } => Kind::Sack,
         }
     }
 
@@ -204,6 +236,21 @@ impl Token {
             Token::Pdon { index } | Token::Pack { index } | Token::Preq { index } => {
                 out.extend_from_slice(&index.to_be_bytes())
             }
+            Token::Strm { offset, len, mac } => {
+                out.extend_from_slice(&offset.to_be_bytes());
+                out.extend_from_slice(&len.to_be_bytes());
+                out.extend_from_slice(mac);
+            }
+            Token::Sepo {
+                offset,
+                replid,
+                mac,
+            } => {
+                out.extend_from_slice(&offset.to_be_bytes());
+                out.extend_from_slice(replid);
+                out.extend_from_slice(mac);
+            }
+            Token::Sack { offset } => out.extend_from_slice(&offset.to_be_bytes()),
             _ => {}
         }
         out
@@ -281,6 +328,26 @@ impl Token {
                     Kind::Pack => Token::Pack { index },
                     _ => Token::Preq { index },
                 }
+            }
+            Kind::Strm => {
+                exact(44)?;
+                Token::Strm {
+                    offset: be64(&p[..8]),
+                    len: be32(&p[8..12]),
+                    mac: p[12..].try_into().expect("checked length"),
+                }
+            }
+            Kind::Sepo => {
+                exact(8 + REPLID_LEN + 32)?;
+                Token::Sepo {
+                    offset: be64(&p[..8]),
+                    replid: p[8..8 + REPLID_LEN].try_into().expect("checked length"),
+                    mac: p[8 + REPLID_LEN..].try_into().expect("checked length"),
+                }
+            }
+            Kind::Sack => {
+                exact(8)?;
+                Token::Sack { offset: be64(p) }
             }
             Kind::Rdfl => Token::Rdfl {
                 reason: String::from_utf8_lossy(p).into_owned(),
@@ -361,6 +428,17 @@ mod tests {
             Token::Pdon { index: 7 },
             Token::Pack { index: u32::MAX },
             Token::Preq { index: 0 },
+            Token::Strm {
+                offset: u64::MAX,
+                len: 7,
+                mac: [3; 32],
+            },
+            Token::Sepo {
+                offset: 9,
+                replid: [b'a'; REPLID_LEN],
+                mac: [4; 32],
+            },
+            Token::Sack { offset: 1 << 40 },
         ]
     }
 

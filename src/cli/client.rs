@@ -387,6 +387,16 @@ pub async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
                 "relay_bytes": i.relay_bytes,
                 "relaying": i.relaying.iter().map(relay_json).collect::<Vec<_>>(),
                 "warnings": i.warnings,
+                "stream": i.stream.as_ref().map(|st| json!({
+                    "source": st.source,
+                    "state": st.state,
+                    "replid": st.replid,
+                    "first_offset": st.first_offset,
+                    "end_offset": st.end_offset,
+                    "synced_offset": st.synced_offset,
+                    "log_bytes": st.log_bytes,
+                    "serving": st.serving,
+                })),
             })).collect::<Vec<_>>(),
         });
         println!("{v}");
@@ -423,6 +433,12 @@ fn print_instance(i: &pb::InstanceStatus) {
     }
     for w in &i.warnings {
         println!("  WARNING: {w}");
+    }
+    if let Some(st) = &i.stream {
+        println!(
+            "  stream log from {}: {}\n    {} offsets {}..{} ({} synced), {} bytes on disk, serving {} replica agent(s)",
+            st.source, st.state, st.replid, st.first_offset, st.end_offset, st.synced_offset, st.log_bytes, st.serving
+        );
     }
     println!("  latest snapshots:");
     if i.latest_snapshots.is_empty() {

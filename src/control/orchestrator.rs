@@ -62,6 +62,24 @@ impl OrchestratorService {
             relaying: i.relays.list(&i.name),
             relay_bytes: self.metrics.relay_bytes.with_label_values(&[&i.name]).get(),
             warnings: i.backlog.as_ref().map(|b| b.warnings()).unwrap_or_default(),
+            stream: i.stream.as_ref().map(|s| {
+                let log = s.lock();
+                let (replid, end) = log.position().unwrap_or_default();
+                pb::StreamStatus {
+                    source: s.source.clone(),
+                    state: s.state(),
+                    replid,
+                    first_offset: log.first().unwrap_or(end),
+                    end_offset: end,
+                    synced_offset: log.synced(),
+                    log_bytes: log.bytes(),
+                    serving: self
+                        .metrics
+                        .stream_sessions
+                        .with_label_values(&[&i.name, "source"])
+                        .get() as u32,
+                }
+            }),
         }
     }
 }

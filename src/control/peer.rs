@@ -4,8 +4,9 @@
 //! offer back; `GetManifest` streams the offered snapshot's piece manifest;
 //! `ReportResult` records how the session ended and releases its backlog
 //! lease. Both name the session's instance, and a session of another
-//! instance is refused. This module only translates between the wire and
-//! the domain.
+//! instance is refused. `OpenStream` answers a replica agent that follows
+//! the replication stream. This module only translates between the wire
+//! and the domain.
 
 use std::time::Duration;
 
@@ -15,7 +16,7 @@ use tracing::{info, warn};
 use super::ApiError;
 use crate::config::TransportMode;
 use crate::rpc::pb;
-use crate::sync::offer::{Ask, Offered, Offers};
+use crate::sync::offer::{Ask, Offered, Offers, StreamAnswer, StreamAsk};
 use crate::sync::unix_ms;
 use crate::transport::TransportKind;
 
@@ -181,6 +182,58 @@ impl pb::peer_server::Peer for PeerService {
             .map(|c| Ok(pb::ManifestPart { data: c.to_vec() }))
             .collect();
         Ok(Response::new(futures::stream::iter(parts)))
+    }
+
+    async fn open_stream(
+        &self,
+        request: Request<pb::OpenStreamRequest>,
+    ) -> Result<Response<pb::StreamOffer>, Status> {
+        let (local, remote) = (request.local_addr(), request.remote_addr());
+        let r = request.into_inner();
+        let node = &r.replica_node_id;
+        if (!node.is_empty() && !crate::peer_text::is_plain_name(node))
+            || r.instance.len() > MAX_NAME
+            || r.replid.len() > MAX_NAME
+        {
+            return Err(ApiError::InvalidArgument(format!(
+                "replica_node_id must be a plain name; instance and replid at most {MAX_NAME} bytes"
+            ))
+            .into());
+        }
+        let ask = StreamAsk {
+            replica_node: r.replica_node_id,
+            instance: r.instance,
+            replid: r.replid,
+            offset: r.offset,
+            data_tls: r.data_tls,
+        };
+        let answer = self.offers.open_stream(&ask, local, remote).map_err(|e| {
+            warn!(error = %e, "stream refused");
+            Status::from(ApiError::from(e))
+        })?;
+        Ok(Response::new(match answer {
+            StreamAnswer::Continue(o) => pb::StreamOffer {
+                answer: pb::stream_offer::Answer::Continue as i32,
+                session_id: o.id,
+                session_token: o.token.to_vec(),
+                stream_key: o.key.to_vec(),
+                data_endpoint: o.endpoint.to_string(),
+                data_tls: o.tls,
+                replid: o.replid,
+                offset: o.offset,
+                window: o.window,
+                ..Default::default()
+            },
+            StreamAnswer::TooOld { held, snapshot } => {
+                info!(replica = %ask.replica_node, replid = %crate::peer_text::escape_controls(&ask.replid), offset = ask.offset, %held, "stream asked from an offset the log does not hold");
+                pb::StreamOffer {
+                    answer: pb::stream_offer::Answer::TooOld as i32,
+                    held,
+                    snapshot: snapshot.map(|e| e.manifest.id().into()),
+                    ..Default::default()
+                }
+            }
+        }))
     }
 
     async fn report_result(

@@ -90,14 +90,25 @@ pub enum HandoffError {
     /// No answer within the deadline.
     #[error("handoff timed out after {0:?}")]
     Timeout(Duration),
+    #[error("mode \"redis-stream\" needs the instance's stream feed, which is not running ([stream] dir)")]
+    NoFeed,
 }
 
 /// Writes the record, then hands off per `config`. Returns a short
 /// description of what was done.
+/// Where the instance's stream feed listens, and its password: what the
+/// `redis-stream` handoff points the server at.
+#[derive(Debug, Clone)]
+pub struct Feed {
+    pub addr: std::net::SocketAddr,
+    pub secret: String,
+}
+
 pub async fn hand_off(
     config: &HandoffConfig,
     redis: &RedisConfig,
     record: &HandoffRecord,
+    feed: Option<&Feed>,
 ) -> Result<String, HandoffError> {
     install::write_atomic(&record.replmeta_path(), record.render().as_bytes())?;
     let deadline = config.timeout;
@@ -114,6 +125,13 @@ pub async fn hand_off(
             }
             HandoffMode::RedisReplicate => {
                 Ok(crate::kv::seed::replicate(redis, deadline, &record.path, &record.info).await?)
+            }
+            HandoffMode::RedisStream => {
+                let feed = feed.ok_or(HandoffError::NoFeed)?;
+                Ok(
+                    crate::kv::seed::attach(redis, deadline, feed.addr, &feed.secret, &record.info)
+                        .await?,
+                )
             }
         }
     };

@@ -146,6 +146,101 @@ pub async fn replicate(
     confirm_partial(cfg, timeout, &before, snapshot).await
 }
 
+/// The `redis-stream` handoff: points the local server at this agent's
+/// feed (`stream::feed`, on `feed`, which answers it from the stream log)
+/// with the feed's password as its `masterauth`, and waits until it has
+/// loaded `snapshot` (or continued past it) and follows the feed. A
+/// failure puts the server's `masterauth` and replication back as they
+/// were.
+pub async fn attach(
+    cfg: &RedisConfig,
+    timeout: Duration,
+    feed: SocketAddr,
+    secret: &str,
+    snapshot: &SnapshotInfo,
+) -> Result<String, RedisError> {
+    let (server, password) = (&cfg.server_addr, &cfg.password);
+    let mut con = connect(server, password).await?;
+    let was = info(server, password, "replication").await?;
+    let old_auth = config_get(&mut con, server, "masterauth").await?;
+    let master = match (
+        was.get("role"),
+        was.get("master_host"),
+        was.get("master_port"),
+    ) {
+        (Some("slave"), Some(host), Some(port)) => Some((host.to_string(), port.to_string())),
+        _ => None,
+    };
+    let attached = async {
+        config_set(&mut con, server, "masterauth", secret).await?;
+        replicaof(&mut con, server, &feed.ip().to_string(), feed.port()).await?;
+        let done = following(
+            cfg,
+            timeout,
+            "the local server to follow the stream log's feed",
+            feed.port(),
+            snapshot.seq,
+        )
+        .await?;
+        Ok::<_, RedisError>(done.num("master_repl_offset"))
+    }
+    .await;
+    match attached {
+        Ok(offset) => {
+            info!(seq = snapshot.seq, offset, %feed, "the local server follows the stream log's feed");
+            Ok(format!(
+                "{server} follows this agent's stream log (feed {feed}) at offset {offset}, past the snapshot's {}",
+                snapshot.seq
+            ))
+        }
+        Err(e) => {
+            let _ = config_set(&mut con, server, "masterauth", &old_auth).await;
+            restore_role(&mut con, server, master.as_ref()).await;
+            Err(e)
+        }
+    }
+}
+
+/// At start of a `redis-stream` instance: a server that follows an earlier
+/// run's feed (its `masterauth` is the feed's password, its master a port
+/// the feed no longer listens on) is pointed at the feed's new address.
+/// Tried again every few seconds while the server does not answer, until
+/// it is done or `stop`.
+pub async fn repoint(
+    cfg: RedisConfig,
+    feed: SocketAddr,
+    secret: String,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    let server = &cfg.server_addr;
+    loop {
+        let done = async {
+            let mut con = connect(server, &cfg.password).await?;
+            if config_get(&mut con, server, "masterauth").await? != secret {
+                return Ok(false);
+            }
+            let i = info(server, &cfg.password, "replication").await?;
+            let port = feed.port().to_string();
+            if i.get("role") == Some("slave") && i.get("master_port") != Some(port.as_str()) {
+                replicaof(&mut con, server, &feed.ip().to_string(), feed.port()).await?;
+                return Ok(true);
+            }
+            Ok::<_, RedisError>(false)
+        };
+        match done.await {
+            Ok(true) => {
+                return info!(server, %feed, "the server followed an earlier run's stream feed: pointed at this one")
+            }
+            Ok(false) => return,
+            Err(_) => {}
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_secs(2)) => {}
+        }
+    }
+}
+
 /// What the server had before a seeding changed it, kept in [`RECORD`]
 /// while the seed's one-time `masterauth` is in force.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -331,7 +426,7 @@ async fn restore_role(
 }
 
 /// The address the local server connects from.
-async fn server_ip(server: &str) -> Result<std::net::IpAddr, RedisError> {
+pub async fn server_ip(server: &str) -> Result<std::net::IpAddr, RedisError> {
     let addr = tokio::net::lookup_host(server)
         .await
         .map_err(|e| server_err(server, e))?
@@ -347,17 +442,19 @@ const MAX_HANDSHAKES: usize = 32;
 
 /// A connection that proved the one-time password and asked for a sync
 /// (`PSYNC`, else the old `SYNC`).
-struct Seeded {
-    read: BufReader<OwnedReadHalf>,
-    write: OwnedWriteHalf,
-    psync: bool,
+pub struct Seeded {
+    pub read: BufReader<OwnedReadHalf>,
+    pub write: OwnedWriteHalf,
+    pub psync: bool,
+    /// The sync request's words (`PSYNC <id> <offset>`).
+    pub args: Vec<String>,
 }
 
 /// The first connection from `peer` that proves `secret` (the one-time
 /// `masterauth`) and asks for a sync. Connections from elsewhere are
 /// turned away at once; each from `peer` has [`HANDSHAKE`] to prove it,
 /// concurrently, so one that never does delays nobody.
-async fn accept_seeded(
+pub async fn accept_seeded(
     listener: &TcpListener,
     peer: std::net::IpAddr,
     secret: &str,
@@ -428,6 +525,7 @@ async fn handshake(stream: TcpStream, secret: String) -> Option<Seeded> {
                     read,
                     write,
                     psync: name == "PSYNC",
+                    args,
                 })
             }
             _ => {
@@ -498,6 +596,7 @@ async fn serve(
         mut read,
         mut write,
         psync,
+        ..
     } = seeded;
     if psync {
         let line = format!("+FULLRESYNC {repl_id} {seq}\r\n");
@@ -520,7 +619,7 @@ async fn serve(
 }
 
 /// One command: a RESP array of bulk strings, or an inline line.
-async fn read_command<R: tokio::io::AsyncBufRead + Unpin>(
+pub async fn read_command<R: tokio::io::AsyncBufRead + Unpin>(
     read: &mut R,
 ) -> Result<Vec<String>, RedisError> {
     let bad = |what: &str| RedisError::Seed(format!("the local server sent {what}"));
@@ -568,6 +667,31 @@ async fn read_line<R: tokio::io::AsyncBufRead + Unpin>(read: &mut R) -> Result<S
         })
 }
 
+/// Waits until the server follows the master on `port`: linked, not
+/// loading, at offset `from` or past it; its replication and persistence
+/// info then.
+async fn following(
+    cfg: &RedisConfig,
+    timeout: Duration,
+    what: &str,
+    port: u16,
+    from: u64,
+) -> Result<crate::kv::redis::Info, RedisError> {
+    let (server, password) = (&cfg.server_addr, &cfg.password);
+    let port = port.to_string();
+    until(what, timeout, || async {
+        let i = infos(server, password, &["replication", "persistence"])
+            .await
+            .ok()?;
+        let linked = i.get("master_link_status") == Some("up")
+            && i.get("master_port") == Some(port.as_str())
+            && i.get("loading") == Some("0")
+            && i.num("master_repl_offset") >= from;
+        linked.then_some(i)
+    })
+    .await
+}
+
 /// Waits until the server has loaded the RDB from the seed: linked to it,
 /// not loading, with the RDB's replication id and offset.
 async fn loaded(
@@ -577,20 +701,12 @@ async fn loaded(
     seq: u64,
     seed_port: u16,
 ) -> Result<(), RedisError> {
-    let (server, password) = (&cfg.server_addr, &cfg.password);
-    let seed_port = seed_port.to_string();
-    let done = until(
-        "the local server to load the RDB from the seed",
+    let done = following(
+        cfg,
         timeout,
-        || async {
-            let i = infos(server, password, &["replication", "persistence"])
-                .await
-                .ok()?;
-            let linked = i.get("master_link_status") == Some("up")
-                && i.get("master_port") == Some(seed_port.as_str())
-                && i.get("loading") == Some("0");
-            linked.then_some(i)
-        },
+        "the local server to load the RDB from the seed",
+        seed_port,
+        0,
     )
     .await?;
     let (id, offset) = (

@@ -19,7 +19,6 @@
 //! be written ends the session; the next continues from the log's end.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
@@ -29,11 +28,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::log::{Log, LogError, Record};
+use super::log::{LogError, Record};
+use super::SharedLog;
 use crate::kv::resp;
-
-/// A log shared by its writer (the follower) and its readers.
-pub type SharedLog = Arc<Mutex<Log>>;
 
 /// The longest the primary's acknowledgement waits after a record is
 /// logged: acks are batched this much under a steady stream.
@@ -92,6 +89,7 @@ pub async fn run(follow: Follow, log: SharedLog, stop: CancellationToken) {
         };
         if let Err(e) = result {
             warn!(instance = %follow.instance, error = %e, "following the primary into the stream log stopped; it reconnects");
+            log.set_state(format!("reconnecting: {e}"));
         }
         if position(&log) != before {
             backoff = Duration::from_millis(100);
@@ -105,7 +103,7 @@ pub async fn run(follow: Follow, log: SharedLog, stop: CancellationToken) {
 }
 
 fn position(log: &SharedLog) -> Option<(String, u64)> {
-    log.lock().expect("log lock").position()
+    log.lock().position()
 }
 
 /// Where to ask the primary to continue from: `(id, offset)` of the
@@ -169,24 +167,26 @@ async fn session(follow: &Follow, log: &SharedLog) -> Result<(), FollowError> {
             let offset: u64 = offset.parse().map_err(|_| refused())?;
             receive_rdb(follow, &mut read, offset).await?;
             let id = id.to_string();
-            blocking(move || log_.lock().expect("log lock").restart(&id, offset)).await?;
+            blocking(move || log_.write(|l| l.restart(&id, offset))).await?;
             info!(instance = %follow.instance, offset, "full resync from the primary: its RDB is offered and the stream log starts over at its offset");
         }
         (["+CONTINUE", rest @ ..], Some((id, start))) if rest.len() <= 1 => {
             let id = rest.first().map_or(id, |new| new.to_string());
             blocking(move || {
-                let mut log = log_.lock().expect("log lock");
-                // A log still empty continues from the snapshot's point.
-                match log.position() {
-                    Some(_) => log.switch(&id),
-                    None => log.restart(&id, start),
-                }
+                log_.write(|log| {
+                    // A log still empty continues from the snapshot's point.
+                    match log.position() {
+                        Some(_) => log.switch(&id),
+                        None => log.restart(&id, start),
+                    }
+                })
             })
             .await?;
             info!(instance = %follow.instance, offset = start, "the primary continues the stream");
         }
         _ => return Err(refused()),
     }
+    log.set_state("following");
     stream_into(follow, read, write, log).await
 }
 
@@ -300,7 +300,7 @@ async fn stream_into(
                 let rec = Record::new(end, std::mem::replace(&mut buf, Vec::with_capacity(READ_CHUNK)));
                 end = rec.end();
                 let log = log.clone();
-                blocking(move || log.lock().expect("log lock").append(&rec)).await?;
+                blocking(move || log.write(|l| l.append(&rec))).await?;
                 ack_at = ack_at.min(Instant::now() + ACK_DELAY);
             }
             _ = tokio::time::sleep_until(ack_at) => {
@@ -311,21 +311,9 @@ async fn stream_into(
                 write.write_all(&ack).await.map_err(io_err)?;
                 ack_at = Instant::now() + Duration::from_secs(1);
                 let log = log.clone();
-                let floor = floor(follow, &log);
-                blocking(move || log.lock().expect("log lock").tick(floor)).await?;
+                let floor = log.floor(&(follow.offered)());
+                blocking(move || log.lock().tick(floor)).await?;
             }
         }
     }
-}
-
-/// The oldest offset an offered snapshot continues from, which the log
-/// keeps (`u64::MAX`: none does).
-fn floor(follow: &Follow, log: &SharedLog) -> u64 {
-    let log = log.lock().expect("log lock");
-    (follow.offered)()
-        .into_iter()
-        .filter(|(id, m)| log.covers(id, *m).is_ok())
-        .map(|(_, m)| m)
-        .min()
-        .unwrap_or(u64::MAX)
 }

@@ -444,7 +444,8 @@ impl Log {
         Ok(())
     }
 
-    fn describe(&self) -> String {
+    /// What the log holds, for messages.
+    pub fn describe(&self) -> String {
         match (self.first(), self.position()) {
             (Some(first), Some((id, end))) => format!("offsets {first}..{end} (now {id})"),
             _ => "nothing".into(),

@@ -18,7 +18,7 @@ use super::relay::RelayTable;
 use crate::config::{Config, InstanceConfig};
 use crate::kv::backlog::BacklogGuard;
 use crate::store::catalog::Catalog;
-use crate::stream::follow::SharedLog;
+use crate::stream::SharedLog;
 
 /// One KV instance and its parts.
 pub struct Instance {
@@ -32,6 +32,8 @@ pub struct Instance {
     pub backlog: Option<Arc<BacklogGuard>>,
     /// Its replication stream's log, when `[stream] dir` is set.
     pub stream: Option<SharedLog>,
+    /// Its server's feed from that log (`redis-stream`).
+    pub feed: Option<crate::stream::feed::FeedHandle>,
     /// Cancelled when the instance is removed or the agent stops: its
     /// tasks end and its running syncs are cancelled.
     pub stop: CancellationToken,
@@ -52,6 +54,7 @@ impl Instance {
             relays: Arc::default(),
             backlog,
             stream: None,
+            feed: None,
             stop,
             tasks: Mutex::default(),
         }

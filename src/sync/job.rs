@@ -67,6 +67,8 @@ pub struct JobContext {
     pub cancel: CancellationToken,
     /// Where the snapshot is offered to further replicas as it arrives.
     pub relays: Arc<RelayTable>,
+    /// The instance's stream feed (`redis-stream`).
+    pub feed: Option<crate::stream::feed::FeedHandle>,
 }
 
 impl JobContext {
@@ -448,8 +450,23 @@ async fn hand_off(
         source: format!("{}@{}", offer.source_node, ctx.source),
     };
     let mode = config.handoff.mode.as_str();
+    // The stream feed serves this RDB to the server's full resync.
+    let feed = ctx.feed.as_ref().map(|f| {
+        if let Some(id) = &record.info.repl_id {
+            f.seed_with(installed.clone(), id.clone(), record.info.seq);
+        }
+        handoff::Feed {
+            addr: f.addr,
+            secret: f.secret.clone(),
+        }
+    });
     let handoff = ctx
-        .or_cancel(handoff::hand_off(&config.handoff, &config.redis, &record))
+        .or_cancel(handoff::hand_off(
+            &config.handoff,
+            &config.redis,
+            &record,
+            feed.as_ref(),
+        ))
         .await?;
     let result = if handoff.is_ok() { "ok" } else { "failed" };
     ctx.metrics

@@ -214,6 +214,7 @@ impl SyncManager {
             instance: instance.name.clone(),
             source_instance: pull.source_instance,
             relays: instance.relays.clone(),
+            feed: instance.feed.clone(),
             config: instance.config.clone(),
             metrics: self.metrics.clone(),
             rdma: self.rdma.clone(),

@@ -3,8 +3,12 @@
 //! snapshot or of one it relays, on the
 //! transport both ends can use, under TLS when both can, admitted under
 //! the session limits, with the primary's backlog leased for a Redis
-//! seeding and the snapshot's bytes held from this moment. The gRPC
-//! service (`control::peer`) only translates the request and the answer.
+//! seeding and the snapshot's bytes held from this moment. A replica
+//! agent's request to continue the replication stream ([`StreamAsk`])
+//! becomes a stream session while the instance's log holds its offset,
+//! else "too old" with the newest snapshot that continues into the log.
+//! The gRPC service (`control::peer`) only translates the request and the
+//! answer.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -25,6 +29,7 @@ use crate::snapshot::{Format, SnapshotId, SnapshotInfo};
 use crate::store::cache::{CacheError, RelayFeed, SnapshotCache};
 use crate::store::catalog::CatalogEntry;
 use crate::store::served::{Served, SnapshotFile};
+use crate::stream::serve::{new_key, StreamOffers, StreamSession, WINDOW};
 use crate::transport::TransportKind;
 
 /// What a replica asks a source for.
@@ -106,6 +111,44 @@ pub struct Offers {
     pub data: Arc<DataEndpoints>,
     /// Cancelled when the agent starts draining: no new offers.
     pub draining: CancellationToken,
+    /// Stream sessions offered and served.
+    pub streams: Arc<StreamOffers>,
+}
+
+/// What a replica agent asks to continue the replication stream from.
+#[derive(Debug, Clone, Default)]
+pub struct StreamAsk {
+    pub replica_node: String,
+    pub instance: String,
+    /// Its log's replication id and end (empty: it holds no stream yet,
+    /// and starts where this agent's log does).
+    pub replid: String,
+    pub offset: u64,
+    pub data_tls: bool,
+}
+
+/// A source's answer to a [`StreamAsk`].
+pub enum StreamAnswer {
+    Continue(StreamOffered),
+    /// The log does not hold the offset: what it holds, and the newest
+    /// snapshot that continues into it.
+    TooOld {
+        held: String,
+        snapshot: Option<Arc<CatalogEntry>>,
+    },
+}
+
+/// A stream session offered: in the table, waiting for its connection.
+pub struct StreamOffered {
+    pub id: String,
+    pub token: [u8; SESSION_TOKEN_LEN],
+    pub key: [u8; crate::blk3::stream::STREAM_KEY_LEN],
+    /// Where it starts.
+    pub replid: String,
+    pub offset: u64,
+    pub tls: bool,
+    pub endpoint: SocketAddr,
+    pub window: u64,
 }
 
 /// The snapshot an offer is for.
@@ -137,7 +180,7 @@ impl Offers {
                 ask.format
             )));
         }
-        let tls = data_tls(config, ask)?;
+        let tls = data_tls(config, ask.data_tls)?;
         let transport = choose_transport(&self.data, ask)?;
         let tls = tls && transport == TransportKind::Tcp;
         if self.draining.is_cancelled() {
@@ -199,6 +242,98 @@ impl Offers {
             endpoint,
             backlog_bytes_left,
         })
+    }
+}
+
+impl Offers {
+    /// Answers a replica agent that asks to continue the replication
+    /// stream of one of this agent's instances. `local` is the address it
+    /// reached this agent on, `remote` its own.
+    pub fn open_stream(
+        &self,
+        ask: &StreamAsk,
+        local: Option<SocketAddr>,
+        remote: Option<SocketAddr>,
+    ) -> Result<StreamAnswer, OfferError> {
+        let instance = self.instances.resolve(&ask.instance)?;
+        let config = &instance.config;
+        let stream = instance.stream.as_ref().ok_or_else(|| {
+            OfferError::Unsupported(format!(
+                "instance {:?} of this agent keeps no replication stream ([stream] dir)",
+                instance.name
+            ))
+        })?;
+        let tls = data_tls(config, ask.data_tls)?;
+        if self.draining.is_cancelled() {
+            return Err(OfferError::Draining);
+        }
+        let start = {
+            let log = stream.lock();
+            let start = match ask.replid.as_str() {
+                "" => log.first().and_then(|first| {
+                    let epoch = log.history().iter().rev().find(|e| e.start <= first)?;
+                    Some((epoch.replid.clone(), first))
+                }),
+                id => log
+                    .covers(id, ask.offset)
+                    .ok()
+                    .map(|()| (id.to_string(), ask.offset)),
+            };
+            start.ok_or_else(|| StreamAnswer::TooOld {
+                held: log.describe(),
+                snapshot: instance
+                    .catalog
+                    .list()
+                    .into_iter()
+                    .filter(|e| {
+                        e.info
+                            .repl_id
+                            .as_ref()
+                            .is_some_and(|id| log.covers(id, e.info.seq).is_ok())
+                    })
+                    .max_by_key(|e| e.info.seq),
+            })
+        };
+        let (replid, offset) = match start {
+            Ok(start) => start,
+            Err(too_old) => return Ok(too_old),
+        };
+        let (id, key) = (new_id(), new_key());
+        let replica = match ask.replica_node.as_str() {
+            "" => "unnamed".to_string(),
+            node => node.to_string(),
+        };
+        let token = self
+            .streams
+            .insert(StreamSession {
+                id: id.clone(),
+                instance: instance.name.clone(),
+                replica,
+                stream: stream.clone(),
+                key,
+                replid: replid.clone(),
+                from: offset,
+                tls,
+                expires: Instant::now() + config.sync.session_token_ttl,
+            })
+            .map_err(|_| {
+                OfferError::Busy(format!(
+                    "this source already serves {} stream sessions; retry in a few seconds",
+                    crate::stream::serve::MAX_SESSIONS
+                ))
+            })?;
+        let endpoint = advertised(self.data.tcp, local);
+        info!(session = %id, instance = %instance.name, replica = %ask.replica_node, remote = ?remote, %replid, offset, tls, "offered the replication stream");
+        Ok(StreamAnswer::Continue(StreamOffered {
+            id,
+            token,
+            key,
+            replid,
+            offset,
+            tls,
+            endpoint,
+            window: WINDOW,
+        }))
     }
 }
 
@@ -332,13 +467,13 @@ impl Offers {
 
 /// Whether the TCP data path is encrypted: when both ends can. A source
 /// that requires it refuses a replica that cannot.
-fn data_tls(config: &Config, ask: &Ask) -> Result<bool, OfferError> {
-    if config.data.tls == DataTls::Required && !ask.data_tls {
+fn data_tls(config: &Config, replica_can: bool) -> Result<bool, OfferError> {
+    if config.data.tls == DataTls::Required && !replica_can {
         return Err(OfferError::Unsupported(
             "this source requires an encrypted data plane ([data] tls = \"required\"); give the replica a [tls] configuration with the fleet's CA".into(),
         ));
     }
-    Ok(config.data_tls() && ask.data_tls)
+    Ok(config.data_tls() && replica_can)
 }
 
 /// RDMA when both sides can and the replica did not ask for TCP; TCP

@@ -5,7 +5,9 @@
 //! transport (its first TCP frame, or the RDMA connect's private data), read
 //! on the runtime under `data.hello_timeout` with caps on connections still
 //! proving one; only then does it get a thread, memory or a queue pair, and
-//! its session's source-side metrics. What is offered is `offer`'s.
+//! its session's source-side metrics. A proof of a stream session
+//! (`stream::serve`) is served on the runtime instead. What is offered is
+//! `offer`'s.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -24,6 +26,7 @@ use crate::metrics::{unix_now, Metrics, Running};
 use crate::rpc::conn_limit;
 use crate::store::catalog::CatalogEntry;
 use crate::store::served::Served;
+use crate::stream::serve::StreamOffers;
 use crate::transport::pace::MinRate;
 use crate::transport::probe::LocalRdma;
 use crate::transport::ratelimit::RateLimiter;
@@ -381,6 +384,9 @@ pub struct DataPlane {
     pub tls: Option<Arc<rustls::ServerConfig>>,
     /// `[data] kernel_tls`: records in the kernel where it can.
     pub kernel_tls: bool,
+    /// Stream sessions offered, which prove themselves on the same
+    /// listener.
+    pub streams: Arc<StreamOffers>,
 }
 
 /// The one serve loop: takes accepted data connections, of any transport,
@@ -458,6 +464,42 @@ async fn prove_and_serve(conn: Accepted, peer: String, slot: conn_limit::Slot, p
             Ok(Err(e)) => return refused("bad_hello", &e),
             Ok(Ok(proved)) => proved,
         };
+    let stream = match kind {
+        TransportKind::Tcp => plane.streams.take(proved.proof()),
+        TransportKind::Rdma => None,
+    };
+    if let Some((session, serving)) = stream {
+        if session.tls != proved.encrypted() {
+            refused(
+                "bad_hello",
+                &"this stream session was offered with other TLS settings than the connection uses",
+            );
+            let _ = tokio::time::timeout(
+                plane.hello_timeout,
+                proved.refuse("open the data connection as the offer said (data_tls)"),
+            )
+            .await;
+            return;
+        }
+        drop(slot);
+        match proved.into_stream(plane.peer_timeout) {
+            Ok(Ok(link)) => {
+                crate::stream::serve::serve(
+                    link,
+                    session,
+                    serving,
+                    peer,
+                    plane.shutdown.clone(),
+                    plane.metrics.clone(),
+                    plane.faults.stream_corrupt_at,
+                )
+                .await
+            }
+            Ok(Err(e)) => warn!(%peer, "stream connection failed to open: {e}"),
+            Err(_) => warn!(%peer, "stream connection refused: stream sessions run over TCP"),
+        }
+        return;
+    }
     let Some(session) = plane.sessions.take(proved.proof(), kind) else {
         refused("bad_token", &BAD_TOKEN);
         let _ = tokio::time::timeout(plane.hello_timeout, proved.refuse(BAD_TOKEN)).await;

@@ -218,6 +218,10 @@ impl<S> RecordReader<S> {
         self.inner
     }
 
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
     /// How many bytes the next read may take.
     fn limit(&self, want: usize) -> usize {
         want.min(if self.body > 0 {

@@ -15,6 +15,7 @@ pub mod ratelimit;
 pub mod rdma;
 pub mod select;
 pub mod session;
+pub mod stream;
 pub mod tcp;
 pub mod tls;
 #[cfg(feature = "rdma")]
@@ -163,7 +164,7 @@ pub fn blocking_data_socket(
 /// waits to read, `TCP_USER_TIMEOUT` while its writes go unacknowledged. The
 /// BLK3 waits allow minutes for a multi-GB transfer; a dead link must not.
 pub fn detect_dead_peer(
-    stream: &std::net::TcpStream,
+    stream: &impl std::os::fd::AsFd,
     peer_timeout: Duration,
 ) -> std::io::Result<()> {
     let socket = socket2::SockRef::from(stream);
@@ -242,7 +243,8 @@ pub const CRC32_NEUTRAL: [u8; 5] = [0x41, 0x06, 0x71, 0xdb, 0x01];
 
 /// Faults injected into the data plane for fault tests, from the
 /// `KVSYNC_FAULTS` environment variable: `corrupt_at=N,forge_at=N,
-/// stall_after=N,cut_after=N` for TCP sources; `rdma_corrupt_at=N,rdma_cut_after=N,rdma_drop_send=N` for
+/// stall_after=N,cut_after=N` for TCP sources; `stream_corrupt_at=N` for
+/// stream sources; `rdma_corrupt_at=N,rdma_cut_after=N,rdma_drop_send=N` for
 /// the emulated fabric; `rdma_bad_rkey=1` and `rdma_hold_after=N` with
 /// `hold_file=PATH`, `rdma_write_after_verify=1` (source), `rdma_no_file_mr=1`
 /// and `rdma_damage_piece=N`
@@ -264,6 +266,10 @@ pub struct Faults {
     pub stall_after: Option<u64>,
     /// Source: drop the connection after this many bulk bytes.
     pub cut_after: Option<u64>,
+    /// Stream source: flip one bit of the replication stream's byte at
+    /// this offset on the wire, after its frame's MAC was made (an on-path
+    /// change), in every session that sends it.
+    pub stream_corrupt_at: Option<u64>,
 }
 
 /// A `KVSYNC_FAULTS` that does not parse.
@@ -310,6 +316,7 @@ impl Faults {
                 "forge_at" => f.forge_at = Some(n),
                 "stall_after" => f.stall_after = Some(n),
                 "cut_after" => f.cut_after = Some(n),
+                "stream_corrupt_at" => f.stream_corrupt_at = Some(n),
                 "rdma_corrupt_at" => f.emu.corrupt_at = Some(n),
                 "rdma_cut_after" => f.emu.cut_after = Some(n),
                 "rdma_drop_send" => f.emu.drop_send = Some(n as u32),

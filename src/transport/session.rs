@@ -343,6 +343,30 @@ impl Proved {
         }
     }
 
+    /// A proved TCP connection (plain or TLS) as a stream session's end, on
+    /// the runtime, failing within `peer_timeout` once the peer is gone;
+    /// an RDMA connection is given back.
+    pub fn into_stream(
+        self,
+        peer_timeout: Duration,
+    ) -> Result<Result<super::stream::StreamLink, std::io::Error>, Proved> {
+        use super::stream::StreamLink;
+        Ok(match self.conn {
+            ProvedConn::Tcp(s, read_ahead) => super::detect_dead_peer(&s, peer_timeout)
+                .map(|()| StreamLink::new(Box::new(s), read_ahead)),
+            ProvedConn::Tls(t, read_ahead) => {
+                super::detect_dead_peer(t.get_ref().0.get_ref(), peer_timeout)
+                    .map(|()| StreamLink::new(t, read_ahead))
+            }
+            conn => {
+                return Err(Proved {
+                    proof: self.proof,
+                    conn,
+                })
+            }
+        })
+    }
+
     /// Sets up the proved connection for its session on a blocking thread:
     /// the socket (its TLS records in the kernel when `kernel_tls`), the
     /// emulated QP's threads, or the verbs resources.

@@ -1,0 +1,345 @@
+//! The rules of a stream session, free of I/O. The source sends the
+//! replication stream from the offset the replica asked for, as frames
+//! (`STRM`: offset, length, MAC, then the bytes) and replication-id changes
+//! (`SEPO`), each under a MAC keyed by the session's stream key, which only
+//! the authenticated control plane carried: a proxy on the data path can
+//! neither forge nor alter a frame. The replica takes frames strictly in
+//! order (a frame must start where the stream stands: nothing skipped,
+//! nothing applied twice) and acknowledges what its log holds (`SACK`); the
+//! source never has more than a credit window unacknowledged, and a
+//! replica refuses a source that sends past it or acknowledges what it
+//! never sent.
+
+use super::token::{Token, REPLID_LEN};
+
+/// Bytes of a stream session's MAC key.
+pub const STREAM_KEY_LEN: usize = 32;
+/// The most bytes one `STRM` frame carries.
+pub const MAX_FRAME: u32 = 1 << 20;
+
+/// The MAC of `bytes` of the stream from `offset`.
+pub fn data_mac(key: &[u8; STREAM_KEY_LEN], offset: u64, bytes: &[u8]) -> [u8; 32] {
+    let mut h = blake3::Hasher::new_keyed(key);
+    h.update(b"STRM");
+    h.update(&offset.to_be_bytes());
+    h.update(&(bytes.len() as u32).to_be_bytes());
+    h.update(bytes);
+    *h.finalize().as_bytes()
+}
+
+/// The MAC of a replication-id change at `offset`.
+pub fn epoch_mac(key: &[u8; STREAM_KEY_LEN], offset: u64, replid: &[u8; REPLID_LEN]) -> [u8; 32] {
+    let mut h = blake3::Hasher::new_keyed(key);
+    h.update(b"SEPO");
+    h.update(&offset.to_be_bytes());
+    h.update(replid);
+    *h.finalize().as_bytes()
+}
+
+/// Why a stream session's peer is not followed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StreamError {
+    #[error(
+        "the frame at offset {offset} fails its MAC: its bytes are not the ones the source sent"
+    )]
+    Forged { offset: u64 },
+    #[error("a frame at offset {offset} does not continue the stream, which stands at {expected}")]
+    Discontinuous { offset: u64, expected: u64 },
+    #[error("the source sent up to offset {end}, past its credit window ({window} bytes after the acknowledged {acked})")]
+    OverWindow { end: u64, acked: u64, window: u64 },
+    #[error("a frame of {0} bytes is larger than a frame may be ({MAX_FRAME})")]
+    TooLarge(u32),
+    #[error("the replica acknowledged offset {ack}, outside what was sent ({acked}..={sent})")]
+    BadAck { ack: u64, acked: u64, sent: u64 },
+}
+
+impl StreamError {
+    /// Its `reason` label (`kvsync_stream_refused_total`).
+    pub fn label(&self) -> &'static str {
+        match self {
+            StreamError::Forged { .. } => "forged",
+            StreamError::Discontinuous { .. } => "discontinuous",
+            StreamError::OverWindow { .. } | StreamError::TooLarge(_) => "over_window",
+            StreamError::BadAck { .. } => "bad_ack",
+        }
+    }
+}
+
+/// The source's end: where the stream stands, what was acknowledged.
+#[derive(Debug, Clone)]
+pub struct Sender {
+    key: [u8; STREAM_KEY_LEN],
+    sent: u64,
+    acked: u64,
+    window: u64,
+}
+
+impl Sender {
+    /// A session that sends from `from` with `window` bytes of credit.
+    pub fn new(key: [u8; STREAM_KEY_LEN], from: u64, window: u64) -> Sender {
+        Sender {
+            key,
+            sent: from,
+            acked: from,
+            window,
+        }
+    }
+
+    /// The offset the next frame starts at.
+    pub fn sent(&self) -> u64 {
+        self.sent
+    }
+
+    /// The offset the replica acknowledged last.
+    pub fn acked(&self) -> u64 {
+        self.acked
+    }
+
+    /// Bytes that may be sent before the next acknowledgement.
+    pub fn room(&self) -> u64 {
+        self.window.saturating_sub(self.sent - self.acked)
+    }
+
+    /// The frame for the front of `bytes` (the stream from [`Sender::sent`])
+    /// and how many of them it carries: as many as the room and a frame
+    /// allow, `None` when there is no room.
+    pub fn frame(&mut self, bytes: &[u8]) -> Option<(Token, usize)> {
+        let n = (bytes.len() as u64).min(self.room()).min(MAX_FRAME as u64) as usize;
+        if n == 0 {
+            return None;
+        }
+        let offset = self.sent;
+        let mac = data_mac(&self.key, offset, &bytes[..n]);
+        self.sent += n as u64;
+        Some((
+            Token::Strm {
+                offset,
+                len: n as u32,
+                mac,
+            },
+            n,
+        ))
+    }
+
+    /// The change to replication id `replid` at the stream's position.
+    pub fn epoch(&self, replid: &[u8; REPLID_LEN]) -> Token {
+        Token::Sepo {
+            offset: self.sent,
+            replid: *replid,
+            mac: epoch_mac(&self.key, self.sent, replid),
+        }
+    }
+
+    /// The replica's acknowledgement: it never goes back, nor past what
+    /// was sent.
+    pub fn on_ack(&mut self, ack: u64) -> Result<(), StreamError> {
+        if ack < self.acked || ack > self.sent {
+            return Err(StreamError::BadAck {
+                ack,
+                acked: self.acked,
+                sent: self.sent,
+            });
+        }
+        self.acked = ack;
+        Ok(())
+    }
+}
+
+/// The replica's end: where the stream stands, what it acknowledged.
+#[derive(Debug, Clone)]
+pub struct Receiver {
+    key: [u8; STREAM_KEY_LEN],
+    next: u64,
+    acked: u64,
+    window: u64,
+}
+
+impl Receiver {
+    /// A session that receives from `from` with `window` bytes of credit.
+    pub fn new(key: [u8; STREAM_KEY_LEN], from: u64, window: u64) -> Receiver {
+        Receiver {
+            key,
+            next: from,
+            acked: from,
+            window,
+        }
+    }
+
+    /// The offset the next frame must start at.
+    pub fn next(&self) -> u64 {
+        self.next
+    }
+
+    /// Checks a `STRM` header before its bytes are read: it continues the
+    /// stream, fits a frame and stays within the credit window.
+    pub fn header(&self, offset: u64, len: u32) -> Result<(), StreamError> {
+        if len > MAX_FRAME {
+            return Err(StreamError::TooLarge(len));
+        }
+        if offset != self.next {
+            return Err(StreamError::Discontinuous {
+                offset,
+                expected: self.next,
+            });
+        }
+        let end = offset + len as u64;
+        if end - self.acked > self.window {
+            return Err(StreamError::OverWindow {
+                end,
+                acked: self.acked,
+                window: self.window,
+            });
+        }
+        Ok(())
+    }
+
+    /// Takes the frame's bytes once they are read: checked against the
+    /// header and the MAC, then the stream moves past them.
+    pub fn accept(&mut self, offset: u64, bytes: &[u8], mac: &[u8; 32]) -> Result<(), StreamError> {
+        self.header(offset, bytes.len() as u32)?;
+        if data_mac(&self.key, offset, bytes) != *mac {
+            return Err(StreamError::Forged { offset });
+        }
+        self.next += bytes.len() as u64;
+        Ok(())
+    }
+
+    /// Takes a replication-id change, which must stand where the stream
+    /// does and carry its MAC.
+    pub fn epoch(
+        &self,
+        offset: u64,
+        replid: &[u8; REPLID_LEN],
+        mac: &[u8; 32],
+    ) -> Result<(), StreamError> {
+        if offset != self.next {
+            return Err(StreamError::Discontinuous {
+                offset,
+                expected: self.next,
+            });
+        }
+        if epoch_mac(&self.key, offset, replid) != *mac {
+            return Err(StreamError::Forged { offset });
+        }
+        Ok(())
+    }
+
+    /// The acknowledgement of everything taken (the log holds it): credit
+    /// for another window.
+    pub fn ack(&mut self) -> Token {
+        self.acked = self.next;
+        Token::Sack { offset: self.next }
+    }
+
+    /// Bytes taken and not yet acknowledged.
+    pub fn unacked(&self) -> u64 {
+        self.next - self.acked
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KEY: [u8; STREAM_KEY_LEN] = [7; STREAM_KEY_LEN];
+
+    fn strm(t: &Token) -> (u64, u32, [u8; 32]) {
+        match t {
+            Token::Strm { offset, len, mac } => (*offset, *len, *mac),
+            other => panic!("not STRM: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn frames_flow_within_the_window_and_acks_give_credit_back() {
+        let stream: Vec<u8> = (0..=255u8).cycle().take(10_000).collect();
+        let mut tx = Sender::new(KEY, 1000, 4096);
+        let mut rx = Receiver::new(KEY, 1000, 4096);
+        let mut at = 0;
+        let mut got = Vec::new();
+        while at < stream.len() {
+            while let Some((t, n)) = tx.frame(&stream[at..]) {
+                let (offset, len, mac) = strm(&t);
+                assert_eq!(len as usize, n);
+                rx.header(offset, len).unwrap();
+                rx.accept(offset, &stream[at..at + n], &mac).unwrap();
+                got.extend_from_slice(&stream[at..at + n]);
+                at += n;
+            }
+            assert!(tx.sent() - tx.acked() <= 4096, "never past the window");
+            let Token::Sack { offset } = rx.ack() else {
+                unreachable!()
+            };
+            tx.on_ack(offset).unwrap();
+        }
+        assert_eq!(got, stream);
+        assert_eq!(tx.sent(), 11_000);
+    }
+
+    #[test]
+    fn a_forged_altered_or_misplaced_frame_is_refused_and_takes_nothing() {
+        let mut tx = Sender::new(KEY, 0, 1 << 20);
+        let mut rx = Receiver::new(KEY, 0, 1 << 20);
+        let (t, _) = tx.frame(b"*1\r\n$4\r\nPING\r\n").unwrap();
+        let (offset, _, mac) = strm(&t);
+        // The same bytes under another key (a peer without the key).
+        let forged = data_mac(&[8; STREAM_KEY_LEN], 0, b"*1\r\n$4\r\nPING\r\n");
+        assert_eq!(
+            rx.accept(0, b"*1\r\n$4\r\nPING\r\n", &forged),
+            Err(StreamError::Forged { offset: 0 })
+        );
+        assert_eq!(
+            rx.accept(offset, b"*1\r\n$4\r\nPONG\r\n", &mac),
+            Err(StreamError::Forged { offset: 0 })
+        );
+        assert_eq!(rx.next(), 0, "nothing was taken");
+        rx.accept(offset, b"*1\r\n$4\r\nPING\r\n", &mac).unwrap();
+        // Replayed: the same frame again is not applied twice.
+        assert_eq!(
+            rx.accept(offset, b"*1\r\n$4\r\nPING\r\n", &mac),
+            Err(StreamError::Discontinuous {
+                offset: 0,
+                expected: 14
+            })
+        );
+        assert!(matches!(
+            rx.header(20, 1),
+            Err(StreamError::Discontinuous { .. })
+        ));
+        let replid = [b'f'; REPLID_LEN];
+        let Token::Sepo { offset, mac, .. } = tx.epoch(&replid) else {
+            unreachable!()
+        };
+        rx.epoch(offset, &replid, &mac).unwrap();
+        assert_eq!(
+            rx.epoch(offset, &[b'e'; REPLID_LEN], &mac),
+            Err(StreamError::Forged { offset: 14 })
+        );
+    }
+
+    #[test]
+    fn a_source_past_its_window_and_an_ack_of_unsent_bytes_are_refused() {
+        let rx = Receiver::new(KEY, 100, 10);
+        assert!(rx.header(100, 10).is_ok());
+        assert_eq!(
+            rx.header(100, 11),
+            Err(StreamError::OverWindow {
+                end: 111,
+                acked: 100,
+                window: 10
+            })
+        );
+        assert_eq!(
+            rx.header(100, MAX_FRAME + 1),
+            Err(StreamError::TooLarge(MAX_FRAME + 1))
+        );
+        let mut tx = Sender::new(KEY, 100, 10);
+        let (_, n) = tx.frame(&[0; 50]).unwrap();
+        assert_eq!(n, 10, "cut to the window");
+        assert!(tx.frame(&[0; 5]).is_none(), "no room until an ack");
+        assert!(matches!(tx.on_ack(111), Err(StreamError::BadAck { .. })));
+        tx.on_ack(105).unwrap();
+        assert!(matches!(tx.on_ack(104), Err(StreamError::BadAck { .. })));
+        assert_eq!(tx.room(), 5);
+    }
+}

@@ -1,0 +1,305 @@
+//! Being the local server's master from the stream log (`[handoff] mode =
+//! "redis-stream"`). The feed listens on `[redis] seed_listen` and answers
+//! the server as its primary would: a connection from the server's address
+//! proves the feed's password (its `masterauth`, made once and kept in the
+//! log's directory), then asks `PSYNC <id> <offset>`. The feed answers
+//! `+CONTINUE <id>` when the log holds that id at that offset, and streams
+//! the log from there; otherwise `+FULLRESYNC <id> <M>` with the RDB a
+//! handoff gave it ([`FeedHandle::seed_with`], once the log continues it)
+//! and the stream from M. So the server's every reconnect (its restart, a
+//! blip between them) continues from the log without the primary. A
+//! connection ends where the log's replication id changes: the server asks
+//! again and continues under the new id. A newer connection from the
+//! server replaces the one before it. The handshake is `kv::seed`'s.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::log::{self, LogError};
+use super::SharedLog;
+use crate::kv::redis::RedisError;
+use crate::kv::seed::{self, Seeded};
+
+/// The feed's password file, in the stream log's directory.
+pub const SECRET_FILE: &str = ".kvsync-feed-masterauth";
+/// The most stream bytes one write to the server takes.
+const CHUNK: usize = 1 << 20;
+
+/// What a handoff needs of the feed, and what it tells it.
+#[derive(Clone)]
+pub struct FeedHandle {
+    pub addr: SocketAddr,
+    pub secret: String,
+    /// The RDB a full resync serves: its path, replication id and M.
+    seed: Arc<Mutex<Option<(PathBuf, String, u64)>>>,
+    /// The offset the server last acknowledged.
+    acked: Arc<AtomicU64>,
+}
+
+impl FeedHandle {
+    /// Serves `rdb` (saved at `replid` `m`) to the next full resync.
+    pub fn seed_with(&self, rdb: PathBuf, replid: String, m: u64) {
+        *self.seed.lock().expect("feed seed lock") = Some((rdb, replid, m));
+    }
+
+    /// The offset the server last acknowledged (`REPLCONF ACK`).
+    pub fn acked(&self) -> u64 {
+        self.acked.load(Ordering::Relaxed)
+    }
+}
+
+/// Why the feed could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum FeedError {
+    #[error("the stream feed's listener {addr}: {source}")]
+    Listen {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("the stream feed's password file {}: {source}", path.display())]
+    Secret {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// The feed's password: made once, kept (0600) in `dir`.
+fn secret(dir: &Path) -> Result<String, FeedError> {
+    let path = dir.join(SECRET_FILE);
+    let err = |source| FeedError::Secret {
+        path: path.clone(),
+        source,
+    };
+    match crate::sys::fs::read_regular(&path, 256) {
+        Ok(b) if b.len() == 48 && b.iter().all(u8::is_ascii_hexdigit) => {
+            return Ok(String::from_utf8(b).expect("hex digits"))
+        }
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(err(e)),
+    }
+    let made: String = rand::random::<[u8; 24]>()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    crate::sys::fs::write_atomic(&path, made.as_bytes(), (".kvsync-feed-", ".tmp"), 0o600)
+        .map_err(err)?;
+    Ok(made)
+}
+
+/// Binds the feed on `listen` with its password from `dir`.
+pub async fn bind(listen: &str, dir: &Path) -> Result<(TcpListener, FeedHandle), FeedError> {
+    let err = |source| FeedError::Listen {
+        addr: listen.to_string(),
+        source,
+    };
+    let listener = TcpListener::bind(listen).await.map_err(err)?;
+    let addr = listener.local_addr().map_err(err)?;
+    let dir = dir.to_path_buf();
+    let secret = tokio::task::spawn_blocking(move || secret(&dir))
+        .await
+        .expect("feed secret task")?;
+    Ok((
+        listener,
+        FeedHandle {
+            addr,
+            secret,
+            seed: Arc::default(),
+            acked: Arc::default(),
+        },
+    ))
+}
+
+/// Serves the server at `server` from the log until `stop`.
+pub async fn run(
+    listener: TcpListener,
+    feed: FeedHandle,
+    server: String,
+    stream: SharedLog,
+    stop: CancellationToken,
+) {
+    let mut current: Option<tokio::task::JoinHandle<()>> = None;
+    loop {
+        let ip = tokio::select! {
+            _ = stop.cancelled() => break,
+            ip = seed::server_ip(&server) => ip,
+        };
+        let ip = match ip {
+            Ok(ip) => ip,
+            Err(e) => {
+                warn!(error = %e, "the stream feed cannot resolve its server; it tries again");
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    _ = tokio::time::sleep(Duration::from_secs(2)) => continue,
+                }
+            }
+        };
+        let accepted = tokio::select! {
+            _ = stop.cancelled() => break,
+            a = seed::accept_seeded(&listener, ip, &feed.secret, Duration::from_secs(3600)) => a,
+        };
+        match accepted {
+            Ok(seeded) => {
+                if let Some(old) = current.take() {
+                    old.abort();
+                }
+                let (feed, stream) = (feed.clone(), stream.clone());
+                current = Some(tokio::spawn(async move {
+                    if let Err(e) = feed_one(seeded, &feed, &stream).await {
+                        warn!(error = %e, "the stream feed's connection to its server ended");
+                    }
+                }));
+            }
+            Err(RedisError::Timeout { .. }) => {}
+            Err(e) => warn!(error = %e, "the stream feed's listener"),
+        }
+    }
+    if let Some(c) = current {
+        c.abort();
+    }
+}
+
+/// Why one connection of the feed ended.
+#[derive(Debug, thiserror::Error)]
+enum ServeError {
+    #[error("the server's connection: {0}")]
+    Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Log(#[from] LogError),
+    #[error("the server asked for {0}, which neither the log nor a snapshot continues")]
+    Uncovered(String),
+    #[error("the log's replication id changes at offset {0}: the server asks again")]
+    Epoch(u64),
+    #[error("the server closed the connection")]
+    Closed,
+}
+
+/// The task reading a connection's acknowledgements, ended with it.
+struct Reader(tokio::task::JoinHandle<()>);
+
+impl Drop for Reader {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// The id of the log's epoch at `offset`.
+fn epoch_at(log: &log::Log, offset: u64) -> Option<String> {
+    log.history()
+        .iter()
+        .rev()
+        .find(|e| e.start <= offset)
+        .map(|e| e.replid.clone())
+}
+
+/// Answers one sync request and streams the log after it.
+async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<(), ServeError> {
+    let Seeded {
+        read,
+        mut write,
+        psync,
+        args,
+    } = s;
+    let asked = match (
+        psync,
+        args.get(1),
+        args.get(2).and_then(|o| o.parse::<u64>().ok()),
+    ) {
+        (true, Some(id), Some(offset)) if offset > 0 => Some((id.clone(), offset - 1)),
+        _ => None,
+    };
+    let continued = asked.as_ref().and_then(|(id, at)| {
+        let log = stream.lock();
+        log.covers(id, *at).ok()?;
+        Some((epoch_at(&log, *at)?, *at))
+    });
+    let (replid, mut at) = match continued {
+        Some((id, at)) => {
+            write
+                .write_all(format!("+CONTINUE {id}\r\n").as_bytes())
+                .await?;
+            info!(offset = at, replid = %id, "the stream feed continues its server from the log");
+            (id, at)
+        }
+        None => {
+            let seed = feed.seed.lock().expect("feed seed lock").clone();
+            let usable = seed.filter(|(_, id, m)| stream.lock().covers(id, *m).is_ok());
+            let Some((rdb, id, m)) = usable else {
+                let why = asked.map_or("a full sync".to_string(), |(id, at)| {
+                    format!("{id} at {}", at + 1)
+                });
+                let _ = write
+                    .write_all(b"-ERR kvsync: no snapshot continues into this agent's stream log; sync one\r\n")
+                    .await;
+                return Err(ServeError::Uncovered(why));
+            };
+            if psync {
+                write
+                    .write_all(format!("+FULLRESYNC {id} {m}\r\n").as_bytes())
+                    .await?;
+            }
+            let mut file = tokio::fs::File::from_std(crate::sys::fs::open_read(&rdb)?);
+            let len = file.metadata().await?.len();
+            write.write_all(format!("${len}\r\n").as_bytes()).await?;
+            tokio::io::copy(&mut file, &mut write).await?;
+            info!(
+                bytes = len,
+                seq = m,
+                "the stream feed sent its server the RDB; the stream follows"
+            );
+            (id, m)
+        }
+    };
+    // The server's acknowledgements, read on their own task.
+    let acked = feed.acked.clone();
+    let mut acks = Reader(tokio::spawn(async move {
+        let mut read = read;
+        while let Ok(cmd) = seed::read_command(&mut read).await {
+            if cmd.len() == 3
+                && cmd[0].eq_ignore_ascii_case("REPLCONF")
+                && cmd[1].eq_ignore_ascii_case("ACK")
+            {
+                if let Ok(o) = cmd[2].parse() {
+                    acked.store(o, Ordering::Relaxed);
+                }
+            }
+        }
+    }));
+    let mut changed = stream.watch();
+    loop {
+        loop {
+            let plan = {
+                let log = stream.lock();
+                log.covers(&replid, at)?;
+                match epoch_at(&log, at) {
+                    Some(id) if id != replid => return Err(ServeError::Epoch(at)),
+                    _ => {}
+                }
+                match log.position() {
+                    Some((_, end)) if at < end => log.plan(at)?,
+                    _ => break,
+                }
+            };
+            let records = tokio::task::spawn_blocking(move || log::read(&plan, CHUNK))
+                .await
+                .expect("log read task")?;
+            for rec in records {
+                let bytes = &rec.bytes[(at - rec.offset) as usize..];
+                write.write_all(bytes).await?;
+                at = rec.end();
+            }
+        }
+        tokio::select! {
+            r = changed.changed() => if r.is_err() { return Ok(()) },
+            _ = &mut acks.0 => return Err(ServeError::Closed),
+        }
+    }
+}

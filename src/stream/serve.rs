@@ -1,0 +1,268 @@
+//! The source's side of stream sessions: the offered sessions by one-time
+//! token (what `OpenStream` agreed: the instance's log, the offset and
+//! replication id to start at, the MAC key, TLS or not), and serving a
+//! proved one. A session sends the log from its offset as `STRM` frames
+//! within the credit window, a `SEPO` where the log's history changes
+//! replication id, and waits for more when it has sent everything; it
+//! ends when the replica goes, breaks the rules, the log no longer holds
+//! its offset (trimmed, or started over by a full resync: the replica is
+//! told, and asks again), or the agent stops. Whether to offer is
+//! `sync::offer`'s.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use rand::RngCore;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::log::{self, LogError, ReadPlan};
+use super::SharedLog;
+use crate::blk3::stream::{Sender, StreamError, STREAM_KEY_LEN};
+use crate::blk3::token::{Kind, REPLID_LEN, SESSION_TOKEN_LEN};
+use crate::blk3::Token;
+use crate::metrics::{Metrics, Running};
+use crate::transport::stream::{StreamLink, StreamLinkError};
+
+/// Bytes a source sends beyond the replica's last acknowledgement.
+pub const WINDOW: u64 = 4 << 20;
+/// Stream sessions offered or served at once, at most (every instance).
+pub const MAX_SESSIONS: usize = 256;
+
+/// A stream session agreed by `OpenStream`.
+pub struct StreamSession {
+    pub id: String,
+    pub instance: String,
+    pub replica: String,
+    pub stream: SharedLog,
+    pub key: [u8; STREAM_KEY_LEN],
+    /// The replica's replication id at `from`, where the session starts.
+    pub replid: String,
+    pub from: u64,
+    /// TCP under TLS.
+    pub tls: bool,
+    pub expires: Instant,
+}
+
+/// Stream sessions offered (by token) and served, within [`MAX_SESSIONS`].
+#[derive(Default)]
+pub struct StreamOffers {
+    offers: Mutex<HashMap<[u8; SESSION_TOKEN_LEN], StreamSession>>,
+    serving: Arc<AtomicUsize>,
+}
+
+/// [`MAX_SESSIONS`] are offered or served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Busy;
+
+/// A served session's place among [`MAX_SESSIONS`], held until dropped.
+pub struct Serving(Arc<AtomicUsize>);
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl StreamOffers {
+    /// Stores `session` under a fresh random token.
+    pub fn insert(&self, session: StreamSession) -> Result<[u8; SESSION_TOKEN_LEN], Busy> {
+        let mut offers = self.offers.lock().expect("stream offers lock");
+        let now = Instant::now();
+        offers.retain(|_, s| s.expires > now);
+        if offers.len() + self.serving.load(Ordering::SeqCst) >= MAX_SESSIONS {
+            return Err(Busy);
+        }
+        let mut token = [0u8; SESSION_TOKEN_LEN];
+        rand::rng().fill_bytes(&mut token);
+        offers.insert(token, session);
+        Ok(token)
+    }
+
+    /// Takes the unexpired session of `token`, once.
+    pub fn take(&self, token: &[u8]) -> Option<(StreamSession, Serving)> {
+        let token: &[u8; SESSION_TOKEN_LEN] = token.get(..SESSION_TOKEN_LEN)?.try_into().ok()?;
+        let session = self
+            .offers
+            .lock()
+            .expect("stream offers lock")
+            .remove(token)
+            .filter(|s| s.expires > Instant::now())?;
+        self.serving.fetch_add(1, Ordering::SeqCst);
+        Some((session, Serving(self.serving.clone())))
+    }
+
+    /// Drops every offer (shutdown).
+    pub fn clear(&self) {
+        self.offers.lock().expect("stream offers lock").clear();
+    }
+}
+
+/// A random MAC key for one session.
+pub fn new_key() -> [u8; STREAM_KEY_LEN] {
+    let mut key = [0u8; STREAM_KEY_LEN];
+    rand::rng().fill_bytes(&mut key);
+    key
+}
+
+/// Why a served stream session ended.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Link(#[from] StreamLinkError),
+    #[error(transparent)]
+    Stream(#[from] StreamError),
+    #[error(transparent)]
+    Log(#[from] LogError),
+    #[error("the replica ended the session: {0}")]
+    Replica(String),
+    #[error("the replica sent {0}, which a stream session does not take")]
+    Unexpected(Kind),
+}
+
+impl ServeError {
+    /// The `kvsync_stream_refused_total` reason, when the session ended
+    /// for one.
+    fn refusal(&self) -> Option<&'static str> {
+        match self {
+            ServeError::Stream(e) => Some(e.label()),
+            ServeError::Log(LogError::NotHeld { .. }) => Some("too_old"),
+            _ => None,
+        }
+    }
+}
+
+/// Serves a proved stream session until it ends or `shutdown`.
+pub async fn serve(
+    mut link: StreamLink,
+    session: StreamSession,
+    _serving: Serving,
+    peer: String,
+    shutdown: CancellationToken,
+    metrics: Arc<Metrics>,
+    corrupt_at: Option<u64>,
+) {
+    let s = &session;
+    let _running = Running::start(
+        metrics
+            .stream_sessions
+            .with_label_values(&[&s.instance, "source"]),
+    );
+    info!(session = %s.id, instance = %s.instance, replica = %s.replica, %peer, from = s.from, tls = s.tls, "serving the replication stream");
+    let sent = metrics
+        .stream_bytes
+        .with_label_values(&[&s.instance, "source"]);
+    match send_stream(&mut link, s, &shutdown, &sent, corrupt_at).await {
+        Ok(at) => info!(session = %s.id, at, "stream session ended: the agent stops"),
+        Err(e) => {
+            if let Some(reason) = e.refusal() {
+                metrics
+                    .stream_refused
+                    .with_label_values(&[&s.instance, reason])
+                    .inc();
+            }
+            warn!(session = %s.id, instance = %s.instance, error = %e, "stream session ended");
+            if !matches!(e, ServeError::Link(_) | ServeError::Replica(_)) {
+                link.fail(&e.to_string()).await;
+            }
+        }
+    }
+}
+
+/// What the session sends next from where it stands.
+enum Next {
+    /// It has sent everything the log holds.
+    Wait,
+    /// The stream changes replication id here.
+    Epoch([u8; REPLID_LEN]),
+    Read(ReadPlan),
+}
+
+/// Under the log's lock: the replica's id must still span `at` (a log
+/// started over by a full resync no longer continues it), then an id
+/// change at `at`, or the records from it.
+fn next(stream: &SharedLog, at: u64, replid: &str) -> Result<Next, LogError> {
+    let log = stream.lock();
+    log.covers(replid, at)?;
+    let now = log
+        .history()
+        .iter()
+        .rev()
+        .find(|e| e.start <= at)
+        .map(|e| e.replid.as_str())
+        .unwrap_or(replid);
+    if now != replid {
+        let id = now
+            .as_bytes()
+            .try_into()
+            .expect("the log keeps 40-byte ids");
+        return Ok(Next::Epoch(id));
+    }
+    match log.position() {
+        Some((_, end)) if at < end => Ok(Next::Read(log.plan(at)?)),
+        _ => Ok(Next::Wait),
+    }
+}
+
+/// Sends the stream from the session's offset until the session ends;
+/// returns where it stood at shutdown.
+async fn send_stream(
+    link: &mut StreamLink,
+    s: &StreamSession,
+    shutdown: &CancellationToken,
+    sent: &prometheus::IntCounter,
+    corrupt_at: Option<u64>,
+) -> Result<u64, ServeError> {
+    let mut tx = Sender::new(s.key, s.from, WINDOW);
+    let mut replid = s.replid.clone();
+    let mut changed = s.stream.watch();
+    loop {
+        'send: while tx.room() > 0 {
+            match next(&s.stream, tx.sent(), &replid)? {
+                Next::Wait => break,
+                Next::Epoch(id) => {
+                    link.send(&tx.epoch(&id)).await?;
+                    replid = String::from_utf8_lossy(&id).into_owned();
+                }
+                Next::Read(plan) => {
+                    let room = tx.room() as usize;
+                    let records = tokio::task::spawn_blocking(move || log::read(&plan, room))
+                        .await
+                        .expect("log read task")?;
+                    for rec in records {
+                        let mut bytes = &rec.bytes[(tx.sent() - rec.offset) as usize..];
+                        while let Some((frame, n)) = tx.frame(bytes) {
+                            let end = tx.sent();
+                            match corrupt_at.filter(|at| (end - n as u64..end).contains(at)) {
+                                // The fault: a bit flipped past the MAC.
+                                Some(at) => {
+                                    let mut changed = bytes[..n].to_vec();
+                                    changed[(at - (end - n as u64)) as usize] ^= 0x20;
+                                    link.send_with(&frame, &changed).await?;
+                                }
+                                None => link.send_with(&frame, &bytes[..n]).await?,
+                            }
+                            sent.inc_by(n as u64);
+                            bytes = &bytes[n..];
+                        }
+                        if !bytes.is_empty() {
+                            break 'send;
+                        }
+                    }
+                }
+            }
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return Ok(tx.sent()),
+            // The writer is gone with its instance: nothing more comes.
+            r = changed.changed() => if r.is_err() { return Ok(tx.sent()) },
+            t = link.next_token() => match t? {
+                Token::Sack { offset } => tx.on_ack(offset)?,
+                Token::Rdfl { reason } => return Err(ServeError::Replica(reason)),
+                other => return Err(ServeError::Unexpected(other.kind())),
+            },
+        }
+    }
+}
