@@ -464,6 +464,10 @@ fn a_server_fed_from_the_replica_agents_log_converges_and_continues_after_a_cut(
         })
     };
     converged("the fed server to converge with the primary");
+    let end = primary.info("replication").num("master_repl_offset");
+    wait_for("the server's ack of the offset in status", DEADLINE, || {
+        (stream_status(&replica).fed_offset == end).then_some(())
+    });
     let value: String = rs.cmd(&["GET", "after:1999"]);
     assert_eq!(value, "value-of-the-stream");
     // A cut link between the server and the agent: the server reconnects

@@ -396,6 +396,7 @@ pub async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
                     "synced_offset": st.synced_offset,
                     "log_bytes": st.log_bytes,
                     "serving": st.serving,
+                    "fed_offset": st.fed_offset,
                 })),
             })).collect::<Vec<_>>(),
         });
@@ -439,6 +440,9 @@ fn print_instance(i: &pb::InstanceStatus) {
             "  stream log from {}: {}\n    {} offsets {}..{} ({} synced), {} bytes on disk, serving {} replica agent(s)",
             st.source, st.state, st.replid, st.first_offset, st.end_offset, st.synced_offset, st.log_bytes, st.serving
         );
+        if st.fed_offset > 0 {
+            println!("    the local server acknowledges offset {}", st.fed_offset);
+        }
     }
     println!("  latest snapshots:");
     if i.latest_snapshots.is_empty() {

@@ -78,6 +78,7 @@ impl OrchestratorService {
                         .stream_sessions
                         .with_label_values(&[&i.name, "source"])
                         .get() as u32,
+                    fed_offset: i.feed.as_ref().map_or(0, |f| f.acked()),
                 }
             }),
         }

@@ -169,7 +169,7 @@ pub async fn run(
 
 /// Why one connection of the feed ended.
 #[derive(Debug, thiserror::Error)]
-enum ServeError {
+enum ConnError {
     #[error("the server's connection: {0}")]
     Io(#[from] std::io::Error),
     #[error(transparent)]
@@ -191,17 +191,8 @@ impl Drop for Reader {
     }
 }
 
-/// The id of the log's epoch at `offset`.
-fn epoch_at(log: &log::Log, offset: u64) -> Option<String> {
-    log.history()
-        .iter()
-        .rev()
-        .find(|e| e.start <= offset)
-        .map(|e| e.replid.clone())
-}
-
 /// Answers one sync request and streams the log after it.
-async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<(), ServeError> {
+async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<(), ConnError> {
     let Seeded {
         read,
         mut write,
@@ -219,7 +210,7 @@ async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<()
     let continued = asked.as_ref().and_then(|(id, at)| {
         let log = stream.lock();
         log.covers(id, *at).ok()?;
-        Some((epoch_at(&log, *at)?, *at))
+        Some((log.replid_at(*at)?.to_string(), *at))
     });
     let (replid, mut at) = match continued {
         Some((id, at)) => {
@@ -239,7 +230,7 @@ async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<()
                 let _ = write
                     .write_all(b"-ERR kvsync: no snapshot continues into this agent's stream log; sync one\r\n")
                     .await;
-                return Err(ServeError::Uncovered(why));
+                return Err(ConnError::Uncovered(why));
             };
             if psync {
                 write
@@ -279,9 +270,8 @@ async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<()
             let plan = {
                 let log = stream.lock();
                 log.covers(&replid, at)?;
-                match epoch_at(&log, at) {
-                    Some(id) if id != replid => return Err(ServeError::Epoch(at)),
-                    _ => {}
+                if log.replid_at(at).is_some_and(|id| id != replid) {
+                    return Err(ConnError::Epoch(at));
                 }
                 match log.position() {
                     Some((_, end)) if at < end => log.plan(at)?,
@@ -299,7 +289,7 @@ async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<()
         }
         tokio::select! {
             r = changed.changed() => if r.is_err() { return Ok(()) },
-            _ = &mut acks.0 => return Err(ServeError::Closed),
+            _ = &mut acks.0 => return Err(ConnError::Closed),
         }
     }
 }

@@ -273,6 +273,16 @@ impl Log {
         &self.history
     }
 
+    /// The replication id the stream is of at `offset`: the newest epoch
+    /// that started at or before it (a change of id at `o` holds from `o`).
+    pub fn replid_at(&self, offset: u64) -> Option<&str> {
+        self.history
+            .iter()
+            .rev()
+            .find(|e| e.start <= offset)
+            .map(|e| e.replid.as_str())
+    }
+
     /// Starts the log over at a full resync: `replid` from `offset` (the
     /// RDB's), dropping what it held, which no longer continues.
     pub fn restart(&mut self, replid: &str, offset: u64) -> Result<(), LogError> {

@@ -186,13 +186,7 @@ enum Next {
 fn next(stream: &SharedLog, at: u64, replid: &str) -> Result<Next, LogError> {
     let log = stream.lock();
     log.covers(replid, at)?;
-    let now = log
-        .history()
-        .iter()
-        .rev()
-        .find(|e| e.start <= at)
-        .map(|e| e.replid.as_str())
-        .unwrap_or(replid);
+    let now = log.replid_at(at).unwrap_or(replid);
     if now != replid {
         let id = now
             .as_bytes()

@@ -270,10 +270,9 @@ impl Offers {
         let start = {
             let log = stream.lock();
             let start = match ask.replid.as_str() {
-                "" => log.first().and_then(|first| {
-                    let epoch = log.history().iter().rev().find(|e| e.start <= first)?;
-                    Some((epoch.replid.clone(), first))
-                }),
+                "" => log
+                    .first()
+                    .and_then(|first| Some((log.replid_at(first)?.to_string(), first))),
                 id => log
                     .covers(id, ask.offset)
                     .ok()
