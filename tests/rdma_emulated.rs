@@ -307,15 +307,7 @@ async fn a_held_transfer_stops_at_its_point_and_goes_on_when_released() {
 fn the_tcp_offer_after_rdma_gave_up_passes_the_same_checks() {
     let root = tempfile::tempdir().unwrap();
     let fleet = common::pki::Pki::new(root.path(), "fleet");
-    let tls = |who: &str| {
-        let (cert, key) = fleet.issue(who, &["localhost", "127.0.0.1"]);
-        format!(
-            "[tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\nca_file = \"{}\"\n",
-            cert.display(),
-            key.display(),
-            fleet.ca_file().display()
-        )
-    };
+    let tls = |who: &str| fleet.agent_tls(who);
     let ca = fleet.ca_file().display().to_string();
     let trusted_rdma = format!("{}\nrdma_unencrypted_ok = true", emulated("auto", true));
     for (case, replica_extra, source_faults) in [

@@ -145,6 +145,20 @@ fn wait_logged(agent: &Node, primary: &Redis, what: &str) -> u64 {
     })
 }
 
+/// The primary's agent `src`, following `primary` into `<root>/src-log`,
+/// once it follows (writes from then on go into the stream).
+fn following_source(root: &Path, primary: &Redis, env: &[(&str, &str)]) -> Node {
+    let source = agent(
+        root,
+        "src",
+        &root.join("src-snaps"),
+        &follower_config(primary, &root.join("src-log")),
+        env,
+    );
+    wait_following(&source);
+    source
+}
+
 /// Waits until `agent` follows its source, so that writes from now on go
 /// into the stream (not into a full resync's RDB).
 fn wait_following(agent: &Node) {
@@ -172,14 +186,7 @@ fn a_replica_agent_follows_the_primarys_agent_into_its_own_log_and_resumes_after
     let primary = Redis::start(server, &root.path().join("p"), &[]);
     primary.fill("before", 200, "v");
     let src_log = root.path().join("src-log");
-    let source = agent(
-        root.path(),
-        "src",
-        &root.path().join("src-snaps"),
-        &follower_config(&primary, &src_log),
-        &[],
-    );
-    wait_following(&source);
+    let source = following_source(root.path(), &primary, &[]);
     primary.fill("first", 1000, "first-value");
     wait_logged(&source, &primary, "the source agent to log the stream");
     let rep_log = root.path().join("rep-log");
@@ -248,14 +255,7 @@ fn a_stream_frame_changed_on_the_wire_is_refused_and_never_logged() {
     let at = primary.info("replication").num("master_repl_offset") + 5000;
     let src_log = root.path().join("src-log");
     let fault = format!("stream_corrupt_at={at}");
-    let source = agent(
-        root.path(),
-        "src",
-        &root.path().join("src-snaps"),
-        &follower_config(&primary, &src_log),
-        &[("KVSYNC_FAULTS", &fault)],
-    );
-    wait_following(&source);
+    let source = following_source(root.path(), &primary, &[("KVSYNC_FAULTS", &fault)]);
     primary.fill("k", 1000, "value-of-the-stream");
     wait_logged(&source, &primary, "the source agent to log the stream");
     let rep_log = root.path().join("rep-log");
@@ -293,15 +293,7 @@ fn a_stream_frame_changed_on_the_wire_is_refused_and_never_logged() {
 fn a_stream_session_runs_under_tls_when_the_source_requires_it() {
     let root = tempfile::tempdir().unwrap();
     let fleet = common::pki::Pki::new(root.path(), "fleet");
-    let tls = |who: &str| {
-        let (cert, key) = fleet.issue(who, &["localhost", "127.0.0.1"]);
-        format!(
-            "[tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\nca_file = \"{}\"\n",
-            cert.display(),
-            key.display(),
-            fleet.ca_file().display()
-        )
-    };
+    let tls = |who: &str| fleet.agent_tls(who);
     let primary = Redis::start(Server::Redis, &root.path().join("p"), &[]);
     let src_log = root.path().join("src-log");
     let source = agent(
@@ -373,14 +365,7 @@ fn a_stream_session_runs_under_tls_when_the_source_requires_it() {
 fn an_offset_the_upstream_does_not_hold_is_reported_and_the_log_left_as_it_is() {
     let root = tempfile::tempdir().unwrap();
     let primary = Redis::start(Server::Redis, &root.path().join("p"), &[]);
-    let source = agent(
-        root.path(),
-        "src",
-        &root.path().join("src-snaps"),
-        &follower_config(&primary, &root.path().join("src-log")),
-        &[],
-    );
-    wait_following(&source);
+    let source = following_source(root.path(), &primary, &[]);
     primary.fill("k", 100, "v");
     wait_logged(&source, &primary, "the source agent to log the stream");
     // A log of another history: nothing the upstream holds continues it.
@@ -416,14 +401,7 @@ fn an_offset_the_upstream_does_not_hold_is_reported_and_the_log_left_as_it_is() 
 fn a_server_fed_from_the_replica_agents_log_converges_and_continues_after_a_cut(server: Server) {
     let root = tempfile::tempdir().unwrap();
     let primary = Redis::start(server, &root.path().join("p"), &[]);
-    let source = agent(
-        root.path(),
-        "src",
-        &root.path().join("src-snaps"),
-        &follower_config(&primary, &root.path().join("src-log")),
-        &[],
-    );
-    wait_following(&source);
+    let source = following_source(root.path(), &primary, &[]);
     primary.fill("before", 500, "v");
     let snapshot = wait_for("the full resync's RDB offered", DEADLINE, || {
         let rt = tokio::runtime::Runtime::new().unwrap();

@@ -47,4 +47,16 @@ impl Pki {
         std::fs::write(&key_file, key.serialize_pem()).unwrap();
         (cert_file, key_file)
     }
+
+    /// An agent's `[tls]` section with a fresh certificate for `who` on
+    /// this host (`localhost`, `127.0.0.1`) and this CA.
+    pub fn agent_tls(&self, who: &str) -> String {
+        let (cert, key) = self.issue(who, &["localhost", "127.0.0.1"]);
+        format!(
+            "[tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\nca_file = \"{}\"\n",
+            cert.display(),
+            key.display(),
+            self.ca_file().display()
+        )
+    }
 }
