@@ -669,8 +669,12 @@ async fn follow_stream(
         }
     };
     let upstream = &config.stream.upstream;
+    let damaged = parts
+        .metrics
+        .stream_checksum_failures
+        .with_label_values(&[name]);
     if !upstream.is_empty() {
-        let stream = Stream::new(log, format!("agent {upstream}"));
+        let stream = Stream::new(log, format!("agent {upstream}"), damaged);
         let pull = Pull {
             instance: name.to_string(),
             upstream: upstream.clone(),
@@ -692,13 +696,19 @@ async fn follow_stream(
         ));
         return Ok(stream);
     }
-    let stream = Stream::new(log, format!("primary {}", config.redis.primary_addr));
+    let stream = Stream::new(
+        log,
+        format!("primary {}", config.redis.primary_addr),
+        damaged,
+    );
     let follow = Follow {
         instance: name.to_string(),
         primary: config.redis.primary_addr.clone(),
         password: config.redis.password.clone(),
         snapshot_dir: config.snapshot_dir.clone(),
         offered: Box::new(offered),
+        ack: config.stream.ack,
+        metrics: parts.metrics.clone(),
     };
     instance.spawn(crate::stream::follow::run(
         follow,

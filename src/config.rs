@@ -110,6 +110,8 @@ pub struct StreamConfig {
     /// The size a segment file is closed at.
     pub segment_size: ByteSize,
     pub fsync: Fsync,
+    /// What the agent that follows a primary acknowledges to it.
+    pub ack: StreamAck,
 }
 
 impl Default for StreamConfig {
@@ -122,6 +124,7 @@ impl Default for StreamConfig {
             retain_age: Duration::from_secs(24 * 3600),
             segment_size: ByteSize::mib(64),
             fsync: Fsync::Everysec,
+            ack: StreamAck::Log,
         }
     }
 }
@@ -129,6 +132,36 @@ impl Default for StreamConfig {
 impl StreamConfig {
     pub fn enabled(&self) -> bool {
         !self.dir.as_os_str().is_empty()
+    }
+}
+
+/// What the agent that follows a primary acknowledges to it (`REPLCONF
+/// ACK`), which is what the primary's `WAIT` and `min-replicas-to-write`
+/// count it for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StreamAck {
+    /// The log's end: the agent counts as one replica once the bytes are in
+    /// its log, as a plain replica counts once it has them. The default:
+    /// the primary's link and its writers never wait on the agents and
+    /// servers further down, which a replica of the primary could not
+    /// speak for anyway.
+    Log,
+    /// The lowest offset the servers fed from the log (directly, or through
+    /// the agents it serves) acknowledged, so `WAIT 1` returns once a replica
+    /// server has the write. With no downstream connected the agent sends
+    /// no acknowledgement at all: `min-replicas-max-lag` then sees it lag
+    /// (write safety degrades, as it should), and after the primary's
+    /// `repl-timeout` the primary drops it and it continues from its log.
+    Replicas,
+}
+
+impl StreamAck {
+    pub fn name(self) -> &'static str {
+        match self {
+            StreamAck::Log => "log",
+            StreamAck::Replicas => "replicas",
+        }
     }
 }
 
@@ -1170,6 +1203,12 @@ impl Config {
                 format!("must be an agent's gRPC host:port, got {:?}", st.upstream),
             );
         }
+        if !st.upstream.is_empty() && st.ack != StreamAck::Log {
+            p.bad(
+                "stream.ack",
+                "is what the agent that follows a primary acknowledges to it; an agent that follows stream.upstream always passes its servers' acknowledgements on".into(),
+            );
+        }
         if !(ByteSize::mib(1)..=ByteSize::gib(4)).contains(&st.segment_size) {
             p.bad(
                 "stream.segment_size",
@@ -1729,6 +1768,9 @@ expected_transfer_rate = "0"
         assert_eq!(problem_keys(&c), ["stream.upstream"], "one source, not two");
         c.redis.primary_addr.clear();
         c.validate().unwrap();
+        c.stream.ack = StreamAck::Replicas;
+        assert_eq!(problem_keys(&c), ["stream.ack"], "only the primary's agent");
+        c.stream.ack = StreamAck::Log;
         c.stream.upstream = "agent-a".into();
         assert_eq!(problem_keys(&c), ["stream.upstream"]);
         // The stream handoff feeds its server from the log: no primary.

@@ -21,8 +21,14 @@ const DURATION_BUCKETS: &[f64] = &[
     1800.0, 3600.0,
 ];
 
-/// The `reason` labels of `kvsync_transport_fallback_total`.
-/// Why the source closed a data connection before serving it: too many
+/// Replication lag buckets: 100 µs (a hop on one host) up to a minute.
+const LAG_BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0, 30.0, 60.0,
+];
+
+/// The `reason` labels of `kvsync_data_connections_refused_total`: why the
+/// source closed a data connection before serving it: too many
 /// still proving their session (in total, or from that address), no proof
 /// within `data.hello_timeout`, a first message that is no proof, or a
 /// proof of no valid session.
@@ -34,6 +40,7 @@ pub const REFUSAL_REASONS: &[&str] = &[
     "bad_token",
 ];
 
+/// The `reason` labels of `kvsync_transport_fallback_total`.
 pub const FALLBACK_REASONS: &[&str] = &[
     "unavailable",
     "connect",
@@ -127,6 +134,9 @@ pub struct Metrics {
     pub stream_bytes: IntCounterVec,
     pub stream_sessions: IntGaugeVec,
     pub stream_refused: IntCounterVec,
+    pub stream_lag: HistogramVec,
+    pub stream_behind_bytes: IntGaugeVec,
+    pub stream_checksum_failures: IntCounterVec,
 }
 
 /// The `reason` labels of `kvsync_stream_refused_total`: a session ended
@@ -279,6 +289,28 @@ impl Metrics {
                     "Stream sessions ended or refused, by reason: a peer that broke the stream's rules, or an offset the log does not hold (too_old)"
                 ),
                 &["kv_instance", "reason"]
+            )),
+            stream_lag: reg!(HistogramVec::new(
+                HistogramOpts::new(
+                    "kvsync_stream_lag_seconds",
+                    "Replication lag at the agent that follows the primary: seconds from receiving a piece of the stream to the lowest acknowledgement of the servers fed from it (directly or through replica agents) reaching it"
+                )
+                .buckets(LAG_BUCKETS.to_vec()),
+                &["kv_instance"]
+            )),
+            stream_behind_bytes: reg!(IntGaugeVec::new(
+                Opts::new(
+                    "kvsync_stream_behind_bytes",
+                    "Bytes of the stream logged by the agent that follows the primary and not yet acknowledged by the servers fed from it (set while one acknowledges)"
+                ),
+                &["kv_instance"]
+            )),
+            stream_checksum_failures: reg!(IntCounterVec::new(
+                Opts::new(
+                    "kvsync_stream_checksum_failures_total",
+                    "Records of the stream log found damaged on reading (disk, memory): never served, cut off and fetched again from upstream"
+                ),
+                &["kv_instance"]
             )),
             data_refused: reg!(IntCounterVec::new(
                 Opts::new(
@@ -454,6 +486,7 @@ impl Metrics {
         for reason in STREAM_REFUSALS {
             self.stream_refused.with_label_values(&[name, reason]);
         }
+        self.stream_checksum_failures.with_label_values(&[name]);
     }
 
     /// Removes instance `name`'s series (those of its KV's health poll go
@@ -515,6 +548,9 @@ impl Metrics {
         for reason in STREAM_REFUSALS {
             let _ = self.stream_refused.remove_label_values(&[name, reason]);
         }
+        let _ = self.stream_lag.remove_label_values(&[name]);
+        let _ = self.stream_behind_bytes.remove_label_values(&[name]);
+        let _ = self.stream_checksum_failures.remove_label_values(&[name]);
         let _ = self.relay_bytes.remove_label_values(&[name]);
     }
 

@@ -830,11 +830,16 @@ async fn dashboard_queries_only_existing_metrics() {
         used.len() >= 12,
         "the dashboard covers the agent's metrics: {used:?}"
     );
-    // The local KV's series exist only beside a KV server: tests/redis.rs
-    // checks those names against agents that have one.
+    // The local KV's series exist only beside a KV server, the stream's
+    // lag only beside a stream log: tests/redis.rs and tests/stream.rs
+    // check those names against agents that have them.
     let missing: Vec<&String> = used
         .iter()
-        .filter(|n| !exported.contains(*n) && !n.starts_with("kvsync_kv_"))
+        .filter(|n| {
+            !exported.contains(*n)
+                && !n.starts_with("kvsync_kv_")
+                && !n.starts_with("kvsync_stream_")
+        })
         .collect();
     assert!(
         missing.is_empty(),

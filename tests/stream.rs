@@ -5,7 +5,10 @@
 //! `WAIT` counts it), and after a restart continues from its log with a
 //! partial resync; a replica agent follows the primary's agent into a log
 //! of its own, byte for byte, resumes from its log after being killed, and
-//! refuses a frame changed on the wire.
+//! refuses a frame changed on the wire; a server fed through two agents
+//! keeps up with a steady writer while `WAIT` counts it (`ack =
+//! "replicas"`); a record damaged on disk is never served and is fetched
+//! again from the primary.
 
 mod common;
 
@@ -398,29 +401,27 @@ fn an_offset_the_upstream_does_not_hold_is_reported_and_the_log_left_as_it_is() 
     assert_eq!(Log::open(cfg).unwrap().position(), Some((other, 7)));
 }
 
-fn a_server_fed_from_the_replica_agents_log_converges_and_continues_after_a_cut(server: Server) {
-    let root = tempfile::tempdir().unwrap();
-    let primary = Redis::start(server, &root.path().join("p"), &[]);
-    let source = following_source(root.path(), &primary, &[]);
+/// A replica agent `rep` following `source`'s log with `redis-stream`, and
+/// its server seeded through it from the source's snapshot of `primary`.
+fn seeded_through_two_agents(
+    root: &Path,
+    server: Server,
+    primary: &Redis,
+    source: &Node,
+) -> (Redis, Node) {
     primary.fill("before", 500, "v");
     let snapshot = wait_for("the full resync's RDB offered", DEADLINE, || {
         let rt = tokio::runtime::Runtime::new().unwrap();
         let s = rt.block_on(source.status());
         s.instances[0].latest_snapshots.first().map(|e| e.seq)
     });
-    let rs = Redis::standalone_replica(server, &root.path().join("r"));
+    let rs = Redis::standalone_replica(server, &root.join("r"));
     let config = format!(
         "{}[handoff]\nmode = \"redis-stream\"\ntimeout = \"60s\"\n[redis]\nserver_addr = \"{}\"\n",
-        puller_config(&source, &root.path().join("rep-log")),
+        puller_config(source, &root.join("rep-log")),
         rs.addr()
     );
-    let replica = agent(
-        root.path(),
-        "rep",
-        &root.path().join("rep-snaps"),
-        &config,
-        &[],
-    );
+    let replica = agent(root, "rep", &root.join("rep-snaps"), &config, &[]);
     wait_following(&replica);
     let rt = tokio::runtime::Runtime::new().unwrap();
     let p = rt.block_on(sync_from(&replica, &source.grpc()));
@@ -431,6 +432,14 @@ fn a_server_fed_from_the_replica_agents_log_converges_and_continues_after_a_cut(
         "{}",
         p.handoff
     );
+    (rs, replica)
+}
+
+fn a_server_fed_from_the_replica_agents_log_converges_and_continues_after_a_cut(server: Server) {
+    let root = tempfile::tempdir().unwrap();
+    let primary = Redis::start(server, &root.path().join("p"), &[]);
+    let source = following_source(root.path(), &primary, &[]);
+    let (rs, replica) = seeded_through_two_agents(root.path(), server, &primary, &source);
     // The primary's writes reach the server through both agents' logs.
     primary.fill("after", 2000, "value-of-the-stream");
     let converged = |what: &str| {
@@ -486,3 +495,221 @@ fn agent_again(root: &Path, snaps: &Path, config: &str) -> Node {
 }
 
 on_both_servers!(the_primarys_agent_follows_it_into_the_log_and_continues_after_a_restart);
+
+/// `SET` then `WAIT 1 timeout_ms` on one connection: how many replicas
+/// acknowledged that write.
+fn write_and_wait(con: &mut redis::Connection, key: &str, timeout_ms: u64) -> i64 {
+    redis::cmd("SET")
+        .arg(key)
+        .arg("w")
+        .query::<()>(con)
+        .unwrap();
+    redis::cmd("WAIT")
+        .arg(1)
+        .arg(timeout_ms)
+        .query(con)
+        .unwrap()
+}
+
+fn a_server_fed_through_two_agents_keeps_up_with_a_writer_and_wait_counts_it(server: Server) {
+    let root = tempfile::tempdir().unwrap();
+    let primary = Redis::start(server, &root.path().join("p"), &[]);
+    let config = format!(
+        "{}ack = \"replicas\"\n",
+        follower_config(&primary, &root.path().join("src-log"))
+    );
+    let source = agent(
+        root.path(),
+        "src",
+        &root.path().join("src-snaps"),
+        &config,
+        &[],
+    );
+    wait_following(&source);
+    let (rs, replica) = seeded_through_two_agents(root.path(), server, &primary, &source);
+
+    // A writer at a fixed rate (2000 keys a second) for 30 s; meanwhile
+    // every write of the main connection is acknowledged by a replica
+    // server through both agents.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (mut con, stop) = (primary.con(), stop.clone());
+        std::thread::spawn(move || {
+            let mut n = 0usize;
+            let start = std::time::Instant::now();
+            while start.elapsed() < std::time::Duration::from_secs(30) {
+                let mut p = redis::pipe();
+                for _ in 0..20 {
+                    p.cmd("SET")
+                        .arg(format!("w:{n}"))
+                        .arg(format!("value-{n}-of-a-steady-writer"))
+                        .ignore();
+                    n += 1;
+                }
+                p.query::<()>(&mut con).unwrap();
+                // The writer's pace, not a wait for a state.
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            stop.store(true, std::sync::atomic::Ordering::SeqCst);
+            n
+        })
+    };
+    let mut con = primary.con();
+    let mut waits = 0;
+    while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+        let acked = write_and_wait(&mut con, "probe", 10_000);
+        assert_eq!(
+            acked, 1,
+            "WAIT 1 counts the agent once the fed server has the write"
+        );
+        waits += 1;
+    }
+    let written = writer.join().unwrap();
+    assert!(waits > 10, "{waits} waits");
+    wait_for(
+        "the fed server to converge with the primary",
+        DEADLINE,
+        || {
+            let end = primary.info("replication").num("master_repl_offset");
+            let at = rs.info("replication").num("master_repl_offset");
+            (at == end && rs.cmd::<i64>(&["DBSIZE"]) == primary.cmd::<i64>(&["DBSIZE"]))
+                .then_some(())
+        },
+    );
+    for i in (0..written).step_by(written / 100) {
+        let key = format!("w:{i}");
+        let dump = |r: &Redis| r.cmd::<Vec<u8>>(&["DUMP", &key]);
+        assert_eq!(dump(&rs), dump(&primary), "{key}");
+    }
+    // Each agent shows what its downstream acknowledged; the primary's
+    // agent measured the lag from its log to the server's acknowledgement.
+    wait_for(
+        "the acknowledgements to reach the primary's agent",
+        DEADLINE,
+        || {
+            let end = primary.info("replication").num("master_repl_offset");
+            let (src, rep) = (stream_status(&source), stream_status(&replica));
+            let fed = |st: &kvsync::rpc::pb::StreamStatus, name: &str| {
+                st.downstreams
+                    .iter()
+                    .any(|d| d.name.starts_with(name) && d.offset == end)
+            };
+            let behind = source.metric("kvsync_stream_behind_bytes{kv_instance=\"default\"}");
+            (fed(&rep, "server") && fed(&src, "agent") && src.acked_offset == end && behind == 0.0)
+                .then_some(())
+        },
+    );
+    assert_eq!(stream_status(&source).ack, "replicas");
+    // What the dashboard and the alert rules ask of the stream's series,
+    // these two agents export.
+    let exported = format!("{}{}", source.proc.metrics(), replica.proc.metrics());
+    for file in [
+        include_str!("../grafana/kvsync-dashboard.json"),
+        include_str!("../deploy/kvsync-alerts.yml"),
+    ] {
+        let names = file
+            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .filter(|w| w.starts_with("kvsync_stream_"));
+        for name in names {
+            assert!(
+                exported.contains(&format!("\n{name}{{")),
+                "{name} is not exported"
+            );
+        }
+    }
+    assert!(source.metric("kvsync_stream_lag_seconds_count{kv_instance=\"default\"}") > 100.0);
+
+    // The fed server stopped: the primary's agent no longer acknowledges
+    // new writes, so WAIT does not count it; it does again once the server
+    // runs and has them.
+    let pid: i32 = std::fs::read_to_string(rs.dir.join("redis.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    // SAFETY: kill(2) on the test's own server process.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let acked = write_and_wait(&mut con, "while-stopped", 500);
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    assert_eq!(acked, 0, "no replica server has the write");
+    assert_eq!(write_and_wait(&mut con, "after", 10_000), 1);
+    assert_eq!(
+        primary.info("stats").num("sync_full"),
+        1,
+        "only the source agent's"
+    );
+}
+
+on_both_servers!(a_server_fed_through_two_agents_keeps_up_with_a_writer_and_wait_counts_it);
+
+#[test]
+fn a_record_damaged_on_disk_is_never_served_and_is_fetched_again_from_the_primary() {
+    use std::os::unix::fs::FileExt;
+    let root = tempfile::tempdir().unwrap();
+    let primary = Redis::start(Server::Redis, &root.path().join("p"), &[]);
+    let src_log = root.path().join("src-log");
+    let source = following_source(root.path(), &primary, &[]);
+    primary.fill("k", 1000, "value-of-the-stream");
+    let end = wait_logged(&source, &primary, "the source agent to log the stream");
+    // One flipped bit in the bytes of the log's first record, on disk.
+    let segment = std::fs::read_dir(&src_log)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "kvslog"))
+        .unwrap();
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&segment)
+        .unwrap();
+    let at = 72 + 44 + 3;
+    let mut byte = [0u8];
+    file.read_exact_at(&mut byte, at).unwrap();
+    file.write_all_at(&[byte[0] ^ 0x04], at).unwrap();
+    drop(file);
+    // A replica agent with an empty log starts where the source's log
+    // does, so the source reads the damaged record to serve it.
+    let rep_log = root.path().join("rep-log");
+    let replica = agent(
+        root.path(),
+        "rep",
+        &root.path().join("rep-snaps"),
+        &puller_config(&source, &rep_log),
+        &[],
+    );
+    let damaged = "kvsync_stream_checksum_failures_total{kv_instance=\"default\"}";
+    wait_for("the source to find the damage", DEADLINE, || {
+        (source.metric(damaged) >= 1.0).then_some(())
+    });
+    // The source cut its log there and fetched the rest again from its
+    // primary's backlog (a partial resync, no fork); the replica gets it.
+    primary.fill("after", 100, "v");
+    let end2 = wait_logged(
+        &replica,
+        &primary,
+        "the replica agent to hold the whole stream",
+    );
+    assert!(end2 > end);
+    let stats = primary.info("stats");
+    assert_eq!(stats.num("sync_full"), 1, "no second full resync");
+    assert!(stats.num("sync_partial_ok") >= 1, "the refetch continued");
+    assert!(stream_status(&source).damaged >= 1);
+    assert!(
+        source
+            .proc
+            .log()
+            .contains("a damaged record in the stream log"),
+        "the operator is told"
+    );
+    drop(replica);
+    drop(source);
+    let (first, src) = log_bytes(&src_log);
+    let (rep_first, rep) = log_bytes(&rep_log);
+    assert_eq!((rep_first, first + src.len() as u64), (first, end2));
+    assert!(
+        rep == src,
+        "the replica's log is the refetched stream, byte for byte"
+    );
+    assert!(String::from_utf8_lossy(&rep).contains("k:999"));
+}

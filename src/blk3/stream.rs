@@ -8,7 +8,9 @@
 //! nothing applied twice) and acknowledges what its log holds (`SACK`); the
 //! source never has more than a credit window unacknowledged, and a
 //! replica refuses a source that sends past it or acknowledges what it
-//! never sent.
+//! never sent. The replica also reports what the servers fed downstream of
+//! it have applied (`SAPP`), at most what it acknowledged: the source's
+//! view of where its replica servers stand.
 
 use super::token::{Token, REPLID_LEN};
 
@@ -51,6 +53,8 @@ pub enum StreamError {
     TooLarge(u32),
     #[error("the replica acknowledged offset {ack}, outside what was sent ({acked}..={sent})")]
     BadAck { ack: u64, acked: u64, sent: u64 },
+    #[error("the replica reported offset {applied} applied downstream, past what it acknowledged as logged ({acked})")]
+    BadApplied { applied: u64, acked: u64 },
 }
 
 impl StreamError {
@@ -60,7 +64,7 @@ impl StreamError {
             StreamError::Forged { .. } => "forged",
             StreamError::Discontinuous { .. } => "discontinuous",
             StreamError::OverWindow { .. } | StreamError::TooLarge(_) => "over_window",
-            StreamError::BadAck { .. } => "bad_ack",
+            StreamError::BadAck { .. } | StreamError::BadApplied { .. } => "bad_ack",
         }
     }
 }
@@ -143,6 +147,19 @@ impl Sender {
         self.acked = ack;
         Ok(())
     }
+
+    /// The replica's report of what the servers fed downstream applied:
+    /// never past what it acknowledged (it may go back, when a downstream
+    /// that lags joins).
+    pub fn on_applied(&self, applied: u64) -> Result<u64, StreamError> {
+        if applied > self.acked {
+            return Err(StreamError::BadApplied {
+                applied,
+                acked: self.acked,
+            });
+        }
+        Ok(applied)
+    }
 }
 
 /// The replica's end: where the stream stands, what it acknowledged.
@@ -152,6 +169,7 @@ pub struct Receiver {
     next: u64,
     acked: u64,
     window: u64,
+    reported: Option<u64>,
 }
 
 impl Receiver {
@@ -162,6 +180,7 @@ impl Receiver {
             next: from,
             acked: from,
             window,
+            reported: None,
         }
     }
 
@@ -229,6 +248,17 @@ impl Receiver {
     pub fn ack(&mut self) -> Token {
         self.acked = self.next;
         Token::Sack { offset: self.next }
+    }
+
+    /// The report of what the servers fed downstream applied (`applied`,
+    /// cut to what was acknowledged: a server may stand past a log cut
+    /// back after damage), when it changed since the last.
+    pub fn applied(&mut self, applied: u64) -> Option<Token> {
+        let offset = applied.min(self.acked);
+        (self.reported != Some(offset)).then(|| {
+            self.reported = Some(offset);
+            Token::Sapp { offset }
+        })
     }
 
     /// Bytes taken and not yet acknowledged.
@@ -341,5 +371,34 @@ mod tests {
         tx.on_ack(105).unwrap();
         assert!(matches!(tx.on_ack(104), Err(StreamError::BadAck { .. })));
         assert_eq!(tx.room(), 5);
+    }
+
+    #[test]
+    fn applied_reports_stay_within_what_the_replica_logged() {
+        let mut tx = Sender::new(KEY, 100, 1000);
+        let mut rx = Receiver::new(KEY, 100, 1000);
+        let bytes = [1u8; 50];
+        let (t, _) = tx.frame(&bytes).unwrap();
+        let (offset, _, mac) = strm(&t);
+        rx.accept(offset, &bytes, &mac).unwrap();
+        // Before the ack, a report is cut to what was acknowledged.
+        assert_eq!(rx.applied(150), Some(Token::Sapp { offset: 100 }));
+        assert_eq!(rx.applied(120), None, "unchanged: nothing to send");
+        let Token::Sack { offset } = rx.ack() else {
+            unreachable!()
+        };
+        tx.on_ack(offset).unwrap();
+        let Some(Token::Sapp { offset }) = rx.applied(140) else {
+            panic!("a changed report is sent")
+        };
+        assert_eq!(tx.on_applied(offset), Ok(140));
+        assert_eq!(tx.on_applied(90), Ok(90), "a lagging downstream joined");
+        assert_eq!(
+            tx.on_applied(151),
+            Err(StreamError::BadApplied {
+                applied: 151,
+                acked: 150
+            })
+        );
     }
 }

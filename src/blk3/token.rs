@@ -33,6 +33,7 @@ pub enum Kind {
     Strm,
     Sepo,
     Sack,
+    Sapp,
 }
 
 impl Kind {
@@ -57,11 +58,12 @@ impl Kind {
             Kind::Strm => b"STRM",
             Kind::Sepo => b"SEPO",
             Kind::Sack => b"SACK",
+            Kind::Sapp => b"SAPP",
         }
     }
 
     fn from_magic(m: &[u8]) -> Option<Kind> {
-        const ALL: [Kind; 18] = [
+        const ALL: [Kind; 19] = [
             Kind::Sess,
             Kind::Srdy,
             Kind::Crea,
@@ -80,6 +82,7 @@ impl Kind {
             Kind::Strm,
             Kind::Sepo,
             Kind::Sack,
+            Kind::Sapp,
         ];
         ALL.into_iter().find(|k| k.magic() == m)
     }
@@ -148,6 +151,10 @@ pub enum Token {
     /// Stream replica → source: the replica's log holds the stream up to
     /// `offset` (credits back).
     Sack { offset: u64 },
+    /// Stream replica → source: the servers fed from the replica's log
+    /// (its own server, and those of the agents it serves) have applied
+    /// the stream up to `offset`, the lowest of their acknowledgements.
+    Sapp { offset: u64 },
 }
 
 /// Bytes of a Redis replication id.
@@ -199,6 +206,7 @@ impl Token {
             Token::Strm { .. } => Kind::Strm,
             Token::Sepo { .. } => Kind::Sepo,
             Token::Sack { .. } => Kind::Sack,
+            Token::Sapp { .. } => Kind::Sapp,
         }
     }
 
@@ -250,7 +258,9 @@ impl Token {
                 out.extend_from_slice(replid);
                 out.extend_from_slice(mac);
             }
-            Token::Sack { offset } => out.extend_from_slice(&offset.to_be_bytes()),
+            Token::Sack { offset } | Token::Sapp { offset } => {
+                out.extend_from_slice(&offset.to_be_bytes())
+            }
             _ => {}
         }
         out
@@ -345,9 +355,13 @@ impl Token {
                     mac: p[8 + REPLID_LEN..].try_into().expect("checked length"),
                 }
             }
-            Kind::Sack => {
+            Kind::Sack | Kind::Sapp => {
                 exact(8)?;
-                Token::Sack { offset: be64(p) }
+                let offset = be64(p);
+                match kind {
+                    Kind::Sack => Token::Sack { offset },
+                    _ => Token::Sapp { offset },
+                }
             }
             Kind::Rdfl => Token::Rdfl {
                 reason: String::from_utf8_lossy(p).into_owned(),
@@ -439,6 +453,7 @@ mod tests {
                 mac: [4; 32],
             },
             Token::Sack { offset: 1 << 40 },
+            Token::Sapp { offset: 3 },
         ]
     }
 

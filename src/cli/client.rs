@@ -387,17 +387,7 @@ pub async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
                 "relay_bytes": i.relay_bytes,
                 "relaying": i.relaying.iter().map(relay_json).collect::<Vec<_>>(),
                 "warnings": i.warnings,
-                "stream": i.stream.as_ref().map(|st| json!({
-                    "source": st.source,
-                    "state": st.state,
-                    "replid": st.replid,
-                    "first_offset": st.first_offset,
-                    "end_offset": st.end_offset,
-                    "synced_offset": st.synced_offset,
-                    "log_bytes": st.log_bytes,
-                    "serving": st.serving,
-                    "fed_offset": st.fed_offset,
-                })),
+                "stream": i.stream.as_ref().map(stream_json),
             })).collect::<Vec<_>>(),
         });
         println!("{v}");
@@ -440,8 +430,27 @@ fn print_instance(i: &pb::InstanceStatus) {
             "  stream log from {}: {}\n    {} offsets {}..{} ({} synced), {} bytes on disk, serving {} replica agent(s)",
             st.source, st.state, st.replid, st.first_offset, st.end_offset, st.synced_offset, st.log_bytes, st.serving
         );
-        if st.fed_offset > 0 {
-            println!("    the local server acknowledges offset {}", st.fed_offset);
+        if !st.ack.is_empty() {
+            println!(
+                "    acknowledges to the primary: {} (ack = \"{}\")",
+                st.acked_offset, st.ack
+            );
+        } else if st.acked_offset > 0 {
+            println!("    reports upstream as applied: {}", st.acked_offset);
+        }
+        for d in &st.downstreams {
+            println!(
+                "    downstream {}: acknowledges offset {} ({} bytes behind the log)",
+                d.name,
+                d.offset,
+                st.end_offset.saturating_sub(d.offset)
+            );
+        }
+        if st.damaged > 0 {
+            println!(
+                "    {} damaged record(s) found on reading: cut off and fetched again",
+                st.damaged
+            );
         }
     }
     println!("  latest snapshots:");
@@ -483,6 +492,29 @@ fn print_instance(i: &pb::InstanceStatus) {
             );
         }
     }
+}
+
+fn stream_json(st: &pb::StreamStatus) -> serde_json::Value {
+    let downstreams: Vec<_> = st
+        .downstreams
+        .iter()
+        .map(|d| json!({ "name": d.name, "offset": d.offset }))
+        .collect();
+    json!({
+        "source": st.source,
+        "state": st.state,
+        "replid": st.replid,
+        "first_offset": st.first_offset,
+        "end_offset": st.end_offset,
+        "synced_offset": st.synced_offset,
+        "log_bytes": st.log_bytes,
+        "serving": st.serving,
+        "fed_offset": st.fed_offset,
+        "downstreams": downstreams,
+        "ack": st.ack,
+        "acked_offset": st.acked_offset,
+        "damaged": st.damaged,
+    })
 }
 
 fn relay_json(r: &pb::RelayEntry) -> serde_json::Value {

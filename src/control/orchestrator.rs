@@ -16,6 +16,7 @@ use crate::rpc::auth::ClientAuth;
 use crate::rpc::{is_terminal, pb};
 use crate::snapshot::Format;
 use crate::store::catalog::CatalogEntry;
+use crate::stream::Downstream;
 use crate::sync::instance::{Instance, Instances};
 use crate::sync::serve::{DataEndpoints, SessionTable};
 use crate::sync::{Pull, SyncManager};
@@ -78,7 +79,21 @@ impl OrchestratorService {
                         .stream_sessions
                         .with_label_values(&[&i.name, "source"])
                         .get() as u32,
-                    fed_offset: i.feed.as_ref().map_or(0, |f| f.acked()),
+                    fed_offset: s.acked_by(&Downstream::Server).unwrap_or(0),
+                    downstreams: s
+                        .downstreams()
+                        .into_iter()
+                        .map(|(d, offset)| pb::StreamDownstream {
+                            name: d.to_string(),
+                            offset,
+                        })
+                        .collect(),
+                    ack: match i.config.stream.upstream.is_empty() {
+                        true => i.config.stream.ack.name().to_string(),
+                        false => String::new(),
+                    },
+                    acked_offset: s.upstream_acked(),
+                    damaged: s.damaged(),
                 }
             }),
         }

@@ -10,11 +10,12 @@
 //! blip between them) continues from the log without the primary. A
 //! connection ends where the log's replication id changes: the server asks
 //! again and continues under the new id. A newer connection from the
-//! server replaces the one before it. The handshake is `kv::seed`'s.
+//! server replaces the one before it. The server's `REPLCONF ACK` offsets
+//! are the log's [`Downstream::Server`] acknowledgement, which the agent
+//! passes upstream. The handshake is `kv::seed`'s.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -23,8 +24,8 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::log::{self, LogError};
-use super::SharedLog;
+use super::log::LogError;
+use super::{Downstream, SharedLog};
 use crate::kv::redis::RedisError;
 use crate::kv::seed::{self, Seeded};
 
@@ -40,19 +41,12 @@ pub struct FeedHandle {
     pub secret: String,
     /// The RDB a full resync serves: its path, replication id and M.
     seed: Arc<Mutex<Option<(PathBuf, String, u64)>>>,
-    /// The offset the server last acknowledged.
-    acked: Arc<AtomicU64>,
 }
 
 impl FeedHandle {
     /// Serves `rdb` (saved at `replid` `m`) to the next full resync.
     pub fn seed_with(&self, rdb: PathBuf, replid: String, m: u64) {
         *self.seed.lock().expect("feed seed lock") = Some((rdb, replid, m));
-    }
-
-    /// The offset the server last acknowledged (`REPLCONF ACK`).
-    pub fn acked(&self) -> u64 {
-        self.acked.load(Ordering::Relaxed)
     }
 }
 
@@ -113,7 +107,6 @@ pub async fn bind(listen: &str, dir: &Path) -> Result<(TcpListener, FeedHandle),
             addr,
             secret,
             seed: Arc::default(),
-            acked: Arc::default(),
         },
     ))
 }
@@ -250,7 +243,7 @@ async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<()
         }
     };
     // The server's acknowledgements, read on their own task.
-    let acked = feed.acked.clone();
+    let acked = stream.clone();
     let mut acks = Reader(tokio::spawn(async move {
         let mut read = read;
         while let Ok(cmd) = seed::read_command(&mut read).await {
@@ -259,7 +252,7 @@ async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<()
                 && cmd[1].eq_ignore_ascii_case("ACK")
             {
                 if let Ok(o) = cmd[2].parse() {
-                    acked.store(o, Ordering::Relaxed);
+                    acked.acked(Downstream::Server, o);
                 }
             }
         }
@@ -278,9 +271,7 @@ async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<()
                     _ => break,
                 }
             };
-            let records = tokio::task::spawn_blocking(move || log::read(&plan, CHUNK))
-                .await
-                .expect("log read task")?;
+            let records = stream.read(plan, CHUNK).await?;
             for rec in records {
                 let bytes = &rec.bytes[(at - rec.offset) as usize..];
                 write.write_all(bytes).await?;

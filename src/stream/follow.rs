@@ -12,13 +12,20 @@
 //! the log starts over at its offset. A `+CONTINUE <new id>` after the
 //! primary's restart or promotion continues the log under the new id.
 //!
-//! Acknowledgement (`ack = "log"`): the primary is told the log's end,
-//! within [`ACK_DELAY`] of a record being logged and every second, so
-//! `WAIT` counts the agent once the bytes are in its log. A lost link, a
-//! primary that falls silent for [`PRIMARY_TIMEOUT`] or a log that cannot
-//! be written ends the session; the next continues from the log's end.
+//! Acknowledgement, every second and within [`ACK_DELAY`] of a change:
+//! with `ack = "log"` the primary is told the log's end, so `WAIT` counts
+//! the agent once the bytes are in its log; with `ack = "replicas"` the
+//! lowest offset the servers fed from the log acknowledged (none: no
+//! acknowledgement), so `WAIT` counts it once a replica server has them.
+//! Either way those acknowledgements measure the replication lag
+//! ([`Lag`]). A lost link, a primary that falls silent for
+//! [`PRIMARY_TIMEOUT`], a log that cannot be written or one a reader cut
+//! back after damage ends the session; the next continues from the log's
+//! end (the primary's backlog, or a full resync, refills what was cut).
 
+use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
@@ -30,7 +37,9 @@ use tracing::{info, warn};
 
 use super::log::{LogError, Record};
 use super::SharedLog;
+use crate::config::StreamAck;
 use crate::kv::resp;
+use crate::metrics::Metrics;
 
 /// The longest the primary's acknowledgement waits after a record is
 /// logged: acks are batched this much under a steady stream.
@@ -53,6 +62,42 @@ pub struct Follow {
     pub snapshot_dir: PathBuf,
     /// The (replication id, M) of the snapshots offered now.
     pub offered: Box<dyn Fn() -> Vec<(String, u64)> + Send + Sync>,
+    pub ack: StreamAck,
+    pub metrics: Arc<Metrics>,
+}
+
+/// When each stretch of the stream was logged, until the servers fed from
+/// the log acknowledge it: the replication lag's samples.
+#[derive(Debug, Default)]
+pub struct Lag {
+    pending: VecDeque<(u64, Instant)>,
+}
+
+impl Lag {
+    /// The most stretches awaiting acknowledgement (the oldest go first).
+    const MAX: usize = 1 << 16;
+
+    /// The stream up to `end` was logged `at`.
+    pub fn logged(&mut self, end: u64, at: Instant) {
+        if self.pending.len() == Lag::MAX {
+            self.pending.pop_front();
+        }
+        self.pending.push_back((end, at));
+    }
+
+    /// The downstreams acknowledged up to `offset` by `now`: how long each
+    /// stretch it completes took.
+    pub fn applied(&mut self, offset: u64, now: Instant) -> Vec<Duration> {
+        let mut out = Vec::new();
+        while let Some(&(end, at)) = self.pending.front() {
+            if end > offset {
+                break;
+            }
+            out.push(now.saturating_duration_since(at));
+            self.pending.pop_front();
+        }
+        out
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -289,6 +334,10 @@ async fn stream_into(
     let mut ack_at = Instant::now();
     let mut heard = Instant::now();
     let mut buf = Vec::with_capacity(READ_CHUNK);
+    let (mut lag, mut acks, mut acked) = (Lag::default(), log.watch_acks(), 0);
+    let name = [follow.instance.as_str()];
+    let lag_seconds = follow.metrics.stream_lag.with_label_values(&name);
+    let behind = follow.metrics.stream_behind_bytes.with_label_values(&name);
     loop {
         tokio::select! {
             n = read.read_buf(&mut buf) => {
@@ -301,19 +350,78 @@ async fn stream_into(
                 end = rec.end();
                 let log = log.clone();
                 blocking(move || log.write(|l| l.append(&rec))).await?;
-                ack_at = ack_at.min(Instant::now() + ACK_DELAY);
+                lag.logged(end, Instant::now());
+                if follow.ack == StreamAck::Log {
+                    ack_at = ack_at.min(Instant::now() + ACK_DELAY);
+                }
+            }
+            Ok(()) = acks.changed() => {
+                if let Some(applied) = log.applied() {
+                    for took in lag.applied(applied, Instant::now()) {
+                        lag_seconds.observe(took.as_secs_f64());
+                    }
+                    behind.set(end.saturating_sub(applied) as i64);
+                }
+                if follow.ack == StreamAck::Replicas {
+                    ack_at = ack_at.min(Instant::now() + ACK_DELAY);
+                }
             }
             _ = tokio::time::sleep_until(ack_at) => {
                 if heard.elapsed() > PRIMARY_TIMEOUT {
                     return Err(FollowError::Silent(addr.to_string()));
                 }
-                let ack = resp::command(&["REPLCONF", "ACK", &end.to_string()]);
-                write.write_all(&ack).await.map_err(io_err)?;
+                let to_ack = match follow.ack {
+                    StreamAck::Log => Some(end),
+                    StreamAck::Replicas => log.applied().map(|a| a.min(end)),
+                };
+                // Never back: a downstream that lags may join.
+                if let Some(offset) = to_ack.map(|o| o.max(acked)) {
+                    let ack = resp::command(&["REPLCONF", "ACK", &offset.to_string()]);
+                    write.write_all(&ack).await.map_err(io_err)?;
+                    acked = offset;
+                    log.set_upstream_acked(offset);
+                }
                 ack_at = Instant::now() + Duration::from_secs(1);
                 let log = log.clone();
                 let floor = log.floor(&(follow.offered)());
-                blocking(move || log.lock().tick(floor)).await?;
+                blocking(move || {
+                    let mut l = log.lock();
+                    l.still_ends_at(end)?;
+                    l.tick(floor)
+                })
+                .await?;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lag_is_measured_per_stretch_from_logged_to_acknowledged() {
+        let t0 = Instant::now();
+        let mut lag = Lag::default();
+        lag.logged(100, t0);
+        lag.logged(200, t0 + Duration::from_millis(10));
+        lag.logged(300, t0 + Duration::from_millis(20));
+        assert!(lag.applied(99, t0).is_empty(), "nothing completed");
+        // An acknowledgement inside a stretch completes the ones before it.
+        let done = lag.applied(250, t0 + Duration::from_millis(30));
+        assert_eq!(done, [Duration::from_millis(30), Duration::from_millis(20)]);
+        let done = lag.applied(300, t0 + Duration::from_millis(25));
+        assert_eq!(done, [Duration::from_millis(5)]);
+        assert!(lag.applied(1000, t0).is_empty(), "each counted once");
+    }
+
+    #[test]
+    fn lag_keeps_a_bounded_backlog_of_stretches() {
+        let t0 = Instant::now();
+        let mut lag = Lag::default();
+        for end in 1..=(Lag::MAX as u64 + 10) {
+            lag.logged(end, t0);
+        }
+        assert_eq!(lag.applied(u64::MAX, t0).len(), Lag::MAX);
     }
 }

@@ -79,6 +79,9 @@ pub enum LogError {
     },
     #[error("a record at offset {offset} does not continue the log, which ends at {end}")]
     Gap { offset: u64, end: u64 },
+    /// A reader cut the log back under its writer, which starts again.
+    #[error("the log was cut back to offset {0} after a damaged record: the stream is fetched again from there")]
+    Cut(u64),
     #[error("a record of {0} bytes is larger than a record may be ({MAX_RECORD})")]
     TooLarge(usize),
     #[error("the log holds no stream yet: it starts with the replication id and offset of a full resync")]
@@ -321,9 +324,7 @@ impl Log {
             });
             let drop = self.history.len().saturating_sub(MAX_EPOCHS);
             self.history.drain(..drop);
-            let path = self.cfg.dir.join(HISTORY);
-            let json = serde_json::to_vec(&self.history).expect("plain data");
-            write_atomic(&path, &json, (".history", ".tmp"), 0o600).map_err(io(&path))?;
+            self.save_history()?;
         }
         let path = self.cfg.dir.join(format!("{start:020}{SUFFIX}"));
         let mut header = Vec::with_capacity(HEADER_LEN);
@@ -351,6 +352,60 @@ impl Log {
         });
         self.file = Some(file);
         Ok(())
+    }
+
+    fn save_history(&self) -> Result<(), LogError> {
+        let path = self.cfg.dir.join(HISTORY);
+        let json = serde_json::to_vec(&self.history).expect("plain data");
+        write_atomic(&path, &json, (".history", ".tmp"), 0o600).map_err(io(&path))
+    }
+
+    /// Cuts the log back to `offset`, where a reader found a damaged
+    /// record: that record and everything after it are removed (from the
+    /// whole record before it, when the damage hides where it starts), so
+    /// the writer fetches them again from upstream. A cut at or past the
+    /// log's end changes nothing (another reader cut it first).
+    pub fn cut(&mut self, offset: u64) -> Result<(), LogError> {
+        let Some((_, end)) = self.position() else {
+            return Ok(());
+        };
+        if offset >= end {
+            return Ok(());
+        }
+        let Some(i) = self.segments.iter().rposition(|s| s.start <= offset) else {
+            return Ok(());
+        };
+        let (pos, at) = cut_point(&self.segments[i], offset)?;
+        self.file = None;
+        for s in self.segments.drain(i + 1..) {
+            std::fs::remove_file(&s.path).map_err(io(&s.path))?;
+        }
+        let seg = &mut self.segments[i];
+        let file =
+            open_regular(&seg.path, OpenOptions::new().append(true)).map_err(io(&seg.path))?;
+        file.set_len(pos).map_err(io(&seg.path))?;
+        file.sync_all().map_err(io(&seg.path))?;
+        seg.end = at;
+        seg.bytes = pos;
+        seg.index.retain(|&(_, p)| p < pos);
+        self.file = Some(file);
+        self.synced = self.synced.min(at);
+        let epochs = self.history.len();
+        self.history.retain(|e| e.start <= at);
+        if self.history.len() != epochs {
+            self.save_history()?;
+        }
+        warn!(log = %self.cfg.dir.display(), "the stream log is cut back to offset {at} (it ended at {end}): what follows is fetched again");
+        Ok(())
+    }
+
+    /// The writer's check that the log still ends where it wrote last
+    /// (`end`): a reader may have cut it back ([`Log::cut`]).
+    pub fn still_ends_at(&self, end: u64) -> Result<(), LogError> {
+        match self.position() {
+            Some((_, e)) if e != end => Err(LogError::Cut(e)),
+            _ => Ok(()),
+        }
     }
 
     /// Appends a record that continues the log, after checking its hash
@@ -565,6 +620,32 @@ pub fn read(plan: &ReadPlan, max: usize) -> Result<Vec<Record>, LogError> {
         out.push(rec);
     }
     Ok(out)
+}
+
+/// The file position and offset of the last whole record boundary of
+/// `seg` at or before `offset`, walking record headers from an index entry.
+fn cut_point(seg: &Segment, offset: u64) -> Result<(u64, u64), LogError> {
+    let at = seg.index.partition_point(|&(o, _)| o <= offset);
+    let (mut o, mut pos) = match at {
+        0 => (seg.start, HEADER_LEN as u64),
+        _ => seg.index[at - 1],
+    };
+    let mut r = BufReader::new(File::open(&seg.path).map_err(io(&seg.path))?);
+    r.seek(SeekFrom::Start(pos)).map_err(io(&seg.path))?;
+    while o < offset {
+        let mut h = [0u8; RECORD_HEADER];
+        if r.read_exact(&mut h).is_err() {
+            break;
+        }
+        let (ro, len, _) = Record::parse_header(&h);
+        if ro != o || len > MAX_RECORD || ro + len as u64 > offset {
+            break;
+        }
+        r.seek_relative(len as i64).map_err(io(&seg.path))?;
+        pos += (RECORD_HEADER + len) as u64;
+        o = ro + len as u64;
+    }
+    Ok((pos, o))
 }
 
 fn damaged(path: &Path, offset: u64, why: impl std::fmt::Display) -> LogError {
@@ -782,6 +863,63 @@ mod tests {
             err.to_string().contains("fetched again from upstream"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_cut_at_damage_removes_it_and_what_follows_and_the_log_continues_there() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = Log::open(cfg(dir.path())).unwrap();
+        log.restart(ID_A, 0).unwrap();
+        let all = fill(&mut log, 30, 300);
+        let segs = log.segments.len();
+        assert!(segs > 2);
+        // A flipped byte in the second record of the oldest segment.
+        let oldest = log.segments[0].path.clone();
+        let mut b = std::fs::read(&oldest).unwrap();
+        b[HEADER_LEN + RECORD_HEADER + 300 + RECORD_HEADER + 17] ^= 1;
+        std::fs::write(&oldest, b).unwrap();
+        let Err(LogError::Corrupt { offset, .. }) = read(&log.plan(0).unwrap(), 1000) else {
+            panic!("the damage is found")
+        };
+        log.cut(offset).unwrap();
+        assert_eq!(log.position(), Some((ID_A.to_string(), 300)));
+        assert_eq!(log.segments.len(), 1, "the segments after it are gone");
+        assert_eq!(read_all(&log, 0), all[..300]);
+        log.cut(offset).unwrap();
+        assert_eq!(
+            log.position().unwrap().1,
+            300,
+            "a second cut changes nothing"
+        );
+        // The writer fetches it again: the log continues, and reopens whole.
+        log.append(&Record::new(300, all[300..600].to_vec()))
+            .unwrap();
+        drop(log);
+        let log = Log::open(cfg(dir.path())).unwrap();
+        assert_eq!(read_all(&log, 0), all[..600]);
+    }
+
+    #[test]
+    fn a_cut_before_a_change_of_replication_id_forgets_the_new_id() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = Log::open(cfg(dir.path())).unwrap();
+        log.restart(ID_A, 100).unwrap();
+        fill(&mut log, 2, 50);
+        log.switch(ID_B).unwrap();
+        fill(&mut log, 2, 50);
+        // Damage at B's first record keeps B's (empty) segment and id.
+        log.cut(200).unwrap();
+        assert_eq!(log.position(), Some((ID_B.to_string(), 200)));
+        assert_eq!(log.history().len(), 2);
+        // Damage in A's span takes B with it.
+        log.cut(150).unwrap();
+        assert_eq!(log.position(), Some((ID_A.to_string(), 150)));
+        assert_eq!(log.replid_at(150), Some(ID_A));
+        assert_eq!(log.history().len(), 1);
+        drop(log);
+        let log = Log::open(cfg(dir.path())).unwrap();
+        assert_eq!(log.history().len(), 1, "the history on disk agrees");
+        assert_eq!(log.position(), Some((ID_A.to_string(), 150)));
     }
 
     #[test]

@@ -3,7 +3,9 @@
 //! agent ([`pull`]) into a checksummed log on disk ([`log`]) and serves
 //! that log on to other agents ([`serve`]) and to its local server as its
 //! master ([`feed`]). [`Stream`] is one instance's
-//! log as its writer and its readers share it.
+//! log as its writer and its readers share it, with what the servers fed
+//! from it acknowledged ([`Downstream`]) and a reader's check that sends a
+//! damaged record back to its writer to fetch again.
 
 pub mod feed;
 pub mod follow;
@@ -11,11 +13,35 @@ pub mod log;
 pub mod pull;
 pub mod serve;
 
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::watch;
+use tracing::error;
 
-use self::log::Log;
+use self::log::{Log, LogError, ReadPlan, Record};
+
+/// A server or agent fed from a log, whose acknowledgements the log's
+/// agent passes on upstream.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Downstream {
+    /// The local server the feed is the master of (`redis-stream`): its
+    /// `REPLCONF ACK`, kept after it disconnects (it holds what it had).
+    Server,
+    /// A replica agent's session: the lowest offset the servers fed from
+    /// it applied, forgotten when the session ends.
+    Agent { node: String, session: String },
+}
+
+impl std::fmt::Display for Downstream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Downstream::Server => f.write_str("server"),
+            Downstream::Agent { node, session } => write!(f, "agent {node} (session {session})"),
+        }
+    }
+}
 
 /// One instance's stream log, shared by the task that writes it and the
 /// sessions that read it, with what the writer last reported.
@@ -27,18 +53,30 @@ pub struct Stream {
     pub source: String,
     /// The writer's state, for status (`following`, or why not).
     state: Mutex<String>,
+    /// What each downstream acknowledged; bumped on every change.
+    acks: Mutex<BTreeMap<Downstream, u64>>,
+    acks_changed: watch::Sender<u64>,
+    /// The offset last acknowledged upstream: to the primary (`REPLCONF
+    /// ACK`), or to the upstream agent as applied downstream (`SAPP`).
+    upstream_acked: AtomicU64,
+    /// Records found damaged on reading (`kvsync_stream_checksum_failures_total`).
+    damaged: prometheus::IntCounter,
 }
 
 /// A stream log shared by its writer and its readers.
 pub type SharedLog = Arc<Stream>;
 
 impl Stream {
-    pub fn new(log: Log, source: String) -> SharedLog {
+    pub fn new(log: Log, source: String, damaged: prometheus::IntCounter) -> SharedLog {
         Arc::new(Stream {
             log: Mutex::new(log),
             changed: watch::Sender::new(0),
             source,
             state: Mutex::new("starting".into()),
+            acks: Mutex::default(),
+            acks_changed: watch::Sender::new(0),
+            upstream_acked: AtomicU64::new(0),
+            damaged,
         })
     }
 
@@ -78,5 +116,86 @@ impl Stream {
 
     pub fn state(&self) -> String {
         self.state.lock().expect("stream state lock").clone()
+    }
+
+    /// Reads records of `plan` off the runtime, each checked against its
+    /// hash. A damaged one (disk, memory) is never served: the log is cut
+    /// back to before it, so its writer fetches the stream again from
+    /// there, and the caller's session ends with the error.
+    pub async fn read(
+        self: &Arc<Self>,
+        plan: ReadPlan,
+        max: usize,
+    ) -> Result<Vec<Record>, LogError> {
+        let stream = self.clone();
+        tokio::task::spawn_blocking(move || {
+            let read = log::read(&plan, max);
+            if let Err(e @ LogError::Corrupt { offset, .. }) = &read {
+                stream.damaged.inc();
+                error!(error = %e, "a damaged record in the stream log: the log is cut back to offset {offset} and fetched again from upstream");
+                stream.set_state(format!("refetching from offset {offset}: {e}"));
+                if let Err(cut) = stream.write(|l| l.cut(*offset)) {
+                    error!(error = %cut, "the stream log cannot be cut back to its damage");
+                }
+            }
+            read
+        })
+        .await
+        .expect("log read task")
+    }
+
+    /// Records what `who` acknowledged and wakes those who pass it on.
+    pub fn acked(&self, who: Downstream, offset: u64) {
+        let before = self.lock_acks().insert(who, offset);
+        if before != Some(offset) {
+            self.acks_changed.send_modify(|n| *n += 1);
+        }
+    }
+
+    /// Forgets a downstream that is gone.
+    pub fn forget(&self, who: &Downstream) {
+        if self.lock_acks().remove(who).is_some() {
+            self.acks_changed.send_modify(|n| *n += 1);
+        }
+    }
+
+    /// The lowest offset the downstreams acknowledged (`None`: none has).
+    pub fn applied(&self) -> Option<u64> {
+        self.lock_acks().values().copied().min()
+    }
+
+    /// What `who` acknowledged last.
+    pub fn acked_by(&self, who: &Downstream) -> Option<u64> {
+        self.lock_acks().get(who).copied()
+    }
+
+    /// Every downstream with what it acknowledged.
+    pub fn downstreams(&self) -> Vec<(Downstream, u64)> {
+        self.lock_acks()
+            .iter()
+            .map(|(d, o)| (d.clone(), *o))
+            .collect()
+    }
+
+    /// Wakes after the next change of an acknowledgement.
+    pub fn watch_acks(&self) -> watch::Receiver<u64> {
+        self.acks_changed.subscribe()
+    }
+
+    pub fn set_upstream_acked(&self, offset: u64) {
+        self.upstream_acked.store(offset, Ordering::Relaxed);
+    }
+
+    pub fn upstream_acked(&self) -> u64 {
+        self.upstream_acked.load(Ordering::Relaxed)
+    }
+
+    /// Records found damaged on reading since the agent started.
+    pub fn damaged(&self) -> u64 {
+        self.damaged.get()
+    }
+
+    fn lock_acks(&self) -> MutexGuard<'_, BTreeMap<Downstream, u64>> {
+        self.acks.lock().expect("stream acks lock")
     }
 }

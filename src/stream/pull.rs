@@ -5,7 +5,10 @@
 //! snapshot, or else starts where the upstream's log does),
 //! dials the data endpoint it is given and proves the session, then takes
 //! frames strictly in order under the session's MAC (`blk3::stream`),
-//! appends each to the log and acknowledges it once the log holds it. A
+//! appends each to the log and acknowledges it once the log holds it, and
+//! reports what the servers fed from the log applied (`SAPP`, whenever it
+//! changes), so acknowledgements reach the primary's agent. A log cut back
+//! after damage ends the session: the next fetches it again. A
 //! failed session is followed by another from the log's end, so nothing
 //! is skipped or applied twice across reconnects. An upstream whose log
 //! no longer holds the offset answers "too old": the log is left as it
@@ -261,6 +264,7 @@ async fn session(pull: &Pull, stream: &SharedLog) -> Result<(), PullError> {
     let mut rx = Receiver::new(offer.key, offer.offset, offer.window);
     let mut heard = Instant::now();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut acks = stream.watch_acks();
     loop {
         let token = tokio::select! {
             t = link.next_token() => t?,
@@ -268,8 +272,17 @@ async fn session(pull: &Pull, stream: &SharedLog) -> Result<(), PullError> {
                 if heard.elapsed() > UPSTREAM_TIMEOUT {
                     return Err(PullError::Silent);
                 }
-                let floor = stream.floor(&(pull.offered)());
-                blocking(stream, move |s| s.lock().tick(floor)).await?;
+                let (floor, end) = (stream.floor(&(pull.offered)()), rx.next());
+                blocking(stream, move |s| {
+                    let mut log = s.lock();
+                    log.still_ends_at(end)?;
+                    log.tick(floor)
+                })
+                .await?;
+                continue;
+            }
+            Ok(()) = acks.changed() => {
+                report_applied(&mut link, &mut rx, stream).await?;
                 continue;
             }
         };
@@ -283,6 +296,7 @@ async fn session(pull: &Pull, stream: &SharedLog) -> Result<(), PullError> {
                 blocking(stream, move |s| s.write(|l| l.append(&rec))).await?;
                 received.inc_by(len as u64);
                 link.send(&rx.ack()).await?;
+                report_applied(&mut link, &mut rx, stream).await?;
             }
             Token::Sepo {
                 offset,
@@ -302,6 +316,22 @@ async fn session(pull: &Pull, stream: &SharedLog) -> Result<(), PullError> {
             other => return Err(PullError::Unexpected(other.kind())),
         }
     }
+}
+
+/// Sends the upstream what the servers fed from the log applied, when it
+/// changed.
+async fn report_applied(
+    link: &mut StreamLink,
+    rx: &mut Receiver,
+    stream: &SharedLog,
+) -> Result<(), PullError> {
+    if let Some(t) = stream.applied().and_then(|a| rx.applied(a)) {
+        link.send(&t).await?;
+        if let Token::Sapp { offset } = t {
+            stream.set_upstream_acked(offset);
+        }
+    }
+    Ok(())
 }
 
 /// Runs a log operation off the runtime.

@@ -6,8 +6,10 @@
 //! replication id, and waits for more when it has sent everything; it
 //! ends when the replica goes, breaks the rules, the log no longer holds
 //! its offset (trimmed, or started over by a full resync: the replica is
-//! told, and asks again), or the agent stops. Whether to offer is
-//! `sync::offer`'s.
+//! told, and asks again), or the agent stops. What the replica reports
+//! its servers applied (`SAPP`) is the log's acknowledgement by that
+//! agent ([`Downstream::Agent`]) while the session lasts. Whether to
+//! offer is `sync::offer`'s.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -18,8 +20,8 @@ use rand::RngCore;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::log::{self, LogError, ReadPlan};
-use super::SharedLog;
+use super::log::{LogError, ReadPlan};
+use super::{Downstream, SharedLog};
 use crate::blk3::stream::{Sender, StreamError, STREAM_KEY_LEN};
 use crate::blk3::token::{Kind, REPLID_LEN, SESSION_TOKEN_LEN};
 use crate::blk3::Token;
@@ -154,7 +156,13 @@ pub async fn serve(
     let sent = metrics
         .stream_bytes
         .with_label_values(&[&s.instance, "source"]);
-    match send_stream(&mut link, s, &shutdown, &sent, corrupt_at).await {
+    let downstream = Downstream::Agent {
+        node: s.replica.clone(),
+        session: s.id.clone(),
+    };
+    let result = send_stream(&mut link, s, &downstream, &shutdown, &sent, corrupt_at).await;
+    s.stream.forget(&downstream);
+    match result {
         Ok(at) => info!(session = %s.id, at, "stream session ended: the agent stops"),
         Err(e) => {
             if let Some(reason) = e.refusal() {
@@ -205,6 +213,7 @@ fn next(stream: &SharedLog, at: u64, replid: &str) -> Result<Next, LogError> {
 async fn send_stream(
     link: &mut StreamLink,
     s: &StreamSession,
+    downstream: &Downstream,
     shutdown: &CancellationToken,
     sent: &prometheus::IntCounter,
     corrupt_at: Option<u64>,
@@ -221,10 +230,7 @@ async fn send_stream(
                     replid = String::from_utf8_lossy(&id).into_owned();
                 }
                 Next::Read(plan) => {
-                    let room = tx.room() as usize;
-                    let records = tokio::task::spawn_blocking(move || log::read(&plan, room))
-                        .await
-                        .expect("log read task")?;
+                    let records = s.stream.read(plan, tx.room() as usize).await?;
                     for rec in records {
                         let mut bytes = &rec.bytes[(tx.sent() - rec.offset) as usize..];
                         while let Some((frame, n)) = tx.frame(bytes) {
@@ -254,6 +260,7 @@ async fn send_stream(
             r = changed.changed() => if r.is_err() { return Ok(tx.sent()) },
             t = link.next_token() => match t? {
                 Token::Sack { offset } => tx.on_ack(offset)?,
+                Token::Sapp { offset } => s.stream.acked(downstream.clone(), tx.on_applied(offset)?),
                 Token::Rdfl { reason } => return Err(ServeError::Replica(reason)),
                 other => return Err(ServeError::Unexpected(other.kind())),
             },
