@@ -137,6 +137,7 @@ pub struct Metrics {
     pub stream_lag: HistogramVec,
     pub stream_behind_bytes: IntGaugeVec,
     pub stream_checksum_failures: IntCounterVec,
+    pub stream_write_errors: IntCounterVec,
 }
 
 /// The `reason` labels of `kvsync_stream_refused_total`: a session ended
@@ -309,6 +310,13 @@ impl Metrics {
                 Opts::new(
                     "kvsync_stream_checksum_failures_total",
                     "Records of the stream log found damaged on reading (disk, memory): never served, cut off and fetched again from upstream"
+                ),
+                &["kv_instance"]
+            )),
+            stream_write_errors: reg!(IntCounterVec::new(
+                Opts::new(
+                    "kvsync_stream_log_write_errors_total",
+                    "Sessions into the stream log ended because the log could not be written (a full or failing disk): nothing unwritten was acknowledged, and the agent tries again"
                 ),
                 &["kv_instance"]
             )),
@@ -487,6 +495,7 @@ impl Metrics {
             self.stream_refused.with_label_values(&[name, reason]);
         }
         self.stream_checksum_failures.with_label_values(&[name]);
+        self.stream_write_errors.with_label_values(&[name]);
     }
 
     /// Removes instance `name`'s series (those of its KV's health poll go
@@ -551,6 +560,7 @@ impl Metrics {
         let _ = self.stream_lag.remove_label_values(&[name]);
         let _ = self.stream_behind_bytes.remove_label_values(&[name]);
         let _ = self.stream_checksum_failures.remove_label_values(&[name]);
+        let _ = self.stream_write_errors.remove_label_values(&[name]);
         let _ = self.relay_bytes.remove_label_values(&[name]);
     }
 

@@ -5,8 +5,6 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-
 use common::node::*;
 use common::*;
 use kvsync::rpc::pb;
@@ -119,54 +117,6 @@ async fn snapshot_rewritten_in_place_mid_transfer_delivers_the_offered_bytes_or_
     let p = sync_ok(&replica, &source).await;
     assert_eq!(p.seq, 81);
     assert_eq!(std::fs::read(&p.installed_path).unwrap(), newer);
-}
-
-/// A small tmpfs, unmounted when dropped.
-struct SmallFs(PathBuf);
-
-impl SmallFs {
-    /// Mounts a tmpfs of `size` at `dir`; `None` (with the reason printed)
-    /// when this process may not mount.
-    fn mount(dir: &Path, size: &str) -> Option<SmallFs> {
-        std::fs::create_dir_all(dir).unwrap();
-        let out = std::process::Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "kvsync-test"])
-            .arg(dir)
-            .output();
-        match out {
-            Ok(o) if o.status.success() => Some(SmallFs(dir.to_owned())),
-            Ok(o) => {
-                let why = String::from_utf8_lossy(&o.stderr);
-                skip(
-                    "disk-full tmpfs",
-                    &format!("cannot mount a tmpfs ({}); run as root", why.trim()),
-                );
-                None
-            }
-            Err(e) => {
-                skip("disk-full tmpfs", &format!("no mount command ({e})"));
-                None
-            }
-        }
-    }
-
-    fn used_bytes(&self) -> u64 {
-        // SAFETY: statvfs is plain old data; zero is a valid value.
-        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-        let path = std::ffi::CString::new(self.0.to_str().unwrap()).unwrap();
-        // SAFETY: a valid C string and a zeroed struct to fill.
-        assert_eq!(unsafe { libc::statvfs(path.as_ptr(), &mut st) }, 0);
-        (st.f_blocks - st.f_bfree) * st.f_frsize
-    }
-}
-
-impl Drop for SmallFs {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("umount")
-            .arg("-l")
-            .arg(&self.0)
-            .status();
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,7 +8,9 @@
 //! refuses a frame changed on the wire; a server fed through two agents
 //! keeps up with a steady writer while `WAIT` counts it (`ack =
 //! "replicas"`); a record damaged on disk is never served and is fetched
-//! again from the primary.
+//! again from the primary; a full log disk stops logging with an error,
+//! never an acknowledgement of what was not written, and logging continues
+//! once there is space.
 
 mod common;
 
@@ -151,13 +153,13 @@ fn wait_logged(agent: &Node, primary: &Redis, what: &str) -> u64 {
 /// The primary's agent `src`, following `primary` into `<root>/src-log`,
 /// once it follows (writes from then on go into the stream).
 fn following_source(root: &Path, primary: &Redis, env: &[(&str, &str)]) -> Node {
-    let source = agent(
-        root,
-        "src",
-        &root.join("src-snaps"),
-        &follower_config(primary, &root.join("src-log")),
-        env,
-    );
+    let config = follower_config(primary, &root.join("src-log"));
+    source_with(root, &config, env)
+}
+
+/// The primary's agent `src` with `config`, once it follows.
+fn source_with(root: &Path, config: &str, env: &[(&str, &str)]) -> Node {
+    let source = agent(root, "src", &root.join("src-snaps"), config, env);
     wait_following(&source);
     source
 }
@@ -518,14 +520,7 @@ fn a_server_fed_through_two_agents_keeps_up_with_a_writer_and_wait_counts_it(ser
         "{}ack = \"replicas\"\n",
         follower_config(&primary, &root.path().join("src-log"))
     );
-    let source = agent(
-        root.path(),
-        "src",
-        &root.path().join("src-snaps"),
-        &config,
-        &[],
-    );
-    wait_following(&source);
+    let source = source_with(root.path(), &config, &[]);
     let (rs, replica) = seeded_through_two_agents(root.path(), server, &primary, &source);
 
     // A writer at a fixed rate (2000 keys a second) for 30 s; meanwhile
@@ -712,4 +707,55 @@ fn a_record_damaged_on_disk_is_never_served_and_is_fetched_again_from_the_primar
         "the replica's log is the refetched stream, byte for byte"
     );
     assert!(String::from_utf8_lossy(&rep).contains("k:999"));
+}
+
+#[test]
+fn a_full_log_disk_stops_logging_with_an_error_and_leaves_the_primary_alone() {
+    let root = tempfile::tempdir().unwrap();
+    let Some(fs) = SmallFs::mount(&root.path().join("logfs"), "2m") else {
+        return;
+    };
+    let primary = Redis::start(
+        Server::Redis,
+        &root.path().join("p"),
+        &["--repl-backlog-size", "64mb"],
+    );
+    let log_dir = fs.0.join("log");
+    let config = follower_config(&primary, &log_dir);
+    let source = source_with(root.path(), &config, &[]);
+    // The log's disk nearly full: a few hundred KiB are left.
+    let filler = fs.0.join("filler");
+    std::fs::write(&filler, vec![0u8; 1700 << 10]).unwrap();
+    let big = "v".repeat(1000);
+    primary.fill("k", 2000, &big);
+    let errors = "kvsync_stream_log_write_errors_total{kv_instance=\"default\"}";
+    wait_for("the agent to report the full log disk", DEADLINE, || {
+        (source.metric(errors) >= 1.0).then_some(())
+    });
+    // The primary takes writes as ever; the agent never acknowledges what
+    // its log does not hold, and says why.
+    primary.fill("more", 100, "v");
+    let st = stream_status(&source);
+    let end = primary.info("replication").num("master_repl_offset");
+    assert!(st.end_offset < end, "{st:?}");
+    assert!(
+        replica_offset(&primary).unwrap_or(0) <= st.end_offset,
+        "an acknowledgement past the log's end"
+    );
+    assert!(
+        source.proc.log().contains("No space left on device"),
+        "the operator is told"
+    );
+    // Space again: the log continues from where it stood, without a fork.
+    std::fs::remove_file(&filler).unwrap();
+    let end = wait_logged(&source, &primary, "the log to catch up once there is space");
+    assert_eq!(
+        primary.info("stats").num("sync_full"),
+        1,
+        "no second full resync"
+    );
+    drop(source);
+    let (first, bytes) = log_bytes(&log_dir);
+    assert_eq!(first + bytes.len() as u64, end, "the log is continuous");
+    assert!(String::from_utf8_lossy(&bytes).contains("more:99"));
 }

@@ -133,6 +133,13 @@ pub async fn run(follow: Follow, log: SharedLog, stop: CancellationToken) {
             r = session(&follow, &log) => r,
         };
         if let Err(e) = result {
+            if matches!(e, FollowError::Log(LogError::Io { .. })) {
+                follow
+                    .metrics
+                    .stream_write_errors
+                    .with_label_values(&[&follow.instance])
+                    .inc();
+            }
             warn!(instance = %follow.instance, error = %e, "following the primary into the stream log stopped; it reconnects");
             log.set_state(format!("reconnecting: {e}"));
         }

@@ -338,8 +338,11 @@ impl Log {
             OpenOptions::new().create_new(true).append(true).mode(0o600),
         )
         .map_err(io(&path))?;
-        file.write_all(&header).map_err(io(&path))?;
-        file.sync_all().map_err(io(&path))?;
+        if let Err(e) = file.write_all(&header).and_then(|()| file.sync_all()) {
+            // A full disk: no half-made segment stays to block the next try.
+            let _ = std::fs::remove_file(&path);
+            return Err(io(&path)(e));
+        }
         sync_dir(&self.cfg.dir).map_err(io(&self.cfg.dir))?;
         self.segments.push(Segment {
             path,

@@ -111,6 +111,12 @@ pub async fn run(pull: Pull, stream: SharedLog, stop: CancellationToken) {
             r = session(&pull, &stream) => r,
         };
         let Err(e) = result else { return };
+        if matches!(e, PullError::Log(LogError::Io { .. })) {
+            pull.metrics
+                .stream_write_errors
+                .with_label_values(&[&pull.instance])
+                .inc();
+        }
         if let Some(reason) = e.refusal() {
             pull.metrics
                 .stream_refused
