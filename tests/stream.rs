@@ -7,7 +7,9 @@
 //! of its own, byte for byte, resumes from its log after being killed, and
 //! refuses a frame changed on the wire; a server fed through two agents
 //! keeps up with a steady writer while `WAIT` counts it (`ack =
-//! "replicas"`); a record damaged on disk is never served and is fetched
+//! "replicas"`); a replica agent killed while the primary writes ten times
+//! its backlog continues its server from its log once restarted, with no
+//! full sync; a record damaged on disk is never served and is fetched
 //! again from the primary; a full log disk stops logging with an error,
 //! never an acknowledgement of what was not written, and logging continues
 //! once there is space.
@@ -403,6 +405,16 @@ fn an_offset_the_upstream_does_not_hold_is_reported_and_the_log_left_as_it_is() 
     assert_eq!(Log::open(cfg).unwrap().position(), Some((other, 7)));
 }
 
+/// The config of a replica agent following `source`'s log into
+/// `<root>/rep-log` and feeding `rs` from it (`redis-stream`).
+fn feeding_puller_config(root: &Path, source: &Node, rs: &Redis) -> String {
+    format!(
+        "{}[handoff]\nmode = \"redis-stream\"\ntimeout = \"60s\"\n[redis]\nserver_addr = \"{}\"\n",
+        puller_config(source, &root.join("rep-log")),
+        rs.addr()
+    )
+}
+
 /// A replica agent `rep` following `source`'s log with `redis-stream`, and
 /// its server seeded through it from the source's snapshot of `primary`.
 fn seeded_through_two_agents(
@@ -418,12 +430,13 @@ fn seeded_through_two_agents(
         s.instances[0].latest_snapshots.first().map(|e| e.seq)
     });
     let rs = Redis::standalone_replica(server, &root.join("r"));
-    let config = format!(
-        "{}[handoff]\nmode = \"redis-stream\"\ntimeout = \"60s\"\n[redis]\nserver_addr = \"{}\"\n",
-        puller_config(source, &root.join("rep-log")),
-        rs.addr()
+    let replica = agent(
+        root,
+        "rep",
+        &root.join("rep-snaps"),
+        &feeding_puller_config(root, source, &rs),
+        &[],
     );
-    let replica = agent(root, "rep", &root.join("rep-snaps"), &config, &[]);
     wait_following(&replica);
     let rt = tokio::runtime::Runtime::new().unwrap();
     let p = rt.block_on(sync_from(&replica, &source.grpc()));
@@ -444,15 +457,7 @@ fn a_server_fed_from_the_replica_agents_log_converges_and_continues_after_a_cut(
     let (rs, replica) = seeded_through_two_agents(root.path(), server, &primary, &source);
     // The primary's writes reach the server through both agents' logs.
     primary.fill("after", 2000, "value-of-the-stream");
-    let converged = |what: &str| {
-        wait_for(what, DEADLINE, || {
-            let end = primary.info("replication").num("master_repl_offset");
-            let at = rs.info("replication").num("master_repl_offset");
-            (at == end && rs.cmd::<i64>(&["DBSIZE"]) == primary.cmd::<i64>(&["DBSIZE"]))
-                .then_some(())
-        })
-    };
-    converged("the fed server to converge with the primary");
+    converged(&rs, &primary, "the fed server to converge with the primary");
     let end = primary.info("replication").num("master_repl_offset");
     wait_for("the server's ack of the offset in status", DEADLINE, || {
         (stream_status(&replica).fed_offset == end).then_some(())
@@ -472,7 +477,7 @@ fn a_server_fed_from_the_replica_agents_log_converges_and_continues_after_a_cut(
     let killed: i64 = rs.cmd(&["CLIENT", "KILL", "TYPE", "master"]);
     assert_eq!(killed, 1);
     primary.fill("after-cut", 300, "v");
-    converged("the server to continue after the cut");
+    converged(&rs, &primary, "the server to continue after the cut");
     wait_for("the feed to continue its server", DEADLINE, || {
         (continued() > before).then_some(())
     });
@@ -513,6 +518,53 @@ fn write_and_wait(con: &mut redis::Connection, key: &str, timeout_ms: u64) -> i6
         .unwrap()
 }
 
+/// A writer of 2000 keys a second (`w:<n>`, values padded by `pad`
+/// bytes) for `secs` seconds on `con`; the thread returns how many it set.
+fn steady_writer(
+    mut con: redis::Connection,
+    secs: u64,
+    pad: usize,
+) -> std::thread::JoinHandle<usize> {
+    std::thread::spawn(move || {
+        let mut n = 0usize;
+        let start = std::time::Instant::now();
+        while start.elapsed() < std::time::Duration::from_secs(secs) {
+            let mut p = redis::pipe();
+            for _ in 0..20 {
+                p.cmd("SET")
+                    .arg(format!("w:{n}"))
+                    .arg(format!("value-{n}-of-a-steady-writer{}", "x".repeat(pad)))
+                    .ignore();
+                n += 1;
+            }
+            p.query::<()>(&mut con).unwrap();
+            // The writer's pace, not a wait for a state.
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        n
+    })
+}
+
+/// Waits until `rs` has applied everything `primary` wrote and holds as
+/// many keys.
+fn converged(rs: &Redis, primary: &Redis, what: &str) {
+    wait_for(what, DEADLINE, || {
+        let end = primary.info("replication").num("master_repl_offset");
+        let at = rs.info("replication").num("master_repl_offset");
+        (at == end && rs.cmd::<i64>(&["DBSIZE"]) == primary.cmd::<i64>(&["DBSIZE"])).then_some(())
+    })
+}
+
+/// Every hundredth of the `written` keys of [`steady_writer`] is the
+/// primary's, byte for byte.
+fn same_sample(rs: &Redis, primary: &Redis, written: usize) {
+    for i in (0..written).step_by(written / 100) {
+        let key = format!("w:{i}");
+        let dump = |r: &Redis| r.cmd::<Vec<u8>>(&["DUMP", &key]);
+        assert_eq!(dump(rs), dump(primary), "{key}");
+    }
+}
+
 fn a_server_fed_through_two_agents_keeps_up_with_a_writer_and_wait_counts_it(server: Server) {
     let root = tempfile::tempdir().unwrap();
     let primary = Redis::start(server, &root.path().join("p"), &[]);
@@ -526,32 +578,10 @@ fn a_server_fed_through_two_agents_keeps_up_with_a_writer_and_wait_counts_it(ser
     // A writer at a fixed rate (2000 keys a second) for 30 s; meanwhile
     // every write of the main connection is acknowledged by a replica
     // server through both agents.
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let writer = {
-        let (mut con, stop) = (primary.con(), stop.clone());
-        std::thread::spawn(move || {
-            let mut n = 0usize;
-            let start = std::time::Instant::now();
-            while start.elapsed() < std::time::Duration::from_secs(30) {
-                let mut p = redis::pipe();
-                for _ in 0..20 {
-                    p.cmd("SET")
-                        .arg(format!("w:{n}"))
-                        .arg(format!("value-{n}-of-a-steady-writer"))
-                        .ignore();
-                    n += 1;
-                }
-                p.query::<()>(&mut con).unwrap();
-                // The writer's pace, not a wait for a state.
-                std::thread::sleep(std::time::Duration::from_millis(10));
-            }
-            stop.store(true, std::sync::atomic::Ordering::SeqCst);
-            n
-        })
-    };
+    let writer = steady_writer(primary.con(), 30, 0);
     let mut con = primary.con();
     let mut waits = 0;
-    while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+    while !writer.is_finished() {
         let acked = write_and_wait(&mut con, "probe", 10_000);
         assert_eq!(
             acked, 1,
@@ -561,21 +591,8 @@ fn a_server_fed_through_two_agents_keeps_up_with_a_writer_and_wait_counts_it(ser
     }
     let written = writer.join().unwrap();
     assert!(waits > 10, "{waits} waits");
-    wait_for(
-        "the fed server to converge with the primary",
-        DEADLINE,
-        || {
-            let end = primary.info("replication").num("master_repl_offset");
-            let at = rs.info("replication").num("master_repl_offset");
-            (at == end && rs.cmd::<i64>(&["DBSIZE"]) == primary.cmd::<i64>(&["DBSIZE"]))
-                .then_some(())
-        },
-    );
-    for i in (0..written).step_by(written / 100) {
-        let key = format!("w:{i}");
-        let dump = |r: &Redis| r.cmd::<Vec<u8>>(&["DUMP", &key]);
-        assert_eq!(dump(&rs), dump(&primary), "{key}");
-    }
+    converged(&rs, &primary, "the fed server to converge with the primary");
+    same_sample(&rs, &primary, written);
     // Each agent shows what its downstream acknowledged; the primary's
     // agent measured the lag from its log to the server's acknowledgement.
     wait_for(
@@ -637,6 +654,64 @@ fn a_server_fed_through_two_agents_keeps_up_with_a_writer_and_wait_counts_it(ser
 }
 
 on_both_servers!(a_server_fed_through_two_agents_keeps_up_with_a_writer_and_wait_counts_it);
+
+fn a_replica_agent_killed_for_longer_than_the_primarys_backlog_continues_its_server(
+    server: Server,
+) {
+    let root = tempfile::tempdir().unwrap();
+    let primary = Redis::start(
+        server,
+        &root.path().join("p"),
+        &["--repl-backlog-size", "1mb"],
+    );
+    let source = following_source(root.path(), &primary, &[]);
+    let (rs, mut replica) = seeded_through_two_agents(root.path(), server, &primary, &source);
+    converged(&rs, &primary, "the fed server to converge after seeding");
+    let process_id = rs.info("server").num("process_id");
+    let full = primary.info("stats").num("sync_full");
+
+    // Killed while the primary writes ten times its backlog and more.
+    replica.proc.signal(libc::SIGKILL);
+    replica.proc.wait_exit();
+    let from = primary.info("replication").num("master_repl_offset");
+    let written = steady_writer(primary.con(), 10, 600).join().unwrap();
+    let wrote = primary.info("replication").num("master_repl_offset") - from;
+    assert!(
+        wrote > 10 << 20,
+        "{wrote} bytes written while the agent was down"
+    );
+
+    // Started again: the server continues from the agent's log, which
+    // continues from the primary's agent's: no full sync anywhere.
+    let replica = agent(
+        root.path(),
+        "rep",
+        &root.path().join("rep-snaps"),
+        &feeding_puller_config(root.path(), &source, &rs),
+        &[],
+    );
+    converged(
+        &rs,
+        &primary,
+        "the server to continue after the agent's restart",
+    );
+    same_sample(&rs, &primary, written);
+    assert_eq!(
+        rs.info("server").num("process_id"),
+        process_id,
+        "the same server process"
+    );
+    assert_eq!(
+        primary.info("stats").num("sync_full"),
+        full,
+        "no full resync of the primary"
+    );
+    let log = replica.proc.log();
+    assert!(log.contains("continues its server from the log"), "{log}");
+    assert!(!log.contains("sent its server the RDB"), "{log}");
+}
+
+on_both_servers!(a_replica_agent_killed_for_longer_than_the_primarys_backlog_continues_its_server);
 
 #[test]
 fn a_record_damaged_on_disk_is_never_served_and_is_fetched_again_from_the_primary() {
