@@ -82,6 +82,10 @@ pub enum Command {
     Snapshots(StatusArgs),
     /// Cancel a running sync.
     Cancel(CancelArgs),
+    /// Hand a server fed from an agent's stream log (`redis-stream`) to its
+    /// primary, or take it back, each without a full resync.
+    #[command(subcommand)]
+    Stream(StreamCommand),
     /// Compare a sample of a Redis/Valkey replica's keys with its primary,
     /// without trusting the replication link (writes in flight are not
     /// mismatches).
@@ -197,6 +201,40 @@ pub struct StatusArgs {
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum StreamCommand {
+    /// Make the server a direct replica of the primary (`REPLICAOF`), by a
+    /// partial resync: the stream it was fed is the primary's own. Refused,
+    /// with nothing changed, when the primary's backlog no longer holds the
+    /// server's offset.
+    Release(StreamReleaseArgs),
+    /// Take a replica of the primary back onto the agent's stream log,
+    /// continued from its offset. Refused, with nothing changed, when the
+    /// log does not hold that offset.
+    Attach(StreamAttachArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct StreamReleaseArgs {
+    /// gRPC address of the agent that feeds the server (host:port).
+    #[arg(long)]
+    pub agent: String,
+    #[command(flatten)]
+    pub instance: InstanceArg,
+    /// The primary (host:port; default: the instance's `[redis] primary`).
+    #[arg(long)]
+    pub primary: Option<String>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct StreamAttachArgs {
+    /// gRPC address of the agent whose log takes the server back (host:port).
+    #[arg(long)]
+    pub agent: String,
+    #[command(flatten)]
+    pub instance: InstanceArg,
 }
 
 #[derive(Debug, clap::Args)]
@@ -359,6 +397,7 @@ pub fn main() -> ExitCode {
         Command::Status(args) => runtime().and_then(|rt| rt.block_on(client::status(args))),
         Command::Snapshots(args) => runtime().and_then(|rt| rt.block_on(client::snapshots(args))),
         Command::Cancel(args) => runtime().and_then(|rt| rt.block_on(client::cancel(args))),
+        Command::Stream(c) => runtime().and_then(|rt| rt.block_on(client::stream(c))),
         Command::Probe(args) => probe(args),
         Command::CheckConfig(args) => check_config(args),
         Command::CheckReplica(args) => runtime().and_then(|rt| rt.block_on(check_replica(args))),

@@ -520,25 +520,6 @@ async fn rate_limit_holds_and_reloads_on_sighup() {
     at_least(sync_ok(&replica, &source).await, 1800);
 }
 
-/// Runs the CLI with `args`; returns (success, stdout, stderr).
-fn cli(args: &[&str]) -> (bool, String, String) {
-    cli_env(args, &[])
-}
-
-/// Runs the CLI with `args` and `env`; returns (success, stdout, stderr).
-fn cli_env(args: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
-    let out = std::process::Command::new(kvsync_bin())
-        .args(args)
-        .envs(env.iter().copied())
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
 #[test]
 fn grpc_over_tls_and_mutual_tls_with_a_ca_made_in_the_test() {
     let root = tempfile::tempdir().unwrap();

@@ -9,7 +9,9 @@
 //! keeps up with a steady writer while `WAIT` counts it (`ack =
 //! "replicas"`); a replica agent killed while the primary writes ten times
 //! its backlog continues its server from its log once restarted, with no
-//! full sync; a record damaged on disk is never served and is fetched
+//! full sync; a fed server is released to the primary and attached back,
+//! each by a continuation, and a hand over that would be a full resync is
+//! refused with nothing changed; a record damaged on disk is never served and is fetched
 //! again from the primary; a full log disk stops logging with an error,
 //! never an acknowledgement of what was not written, and logging continues
 //! once there is space.
@@ -416,7 +418,8 @@ fn feeding_puller_config(root: &Path, source: &Node, rs: &Redis) -> String {
 }
 
 /// A replica agent `rep` following `source`'s log with `redis-stream`, and
-/// its server seeded through it from the source's snapshot of `primary`.
+/// its server seeded through it from the source's snapshot of `primary`,
+/// once the server has everything the primary wrote.
 fn seeded_through_two_agents(
     root: &Path,
     server: Server,
@@ -447,6 +450,7 @@ fn seeded_through_two_agents(
         "{}",
         p.handoff
     );
+    converged(&rs, primary, "the fed server to converge after seeding");
     (rs, replica)
 }
 
@@ -666,7 +670,6 @@ fn a_replica_agent_killed_for_longer_than_the_primarys_backlog_continues_its_ser
     );
     let source = following_source(root.path(), &primary, &[]);
     let (rs, mut replica) = seeded_through_two_agents(root.path(), server, &primary, &source);
-    converged(&rs, &primary, "the fed server to converge after seeding");
     let process_id = rs.info("server").num("process_id");
     let full = primary.info("stats").num("sync_full");
 
@@ -833,4 +836,114 @@ fn a_full_log_disk_stops_logging_with_an_error_and_leaves_the_primary_alone() {
     let (first, bytes) = log_bytes(&log_dir);
     assert_eq!(first + bytes.len() as u64, end, "the log is continuous");
     assert!(String::from_utf8_lossy(&bytes).contains("more:99"));
+}
+
+/// `kvsync stream release` of `agent`'s server to `primary`.
+fn release(agent: &str, primary: &Redis) -> (bool, String, String) {
+    cli(&[
+        "stream",
+        "release",
+        "--agent",
+        agent,
+        "--primary",
+        &primary.addr(),
+    ])
+}
+
+fn a_fed_server_is_released_to_the_primary_and_attached_back_without_a_full_resync(server: Server) {
+    let root = tempfile::tempdir().unwrap();
+    let primary = Redis::start(server, &root.path().join("p"), &[]);
+    let source = following_source(root.path(), &primary, &[]);
+    let (rs, replica) = seeded_through_two_agents(root.path(), server, &primary, &source);
+    let agent = replica.grpc();
+    let feed_port = rs.info("replication").num("master_port");
+    let stats = || {
+        let s = primary.info("stats");
+        (s.num("sync_full"), s.num("sync_partial_ok"))
+    };
+    let (full, partial) = stats();
+    // Both hand overs happen while the primary writes.
+    let writer = steady_writer(primary.con(), 8, 0);
+
+    let (ok, _, err) = cli(&["stream", "attach", "--agent", &agent]);
+    assert!(
+        !ok && err.contains("follows this agent's stream feed already"),
+        "{err}"
+    );
+    let (ok, out, err) = release(&agent, &primary);
+    assert!(ok, "{err}");
+    assert!(out.contains("partial resync from offset"), "{out}");
+    let repl = rs.info("replication");
+    assert_eq!(repl.num("master_port"), primary.port as u64, "{out}");
+    assert_eq!(stats(), (full, partial + 1), "the primary continued it");
+    let (ok, _, err) = release(&agent, &primary);
+    assert!(
+        !ok && err.contains("does not follow this agent's stream feed"),
+        "{err}"
+    );
+
+    let continued = |n: &Node| {
+        n.proc
+            .log()
+            .matches("continues its server from the log")
+            .count()
+    };
+    let before = continued(&replica);
+    let (ok, out, err) = cli(&["stream", "attach", "--agent", &agent]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("follows this agent's stream log again"),
+        "{out}"
+    );
+    assert_eq!(continued(&replica), before + 1);
+    let repl = rs.info("replication");
+    assert_eq!(repl.get("master_link_status"), Some("up"));
+    assert_eq!(repl.num("master_port"), feed_port, "the agent's feed again");
+
+    let written = writer.join().unwrap();
+    converged(&rs, &primary, "the attached server to converge");
+    same_sample(&rs, &primary, written);
+    assert_eq!(stats().0, full, "no full resync of the primary");
+    let log = replica.proc.log();
+    assert_eq!(
+        log.matches("sent its server the RDB").count(),
+        1,
+        "only the seeding: {log}"
+    );
+}
+
+on_both_servers!(a_fed_server_is_released_to_the_primary_and_attached_back_without_a_full_resync);
+
+#[test]
+fn a_hand_over_that_would_be_a_full_resync_is_refused_and_changes_nothing() {
+    let root = tempfile::tempdir().unwrap();
+    let primary = Redis::start(
+        Server::Redis,
+        &root.path().join("p"),
+        &["--repl-backlog-size", "1mb"],
+    );
+    let mut source = following_source(root.path(), &primary, &[]);
+    let (rs, replica) = seeded_through_two_agents(root.path(), Server::Redis, &primary, &source);
+    let agent = replica.grpc();
+    let feed_port = rs.info("replication").num("master_port");
+    // The stream stops at the primary's agent while the primary writes
+    // three times its backlog: the server's offset is gone from it.
+    source.proc.signal(libc::SIGKILL);
+    source.proc.wait_exit();
+    primary.fill("past", 3000, &"v".repeat(1000));
+    let (ok, _, err) = release(&agent, &primary);
+    assert!(!ok && err.contains("backlog starts at offset"), "{err}");
+    assert!(err.contains("nothing was changed"), "{err}");
+    let repl = rs.info("replication");
+    assert_eq!(repl.num("master_port"), feed_port, "still fed by the agent");
+    assert_eq!(
+        primary.info("stats").num("sync_full"),
+        1,
+        "only the source agent's"
+    );
+    // A server that is no replica is not taken onto the log.
+    let _: () = rs.cmd(&["REPLICAOF", "NO", "ONE"]);
+    let (ok, _, err) = cli(&["stream", "attach", "--agent", &agent]);
+    assert!(!ok && err.contains("is not a replica"), "{err}");
+    assert_eq!(rs.info("replication").get("role"), Some("master"));
 }

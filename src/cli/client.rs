@@ -583,6 +583,28 @@ pub async fn cancel(args: super::CancelArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// `kvsync stream release|attach`: prints where the server follows now.
+pub async fn stream(command: super::StreamCommand) -> anyhow::Result<ExitCode> {
+    use super::StreamCommand::*;
+    let (agent, what, req) = match &command {
+        Release(a) => (&a.agent, "release", (a.instance.wire(), a.primary.clone())),
+        Attach(a) => (&a.agent, "attach", (a.instance.wire(), None)),
+    };
+    let req = pb::HandStreamRequest {
+        instance: req.0,
+        primary: req.1.unwrap_or_default(),
+    };
+    let mut c = client(agent).await?;
+    let r = match command {
+        Release(_) => c.release_stream(req).await,
+        Attach(_) => c.attach_stream(req).await,
+    }
+    .map_err(|s| status_err(what, s))?
+    .into_inner();
+    println!("{}", r.message);
+    Ok(ExitCode::SUCCESS)
+}
+
 /// `kvsync demo`: a source and a replica on loopback, one full sync.
 pub async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
     let root = tempfile::Builder::new()

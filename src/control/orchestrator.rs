@@ -16,7 +16,9 @@ use crate::rpc::auth::ClientAuth;
 use crate::rpc::{is_terminal, pb};
 use crate::snapshot::Format;
 use crate::store::catalog::CatalogEntry;
-use crate::stream::Downstream;
+use crate::stream::feed::FeedHandle;
+use crate::stream::hand;
+use crate::stream::{Downstream, SharedLog};
 use crate::sync::instance::{Instance, Instances};
 use crate::sync::serve::{DataEndpoints, SessionTable};
 use crate::sync::{Pull, SyncManager};
@@ -44,6 +46,36 @@ impl OrchestratorService {
         self.instances
             .resolve(name)
             .map_err(|e| Status::invalid_argument(e.to_string()))
+    }
+
+    /// The instance a request names, with its stream feed and log; an
+    /// instance that does not feed its server from a log is refused.
+    fn fed(&self, name: &str) -> Result<(Arc<Instance>, FeedHandle, SharedLog), Status> {
+        let i = self.instance(name)?;
+        match (i.feed.clone(), i.stream.clone()) {
+            (Some(feed), Some(stream)) => Ok((i, feed, stream)),
+            _ => Err(Status::failed_precondition(format!(
+                "instance {} does not feed its server from a stream log ([handoff] mode = \"redis-stream\" with [stream] dir)",
+                i.name
+            ))),
+        }
+    }
+
+    /// Releases the server of the instance `req` names to its primary, or
+    /// attaches it back to the stream log (`stream::hand`).
+    async fn hand(
+        &self,
+        req: pb::HandStreamRequest,
+        release: bool,
+    ) -> Result<Response<pb::HandStreamResponse>, Status> {
+        let (i, feed, stream) = self.fed(&req.instance)?;
+        let (redis, timeout) = (&i.config.redis, i.config.handoff.timeout);
+        let done = match release {
+            true => hand::release(redis, timeout, &req.primary, &feed, &stream).await,
+            false => hand::attach(redis, timeout, &feed, &stream).await,
+        };
+        done.map(|message| Response::new(pb::HandStreamResponse { message }))
+            .map_err(|e| Status::failed_precondition(e.to_string()))
     }
 
     /// What one instance holds and does now.
@@ -312,6 +344,20 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             .map(|e| entry_to_pb(&instance.name, e))
             .collect();
         Ok(Response::new(pb::ListSnapshotsResponse { snapshots }))
+    }
+
+    async fn release_stream(
+        &self,
+        request: Request<pb::HandStreamRequest>,
+    ) -> Result<Response<pb::HandStreamResponse>, Status> {
+        self.hand(request.into_inner(), true).await
+    }
+
+    async fn attach_stream(
+        &self,
+        request: Request<pb::HandStreamRequest>,
+    ) -> Result<Response<pb::HandStreamResponse>, Status> {
+        self.hand(request.into_inner(), false).await
     }
 
     async fn cancel_sync(

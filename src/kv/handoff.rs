@@ -96,19 +96,11 @@ pub enum HandoffError {
 
 /// Writes the record, then hands off per `config`. Returns a short
 /// description of what was done.
-/// Where the instance's stream feed listens, and its password: what the
-/// `redis-stream` handoff points the server at.
-#[derive(Debug, Clone)]
-pub struct Feed {
-    pub addr: std::net::SocketAddr,
-    pub secret: String,
-}
-
 pub async fn hand_off(
     config: &HandoffConfig,
     redis: &RedisConfig,
     record: &HandoffRecord,
-    feed: Option<&Feed>,
+    feed: Option<&crate::kv::seed::Feed>,
 ) -> Result<String, HandoffError> {
     install::write_atomic(&record.replmeta_path(), record.render().as_bytes())?;
     let deadline = config.timeout;
@@ -128,10 +120,7 @@ pub async fn hand_off(
             }
             HandoffMode::RedisStream => {
                 let feed = feed.ok_or(HandoffError::NoFeed)?;
-                Ok(
-                    crate::kv::seed::attach(redis, deadline, feed.addr, &feed.secret, &record.info)
-                        .await?,
-                )
+                Ok(crate::kv::seed::attach(redis, deadline, feed, &record.info).await?)
             }
         }
     };

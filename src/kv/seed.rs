@@ -27,7 +27,9 @@ use tokio::net::{TcpListener, TcpStream};
 use tracing::{info, warn};
 
 use crate::config::{HostPort, RedisConfig};
-use crate::kv::redis::{confirm_partial, connect, info, infos, server_err, until, RedisError};
+use crate::kv::redis::{
+    confirm_partial, connect, info, infos, server_err, until, Info, RedisError,
+};
 use crate::snapshot::SnapshotInfo;
 
 /// The one-time `masterauth` record, in `snapshot_dir`: the server's own
@@ -146,31 +148,32 @@ pub async fn replicate(
     confirm_partial(cfg, timeout, &before, snapshot).await
 }
 
+/// Where an instance's stream feed (`stream::feed`) listens, its password,
+/// and where the server's own `masterauth` is kept while the feed's is in
+/// force: what the `redis-stream` handoff points the server at.
+#[derive(Debug, Clone)]
+pub struct Feed {
+    pub addr: SocketAddr,
+    pub secret: String,
+    pub server_auth: PathBuf,
+}
+
 /// The `redis-stream` handoff: points the local server at this agent's
-/// feed (`stream::feed`, on `feed`, which answers it from the stream log)
-/// with the feed's password as its `masterauth`, and waits until it has
-/// loaded `snapshot` (or continued past it) and follows the feed. A
-/// failure puts the server's `masterauth` and replication back as they
-/// were.
+/// feed (which answers it from the stream log) with the feed's password as
+/// its `masterauth`, and waits until it has loaded `snapshot` (or
+/// continued past it) and follows the feed. A failure puts the server's
+/// `masterauth` and replication back as they were.
 pub async fn attach(
     cfg: &RedisConfig,
     timeout: Duration,
-    feed: SocketAddr,
-    secret: &str,
+    feed: &Feed,
     snapshot: &SnapshotInfo,
 ) -> Result<String, RedisError> {
     let (server, password) = (&cfg.server_addr, &cfg.password);
     let mut con = connect(server, password).await?;
     let was = info(server, password, "replication").await?;
-    let old_auth = config_get(&mut con, server, "masterauth").await?;
-    let master = match (
-        was.get("role"),
-        was.get("master_host"),
-        was.get("master_port"),
-    ) {
-        (Some("slave"), Some(host), Some(port)) => Some((host.to_string(), port.to_string())),
-        _ => None,
-    };
+    let (master, old_auth) = take_auth(&mut con, server, &was, feed).await?;
+    let (feed, secret) = (feed.addr, &feed.secret);
     let attached = async {
         config_set(&mut con, server, "masterauth", secret).await?;
         replicaof(&mut con, server, &feed.ip().to_string(), feed.port()).await?;
@@ -198,6 +201,54 @@ pub async fn attach(
             restore_role(&mut con, server, master.as_ref()).await;
             Err(e)
         }
+    }
+}
+
+/// Before the server is pointed at `feed`: its master (from `was`, its
+/// replication info) and its own `masterauth`, which is kept in the feed's
+/// file unless it is the feed's already.
+pub(crate) async fn take_auth(
+    con: &mut redis::aio::MultiplexedConnection,
+    server: &str,
+    was: &Info,
+    feed: &Feed,
+) -> Result<(Option<(String, String)>, String), RedisError> {
+    let master = match (
+        was.get("role"),
+        was.get("master_host"),
+        was.get("master_port"),
+    ) {
+        (Some("slave"), Some(host), Some(port)) => Some((host.to_string(), port.to_string())),
+        _ => None,
+    };
+    let own = config_get(con, server, "masterauth").await?;
+    if own != feed.secret {
+        crate::sys::fs::write_atomic(
+            &feed.server_auth,
+            own.as_bytes(),
+            (".kvsync-feed-", ".tmp"),
+            RECORD_MODE,
+        )
+        .map_err(|e| {
+            RedisError::Seed(format!(
+                "cannot keep the server's masterauth in {}: {e}",
+                feed.server_auth.display()
+            ))
+        })?;
+    }
+    Ok((master, own))
+}
+
+/// The server's own `masterauth` kept by [`take_auth`] (`None`: nothing
+/// was kept).
+pub(crate) fn own_auth(feed: &Feed) -> Result<Option<String>, RedisError> {
+    match crate::sys::fs::read_regular(&feed.server_auth, MAX_RECORD) {
+        Ok(b) => Ok(Some(String::from_utf8_lossy(&b).into_owned())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(RedisError::Seed(format!(
+            "cannot read the server's masterauth from {}: {e}",
+            feed.server_auth.display()
+        ))),
     }
 }
 
@@ -357,7 +408,7 @@ fn one_time_secret() -> String {
         })
 }
 
-async fn config_get(
+pub(crate) async fn config_get(
     con: &mut redis::aio::MultiplexedConnection,
     server: &str,
     name: &str,
@@ -371,7 +422,7 @@ async fn config_get(
     Ok(pair.into_iter().nth(1).unwrap_or_default())
 }
 
-async fn config_set(
+pub(crate) async fn config_set(
     con: &mut redis::aio::MultiplexedConnection,
     server: &str,
     name: &str,
@@ -391,7 +442,7 @@ async fn config_set(
 }
 
 /// `REPLICAOF host port` on the local server.
-async fn replicaof(
+pub(crate) async fn replicaof(
     con: &mut redis::aio::MultiplexedConnection,
     server: &str,
     host: &str,
@@ -411,7 +462,7 @@ async fn replicaof(
 
 /// Puts the server's replication back as it was before the handoff: its
 /// old master, or none.
-async fn restore_role(
+pub(crate) async fn restore_role(
     con: &mut redis::aio::MultiplexedConnection,
     server: &str,
     master: Option<&(String, String)>,
@@ -670,7 +721,7 @@ async fn read_line<R: tokio::io::AsyncBufRead + Unpin>(read: &mut R) -> Result<S
 /// Waits until the server follows the master on `port`: linked, not
 /// loading, at offset `from` or past it; its replication and persistence
 /// info then.
-async fn following(
+pub(crate) async fn following(
     cfg: &RedisConfig,
     timeout: Duration,
     what: &str,

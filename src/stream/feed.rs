@@ -10,9 +10,13 @@
 //! blip between them) continues from the log without the primary. A
 //! connection ends where the log's replication id changes: the server asks
 //! again and continues under the new id. A newer connection from the
-//! server replaces the one before it. The server's `REPLCONF ACK` offsets
-//! are the log's [`Downstream::Server`] acknowledgement, which the agent
-//! passes upstream. The handshake is `kv::seed`'s.
+//! server replaces the one before it. A server that asks for an offset
+//! the log has not reached yet (it applied more than the log holds after
+//! the log was cut, or it was just taken back from the primary) waits for
+//! the log, at most [`AHEAD`], before it is answered. The server's
+//! `REPLCONF ACK` offsets are the log's [`Downstream::Server`]
+//! acknowledgement, which the agent passes upstream. The handshake is
+//! `kv::seed`'s.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -21,6 +25,7 @@ use std::time::Duration;
 
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpListener;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -31,8 +36,13 @@ use crate::kv::seed::{self, Seeded};
 
 /// The feed's password file, in the stream log's directory.
 pub const SECRET_FILE: &str = ".kvsync-feed-masterauth";
+/// The server's own `masterauth` while the feed's is in force (its
+/// primary's password, for a hand back), in the stream log's directory.
+pub const SERVER_AUTH_FILE: &str = ".kvsync-feed-server-masterauth";
 /// The most stream bytes one write to the server takes.
 const CHUNK: usize = 1 << 20;
+/// How long a server that asks past the log's end waits for the log.
+pub const AHEAD: Duration = Duration::from_secs(5);
 
 /// What a handoff needs of the feed, and what it tells it.
 #[derive(Clone)]
@@ -41,12 +51,38 @@ pub struct FeedHandle {
     pub secret: String,
     /// The RDB a full resync serves: its path, replication id and M.
     seed: Arc<Mutex<Option<(PathBuf, String, u64)>>>,
+    /// Where the server's own `masterauth` is kept ([`SERVER_AUTH_FILE`]).
+    pub server_auth: PathBuf,
+    /// How the feed answered its server's sync requests so far.
+    served: Arc<watch::Sender<Served>>,
+}
+
+/// How many of the server's sync requests the feed continued from the log
+/// and how many it answered with a full resync.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Served {
+    pub continued: u64,
+    pub full: u64,
 }
 
 impl FeedHandle {
     /// Serves `rdb` (saved at `replid` `m`) to the next full resync.
     pub fn seed_with(&self, rdb: PathBuf, replid: String, m: u64) {
         *self.seed.lock().expect("feed seed lock") = Some((rdb, replid, m));
+    }
+
+    /// What a handoff points the server at.
+    pub fn target(&self) -> seed::Feed {
+        seed::Feed {
+            addr: self.addr,
+            secret: self.secret.clone(),
+            server_auth: self.server_auth.clone(),
+        }
+    }
+
+    /// Wakes on every answer to a sync request.
+    pub fn served(&self) -> watch::Receiver<Served> {
+        self.served.subscribe()
     }
 }
 
@@ -97,6 +133,7 @@ pub async fn bind(listen: &str, dir: &Path) -> Result<(TcpListener, FeedHandle),
     };
     let listener = TcpListener::bind(listen).await.map_err(err)?;
     let addr = listener.local_addr().map_err(err)?;
+    let server_auth = dir.join(SERVER_AUTH_FILE);
     let dir = dir.to_path_buf();
     let secret = tokio::task::spawn_blocking(move || secret(&dir))
         .await
@@ -107,6 +144,8 @@ pub async fn bind(listen: &str, dir: &Path) -> Result<(TcpListener, FeedHandle),
             addr,
             secret,
             seed: Arc::default(),
+            server_auth,
+            served: Arc::new(watch::Sender::new(Served::default())),
         },
     ))
 }
@@ -200,6 +239,9 @@ async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<()
         (true, Some(id), Some(offset)) if offset > 0 => Some((id.clone(), offset - 1)),
         _ => None,
     };
+    if let Some((id, at)) = &asked {
+        reach(stream, id, *at).await;
+    }
     let continued = asked.as_ref().and_then(|(id, at)| {
         let log = stream.lock();
         log.covers(id, *at).ok()?;
@@ -211,6 +253,7 @@ async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<()
                 .write_all(format!("+CONTINUE {id}\r\n").as_bytes())
                 .await?;
             info!(offset = at, replid = %id, "the stream feed continues its server from the log");
+            feed.served.send_modify(|s| s.continued += 1);
             (id, at)
         }
         None => {
@@ -230,6 +273,7 @@ async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<()
                     .write_all(format!("+FULLRESYNC {id} {m}\r\n").as_bytes())
                     .await?;
             }
+            feed.served.send_modify(|s| s.full += 1);
             let mut file = tokio::fs::File::from_std(crate::sys::fs::open_read(&rdb)?);
             let len = file.metadata().await?.len();
             write.write_all(format!("${len}\r\n").as_bytes()).await?;
@@ -283,4 +327,20 @@ async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<()
             _ = &mut acks.0 => return Err(ConnError::Closed),
         }
     }
+}
+
+/// Waits, at most [`AHEAD`], while the log's stream of `replid` has not
+/// reached `at` yet.
+async fn reach(stream: &SharedLog, replid: &str, at: u64) {
+    let mut changed = stream.watch();
+    let _ = tokio::time::timeout(AHEAD, async {
+        loop {
+            let behind =
+                matches!(stream.lock().position(), Some((id, end)) if id == replid && end < at);
+            if !behind || changed.changed().await.is_err() {
+                return;
+            }
+        }
+    })
+    .await;
 }

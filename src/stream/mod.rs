@@ -2,13 +2,15 @@
 //! snapshot's M. An agent follows its primary ([`follow`]) or another
 //! agent ([`pull`]) into a checksummed log on disk ([`log`]) and serves
 //! that log on to other agents ([`serve`]) and to its local server as its
-//! master ([`feed`]). [`Stream`] is one instance's
+//! master ([`feed`]), which can hand the server to the primary and take it
+//! back ([`hand`]). [`Stream`] is one instance's
 //! log as its writer and its readers share it, with what the servers fed
 //! from it acknowledged ([`Downstream`]) and a reader's check that sends a
 //! damaged record back to its writer to fetch again.
 
 pub mod feed;
 pub mod follow;
+pub mod hand;
 pub mod log;
 pub mod pull;
 pub mod serve;

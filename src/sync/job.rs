@@ -455,10 +455,7 @@ async fn hand_off(
         if let Some(id) = &record.info.repl_id {
             f.seed_with(installed.clone(), id.clone(), record.info.seq);
         }
-        handoff::Feed {
-            addr: f.addr,
-            secret: f.secret.clone(),
-        }
+        f.target()
     });
     let handoff = ctx
         .or_cancel(handoff::hand_off(

@@ -464,3 +464,22 @@ impl Drop for SmallFs {
             .status();
     }
 }
+
+/// Runs the CLI with `args`; returns (success, stdout, stderr).
+pub fn cli(args: &[&str]) -> (bool, String, String) {
+    cli_env(args, &[])
+}
+
+/// Runs the CLI with `args` and `env`; returns (success, stdout, stderr).
+pub fn cli_env(args: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
+    let out = std::process::Command::new(kvsync_bin())
+        .args(args)
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}

@@ -1,0 +1,252 @@
+//! Handing a fed server back to its primary and taking it back
+//! (`kvsync stream release` and `attach`). The stream a feed serves is the
+//! primary's own, byte for byte, under the primary's replication id, so the
+//! server's offset means the same to both: released, it continues from the
+//! primary's backlog by a partial resync; taken back, from the stream log
+//! by the feed's `+CONTINUE`. Each first checks that the other side holds
+//! the server's offset and refuses with the reason when it does not (a
+//! hand over that would be a full resync is never started); a hand over
+//! that fails to confirm puts the server back where it was.
+
+use std::time::Duration;
+
+use tracing::info;
+
+use super::feed::FeedHandle;
+use super::{Downstream, SharedLog};
+use crate::config::{HostPort, RedisConfig};
+use crate::kv::redis::{connect, info, infos, server_err, RedisError};
+use crate::kv::seed::{self, config_set, following, replicaof, restore_role};
+
+/// Why a hand over was refused or failed; the server is where it was.
+#[derive(Debug, thiserror::Error)]
+pub enum HandError {
+    #[error("the server {server} does not follow this agent's stream feed ({feed}); it follows {master}")]
+    NotFed {
+        server: String,
+        feed: String,
+        master: String,
+    },
+    #[error("the server {server} follows this agent's stream feed already")]
+    AlreadyFed { server: String },
+    #[error("the server {server} is not a replica; only a replica of the stream's primary can be taken onto the log")]
+    NotReplica { server: String },
+    #[error("no primary to hand the server to: pass --primary or set [redis] primary")]
+    NoPrimary,
+    #[error("the primary {primary} is at replication id {primary_id}, the server at {server_id}: they do not share a history, so a release would be a full resync; nothing was changed")]
+    History {
+        primary: String,
+        primary_id: String,
+        server_id: String,
+    },
+    #[error("the primary {primary}'s backlog starts at offset {first}, past the server's {offset}: a release would be a full resync (raise repl-backlog-size, or release sooner); nothing was changed")]
+    Backlog {
+        primary: String,
+        first: u64,
+        offset: u64,
+    },
+    #[error("the stream log holds {held}, not the server's {replid} at offset {offset}: taking it back would be a full resync; nothing was changed")]
+    NotHeld {
+        replid: String,
+        offset: u64,
+        held: String,
+    },
+    #[error("the feed answered the server with a full resync, not a continuation")]
+    FullResync,
+    #[error(transparent)]
+    Redis(#[from] RedisError),
+}
+
+/// Makes the server fed by `feed` a direct replica of `primary` (empty:
+/// `[redis] primary`) by a partial resync, with its own `masterauth` back
+/// (else `[redis] password`). The feed's acknowledgement from it is
+/// forgotten: it no longer holds the stream upstream.
+pub async fn release(
+    cfg: &RedisConfig,
+    timeout: Duration,
+    primary: &str,
+    feed: &FeedHandle,
+    stream: &SharedLog,
+) -> Result<String, HandError> {
+    let primary = match (primary, cfg.primary.as_str()) {
+        ("", "") => return Err(HandError::NoPrimary),
+        ("", p) | (p, _) => p,
+    };
+    let to: HostPort = primary.parse().map_err(|e| server_err(primary, e))?;
+    let (server, password) = (&cfg.server_addr, &cfg.password);
+    let mut con = connect(server, password).await?;
+    let was = info(server, password, "replication").await?;
+    if !follows(&was, feed) {
+        return Err(HandError::NotFed {
+            server: server.clone(),
+            feed: feed.addr.to_string(),
+            master: master_of(&was),
+        });
+    }
+    let (id, offset) = (
+        was.get("master_replid").unwrap_or_default().to_string(),
+        was.num("master_repl_offset"),
+    );
+    let before = infos(primary, password, &["replication", "stats"]).await?;
+    let shares = before.get("master_replid") == Some(id.as_str())
+        || (before.get("master_replid2") == Some(id.as_str())
+            && offset <= before.num("second_repl_offset"));
+    if !shares {
+        return Err(HandError::History {
+            primary: primary.into(),
+            primary_id: before.get("master_replid").unwrap_or_default().into(),
+            server_id: id,
+        });
+    }
+    let first = before.num("repl_backlog_first_byte_offset");
+    if before.get("repl_backlog_active") != Some("1") || offset + 1 < first {
+        return Err(HandError::Backlog {
+            primary: primary.into(),
+            first,
+            offset,
+        });
+    }
+    let target = feed.target();
+    let own = match seed::own_auth(&target)? {
+        Some(own) => own,
+        None => cfg.password.clone(),
+    };
+    let moved = async {
+        config_set(&mut con, server, "masterauth", &own).await?;
+        replicaof(&mut con, server, &to.host, to.port).await?;
+        let now = following(cfg, timeout, "the server to follow the primary", to.port, 0).await?;
+        let after = info(primary, password, "stats").await?;
+        let full = after.num("sync_full") > before.num("sync_full");
+        if full || after.num("sync_partial_ok") <= before.num("sync_partial_ok") {
+            return Err(HandError::Redis(RedisError::FullResync {
+                seq: offset,
+                next: offset + 1,
+                full_before: before.num("sync_full"),
+                full_after: after.num("sync_full"),
+            }));
+        }
+        Ok(now.num("master_repl_offset"))
+    }
+    .await;
+    match moved {
+        Ok(at) => {
+            stream.forget(&Downstream::Server);
+            info!(
+                server,
+                primary, offset, "released the server to its primary"
+            );
+            Ok(format!(
+                "{server} follows the primary {primary} directly: partial resync from offset {offset}, now at {at}"
+            ))
+        }
+        Err(e) => {
+            let _ = config_set(&mut con, server, "masterauth", &target.secret).await;
+            let _ = replicaof(
+                &mut con,
+                server,
+                &feed.addr.ip().to_string(),
+                feed.addr.port(),
+            )
+            .await;
+            Err(e)
+        }
+    }
+}
+
+/// Takes a replica of the stream's primary back onto the feed: the log
+/// must hold its replication id at its offset (or reach it within
+/// [`super::feed::AHEAD`]); the feed continues it from there.
+pub async fn attach(
+    cfg: &RedisConfig,
+    timeout: Duration,
+    feed: &FeedHandle,
+    stream: &SharedLog,
+) -> Result<String, HandError> {
+    let (server, password) = (&cfg.server_addr, &cfg.password);
+    let mut con = connect(server, password).await?;
+    let was = info(server, password, "replication").await?;
+    if follows(&was, feed) {
+        return Err(HandError::AlreadyFed {
+            server: server.clone(),
+        });
+    }
+    if was.get("role") != Some("slave") {
+        return Err(HandError::NotReplica {
+            server: server.clone(),
+        });
+    }
+    let (id, offset) = (
+        was.get("master_replid").unwrap_or_default().to_string(),
+        was.num("master_repl_offset"),
+    );
+    {
+        let log = stream.lock();
+        let reaches = matches!(log.position(), Some((now, end)) if now == id && end < offset)
+            && log.first().is_some_and(|f| f <= offset);
+        if log.covers(&id, offset).is_err() && !reaches {
+            return Err(HandError::NotHeld {
+                replid: id,
+                offset,
+                held: log.describe(),
+            });
+        }
+    }
+    let target = feed.target();
+    let (master, own) = seed::take_auth(&mut con, server, &was, &target).await?;
+    let mut served = feed.served();
+    let before = *served.borrow_and_update();
+    let moved = async {
+        config_set(&mut con, server, "masterauth", &target.secret).await?;
+        replicaof(
+            &mut con,
+            server,
+            &feed.addr.ip().to_string(),
+            feed.addr.port(),
+        )
+        .await?;
+        let now = following(
+            cfg,
+            timeout,
+            "the server to follow the stream feed",
+            feed.addr.port(),
+            offset,
+        )
+        .await?;
+        if served.borrow().full > before.full {
+            return Err(HandError::FullResync);
+        }
+        Ok(now.num("master_repl_offset"))
+    }
+    .await;
+    match moved {
+        Ok(at) => {
+            info!(server, offset, "took the server back onto the stream log");
+            Ok(format!(
+                "{server} follows this agent's stream log again: continued from offset {offset}, now at {at}"
+            ))
+        }
+        Err(e) => {
+            let _ = config_set(&mut con, server, "masterauth", &own).await;
+            restore_role(&mut con, server, master.as_ref()).await;
+            Err(e)
+        }
+    }
+}
+
+/// Whether the server (its replication info) follows the feed.
+fn follows(repl: &crate::kv::redis::Info, feed: &FeedHandle) -> bool {
+    repl.get("role") == Some("slave")
+        && repl.get("master_port") == Some(feed.addr.port().to_string().as_str())
+        && repl
+            .get("master_host")
+            .and_then(|h| h.parse::<std::net::IpAddr>().ok())
+            == Some(feed.addr.ip())
+}
+
+/// The server's master, for messages.
+fn master_of(repl: &crate::kv::redis::Info) -> String {
+    match (repl.get("master_host"), repl.get("master_port")) {
+        (Some(h), Some(p)) => format!("{h}:{p}"),
+        _ => "no master".into(),
+    }
+}
