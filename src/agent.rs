@@ -34,7 +34,7 @@ use crate::store::catalog::Catalog;
 use crate::store::watch::DirWatcher;
 use crate::stream::follow::Follow;
 use crate::stream::log::Log;
-use crate::stream::pull::Pull;
+use crate::stream::pull::{Pull, Upstreams};
 use crate::stream::{SharedLog, Stream};
 use crate::sync::instance::{Instance, Instances};
 use crate::sync::offer::Offers;
@@ -577,7 +577,7 @@ async fn start_instance(
     let stop = parts.shutdown.child_token();
     let mut instance = Instance::new(config.clone(), catalog.clone(), backlog, stop.clone());
     if config.stream.enabled() {
-        let stream = follow_stream(name, &config, &catalog, &instance, parts).await?;
+        let stream = follow_stream(name, &config, &catalog, &mut instance, parts).await?;
         if config.handoff.mode == HandoffMode::RedisStream {
             let (listener, feed) =
                 crate::stream::feed::bind(&redis.seed_listen, &config.stream.dir).await?;
@@ -651,7 +651,7 @@ async fn follow_stream(
     name: &str,
     config: &Config,
     catalog: &Arc<Catalog>,
-    instance: &Instance,
+    instance: &mut Instance,
     parts: &Parts,
 ) -> Result<SharedLog, AgentError> {
     let st = config.stream.clone();
@@ -675,16 +675,18 @@ async fn follow_stream(
         .with_label_values(&[name]);
     if !upstream.is_empty() {
         let stream = Stream::new(log, format!("agent {upstream}"), damaged);
+        let upstreams = Upstreams::open(&config.stream.dir, upstream);
+        instance.upstreams = Some(upstreams.clone());
         let pull = Pull {
             instance: name.to_string(),
-            upstream: upstream.clone(),
+            upstreams,
             upstream_instance: match config.stream.upstream_instance.as_str() {
                 "" => name.to_string(),
                 other => other.to_string(),
             },
             node_id: config.node_id.clone(),
             dialer: parts.dialer.clone(),
-            tls_name: crate::sync::policy::tls_name(&config.tls.server_name, upstream),
+            tls_server_name: config.tls.server_name.clone(),
             peer_timeout: config.data.peer_timeout,
             metrics: parts.metrics.clone(),
             offered: Box::new(offered),

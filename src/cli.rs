@@ -175,6 +175,11 @@ pub struct FanoutArgs {
     /// Replicas each node (the origin too) serves.
     #[arg(long, default_value_t = 2)]
     pub degree: u32,
+    /// Also make each replica's stream log follow the same tree: its
+    /// parent, then the rest of the way up to the origin, which it turns
+    /// to when the parent fails, continuing from its log's end.
+    #[arg(long)]
+    pub stream: bool,
     /// The origin's instance; each replica installs into its instance of
     /// the same name (or its only one).
     #[command(flatten)]
@@ -214,6 +219,22 @@ pub enum StreamCommand {
     /// continued from its offset. Refused, with nothing changed, when the
     /// log does not hold that offset.
     Attach(StreamAttachArgs),
+    /// Make the agent's stream log follow these agents from now on,
+    /// nearest first; a session that fails turns to the next, from the
+    /// log's end. Kept across the agent's restarts.
+    Upstream(StreamUpstreamArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct StreamUpstreamArgs {
+    /// gRPC address of the agent whose log follows (host:port).
+    #[arg(long)]
+    pub agent: String,
+    #[command(flatten)]
+    pub instance: InstanceArg,
+    /// gRPC address of an upstream agent (host:port); repeat, nearest first.
+    #[arg(long = "upstream", required = true)]
+    pub upstreams: Vec<String>,
 }
 
 #[derive(Debug, clap::Args)]

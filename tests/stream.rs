@@ -11,7 +11,9 @@
 //! its backlog continues its server from its log once restarted, with no
 //! full sync; a fed server is released to the primary and attached back,
 //! each by a continuation, and a hand over that would be a full resync is
-//! refused with nothing changed; a record damaged on disk is never served and is fetched
+//! refused with nothing changed; a `fanout --stream` tree converges and a
+//! dead relay's children re-parent to the origin from their offsets; a
+//! record damaged on disk is never served and is fetched
 //! again from the primary; a full log disk stops logging with an error,
 //! never an acknowledgement of what was not written, and logging continues
 //! once there is space.
@@ -408,11 +410,11 @@ fn an_offset_the_upstream_does_not_hold_is_reported_and_the_log_left_as_it_is() 
 }
 
 /// The config of a replica agent following `source`'s log into
-/// `<root>/rep-log` and feeding `rs` from it (`redis-stream`).
-fn feeding_puller_config(root: &Path, source: &Node, rs: &Redis) -> String {
+/// `log_dir` and feeding `rs` from it (`redis-stream`).
+fn feeding_puller_config(log_dir: &Path, source: &Node, rs: &Redis) -> String {
     format!(
         "{}[handoff]\nmode = \"redis-stream\"\ntimeout = \"60s\"\n[redis]\nserver_addr = \"{}\"\n",
-        puller_config(source, &root.join("rep-log")),
+        puller_config(source, log_dir),
         rs.addr()
     )
 }
@@ -437,7 +439,7 @@ fn seeded_through_two_agents(
         root,
         "rep",
         &root.join("rep-snaps"),
-        &feeding_puller_config(root, source, &rs),
+        &feeding_puller_config(&root.join("rep-log"), source, &rs),
         &[],
     );
     wait_following(&replica);
@@ -690,7 +692,7 @@ fn a_replica_agent_killed_for_longer_than_the_primarys_backlog_continues_its_ser
         root.path(),
         "rep",
         &root.path().join("rep-snaps"),
-        &feeding_puller_config(root.path(), &source, &rs),
+        &feeding_puller_config(&root.path().join("rep-log"), &source, &rs),
         &[],
     );
     converged(
@@ -946,4 +948,106 @@ fn a_hand_over_that_would_be_a_full_resync_is_refused_and_changes_nothing() {
     let (ok, _, err) = cli(&["stream", "attach", "--agent", &agent]);
     assert!(!ok && err.contains("is not a replica"), "{err}");
     assert_eq!(rs.info("replication").get("role"), Some("master"));
+}
+
+#[test]
+fn a_stream_tree_converges_and_children_re_parent_from_their_offsets_when_their_relay_dies() {
+    // origin → relays a, b; a → c, d (fan-out degree 2), c and d feeding
+    // servers; then a is killed and c, d turn to the origin.
+    let root = tempfile::tempdir().unwrap();
+    let r = root.path();
+    let primary = Redis::start(Server::Redis, &r.join("p"), &[]);
+    let origin = following_source(r, &primary, &[]);
+    primary.fill("before", 500, "v");
+    wait_for("the full resync's RDB offered", DEADLINE, || {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let s = rt.block_on(origin.status());
+        (!s.instances[0].latest_snapshots.is_empty()).then_some(())
+    });
+    let relay = |name: &str| {
+        let log = r.join(format!("{name}-log"));
+        agent(
+            r,
+            name,
+            &r.join(format!("{name}-snaps")),
+            &puller_config(&origin, &log),
+            &[],
+        )
+    };
+    let (mut a, b) = (relay("a"), relay("b"));
+    let servers = [
+        Redis::standalone_replica(Server::Redis, &r.join("rc")),
+        Redis::standalone_replica(Server::Redis, &r.join("rd")),
+    ];
+    let leaves: Vec<Node> = ["c", "d"]
+        .iter()
+        .zip(&servers)
+        .map(|(name, rs)| {
+            let config = feeding_puller_config(&r.join(format!("{name}-log")), &origin, rs);
+            agent(r, name, &r.join(format!("{name}-snaps")), &config, &[])
+        })
+        .collect();
+    let source = origin.grpc();
+    let mut args = vec!["fanout", "--source", &source, "--degree", "2", "--stream"];
+    let names: Vec<String> = [&a, &b, &leaves[0], &leaves[1]]
+        .iter()
+        .map(|n| n.grpc())
+        .collect();
+    for n in &names {
+        args.extend(["--replica", n]);
+    }
+    args.extend(["--wait", "--json"]);
+    let (ok, out, err) = cli(&args);
+    assert!(ok, "{out}\n{err}");
+
+    // The leaves follow a, which follows the origin.
+    let follows = |n: &Node, up: &Node| {
+        let st = stream_status(n);
+        st.state == format!("following agent {}", up.grpc())
+    };
+    for leaf in &leaves {
+        wait_for("a leaf to follow its relay", DEADLINE, || {
+            follows(leaf, &a).then_some(())
+        });
+        assert_eq!(stream_status(leaf).upstreams, [a.grpc(), origin.grpc()]);
+    }
+    assert_eq!(stream_status(&a).upstreams, [origin.grpc()]);
+    primary.fill("tree", 2000, "value-through-the-tree");
+    for rs in &servers {
+        converged(rs, &primary, "a leaf's server to converge through the tree");
+    }
+    wait_for("the origin to serve the two relays", DEADLINE, || {
+        (stream_status(&origin).serving == 2 && stream_status(&a).serving == 2).then_some(())
+    });
+
+    // The relay dies: its children continue from their offsets, from the
+    // origin, and their servers never need a full sync.
+    a.proc.signal(libc::SIGKILL);
+    a.proc.wait_exit();
+    primary.fill("after-relay", 2000, "value-after-the-relay");
+    for (leaf, rs) in leaves.iter().zip(&servers) {
+        wait_for("a leaf to re-parent to the origin", DEADLINE, || {
+            follows(leaf, &origin).then_some(())
+        });
+        converged(
+            rs,
+            &primary,
+            "a leaf's server to converge after its relay died",
+        );
+        let value: String = rs.cmd(&["GET", "after-relay:1999"]);
+        assert_eq!(value, "value-after-the-relay");
+        let log = leaf.proc.log();
+        assert_eq!(
+            log.matches("sent its server the RDB").count(),
+            1,
+            "only the seeding: {log}"
+        );
+    }
+    assert_eq!(stream_status(&origin).serving, 3, "b, c and d");
+    assert_eq!(
+        primary.info("stats").num("sync_full"),
+        1,
+        "only the origin's"
+    );
+    drop(b);
 }

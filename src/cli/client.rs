@@ -240,6 +240,7 @@ pub async fn fanout(args: FanoutArgs) -> anyhow::Result<ExitCode> {
             degree: args.degree,
             transport: preference(args.run.transport) as i32,
             instance: args.instance.wire(),
+            stream: args.stream,
         })
         .await
         .map_err(|s| status_err("fan-out refused", s))?
@@ -430,6 +431,9 @@ fn print_instance(i: &pb::InstanceStatus) {
             "  stream log from {}: {}\n    {} offsets {}..{} ({} synced), {} bytes on disk, serving {} replica agent(s)",
             st.source, st.state, st.replid, st.first_offset, st.end_offset, st.synced_offset, st.log_bytes, st.serving
         );
+        if st.upstreams.len() > 1 {
+            println!("    upstreams, nearest first: {}", st.upstreams.join(", "));
+        }
         if !st.ack.is_empty() {
             println!(
                 "    acknowledges to the primary: {} (ack = \"{}\")",
@@ -514,6 +518,7 @@ fn stream_json(st: &pb::StreamStatus) -> serde_json::Value {
         "ack": st.ack,
         "acked_offset": st.acked_offset,
         "damaged": st.damaged,
+        "upstreams": st.upstreams,
     })
 }
 
@@ -589,6 +594,17 @@ pub async fn stream(command: super::StreamCommand) -> anyhow::Result<ExitCode> {
     let (agent, what, req) = match &command {
         Release(a) => (&a.agent, "release", (a.instance.wire(), a.primary.clone())),
         Attach(a) => (&a.agent, "attach", (a.instance.wire(), None)),
+        Upstream(a) => {
+            let mut c = client(&a.agent).await?;
+            c.set_stream_upstream(pb::SetStreamUpstreamRequest {
+                instance: a.instance.wire(),
+                upstreams: a.upstreams.clone(),
+            })
+            .await
+            .map_err(|s| status_err("upstream", s))?;
+            println!("the stream log follows {}", a.upstreams.join(", then "));
+            return Ok(ExitCode::SUCCESS);
+        }
     };
     let req = pb::HandStreamRequest {
         instance: req.0,
@@ -597,7 +613,7 @@ pub async fn stream(command: super::StreamCommand) -> anyhow::Result<ExitCode> {
     let mut c = client(agent).await?;
     let r = match command {
         Release(_) => c.release_stream(req).await,
-        Attach(_) => c.attach_stream(req).await,
+        _ => c.attach_stream(req).await,
     }
     .map_err(|s| status_err(what, s))?
     .into_inner();

@@ -18,6 +18,7 @@ use crate::snapshot::Format;
 use crate::store::catalog::CatalogEntry;
 use crate::stream::feed::FeedHandle;
 use crate::stream::hand;
+use crate::stream::pull::ChainError;
 use crate::stream::{Downstream, SharedLog};
 use crate::sync::instance::{Instance, Instances};
 use crate::sync::serve::{DataEndpoints, SessionTable};
@@ -126,6 +127,7 @@ impl OrchestratorService {
                     },
                     acked_offset: s.upstream_acked(),
                     damaged: s.damaged(),
+                    upstreams: i.upstreams.as_ref().map(|u| u.chain()).unwrap_or_default(),
                 }
             }),
         }
@@ -268,6 +270,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             transport,
             auth,
             instance: req.instance,
+            stream: req.stream,
         })?;
         Ok(Response::new(pb::StartFanoutResponse { fanout_id }))
     }
@@ -358,6 +361,29 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         request: Request<pb::HandStreamRequest>,
     ) -> Result<Response<pb::HandStreamResponse>, Status> {
         self.hand(request.into_inner(), false).await
+    }
+
+    async fn set_stream_upstream(
+        &self,
+        request: Request<pb::SetStreamUpstreamRequest>,
+    ) -> Result<Response<pb::SetStreamUpstreamResponse>, Status> {
+        let req = request.into_inner();
+        let i = self.instance(&req.instance)?;
+        let upstreams = i.upstreams.as_ref().ok_or_else(|| {
+            Status::failed_precondition(format!(
+                "instance {}'s stream log does not follow agents ([stream] dir and upstream)",
+                i.name
+            ))
+        })?;
+        let chain = req.upstreams.iter().map(|u| u.trim().to_string()).collect();
+        upstreams
+            .set(chain, &i.config.sync.allowed_sources)
+            .map_err(|e| match e {
+                ChainError::Keep { .. } => Status::internal(e.to_string()),
+                _ => Status::invalid_argument(e.to_string()),
+            })?;
+        tracing::info!(instance = %i.name, chain = ?upstreams.chain(), "the stream log follows a new chain of upstreams");
+        Ok(Response::new(pb::SetStreamUpstreamResponse {}))
     }
 
     async fn cancel_sync(

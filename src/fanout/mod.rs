@@ -10,7 +10,10 @@
 //! once it is moving bytes (it offers pieces as they verify); children of a
 //! relay that failed before that start from its nearest live ancestor. It
 //! follows every sync (`WatchSync`) into one [`pb::FanoutStatus`] that
-//! `WatchFanout` streams, and ends when every sync has ended.
+//! `WatchFanout` streams, and ends when every sync has ended. With
+//! `stream`, each replica's stream log is first told to follow the same
+//! chain (`SetStreamUpstream`): its parent, then the rest of the way up,
+//! which its puller turns to when the parent fails.
 
 pub mod plan;
 
@@ -52,6 +55,8 @@ pub struct Request {
     /// The origin's instance, as named (empty: its only one); every
     /// replica installs into its instance of that name (or its only one).
     pub instance: String,
+    /// Every replica's stream log follows the same tree too.
+    pub stream: bool,
 }
 
 /// The fan-outs this agent runs as their origin.
@@ -371,6 +376,10 @@ impl Run {
             .map(addr)
             .collect();
         chain.push(self.req.origin.clone());
+        let stream = self.req.stream.then(|| pb::SetStreamUpstreamRequest {
+            instance: self.req.instance.clone(),
+            upstreams: chain.clone(),
+        });
         let source = chain.remove(0);
         self.status
             .send_modify(|s| s.nodes[i].parent = source.clone());
@@ -389,7 +398,7 @@ impl Run {
             auth: self.req.auth.clone(),
             tx: tx.clone(),
         };
-        tokio::spawn(follower.run(start));
+        tokio::spawn(follower.run(stream, start));
     }
 }
 
@@ -405,9 +414,13 @@ struct Follower {
 type OrchestratorClient = pb::orchestrator_client::OrchestratorClient<AgentChannel>;
 
 impl Follower {
-    async fn run(self, start: pb::StartFullSyncRequest) {
+    async fn run(
+        self,
+        stream: Option<pb::SetStreamUpstreamRequest>,
+        start: pb::StartFullSyncRequest,
+    ) {
         let i = self.index;
-        let event = match self.follow(start).await {
+        let event = match self.follow(stream, start).await {
             Ok(()) => Event::Ended(i),
             Err(why) => Event::Lost(i, why),
         };
@@ -416,7 +429,11 @@ impl Follower {
 
     /// `Ok` once the sync ended; `Err` when it could not be started or
     /// followed.
-    async fn follow(&self, start: pb::StartFullSyncRequest) -> Result<(), String> {
+    async fn follow(
+        &self,
+        stream: Option<pb::SetStreamUpstreamRequest>,
+        start: pb::StartFullSyncRequest,
+    ) -> Result<(), String> {
         let replica = &self.replica;
         let channel = self
             .dialer
@@ -429,6 +446,16 @@ impl Follower {
                 format!("cannot reach the agent at {replica}")
             })?;
         let mut client = OrchestratorClient::new(channel);
+        if let Some(chain) = stream {
+            tokio::time::timeout(CALL_TIMEOUT, client.set_stream_upstream(chain))
+                .await
+                .map_err(|_| {
+                    format!("{replica} did not answer SetStreamUpstream within {CALL_TIMEOUT:?}")
+                })?
+                .map_err(|s| {
+                    format!("{replica} refused the stream's upstreams: {}", s.message())
+                })?;
+        }
         let before = relay_bytes(&mut client).await.unwrap_or(0);
         let started = tokio::time::timeout(CALL_TIMEOUT, client.start_full_sync(start))
             .await

@@ -12,8 +12,8 @@
 //! again and continues under the new id. A newer connection from the
 //! server replaces the one before it. A server that asks for an offset
 //! the log has not reached yet (it applied more than the log holds after
-//! the log was cut, or it was just taken back from the primary) waits for
-//! the log, at most [`AHEAD`], before it is answered. The server's
+//! the log was cut, or it was just taken back from the primary) is
+//! continued and fed once the log has it ([`Log::continues`]). The server's
 //! `REPLCONF ACK` offsets are the log's [`Downstream::Server`]
 //! acknowledgement, which the agent passes upstream. The handshake is
 //! `kv::seed`'s.
@@ -29,6 +29,8 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+#[cfg(doc)]
+use super::log::Log;
 use super::log::LogError;
 use super::{Downstream, SharedLog};
 use crate::kv::redis::RedisError;
@@ -41,8 +43,6 @@ pub const SECRET_FILE: &str = ".kvsync-feed-masterauth";
 pub const SERVER_AUTH_FILE: &str = ".kvsync-feed-server-masterauth";
 /// The most stream bytes one write to the server takes.
 const CHUNK: usize = 1 << 20;
-/// How long a server that asks past the log's end waits for the log.
-pub const AHEAD: Duration = Duration::from_secs(5);
 
 /// What a handoff needs of the feed, and what it tells it.
 #[derive(Clone)]
@@ -239,12 +239,9 @@ async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<()
         (true, Some(id), Some(offset)) if offset > 0 => Some((id.clone(), offset - 1)),
         _ => None,
     };
-    if let Some((id, at)) = &asked {
-        reach(stream, id, *at).await;
-    }
     let continued = asked.as_ref().and_then(|(id, at)| {
         let log = stream.lock();
-        log.covers(id, *at).ok()?;
+        log.continues(id, *at).ok()?;
         Some((log.replid_at(*at)?.to_string(), *at))
     });
     let (replid, mut at) = match continued {
@@ -306,7 +303,7 @@ async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<()
         loop {
             let plan = {
                 let log = stream.lock();
-                log.covers(&replid, at)?;
+                log.continues(&replid, at)?;
                 if log.replid_at(at).is_some_and(|id| id != replid) {
                     return Err(ConnError::Epoch(at));
                 }
@@ -327,20 +324,4 @@ async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<()
             _ = &mut acks.0 => return Err(ConnError::Closed),
         }
     }
-}
-
-/// Waits, at most [`AHEAD`], while the log's stream of `replid` has not
-/// reached `at` yet.
-async fn reach(stream: &SharedLog, replid: &str, at: u64) {
-    let mut changed = stream.watch();
-    let _ = tokio::time::timeout(AHEAD, async {
-        loop {
-            let behind =
-                matches!(stream.lock().position(), Some((id, end)) if id == replid && end < at);
-            if !behind || changed.changed().await.is_err() {
-                return;
-            }
-        }
-    })
-    .await;
 }

@@ -13,6 +13,8 @@ use std::time::Duration;
 use tracing::info;
 
 use super::feed::FeedHandle;
+#[cfg(doc)]
+use super::log::Log;
 use super::{Downstream, SharedLog};
 use crate::config::{HostPort, RedisConfig};
 use crate::kv::redis::{connect, info, infos, server_err, RedisError};
@@ -154,8 +156,8 @@ pub async fn release(
 }
 
 /// Takes a replica of the stream's primary back onto the feed: the log
-/// must hold its replication id at its offset (or reach it within
-/// [`super::feed::AHEAD`]); the feed continues it from there.
+/// must continue its replication id at its offset ([`Log::continues`]);
+/// the feed continues it from there.
 pub async fn attach(
     cfg: &RedisConfig,
     timeout: Duration,
@@ -181,9 +183,7 @@ pub async fn attach(
     );
     {
         let log = stream.lock();
-        let reaches = matches!(log.position(), Some((now, end)) if now == id && end < offset)
-            && log.first().is_some_and(|f| f <= offset);
-        if log.covers(&id, offset).is_err() && !reaches {
+        if log.continues(&id, offset).is_err() {
             return Err(HandError::NotHeld {
                 replid: id,
                 offset,

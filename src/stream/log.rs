@@ -56,6 +56,10 @@ const SUFFIX: &str = ".kvslog";
 
 /// What went wrong with the log, for the operator and for the caller's
 /// decision (refetch from upstream, answer "too old", stop logging).
+/// How far past its end a log continues a stream of its current id
+/// ([`Log::continues`]).
+pub const AHEAD: u64 = 64 << 20;
+
 #[derive(Debug, thiserror::Error)]
 pub enum LogError {
     #[error("stream log {}: {source}", path.display())]
@@ -512,6 +516,25 @@ impl Log {
         Ok(())
     }
 
+    /// Whether a reader of `replid` at `offset` can be continued: the log
+    /// covers it, or its current id is `replid` and `offset` is at most
+    /// [`AHEAD`] past its end (the reader got that far elsewhere, from
+    /// another upstream or the primary itself; under one id an offset
+    /// names the same byte everywhere, so it is served once the log has
+    /// it).
+    pub fn continues(&self, replid: &str, offset: u64) -> Result<(), LogError> {
+        let covered = self.covers(replid, offset);
+        match self.position() {
+            Some((id, end)) if covered.is_err() && id == replid && offset > end => {
+                if offset - end <= AHEAD {
+                    return Ok(());
+                }
+                covered
+            }
+            _ => covered,
+        }
+    }
+
     /// What the log holds, for messages.
     pub fn describe(&self) -> String {
         match (self.first(), self.position()) {
@@ -756,6 +779,16 @@ mod tests {
         }
     }
 
+    /// A log in `dir` of id A over 100..200, then of B over 200..300.
+    fn two_ids(dir: &Path) -> Log {
+        let mut log = Log::open(cfg(dir)).unwrap();
+        log.restart(ID_A, 100).unwrap();
+        fill(&mut log, 2, 50);
+        log.switch(ID_B).unwrap();
+        fill(&mut log, 2, 50);
+        log
+    }
+
     /// Appends `n` records of `len` bytes from the log's end.
     fn fill(log: &mut Log, n: usize, len: usize) -> Vec<u8> {
         let mut all = Vec::new();
@@ -905,11 +938,7 @@ mod tests {
     #[test]
     fn a_cut_before_a_change_of_replication_id_forgets_the_new_id() {
         let dir = tempfile::tempdir().unwrap();
-        let mut log = Log::open(cfg(dir.path())).unwrap();
-        log.restart(ID_A, 100).unwrap();
-        fill(&mut log, 2, 50);
-        log.switch(ID_B).unwrap();
-        fill(&mut log, 2, 50);
+        let mut log = two_ids(dir.path());
         // Damage at B's first record keeps B's (empty) segment and id.
         log.cut(200).unwrap();
         assert_eq!(log.position(), Some((ID_B.to_string(), 200)));
@@ -928,11 +957,7 @@ mod tests {
     #[test]
     fn earlier_replication_ids_continue_within_their_span() {
         let dir = tempfile::tempdir().unwrap();
-        let mut log = Log::open(cfg(dir.path())).unwrap();
-        log.restart(ID_A, 100).unwrap();
-        fill(&mut log, 2, 50);
-        log.switch(ID_B).unwrap();
-        fill(&mut log, 2, 50);
+        let log = two_ids(dir.path());
         assert_eq!(
             log.history(),
             [
@@ -957,6 +982,21 @@ mod tests {
         let log = Log::open(cfg(dir.path())).unwrap();
         log.covers(ID_A, 150).unwrap();
         assert_eq!(log.position(), Some((ID_B.to_string(), 300)));
+    }
+
+    #[test]
+    fn a_reader_a_little_ahead_on_the_current_id_is_continued_and_no_other() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = two_ids(dir.path());
+        log.continues(ID_B, 250).unwrap();
+        log.continues(ID_B, 301).unwrap();
+        log.continues(ID_B, 300 + AHEAD).unwrap();
+        assert!(log.continues(ID_B, 301 + AHEAD).is_err(), "too far ahead");
+        assert!(
+            log.continues(ID_A, 301).is_err(),
+            "A's stream ended at 200: past it is another history"
+        );
+        assert!(log.continues(ID_A, 99).is_err());
     }
 
     #[test]

@@ -14,11 +14,22 @@
 //! no longer holds the offset answers "too old": the log is left as it
 //! is, the state says which snapshot would continue, and the agent asks
 //! again later.
+//!
+//! The upstream is a chain, nearest first ([`Upstreams`]: `[stream]
+//! upstream`, or what a fan-out set, kept in the log's directory): a
+//! session that fails passes over its upstream for [`PASS_OVER`] and the
+//! next starts at once with the next of the chain, from the log's end, so
+//! a relay's failure re-parents its children onto its ancestors without a
+//! gap; a session on any but the nearest ends after [`PASS_OVER`], so a
+//! relay that is back gets its children back.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -38,17 +49,110 @@ use crate::transport::stream::{StreamLink, StreamLinkError, StreamTls};
 pub const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(60);
 /// The largest credit window a replica accepts from an offer.
 const MAX_WINDOW: u64 = 256 << 20;
+/// How long an upstream whose session failed is passed over, and how long
+/// a session with any but the nearest lasts.
+pub const PASS_OVER: Duration = Duration::from_secs(30);
+/// The most upstreams in a chain.
+pub const MAX_CHAIN: usize = 16;
+/// The chain's file in the log's directory.
+pub const CHAIN_FILE: &str = "upstreams.json";
 
-/// What the puller needs to know of its instance and its upstream.
+/// The agents a log follows, nearest first: `[stream] upstream`, or the
+/// chain a fan-out set ([`Upstreams::set`]), kept in the log's directory
+/// for as long as the configured upstream is the one it was set under.
+pub struct Upstreams {
+    configured: String,
+    file: PathBuf,
+    chain: watch::Sender<Vec<String>>,
+}
+
+/// The chain's file.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct ChainFile {
+    configured: String,
+    chain: Vec<String>,
+}
+
+/// Why a chain was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ChainError {
+    #[error("give 1 to {MAX_CHAIN} upstream agents, nearest first")]
+    Length,
+    #[error("{0:?} is not an agent's gRPC address host:port")]
+    NotAnAgent(String),
+    #[error("{0} is not in sync.allowed_sources of this agent; add it there to follow it")]
+    NotAllowed(String),
+    #[error("cannot keep the chain in {}: {source}", path.display())]
+    Keep {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+impl Upstreams {
+    /// The chain kept in `dir` when it was set under `configured`, else
+    /// `configured` alone.
+    pub fn open(dir: &Path, configured: &str) -> Arc<Upstreams> {
+        let file = dir.join(CHAIN_FILE);
+        let kept = crate::sys::fs::read_regular(&file, 64 << 10)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<ChainFile>(&b).ok())
+            .filter(|k| k.configured == configured && !k.chain.is_empty());
+        let chain = kept.map_or_else(|| vec![configured.to_string()], |k| k.chain);
+        Arc::new(Upstreams {
+            configured: configured.to_string(),
+            file,
+            chain: watch::Sender::new(chain),
+        })
+    }
+
+    /// Follows `chain` (nearest first) from now on, each checked against
+    /// `allowed` (`[sync] allowed_sources`); the session in progress ends
+    /// and the next asks the nearest from the log's end.
+    pub fn set(&self, chain: Vec<String>, allowed: &[String]) -> Result<(), ChainError> {
+        if chain.is_empty() || chain.len() > MAX_CHAIN {
+            return Err(ChainError::Length);
+        }
+        if let Some(bad) = chain.iter().find(|u| !crate::sync::is_agent_addr(u)) {
+            return Err(ChainError::NotAnAgent(bad.clone()));
+        }
+        if let Some(bad) = chain
+            .iter()
+            .find(|u| !crate::rpc::dial::allowed(allowed, u))
+        {
+            return Err(ChainError::NotAllowed(bad.clone()));
+        }
+        let kept = ChainFile {
+            configured: self.configured.clone(),
+            chain,
+        };
+        let text = serde_json::to_vec(&kept).expect("a chain serialises");
+        crate::sys::fs::write_atomic(&self.file, &text, (".kvsync-chain-", ".tmp"), 0o644)
+            .map_err(|source| ChainError::Keep {
+                path: self.file.clone(),
+                source,
+            })?;
+        self.chain.send_replace(kept.chain);
+        Ok(())
+    }
+
+    /// The chain now, nearest first.
+    pub fn chain(&self) -> Vec<String> {
+        self.chain.borrow().clone()
+    }
+}
+
+/// What the puller needs to know of its instance and its upstreams.
 pub struct Pull {
     pub instance: String,
-    /// The upstream agent's gRPC address and the instance asked of it.
-    pub upstream: String,
+    /// The upstream agents' gRPC addresses and the instance asked of them.
+    pub upstreams: Arc<Upstreams>,
     pub upstream_instance: String,
     pub node_id: String,
     pub dialer: Dialer,
-    /// The name the upstream's data-plane certificate must carry.
-    pub tls_name: String,
+    /// `[tls] server_name`: the name upstreams' data-plane certificates
+    /// must carry (empty: each upstream's host).
+    pub tls_server_name: String,
     pub peer_timeout: Duration,
     pub metrics: Arc<Metrics>,
     /// The (replication id, M) of the snapshots this agent has, which the
@@ -99,16 +203,36 @@ impl PullError {
     }
 }
 
-/// Follows the upstream until `stop`, a new session after every failure
+/// Follows the upstreams until `stop`, a new session after every failure:
+/// at once with the next upstream not passed over, else after a pause
 /// (100 ms, doubling to 5 s while sessions fail before any stream; 30 s
-/// while the upstream answers "too old" to a log that holds a stream).
+/// while the upstream answers "too old" to a log that holds a stream)
+/// with the nearest again.
 pub async fn run(pull: Pull, stream: SharedLog, stop: CancellationToken) {
     let mut backoff = Duration::from_millis(100);
+    let mut passed: HashMap<String, Instant> = HashMap::new();
+    let mut chain = pull.upstreams.chain.subscribe();
     loop {
+        let now = Instant::now();
+        let upstreams = chain.borrow_and_update().clone();
+        let Some(upstream) = next_upstream(&upstreams, &passed, now).cloned() else {
+            // Only an empty chain, which is never set: wait for another.
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = chain.changed() => continue,
+            }
+        };
+        let nearest = upstreams.first() == Some(&upstream);
         let before = stream.lock().position();
         let result = tokio::select! {
             _ = stop.cancelled() => return,
-            r = session(&pull, &stream) => r,
+            r = session(&pull, &upstream, &stream) => r,
+            _ = chain.changed() => {
+                info!(instance = %pull.instance, chain = ?chain.borrow().clone(), "the stream's upstreams changed: following the nearest from the log's end");
+                passed.clear();
+                continue;
+            }
+            _ = tokio::time::sleep(PASS_OVER), if !nearest => continue,
         };
         let Err(e) = result else { return };
         if matches!(e, PullError::Log(LogError::Io { .. })) {
@@ -123,10 +247,17 @@ pub async fn run(pull: Pull, stream: SharedLog, stop: CancellationToken) {
                 .with_label_values(&[&pull.instance, reason])
                 .inc();
         }
-        warn!(instance = %pull.instance, upstream = %pull.upstream, error = %e, "following the upstream agent's stream stopped; it asks again");
+        warn!(instance = %pull.instance, %upstream, error = %e, "following the upstream agent's stream stopped; it asks again");
         stream.set_state(format!("reconnecting: {e}"));
         if stream.lock().position() != before {
             backoff = Duration::from_millis(100);
+        }
+        // The next upstream of the chain at once, unless the log failed.
+        if !matches!(e, PullError::Log(_)) {
+            passed.insert(upstream, Instant::now() + PASS_OVER);
+            if next_upstream(&upstreams, &passed, Instant::now()).is_some() {
+                continue;
+            }
         }
         // An upstream that lost this log's offset will not find it again
         // soon; one with nothing yet (a log that asked from none) will.
@@ -138,8 +269,20 @@ pub async fn run(pull: Pull, stream: SharedLog, stop: CancellationToken) {
             _ = stop.cancelled() => return,
             _ = tokio::time::sleep(wait) => {}
         }
+        passed.clear();
         backoff = (backoff * 2).min(Duration::from_secs(5));
     }
+}
+
+/// The nearest upstream of `chain` not passed over at `now`.
+fn next_upstream<'a>(
+    chain: &'a [String],
+    passed: &HashMap<String, Instant>,
+    now: Instant,
+) -> Option<&'a String> {
+    chain
+        .iter()
+        .find(|u| passed.get(*u).is_none_or(|until| *until <= now))
 }
 
 /// An offer to continue, checked.
@@ -153,9 +296,9 @@ struct Offer {
     window: u64,
 }
 
-/// Asks the upstream to continue from `at` (the log's position).
-async fn ask(pull: &Pull, at: Option<&(String, u64)>) -> Result<Offer, PullError> {
-    let upstream = pull.upstream.clone();
+/// Asks `upstream` to continue from `at` (the log's position).
+async fn ask(pull: &Pull, upstream: &str, at: Option<&(String, u64)>) -> Result<Offer, PullError> {
+    let upstream = upstream.to_string();
     let channel = pull
         .dialer
         .connect(&upstream, CONNECT_TIMEOUT)
@@ -231,14 +374,14 @@ fn start_point(pull: &Pull, stream: &SharedLog) -> Option<(String, u64)> {
     held.or_else(|| (pull.offered)().into_iter().max_by_key(|(_, m)| *m))
 }
 
-async fn session(pull: &Pull, stream: &SharedLog) -> Result<(), PullError> {
+async fn session(pull: &Pull, upstream: &str, stream: &SharedLog) -> Result<(), PullError> {
     let at = start_point(pull, stream);
-    let offer = ask(pull, at.as_ref()).await?;
+    let offer = ask(pull, upstream, at.as_ref()).await?;
     let tls = match (offer.tls, &pull.dialer.data_tls) {
         (false, _) => None,
         (true, Some(config)) => Some(StreamTls {
             config: config.clone(),
-            name: pull.tls_name.clone(),
+            name: crate::sync::policy::tls_name(&pull.tls_server_name, upstream),
         }),
         (true, None) => {
             return Err(PullError::BadOffer(
@@ -265,8 +408,8 @@ async fn session(pull: &Pull, stream: &SharedLog) -> Result<(), PullError> {
     let received = m
         .stream_bytes
         .with_label_values(&[&pull.instance, "replica"]);
-    info!(instance = %pull.instance, upstream = %pull.upstream, replid = %offer.replid, offset = offer.offset, tls = offer.tls, "following the upstream agent's stream");
-    stream.set_state(format!("following agent {}", pull.upstream));
+    info!(instance = %pull.instance, %upstream, replid = %offer.replid, offset = offer.offset, tls = offer.tls, "following the upstream agent's stream");
+    stream.set_state(format!("following agent {upstream}"));
     let mut rx = Receiver::new(offer.key, offer.offset, offer.window);
     let mut heard = Instant::now();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -349,4 +492,56 @@ async fn blocking<T: Send + 'static>(
     tokio::task::spawn_blocking(move || f(&stream))
         .await
         .expect("log task")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_upstream_is_passed_over_for_a_while_then_the_nearest_again() {
+        let chain: Vec<String> = ["relay:1", "parent:1", "origin:1"].map(String::from).into();
+        let now = Instant::now();
+        let mut passed = HashMap::new();
+        assert_eq!(next_upstream(&chain, &passed, now), Some(&chain[0]));
+        passed.insert(chain[0].clone(), now + PASS_OVER);
+        assert_eq!(next_upstream(&chain, &passed, now), Some(&chain[1]));
+        passed.insert(chain[1].clone(), now + PASS_OVER);
+        assert_eq!(next_upstream(&chain, &passed, now), Some(&chain[2]));
+        passed.insert(chain[2].clone(), now + PASS_OVER);
+        assert_eq!(next_upstream(&chain, &passed, now), None, "all passed over");
+        let later = now + PASS_OVER;
+        assert_eq!(next_upstream(&chain, &passed, later), Some(&chain[0]));
+    }
+
+    #[test]
+    fn a_chain_is_checked_kept_and_dropped_when_the_configured_upstream_changes() {
+        let dir = tempfile::tempdir().unwrap();
+        let up = Upstreams::open(dir.path(), "origin:1");
+        assert_eq!(up.chain(), ["origin:1"]);
+        let allowed = ["relay".to_string(), "origin".to_string()];
+        assert!(matches!(up.set(vec![], &[]), Err(ChainError::Length)));
+        assert!(matches!(
+            up.set(vec!["no port".into()], &[]),
+            Err(ChainError::NotAnAgent(_))
+        ));
+        assert!(matches!(
+            up.set(vec!["elsewhere:1".into()], &allowed),
+            Err(ChainError::NotAllowed(_))
+        ));
+        assert_eq!(up.chain(), ["origin:1"], "a refused chain changes nothing");
+        up.set(vec!["relay:1".into(), "origin:1".into()], &allowed)
+            .unwrap();
+        assert_eq!(up.chain(), ["relay:1", "origin:1"]);
+        assert_eq!(
+            Upstreams::open(dir.path(), "origin:1").chain(),
+            ["relay:1", "origin:1"],
+            "kept across a restart"
+        );
+        assert_eq!(
+            Upstreams::open(dir.path(), "other:1").chain(),
+            ["other:1"],
+            "the operator's new upstream wins"
+        );
+    }
 }

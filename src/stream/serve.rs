@@ -188,12 +188,12 @@ enum Next {
     Read(ReadPlan),
 }
 
-/// Under the log's lock: the replica's id must still span `at` (a log
-/// started over by a full resync no longer continues it), then an id
+/// Under the log's lock: the log must still continue the replica's id at
+/// `at` (a log started over by a full resync no longer does), then an id
 /// change at `at`, or the records from it.
 fn next(stream: &SharedLog, at: u64, replid: &str) -> Result<Next, LogError> {
     let log = stream.lock();
-    log.covers(replid, at)?;
+    log.continues(replid, at)?;
     let now = log.replid_at(at).unwrap_or(replid);
     if now != replid {
         let id = now

@@ -34,6 +34,8 @@ pub struct Instance {
     pub stream: Option<SharedLog>,
     /// Its server's feed from that log (`redis-stream`).
     pub feed: Option<crate::stream::feed::FeedHandle>,
+    /// The agents that log follows, when it follows agents.
+    pub upstreams: Option<Arc<crate::stream::pull::Upstreams>>,
     /// Cancelled when the instance is removed or the agent stops: its
     /// tasks end and its running syncs are cancelled.
     pub stop: CancellationToken,
@@ -55,6 +57,7 @@ impl Instance {
             backlog,
             stream: None,
             feed: None,
+            upstreams: None,
             stop,
             tasks: Mutex::default(),
         }

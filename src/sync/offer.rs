@@ -274,7 +274,7 @@ impl Offers {
                     .first()
                     .and_then(|first| Some((log.replid_at(first)?.to_string(), first))),
                 id => log
-                    .covers(id, ask.offset)
+                    .continues(id, ask.offset)
                     .ok()
                     .map(|()| (id.to_string(), ask.offset)),
             };
