@@ -123,6 +123,8 @@ struct Parts {
     shutdown: CancellationToken,
     /// How an instance's stream reaches its upstream agent.
     dialer: Dialer,
+    /// `stream_ack_on_tick` (fault tests): pullers acknowledge once a second.
+    ack_on_tick: bool,
 }
 
 /// What is read and checked before anything binds.
@@ -214,6 +216,7 @@ impl RunningAgent {
             rate: plane.rate.clone(),
             shutdown: shutdown.clone(),
             dialer: prepared.dialer.clone(),
+            ack_on_tick: plane.faults.stream_ack_on_tick,
         };
         let instances = Arc::new(Instances::default());
         for ic in config.instances() {
@@ -669,12 +672,13 @@ async fn follow_stream(
         }
     };
     let upstream = &config.stream.upstream;
-    let damaged = parts
+    parts
         .metrics
-        .stream_checksum_failures
-        .with_label_values(&[name]);
+        .stream_log_retain
+        .with_label_values(&[name])
+        .set(config.stream.retain.as_u64() as i64);
     if !upstream.is_empty() {
-        let stream = Stream::new(log, format!("agent {upstream}"), damaged);
+        let stream = Stream::new(log, format!("agent {upstream}"), &parts.metrics, name);
         let upstreams = Upstreams::open(&config.stream.dir, upstream);
         instance.upstreams = Some(upstreams.clone());
         let pull = Pull {
@@ -687,6 +691,7 @@ async fn follow_stream(
             node_id: config.node_id.clone(),
             dialer: parts.dialer.clone(),
             tls_server_name: config.tls.server_name.clone(),
+            ack_on_tick: parts.ack_on_tick,
             peer_timeout: config.data.peer_timeout,
             metrics: parts.metrics.clone(),
             offered: Box::new(offered),
@@ -701,8 +706,16 @@ async fn follow_stream(
     let stream = Stream::new(
         log,
         format!("primary {}", config.redis.primary_addr),
-        damaged,
+        &parts.metrics,
+        name,
     );
+    instance.spawn(crate::stream::safety::write_safety(
+        (name.to_string(), config.redis.primary_addr.clone()),
+        config.redis.password.clone(),
+        parts.metrics.clone(),
+        stream.clone(),
+        instance.stop.clone(),
+    ));
     let follow = Follow {
         instance: name.to_string(),
         primary: config.redis.primary_addr.clone(),

@@ -138,6 +138,12 @@ pub struct Metrics {
     pub stream_behind_bytes: IntGaugeVec,
     pub stream_checksum_failures: IntCounterVec,
     pub stream_write_errors: IntCounterVec,
+    pub stream_log_bytes: IntGaugeVec,
+    pub stream_log_span: IntGaugeVec,
+    pub stream_log_retain: IntGaugeVec,
+    pub stream_reconnects: IntCounterVec,
+    pub stream_credit_stalls: IntCounterVec,
+    pub stream_write_safety_degraded: IntGaugeVec,
 }
 
 /// The `reason` labels of `kvsync_stream_refused_total`: a session ended
@@ -302,7 +308,7 @@ impl Metrics {
             stream_behind_bytes: reg!(IntGaugeVec::new(
                 Opts::new(
                     "kvsync_stream_behind_bytes",
-                    "Bytes of the stream logged by the agent that follows the primary and not yet acknowledged by the servers fed from it (set while one acknowledges)"
+                    "Bytes of the stream log not yet acknowledged by its slowest downstream (its fed server, or a replica agent for the servers fed from it); 0 with none"
                 ),
                 &["kv_instance"]
             )),
@@ -317,6 +323,48 @@ impl Metrics {
                 Opts::new(
                     "kvsync_stream_log_write_errors_total",
                     "Sessions into the stream log ended because the log could not be written (a full or failing disk): nothing unwritten was acknowledged, and the agent tries again"
+                ),
+                &["kv_instance"]
+            )),
+            stream_log_bytes: reg!(IntGaugeVec::new(
+                Opts::new(
+                    "kvsync_stream_log_bytes",
+                    "Bytes the stream log's segments take on disk"
+                ),
+                &["kv_instance"]
+            )),
+            stream_log_span: reg!(IntGaugeVec::new(
+                Opts::new(
+                    "kvsync_stream_log_span_bytes",
+                    "Offsets of the stream the log holds: its end minus its first offset"
+                ),
+                &["kv_instance"]
+            )),
+            stream_log_retain: reg!(IntGaugeVec::new(
+                Opts::new(
+                    "kvsync_stream_log_retain_bytes",
+                    "[stream] retain: the bytes the log keeps before it removes its oldest segments"
+                ),
+                &["kv_instance"]
+            )),
+            stream_reconnects: reg!(IntCounterVec::new(
+                Opts::new(
+                    "kvsync_stream_reconnects_total",
+                    "Sessions into the stream log that ended and were started again, by what the log follows (source=primary or agent)"
+                ),
+                &["kv_instance", "source"]
+            )),
+            stream_credit_stalls: reg!(IntCounterVec::new(
+                Opts::new(
+                    "kvsync_stream_credit_stalls_total",
+                    "Times a stream session served to a replica agent had its whole credit window unacknowledged while the log held more: the replica is the bottleneck"
+                ),
+                &["kv_instance"]
+            )),
+            stream_write_safety_degraded: reg!(IntGaugeVec::new(
+                Opts::new(
+                    "kvsync_stream_write_safety_degraded",
+                    "1 while the primary the agent follows has fewer replicas within min-replicas-max-lag than its min-replicas-to-write asks (it refuses writes), else 0"
                 ),
                 &["kv_instance"]
             )),
@@ -496,6 +544,10 @@ impl Metrics {
         }
         self.stream_checksum_failures.with_label_values(&[name]);
         self.stream_write_errors.with_label_values(&[name]);
+        for source in ["primary", "agent"] {
+            self.stream_reconnects.with_label_values(&[name, source]);
+        }
+        self.stream_credit_stalls.with_label_values(&[name]);
     }
 
     /// Removes instance `name`'s series (those of its KV's health poll go
@@ -561,6 +613,16 @@ impl Metrics {
         let _ = self.stream_behind_bytes.remove_label_values(&[name]);
         let _ = self.stream_checksum_failures.remove_label_values(&[name]);
         let _ = self.stream_write_errors.remove_label_values(&[name]);
+        for source in ["primary", "agent"] {
+            let _ = self.stream_reconnects.remove_label_values(&[name, source]);
+        }
+        let _ = self.stream_credit_stalls.remove_label_values(&[name]);
+        let _ = self.stream_log_bytes.remove_label_values(&[name]);
+        let _ = self.stream_log_span.remove_label_values(&[name]);
+        let _ = self.stream_log_retain.remove_label_values(&[name]);
+        let _ = self
+            .stream_write_safety_degraded
+            .remove_label_values(&[name]);
         let _ = self.relay_bytes.remove_label_values(&[name]);
     }
 

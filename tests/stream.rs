@@ -13,7 +13,9 @@
 //! each by a continuation, and a hand over that would be a full resync is
 //! refused with nothing changed; a `fanout --stream` tree converges and a
 //! dead relay's children re-parent to the origin from their offsets; a
-//! record damaged on disk is never served and is fetched
+//! replica that acknowledges slowly stalls the source's credit and loses
+//! nothing; the primary's write safety is reported degraded while no
+//! replica acknowledges; a record damaged on disk is never served and is fetched
 //! again from the primary; a full log disk stops logging with an error,
 //! never an acknowledgement of what was not written, and logging continues
 //! once there is space.
@@ -1042,6 +1044,7 @@ fn a_stream_tree_converges_and_children_re_parent_from_their_offsets_when_their_
             1,
             "only the seeding: {log}"
         );
+        assert!(stream_status(leaf).reconnects >= 1);
     }
     assert_eq!(stream_status(&origin).serving, 3, "b, c and d");
     assert_eq!(
@@ -1050,4 +1053,86 @@ fn a_stream_tree_converges_and_children_re_parent_from_their_offsets_when_their_
         "only the origin's"
     );
     drop(b);
+}
+
+#[test]
+fn the_primarys_write_safety_is_watched_degraded_while_no_replica_acknowledges_and_restored() {
+    let root = tempfile::tempdir().unwrap();
+    let primary = Redis::start(
+        Server::Redis,
+        &root.path().join("p"),
+        &[
+            "--min-replicas-to-write",
+            "1",
+            "--min-replicas-max-lag",
+            "2",
+        ],
+    );
+    // `ack = "replicas"` with no server fed: the agent never acknowledges,
+    // so the primary counts no good replica and refuses writes.
+    let log_dir = root.path().join("src-log");
+    let config = format!(
+        "{}ack = \"replicas\"\n",
+        follower_config(&primary, &log_dir)
+    );
+    let mut source = source_with(root.path(), &config, &[]);
+    let degraded = "kvsync_stream_write_safety_degraded{kv_instance=\"default\"}";
+    let st = wait_for("the write safety to be degraded", DEADLINE, || {
+        let st = stream_status(&source);
+        // Degraded for a few seconds: past the first moments after the
+        // full resync, when the primary still counts the agent as fresh.
+        let secs = st
+            .write_safety
+            .strip_prefix("degraded for ")
+            .and_then(|r| r.split(' ').next()?.parse::<u64>().ok());
+        (secs >= Some(3) && source.metric(degraded) == 1.0).then_some(st)
+    });
+    assert!(
+        st.write_safety.contains("min-replicas-to-write asks 1"),
+        "{st:?}"
+    );
+    let refused = redis::cmd("SET")
+        .arg("k")
+        .arg("v")
+        .query::<()>(&mut primary.con());
+    assert!(format!("{refused:?}").contains("NOREPLICAS"), "{refused:?}");
+    source.proc.signal(libc::SIGTERM);
+    source.proc.wait_exit();
+
+    // The default `ack = "log"`: the agent counts once the bytes are in its
+    // log, so the condition holds again.
+    let source = source_with(root.path(), &follower_config(&primary, &log_dir), &[]);
+    wait_for("the write safety to hold", DEADLINE, || {
+        let st = stream_status(&source);
+        (st.write_safety.starts_with("holds: 1 replicas") && source.metric(degraded) == 0.0)
+            .then_some(())
+    });
+    let _: () = primary.cmd(&["SET", "k", "v"]);
+}
+
+#[test]
+fn a_replica_that_acknowledges_slowly_stalls_the_sources_credit_and_loses_nothing() {
+    let root = tempfile::tempdir().unwrap();
+    let primary = Redis::start(Server::Redis, &root.path().join("p"), &[]);
+    let source = following_source(root.path(), &primary, &[]);
+    // The replica acknowledges once a second: the source fills its 4 MiB
+    // credit window and waits.
+    let replica = agent(
+        root.path(),
+        "rep",
+        &root.path().join("rep-snaps"),
+        &puller_config(&source, &root.path().join("rep-log")),
+        &[("KVSYNC_FAULTS", "stream_ack_on_tick=1")],
+    );
+    wait_following(&replica);
+    primary.fill("big", 12_000, &"v".repeat(1000));
+    wait_logged(&replica, &primary, "the replica agent to log everything");
+    let stalls = source.metric("kvsync_stream_credit_stalls_total{kv_instance=\"default\"}");
+    assert!(stalls >= 1.0, "{stalls} credit stalls");
+    drop(replica);
+    drop(source);
+    assert!(
+        log_bytes(&root.path().join("rep-log")) == log_bytes(&root.path().join("src-log")),
+        "the replica's log is the source's, byte for byte"
+    );
 }

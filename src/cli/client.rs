@@ -434,6 +434,12 @@ fn print_instance(i: &pb::InstanceStatus) {
         if st.upstreams.len() > 1 {
             println!("    upstreams, nearest first: {}", st.upstreams.join(", "));
         }
+        if st.reconnects > 0 {
+            println!("    reconnected {} time(s)", st.reconnects);
+        }
+        if !st.write_safety.is_empty() {
+            println!("    the primary's write safety: {}", st.write_safety);
+        }
         if !st.ack.is_empty() {
             println!(
                 "    acknowledges to the primary: {} (ack = \"{}\")",
@@ -519,6 +525,8 @@ fn stream_json(st: &pb::StreamStatus) -> serde_json::Value {
         "acked_offset": st.acked_offset,
         "damaged": st.damaged,
         "upstreams": st.upstreams,
+        "reconnects": st.reconnects,
+        "write_safety": st.write_safety,
     })
 }
 

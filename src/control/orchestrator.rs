@@ -128,6 +128,16 @@ impl OrchestratorService {
                     acked_offset: s.upstream_acked(),
                     damaged: s.damaged(),
                     upstreams: i.upstreams.as_ref().map(|u| u.chain()).unwrap_or_default(),
+                    reconnects: ["primary", "agent"]
+                        .iter()
+                        .map(|source| {
+                            self.metrics
+                                .stream_reconnects
+                                .with_label_values(&[i.name.as_str(), source])
+                                .get()
+                        })
+                        .sum(),
+                    write_safety: s.write_safety(),
                 }
             }),
         }

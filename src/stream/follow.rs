@@ -133,6 +133,11 @@ pub async fn run(follow: Follow, log: SharedLog, stop: CancellationToken) {
             r = session(&follow, &log) => r,
         };
         if let Err(e) = result {
+            follow
+                .metrics
+                .stream_reconnects
+                .with_label_values(&[&follow.instance, "primary"])
+                .inc();
             if matches!(e, FollowError::Log(LogError::Io { .. })) {
                 follow
                     .metrics
@@ -344,7 +349,6 @@ async fn stream_into(
     let (mut lag, mut acks, mut acked) = (Lag::default(), log.watch_acks(), 0);
     let name = [follow.instance.as_str()];
     let lag_seconds = follow.metrics.stream_lag.with_label_values(&name);
-    let behind = follow.metrics.stream_behind_bytes.with_label_values(&name);
     loop {
         tokio::select! {
             n = read.read_buf(&mut buf) => {
@@ -367,7 +371,6 @@ async fn stream_into(
                     for took in lag.applied(applied, Instant::now()) {
                         lag_seconds.observe(took.as_secs_f64());
                     }
-                    behind.set(end.saturating_sub(applied) as i64);
                 }
                 if follow.ack == StreamAck::Replicas {
                     ack_at = ack_at.min(Instant::now() + ACK_DELAY);

@@ -3,7 +3,8 @@
 //! agent ([`pull`]) into a checksummed log on disk ([`log`]) and serves
 //! that log on to other agents ([`serve`]) and to its local server as its
 //! master ([`feed`]), which can hand the server to the primary and take it
-//! back ([`hand`]). [`Stream`] is one instance's
+//! back ([`hand`]). The agent that follows a primary also watches its
+//! write safety ([`safety`]). [`Stream`] is one instance's
 //! log as its writer and its readers share it, with what the servers fed
 //! from it acknowledged ([`Downstream`]) and a reader's check that sends a
 //! damaged record back to its writer to fetch again.
@@ -13,6 +14,7 @@ pub mod follow;
 pub mod hand;
 pub mod log;
 pub mod pull;
+pub mod safety;
 pub mod serve;
 
 use std::collections::BTreeMap;
@@ -23,6 +25,7 @@ use tokio::sync::watch;
 use tracing::error;
 
 use self::log::{Log, LogError, ReadPlan, Record};
+use crate::metrics::Metrics;
 
 /// A server or agent fed from a log, whose acknowledgements the log's
 /// agent passes on upstream.
@@ -61,16 +64,35 @@ pub struct Stream {
     /// The offset last acknowledged upstream: to the primary (`REPLCONF
     /// ACK`), or to the upstream agent as applied downstream (`SAPP`).
     upstream_acked: AtomicU64,
+    /// What the primary's `min-replicas-to-write` condition is now, at an
+    /// agent that follows a primary ([`follow::write_safety`]).
+    write_safety: Mutex<String>,
+    gauges: Gauges,
+}
+
+/// The instance's stream metrics a [`Stream`] keeps current.
+struct Gauges {
     /// Records found damaged on reading (`kvsync_stream_checksum_failures_total`).
     damaged: prometheus::IntCounter,
+    log_bytes: prometheus::IntGauge,
+    span: prometheus::IntGauge,
+    behind: prometheus::IntGauge,
 }
 
 /// A stream log shared by its writer and its readers.
 pub type SharedLog = Arc<Stream>;
 
 impl Stream {
-    pub fn new(log: Log, source: String, damaged: prometheus::IntCounter) -> SharedLog {
-        Arc::new(Stream {
+    /// The stream of `log`, from `source`, with `instance`'s metrics.
+    pub fn new(log: Log, source: String, metrics: &Metrics, instance: &str) -> SharedLog {
+        let name = [instance];
+        let gauges = Gauges {
+            damaged: metrics.stream_checksum_failures.with_label_values(&name),
+            log_bytes: metrics.stream_log_bytes.with_label_values(&name),
+            span: metrics.stream_log_span.with_label_values(&name),
+            behind: metrics.stream_behind_bytes.with_label_values(&name),
+        };
+        let stream = Arc::new(Stream {
             log: Mutex::new(log),
             changed: watch::Sender::new(0),
             source,
@@ -78,8 +100,26 @@ impl Stream {
             acks: Mutex::default(),
             acks_changed: watch::Sender::new(0),
             upstream_acked: AtomicU64::new(0),
-            damaged,
-        })
+            write_safety: Mutex::default(),
+            gauges,
+        });
+        stream.export();
+        stream
+    }
+
+    /// Sets the log's gauges: its size and span, and how far its slowest
+    /// downstream is behind its end.
+    fn export(&self) {
+        let (bytes, first, end) = {
+            let log = self.lock();
+            let end = log.position().map_or(0, |(_, end)| end);
+            (log.bytes(), log.first().unwrap_or(end), end)
+        };
+        let g = &self.gauges;
+        g.log_bytes.set(bytes as i64);
+        g.span.set(end.saturating_sub(first) as i64);
+        let behind = self.applied().map_or(0, |a| end.saturating_sub(a));
+        g.behind.set(behind as i64);
     }
 
     /// The log, to read (a writer goes through [`Stream::write`]).
@@ -91,6 +131,7 @@ impl Stream {
     pub fn write<T>(&self, f: impl FnOnce(&mut Log) -> T) -> T {
         let out = f(&mut self.lock());
         self.changed.send_modify(|n| *n += 1);
+        self.export();
         out
     }
 
@@ -133,7 +174,7 @@ impl Stream {
         tokio::task::spawn_blocking(move || {
             let read = log::read(&plan, max);
             if let Err(e @ LogError::Corrupt { offset, .. }) = &read {
-                stream.damaged.inc();
+                stream.gauges.damaged.inc();
                 error!(error = %e, "a damaged record in the stream log: the log is cut back to offset {offset} and fetched again from upstream");
                 stream.set_state(format!("refetching from offset {offset}: {e}"));
                 if let Err(cut) = stream.write(|l| l.cut(*offset)) {
@@ -151,6 +192,7 @@ impl Stream {
         let before = self.lock_acks().insert(who, offset);
         if before != Some(offset) {
             self.acks_changed.send_modify(|n| *n += 1);
+            self.export();
         }
     }
 
@@ -158,6 +200,7 @@ impl Stream {
     pub fn forget(&self, who: &Downstream) {
         if self.lock_acks().remove(who).is_some() {
             self.acks_changed.send_modify(|n| *n += 1);
+            self.export();
         }
     }
 
@@ -194,7 +237,17 @@ impl Stream {
 
     /// Records found damaged on reading since the agent started.
     pub fn damaged(&self) -> u64 {
-        self.damaged.get()
+        self.gauges.damaged.get()
+    }
+
+    pub fn set_write_safety(&self, state: String) {
+        *self.write_safety.lock().expect("write safety lock") = state;
+    }
+
+    /// The primary's `min-replicas-to-write` condition (empty: not
+    /// watched, the log follows an agent).
+    pub fn write_safety(&self) -> String {
+        self.write_safety.lock().expect("write safety lock").clone()
     }
 
     fn lock_acks(&self) -> MutexGuard<'_, BTreeMap<Downstream, u64>> {

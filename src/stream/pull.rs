@@ -153,6 +153,8 @@ pub struct Pull {
     /// `[tls] server_name`: the name upstreams' data-plane certificates
     /// must carry (empty: each upstream's host).
     pub tls_server_name: String,
+    /// A fault for tests: acknowledge only on the once-a-second tick.
+    pub ack_on_tick: bool,
     pub peer_timeout: Duration,
     pub metrics: Arc<Metrics>,
     /// The (replication id, M) of the snapshots this agent has, which the
@@ -235,6 +237,10 @@ pub async fn run(pull: Pull, stream: SharedLog, stop: CancellationToken) {
             _ = tokio::time::sleep(PASS_OVER), if !nearest => continue,
         };
         let Err(e) = result else { return };
+        pull.metrics
+            .stream_reconnects
+            .with_label_values(&[&pull.instance, "agent"])
+            .inc();
         if matches!(e, PullError::Log(LogError::Io { .. })) {
             pull.metrics
                 .stream_write_errors
@@ -428,6 +434,9 @@ async fn session(pull: &Pull, upstream: &str, stream: &SharedLog) -> Result<(), 
                     log.tick(floor)
                 })
                 .await?;
+                if pull.ack_on_tick {
+                    link.send(&rx.ack()).await?;
+                }
                 continue;
             }
             Ok(()) = acks.changed() => {
@@ -444,7 +453,9 @@ async fn session(pull: &Pull, upstream: &str, stream: &SharedLog) -> Result<(), 
                 let rec = Record::new(offset, bytes);
                 blocking(stream, move |s| s.write(|l| l.append(&rec))).await?;
                 received.inc_by(len as u64);
-                link.send(&rx.ack()).await?;
+                if !pull.ack_on_tick {
+                    link.send(&rx.ack()).await?;
+                }
                 report_applied(&mut link, &mut rx, stream).await?;
             }
             Token::Sepo {

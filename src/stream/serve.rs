@@ -160,7 +160,18 @@ pub async fn serve(
         node: s.replica.clone(),
         session: s.id.clone(),
     };
-    let result = send_stream(&mut link, s, &downstream, &shutdown, &sent, corrupt_at).await;
+    let stalls = metrics
+        .stream_credit_stalls
+        .with_label_values(&[&s.instance]);
+    let result = send_stream(
+        &mut link,
+        s,
+        &downstream,
+        &shutdown,
+        (&sent, &stalls),
+        corrupt_at,
+    )
+    .await;
     s.stream.forget(&downstream);
     match result {
         Ok(at) => info!(session = %s.id, at, "stream session ended: the agent stops"),
@@ -215,12 +226,13 @@ async fn send_stream(
     s: &StreamSession,
     downstream: &Downstream,
     shutdown: &CancellationToken,
-    sent: &prometheus::IntCounter,
+    (sent, stalls): (&prometheus::IntCounter, &prometheus::IntCounter),
     corrupt_at: Option<u64>,
 ) -> Result<u64, ServeError> {
     let mut tx = Sender::new(s.key, s.from, WINDOW);
     let mut replid = s.replid.clone();
     let mut changed = s.stream.watch();
+    let mut stalled = false;
     loop {
         'send: while tx.room() > 0 {
             match next(&s.stream, tx.sent(), &replid)? {
@@ -254,6 +266,17 @@ async fn send_stream(
                 }
             }
         }
+        // The whole window unacknowledged while the log holds more: one
+        // stall, however many writes arrive while it lasts.
+        let full = tx.room() == 0
+            && s.stream
+                .lock()
+                .position()
+                .is_some_and(|(_, end)| end > tx.sent());
+        if full && !stalled {
+            stalls.inc();
+        }
+        stalled = full;
         tokio::select! {
             _ = shutdown.cancelled() => return Ok(tx.sent()),
             // The writer is gone with its instance: nothing more comes.

@@ -244,7 +244,7 @@ pub const CRC32_NEUTRAL: [u8; 5] = [0x41, 0x06, 0x71, 0xdb, 0x01];
 /// Faults injected into the data plane for fault tests, from the
 /// `KVSYNC_FAULTS` environment variable: `corrupt_at=N,forge_at=N,
 /// stall_after=N,cut_after=N` for TCP sources; `stream_corrupt_at=N` for
-/// stream sources; `rdma_corrupt_at=N,rdma_cut_after=N,rdma_drop_send=N` for
+/// stream sources; `stream_ack_on_tick=1` for stream replicas; `rdma_corrupt_at=N,rdma_cut_after=N,rdma_drop_send=N` for
 /// the emulated fabric; `rdma_bad_rkey=1` and `rdma_hold_after=N` with
 /// `hold_file=PATH`, `rdma_write_after_verify=1` (source), `rdma_no_file_mr=1`
 /// and `rdma_damage_piece=N`
@@ -270,6 +270,10 @@ pub struct Faults {
     /// this offset on the wire, after its frame's MAC was made (an on-path
     /// change), in every session that sends it.
     pub stream_corrupt_at: Option<u64>,
+    /// Stream replica: acknowledge what the log holds only once a second,
+    /// not after every frame (a slow replica: the source's credit window
+    /// fills while the replica still reads).
+    pub stream_ack_on_tick: bool,
 }
 
 /// A `KVSYNC_FAULTS` that does not parse.
@@ -317,6 +321,7 @@ impl Faults {
                 "stall_after" => f.stall_after = Some(n),
                 "cut_after" => f.cut_after = Some(n),
                 "stream_corrupt_at" => f.stream_corrupt_at = Some(n),
+                "stream_ack_on_tick" => f.stream_ack_on_tick = n != 0,
                 "rdma_corrupt_at" => f.emu.corrupt_at = Some(n),
                 "rdma_cut_after" => f.emu.cut_after = Some(n),
                 "rdma_drop_send" => f.emu.drop_send = Some(n as u32),
