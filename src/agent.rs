@@ -125,6 +125,9 @@ struct Parts {
     dialer: Dialer,
     /// `stream_ack_on_tick` (fault tests): pullers acknowledge once a second.
     ack_on_tick: bool,
+    /// What a `[stream] reseed` starts its sync with.
+    syncs: Arc<SyncManager>,
+    instances: Arc<Instances>,
 }
 
 /// What is read and checked before anything binds.
@@ -211,14 +214,16 @@ impl RunningAgent {
             shutdown.clone(),
             draining.clone(),
         );
+        let instances = Arc::new(Instances::default());
         let parts = Parts {
             metrics: metrics.clone(),
             rate: plane.rate.clone(),
             shutdown: shutdown.clone(),
             dialer: prepared.dialer.clone(),
             ack_on_tick: plane.faults.stream_ack_on_tick,
+            syncs: syncs.clone(),
+            instances: instances.clone(),
         };
-        let instances = Arc::new(Instances::default());
         for ic in config.instances() {
             instances.insert(start_instance(&config, &ic, &parts).await?);
         }
@@ -692,6 +697,7 @@ async fn follow_stream(
             dialer: parts.dialer.clone(),
             tls_server_name: config.tls.server_name.clone(),
             ack_on_tick: parts.ack_on_tick,
+            reseed: config.stream.reseed.then(|| reseed(name, parts)),
             peer_timeout: config.data.peer_timeout,
             metrics: parts.metrics.clone(),
             offered: Box::new(offered),
@@ -731,6 +737,42 @@ async fn follow_stream(
         instance.stop.clone(),
     ));
     Ok(stream)
+}
+
+/// `[stream] reseed` of instance `name`: syncs the snapshot an upstream
+/// names from it, into this instance (its handoff re-seeds the server).
+fn reseed(name: &str, parts: &Parts) -> crate::stream::pull::Reseed {
+    let (syncs, instances) = (parts.syncs.clone(), parts.instances.clone());
+    let name = name.to_string();
+    Box::new(move |upstream: &str, id: crate::rpc::pb::SnapshotId| {
+        let started = instances
+            .resolve(&name)
+            .map_err(|e| e.to_string())
+            .and_then(|i| {
+                let want = id
+                    .try_into()
+                    .map_err(|e: crate::rpc::BadDigest| e.to_string())?;
+                let pull = crate::sync::Pull {
+                    source: upstream.to_string(),
+                    upstream: Vec::new(),
+                    want: Some(want),
+                    mode: None,
+                    source_instance: match i.config.stream.upstream_instance.as_str() {
+                        "" => name.clone(),
+                        other => other.to_string(),
+                    },
+                };
+                syncs.start(&i, pull).map_err(|e| e.to_string())
+            });
+        match started {
+            Ok((sync, _)) => {
+                info!(instance = %name, %upstream, %sync, "re-seeding from the upstream's snapshot")
+            }
+            Err(e) => {
+                warn!(instance = %name, %upstream, error = %e, "cannot start the re-seeding sync; sync a snapshot yourself")
+            }
+        }
+    })
 }
 
 /// Binds a TCP listener for the setting `what`.

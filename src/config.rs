@@ -112,6 +112,11 @@ pub struct StreamConfig {
     pub fsync: Fsync,
     /// What the agent that follows a primary acknowledges to it.
     pub ack: StreamAck,
+    /// An agent that follows `upstream`: when the upstream no longer holds
+    /// the log's offset, start the log over at the snapshot it names and
+    /// sync that snapshot from it (re-seeding a `redis-stream` server),
+    /// instead of only reporting it.
+    pub reseed: bool,
 }
 
 impl Default for StreamConfig {
@@ -125,6 +130,7 @@ impl Default for StreamConfig {
             segment_size: ByteSize::mib(64),
             fsync: Fsync::Everysec,
             ack: StreamAck::Log,
+            reseed: false,
         }
     }
 }
@@ -1209,6 +1215,12 @@ impl Config {
                 "is what the agent that follows a primary acknowledges to it; an agent that follows stream.upstream always passes its servers' acknowledgements on".into(),
             );
         }
+        if st.upstream.is_empty() && st.reseed {
+            p.bad(
+                "stream.reseed",
+                "re-seeds an agent that follows stream.upstream; one that follows its primary gets a full resync from it anyway".into(),
+            );
+        }
         if !(ByteSize::mib(1)..=ByteSize::gib(4)).contains(&st.segment_size) {
             p.bad(
                 "stream.segment_size",
@@ -1771,6 +1783,17 @@ expected_transfer_rate = "0"
         c.stream.ack = StreamAck::Replicas;
         assert_eq!(problem_keys(&c), ["stream.ack"], "only the primary's agent");
         c.stream.ack = StreamAck::Log;
+        c.stream.reseed = true;
+        c.validate().unwrap();
+        c.stream.upstream.clear();
+        c.redis.primary_addr = "127.0.0.1:6379".into();
+        assert_eq!(
+            problem_keys(&c),
+            ["stream.reseed"],
+            "only an agent's follower"
+        );
+        c.redis.primary_addr.clear();
+        c.stream.reseed = false;
         c.stream.upstream = "agent-a".into();
         assert_eq!(problem_keys(&c), ["stream.upstream"]);
         // The stream handoff feeds its server from the log: no primary.

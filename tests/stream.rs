@@ -13,7 +13,8 @@
 //! each by a continuation, and a hand over that would be a full resync is
 //! refused with nothing changed; a `fanout --stream` tree converges and a
 //! dead relay's children re-parent to the origin from their offsets; a
-//! replica that acknowledges slowly stalls the source's credit and loses
+//! replica agent too old for its upstream is re-seeded from the snapshot
+//! it names (`reseed`); a replica that acknowledges slowly stalls the source's credit and loses
 //! nothing; the primary's write safety is reported degraded while no
 //! replica acknowledges; a record damaged on disk is never served and is fetched
 //! again from the primary; a full log disk stops logging with an error,
@@ -430,6 +431,18 @@ fn seeded_through_two_agents(
     primary: &Redis,
     source: &Node,
 ) -> (Redis, Node) {
+    seeded_through_two_agents_with(root, server, primary, source, "")
+}
+
+/// [`seeded_through_two_agents`] with `stream` added to the replica
+/// agent's `[stream]` section.
+fn seeded_through_two_agents_with(
+    root: &Path,
+    server: Server,
+    primary: &Redis,
+    source: &Node,
+    stream: &str,
+) -> (Redis, Node) {
     primary.fill("before", 500, "v");
     let snapshot = wait_for("the full resync's RDB offered", DEADLINE, || {
         let rt = tokio::runtime::Runtime::new().unwrap();
@@ -437,13 +450,12 @@ fn seeded_through_two_agents(
         s.instances[0].latest_snapshots.first().map(|e| e.seq)
     });
     let rs = Redis::standalone_replica(server, &root.join("r"));
-    let replica = agent(
-        root,
-        "rep",
-        &root.join("rep-snaps"),
-        &feeding_puller_config(&root.join("rep-log"), source, &rs),
-        &[],
+    let config = feeding_puller_config(&root.join("rep-log"), source, &rs).replacen(
+        "[handoff]",
+        &format!("{stream}[handoff]"),
+        1,
     );
+    let replica = agent(root, "rep", &root.join("rep-snaps"), &config, &[]);
     wait_following(&replica);
     let rt = tokio::runtime::Runtime::new().unwrap();
     let p = rt.block_on(sync_from(&replica, &source.grpc()));
@@ -1134,5 +1146,78 @@ fn a_replica_that_acknowledges_slowly_stalls_the_sources_credit_and_loses_nothin
     assert!(
         log_bytes(&root.path().join("rep-log")) == log_bytes(&root.path().join("src-log")),
         "the replica's log is the source's, byte for byte"
+    );
+}
+
+#[test]
+fn a_replica_agent_too_old_for_its_upstream_is_re_seeded_from_the_snapshot_it_names() {
+    let root = tempfile::tempdir().unwrap();
+    let r = root.path();
+    // The primary's backlog holds far more than the log: the snapshot
+    // offered later passes the backlog guard.
+    let primary = Redis::start(
+        Server::Redis,
+        &r.join("p"),
+        &["--repl-backlog-size", "64mb"],
+    );
+    let config = format!(
+        "{}segment_size = \"1MiB\"\nretain = \"1MiB\"\n",
+        follower_config(&primary, &r.join("src-log"))
+    );
+    let source = source_with(r, &config, &[]);
+    let (rs, mut replica) =
+        seeded_through_two_agents_with(r, Server::Redis, &primary, &source, "reseed = true\n");
+    let left_at = stream_status(&replica).end_offset;
+    replica.proc.signal(libc::SIGKILL);
+    replica.proc.wait_exit();
+
+    // While it is down the source offers a newer snapshot instead of its
+    // first, and its log moves past where the replica agent stopped.
+    primary.fill("while-down", 3000, &"v".repeat(1000));
+    let rdb = primary.bgsave();
+    let snaps = r.join("src-snaps");
+    std::fs::copy(&rdb, r.join("newer.rdb")).unwrap();
+    std::fs::rename(r.join("newer.rdb"), snaps.join("newer.rdb")).unwrap();
+    for e in std::fs::read_dir(&snaps).unwrap() {
+        let path = e.unwrap().path();
+        if path
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .starts_with("stream-")
+        {
+            std::fs::remove_file(path).unwrap();
+        }
+    }
+    primary.fill("after-save", 3000, &"w".repeat(1000));
+    wait_for(
+        "the source's log to move past the replica agent's",
+        DEADLINE,
+        || (stream_status(&source).first_offset > left_at).then_some(()),
+    );
+
+    // Started again: too old, so its log starts over at the newer
+    // snapshot, which it syncs and feeds its server.
+    let replica = agent(
+        r,
+        "rep",
+        &r.join("rep-snaps"),
+        &feeding_puller_config(&r.join("rep-log"), &source, &rs).replacen(
+            "[handoff]",
+            "reseed = true\n[handoff]",
+            1,
+        ),
+        &[],
+    );
+    converged(&rs, &primary, "the re-seeded server to converge");
+    let value: String = rs.cmd(&["GET", "after-save:2999"]);
+    assert_eq!(value, "w".repeat(1000));
+    let log = replica.proc.log();
+    assert!(log.contains("re-seeding"), "{log}");
+    assert_eq!(log.matches("sent its server the RDB").count(), 1, "{log}");
+    assert_eq!(
+        primary.info("stats").num("sync_full"),
+        1,
+        "only the source agent's"
     );
 }

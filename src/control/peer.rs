@@ -226,10 +226,16 @@ impl pb::peer_server::Peer for PeerService {
             },
             StreamAnswer::TooOld { held, snapshot } => {
                 info!(replica = %ask.replica_node, replid = %crate::peer_text::escape_controls(&ask.replid), offset = ask.offset, %held, "stream asked from an offset the log does not hold");
+                let continues = snapshot
+                    .as_ref()
+                    .and_then(|e| Some((e.info.repl_id.clone()?, e.info.seq)));
+                let (replid, offset) = continues.unwrap_or_default();
                 pb::StreamOffer {
                     answer: pb::stream_offer::Answer::TooOld as i32,
                     held,
                     snapshot: snapshot.map(|e| e.manifest.id().into()),
+                    replid,
+                    offset,
                     ..Default::default()
                 }
             }

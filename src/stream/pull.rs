@@ -142,6 +142,9 @@ impl Upstreams {
     }
 }
 
+/// Starts a sync of a snapshot from an upstream agent (its gRPC address).
+pub type Reseed = Box<dyn Fn(&str, pb::SnapshotId) + Send + Sync>;
+
 /// What the puller needs to know of its instance and its upstreams.
 pub struct Pull {
     pub instance: String,
@@ -155,6 +158,8 @@ pub struct Pull {
     pub tls_server_name: String,
     /// A fault for tests: acknowledge only on the once-a-second tick.
     pub ack_on_tick: bool,
+    /// `[stream] reseed`: syncs the snapshot an upstream names from it.
+    pub reseed: Option<Reseed>,
     pub peer_timeout: Duration,
     pub metrics: Arc<Metrics>,
     /// The (replication id, M) of the snapshots this agent has, which the
@@ -176,6 +181,9 @@ pub enum PullError {
         offset: u64,
         held: String,
         snapshot: Option<String>,
+        /// The snapshot the upstream's log continues from, with its
+        /// replication id and M.
+        continues: Option<(pb::SnapshotId, String, u64)>,
     },
     #[error("the upstream's offer is unusable: {0}")]
     BadOffer(String),
@@ -255,6 +263,32 @@ pub async fn run(pull: Pull, stream: SharedLog, stop: CancellationToken) {
         }
         warn!(instance = %pull.instance, %upstream, error = %e, "following the upstream agent's stream stopped; it asks again");
         stream.set_state(format!("reconnecting: {e}"));
+        // Too old, with a snapshot that continues into the upstream's log:
+        // the log starts over there, and the snapshot is synced.
+        if let (
+            Some(reseed),
+            PullError::TooOld {
+                continues: Some((id, replid, m)),
+                ..
+            },
+        ) = (&pull.reseed, &e)
+        {
+            let (replid, m) = (replid.clone(), *m);
+            match blocking(&stream, move |s| s.write(|l| l.restart(&replid, m))).await {
+                Ok(()) => {
+                    warn!(instance = %pull.instance, %upstream, seq = id.seq, "re-seeding: the log starts over at the upstream's snapshot, which is synced from it");
+                    stream.set_state(format!(
+                        "re-seeding from {upstream}'s snapshot of seq {}",
+                        id.seq
+                    ));
+                    reseed(&upstream, id.clone());
+                    continue;
+                }
+                Err(le) => {
+                    warn!(instance = %pull.instance, error = %le, "the log cannot start over for a re-seeding")
+                }
+            }
+        }
         if stream.lock().position() != before {
             backoff = Duration::from_millis(100);
         }
@@ -337,7 +371,14 @@ async fn ask(pull: &Pull, upstream: &str, at: Option<&(String, u64)>) -> Result<
                 replid,
                 offset,
                 held: crate::peer_text::escape_controls(&o.held).into_owned(),
-                snapshot: o.snapshot.map(|s| format!("snapshot of seq {}", s.seq)),
+                snapshot: o
+                    .snapshot
+                    .as_ref()
+                    .map(|s| format!("snapshot of seq {}", s.seq)),
+                continues: o
+                    .snapshot
+                    .filter(|_| !o.replid.is_empty())
+                    .map(|s| (s, o.replid, o.offset)),
             })
         }
         _ => return Err(bad("it answers neither continue nor too old")),
