@@ -9,7 +9,10 @@
 //! keeps up with a steady writer while `WAIT` counts it (`ack =
 //! "replicas"`); a replica agent killed while the primary writes ten times
 //! its backlog continues its server from its log once restarted, with no
-//! full sync; a fed server is released to the primary and attached back,
+//! full sync; the link between two agents' hosts (network namespaces) cut
+//! while the primary writes several times its backlog, once with the
+//! primary's agent restarted meanwhile, costs a reconnect and no full
+//! sync; a fed server is released to the primary and attached back,
 //! each by a continuation, and a hand over that would be a full resync is
 //! refused with nothing changed; a `fanout --stream` tree converges and a
 //! dead relay's children re-parent to the origin from their offsets; a
@@ -26,6 +29,7 @@ mod common;
 use std::path::Path;
 
 use common::kv::*;
+use common::netns::{block_on, Hosts, IPS};
 use common::node::*;
 use common::*;
 use kvsync::stream::log::{read, Log};
@@ -1221,3 +1225,183 @@ fn a_replica_agent_too_old_for_its_upstream_is_re_seeded_from_the_snapshot_it_na
         "only the source agent's"
     );
 }
+
+/// What `f` returns, run on host `host` (its servers are on its loopback).
+fn on<T: Send>(hosts: &Hosts, host: usize, f: impl FnOnce() -> T + Send) -> T {
+    hosts.run_in(host, f)
+}
+
+/// Waits until `rs` on host 1 has applied everything `primary` on host 0
+/// wrote and holds as many keys.
+fn converged_across(hosts: &Hosts, rs: &Redis, primary: &Redis, what: &str) {
+    wait_for(what, DEADLINE, || {
+        let (end, keys) = on(hosts, 0, || {
+            (
+                primary.info("replication").num("master_repl_offset"),
+                primary.cmd::<i64>(&["DBSIZE"]),
+            )
+        });
+        let (at, has) = on(hosts, 1, || {
+            (
+                rs.info("replication").num("master_repl_offset"),
+                rs.cmd::<i64>(&["DBSIZE"]),
+            )
+        });
+        (at == end && has == keys).then_some(())
+    })
+}
+
+/// [`same_sample`] across hosts.
+fn same_sample_across(hosts: &Hosts, rs: &Redis, primary: &Redis, written: usize) {
+    let keys: Vec<String> = (0..written)
+        .step_by(written / 100)
+        .map(|i| format!("w:{i}"))
+        .collect();
+    let dumps = |r: &Redis| {
+        keys.iter()
+            .map(|k| r.cmd::<Vec<u8>>(&["DUMP", k]))
+            .collect::<Vec<_>>()
+    };
+    let want = on(hosts, 0, || dumps(primary));
+    assert!(
+        on(hosts, 1, || dumps(rs)) == want,
+        "the sampled keys differ"
+    );
+}
+
+/// The primary's agent's fixed gRPC port on host 0, so that it can be
+/// started again where its replica agent calls it.
+const SOURCE_PORT: u16 = 7700;
+
+/// A link cut between the two agents' hosts while the primary writes
+/// several times its backlog (the primary with its agent on host 0, the
+/// replica agent with its server on host 1): once the link is back, the
+/// replica agent continues from the primary's agent's log and its server
+/// from the replica agent's, with no full sync anywhere; then the same
+/// with the primary's agent restarted during the cut.
+fn a_link_cut_between_the_agents_for_longer_than_the_primarys_backlog_continues_from_the_log(
+    server: Server,
+) {
+    let Some(hosts) = Hosts::create("stream link cut") else {
+        return;
+    };
+    let root = tempfile::tempdir().unwrap();
+    let r = root.path();
+    let backlog = 1 << 20;
+    let primary = on(&hosts, 0, || {
+        let p = Redis::start(server, &r.join("p"), &["--repl-backlog-size", "1mb"]);
+        p.fill("before", 500, "v");
+        p
+    });
+    // A dead peer is noticed within 5 s on both sides.
+    let timeout = "[data]\npeer_timeout = \"5s\"\n";
+    let source_config = format!("{}{timeout}", follower_config(&primary, &r.join("src-log")));
+    let start_source = || {
+        on(&hosts, 0, || {
+            let source = agent_at(
+                r,
+                "src",
+                &r.join("src-snaps"),
+                &source_config,
+                IPS[0],
+                SOURCE_PORT,
+            );
+            wait_following(&source);
+            source
+        })
+    };
+    let mut source = start_source();
+    let (rs, replica) = on(&hosts, 1, || {
+        let rs = Redis::standalone_replica(server, &r.join("r"));
+        let config = format!(
+            "{}{timeout}",
+            feeding_puller_config(&r.join("rep-log"), &source, &rs)
+        );
+        let replica = agent_at(r, "rep", &r.join("rep-snaps"), &config, IPS[1], 0);
+        wait_following(&replica);
+        let p = block_on(sync_from(&replica, &source.grpc()));
+        assert_eq!(p.phase, kvsync::rpc::pb::Phase::Succeeded as i32, "{p:?}");
+        (rs, replica)
+    });
+    converged_across(
+        &hosts,
+        &rs,
+        &primary,
+        "the fed server to converge after seeding",
+    );
+    let process_id = on(&hosts, 1, || rs.info("server").num("process_id"));
+    let reconnects = || {
+        on(&hosts, 1, || {
+            replica
+                .metric("kvsync_stream_reconnects_total{kv_instance=\"default\",source=\"agent\"}")
+        })
+    };
+    // Writes of several times the primary's backlog while the replica
+    // agent's host is cut off; `restart` runs during the cut.
+    let cut_while_writing = |restart: &mut dyn FnMut()| {
+        let before = reconnects();
+        let con = on(&hosts, 0, || primary.con());
+        let offset = || {
+            on(&hosts, 0, || {
+                primary.info("replication").num("master_repl_offset")
+            })
+        };
+        let from = offset();
+        hosts.set_link(1, false);
+        let written = steady_writer(con, 4, 600).join().unwrap();
+        let held = on(&hosts, 1, || {
+            rs.info("replication").num("master_repl_offset")
+        });
+        assert!(held < offset(), "the cut holds the stream back");
+        restart();
+        hosts.set_link(1, true);
+        assert!(
+            offset() - from > 4 * backlog,
+            "{} bytes written during the cut",
+            offset() - from
+        );
+        converged_across(
+            &hosts,
+            &rs,
+            &primary,
+            "the fed server to continue after the cut",
+        );
+        same_sample_across(&hosts, &rs, &primary, written);
+        assert!(
+            reconnects() > before,
+            "the replica agent's session broke and it asked again"
+        );
+    };
+    cut_while_writing(&mut || {});
+    // The primary's agent killed and started again during the cut: it
+    // continues from its log, and so does its replica agent.
+    cut_while_writing(&mut || {
+        source.proc.signal(libc::SIGKILL);
+        source.proc.wait_exit();
+        source = start_source();
+    });
+    let (full, partial) = on(&hosts, 0, || {
+        let stats = primary.info("stats");
+        (stats.num("sync_full"), stats.num("sync_partial_ok"))
+    });
+    assert_eq!(full, 1, "only the primary's agent's first sync was full");
+    assert!(
+        partial >= 1,
+        "the restarted agent continued by a partial resync"
+    );
+    assert_eq!(
+        on(&hosts, 1, || rs.info("server").num("process_id")),
+        process_id,
+        "the same server process"
+    );
+    let log = replica.proc.log();
+    assert_eq!(
+        log.matches("sent its server the RDB").count(),
+        1,
+        "one full sync of the server, the seeding: {log}"
+    );
+}
+
+on_both_servers!(
+    a_link_cut_between_the_agents_for_longer_than_the_primarys_backlog_continues_from_the_log
+);

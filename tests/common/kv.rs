@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
-use super::node::Node;
+use super::node::{exposed_auth, Node};
 use super::*;
 
 /// A free TCP port on 127.0.0.1 for redis-server, which cannot bind port
@@ -327,6 +327,40 @@ pub fn agent_as(
     env: &[(&str, &str)],
     wrapper: &[&str],
 ) -> Node {
+    start_agent(
+        root,
+        name,
+        snapshot_dir,
+        config,
+        env,
+        wrapper,
+        ("127.0.0.1", 0),
+    )
+}
+
+/// Like [`agent`], listening on `ip` (a test host's address, see
+/// [`super::netns`]) with gRPC on `grpc_port` (0: any), so that it can be
+/// started again at the same address; see [`exposed_auth`].
+pub fn agent_at(
+    root: &Path,
+    name: &str,
+    snapshot_dir: &Path,
+    config: &str,
+    ip: &str,
+    grpc_port: u16,
+) -> Node {
+    start_agent(root, name, snapshot_dir, config, &[], &[], (ip, grpc_port))
+}
+
+fn start_agent(
+    root: &Path,
+    name: &str,
+    snapshot_dir: &Path,
+    config: &str,
+    env: &[(&str, &str)],
+    wrapper: &[&str],
+    (ip, grpc_port): (&str, u16),
+) -> Node {
     let path = root.join(format!("{name}.toml"));
     std::fs::create_dir_all(snapshot_dir).unwrap();
     // `[data]` keys of `config` join the [data] section written here.
@@ -340,10 +374,11 @@ pub fn agent_as(
         }
         None => (String::new(), config.to_string()),
     };
+    let (plaintext, auth, token) = exposed_auth(root, name, ip);
     std::fs::write(
         &path,
         format!(
-            "node_id = \"{name}\"\nsnapshot_dir = \"{}\"\nsnapshot_format = \"redis-rdb\"\n[grpc]\nlisten = \"127.0.0.1:0\"\n[data]\ntcp_listen = \"127.0.0.1:0\"\nrdma_port = 0\n{data}[metrics]\nlisten = \"127.0.0.1:0\"\n[watch]\ndebounce = \"20ms\"\n[sync]\nretries = 0\n{config}",
+            "node_id = \"{name}\"\nsnapshot_dir = \"{}\"\nsnapshot_format = \"redis-rdb\"\n[grpc]\nlisten = \"{ip}:{grpc_port}\"\n{plaintext}[data]\ntcp_listen = \"{ip}:0\"\nrdma_port = 0\n{data}[metrics]\nlisten = \"{ip}:0\"\n[watch]\ndebounce = \"20ms\"\n[sync]\nretries = 0\n{auth}{config}",
             snapshot_dir.display()
         ),
     )
@@ -356,7 +391,7 @@ pub fn agent_as(
             root,
         ),
         dir: snapshot_dir.to_owned(),
-        token: None,
+        token,
     }
 }
 

@@ -25,6 +25,24 @@ pub struct Node {
 /// (such a listener must authenticate its callers).
 pub const EXPOSED_TOKEN: &str = "kvsync-test-token-0123456789";
 
+/// What an agent named `name` listening on `ip` needs in its config: on a
+/// loopback address nothing; on another (reachable from other hosts)
+/// gRPC in plaintext to callers with [`EXPOSED_TOKEN`], which it also
+/// sends to the agents it calls. Returns the `[grpc]` line, the `[auth]`
+/// section and the token its callers use.
+pub fn exposed_auth(root: &Path, name: &str, ip: &str) -> (&'static str, String, Option<String>) {
+    if ip.starts_with("127.") {
+        return ("", String::new(), None);
+    }
+    let tokens = root.join(format!("{name}.tokens"));
+    std::fs::write(&tokens, format!("{EXPOSED_TOKEN}\n")).unwrap();
+    let auth = format!(
+        "[auth]\ntoken_file = \"{}\"\nsend_token_in_clear = true\n",
+        tokens.display()
+    );
+    ("plaintext = true\n", auth, Some(EXPOSED_TOKEN.to_string()))
+}
+
 impl Node {
     /// Starts an agent named `name` under `root`; `extra` is appended to its
     /// config file.
@@ -68,18 +86,7 @@ impl Node {
         let dir = root.join(name);
         std::fs::create_dir_all(&dir).unwrap();
         let config = root.join(format!("{name}.toml"));
-        let exposed = !ip.starts_with("127.");
-        let (plaintext, auth, token) = if exposed {
-            let tokens = root.join(format!("{name}.tokens"));
-            std::fs::write(&tokens, format!("{EXPOSED_TOKEN}\n")).unwrap();
-            let auth = format!(
-                "[auth]\ntoken_file = \"{}\"\nsend_token_in_clear = true\n",
-                tokens.display()
-            );
-            ("plaintext = true\n", auth, Some(EXPOSED_TOKEN.to_string()))
-        } else {
-            ("", String::new(), None)
-        };
+        let (plaintext, auth, token) = exposed_auth(root, name, ip);
         // A silent peer fails a transfer after 5 s (not 30 s) in tests.
         std::fs::write(
             &config,
