@@ -666,10 +666,16 @@ fn a_server_fed_through_two_agents_keeps_up_with_a_writer_and_wait_counts_it(ser
     // SAFETY: kill(2) on the test's own server process.
     unsafe { libc::kill(pid, libc::SIGSTOP) };
     let acked = write_and_wait(&mut con, "while-stopped", 500);
+    // Meanwhile status says for how long the server has been behind.
+    let behind = stream_status(&source).behind_seconds;
     // SAFETY: as above.
     unsafe { libc::kill(pid, libc::SIGCONT) };
     assert_eq!(acked, 0, "no replica server has the write");
+    assert!(behind >= 0.5, "{behind} s behind after WAIT's 500 ms");
     assert_eq!(write_and_wait(&mut con, "after", 10_000), 1);
+    wait_for("the server to be behind no more", DEADLINE, || {
+        (stream_status(&source).behind_seconds == 0.0).then_some(())
+    });
     assert_eq!(
         primary.info("stats").num("sync_full"),
         1,
@@ -1405,3 +1411,32 @@ fn a_link_cut_between_the_agents_for_longer_than_the_primarys_backlog_continues_
 on_both_servers!(
     a_link_cut_between_the_agents_for_longer_than_the_primarys_backlog_continues_from_the_log
 );
+
+/// A server seeded through two agents (`redis-stream`) after the primary
+/// wrote several times its backlog since the full resync's RDB: the
+/// primary's backlog no longer holds M+1, but the primary's agent's log
+/// continues the RDB, and the server is fed from that log, so the seeding
+/// is offered and the server converges with no second full sync.
+#[test]
+fn a_stream_seeding_needs_the_log_to_continue_the_snapshot_not_the_primarys_backlog() {
+    let root = tempfile::tempdir().unwrap();
+    let r = root.path();
+    let primary = Redis::start(Server::Redis, &r.join("p"), &["--repl-backlog-size", "1mb"]);
+    let source = following_source(r, &primary, &[]);
+    wait_for("the full resync's RDB offered", DEADLINE, || {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let s = rt.block_on(source.status());
+        (!s.instances[0].latest_snapshots.is_empty()).then_some(())
+    });
+    let from = primary.info("replication").num("master_repl_offset");
+    steady_writer(primary.con(), 3, 600).join().unwrap();
+    let wrote = primary.info("replication").num("master_repl_offset") - from;
+    assert!(wrote > 3 << 20, "{wrote} bytes past the RDB");
+    let (rs, _replica) = seeded_through_two_agents(r, Server::Redis, &primary, &source);
+    converged(&rs, &primary, "the fed server to converge");
+    assert_eq!(
+        primary.info("stats").num("sync_full"),
+        1,
+        "only the source agent's"
+    );
+}

@@ -448,6 +448,12 @@ fn print_instance(i: &pb::InstanceStatus) {
         } else if st.acked_offset > 0 {
             println!("    reports upstream as applied: {}", st.acked_offset);
         }
+        if !st.ack.is_empty() && !st.downstreams.is_empty() {
+            println!(
+                "    the slowest downstream is {:.3} s behind the primary",
+                st.behind_seconds
+            );
+        }
         for d in &st.downstreams {
             println!(
                 "    downstream {}: acknowledges offset {} ({} bytes behind the log)",
@@ -527,6 +533,7 @@ fn stream_json(st: &pb::StreamStatus) -> serde_json::Value {
         "upstreams": st.upstreams,
         "reconnects": st.reconnects,
         "write_safety": st.write_safety,
+        "behind_seconds": st.behind_seconds,
     })
 }
 

@@ -138,6 +138,7 @@ impl OrchestratorService {
                         })
                         .sum(),
                     write_safety: s.write_safety(),
+                    behind_seconds: s.behind().as_secs_f64(),
                 }
             }),
         }

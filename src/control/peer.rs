@@ -77,6 +77,7 @@ fn ask_from_wire(req: pb::OpenFullSyncRequest) -> Result<Ask, ApiError> {
         data_tls: req.data_tls,
         tcp_streams: req.tcp_streams,
         instance: req.instance,
+        from_stream_log: req.from_stream_log,
     })
 }
 

@@ -551,6 +551,9 @@ pub async fn accept_seeded(
 /// (after an error reply) for anything else.
 async fn handshake(stream: TcpStream, secret: String) -> Option<Seeded> {
     let from = stream.peer_addr().ok()?;
+    // A master's link to its replica carries the stream (`redis-stream`),
+    // whose small writes must not wait for the server's delayed ACK.
+    stream.set_nodelay(true).ok()?;
     let (read, mut write) = stream.into_split();
     let mut read = BufReader::new(read);
     let mut authenticated = false;

@@ -12,7 +12,8 @@
 //! the log starts over at its offset. A `+CONTINUE <new id>` after the
 //! primary's restart or promotion continues the log under the new id.
 //!
-//! Acknowledgement, every second and within [`ACK_DELAY`] of a change:
+//! Acknowledgement, every second and at once on a change (one `REPLCONF
+//! ACK` for each read from the primary, or each change downstream):
 //! with `ack = "log"` the primary is told the log's end, so `WAIT` counts
 //! the agent once the bytes are in its log; with `ack = "replicas"` the
 //! lowest offset the servers fed from the log acknowledged (none: no
@@ -41,9 +42,6 @@ use crate::config::StreamAck;
 use crate::kv::resp;
 use crate::metrics::Metrics;
 
-/// The longest the primary's acknowledgement waits after a record is
-/// logged: acks are batched this much under a steady stream.
-pub const ACK_DELAY: Duration = Duration::from_millis(5);
 /// A primary that sends nothing (not even its pings) for this long is
 /// taken as gone, as a replica's `repl-timeout` does.
 pub const PRIMARY_TIMEOUT: Duration = Duration::from_secs(60);
@@ -97,6 +95,11 @@ impl Lag {
             self.pending.pop_front();
         }
         out
+    }
+
+    /// When the oldest stretch not yet acknowledged was logged.
+    pub fn oldest(&self) -> Option<Instant> {
+        self.pending.front().map(|&(_, at)| at)
     }
 }
 
@@ -343,13 +346,17 @@ async fn stream_into(
         source,
     };
     let (_, mut end) = position(log).expect("the session set the log's start");
-    let mut ack_at = Instant::now();
     let mut heard = Instant::now();
     let mut buf = Vec::with_capacity(READ_CHUNK);
-    let (mut lag, mut acks, mut acked) = (Lag::default(), log.watch_acks(), 0);
+    let (mut lag, mut acks, mut acked) = (Lag::default(), log.watch_acks(), None);
     let name = [follow.instance.as_str()];
     let lag_seconds = follow.metrics.stream_lag.with_label_values(&name);
+    // The once-a-second work: the primary's silence, the log's housekeeping
+    // and an acknowledgement even when nothing changed, as a replica sends.
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
+        let mut every_second = false;
         tokio::select! {
             n = read.read_buf(&mut buf) => {
                 let n = n.map_err(io_err)?;
@@ -359,12 +366,9 @@ async fn stream_into(
                 heard = Instant::now();
                 let rec = Record::new(end, std::mem::replace(&mut buf, Vec::with_capacity(READ_CHUNK)));
                 end = rec.end();
-                let log = log.clone();
-                blocking(move || log.write(|l| l.append(&rec))).await?;
+                let writer = log.clone();
+                blocking(move || writer.write(|l| l.append(&rec))).await?;
                 lag.logged(end, Instant::now());
-                if follow.ack == StreamAck::Log {
-                    ack_at = ack_at.min(Instant::now() + ACK_DELAY);
-                }
             }
             Ok(()) = acks.changed() => {
                 if let Some(applied) = log.applied() {
@@ -372,26 +376,11 @@ async fn stream_into(
                         lag_seconds.observe(took.as_secs_f64());
                     }
                 }
-                if follow.ack == StreamAck::Replicas {
-                    ack_at = ack_at.min(Instant::now() + ACK_DELAY);
-                }
             }
-            _ = tokio::time::sleep_until(ack_at) => {
+            _ = tick.tick() => {
                 if heard.elapsed() > PRIMARY_TIMEOUT {
                     return Err(FollowError::Silent(addr.to_string()));
                 }
-                let to_ack = match follow.ack {
-                    StreamAck::Log => Some(end),
-                    StreamAck::Replicas => log.applied().map(|a| a.min(end)),
-                };
-                // Never back: a downstream that lags may join.
-                if let Some(offset) = to_ack.map(|o| o.max(acked)) {
-                    let ack = resp::command(&["REPLCONF", "ACK", &offset.to_string()]);
-                    write.write_all(&ack).await.map_err(io_err)?;
-                    acked = offset;
-                    log.set_upstream_acked(offset);
-                }
-                ack_at = Instant::now() + Duration::from_secs(1);
                 let log = log.clone();
                 let floor = log.floor(&(follow.offered)());
                 blocking(move || {
@@ -400,6 +389,23 @@ async fn stream_into(
                     l.tick(floor)
                 })
                 .await?;
+                every_second = true;
+            }
+        }
+        log.set_behind_since(log.applied().and(lag.oldest()).map(Instant::into_std));
+        // Acknowledged at once, never back (a downstream that lags may
+        // join): the primary's `WAIT` is answered as soon as the log, or
+        // the servers below, have the write.
+        let to_ack = match follow.ack {
+            StreamAck::Log => Some(end),
+            StreamAck::Replicas => log.applied().map(|a| a.min(end)),
+        };
+        if let Some(offset) = to_ack.map(|o| o.max(acked.unwrap_or(0))) {
+            if every_second || acked != Some(offset) {
+                let ack = resp::command(&["REPLCONF", "ACK", &offset.to_string()]);
+                write.write_all(&ack).await.map_err(io_err)?;
+                acked = Some(offset);
+                log.set_upstream_acked(offset);
             }
         }
     }
@@ -420,8 +426,10 @@ mod tests {
         // An acknowledgement inside a stretch completes the ones before it.
         let done = lag.applied(250, t0 + Duration::from_millis(30));
         assert_eq!(done, [Duration::from_millis(30), Duration::from_millis(20)]);
+        assert_eq!(lag.oldest(), Some(t0 + Duration::from_millis(20)));
         let done = lag.applied(300, t0 + Duration::from_millis(25));
         assert_eq!(done, [Duration::from_millis(5)]);
+        assert_eq!(lag.oldest(), None, "nothing behind");
         assert!(lag.applied(1000, t0).is_empty(), "each counted once");
     }
 

@@ -64,6 +64,10 @@ pub struct Stream {
     /// The offset last acknowledged upstream: to the primary (`REPLCONF
     /// ACK`), or to the upstream agent as applied downstream (`SAPP`).
     upstream_acked: AtomicU64,
+    /// At an agent that follows a primary: since when the oldest stretch of
+    /// the stream its slowest downstream has not applied was logged (none:
+    /// every downstream has all of it, or none reports).
+    behind_since: Mutex<Option<std::time::Instant>>,
     /// What the primary's `min-replicas-to-write` condition is now, at an
     /// agent that follows a primary ([`follow::write_safety`]).
     write_safety: Mutex<String>,
@@ -100,6 +104,7 @@ impl Stream {
             acks: Mutex::default(),
             acks_changed: watch::Sender::new(0),
             upstream_acked: AtomicU64::new(0),
+            behind_since: Mutex::default(),
             write_safety: Mutex::default(),
             gauges,
         });
@@ -233,6 +238,22 @@ impl Stream {
 
     pub fn upstream_acked(&self) -> u64 {
         self.upstream_acked.load(Ordering::Relaxed)
+    }
+
+    /// The follower's record of when the oldest stretch not yet applied
+    /// downstream was logged.
+    pub fn set_behind_since(&self, since: Option<std::time::Instant>) {
+        *self.behind_since.lock().expect("behind lock") = since;
+    }
+
+    /// How long the slowest downstream has been behind the primary's
+    /// stream: the age of the oldest stretch it has not applied (zero when
+    /// it has everything, or where this agent does not follow a primary).
+    pub fn behind(&self) -> std::time::Duration {
+        self.behind_since
+            .lock()
+            .expect("behind lock")
+            .map_or(std::time::Duration::ZERO, |t| t.elapsed())
     }
 
     /// Records found damaged on reading since the agent started.

@@ -524,6 +524,7 @@ async fn negotiate(
         data_tls: ctx.dialer.data_tls.is_some(),
         snapshot: ctx.want.map(Into::into),
         tcp_streams: ctx.config.data.tcp_streams,
+        from_stream_log: ctx.config.handoff.mode == crate::config::HandoffMode::RedisStream,
     };
     let offer = ctx
         .or_cancel(peer.open_full_sync(request))

@@ -54,6 +54,8 @@ pub struct Ask {
     pub tcp_streams: u32,
     /// The instance it asks for (empty: the only one).
     pub instance: String,
+    /// It continues the snapshot from a stream log, not from the primary.
+    pub from_stream_log: bool,
 }
 
 /// Why a source makes no offer.
@@ -200,7 +202,7 @@ impl Offers {
         let mut chosen = choose(&instance, ask.snapshot.as_ref())?;
         let id = new_id();
         let (backlog, backlog_bytes_left) =
-            lease_backlog(&instance, &id, &chosen.entry.info).await?;
+            lease_backlog(&instance, &id, &chosen.entry.info, ask.from_stream_log).await?;
         let snapshot = self.hold(&instance, &mut chosen, transport).await?;
         let replica = match ask.replica_node.as_str() {
             "" => "unnamed".to_string(),
@@ -343,7 +345,23 @@ async fn lease_backlog(
     instance: &Instance,
     id: &str,
     info: &SnapshotInfo,
+    from_stream_log: bool,
 ) -> Result<(Option<Lease>, u64), OfferError> {
+    // A replica fed from a stream log takes the stream after M from this
+    // agent's log, whose retention keeps every offered snapshot continuous:
+    // what the primary's backlog still holds does not matter to it.
+    if let (true, Some(stream)) = (from_stream_log, &instance.stream) {
+        let replid = info.repl_id.as_deref().unwrap_or_default();
+        let log = stream.lock();
+        return match log.covers(replid, info.seq) {
+            Ok(()) => Ok((None, 0)),
+            Err(_) => Err(OfferError::Unsupported(format!(
+                "this agent's stream log does not continue the snapshot of seq {} (it holds {}): a replica fed from a stream log needs a snapshot the log continues",
+                info.seq,
+                log.describe()
+            ))),
+        };
+    }
     let Some(guard) = instance
         .backlog
         .as_ref()

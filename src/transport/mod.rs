@@ -159,6 +159,19 @@ pub fn blocking_data_socket(
     Ok(stream)
 }
 
+/// Sets up a stream session's socket, either end: a dead peer noticed as
+/// on every data connection ([`detect_dead_peer`]), and every write sent at
+/// once. A stream frame or an acknowledgement is small and awaited: with
+/// Nagle's algorithm a frame's second write waits for the peer's delayed
+/// ACK (40 ms), and every `WAIT` on the primary with it.
+pub fn stream_socket(
+    stream: &impl std::os::fd::AsFd,
+    peer_timeout: Duration,
+) -> std::io::Result<()> {
+    detect_dead_peer(stream, peer_timeout)?;
+    socket2::SockRef::from(stream).set_tcp_nodelay(true)
+}
+
 /// Makes a data connection notice a peer that went silent (cable cut, host
 /// gone: no FIN, no RST) within `peer_timeout`: keepalive probes while it
 /// waits to read, `TCP_USER_TIMEOUT` while its writes go unacknowledged. The

@@ -352,10 +352,10 @@ impl Proved {
     ) -> Result<Result<super::stream::StreamLink, std::io::Error>, Proved> {
         use super::stream::StreamLink;
         Ok(match self.conn {
-            ProvedConn::Tcp(s, read_ahead) => super::detect_dead_peer(&s, peer_timeout)
+            ProvedConn::Tcp(s, read_ahead) => super::stream_socket(&s, peer_timeout)
                 .map(|()| StreamLink::new(Box::new(s), read_ahead)),
             ProvedConn::Tls(t, read_ahead) => {
-                super::detect_dead_peer(t.get_ref().0.get_ref(), peer_timeout)
+                super::stream_socket(t.get_ref().0.get_ref(), peer_timeout)
                     .map(|()| StreamLink::new(t, read_ahead))
             }
             conn => {

@@ -78,8 +78,7 @@ impl StreamLink {
             .await
             .map_err(|_| io("connect")(std::io::ErrorKind::TimedOut.into()))?
             .map_err(io("connect"))?;
-        tcp.set_nodelay(true).map_err(io("connect"))?;
-        super::detect_dead_peer(&tcp, peer_timeout).map_err(io("connect"))?;
+        super::stream_socket(&tcp, peer_timeout).map_err(io("connect"))?;
         let io: Box<dyn ByteStream> = match tls {
             None => Box::new(tcp),
             Some(t) => {
