@@ -21,7 +21,8 @@
 #      vs kvsync (a `fanout --stream` tree of degree 2 over 8 replica
 #      agents, each feeding its server).
 # Prints markdown tables. Usage: scripts/bench-stream.sh KVSYNC_BIN [RUNS]
-# Knobs: RATE=1048576 LAT_SECS=10 BENCH_N=1000000 SERVER=redis|valkey
+# Knobs: RATE=1048576 LAT_SECS=10 BENCH_N=1000000 PART_SECS=60
+#        SERVER=redis|valkey PARTS="1 2 3 4" (which measurements)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=$1
@@ -30,6 +31,8 @@ rate=${RATE:-1048576}
 lat_secs=${LAT_SECS:-10}
 bench_n=${BENCH_N:-1000000}
 srv=${SERVER:-redis}
+parts=" ${PARTS:-1 2 3 4} "
+part() { [[ "$parts" == *" $1 "* ]]; }
 case "$srv" in
     redis) bash scripts/deps.sh redis-server redis-tools ;;
     valkey) bash scripts/deps.sh valkey-server/backports valkey-tools/backports ;;
@@ -81,7 +84,12 @@ caught_up() {
 agent() { # NAME CONFIG: prints the agent's gRPC and metrics addresses once ready
     local name=$1
     printf '%s\n' "$2" >"$work/$name.toml"
-    in_host "$host" env KVSYNC_LOG=warn "$bin" agent --config "$work/$name.toml" >"$work/$name.out" 2>"$work/$name.log" &
+    # Started directly (not through a function) so that $! is the agent.
+    if [ -n "$host" ]; then
+        KVSYNC_LOG=warn ip netns exec "$host" "$bin" agent --config "$work/$name.toml" >"$work/$name.out" 2>"$work/$name.log" &
+    else
+        KVSYNC_LOG=warn "$bin" agent --config "$work/$name.toml" >"$work/$name.out" 2>"$work/$name.log" &
+    fi
     echo $! >>"$work/pids"
     echo $! >"$work/$name.pid"
     for _ in $(seq 200); do grep -q ready "$work/$name.out" 2>/dev/null && break; sleep 0.05; done
@@ -146,6 +154,7 @@ offered() {
     echo "agent $1 offered no RDB" >&2; exit 1
 }
 median() { printf '%s\n' "$@" | sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
+m() { median ${1}; }  # the median of a space-separated list
 now() { date +%s.%N; }
 
 # The two setups, each primary with 100k keys first.
@@ -165,8 +174,8 @@ caught_up "$PD" "$RD"
 caught_up "$PK" "$RK"
 echo "setups ready: direct $PD -> $RD; kvsync $PK -> agents -> $RK" >&2
 
-if [ -n "${ONLY_EGRESS:-}" ]; then runs=0; fi
 # 1. WAIT latency under a steady writer.
+if part 1; then
 declare -A p50 p99 p999
 for setup in direct kvsync; do p50[$setup]=""; p99[$setup]=""; p999[$setup]=""; done
 for run in $(seq "$runs"); do
@@ -182,7 +191,6 @@ for run in $(seq "$runs"); do
         p999[$setup]+="$(echo "$line" | sed -E 's/.*p999_ms=([0-9.]+).*/\1/') "
     done
 done
-m() { median ${1}; }
 echo "#### WAIT 1 round trip, a writer at $rate bytes/s of 100-byte values, $lat_secs s a run, median of $runs alternating runs"
 echo ""
 echo "| path | P50 | P99 | P99.9 |"
@@ -195,7 +203,10 @@ echo ""
 echo "kvsync - direct, P50: $(awk -v a="$(m "${p50[kvsync]}")" -v b="$(m "${p50[direct]}")" 'BEGIN {printf "%+.3f ms", a - b}'); kvsync / direct, P99.9: $(awk -v a="$(m "${p999[kvsync]}")" -v b="$(m "${p999[direct]}")" 'BEGIN {printf "%.2f", a / b}')."
 echo ""
 
+fi
+
 # 2. Sustained throughput: how far the replica server falls behind.
+if part 2; then
 declare -A rps behind catchup
 for setup in direct kvsync; do rps[$setup]=""; behind[$setup]=""; catchup[$setup]=""; done
 for run in $(seq "$runs"); do
@@ -231,8 +242,11 @@ for setup in direct kvsync; do
 done
 echo ""
 
+fi
+
 # 3. Egress with 8 replica servers: the first replica of each setup leaves
 # (the direct one becomes a primary of its own, the replica agent stops).
+if part 3; then
 rcli "$RD" replicaof no one >/dev/null
 kill "$(cat "$work/rep.pid")"
 declare -A rports
@@ -280,7 +294,10 @@ for setup in direct kvsync; do
 done
 echo ""
 
+fi
+
 # 4. A partition between the replica's host and the primary's.
+part 4 || exit 0
 part_secs=${PART_SECS:-60}
 echo "#### A ${part_secs} s partition between the replica's host and the primary's (network namespaces), the primary writing 5 × its 1 MB backlog meanwhile, median of $runs runs (both setups cut by the same link)"
 echo ""

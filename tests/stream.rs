@@ -98,9 +98,15 @@ fn the_primarys_agent_follows_it_into_the_log_and_continues_after_a_restart(serv
     rt.block_on(agent.offered(rdb_offset));
 
     primary.fill("after", 2000, "value-of-the-stream");
-    // WAIT counts the agent once the writes are in its log.
+    // WAIT counts the agent once the writes are in its log, and at once:
+    // the agent answers the primary's GETACK without waiting for its
+    // once-a-second acknowledgement.
     let acked: i64 = primary.cmd(&["WAIT", "1", "10000"]);
     assert_eq!(acked, 1, "WAIT 1 counts the agent");
+    let mut con = primary.con();
+    for i in 0..20 {
+        assert_eq!(write_and_wait(&mut con, &format!("waited:{i}"), 200), 1);
+    }
     let end = primary.info("replication").num("master_repl_offset");
     wait_for(
         "the agent to acknowledge the primary's offset",

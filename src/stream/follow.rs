@@ -12,8 +12,9 @@
 //! the log starts over at its offset. A `+CONTINUE <new id>` after the
 //! primary's restart or promotion continues the log under the new id.
 //!
-//! Acknowledgement, every second and at once on a change (one `REPLCONF
-//! ACK` for each read from the primary, or each change downstream):
+//! Acknowledgement, every second as a replica's, and at once when the
+//! primary asks (`REPLCONF GETACK` in the stream, which `WAIT` sends) or,
+//! with `ack = "replicas"`, when the servers below acknowledge more:
 //! with `ack = "log"` the primary is told the log's end, so `WAIT` counts
 //! the agent once the bytes are in its log; with `ack = "replicas"` the
 //! lowest offset the servers fed from the log acknowledged (none: no
@@ -42,6 +43,10 @@ use crate::config::StreamAck;
 use crate::kv::resp;
 use crate::metrics::Metrics;
 
+/// The end of a `REPLCONF GETACK *` in the stream: the primary asks its
+/// replicas where they stand (as `WAIT` does), and a replica answers at
+/// once. The primary writes the command in capitals.
+const GETACK: &[u8] = b"\r\n$6\r\nGETACK\r\n";
 /// A primary that sends nothing (not even its pings) for this long is
 /// taken as gone, as a replica's `repl-timeout` does.
 pub const PRIMARY_TIMEOUT: Duration = Duration::from_secs(60);
@@ -348,16 +353,19 @@ async fn stream_into(
     let (_, mut end) = position(log).expect("the session set the log's start");
     let mut heard = Instant::now();
     let mut buf = Vec::with_capacity(READ_CHUNK);
-    let (mut lag, mut acks, mut acked) = (Lag::default(), log.watch_acks(), None);
+    let (mut lag, mut acks, mut acked) = (Lag::default(), log.watch_acks(), 0);
     let name = [follow.instance.as_str()];
     let lag_seconds = follow.metrics.stream_lag.with_label_values(&name);
     // The once-a-second work: the primary's silence, the log's housekeeping
     // and an acknowledgement even when nothing changed, as a replica sends.
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The end of the last read, where a GETACK may have begun.
+    let mut tail: Vec<u8> = Vec::new();
     loop {
-        let mut every_second = false;
-        tokio::select! {
+        // Acknowledge now: the primary asked (`ack = "log"`), the servers
+        // below acknowledged more (`ack = "replicas"`), or a second passed.
+        let ack_now = tokio::select! {
             n = read.read_buf(&mut buf) => {
                 let n = n.map_err(io_err)?;
                 if n == 0 {
@@ -366,9 +374,11 @@ async fn stream_into(
                 heard = Instant::now();
                 let rec = Record::new(end, std::mem::replace(&mut buf, Vec::with_capacity(READ_CHUNK)));
                 end = rec.end();
+                let asked = asks_for_ack(&mut tail, &rec.bytes);
                 let writer = log.clone();
                 blocking(move || writer.write(|l| l.append(&rec))).await?;
                 lag.logged(end, Instant::now());
+                follow.ack == StreamAck::Log && asked
             }
             Ok(()) = acks.changed() => {
                 if let Some(applied) = log.applied() {
@@ -376,6 +386,7 @@ async fn stream_into(
                         lag_seconds.observe(took.as_secs_f64());
                     }
                 }
+                follow.ack == StreamAck::Replicas
             }
             _ = tick.tick() => {
                 if heard.elapsed() > PRIMARY_TIMEOUT {
@@ -389,26 +400,45 @@ async fn stream_into(
                     l.tick(floor)
                 })
                 .await?;
-                every_second = true;
+                true
             }
-        }
+        };
         log.set_behind_since(log.applied().and(lag.oldest()).map(Instant::into_std));
-        // Acknowledged at once, never back (a downstream that lags may
-        // join): the primary's `WAIT` is answered as soon as the log, or
-        // the servers below, have the write.
+        if !ack_now {
+            continue;
+        }
+        // Never back: a downstream that lags may join.
         let to_ack = match follow.ack {
             StreamAck::Log => Some(end),
             StreamAck::Replicas => log.applied().map(|a| a.min(end)),
         };
-        if let Some(offset) = to_ack.map(|o| o.max(acked.unwrap_or(0))) {
-            if every_second || acked != Some(offset) {
-                let ack = resp::command(&["REPLCONF", "ACK", &offset.to_string()]);
-                write.write_all(&ack).await.map_err(io_err)?;
-                acked = Some(offset);
-                log.set_upstream_acked(offset);
-            }
+        if let Some(offset) = to_ack.map(|o| o.max(acked)) {
+            let ack = resp::command(&["REPLCONF", "ACK", &offset.to_string()]);
+            write.write_all(&ack).await.map_err(io_err)?;
+            acked = offset;
+            log.set_upstream_acked(offset);
         }
     }
+}
+
+/// Whether `bytes`, read after `tail` (the end of the read before, kept
+/// here for the next), hold a `REPLCONF GETACK`: the primary waits for
+/// the answer (`WAIT`), so it goes out at once rather than on the
+/// once-a-second tick. A value that happens to hold the same bytes costs
+/// one early acknowledgement, nothing more.
+fn asks_for_ack(tail: &mut Vec<u8>, bytes: &[u8]) -> bool {
+    let head = &bytes[..bytes.len().min(GETACK.len() - 1)];
+    tail.extend_from_slice(head);
+    let asked = memchr::memmem::find(tail, GETACK).is_some()
+        || memchr::memmem::find(bytes, GETACK).is_some();
+    let keep = tail.len().min(GETACK.len() - 1);
+    if bytes.len() >= GETACK.len() - 1 {
+        tail.clear();
+        tail.extend_from_slice(&bytes[bytes.len() - (GETACK.len() - 1)..]);
+    } else {
+        tail.drain(..tail.len() - keep);
+    }
+    asked
 }
 
 #[cfg(test)]
@@ -431,6 +461,29 @@ mod tests {
         assert_eq!(done, [Duration::from_millis(5)]);
         assert_eq!(lag.oldest(), None, "nothing behind");
         assert!(lag.applied(1000, t0).is_empty(), "each counted once");
+    }
+
+    #[test]
+    fn a_getack_is_found_whole_or_split_across_reads() {
+        let cmd = b"*3\r\n$8\r\nREPLCONF\r\n$6\r\nGETACK\r\n$1\r\n*\r\n";
+        let set = b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$1\r\nv\r\n";
+        let mut tail = Vec::new();
+        assert!(!asks_for_ack(&mut tail, set));
+        assert!(asks_for_ack(&mut tail, cmd), "whole");
+        assert!(!asks_for_ack(&mut tail, set), "once");
+        // Split at every point, and read a byte at a time.
+        for at in 1..cmd.len() {
+            let mut tail = Vec::new();
+            let (a, b) = cmd.split_at(at);
+            let found = asks_for_ack(&mut tail, a) | asks_for_ack(&mut tail, b);
+            assert!(found, "split at {at}");
+        }
+        let mut tail = Vec::new();
+        let found = cmd
+            .iter()
+            .fold(false, |f, b| asks_for_ack(&mut tail, &[*b]) | f);
+        assert!(found, "a byte at a time");
+        assert!(tail.len() < GETACK.len());
     }
 
     #[test]
