@@ -312,12 +312,11 @@ async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<()
                     _ => break,
                 }
             };
+            // One write for what was read, however many records it holds.
             let records = stream.read(plan, CHUNK).await?;
-            for rec in records {
-                let bytes = &rec.bytes[(at - rec.offset) as usize..];
-                write.write_all(bytes).await?;
-                at = rec.end();
-            }
+            let run = super::log::contiguous(&records, at);
+            write.write_all(&run).await?;
+            at += run.len() as u64;
         }
         tokio::select! {
             r = changed.changed() => if r.is_err() { return Ok(()) },

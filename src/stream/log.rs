@@ -593,6 +593,18 @@ impl Log {
     }
 }
 
+/// The stream from `from` on, as one run of bytes: `records` are
+/// consecutive, and the first holds `from`.
+pub fn contiguous(records: &[Record], from: u64) -> Vec<u8> {
+    let mut run = Vec::with_capacity(records.iter().map(|r| r.bytes.len()).sum());
+    for rec in records {
+        let at = from + run.len() as u64;
+        debug_assert!(rec.offset <= at && at <= rec.end(), "records run on");
+        run.extend_from_slice(&rec.bytes[(at - rec.offset) as usize..]);
+    }
+    run
+}
+
 /// Reads whole records of `plan`, from the one holding its offset, up to
 /// about `max` bytes; each is checked against its hash.
 pub fn read(plan: &ReadPlan, max: usize) -> Result<Vec<Record>, LogError> {
@@ -766,6 +778,18 @@ fn scan(path: &Path, check: bool) -> Result<Segment, LogError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn consecutive_records_make_one_run_from_an_offset_inside_the_first() {
+        let recs = [
+            Record::new(0, b"abc".to_vec()),
+            Record::new(3, b"de".to_vec()),
+            Record::new(5, b"fghi".to_vec()),
+        ];
+        assert_eq!(contiguous(&recs, 1), b"bcdefghi");
+        assert_eq!(contiguous(&recs[1..], 3), b"defghi");
+        assert_eq!(contiguous(&recs[2..], 9), b"");
+    }
 
     const ID_A: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
     const ID_B: &str = "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb";
