@@ -21,7 +21,7 @@
 #      vs kvsync (a `fanout --stream` tree of degree 2 over 8 replica
 #      agents, each feeding its server).
 # Prints markdown tables. Usage: scripts/bench-stream.sh KVSYNC_BIN [RUNS]
-# Knobs: RATE=1048576 LAT_SECS=10 BENCH_N=1000000 PART_SECS=60
+# Knobs: KEEP=1 (keep the servers' and agents' files) RATE=1048576 LAT_SECS=10 BENCH_N=1000000 PART_SECS=60
 #        SERVER=redis|valkey PARTS="1 2 3 4" (which measurements)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,7 +46,7 @@ cleanup() {
     for f in "$work"/*/redis.pid; do [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null || true; done
     [ -f "$work/pids" ] && xargs -r kill <"$work/pids" 2>/dev/null || true
     wait 2>/dev/null || true
-    rm -rf "$work"
+    if [ -n "${KEEP:-}" ]; then echo "kept $work" >&2; else rm -rf "$work"; fi
 }
 trap cleanup EXIT
 
@@ -173,6 +173,8 @@ cli_on sync --agent "$REP" --source "$SRC" --wait >/dev/null
 caught_up "$PD" "$RD"
 caught_up "$PK" "$RK"
 echo "setups ready: direct $PD -> $RD; kvsync $PK -> agents -> $RK" >&2
+declare -A primary_of=([direct]=$PD [kvsync]=$PK) replica_of=([direct]=$RD [kvsync]=$RK)
+declare -A path_name=([direct]="direct $srv replication" [kvsync]="through kvsync (TCP, two agents)")
 
 # 1. WAIT latency under a steady writer.
 if part 1; then
@@ -180,7 +182,7 @@ declare -A p50 p99 p999
 for setup in direct kvsync; do p50[$setup]=""; p99[$setup]=""; p999[$setup]=""; done
 for run in $(seq "$runs"); do
     for setup in direct kvsync; do
-        p=$([ "$setup" = direct ] && echo "$PD" || echo "$PK")
+        p=${primary_of[$setup]}
         "$examples/redis_writer" "127.0.0.1:$p" "$rate" 100 >/dev/null &
         writer=$!
         line=$("$examples/wait_latency" "127.0.0.1:$p" "$lat_secs")
@@ -191,13 +193,12 @@ for run in $(seq "$runs"); do
         p999[$setup]+="$(echo "$line" | sed -E 's/.*p999_ms=([0-9.]+).*/\1/') "
     done
 done
-echo "#### WAIT 1 round trip, a writer at $rate bytes/s of 100-byte values, $lat_secs s a run, median of $runs alternating runs"
+echo "#### WAIT 1 round trip (kvsync: ack = \"replicas\"), a writer at $rate bytes/s of 100-byte values, $lat_secs s a run, median of $runs alternating runs"
 echo ""
 echo "| path | P50 | P99 | P99.9 |"
 echo "|---|---|---|---|"
 for setup in direct kvsync; do
-    name=$([ "$setup" = direct ] && echo "direct $srv replication" || echo "through kvsync (TCP, two agents, ack = replicas)")
-    echo "| $name | $(m "${p50[$setup]}") ms | $(m "${p99[$setup]}") ms | $(m "${p999[$setup]}") ms |"
+    echo "| ${path_name[$setup]} | $(m "${p50[$setup]}") ms | $(m "${p99[$setup]}") ms | $(m "${p999[$setup]}") ms |"
 done
 echo ""
 echo "kvsync - direct, P50: $(awk -v a="$(m "${p50[kvsync]}")" -v b="$(m "${p50[direct]}")" 'BEGIN {printf "%+.3f ms", a - b}'); kvsync / direct, P99.9: $(awk -v a="$(m "${p999[kvsync]}")" -v b="$(m "${p999[direct]}")" 'BEGIN {printf "%.2f", a / b}')."
@@ -211,8 +212,7 @@ declare -A rps behind catchup
 for setup in direct kvsync; do rps[$setup]=""; behind[$setup]=""; catchup[$setup]=""; done
 for run in $(seq "$runs"); do
     for setup in direct kvsync; do
-        p=$([ "$setup" = direct ] && echo "$PD" || echo "$PK")
-        r=$([ "$setup" = direct ] && echo "$RD" || echo "$RK")
+        p=${primary_of[$setup]} r=${replica_of[$setup]}
         $benchmark -p "$p" -t set -P 16 -n "$bench_n" -r 100000 -d 100 -q >"$work/bench.out" 2>/dev/null &
         b=$!
         most=0
@@ -237,8 +237,7 @@ echo ""
 echo "| path | SET rate | most bytes the replica server was behind | caught up after the benchmark |"
 echo "|---|---|---|---|"
 for setup in direct kvsync; do
-    name=$([ "$setup" = direct ] && echo "direct $srv replication" || echo "through kvsync (TCP, two agents)")
-    echo "| $name | $(m "${rps[$setup]}") req/s | $(m "${behind[$setup]}") | $(m "${catchup[$setup]}") s |"
+    echo "| ${path_name[$setup]} | $(m "${rps[$setup]}") req/s | $(m "${behind[$setup]}") | $(m "${catchup[$setup]}") s |"
 done
 echo ""
 
@@ -271,7 +270,7 @@ egress() { field "$1" stats total_net_repl_output_bytes; }
 source_bytes() { metric "$SRC_METRICS" 'kvsync_stream_bytes_total{kv_instance="default",role="source"}' | cut -d. -f1; }
 declare -A stream_bytes primary_out host_out
 for setup in direct kvsync; do
-    p=$([ "$setup" = direct ] && echo "$PD" || echo "$PK")
+    p=${primary_of[$setup]}
     for r in ${rports[$setup]}; do caught_up "$p" "$r"; done
     o0=$(offset "$p"); e0=$(egress "$p"); s0=$(source_bytes)
     timeout 10 "$examples/redis_writer" "127.0.0.1:$p" "$((4 * rate))" 100 >/dev/null || true
@@ -326,7 +325,8 @@ ns_listen() { # IP
 host=$ns_a
 take_port PD2; take_port PK2; take_port RD2; take_port RK2
 # The same repl-timeout on both primaries: a cut link is dropped after 30 s.
-server part-direct-p "$PD2" --repl-backlog-size 1mb --repl-timeout 30 --bind 127.0.0.1 10.99.0.1
+# (Its own namespace: no password, so protected mode is off for the replica.)
+server part-direct-p "$PD2" --repl-backlog-size 1mb --repl-timeout 30 --bind 127.0.0.1 10.99.0.1 --protected-mode no
 server part-kvsync-p "$PK2" --repl-backlog-size 1mb --repl-timeout 30
 for p in "$PD2" "$PK2"; do rcli "$p" debug populate 1000000 key 100 >/dev/null; done
 listen=$(ns_listen 10.99.0.1)
@@ -342,6 +342,8 @@ following "$SRC2"
 offered "$SRC2"
 following "$REP2"
 cli_on sync --agent "$REP2" --source "$SRC2" --wait >/dev/null
+for _ in $(seq 600); do [ "$(field "$RD2" replication master_link_status)" = up ] && break; sleep 0.05; done
+[ "$(field "$RD2" replication master_link_status)" = up ] || { echo "the direct replica never linked" >&2; exit 1; }
 caught_up "$PD2" "$RD2"
 caught_up "$PK2" "$RK2"
 declare -A fulls forks errors back
@@ -391,7 +393,6 @@ done
 echo "| path | full resyncs of the primary | primary forks | seconds the replica server answered errors | caught up after the link returned |"
 echo "|---|---|---|---|---|"
 for setup in direct kvsync; do
-    name=$([ "$setup" = direct ] && echo "direct $srv replication" || echo "through kvsync (TCP, two agents)")
-    echo "| $name | $(m "${fulls[$setup]}") | $(m "${forks[$setup]}") | $(m "${errors[$setup]}") s | $(m "${back[$setup]}") s |"
+    echo "| ${path_name[$setup]} | $(m "${fulls[$setup]}") | $(m "${forks[$setup]}") | $(m "${errors[$setup]}") s | $(m "${back[$setup]}") s |"
 done
 echo ""

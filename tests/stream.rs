@@ -748,11 +748,10 @@ fn a_replica_agent_killed_for_longer_than_the_primarys_backlog_continues_its_ser
 
 on_both_servers!(a_replica_agent_killed_for_longer_than_the_primarys_backlog_continues_its_server);
 
-#[test]
-fn a_record_damaged_on_disk_is_never_served_and_is_fetched_again_from_the_primary() {
+fn a_record_damaged_on_disk_is_never_served_and_is_fetched_again_from_the_primary(server: Server) {
     use std::os::unix::fs::FileExt;
     let root = tempfile::tempdir().unwrap();
-    let primary = Redis::start(Server::Redis, &root.path().join("p"), &[]);
+    let primary = Redis::start(server, &root.path().join("p"), &[]);
     let src_log = root.path().join("src-log");
     let source = following_source(root.path(), &primary, &[]);
     primary.fill("k", 1000, "value-of-the-stream");
@@ -819,14 +818,15 @@ fn a_record_damaged_on_disk_is_never_served_and_is_fetched_again_from_the_primar
     assert!(String::from_utf8_lossy(&rep).contains("k:999"));
 }
 
-#[test]
-fn a_full_log_disk_stops_logging_with_an_error_and_leaves_the_primary_alone() {
+on_both_servers!(a_record_damaged_on_disk_is_never_served_and_is_fetched_again_from_the_primary);
+
+fn a_full_log_disk_stops_logging_with_an_error_and_leaves_the_primary_alone(server: Server) {
     let root = tempfile::tempdir().unwrap();
     let Some(fs) = SmallFs::mount(&root.path().join("logfs"), "2m") else {
         return;
     };
     let primary = Redis::start(
-        Server::Redis,
+        server,
         &root.path().join("p"),
         &["--repl-backlog-size", "64mb"],
     );
@@ -869,6 +869,8 @@ fn a_full_log_disk_stops_logging_with_an_error_and_leaves_the_primary_alone() {
     assert_eq!(first + bytes.len() as u64, end, "the log is continuous");
     assert!(String::from_utf8_lossy(&bytes).contains("more:99"));
 }
+
+on_both_servers!(a_full_log_disk_stops_logging_with_an_error_and_leaves_the_primary_alone);
 
 /// `kvsync stream release` of `agent`'s server to `primary`.
 fn release(agent: &str, primary: &Redis) -> (bool, String, String) {
@@ -980,13 +982,14 @@ fn a_hand_over_that_would_be_a_full_resync_is_refused_and_changes_nothing() {
     assert_eq!(rs.info("replication").get("role"), Some("master"));
 }
 
-#[test]
-fn a_stream_tree_converges_and_children_re_parent_from_their_offsets_when_their_relay_dies() {
+fn a_stream_tree_converges_and_children_re_parent_from_their_offsets_when_their_relay_dies(
+    server: Server,
+) {
     // origin → relays a, b; a → c, d (fan-out degree 2), c and d feeding
     // servers; then a is killed and c, d turn to the origin.
     let root = tempfile::tempdir().unwrap();
     let r = root.path();
-    let primary = Redis::start(Server::Redis, &r.join("p"), &[]);
+    let primary = Redis::start(server, &r.join("p"), &[]);
     let origin = following_source(r, &primary, &[]);
     primary.fill("before", 500, "v");
     wait_for("the full resync's RDB offered", DEADLINE, || {
@@ -1006,8 +1009,8 @@ fn a_stream_tree_converges_and_children_re_parent_from_their_offsets_when_their_
     };
     let (mut a, b) = (relay("a"), relay("b"));
     let servers = [
-        Redis::standalone_replica(Server::Redis, &r.join("rc")),
-        Redis::standalone_replica(Server::Redis, &r.join("rd")),
+        Redis::standalone_replica(server, &r.join("rc")),
+        Redis::standalone_replica(server, &r.join("rd")),
     ];
     let leaves: Vec<Node> = ["c", "d"]
         .iter()
@@ -1082,6 +1085,10 @@ fn a_stream_tree_converges_and_children_re_parent_from_their_offsets_when_their_
     );
     drop(b);
 }
+
+on_both_servers!(
+    a_stream_tree_converges_and_children_re_parent_from_their_offsets_when_their_relay_dies
+);
 
 #[test]
 fn the_primarys_write_safety_is_watched_degraded_while_no_replica_acknowledges_and_restored() {
