@@ -1245,22 +1245,17 @@ fn a_replica_agent_too_old_for_its_upstream_is_re_seeded_from_the_snapshot_it_na
     );
 }
 
-/// What `f` returns, run on host `host` (its servers are on its loopback).
-fn on<T: Send>(hosts: &Hosts, host: usize, f: impl FnOnce() -> T + Send) -> T {
-    hosts.run_in(host, f)
-}
-
 /// Waits until `rs` on host 1 has applied everything `primary` on host 0
 /// wrote and holds as many keys.
 fn converged_across(hosts: &Hosts, rs: &Redis, primary: &Redis, what: &str) {
     wait_for(what, DEADLINE, || {
-        let (end, keys) = on(hosts, 0, || {
+        let (end, keys) = hosts.run_in(0, || {
             (
                 primary.info("replication").num("master_repl_offset"),
                 primary.cmd::<i64>(&["DBSIZE"]),
             )
         });
-        let (at, has) = on(hosts, 1, || {
+        let (at, has) = hosts.run_in(1, || {
             (
                 rs.info("replication").num("master_repl_offset"),
                 rs.cmd::<i64>(&["DBSIZE"]),
@@ -1281,9 +1276,9 @@ fn same_sample_across(hosts: &Hosts, rs: &Redis, primary: &Redis, written: usize
             .map(|k| r.cmd::<Vec<u8>>(&["DUMP", k]))
             .collect::<Vec<_>>()
     };
-    let want = on(hosts, 0, || dumps(primary));
+    let want = hosts.run_in(0, || dumps(primary));
     assert!(
-        on(hosts, 1, || dumps(rs)) == want,
+        hosts.run_in(1, || dumps(rs)) == want,
         "the sampled keys differ"
     );
 }
@@ -1307,7 +1302,7 @@ fn a_link_cut_between_the_agents_for_longer_than_the_primarys_backlog_continues_
     let root = tempfile::tempdir().unwrap();
     let r = root.path();
     let backlog = 1 << 20;
-    let primary = on(&hosts, 0, || {
+    let primary = hosts.run_in(0, || {
         let p = Redis::start(server, &r.join("p"), &["--repl-backlog-size", "1mb"]);
         p.fill("before", 500, "v");
         p
@@ -1316,7 +1311,7 @@ fn a_link_cut_between_the_agents_for_longer_than_the_primarys_backlog_continues_
     let timeout = "[data]\npeer_timeout = \"5s\"\n";
     let source_config = format!("{}{timeout}", follower_config(&primary, &r.join("src-log")));
     let start_source = || {
-        on(&hosts, 0, || {
+        hosts.run_in(0, || {
             let source = agent_at(
                 r,
                 "src",
@@ -1330,7 +1325,7 @@ fn a_link_cut_between_the_agents_for_longer_than_the_primarys_backlog_continues_
         })
     };
     let mut source = start_source();
-    let (rs, replica) = on(&hosts, 1, || {
+    let (rs, replica) = hosts.run_in(1, || {
         let rs = Redis::standalone_replica(server, &r.join("r"));
         let config = format!(
             "{}{timeout}",
@@ -1348,9 +1343,9 @@ fn a_link_cut_between_the_agents_for_longer_than_the_primarys_backlog_continues_
         &primary,
         "the fed server to converge after seeding",
     );
-    let process_id = on(&hosts, 1, || rs.info("server").num("process_id"));
+    let process_id = hosts.run_in(1, || rs.info("server").num("process_id"));
     let reconnects = || {
-        on(&hosts, 1, || {
+        hosts.run_in(1, || {
             replica
                 .metric("kvsync_stream_reconnects_total{kv_instance=\"default\",source=\"agent\"}")
         })
@@ -1359,18 +1354,12 @@ fn a_link_cut_between_the_agents_for_longer_than_the_primarys_backlog_continues_
     // agent's host is cut off; `restart` runs during the cut.
     let cut_while_writing = |restart: &mut dyn FnMut()| {
         let before = reconnects();
-        let con = on(&hosts, 0, || primary.con());
-        let offset = || {
-            on(&hosts, 0, || {
-                primary.info("replication").num("master_repl_offset")
-            })
-        };
+        let con = hosts.run_in(0, || primary.con());
+        let offset = || hosts.run_in(0, || primary.info("replication").num("master_repl_offset"));
         let from = offset();
         hosts.set_link(1, false);
         let written = steady_writer(con, 4, 600).join().unwrap();
-        let held = on(&hosts, 1, || {
-            rs.info("replication").num("master_repl_offset")
-        });
+        let held = hosts.run_in(1, || rs.info("replication").num("master_repl_offset"));
         assert!(held < offset(), "the cut holds the stream back");
         restart();
         hosts.set_link(1, true);
@@ -1399,7 +1388,7 @@ fn a_link_cut_between_the_agents_for_longer_than_the_primarys_backlog_continues_
         source.proc.wait_exit();
         source = start_source();
     });
-    let (full, partial) = on(&hosts, 0, || {
+    let (full, partial) = hosts.run_in(0, || {
         let stats = primary.info("stats");
         (stats.num("sync_full"), stats.num("sync_partial_ok"))
     });
@@ -1409,7 +1398,7 @@ fn a_link_cut_between_the_agents_for_longer_than_the_primarys_backlog_continues_
         "the restarted agent continued by a partial resync"
     );
     assert_eq!(
-        on(&hosts, 1, || rs.info("server").num("process_id")),
+        hosts.run_in(1, || rs.info("server").num("process_id")),
         process_id,
         "the same server process"
     );

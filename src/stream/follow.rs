@@ -427,16 +427,16 @@ async fn stream_into(
 /// once-a-second tick. A value that happens to hold the same bytes costs
 /// one early acknowledgement, nothing more.
 fn asks_for_ack(tail: &mut Vec<u8>, bytes: &[u8]) -> bool {
-    let head = &bytes[..bytes.len().min(GETACK.len() - 1)];
-    tail.extend_from_slice(head);
+    const KEEP: usize = GETACK.len() - 1;
+    tail.extend_from_slice(&bytes[..bytes.len().min(KEEP)]);
     let asked = memchr::memmem::find(tail, GETACK).is_some()
         || memchr::memmem::find(bytes, GETACK).is_some();
-    let keep = tail.len().min(GETACK.len() - 1);
-    if bytes.len() >= GETACK.len() - 1 {
+    // Keep the last KEEP bytes read so far.
+    if bytes.len() >= KEEP {
         tail.clear();
-        tail.extend_from_slice(&bytes[bytes.len() - (GETACK.len() - 1)..]);
+        tail.extend_from_slice(&bytes[bytes.len() - KEEP..]);
     } else {
-        tail.drain(..tail.len() - keep);
+        tail.drain(..tail.len().saturating_sub(KEEP));
     }
     asked
 }
