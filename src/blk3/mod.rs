@@ -10,6 +10,7 @@
 
 pub mod plan;
 pub mod replica;
+pub mod ring;
 pub mod source;
 pub mod stream;
 pub mod token;

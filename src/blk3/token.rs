@@ -34,6 +34,7 @@ pub enum Kind {
     Sepo,
     Sack,
     Sapp,
+    Rack,
 }
 
 impl Kind {
@@ -59,11 +60,12 @@ impl Kind {
             Kind::Sepo => b"SEPO",
             Kind::Sack => b"SACK",
             Kind::Sapp => b"SAPP",
+            Kind::Rack => b"RACK",
         }
     }
 
     fn from_magic(m: &[u8]) -> Option<Kind> {
-        const ALL: [Kind; 19] = [
+        const ALL: [Kind; 20] = [
             Kind::Sess,
             Kind::Srdy,
             Kind::Crea,
@@ -83,6 +85,7 @@ impl Kind {
             Kind::Sepo,
             Kind::Sack,
             Kind::Sapp,
+            Kind::Rack,
         ];
         ALL.into_iter().find(|k| k.magic() == m)
     }
@@ -155,6 +158,9 @@ pub enum Token {
     /// (its own server, and those of the agents it serves) have applied
     /// the stream up to `offset`, the lowest of their acknowledgements.
     Sapp { offset: u64 },
+    /// Replica → source over an RDMA ring: the answer to one message, with
+    /// what the log holds (credit) and what the servers fed from it applied.
+    Rack { acked: u64, applied: u64 },
 }
 
 /// Bytes of a Redis replication id.
@@ -207,6 +213,7 @@ impl Token {
             Token::Sepo { .. } => Kind::Sepo,
             Token::Sack { .. } => Kind::Sack,
             Token::Sapp { .. } => Kind::Sapp,
+            Token::Rack { .. } => Kind::Rack,
         }
     }
 
@@ -260,6 +267,10 @@ impl Token {
             }
             Token::Sack { offset } | Token::Sapp { offset } => {
                 out.extend_from_slice(&offset.to_be_bytes())
+            }
+            Token::Rack { acked, applied } => {
+                out.extend_from_slice(&acked.to_be_bytes());
+                out.extend_from_slice(&applied.to_be_bytes());
             }
             _ => {}
         }
@@ -363,6 +374,13 @@ impl Token {
                     _ => Token::Sapp { offset },
                 }
             }
+            Kind::Rack => {
+                exact(16)?;
+                Token::Rack {
+                    acked: be64(&p[..8]),
+                    applied: be64(&p[8..]),
+                }
+            }
             Kind::Rdfl => Token::Rdfl {
                 reason: String::from_utf8_lossy(p).into_owned(),
             },
@@ -454,6 +472,10 @@ mod tests {
             },
             Token::Sack { offset: 1 << 40 },
             Token::Sapp { offset: 3 },
+            Token::Rack {
+                acked: 9,
+                applied: 4,
+            },
         ]
     }
 
