@@ -45,6 +45,9 @@ pub const MIN_RING: u64 = MAX_FRAME as u64;
 pub const MAX_RING: u64 = 1 << 30;
 /// Receives each side keeps posted for the other's messages.
 pub const CREDITS: u32 = 16;
+/// A `RACK`'s applied offset when no server fed from the replica's log
+/// reports one.
+pub const NONE_APPLIED: u64 = u64::MAX;
 
 /// A ring's header as it reads in memory (network byte order):
 /// `magic`, `size`, `write_seq`, `head` (the source's, written after each
@@ -268,14 +271,17 @@ impl RingSender {
     }
 
     /// The replica's answer to one message: credit back, and what its
-    /// servers applied.
-    pub fn on_answer(&mut self, acked: u64, applied: u64) -> Result<u64, RingError> {
+    /// servers applied (`None`: no server reports).
+    pub fn on_answer(&mut self, acked: u64, applied: u64) -> Result<Option<u64>, RingError> {
         if self.unanswered == 0 {
             return Err(RingError::Unasked);
         }
         self.tx.on_ack(acked)?;
         self.unanswered -= 1;
-        Ok(self.tx.on_applied(applied)?)
+        if applied == NONE_APPLIED {
+            return Ok(None);
+        }
+        Ok(Some(self.tx.on_applied(applied)?))
     }
 }
 
@@ -290,7 +296,7 @@ pub struct RingReceiver {
     owed: u32,
     /// A poll waits for its answer.
     held: bool,
-    /// The applied offset last answered.
+    /// The applied offset last answered (`None`: none yet).
     reported: Option<u64>,
 }
 
@@ -409,10 +415,12 @@ impl RingReceiver {
     }
 
     /// The next answer to send, once the log holds what was taken:
-    /// one for each data or epoch message, and the held poll's when the
-    /// servers applied more than last answered (`applied`), or `tick`.
-    pub fn answer(&mut self, applied: u64, tick: bool) -> Option<Token> {
-        let news = self.reported != Some(applied.min(self.rx.next()));
+    /// one for each data or epoch message, and the held poll's when what
+    /// the servers applied (`applied`; `None`: no server reports) changed
+    /// since the last answer, or on the `tick`.
+    pub fn answer(&mut self, applied: Option<u64>, tick: bool) -> Option<Token> {
+        let applied = applied.map_or(NONE_APPLIED, |a| a.min(self.rx.next()));
+        let news = self.reported != Some(applied);
         if self.owed > 0 {
             self.owed -= 1;
         } else if self.held && (news || tick) {
@@ -423,7 +431,7 @@ impl RingReceiver {
         let Token::Sack { offset: acked } = self.rx.ack() else {
             unreachable!("an ack is a SACK")
         };
-        let applied = applied.min(acked);
+        // `applied` is already cut to `next`, which `acked` is now.
         self.reported = Some(applied);
         Some(Token::Rack { acked, applied })
     }

@@ -157,6 +157,8 @@ struct Queues {
     disconnected: bool,
     /// The writer thread has stopped.
     writer_done: bool,
+    /// A waker was called since the last poll returned.
+    woken: bool,
 }
 
 impl Queues {
@@ -726,7 +728,7 @@ impl Fabric for EmuQp {
                 return Err(FabricError::Disconnected);
             }
             let now = Instant::now();
-            if now >= deadline {
+            if std::mem::take(&mut st.woken) || now >= deadline {
                 return Ok(None);
             }
             st = self
@@ -736,6 +738,11 @@ impl Fabric for EmuQp {
                 .expect("emulated QP state lock")
                 .0;
         }
+    }
+
+    fn waker(&mut self) -> Result<super::fabric::Waker, FabricError> {
+        let inner = self.inner.clone();
+        Ok(Arc::new(move || inner.with_state(|q| q.woken = true)))
     }
 
     fn check_link(&mut self) -> Result<(), FabricError> {

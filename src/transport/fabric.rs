@@ -8,9 +8,13 @@
 //! `emulated`. Which WR is which, and what the protocol does with a
 //! completion, is the driver's business (`transport::rdma`).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::blk3::WriteOp;
+
+/// Makes a [`Fabric::poll`] that waits on another thread return at once.
+pub type Waker = Arc<dyn Fn() + Send + Sync>;
 
 /// Bytes of one posted receive buffer (one BLK3 token).
 pub const RECV_BUF_LEN: usize = crate::blk3::token::MAX_TOKEN_LEN;
@@ -171,6 +175,12 @@ pub trait Fabric: Send {
     /// A disconnection is reported after the completions it flushed.
     fn poll(&mut self, timeout: Duration) -> Result<Option<Completion>, FabricError>;
 
+    /// A handle that makes this QP's [`Fabric::poll`] return `Ok(None)`
+    /// at once, from any thread, and the next poll too when none waits:
+    /// for a driver that also waits for work from elsewhere (the stream's
+    /// log grew).
+    fn waker(&mut self) -> Result<Waker, FabricError>;
+
     /// Replica: connects with `private_data` (the session token).
     fn connect(&mut self, private_data: &[u8], timeout: Duration) -> Result<(), FabricError>;
 
@@ -190,4 +200,22 @@ pub trait Fabric: Send {
     /// taking a completion: an error once the peer disconnected or the
     /// device went (for a side that is not polling its completions).
     fn check_link(&mut self) -> Result<(), FabricError>;
+}
+
+/// Ends a connection: waits at most `linger` for the `pending` Sends
+/// posted last (an RDFL, a REPLMETA) to be delivered, since disconnecting
+/// flushes what is still queued, then disconnects.
+pub fn linger_close<F: Fabric>(qp: &mut F, mut pending: u64, linger: Duration) {
+    let deadline = std::time::Instant::now() + linger;
+    while pending > 0 {
+        let Some(left) = deadline.checked_duration_since(std::time::Instant::now()) else {
+            break;
+        };
+        match qp.poll(left) {
+            Ok(Some(c)) if c.kind == WorkKind::Send => pending -= 1,
+            Ok(Some(_)) => {}
+            Ok(None) | Err(_) => break,
+        }
+    }
+    qp.disconnect();
 }

@@ -13,6 +13,7 @@ pub mod pace;
 pub mod probe;
 pub mod ratelimit;
 pub mod rdma;
+pub mod ring;
 pub mod select;
 pub mod session;
 pub mod stream;

@@ -146,18 +146,12 @@ impl<F: Fabric> Link<F> {
     /// REPLMETA — are delivered, since disconnecting flushes what is still
     /// queued, then disconnects.
     fn close(&mut self) {
-        let deadline = Instant::now() + LINGER;
-        while self.connected && self.sends_pending > 0 {
-            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
-                break;
-            };
-            match self.qp.poll(left) {
-                Ok(Some(c)) if c.kind == WorkKind::Send => self.sends_pending -= 1,
-                Ok(Some(_)) => {}
-                Ok(None) | Err(_) => break,
-            }
-        }
-        self.qp.disconnect();
+        let pending = if self.connected {
+            self.sends_pending
+        } else {
+            0
+        };
+        super::fabric::linger_close(&mut self.qp, pending, LINGER);
     }
 
     /// The next completion that matters to the machine: received tokens and

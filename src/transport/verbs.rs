@@ -17,7 +17,9 @@
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::net::{IpAddr, SocketAddr};
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::ptr::{null_mut, NonNull};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdma_sys::*;
@@ -390,6 +392,50 @@ pub struct VerbsQp {
     disconnected: bool,
     /// rdma_cm said DEVICE_REMOVAL: the device under this id is going.
     device_removed: bool,
+    /// Wakes a waiting poll, once a waker was asked for.
+    wake: Option<Arc<Wake>>,
+}
+
+/// What a [`Fabric::waker`] sets: a flag, and an eventfd a waiting poll
+/// watches besides its completion channel.
+struct Wake {
+    flag: std::sync::atomic::AtomicBool,
+    fd: std::os::fd::OwnedFd,
+}
+
+impl Wake {
+    fn new() -> Result<Wake, FabricError> {
+        // SAFETY: plain constructor; checked below.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(FabricError::last_os("eventfd"));
+        }
+        Ok(Wake {
+            flag: Default::default(),
+            // SAFETY: a new descriptor this value owns from here.
+            fd: unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) },
+        })
+    }
+
+    fn wake(&self) {
+        self.flag.store(true, std::sync::atomic::Ordering::SeqCst);
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writes 8 bytes from a valid buffer; a full counter is
+        // already a wake-up.
+        unsafe { libc::write(self.fd.as_raw_fd(), one.as_ptr().cast(), 8) };
+    }
+
+    /// Whether a wake-up came since the last call.
+    fn take(&self) -> bool {
+        let woken = self.flag.swap(false, std::sync::atomic::Ordering::SeqCst);
+        if woken {
+            let mut n = [0u8; 8];
+            // SAFETY: reads at most 8 bytes into a valid buffer; a
+            // non-blocking eventfd with nothing to read just fails.
+            unsafe { libc::read(self.fd.as_raw_fd(), n.as_mut_ptr().cast(), 8) };
+        }
+        woken
+    }
 }
 
 // SAFETY: a QP is driven by one thread at a time; verbs objects may be used
@@ -413,6 +459,7 @@ impl VerbsQp {
             connected: false,
             disconnected: false,
             device_removed: false,
+            wake: None,
         }
     }
 
@@ -837,6 +884,9 @@ impl Fabric for VerbsQp {
             if self.disconnected {
                 return Err(FabricError::Disconnected);
             }
+            if self.wake.as_ref().is_some_and(|w| w.take()) {
+                return Ok(None);
+            }
             let now = Instant::now();
             if now < spin_until {
                 std::hint::spin_loop();
@@ -859,7 +909,9 @@ impl Fabric for VerbsQp {
             };
             // SAFETY: valid completion channel.
             let comp_fd = unsafe { (*self.comp).fd };
-            let ready = wait_readable(&[comp_fd, self.channel.fd()], left)?;
+            let mut fds = vec![comp_fd, self.channel.fd()];
+            fds.extend(self.wake.as_ref().map(|w| w.fd.as_raw_fd()));
+            let ready = wait_readable(&fds, left)?;
             if ready[0] {
                 let mut cq = null_mut();
                 let mut ctx = null_mut();
@@ -874,6 +926,14 @@ impl Fabric for VerbsQp {
                 self.drain_cm_events()?;
             }
         }
+    }
+
+    fn waker(&mut self) -> Result<super::fabric::Waker, FabricError> {
+        let wake = match &self.wake {
+            Some(w) => w.clone(),
+            None => self.wake.insert(Arc::new(Wake::new()?)).clone(),
+        };
+        Ok(Arc::new(move || wake.wake()))
     }
 
     fn connect(&mut self, private_data: &[u8], timeout: Duration) -> Result<(), FabricError> {
