@@ -20,7 +20,7 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::ServerTlsConfig;
 use tracing::{info, warn};
 
-use crate::config::{Config, HandoffMode, InstanceConfig, RdmaProvider};
+use crate::config::{Config, HandoffMode, InstanceConfig, RdmaProvider, TransportMode};
 use crate::control::orchestrator::OrchestratorService;
 use crate::control::peer::PeerService;
 use crate::fanout::FanoutManager;
@@ -34,7 +34,7 @@ use crate::store::catalog::Catalog;
 use crate::store::watch::DirWatcher;
 use crate::stream::follow::Follow;
 use crate::stream::log::Log;
-use crate::stream::pull::{Pull, Upstreams};
+use crate::stream::pull::{Pull, RingAsk, Upstreams};
 use crate::stream::{SharedLog, Stream};
 use crate::sync::instance::{Instance, Instances};
 use crate::sync::offer::Offers;
@@ -128,6 +128,9 @@ struct Parts {
     /// What a `[stream] reseed` starts its sync with.
     syncs: Arc<SyncManager>,
     instances: Arc<Instances>,
+    /// This agent's RDMA, for streams followed through a ring.
+    local_rdma: Arc<LocalRdma>,
+    faults: Faults,
 }
 
 /// What is read and checked before anything binds.
@@ -223,6 +226,8 @@ impl RunningAgent {
             ack_on_tick: plane.faults.stream_ack_on_tick,
             syncs: syncs.clone(),
             instances: instances.clone(),
+            local_rdma: data.local_rdma.clone(),
+            faults: plane.faults.clone(),
         };
         for ic in config.instances() {
             instances.insert(start_instance(&config, &ic, &parts).await?);
@@ -700,7 +705,15 @@ async fn follow_stream(
             reseed: config.stream.reseed.then(|| reseed(name, parts)),
             peer_timeout: config.data.peer_timeout,
             metrics: parts.metrics.clone(),
-            offered: Box::new(offered),
+            offered: Arc::new(offered),
+            ring: (config.stream.rdma_ring.as_u64() > 0
+                && config.transport.mode != TransportMode::Tcp)
+                .then(|| RingAsk {
+                    rdma: parts.local_rdma.clone(),
+                    provider: config.transport.rdma_provider,
+                    size: config.stream.rdma_ring.as_u64(),
+                    faults: parts.faults.clone(),
+                }),
         };
         instance.spawn(crate::stream::pull::run(
             pull,

@@ -117,6 +117,12 @@ pub struct StreamConfig {
     /// sync that snapshot from it (re-seeding a `redis-stream` server),
     /// instead of only reporting it.
     pub reseed: bool,
+    /// An agent that follows `upstream`: the RDMA ring it registers for the
+    /// stream (a power of two, 1 MiB to 1 GiB; 0 keeps the stream on TCP).
+    /// Used when `[transport] mode` is not `tcp`, both agents have RDMA and
+    /// the same provider; a failed ring session goes on over TCP from what
+    /// the log holds and the ring is tried again after a while.
+    pub rdma_ring: ByteSize,
 }
 
 impl Default for StreamConfig {
@@ -131,6 +137,7 @@ impl Default for StreamConfig {
             fsync: Fsync::Everysec,
             ack: StreamAck::Log,
             reseed: false,
+            rdma_ring: ByteSize::mib(16),
         }
     }
 }
@@ -1227,6 +1234,19 @@ impl Config {
                 format!("must be 1 MiB to 4 GiB, got {}", st.segment_size),
             );
         }
+        let ring = st.rdma_ring.as_u64();
+        if ring != 0
+            && (!ring.is_power_of_two()
+                || !(crate::blk3::ring::MIN_RING..=crate::blk3::ring::MAX_RING).contains(&ring))
+        {
+            p.bad(
+                "stream.rdma_ring",
+                format!(
+                    "must be 0 or a power of two from 1 MiB to 1 GiB, got {}",
+                    st.rdma_ring
+                ),
+            );
+        }
         if st.retain < st.segment_size {
             p.bad(
                 "stream.retain",
@@ -1768,10 +1788,17 @@ expected_transfer_rate = "0"
         let mut c = valid();
         c.stream.dir = c.snapshot_dir.clone();
         c.stream.segment_size = ByteSize::kib(4);
+        c.stream.rdma_ring = ByteSize::mib(3);
         assert_eq!(
             problem_keys(&c),
-            ["stream.dir", "stream.dir", "stream.segment_size"]
+            [
+                "stream.dir",
+                "stream.dir",
+                "stream.segment_size",
+                "stream.rdma_ring"
+            ]
         );
+        c.stream.rdma_ring = ByteSize::b(0);
         c.stream.dir = "/var/lib/kvsync/stream".into();
         c.stream.segment_size = ByteSize::mib(64);
         c.redis.primary_addr = "127.0.0.1:6379".into();

@@ -144,7 +144,32 @@ pub struct Metrics {
     pub stream_reconnects: IntCounterVec,
     pub stream_credit_stalls: IntCounterVec,
     pub stream_write_safety_degraded: IntGaugeVec,
+    pub stream_ring_sessions: IntCounterVec,
+    pub stream_fallback: IntCounterVec,
 }
+
+/// The `reason` labels `kvsync_stream_fallback_total` can carry (what
+/// ended a ring session: below the protocol, a broken rule, the log).
+pub const STREAM_FALLBACKS: &[&str] = &[
+    "connect",
+    "timeout",
+    "rejected",
+    "device_removed",
+    "disconnected",
+    "fabric_error",
+    "completion_error",
+    "protocol",
+    "local_error",
+    "peer",
+    "log",
+    "forged",
+    "discontinuous",
+    "over_window",
+    "bad_ack",
+    "bad_ring",
+    "bad_header",
+    "no_credit",
+];
 
 /// The `reason` labels of `kvsync_stream_refused_total`: a session ended
 /// because its peer broke the stream's rules (a frame that fails its MAC,
@@ -157,6 +182,9 @@ pub const STREAM_REFUSALS: &[&str] = &[
     "over_window",
     "bad_ack",
     "too_old",
+    "bad_ring",
+    "bad_header",
+    "no_credit",
 ];
 
 impl Metrics {
@@ -354,6 +382,20 @@ impl Metrics {
                 ),
                 &["kv_instance", "source"]
             )),
+            stream_ring_sessions: reg!(IntCounterVec::new(
+                Opts::new(
+                    "kvsync_stream_ring_sessions_total",
+                    "Stream sessions started over an RDMA ring, by role (source or replica)"
+                ),
+                &["kv_instance", "role"]
+            )),
+            stream_fallback: reg!(IntCounterVec::new(
+                Opts::new(
+                    "kvsync_stream_fallback_total",
+                    "Stream sessions over an RDMA ring that failed, after which the stream went on over TCP from what the log holds, by reason"
+                ),
+                &["kv_instance", "reason"]
+            )),
             stream_credit_stalls: reg!(IntCounterVec::new(
                 Opts::new(
                     "kvsync_stream_credit_stalls_total",
@@ -538,9 +580,13 @@ impl Metrics {
         for role in ["source", "replica"] {
             self.stream_bytes.with_label_values(&[name, role]);
             self.stream_sessions.with_label_values(&[name, role]);
+            self.stream_ring_sessions.with_label_values(&[name, role]);
         }
         for reason in STREAM_REFUSALS {
             self.stream_refused.with_label_values(&[name, reason]);
+        }
+        for reason in STREAM_FALLBACKS {
+            self.stream_fallback.with_label_values(&[name, reason]);
         }
         self.stream_checksum_failures.with_label_values(&[name]);
         self.stream_write_errors.with_label_values(&[name]);
@@ -605,9 +651,13 @@ impl Metrics {
         for role in ["source", "replica"] {
             let _ = self.stream_bytes.remove_label_values(&[name, role]);
             let _ = self.stream_sessions.remove_label_values(&[name, role]);
+            let _ = self.stream_ring_sessions.remove_label_values(&[name, role]);
         }
         for reason in STREAM_REFUSALS {
             let _ = self.stream_refused.remove_label_values(&[name, reason]);
+        }
+        for reason in STREAM_FALLBACKS {
+            let _ = self.stream_fallback.remove_label_values(&[name, reason]);
         }
         let _ = self.stream_lag.remove_label_values(&[name]);
         let _ = self.stream_behind_bytes.remove_label_values(&[name]);

@@ -1442,3 +1442,114 @@ fn a_stream_seeding_needs_the_log_to_continue_the_snapshot_not_the_primarys_back
         "only the source agent's"
     );
 }
+
+/// `[transport]` of an agent whose RDMA is the emulated fabric (the host
+/// has no RDMA; the same code runs over soft-RoCE in the VM tests).
+const EMULATED_RDMA: &str = "[transport]\nrdma_provider = \"emulated\"\n";
+
+/// The primary's agent on the emulated fabric, with `stream` added to its
+/// `[stream]`, once it follows.
+fn emulated_source(root: &Path, primary: &Redis, stream: &str, env: &[(&str, &str)]) -> Node {
+    let config = follower_config(primary, &root.join("src-log")) + stream + EMULATED_RDMA;
+    source_with(root, &config, env)
+}
+
+/// The replica agent's and the source's logs hold the same stream.
+fn same_logs(root: &Path) {
+    let (first, src) = log_bytes(&root.join("src-log"));
+    let (rep_first, rep) = log_bytes(&root.join("rep-log"));
+    let skip = (rep_first - first) as usize;
+    assert!(
+        rep[..] == src[skip..skip + rep.len()],
+        "the replica agent's log is the source's, byte for byte"
+    );
+}
+
+fn a_server_fed_through_an_rdma_ring_converges_and_wait_counts_it(server: Server) {
+    let root = tempfile::tempdir().unwrap();
+    let primary = Redis::start(server, &root.path().join("p"), &[]);
+    let source = emulated_source(root.path(), &primary, "ack = \"replicas\"\n", &[]);
+    let (rs, replica) =
+        seeded_through_two_agents_with(root.path(), server, &primary, &source, EMULATED_RDMA);
+    let mut con = primary.con();
+    for i in 0..50 {
+        // Each write reaches the server through the ring before WAIT
+        // answers: the primary's agent acknowledges what the servers below
+        // it applied, which reaches it in the ring's answers.
+        assert_eq!(write_and_wait(&mut con, &format!("ring:{i}"), 10_000), 1);
+    }
+    primary.fill("bulk", 3000, "through-the-ring");
+    converged(&rs, &primary, "the fed server to converge through the ring");
+    let st = stream_status(&replica);
+    assert!(st.state.contains("through an RDMA ring"), "{st:?}");
+    assert!(
+        replica
+            .metric(r#"kvsync_stream_ring_sessions_total{kv_instance="default",role="replica"}"#)
+            >= 1.0
+    );
+    assert_eq!(
+        source.metric(r#"kvsync_stream_ring_sessions_total{kv_instance="default",role="source"}"#),
+        replica
+            .metric(r#"kvsync_stream_ring_sessions_total{kv_instance="default",role="replica"}"#),
+        "every session the replica ran the source served"
+    );
+    let fallbacks: f64 = STREAM_FALLBACK_REASONS
+        .iter()
+        .map(|r| {
+            replica.metric(&format!(
+                r#"kvsync_stream_fallback_total{{kv_instance="default",reason="{r}"}}"#
+            ))
+        })
+        .sum();
+    assert_eq!(fallbacks, 0.0, "the ring held");
+    drop(replica);
+    drop(source);
+    same_logs(root.path());
+    assert_eq!(
+        primary.info("stats").num("sync_full"),
+        1,
+        "only the source agent's"
+    );
+}
+
+on_both_servers!(a_server_fed_through_an_rdma_ring_converges_and_wait_counts_it);
+
+const STREAM_FALLBACK_REASONS: &[&str] = kvsync::metrics::STREAM_FALLBACKS;
+
+#[test]
+fn a_ring_header_that_lies_is_refused_counted_and_the_stream_goes_on_over_tcp() {
+    for lie in ["1", "2"] {
+        let root = tempfile::tempdir().unwrap();
+        let primary = Redis::start(Server::Redis, &root.path().join("p"), &[]);
+        let fault = format!("stream_ring_lie={lie}");
+        let source = emulated_source(root.path(), &primary, "", &[("KVSYNC_FAULTS", &fault)]);
+        primary.fill("first", 500, "v");
+        let config = puller_config(&source, &root.path().join("rep-log")) + EMULATED_RDMA;
+        let replica = agent(
+            root.path(),
+            "rep",
+            &root.path().join("rep-snaps"),
+            &config,
+            &[],
+        );
+        wait_logged(
+            &replica,
+            &primary,
+            "the replica agent to follow over TCP after the lie",
+        );
+        let refused = r#"kvsync_stream_refused_total{kv_instance="default",reason="bad_header"}"#;
+        let fell_back =
+            r#"kvsync_stream_fallback_total{kv_instance="default",reason="bad_header"}"#;
+        assert_eq!(replica.metric(refused), 1.0, "lie {lie}");
+        assert_eq!(replica.metric(fell_back), 1.0, "lie {lie}");
+        let st = stream_status(&replica);
+        assert!(st.state.starts_with("following agent"), "{st:?}");
+        assert!(!st.state.contains("RDMA"), "over TCP now: {st:?}");
+        primary.fill("second", 500, "v");
+        wait_logged(&replica, &primary, "the stream to go on over TCP");
+        assert!(replica.proc.log().contains("the RDMA ring failed"));
+        drop(replica);
+        drop(source);
+        same_logs(root.path());
+    }
+}

@@ -195,9 +195,10 @@ impl pb::peer_server::Peer for PeerService {
         if (!node.is_empty() && !crate::peer_text::is_plain_name(node))
             || r.instance.len() > MAX_NAME
             || r.replid.len() > MAX_NAME
+            || r.rdma_provider.len() > MAX_NAME
         {
             return Err(ApiError::InvalidArgument(format!(
-                "replica_node_id must be a plain name; instance and replid at most {MAX_NAME} bytes"
+                "replica_node_id must be a plain name; instance, replid and rdma_provider at most {MAX_NAME} bytes"
             ))
             .into());
         }
@@ -207,6 +208,7 @@ impl pb::peer_server::Peer for PeerService {
             replid: r.replid,
             offset: r.offset,
             data_tls: r.data_tls,
+            rdma_provider: r.rdma_provider,
         };
         let answer = self.offers.open_stream(&ask, local, remote).map_err(|e| {
             warn!(error = %e, "stream refused");
@@ -223,6 +225,7 @@ impl pb::peer_server::Peer for PeerService {
                 replid: o.replid,
                 offset: o.offset,
                 window: o.window,
+                rdma_endpoint: o.rdma_endpoint.map(|e| e.to_string()).unwrap_or_default(),
                 ..Default::default()
             },
             StreamAnswer::TooOld { held, snapshot } => {

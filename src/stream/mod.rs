@@ -176,20 +176,23 @@ impl Stream {
         max: usize,
     ) -> Result<Vec<Record>, LogError> {
         let stream = self.clone();
-        tokio::task::spawn_blocking(move || {
-            let read = log::read(&plan, max);
-            if let Err(e @ LogError::Corrupt { offset, .. }) = &read {
-                stream.gauges.damaged.inc();
-                error!(error = %e, "a damaged record in the stream log: the log is cut back to offset {offset} and fetched again from upstream");
-                stream.set_state(format!("refetching from offset {offset}: {e}"));
-                if let Err(cut) = stream.write(|l| l.cut(*offset)) {
-                    error!(error = %cut, "the stream log cannot be cut back to its damage");
-                }
+        tokio::task::spawn_blocking(move || stream.read_blocking(&plan, max))
+            .await
+            .expect("log read task")
+    }
+
+    /// [`Stream::read`] on a thread that may block.
+    pub fn read_blocking(&self, plan: &ReadPlan, max: usize) -> Result<Vec<Record>, LogError> {
+        let read = log::read(plan, max);
+        if let Err(e @ LogError::Corrupt { offset, .. }) = &read {
+            self.gauges.damaged.inc();
+            error!(error = %e, "a damaged record in the stream log: the log is cut back to offset {offset} and fetched again from upstream");
+            self.set_state(format!("refetching from offset {offset}: {e}"));
+            if let Err(cut) = self.write(|l| l.cut(*offset)) {
+                error!(error = %cut, "the stream log cannot be cut back to its damage");
             }
-            read
-        })
-        .await
-        .expect("log read task")
+        }
+        read
     }
 
     /// Records what `who` acknowledged and wakes those who pass it on.

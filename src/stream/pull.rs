@@ -37,12 +37,18 @@ use tracing::{info, warn};
 use super::log::{LogError, Record};
 use super::SharedLog;
 use crate::blk3::stream::{Receiver, StreamError, MAX_FRAME, STREAM_KEY_LEN};
+use crate::blk3::token::REPLID_LEN;
 use crate::blk3::token::{Kind, SESSION_TOKEN_LEN};
 use crate::blk3::Token;
+use crate::config::RdmaProvider;
 use crate::metrics::{Metrics, Running};
 use crate::rpc::dial::{Dialer, CONNECT_TIMEOUT};
 use crate::rpc::pb;
+use crate::transport::probe::LocalRdma;
+use crate::transport::ring::{LogFailure, RingReplica, RingRunError, RingSink};
+use crate::transport::session::{DataLink, DialError, DialSpec};
 use crate::transport::stream::{StreamLink, StreamLinkError, StreamTls};
+use crate::transport::Faults;
 
 /// An upstream that sends nothing for this long is taken as gone (its
 /// primary pings the stream every few seconds).
@@ -164,8 +170,27 @@ pub struct Pull {
     pub metrics: Arc<Metrics>,
     /// The (replication id, M) of the snapshots this agent has, which the
     /// log's retention keeps continuous.
-    pub offered: Box<dyn Fn() -> Vec<(String, u64)> + Send + Sync>,
+    pub offered: Offered,
+    /// How to follow through an RDMA ring (`None`: TCP only).
+    pub ring: Option<RingAsk>,
 }
+
+/// The (replication id, M) of the snapshots an agent has.
+pub type Offered = Arc<dyn Fn() -> Vec<(String, u64)> + Send + Sync>;
+
+/// How an agent follows its upstream through an RDMA ring
+/// (`[stream] rdma_ring`, `[transport] mode` not `tcp`).
+pub struct RingAsk {
+    pub rdma: Arc<LocalRdma>,
+    pub provider: RdmaProvider,
+    /// Bytes of the ring's stream area.
+    pub size: u64,
+    pub faults: Faults,
+}
+
+/// After a ring session failed, how long the stream runs over TCP before
+/// the ring is tried again.
+pub const RING_RETRY: Duration = Duration::from_secs(30);
 
 /// Why a session with the upstream ended.
 #[derive(Debug, thiserror::Error)]
@@ -199,6 +224,10 @@ pub enum PullError {
     Unexpected(Kind),
     #[error("the upstream sent nothing for {UPSTREAM_TIMEOUT:?}")]
     Silent,
+    #[error("the RDMA ring: {0}")]
+    Ring(#[from] RingRunError),
+    #[error("cannot reach the upstream's RDMA endpoint: {0}")]
+    RingDial(#[from] DialError),
 }
 
 impl PullError {
@@ -207,7 +236,17 @@ impl PullError {
     fn refusal(&self) -> Option<&'static str> {
         match self {
             PullError::Stream(e) => Some(e.label()),
+            PullError::Ring(RingRunError::Ring(e)) => Some(e.label()),
             PullError::TooOld { .. } => Some("too_old"),
+            _ => None,
+        }
+    }
+
+    /// Why the ring failed, when it did (the stream goes on over TCP).
+    fn ring_failure(&self) -> Option<&'static str> {
+        match self {
+            PullError::Ring(e) => Some(e.reason()),
+            PullError::RingDial(_) => Some("connect"),
             _ => None,
         }
     }
@@ -222,6 +261,8 @@ pub async fn run(pull: Pull, stream: SharedLog, stop: CancellationToken) {
     let mut backoff = Duration::from_millis(100);
     let mut passed: HashMap<String, Instant> = HashMap::new();
     let mut chain = pull.upstreams.chain.subscribe();
+    // After a ring failed: the stream runs over TCP until then.
+    let mut tcp_until: Option<Instant> = None;
     loop {
         let now = Instant::now();
         let upstreams = chain.borrow_and_update().clone();
@@ -234,9 +275,18 @@ pub async fn run(pull: Pull, stream: SharedLog, stop: CancellationToken) {
         };
         let nearest = upstreams.first() == Some(&upstream);
         let before = stream.lock().position();
+        let now = Instant::now();
+        let fell_back = tcp_until.filter(|t| *t > now);
+        let ring = pull
+            .ring
+            .as_ref()
+            .filter(|r| fell_back.is_none() && r.rdma.available());
         let result = tokio::select! {
             _ = stop.cancelled() => return,
-            r = session(&pull, &upstream, &stream) => r,
+            r = session(&pull, &upstream, &stream, ring) => r,
+            // A TCP session after a ring failed ends in time to try the
+            // ring again.
+            _ = tokio::time::sleep_until(fell_back.unwrap_or(now)), if fell_back.is_some() => continue,
             _ = chain.changed() => {
                 info!(instance = %pull.instance, chain = ?chain.borrow().clone(), "the stream's upstreams changed: following the nearest from the log's end");
                 passed.clear();
@@ -260,6 +310,16 @@ pub async fn run(pull: Pull, stream: SharedLog, stop: CancellationToken) {
                 .stream_refused
                 .with_label_values(&[&pull.instance, reason])
                 .inc();
+        }
+        if let Some(reason) = e.ring_failure() {
+            pull.metrics
+                .stream_fallback
+                .with_label_values(&[&pull.instance, reason])
+                .inc();
+            warn!(instance = %pull.instance, %upstream, error = %e, reason, "the RDMA ring failed: the stream goes on over TCP from what the log holds, and tries the ring again in {RING_RETRY:?}");
+            tcp_until = Some(Instant::now() + RING_RETRY);
+            stream.set_state(format!("over TCP after the RDMA ring failed: {e}"));
+            continue;
         }
         warn!(instance = %pull.instance, %upstream, error = %e, "following the upstream agent's stream stopped; it asks again");
         stream.set_state(format!("reconnecting: {e}"));
@@ -331,13 +391,20 @@ struct Offer {
     key: [u8; STREAM_KEY_LEN],
     endpoint: SocketAddr,
     tls: bool,
+    /// The session runs over an RDMA ring: dial here.
+    rdma_endpoint: Option<SocketAddr>,
     replid: String,
     offset: u64,
     window: u64,
 }
 
 /// Asks `upstream` to continue from `at` (the log's position).
-async fn ask(pull: &Pull, upstream: &str, at: Option<&(String, u64)>) -> Result<Offer, PullError> {
+async fn ask(
+    pull: &Pull,
+    upstream: &str,
+    at: Option<&(String, u64)>,
+    ring: Option<&RingAsk>,
+) -> Result<Offer, PullError> {
     let upstream = upstream.to_string();
     let channel = pull
         .dialer
@@ -355,6 +422,7 @@ async fn ask(pull: &Pull, upstream: &str, at: Option<&(String, u64)>) -> Result<
             replid: replid.clone(),
             offset,
             data_tls: pull.dialer.data_tls.is_some(),
+            rdma_provider: ring.map(|r| r.provider.to_string()).unwrap_or_default(),
         })
         .await
         .map_err(|s| PullError::Refused {
@@ -404,6 +472,18 @@ async fn ask(pull: &Pull, upstream: &str, at: Option<&(String, u64)>) -> Result<
             .parse()
             .map_err(|_| bad("its data endpoint is no host:port"))?,
         tls: o.data_tls,
+        rdma_endpoint: match o.rdma_endpoint.as_str() {
+            "" => None,
+            e if ring.is_some() => Some(
+                e.parse()
+                    .map_err(|_| bad("its RDMA endpoint is no host:port"))?,
+            ),
+            _ => {
+                return Err(bad(
+                    "it offers an RDMA ring, which this agent did not ask for",
+                ))
+            }
+        },
         replid: o.replid,
         offset: o.offset,
         window: o.window,
@@ -421,9 +501,17 @@ fn start_point(pull: &Pull, stream: &SharedLog) -> Option<(String, u64)> {
     held.or_else(|| (pull.offered)().into_iter().max_by_key(|(_, m)| *m))
 }
 
-async fn session(pull: &Pull, upstream: &str, stream: &SharedLog) -> Result<(), PullError> {
+async fn session(
+    pull: &Pull,
+    upstream: &str,
+    stream: &SharedLog,
+    ring: Option<&RingAsk>,
+) -> Result<(), PullError> {
     let at = start_point(pull, stream);
-    let offer = ask(pull, upstream, at.as_ref()).await?;
+    let offer = ask(pull, upstream, at.as_ref(), ring).await?;
+    if let (Some(ring), Some(endpoint)) = (ring, offer.rdma_endpoint) {
+        return ring_session(pull, ring, upstream, stream, offer, endpoint).await;
+    }
     let tls = match (offer.tls, &pull.dialer.data_tls) {
         (false, _) => None,
         (true, Some(config)) => Some(StreamTls {
@@ -443,10 +531,7 @@ async fn session(pull: &Pull, upstream: &str, stream: &SharedLog) -> Result<(), 
         pull.peer_timeout,
     )
     .await?;
-    if stream.lock().position().is_none() {
-        let (id, offset) = (offer.replid.clone(), offer.offset);
-        blocking(stream, move |s| s.write(|l| l.restart(&id, offset))).await?;
-    }
+    start_log(stream, &offer).await?;
     let m = &pull.metrics;
     let _running = Running::start(
         m.stream_sessions
@@ -516,6 +601,156 @@ async fn session(pull: &Pull, upstream: &str, stream: &SharedLog) -> Result<(), 
             }
             other => return Err(PullError::Unexpected(other.kind())),
         }
+    }
+}
+
+/// A log that holds nothing starts where the offer does.
+async fn start_log(stream: &SharedLog, offer: &Offer) -> Result<(), LogError> {
+    if stream.lock().position().is_none() {
+        let (id, offset) = (offer.replid.clone(), offer.offset);
+        blocking(stream, move |s| s.write(|l| l.restart(&id, offset))).await?;
+    }
+    Ok(())
+}
+
+/// One session through an RDMA ring, on a blocking thread: dials the
+/// upstream's RDMA endpoint (off loopback, as for snapshots) and runs
+/// `transport::ring` into the log; the thread is woken whenever the
+/// servers fed from the log acknowledge, and stopped when this future is
+/// dropped.
+async fn ring_session(
+    pull: &Pull,
+    ring: &RingAsk,
+    upstream: &str,
+    stream: &SharedLog,
+    offer: Offer,
+    endpoint: SocketAddr,
+) -> Result<(), PullError> {
+    let probe = ring.rdma.probe();
+    let local = probe.local_addr;
+    let spec = DialSpec {
+        endpoint: SocketAddr::new(
+            crate::transport::select::map_peer(endpoint.ip(), local.unwrap_or(endpoint.ip())),
+            endpoint.port(),
+        ),
+        rdma: Some(ring.provider),
+        peer_timeout: pull.peer_timeout,
+        min_rate: Default::default(),
+        local,
+        soft: probe.soft,
+        faults: ring.faults.clone(),
+        tls: None,
+    };
+    start_log(stream, &offer).await?;
+    let m = &pull.metrics;
+    let _running = Running::start(
+        m.stream_sessions
+            .with_label_values(&[&pull.instance, "replica"]),
+    );
+    info!(instance = %pull.instance, %upstream, %endpoint, replid = %offer.replid, offset = offer.offset, size = ring.size, "following the upstream agent's stream through an RDMA ring");
+    let r = RingReplica {
+        key: offer.key,
+        from: offer.offset,
+        window: offer.window,
+        size: ring.size,
+        token: offer.token,
+        silent: UPSTREAM_TIMEOUT,
+        cancel: CancellationToken::new(),
+    };
+    let stop = r.cancel.clone();
+    let _stop = stop.clone().drop_guard();
+    let mut sink = LogSink {
+        stream: stream.clone(),
+        offered: pull.offered.clone(),
+        received: m
+            .stream_bytes
+            .with_label_values(&[&pull.instance, "replica"]),
+        instance: pull.instance.clone(),
+        stop: stop.clone(),
+    };
+    let sessions = m
+        .stream_ring_sessions
+        .with_label_values(&[&pull.instance, "replica"]);
+    let (log, state) = (
+        stream.clone(),
+        format!("following agent {upstream} through an RDMA ring"),
+    );
+    let runtime = tokio::runtime::Handle::current();
+    let mut acks = stream.watch_acks();
+    let run = tokio::task::spawn_blocking(move || {
+        let link = DataLink::dial(&spec)?;
+        sessions.inc();
+        log.set_state(state);
+        let mut watcher = None;
+        let result = link.run_ring(r, &mut sink, |wake| {
+            watcher = Some(runtime.spawn(async move {
+                loop {
+                    tokio::select! {
+                        changed = acks.changed() => if changed.is_err() { return },
+                        _ = stop.cancelled() => return wake(),
+                    }
+                    wake();
+                }
+            }));
+        });
+        if let Some(w) = watcher {
+            w.abort();
+        }
+        Ok::<_, DialError>(result)
+    });
+    match run.await.expect("ring session thread")? {
+        None => Err(PullError::BadOffer("its RDMA endpoint is not RDMA".into())),
+        Some(Ok(())) => Ok(()),
+        // The ring's log errors are the log's own.
+        Some(Err(RingRunError::Log(e))) => Err(match e.downcast::<LogError>() {
+            Ok(le) => PullError::Log(*le),
+            Err(e) => RingRunError::Log(e).into(),
+        }),
+        Some(Err(e)) => Err(e.into()),
+    }
+}
+
+/// The log as a ring session writes it.
+struct LogSink {
+    stream: SharedLog,
+    offered: Offered,
+    received: prometheus::IntCounter,
+    instance: String,
+    /// The session was dropped: a next one may already write the log.
+    stop: CancellationToken,
+}
+
+impl RingSink for LogSink {
+    fn append(&mut self, offset: u64, bytes: Vec<u8>) -> Result<(), LogFailure> {
+        if self.stop.is_cancelled() {
+            return Err("the session was stopped".into());
+        }
+        let n = bytes.len() as u64;
+        let rec = Record::new(offset, bytes);
+        self.stream.write(|l| l.append(&rec))?;
+        self.received.inc_by(n);
+        Ok(())
+    }
+
+    fn epoch(&mut self, offset: u64, replid: &[u8; REPLID_LEN]) -> Result<(), LogFailure> {
+        let id = String::from_utf8_lossy(replid).into_owned();
+        info!(instance = %self.instance, offset, replid = %id, "the stream continues under a new replication id");
+        Ok(self.stream.write(|l| l.switch(&id))?)
+    }
+
+    fn applied(&mut self) -> Option<u64> {
+        let applied = self.stream.applied();
+        if let Some(a) = applied {
+            self.stream.set_upstream_acked(a);
+        }
+        applied
+    }
+
+    fn tick(&mut self, at: u64) -> Result<(), LogFailure> {
+        let floor = self.stream.floor(&(self.offered)());
+        let mut log = self.stream.lock();
+        log.still_ends_at(at)?;
+        Ok(log.tick(floor)?)
     }
 }
 

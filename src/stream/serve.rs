@@ -8,8 +8,10 @@
 //! its offset (trimmed, or started over by a full resync: the replica is
 //! told, and asks again), or the agent stops. What the replica reports
 //! its servers applied (`SAPP`) is the log's acknowledgement by that
-//! agent ([`Downstream::Agent`]) while the session lasts. Whether to
-//! offer is `sync::offer`'s.
+//! agent ([`Downstream::Agent`]) while the session lasts. A session
+//! offered over an RDMA ring runs the same way on a blocking thread
+//! ([`serve_ring`], `transport::ring`). Whether to offer is
+//! `sync::offer`'s.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -26,6 +28,10 @@ use crate::blk3::stream::{Sender, StreamError, STREAM_KEY_LEN};
 use crate::blk3::token::{Kind, REPLID_LEN, SESSION_TOKEN_LEN};
 use crate::blk3::Token;
 use crate::metrics::{Metrics, Running};
+use crate::transport::ring::{
+    HeaderLie, LogFailure, Next as RingNext, RingFeed, RingRunError, RingSource,
+};
+use crate::transport::session::SourceLink;
 use crate::transport::stream::{StreamLink, StreamLinkError};
 
 /// Bytes a source sends beyond the replica's last acknowledgement.
@@ -45,6 +51,8 @@ pub struct StreamSession {
     pub from: u64,
     /// TCP under TLS.
     pub tls: bool,
+    /// Over an RDMA ring.
+    pub rdma: bool,
     pub expires: Instant,
 }
 
@@ -187,6 +195,126 @@ pub async fn serve(
                 link.fail(&e.to_string()).await;
             }
         }
+    }
+}
+
+/// Serves a proved stream session over an RDMA ring on this blocking
+/// thread, until it ends or `shutdown`: the same log, window, MACs and id
+/// changes as over TCP, through `transport::ring`. The session is woken
+/// whenever the log grows.
+pub fn serve_ring(
+    link: SourceLink,
+    session: StreamSession,
+    _serving: Serving,
+    peer: String,
+    plane: RingPlane,
+) {
+    let s = &session;
+    let metrics = &plane.metrics;
+    let _running = Running::start(
+        metrics
+            .stream_sessions
+            .with_label_values(&[&s.instance, "source"]),
+    );
+    info!(session = %s.id, instance = %s.instance, replica = %s.replica, %peer, from = s.from, "serving the replication stream over an RDMA ring");
+    metrics
+        .stream_ring_sessions
+        .with_label_values(&[&s.instance, "source"])
+        .inc();
+    let Ok(replid) = <[u8; REPLID_LEN]>::try_from(s.replid.as_bytes()) else {
+        return warn!(session = %s.id, "stream session without a 40-byte replication id");
+    };
+    let downstream = Downstream::Agent {
+        node: s.replica.clone(),
+        session: s.id.clone(),
+    };
+    let mut feed = LogFeed {
+        stream: &s.stream,
+        downstream: &downstream,
+        sent: metrics
+            .stream_bytes
+            .with_label_values(&[&s.instance, "source"]),
+    };
+    let source = RingSource {
+        key: s.key,
+        from: s.from,
+        replid,
+        window: WINDOW,
+        silent: plane.silent,
+        cancel: plane.shutdown.clone(),
+        lie: plane.lie,
+    };
+    let mut watcher = None;
+    let served = link.serve_ring(source, &mut feed, |wake| {
+        let mut changed = s.stream.watch();
+        watcher = Some(plane.runtime.spawn(async move {
+            while changed.changed().await.is_ok() {
+                wake();
+            }
+        }));
+    });
+    if let Some(w) = watcher {
+        w.abort();
+    }
+    s.stream.forget(&downstream);
+    match served {
+        None => warn!(session = %s.id, "a ring session's connection is not RDMA"),
+        Some((at, Ok(()))) => info!(session = %s.id, at, "ring session ended: the agent stops"),
+        Some((at, Err(e))) => {
+            if let RingRunError::Ring(r) = &e {
+                metrics
+                    .stream_refused
+                    .with_label_values(&[&s.instance, r.label()])
+                    .inc();
+            }
+            warn!(session = %s.id, instance = %s.instance, at, error = %e, "ring session ended");
+        }
+    }
+}
+
+/// What a ring session needs of the agent besides its session.
+pub struct RingPlane {
+    pub metrics: Arc<Metrics>,
+    pub shutdown: CancellationToken,
+    /// How long the replica may leave the source unanswered.
+    pub silent: std::time::Duration,
+    /// Where the log's wake-ups run.
+    pub runtime: tokio::runtime::Handle,
+    /// A fault: the source lies in the ring's header.
+    pub lie: Option<HeaderLie>,
+}
+
+/// The log as a ring session reads it.
+struct LogFeed<'a> {
+    stream: &'a SharedLog,
+    downstream: &'a Downstream,
+    sent: prometheus::IntCounter,
+}
+
+impl RingFeed for LogFeed<'_> {
+    fn next(
+        &mut self,
+        at: u64,
+        replid: &[u8; REPLID_LEN],
+        max: usize,
+    ) -> Result<RingNext, LogFailure> {
+        Ok(
+            match next(self.stream, at, &String::from_utf8_lossy(replid))? {
+                Next::Wait => RingNext::Wait,
+                Next::Epoch(id) => RingNext::Epoch(id),
+                Next::Read(plan) => {
+                    let records = self.stream.read_blocking(&plan, max)?;
+                    let mut run = super::log::contiguous(&records, at);
+                    run.truncate(max);
+                    self.sent.inc_by(run.len() as u64);
+                    RingNext::Bytes(run)
+                }
+            },
+        )
+    }
+
+    fn applied(&mut self, offset: u64) {
+        self.stream.acked(self.downstream.clone(), offset);
     }
 }
 

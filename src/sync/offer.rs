@@ -127,6 +127,9 @@ pub struct StreamAsk {
     pub replid: String,
     pub offset: u64,
     pub data_tls: bool,
+    /// The replica can follow through an RDMA ring with this provider
+    /// (empty: TCP only).
+    pub rdma_provider: String,
 }
 
 /// A source's answer to a [`StreamAsk`].
@@ -150,6 +153,8 @@ pub struct StreamOffered {
     pub offset: u64,
     pub tls: bool,
     pub endpoint: SocketAddr,
+    /// The session runs over an RDMA ring: the endpoint to dial.
+    pub rdma_endpoint: Option<SocketAddr>,
     pub window: u64,
 }
 
@@ -300,6 +305,13 @@ impl Offers {
             Err(too_old) => return Ok(too_old),
         };
         let (id, key) = (new_id(), new_key());
+        // A ring when the replica can run one with this agent's provider;
+        // it falls back to TCP by itself.
+        let rdma_endpoint = self
+            .data
+            .rdma_endpoint()
+            .filter(|_| ask.rdma_provider == self.data.local_rdma.probe().provider.as_str());
+        let tls = tls && rdma_endpoint.is_none();
         let replica = match ask.replica_node.as_str() {
             "" => "unnamed".to_string(),
             node => node.to_string(),
@@ -315,6 +327,7 @@ impl Offers {
                 replid: replid.clone(),
                 from: offset,
                 tls,
+                rdma: rdma_endpoint.is_some(),
                 expires: Instant::now() + config.sync.session_token_ttl,
             })
             .map_err(|_| {
@@ -324,7 +337,7 @@ impl Offers {
                 ))
             })?;
         let endpoint = advertised(self.data.tcp, local);
-        info!(session = %id, instance = %instance.name, replica = %ask.replica_node, remote = ?remote, %replid, offset, tls, "offered the replication stream");
+        info!(session = %id, instance = %instance.name, replica = %ask.replica_node, remote = ?remote, %replid, offset, tls, rdma = ?rdma_endpoint, "offered the replication stream");
         Ok(StreamAnswer::Continue(StreamOffered {
             id,
             token,
@@ -333,6 +346,7 @@ impl Offers {
             offset,
             tls,
             endpoint,
+            rdma_endpoint,
             window: WINDOW,
         }))
     }

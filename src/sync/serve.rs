@@ -464,24 +464,41 @@ async fn prove_and_serve(conn: Accepted, peer: String, slot: conn_limit::Slot, p
             Ok(Err(e)) => return refused("bad_hello", &e),
             Ok(Ok(proved)) => proved,
         };
-    let stream = match kind {
-        TransportKind::Tcp => plane.streams.take(proved.proof()),
-        TransportKind::Rdma => None,
-    };
-    if let Some((session, serving)) = stream {
-        if session.tls != proved.encrypted() {
+    if let Some((session, serving)) = plane.streams.take(proved.proof()) {
+        // The session runs on the transport and TLS settings it was
+        // offered with, and on no other.
+        if session.tls != proved.encrypted() || session.rdma != (kind == TransportKind::Rdma) {
             refused(
                 "bad_hello",
-                &"this stream session was offered with other TLS settings than the connection uses",
+                &"this stream session was offered with other transport or TLS settings than the connection uses",
             );
             let _ = tokio::time::timeout(
                 plane.hello_timeout,
-                proved.refuse("open the data connection as the offer said (data_tls)"),
+                proved
+                    .refuse("open the data connection as the offer said (rdma_endpoint, data_tls)"),
             )
             .await;
             return;
         }
         drop(slot);
+        if session.rdma {
+            let ring = crate::stream::serve::RingPlane {
+                metrics: plane.metrics.clone(),
+                shutdown: plane.shutdown.clone(),
+                silent: crate::stream::pull::UPSTREAM_TIMEOUT,
+                runtime: tokio::runtime::Handle::current(),
+                lie: plane.faults.stream_ring_lie,
+            };
+            tokio::task::spawn_blocking(move || {
+                match proved.open(plane.peer_timeout, plane.min_rate, false, &plane.faults) {
+                    Ok(link) => {
+                        crate::stream::serve::serve_ring(link, session, serving, peer, ring)
+                    }
+                    Err(e) => warn!(%peer, "stream connection failed to open: {e}"),
+                }
+            });
+            return;
+        }
         match proved.into_stream(plane.peer_timeout) {
             Ok(Ok(link)) => {
                 crate::stream::serve::serve(

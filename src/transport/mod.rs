@@ -262,7 +262,8 @@ pub const CRC32_NEUTRAL: [u8; 5] = [0x41, 0x06, 0x71, 0xdb, 0x01];
 /// the emulated fabric; `rdma_bad_rkey=1` and `rdma_hold_after=N` with
 /// `hold_file=PATH`, `rdma_write_after_verify=1` (source), `rdma_no_file_mr=1`
 /// and `rdma_damage_piece=N`
-/// (replica) for the RDMA driver. Read only by builds with the cargo
+/// (replica) for the RDMA driver; `stream_ring_lie=1|2` (stream source
+/// over a ring: a wrong magic, a sequence that goes back). Read only by builds with the cargo
 /// feature `faults` (the test suite's); the agent logs loudly when any is
 /// active.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -288,6 +289,9 @@ pub struct Faults {
     /// not after every frame (a slow replica: the source's credit window
     /// fills while the replica still reads).
     pub stream_ack_on_tick: bool,
+    /// Stream source over an RDMA ring: lie in the ring's header (1: a
+    /// wrong magic, 2: a sequence that goes back).
+    pub stream_ring_lie: Option<ring::HeaderLie>,
 }
 
 /// A `KVSYNC_FAULTS` that does not parse.
@@ -336,6 +340,13 @@ impl Faults {
                 "cut_after" => f.cut_after = Some(n),
                 "stream_corrupt_at" => f.stream_corrupt_at = Some(n),
                 "stream_ack_on_tick" => f.stream_ack_on_tick = n != 0,
+                "stream_ring_lie" => {
+                    f.stream_ring_lie = match n {
+                        1 => Some(ring::HeaderLie::Magic),
+                        2 => Some(ring::HeaderLie::SequenceBack),
+                        _ => return Err(FaultsError::Unknown(part.into())),
+                    }
+                }
                 "rdma_corrupt_at" => f.emu.corrupt_at = Some(n),
                 "rdma_cut_after" => f.emu.cut_after = Some(n),
                 "rdma_drop_send" => f.emu.drop_send = Some(n as u32),

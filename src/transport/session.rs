@@ -22,6 +22,7 @@ use super::emulated::EmuQp;
 use super::fabric::{Fabric, FabricError};
 use super::pace::MinRate;
 use super::rdma::{self, RdmaError};
+use super::ring;
 use super::tcp::{self, CancelHandle, Link, TcpError};
 use super::{blocking_data_socket, Faults, Serve, Sink, TransportKind, CONNECT_TIMEOUT};
 use crate::blk3::token::SESSION_TOKEN_LEN;
@@ -430,6 +431,65 @@ impl SourceLink {
             SourceLink::Emulated(qp) => serve_rdma(qp, s),
             #[cfg(feature = "rdma")]
             SourceLink::Verbs(qp) => serve_rdma(qp, s),
+        }
+    }
+}
+
+impl SourceLink {
+    /// Serves a stream session over an RDMA ring (`None`: this link is
+    /// TCP, which a ring session cannot run on); `waker` is handed the
+    /// queue pair's waker before the session starts. Returns where the
+    /// stream stood.
+    pub fn serve_ring(
+        self,
+        s: ring::RingSource,
+        feed: &mut dyn ring::RingFeed,
+        waker: impl FnOnce(ring::Waker),
+    ) -> Option<(u64, Result<(), ring::RingRunError>)> {
+        fn run<F: Fabric>(
+            mut qp: F,
+            s: ring::RingSource,
+            feed: &mut dyn ring::RingFeed,
+            waker: impl FnOnce(ring::Waker),
+        ) -> (u64, Result<(), ring::RingRunError>) {
+            match qp.waker() {
+                Ok(w) => waker(w),
+                Err(e) => return (s.from, Err(e.into())),
+            }
+            ring::run_source(qp, s, feed)
+        }
+        match self {
+            SourceLink::Tcp(_) => None,
+            SourceLink::Emulated(qp) => Some(run(qp, s, feed, waker)),
+            #[cfg(feature = "rdma")]
+            SourceLink::Verbs(qp) => Some(run(qp, s, feed, waker)),
+        }
+    }
+}
+
+impl DataLink {
+    /// Follows a stream session through an RDMA ring (`None`: this link
+    /// is TCP); `waker` is handed the queue pair's waker first.
+    pub fn run_ring(
+        self,
+        r: ring::RingReplica,
+        sink: &mut dyn ring::RingSink,
+        waker: impl FnOnce(ring::Waker),
+    ) -> Option<Result<(), ring::RingRunError>> {
+        fn run<F: Fabric>(
+            mut qp: F,
+            r: ring::RingReplica,
+            sink: &mut dyn ring::RingSink,
+            waker: impl FnOnce(ring::Waker),
+        ) -> Result<(), ring::RingRunError> {
+            waker(qp.waker()?);
+            ring::run_replica(qp, r, sink)
+        }
+        match self {
+            DataLink::Tcp(_) => None,
+            DataLink::Emulated(qp, _) => Some(run(qp, r, sink, waker)),
+            #[cfg(feature = "rdma")]
+            DataLink::Verbs(qp, _) => Some(run(qp, r, sink, waker)),
         }
     }
 }
