@@ -29,12 +29,16 @@
 #   9. the replication stream through two agents vs direct replication:
 #      WAIT latency, throughput, egress with 8 replicas, a partition
 #      (scripts/bench-stream.sh; the partition needs root; BENCH_REDIS=1)
+#   9b. the stream through the RDMA ring vs the TCP stream session vs direct
+#      replication on soft-RoCE, one VM and two: WAIT latency, catch-up
+#      throughput against ib_write_bw, agent CPU per MiB
+#      (scripts/bench-stream-ring.sh; as root, BENCH_VM=1, BENCH_REDIS=1)
 #
 # Knobs: SIZES="1GiB 4GiB" RUNS=3 FAN_SIZE=1GiB FANOUT="1 2 4 8"
 #        RESUME_SIZE=4GiB RELAY_REPLICAS=8 RELAY_SIZE=512MiB RELAY_RATE=400mbit
 #        BENCH_DIR=/dev/shm (tmpfs: takes the disk out) BENCH_VM BENCH_REDIS
 #        RTT_MS=100 RTT_SIZE=128MiB RTT_RUNS=5
-#        SECTIONS="1 1b 2 3 4 5 6 7 8 9" (which sections to run; --write needs all)
+#        SECTIONS="1 1b 2 3 4 5 6 7 8 9 9b" (which sections to run; --write needs all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 write=0
@@ -49,7 +53,7 @@ relay_size=${RELAY_SIZE:-512MiB}
 relay_rate=${RELAY_RATE:-400mbit}
 vm=${BENCH_VM:-$([ "$(id -u)" = 0 ] && echo 1 || echo 0)}
 redis=${BENCH_REDIS:-1}
-sections=" ${SECTIONS:-1 1b 2 3 4 5 6 7 8 9} "
+sections=" ${SECTIONS:-1 1b 2 3 4 5 6 7 8 9 9b} "
 section() { [[ "$sections" == *" $1 "* ]]; }
 if [ "$write" = 1 ] && [ -n "${SECTIONS:-}" ]; then
     echo "--write replaces the whole report: run every section" >&2
@@ -477,6 +481,17 @@ if [ "$redis" = 1 ] && section 9; then
 out "### 9. The replication stream: through two agents vs direct replication"
 out ""
 out "$(bash scripts/bench-stream.sh "$bin" "$runs")"
+out ""
+fi
+
+if [ "$redis" = 1 ] && section 9b; then
+out "### 9b. The replication stream through the RDMA ring (soft-RoCE VMs)"
+out ""
+if [ "$vm" = 1 ]; then
+    out "$(RUNS=$runs bash scripts/bench-stream-ring.sh)"
+else
+    out "Skipped (needs root for the VM; BENCH_VM=1)."
+fi
 out ""
 fi
 

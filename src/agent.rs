@@ -712,6 +712,8 @@ async fn follow_stream(
                     rdma: parts.local_rdma.clone(),
                     provider: config.transport.rdma_provider,
                     size: config.stream.rdma_ring.as_u64(),
+                    retry: config.stream.rdma_retry,
+                    spin: config.stream.rdma_spin,
                     faults: parts.faults.clone(),
                 }),
         };

@@ -121,8 +121,23 @@ pub struct StreamConfig {
     /// stream (a power of two, 1 MiB to 1 GiB; 0 keeps the stream on TCP).
     /// Used when `[transport] mode` is not `tcp`, both agents have RDMA and
     /// the same provider; a failed ring session goes on over TCP from what
-    /// the log holds and the ring is tried again after a while.
+    /// the log holds and the ring is tried again after `rdma_retry`.
     pub rdma_ring: ByteSize,
+    /// How long the stream runs over TCP after a ring session failed
+    /// before the ring is tried again.
+    #[serde(with = "humantime_serde")]
+    pub rdma_retry: Duration,
+    /// A replica agent whose session's credit window stays full this long
+    /// while the log holds more is marked lagging (status,
+    /// `kvsync_stream_lagging_downstreams`); its source keeps waiting and
+    /// the log keeps the stream, the primary is never slowed.
+    #[serde(with = "humantime_serde")]
+    pub stall_timeout: Duration,
+    /// The longest a ring session spins on its completion queue before it
+    /// blocks on the completion channel (verbs spin 20 µs, 200 µs on soft
+    /// devices; a lower value trades latency for CPU, 0 always blocks).
+    #[serde(with = "humantime_serde")]
+    pub rdma_spin: Duration,
 }
 
 impl Default for StreamConfig {
@@ -138,6 +153,9 @@ impl Default for StreamConfig {
             ack: StreamAck::Log,
             reseed: false,
             rdma_ring: ByteSize::mib(16),
+            rdma_retry: Duration::from_secs(30),
+            stall_timeout: Duration::from_secs(10),
+            rdma_spin: Duration::from_micros(200),
         }
     }
 }

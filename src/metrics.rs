@@ -146,6 +146,7 @@ pub struct Metrics {
     pub stream_write_safety_degraded: IntGaugeVec,
     pub stream_ring_sessions: IntCounterVec,
     pub stream_fallback: IntCounterVec,
+    pub stream_lagging: IntGaugeVec,
 }
 
 /// The `reason` labels `kvsync_stream_fallback_total` can carry (what
@@ -396,6 +397,13 @@ impl Metrics {
                 ),
                 &["kv_instance", "reason"]
             )),
+            stream_lagging: reg!(IntGaugeVec::new(
+                Opts::new(
+                    "kvsync_stream_lagging_downstreams",
+                    "Replica agents served this instance's stream whose credit window has stayed full past [stream] stall_timeout while the log holds more: the log buffers for them, the primary is not slowed"
+                ),
+                &["kv_instance"]
+            )),
             stream_credit_stalls: reg!(IntCounterVec::new(
                 Opts::new(
                     "kvsync_stream_credit_stalls_total",
@@ -594,6 +602,7 @@ impl Metrics {
             self.stream_reconnects.with_label_values(&[name, source]);
         }
         self.stream_credit_stalls.with_label_values(&[name]);
+        self.stream_lagging.with_label_values(&[name]);
     }
 
     /// Removes instance `name`'s series (those of its KV's health poll go
@@ -667,6 +676,7 @@ impl Metrics {
             let _ = self.stream_reconnects.remove_label_values(&[name, source]);
         }
         let _ = self.stream_credit_stalls.remove_label_values(&[name]);
+        let _ = self.stream_lagging.remove_label_values(&[name]);
         let _ = self.stream_log_bytes.remove_label_values(&[name]);
         let _ = self.stream_log_span.remove_label_values(&[name]);
         let _ = self.stream_log_retain.remove_label_values(&[name]);

@@ -237,6 +237,9 @@ fn section<'a>(out: &'a str, name: &str) -> &'a str {
 /// (`scripts/test.sh` prints every section's seconds).
 const ONE_VM_LIMIT_S: u32 = 180;
 const TWO_VMS_LIMIT_S: u32 = 320;
+/// The stream's two-host script (not yet measured on that machine kind;
+/// set from runs on a 2-core TCG machine here, doubled).
+const STREAM_VMS_LIMIT_S: u32 = 400;
 
 /// Runs `script` in one VM or in two joined ones; it must succeed. `None`
 /// where the VMs cannot run here.
@@ -500,7 +503,7 @@ fn soft_roce_vm_has_active_rxe0_and_real_verbs() {
 /// between them, and eth0 is user-mode NAT without RDMA. The agents listen
 /// on the link (plaintext gRPC, so with tokens); b drives, then tells a it
 /// is done.
-const TWO_HOST_SCRIPT: &str = r#"
+const TWO_HOST_AGENTS: &str = r#"
 set -u
 K=$KVSYNC_BIN
 mkdir -p /tmp/kv
@@ -549,6 +552,10 @@ idle() {
     for i in $(seq 600); do "$K" status --agent $1 --json | grep -q '"serving_sessions":0[,}]' && return; sleep 0.1; done
     echo "$1 still serves a session"; exit 1
 }
+"#;
+
+/// The two-host sync checks, after [`TWO_HOST_AGENTS`].
+const TWO_HOST_SCRIPT: &str = r#"
 echo "== probe"
 "$K" probe --json
 SRC=10.9.0.1:7100
@@ -764,7 +771,8 @@ tell done
 
 #[test]
 fn two_soft_roce_hosts_sync_over_real_rdma() {
-    let Some(run) = script_ok(2, TWO_HOST_SCRIPT, TWO_VMS_LIMIT_S) else {
+    let script = format!("{TWO_HOST_AGENTS}{TWO_HOST_SCRIPT}");
+    let Some(run) = script_ok(2, &script, TWO_VMS_LIMIT_S) else {
         return;
     };
     let (a, b) = run
@@ -896,6 +904,173 @@ fn two_soft_roce_hosts_sync_over_real_rdma() {
     assert_eq!(s["serving_sessions"], 0, "{s}");
     assert!(secs < 12.0, "the source took {secs} s:\n{killed}");
 
+    assert!(a.contains("== end"), "VM a did not finish:\n{a}");
+}
+
+/// The replication stream through the RDMA ring between two hosts, after
+/// [`TWO_HOST_AGENTS`]: a holds the primary (7001) and its agent `ssrc`,
+/// which follows it into a log and acknowledges what the servers below
+/// applied; b holds a replica server (7003) fed by its agent `srep`, which
+/// follows `ssrc` through a ring on rxe0. b drives: the seeding, `WAIT`,
+/// then faults while a writes (`INCR ctr`, so a byte applied twice or lost
+/// shows as a different counter): 1% packet loss on the link, the link
+/// down for 5 s, `srep` SIGKILLed and restarted, and `ssrc` pinned to a
+/// core a busy loop saturates.
+const STREAM_SCRIPT: &str = r#"
+P7="redis-cli -h 10.9.0.1 -p 7001"
+if [ "$KVSYNC_VM_HOST" = a ]; then
+    mkdir -p /tmp/kv/sprimary
+    redis-server --port 7001 --bind "127.0.0.1 10.9.0.1" --protected-mode no --dir /tmp/kv/sprimary \
+        --save "" --appendonly no --repl-diskless-sync-delay 0 --daemonize yes \
+        --pidfile /tmp/kv/sprimary/redis.pid --logfile /tmp/kv/sprimary/redis.log
+    for i in $(seq 300); do redis-cli -p 7001 ping > /dev/null 2>&1 && break; sleep 0.1; done
+    redis-cli -p 7001 set before yes > /dev/null
+    DIR=/tmp/kv/ssrc PRE='snapshot_format = "redis-rdb"' POST='[redis]
+primary_addr = "127.0.0.1:7001"
+[stream]
+dir = "/tmp/kv/ssrc-log"
+ack = "replicas"' agent ssrc 10.9.0.1:7110 auto true > /dev/null
+    ssrc=$!
+    # Commands from b, one per connection, until "done".
+    while cmd=$(busybox nc -l -p 7199); [ "$cmd" != done ]; do
+        case "$cmd" in
+        write) redis-cli -p 7001 -r 1000 -i 0.002 incr ctr > /dev/null & ;;
+        busy)
+            taskset -c 0 sh -c 'while :; do :; done' & echo $! > /tmp/kv/busy.pid
+            taskset -apc 0 $ssrc > /dev/null ;;
+        idle)
+            kill $(cat /tmp/kv/busy.pid)
+            taskset -apc 0,1 $ssrc > /dev/null ;;
+        esac
+    done
+    echo "== stream source"
+    "$K" status --agent 10.9.0.1:7110 --json
+    grep -c "serving the replication stream over an RDMA ring" /tmp/kv/ssrc.log
+    echo "== end"
+    exit 0
+fi
+tell() { for i in $(seq 100); do echo $1 | busybox nc -w 5 10.9.0.1 7199 && return; sleep 0.1; done; echo "a never took $1"; exit 1; }
+for i in $(seq 600); do "$K" snapshots --agent 10.9.0.1:7110 --json 2>/dev/null | grep -q '"seq"' && break; sleep 0.2; done
+mkdir -p /tmp/kv/sreplica
+redis-server --port 7003 --bind 127.0.0.1 --dir /tmp/kv/sreplica --save "" --appendonly no --daemonize yes \
+    --pidfile /tmp/kv/sreplica/redis.pid --logfile /tmp/kv/sreplica/redis.log
+for i in $(seq 300); do redis-cli -p 7003 ping > /dev/null 2>&1 && break; sleep 0.1; done
+srep() {
+    DIR=/tmp/kv/srep PRE='snapshot_format = "redis-rdb"' POST='[stream]
+dir = "/tmp/kv/srep-log"
+upstream = "10.9.0.1:7110"
+rdma_retry = "2s"
+[handoff]
+mode = "redis-stream"
+timeout = "120s"
+[redis]
+server_addr = "127.0.0.1:7003"' agent srep 127.0.0.1:7400 auto true > /dev/null
+}
+srep
+pid=$!
+state() { "$K" status --agent 127.0.0.1:7400 --json | grep -o '"state":"[^"]*"' | head -1; }
+# Waits until the server has what the primary has, or says what differs.
+converged() {
+    for i in $(seq 900); do
+        [ "$($P7 get ctr)" = "$(redis-cli -p 7003 get ctr)" ] && [ "$($P7 dbsize)" = "$(redis-cli -p 7003 dbsize)" ] && break
+        sleep 0.1
+    done
+    echo "ctr=$($P7 get ctr)/$(redis-cli -p 7003 get ctr) keys=$($P7 dbsize)/$(redis-cli -p 7003 dbsize)"
+}
+# Waits until a's writer is done (its 1000 INCRs reached the primary).
+written() {
+    want=$1
+    for i in $(seq 900); do [ "$($P7 get ctr)" = "$want" ] && return; sleep 0.1; done
+    echo "the writer stopped at $($P7 get ctr)"; exit 1
+}
+ring() { for i in $(seq 300); do state | grep -q "RDMA ring" && return; sleep 0.1; done; }
+echo "== stream seed"
+"$K" sync --agent 127.0.0.1:7400 --source 10.9.0.1:7110 --wait --json
+ring; state
+echo "== stream wait"
+for i in $(seq 20); do $P7 set w$i v > /dev/null; $P7 wait 1 5000; done | sort | uniq -c
+tell write; written 1000; converged; state
+echo "== stream loss"
+tc qdisc add dev eth1 root netem loss 1%
+tell write; written 2000; converged; state
+tc qdisc del dev eth1 root
+echo "== stream link down"
+tell write
+ip link set eth1 down
+sleep 5
+ip link set eth1 up
+written 3000; converged; state
+echo "== stream agent killed"
+tell write
+for i in $(seq 300); do [ "$($P7 get ctr)" -gt 3100 ] && break; sleep 0.05; done
+kill -9 $pid; wait $pid
+srep
+written 4000; converged; state
+echo "== stream busy core"
+tell busy
+tell write; written 5000; converged; state
+tell idle
+$P7 info stats | grep -E "^sync_full:"
+echo "== stream replica log"
+grep -c "following the upstream agent's stream through an RDMA ring" /tmp/kv/srep.log
+grep -E "RDMA ring failed" /tmp/kv/srep.log | sed 's/.*reason="\{0,1\}\([a-z_]*\).*/fallback \1/' | sort | uniq -c
+echo "== end"
+tell done
+"#;
+
+#[test]
+fn the_stream_crosses_two_soft_roce_hosts_through_the_ring_and_survives_its_faults() {
+    let script = format!("{TWO_HOST_AGENTS}{STREAM_SCRIPT}");
+    let Some(run) = script_ok(2, &script, STREAM_VMS_LIMIT_S) else {
+        return;
+    };
+    let (a, b) = run
+        .stdout
+        .split_once("=== vm b\n")
+        .unwrap_or_else(|| panic!("no output of VM b:\n{}", run.stdout));
+    // Seeded, then following through the ring on rxe0.
+    let seed = section(b, "stream seed");
+    assert!(seed.contains("through an RDMA ring"), "{seed}");
+    // Every WAIT counted the server fed through the ring.
+    let wait = section(b, "stream wait");
+    assert!(wait.contains("20 1\n"), "{wait}");
+    // Each fault: the server ends with exactly the primary's counter and
+    // keys (nothing lost, nothing applied twice).
+    for name in [
+        "stream wait",
+        "stream loss",
+        "stream link down",
+        "stream agent killed",
+        "stream busy core",
+    ] {
+        let out = section(b, name);
+        let line = out
+            .lines()
+            .find(|l| l.starts_with("ctr="))
+            .unwrap_or_else(|| panic!("{name}: no counter in {out}"));
+        let (ctr, keys) = line["ctr=".len()..].split_once(" keys=").unwrap();
+        let (p, r) = ctr.split_once('/').unwrap();
+        let (pk, rk) = keys.split_once('/').unwrap();
+        assert!(p == r && pk == rk, "{name}: {line}\n{}", run.stderr);
+    }
+    // Packet loss slows the ring, it does not break it. A link down for
+    // 5 s may outlast the queue pair's retries or not (the ring then fails
+    // and the stream goes on over TCP, and soft-RoCE here connects no new
+    // queue pair from that host until its device is made again: see the
+    // two-host sync test), so after it only the data is checked. A busy
+    // core on the sender backs up into its log, never into the primary.
+    let loss = section(b, "stream loss");
+    assert!(loss.contains("through an RDMA ring"), "{loss}");
+    let busy = section(b, "stream busy core");
+    assert!(
+        busy.contains("sync_full:1\n"),
+        "one full sync, the agent's: {busy}"
+    );
+    let _ = writeln!(
+        std::io::stderr(),
+        "stream through the ring, replica log:\n{}",
+        section(b, "stream replica log")
+    );
     assert!(a.contains("== end"), "VM a did not finish:\n{a}");
 }
 

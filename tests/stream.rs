@@ -1173,6 +1173,54 @@ fn a_replica_that_acknowledges_slowly_stalls_the_sources_credit_and_loses_nothin
 }
 
 #[test]
+fn a_replica_agent_stopped_past_the_stall_timeout_is_marked_lagging_and_the_primary_goes_on() {
+    let root = tempfile::tempdir().unwrap();
+    let primary = Redis::start(Server::Redis, &root.path().join("p"), &[]);
+    let config =
+        follower_config(&primary, &root.path().join("src-log")) + "stall_timeout = \"1s\"\n";
+    let source = source_with(root.path(), &config, &[]);
+    let replica = agent(
+        root.path(),
+        "rep",
+        &root.path().join("rep-snaps"),
+        &puller_config(&source, &root.path().join("rep-log")),
+        &[],
+    );
+    wait_following(&replica);
+    primary.fill("first", 100, "v");
+    wait_logged(&replica, &primary, "the replica agent to follow");
+    let lagging = "kvsync_stream_lagging_downstreams{kv_instance=\"default\"}";
+    assert_eq!(source.metric(lagging), 0.0);
+    // The replica agent stops taking the stream (SIGSTOP) while the
+    // primary writes more than the 4 MiB credit window.
+    replica.proc.signal(libc::SIGSTOP);
+    primary.fill("big", 6_000, &"v".repeat(1000));
+    wait_for("the stopped agent to be marked lagging", DEADLINE, || {
+        let st = stream_status(&source);
+        (source.metric(lagging) == 1.0 && st.lagging.len() == 1).then_some(st)
+    });
+    // The primary is not slowed: its writes go on while the source's log
+    // keeps the stream.
+    primary.fill("meanwhile", 500, "v");
+    wait_logged(
+        &source,
+        &primary,
+        "the source to log while the replica is stopped",
+    );
+    replica.proc.signal(libc::SIGCONT);
+    wait_logged(&replica, &primary, "the replica agent to catch up");
+    wait_for("the lagging mark to clear", DEADLINE, || {
+        (source.metric(lagging) == 0.0 && stream_status(&source).lagging.is_empty()).then_some(())
+    });
+    drop(replica);
+    drop(source);
+    assert!(
+        log_bytes(&root.path().join("rep-log")) == log_bytes(&root.path().join("src-log")),
+        "the replica's log is the source's, byte for byte"
+    );
+}
+
+#[test]
 fn a_replica_agent_too_old_for_its_upstream_is_re_seeded_from_the_snapshot_it_names() {
     let root = tempfile::tempdir().unwrap();
     let r = root.path();
@@ -1517,14 +1565,18 @@ on_both_servers!(a_server_fed_through_an_rdma_ring_converges_and_wait_counts_it)
 const STREAM_FALLBACK_REASONS: &[&str] = kvsync::metrics::STREAM_FALLBACKS;
 
 #[test]
-fn a_ring_header_that_lies_is_refused_counted_and_the_stream_goes_on_over_tcp() {
+fn a_ring_header_that_lies_is_refused_counted_and_the_stream_goes_on_over_tcp_then_the_ring() {
     for lie in ["1", "2"] {
         let root = tempfile::tempdir().unwrap();
         let primary = Redis::start(Server::Redis, &root.path().join("p"), &[]);
+        // The source lies in the header of its first ring session.
         let fault = format!("stream_ring_lie={lie}");
         let source = emulated_source(root.path(), &primary, "", &[("KVSYNC_FAULTS", &fault)]);
         primary.fill("first", 500, "v");
-        let config = puller_config(&source, &root.path().join("rep-log")) + EMULATED_RDMA;
+        // The ring is tried again a second after it failed.
+        let config = puller_config(&source, &root.path().join("rep-log"))
+            + "rdma_retry = \"1s\"\n"
+            + EMULATED_RDMA;
         let replica = agent(
             root.path(),
             "rep",
@@ -1535,19 +1587,28 @@ fn a_ring_header_that_lies_is_refused_counted_and_the_stream_goes_on_over_tcp() 
         wait_logged(
             &replica,
             &primary,
-            "the replica agent to follow over TCP after the lie",
+            "the replica agent to follow after the lie",
         );
         let refused = r#"kvsync_stream_refused_total{kv_instance="default",reason="bad_header"}"#;
         let fell_back =
             r#"kvsync_stream_fallback_total{kv_instance="default",reason="bad_header"}"#;
+        let ring = r#"kvsync_stream_ring_sessions_total{kv_instance="default",role="replica"}"#;
+        wait_for("the ring tried again and used", DEADLINE, || {
+            let st = stream_status(&replica);
+            (st.state.contains("through an RDMA ring") && replica.metric(ring) >= 2.0).then_some(())
+        });
         assert_eq!(replica.metric(refused), 1.0, "lie {lie}");
         assert_eq!(replica.metric(fell_back), 1.0, "lie {lie}");
-        let st = stream_status(&replica);
-        assert!(st.state.starts_with("following agent"), "{st:?}");
-        assert!(!st.state.contains("RDMA"), "over TCP now: {st:?}");
+        let log = replica.proc.log();
+        assert!(log.contains("the RDMA ring failed"), "{log}");
+        assert!(
+            log.lines()
+                .any(|l| l.contains("following the upstream agent's stream")
+                    && !l.contains("RDMA ring")),
+            "a TCP session between the ring's attempts: {log}"
+        );
         primary.fill("second", 500, "v");
-        wait_logged(&replica, &primary, "the stream to go on over TCP");
-        assert!(replica.proc.log().contains("the RDMA ring failed"));
+        wait_logged(&replica, &primary, "the stream to go on through the ring");
         drop(replica);
         drop(source);
         same_logs(root.path());

@@ -462,6 +462,9 @@ fn print_instance(i: &pb::InstanceStatus) {
                 st.end_offset.saturating_sub(d.offset)
             );
         }
+        for name in &st.lagging {
+            println!("    lagging: {name} has left its whole credit window unacknowledged past [stream] stall_timeout; the log keeps the stream for it");
+        }
         if st.damaged > 0 {
             println!(
                 "    {} damaged record(s) found on reading: cut off and fetched again",
@@ -527,6 +530,7 @@ fn stream_json(st: &pb::StreamStatus) -> serde_json::Value {
         "serving": st.serving,
         "fed_offset": st.fed_offset,
         "downstreams": downstreams,
+        "lagging": st.lagging,
         "ack": st.ack,
         "acked_offset": st.acked_offset,
         "damaged": st.damaged,

@@ -125,6 +125,7 @@ impl OrchestratorService {
                         true => i.config.stream.ack.name().to_string(),
                         false => String::new(),
                     },
+                    lagging: s.lagging().iter().map(ToString::to_string).collect(),
                     acked_offset: s.upstream_acked(),
                     damaged: s.damaged(),
                     upstreams: i.upstreams.as_ref().map(|u| u.chain()).unwrap_or_default(),

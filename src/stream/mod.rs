@@ -60,6 +60,9 @@ pub struct Stream {
     state: Mutex<String>,
     /// What each downstream acknowledged; bumped on every change.
     acks: Mutex<BTreeMap<Downstream, u64>>,
+    /// The replica agents whose credit window stayed full past
+    /// `[stream] stall_timeout`.
+    lagging: Mutex<std::collections::BTreeSet<Downstream>>,
     acks_changed: watch::Sender<u64>,
     /// The offset last acknowledged upstream: to the primary (`REPLCONF
     /// ACK`), or to the upstream agent as applied downstream (`SAPP`).
@@ -81,6 +84,8 @@ struct Gauges {
     log_bytes: prometheus::IntGauge,
     span: prometheus::IntGauge,
     behind: prometheus::IntGauge,
+    /// Downstreams marked lagging (`kvsync_stream_lagging_downstreams`).
+    lagging: prometheus::IntGauge,
 }
 
 /// A stream log shared by its writer and its readers.
@@ -95,6 +100,7 @@ impl Stream {
             log_bytes: metrics.stream_log_bytes.with_label_values(&name),
             span: metrics.stream_log_span.with_label_values(&name),
             behind: metrics.stream_behind_bytes.with_label_values(&name),
+            lagging: metrics.stream_lagging.with_label_values(&name),
         };
         let stream = Arc::new(Stream {
             log: Mutex::new(log),
@@ -102,6 +108,7 @@ impl Stream {
             source,
             state: Mutex::new("starting".into()),
             acks: Mutex::default(),
+            lagging: Mutex::default(),
             acks_changed: watch::Sender::new(0),
             upstream_acked: AtomicU64::new(0),
             behind_since: Mutex::default(),
@@ -206,10 +213,35 @@ impl Stream {
 
     /// Forgets a downstream that is gone.
     pub fn forget(&self, who: &Downstream) {
+        self.set_lagging(who, false);
         if self.lock_acks().remove(who).is_some() {
             self.acks_changed.send_modify(|n| *n += 1);
             self.export();
         }
+    }
+
+    /// Marks `who` lagging or not.
+    pub fn set_lagging(&self, who: &Downstream, lagging: bool) {
+        let mut set = self.lagging.lock().expect("stream lagging lock");
+        match lagging {
+            true => set.insert(who.clone()),
+            false => set.remove(who),
+        };
+        self.gauges.lagging.set(set.len() as i64);
+    }
+
+    /// Whether `who` is marked lagging.
+    pub fn is_lagging(&self, who: &Downstream) -> bool {
+        self.lagging
+            .lock()
+            .expect("stream lagging lock")
+            .contains(who)
+    }
+
+    /// The downstreams marked lagging.
+    pub fn lagging(&self) -> Vec<Downstream> {
+        let set = self.lagging.lock().expect("stream lagging lock");
+        set.iter().cloned().collect()
     }
 
     /// The lowest offset the downstreams acknowledged (`None`: none has).

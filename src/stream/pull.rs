@@ -185,12 +185,13 @@ pub struct RingAsk {
     pub provider: RdmaProvider,
     /// Bytes of the ring's stream area.
     pub size: u64,
+    /// After a ring session failed, how long the stream runs over TCP
+    /// before the ring is tried again (`[stream] rdma_retry`).
+    pub retry: Duration,
+    /// `[stream] rdma_spin`.
+    pub spin: Duration,
     pub faults: Faults,
 }
-
-/// After a ring session failed, how long the stream runs over TCP before
-/// the ring is tried again.
-pub const RING_RETRY: Duration = Duration::from_secs(30);
 
 /// Why a session with the upstream ended.
 #[derive(Debug, thiserror::Error)]
@@ -283,7 +284,7 @@ pub async fn run(pull: Pull, stream: SharedLog, stop: CancellationToken) {
             .filter(|r| fell_back.is_none() && r.rdma.available());
         let result = tokio::select! {
             _ = stop.cancelled() => return,
-            r = session(&pull, &upstream, &stream, ring) => r,
+            r = session(&pull, &upstream, &stream, ring, fell_back.is_some()) => r,
             // A TCP session after a ring failed ends in time to try the
             // ring again.
             _ = tokio::time::sleep_until(fell_back.unwrap_or(now)), if fell_back.is_some() => continue,
@@ -316,9 +317,12 @@ pub async fn run(pull: Pull, stream: SharedLog, stop: CancellationToken) {
                 .stream_fallback
                 .with_label_values(&[&pull.instance, reason])
                 .inc();
-            warn!(instance = %pull.instance, %upstream, error = %e, reason, "the RDMA ring failed: the stream goes on over TCP from what the log holds, and tries the ring again in {RING_RETRY:?}");
-            tcp_until = Some(Instant::now() + RING_RETRY);
-            stream.set_state(format!("over TCP after the RDMA ring failed: {e}"));
+            let retry = pull.ring.as_ref().map_or(Duration::ZERO, |r| r.retry);
+            warn!(instance = %pull.instance, %upstream, error = %e, reason, "the RDMA ring failed: the stream goes on over TCP from what the log holds, and tries the ring again in {retry:?}");
+            tcp_until = Some(Instant::now() + retry);
+            stream.set_state(format!(
+                "reconnecting over TCP after the RDMA ring failed: {e}"
+            ));
             continue;
         }
         warn!(instance = %pull.instance, %upstream, error = %e, "following the upstream agent's stream stopped; it asks again");
@@ -506,6 +510,7 @@ async fn session(
     upstream: &str,
     stream: &SharedLog,
     ring: Option<&RingAsk>,
+    fell_back: bool,
 ) -> Result<(), PullError> {
     let at = start_point(pull, stream);
     let offer = ask(pull, upstream, at.as_ref(), ring).await?;
@@ -541,7 +546,10 @@ async fn session(
         .stream_bytes
         .with_label_values(&[&pull.instance, "replica"]);
     info!(instance = %pull.instance, %upstream, replid = %offer.replid, offset = offer.offset, tls = offer.tls, "following the upstream agent's stream");
-    stream.set_state(format!("following agent {upstream}"));
+    stream.set_state(match fell_back {
+        true => format!("following agent {upstream} over TCP until the RDMA ring is tried again"),
+        false => format!("following agent {upstream}"),
+    });
     let mut rx = Receiver::new(offer.key, offer.offset, offer.window);
     let mut heard = Instant::now();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -656,6 +664,7 @@ async fn ring_session(
         token: offer.token,
         silent: UPSTREAM_TIMEOUT,
         cancel: CancellationToken::new(),
+        spin: ring.spin,
     };
     let stop = r.cancel.clone();
     let _stop = stop.clone().drop_guard();

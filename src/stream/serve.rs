@@ -53,6 +53,10 @@ pub struct StreamSession {
     pub tls: bool,
     /// Over an RDMA ring.
     pub rdma: bool,
+    /// `[stream] stall_timeout`.
+    pub stall_timeout: std::time::Duration,
+    /// `[stream] rdma_spin`, for a session over a ring.
+    pub spin: std::time::Duration,
     pub expires: Instant,
 }
 
@@ -168,15 +172,13 @@ pub async fn serve(
         node: s.replica.clone(),
         session: s.id.clone(),
     };
-    let stalls = metrics
-        .stream_credit_stalls
-        .with_label_values(&[&s.instance]);
+    let mut stall = Stall::new(s, &downstream, &metrics);
     let result = send_stream(
         &mut link,
         s,
         &downstream,
         &shutdown,
-        (&sent, &stalls),
+        (&sent, &mut stall),
         corrupt_at,
     )
     .await;
@@ -234,6 +236,7 @@ pub fn serve_ring(
         sent: metrics
             .stream_bytes
             .with_label_values(&[&s.instance, "source"]),
+        stall: Stall::new(s, &downstream, metrics),
     };
     let source = RingSource {
         key: s.key,
@@ -243,6 +246,7 @@ pub fn serve_ring(
         silent: plane.silent,
         cancel: plane.shutdown.clone(),
         lie: plane.lie,
+        spin: s.spin,
     };
     let mut watcher = None;
     let served = link.serve_ring(source, &mut feed, |wake| {
@@ -289,6 +293,7 @@ struct LogFeed<'a> {
     stream: &'a SharedLog,
     downstream: &'a Downstream,
     sent: prometheus::IntCounter,
+    stall: Stall<'a>,
 }
 
 impl RingFeed for LogFeed<'_> {
@@ -315,6 +320,73 @@ impl RingFeed for LogFeed<'_> {
 
     fn applied(&mut self, offset: u64) {
         self.stream.acked(self.downstream.clone(), offset);
+    }
+
+    fn window(&mut self, room: u64, sent: u64) {
+        self.stall.update(room, sent);
+    }
+}
+
+/// A served session's credit window against the log: full while it is
+/// used up and the log holds more than was sent. Each full stretch is one
+/// credit stall (`kvsync_stream_credit_stalls_total`); one that lasts
+/// `[stream] stall_timeout` marks the downstream lagging until the window
+/// opens again. The source only waits, the log keeps the stream meanwhile:
+/// the primary is never slowed.
+struct Stall<'a> {
+    stream: &'a SharedLog,
+    downstream: &'a Downstream,
+    timeout: std::time::Duration,
+    stalls: prometheus::IntCounter,
+    since: Option<Instant>,
+}
+
+impl<'a> Stall<'a> {
+    fn new(s: &'a StreamSession, downstream: &'a Downstream, metrics: &Metrics) -> Stall<'a> {
+        Stall {
+            stream: &s.stream,
+            downstream,
+            timeout: s.stall_timeout,
+            stalls: metrics
+                .stream_credit_stalls
+                .with_label_values(&[&s.instance]),
+            since: None,
+        }
+    }
+
+    /// Where the window stands (`room` bytes left, the stream sent up to
+    /// `sent`); while a stall has not yet lasted the timeout, when to look
+    /// again.
+    fn update(&mut self, room: u64, sent: u64) -> Option<Instant> {
+        let full = room == 0
+            && self
+                .stream
+                .lock()
+                .position()
+                .is_some_and(|(_, end)| end > sent);
+        match (full, self.since) {
+            (true, None) => {
+                self.stalls.inc();
+                self.since = Some(Instant::now());
+            }
+            (false, Some(_)) => {
+                self.since = None;
+                if self.stream.is_lagging(self.downstream) {
+                    info!(downstream = %self.downstream, "the downstream takes the stream again: no longer lagging");
+                    self.stream.set_lagging(self.downstream, false);
+                }
+            }
+            _ => {}
+        }
+        let deadline = self.since? + self.timeout;
+        if Instant::now() < deadline {
+            return Some(deadline);
+        }
+        if !self.stream.is_lagging(self.downstream) {
+            warn!(downstream = %self.downstream, stalled_for = ?self.timeout, "the downstream has left the whole credit window unacknowledged: marked lagging; the log keeps the stream for it");
+            self.stream.set_lagging(self.downstream, true);
+        }
+        None
     }
 }
 
@@ -354,13 +426,12 @@ async fn send_stream(
     s: &StreamSession,
     downstream: &Downstream,
     shutdown: &CancellationToken,
-    (sent, stalls): (&prometheus::IntCounter, &prometheus::IntCounter),
+    (sent, stall): (&prometheus::IntCounter, &mut Stall<'_>),
     corrupt_at: Option<u64>,
 ) -> Result<u64, ServeError> {
     let mut tx = Sender::new(s.key, s.from, WINDOW);
     let mut replid = s.replid.clone();
     let mut changed = s.stream.watch();
-    let mut stalled = false;
     loop {
         'send: while tx.room() > 0 {
             match next(&s.stream, tx.sent(), &replid)? {
@@ -397,19 +468,10 @@ async fn send_stream(
                 }
             }
         }
-        // The whole window unacknowledged while the log holds more: one
-        // stall, however many writes arrive while it lasts.
-        let full = tx.room() == 0
-            && s.stream
-                .lock()
-                .position()
-                .is_some_and(|(_, end)| end > tx.sent());
-        if full && !stalled {
-            stalls.inc();
-        }
-        stalled = full;
+        let look_again = stall.update(tx.room(), tx.sent());
         tokio::select! {
             _ = shutdown.cancelled() => return Ok(tx.sent()),
+            _ = tokio::time::sleep_until(look_again.unwrap_or_else(Instant::now).into()), if look_again.is_some() => {}
             // The writer is gone with its instance: nothing more comes.
             r = changed.changed() => if r.is_err() { return Ok(tx.sent()) },
             t = link.next_token() => match t? {

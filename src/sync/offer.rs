@@ -328,6 +328,8 @@ impl Offers {
                 from: offset,
                 tls,
                 rdma: rdma_endpoint.is_some(),
+                stall_timeout: config.stream.stall_timeout,
+                spin: config.stream.rdma_spin,
                 expires: Instant::now() + config.sync.session_token_ttl,
             })
             .map_err(|_| {

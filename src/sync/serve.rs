@@ -438,6 +438,9 @@ pub async fn serve(mut incoming: impl Stream<Item = (Accepted, String)> + Unpin,
 /// The refusal a replica sees for a bad session proof.
 const BAD_TOKEN: &str = "unknown, used or expired session token";
 
+/// The `stream_ring_lie` fault was used (it lies once per process).
+static RING_LIED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// Reads the connection's session proof (within `hello_timeout`) and takes
 /// its offer; refuses (and counts) a connection that cannot prove one, and
 /// hands a proved one to a blocking thread.
@@ -487,7 +490,11 @@ async fn prove_and_serve(conn: Accepted, peer: String, slot: conn_limit::Slot, p
                 shutdown: plane.shutdown.clone(),
                 silent: crate::stream::pull::UPSTREAM_TIMEOUT,
                 runtime: tokio::runtime::Handle::current(),
-                lie: plane.faults.stream_ring_lie,
+                // The fault lies in this agent's first ring session only.
+                lie: plane
+                    .faults
+                    .stream_ring_lie
+                    .filter(|_| !RING_LIED.swap(true, std::sync::atomic::Ordering::SeqCst)),
             };
             tokio::task::spawn_blocking(move || {
                 match proved.open(plane.peer_timeout, plane.min_rate, false, &plane.faults) {

@@ -262,8 +262,8 @@ pub const CRC32_NEUTRAL: [u8; 5] = [0x41, 0x06, 0x71, 0xdb, 0x01];
 /// the emulated fabric; `rdma_bad_rkey=1` and `rdma_hold_after=N` with
 /// `hold_file=PATH`, `rdma_write_after_verify=1` (source), `rdma_no_file_mr=1`
 /// and `rdma_damage_piece=N`
-/// (replica) for the RDMA driver; `stream_ring_lie=1|2` (stream source
-/// over a ring: a wrong magic, a sequence that goes back). Read only by builds with the cargo
+/// (replica) for the RDMA driver; `stream_ring_lie=1|2` (a stream source's
+/// first ring session: a wrong magic, a sequence that goes back). Read only by builds with the cargo
 /// feature `faults` (the test suite's); the agent logs loudly when any is
 /// active.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -289,8 +289,9 @@ pub struct Faults {
     /// not after every frame (a slow replica: the source's credit window
     /// fills while the replica still reads).
     pub stream_ack_on_tick: bool,
-    /// Stream source over an RDMA ring: lie in the ring's header (1: a
-    /// wrong magic, 2: a sequence that goes back).
+    /// Stream source over an RDMA ring: lie in the ring's header of the
+    /// agent's first ring session (1: a wrong magic, 2: a sequence that
+    /// goes back).
     pub stream_ring_lie: Option<ring::HeaderLie>,
 }
 

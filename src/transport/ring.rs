@@ -106,6 +106,9 @@ pub trait RingFeed {
     fn next(&mut self, at: u64, replid: &[u8; REPLID_LEN], max: usize) -> Result<Next, LogFailure>;
     /// The replica's servers applied the stream up to `offset`.
     fn applied(&mut self, offset: u64);
+    /// Where the session's window stands after each round (at least every
+    /// [`TICK`]): `room` bytes may go, the stream was sent up to `sent`.
+    fn window(&mut self, room: u64, sent: u64);
 }
 
 /// Where a ring replica writes the stream.
@@ -224,16 +227,19 @@ pub struct RingSource {
     pub silent: Duration,
     pub cancel: CancellationToken,
     pub lie: Option<HeaderLie>,
+    /// The longest the source spins on its completion queue.
+    pub spin: Duration,
 }
 
 /// Serves a ring session on an accepted queue pair (its private data
 /// proved), until it fails or is cancelled; returns where the stream
 /// stood.
 pub fn run_source<F: Fabric>(
-    qp: F,
+    mut qp: F,
     s: RingSource,
     feed: &mut dyn RingFeed,
 ) -> (u64, Result<(), RingRunError>) {
+    qp.cap_spin(s.spin);
     let mut qp = Qp {
         qp,
         next_id: 0,
@@ -341,6 +347,7 @@ fn serve<F: Fabric>(
             qp.send(&t)?;
         }
         *at = tx.sent();
+        feed.window(tx.room(), tx.sent());
         // Then the replica's answers, or the feed's wake-up.
         match qp.next(TICK)? {
             Some(Token::Rack { acked, applied }) => {
@@ -375,15 +382,18 @@ pub struct RingReplica {
     /// How long the source may send nothing (it polls every [`TICK`]).
     pub silent: Duration,
     pub cancel: CancellationToken,
+    /// The longest the replica spins on its completion queue.
+    pub spin: Duration,
 }
 
 /// Follows the stream through a ring on a dialled queue pair until the
 /// session fails or is cancelled (`Ok`).
 pub fn run_replica<F: Fabric>(
-    qp: F,
+    mut qp: F,
     r: RingReplica,
     sink: &mut dyn RingSink,
 ) -> Result<(), RingRunError> {
+    qp.cap_spin(r.spin);
     let mut qp = Qp {
         qp,
         next_id: 0,

@@ -394,6 +394,8 @@ pub struct VerbsQp {
     device_removed: bool,
     /// Wakes a waiting poll, once a waker was asked for.
     wake: Option<Arc<Wake>>,
+    /// The longest a poll spins before it blocks ([`Fabric::cap_spin`]).
+    spin_cap: Duration,
 }
 
 /// What a [`Fabric::waker`] sets: a flag, and an eventfd a waiting poll
@@ -460,6 +462,7 @@ impl VerbsQp {
             disconnected: false,
             device_removed: false,
             wake: None,
+            spin_cap: Duration::MAX,
         }
     }
 
@@ -861,7 +864,8 @@ impl Fabric for VerbsQp {
             Duration::from_micros(200)
         } else {
             Duration::from_micros(20)
-        };
+        }
+        .min(self.spin_cap);
         let spin_until = Instant::now() + spin;
         let mut armed = false;
         loop {
@@ -926,6 +930,10 @@ impl Fabric for VerbsQp {
                 self.drain_cm_events()?;
             }
         }
+    }
+
+    fn cap_spin(&mut self, cap: Duration) {
+        self.spin_cap = cap;
     }
 
     fn waker(&mut self) -> Result<super::fabric::Waker, FabricError> {

@@ -50,6 +50,8 @@ impl RingFeed for Feed {
     fn applied(&mut self, offset: u64) {
         self.0.lock().unwrap().applied.push(offset);
     }
+
+    fn window(&mut self, _room: u64, _sent: u64) {}
 }
 
 #[derive(Default)]
@@ -122,6 +124,7 @@ fn source(
             silent: T,
             cancel: CancellationToken::new(),
             lie,
+            spin: Duration::MAX,
         };
         run_source(qp, s, &mut Feed(shared))
     });
@@ -155,6 +158,7 @@ fn replica(addr: std::net::SocketAddr, sink: &mut Sink, from: u64) -> Result<(),
         token: TOKEN,
         silent: T,
         cancel,
+        spin: Duration::MAX,
     };
     run_replica(qp, r, sink)
 }
