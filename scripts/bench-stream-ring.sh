@@ -155,11 +155,11 @@ for run in $(seq "$RUNS"); do
     for s in ring tcp; do
         case $s in ring) src=$phost:7110 rep=127.0.0.1:7210 ;; tcp) src=$phost:7120 rep=127.0.0.1:7220 ;; esac
         pid=$(cat "/tmp/kv/r$s.pid")
+        from=$(end_of "$rep")
         kill -STOP "$pid"
         redis-benchmark -h "$phost" -p "${primary[$s]#*:}" -t set -n $((CATCHUP_MIB * 256)) -d 4000 -r 5000 -P 16 -q > /dev/null
         want=$(redis-cli -h "$phost" -p "${primary[$s]#*:}" info replication | sed -n 's/^master_repl_offset:\([0-9]*\).*/\1/p')
         for _ in $(seq 1200); do [ "$(end_of "$src")" -ge "$want" ] && break; sleep 0.1; done
-        from=$(end_of "$rep")
         c0=$(ticks "$pid")
         [ "$role" = one ] && s0=$(ticks "$(cat /tmp/kv/s$s.pid)")
         t0=$(date +%s.%N)
