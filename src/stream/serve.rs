@@ -364,6 +364,21 @@ impl<'a> Stall<'a> {
                 .lock()
                 .position()
                 .is_some_and(|(_, end)| end > sent);
+        self.mark(full)
+    }
+
+    /// A send the replica has left blocked for the whole timeout (its
+    /// socket full: it stopped reading, or reads too slowly), which stalls
+    /// the session as a full window does, before the window is used up.
+    fn blocked(&mut self) {
+        if self.since.is_none() {
+            self.stalls.inc();
+        }
+        self.since = Some(Instant::now() - self.timeout);
+        self.mark(true);
+    }
+
+    fn mark(&mut self, full: bool) -> Option<Instant> {
         match (full, self.since) {
             (true, None) => {
                 self.stalls.inc();
@@ -383,7 +398,7 @@ impl<'a> Stall<'a> {
             return Some(deadline);
         }
         if !self.stream.is_lagging(self.downstream) {
-            warn!(downstream = %self.downstream, stalled_for = ?self.timeout, "the downstream has left the whole credit window unacknowledged: marked lagging; the log keeps the stream for it");
+            warn!(downstream = %self.downstream, stalled_for = ?self.timeout, "the downstream has left the stream unacknowledged (its credit window full, or its socket): marked lagging; the log keeps the stream for it");
             self.stream.set_lagging(self.downstream, true);
         }
         None
@@ -417,6 +432,24 @@ fn next(stream: &SharedLog, at: u64, replid: &str) -> Result<Next, LogError> {
         Some((_, end)) if at < end => Ok(Next::Read(log.plan(at)?)),
         _ => Ok(Next::Wait),
     }
+}
+
+/// Sends one frame; a send still blocked after `[stream] stall_timeout`
+/// marks the replica lagging ([`Stall::blocked`]) and goes on waiting.
+async fn send_frame(
+    link: &mut StreamLink,
+    (frame, bytes): (&Token, &[u8]),
+    stall: &mut Stall<'_>,
+) -> Result<(), ServeError> {
+    let timeout = stall.timeout;
+    let send = link.send_with(frame, bytes);
+    tokio::pin!(send);
+    tokio::select! {
+        r = &mut send => return Ok(r?),
+        _ = tokio::time::sleep(timeout) => {}
+    }
+    stall.blocked();
+    Ok(send.await?)
 }
 
 /// Sends the stream from the session's offset until the session ends;
@@ -455,9 +488,9 @@ async fn send_stream(
                             Some(at) => {
                                 let mut changed = bytes[..n].to_vec();
                                 changed[(at - (end - n as u64)) as usize] ^= 0x20;
-                                link.send_with(&frame, &changed).await?;
+                                send_frame(link, (&frame, &changed), stall).await?;
                             }
-                            None => link.send_with(&frame, &bytes[..n]).await?,
+                            None => send_frame(link, (&frame, &bytes[..n]), stall).await?,
                         }
                         sent.inc_by(n as u64);
                         bytes = &bytes[n..];
