@@ -34,7 +34,8 @@ use crate::store::catalog::Catalog;
 use crate::store::watch::DirWatcher;
 use crate::stream::follow::Follow;
 use crate::stream::log::Log;
-use crate::stream::pull::{Pull, RingAsk, Upstreams};
+use crate::stream::pull::{Pull, RingAsk};
+use crate::stream::source::{Source, Upstreams, Writers};
 use crate::stream::{SharedLog, Stream};
 use crate::sync::instance::{Instance, Instances};
 use crate::sync::offer::Offers;
@@ -236,7 +237,7 @@ impl RunningAgent {
         let fanouts = FanoutManager::new(
             instances.clone(),
             metrics.clone(),
-            prepared.dialer,
+            prepared.dialer.clone(),
             config.fanout.allowed_replicas.clone(),
             shutdown.clone(),
         );
@@ -252,6 +253,7 @@ impl RunningAgent {
                 data: data.clone(),
                 metrics: metrics.clone(),
                 fanouts,
+                dialer: prepared.dialer,
             },
             peer: PeerService {
                 offers: Offers {
@@ -658,8 +660,9 @@ async fn start_instance(
     Ok(Arc::new(instance))
 }
 
-/// Opens the instance's stream log and follows its upstream agent, or
-/// else its primary, into it.
+/// Opens the instance's stream log and follows its source into it: the
+/// upstream agent, or else the primary, unless a fan-out or a failover
+/// set another.
 async fn follow_stream(
     name: &str,
     config: &Config,
@@ -681,73 +684,65 @@ async fn follow_stream(
                 .collect()
         }
     };
-    let upstream = &config.stream.upstream;
+    let offered: crate::stream::pull::Offered = Arc::new(offered);
     parts
         .metrics
         .stream_log_retain
         .with_label_values(&[name])
         .set(config.stream.retain.as_u64() as i64);
-    if !upstream.is_empty() {
-        let stream = Stream::new(log, format!("agent {upstream}"), &parts.metrics, name);
-        let upstreams = Upstreams::open(&config.stream.dir, upstream);
-        instance.upstreams = Some(upstreams.clone());
-        let pull = Pull {
-            instance: name.to_string(),
-            upstreams,
-            upstream_instance: match config.stream.upstream_instance.as_str() {
-                "" => name.to_string(),
-                other => other.to_string(),
-            },
-            node_id: config.node_id.clone(),
-            dialer: parts.dialer.clone(),
-            tls_server_name: config.tls.server_name.clone(),
-            ack_on_tick: parts.ack_on_tick,
-            reseed: config.stream.reseed.then(|| reseed(name, parts)),
-            peer_timeout: config.data.peer_timeout,
-            metrics: parts.metrics.clone(),
-            offered: Arc::new(offered),
-            ring: (config.stream.rdma_ring.as_u64() > 0
-                && config.transport.mode != TransportMode::Tcp)
-                .then(|| RingAsk {
-                    rdma: parts.local_rdma.clone(),
-                    provider: config.transport.rdma_provider,
-                    size: config.stream.rdma_ring.as_u64(),
-                    retry: config.stream.rdma_retry,
-                    spin: config.stream.rdma_spin,
-                    faults: parts.faults.clone(),
-                }),
-        };
-        instance.spawn(crate::stream::pull::run(
-            pull,
-            stream.clone(),
-            instance.stop.clone(),
-        ));
-        return Ok(stream);
-    }
-    let stream = Stream::new(
-        log,
-        format!("primary {}", config.redis.primary_addr),
-        &parts.metrics,
-        name,
-    );
-    instance.spawn(crate::stream::safety::write_safety(
-        (name.to_string(), config.redis.primary_addr.clone()),
-        config.redis.password.clone(),
-        parts.metrics.clone(),
-        stream.clone(),
-        instance.stop.clone(),
-    ));
+    let configured = match config.stream.upstream.as_str() {
+        "" => Source::Primary(config.redis.primary_addr.clone()),
+        upstream => Source::Agents(vec![upstream.to_string()]),
+    };
+    let upstreams = Upstreams::open(&config.stream.dir, configured);
+    let stream = Stream::new(log, upstreams.source().to_string(), &parts.metrics, name);
+    instance.upstreams = Some(upstreams.clone());
+    let pull = Pull {
+        instance: name.to_string(),
+        upstreams: upstreams.clone(),
+        upstream_instance: match config.stream.upstream_instance.as_str() {
+            "" => name.to_string(),
+            other => other.to_string(),
+        },
+        node_id: config.node_id.clone(),
+        dialer: parts.dialer.clone(),
+        tls_server_name: config.tls.server_name.clone(),
+        ack_on_tick: parts.ack_on_tick,
+        reseed: config.stream.reseed.then(|| reseed(name, parts)),
+        peer_timeout: config.data.peer_timeout,
+        metrics: parts.metrics.clone(),
+        offered: offered.clone(),
+        ring: (config.stream.rdma_ring.as_u64() > 0 && config.transport.mode != TransportMode::Tcp)
+            .then(|| RingAsk {
+                rdma: parts.local_rdma.clone(),
+                provider: config.transport.rdma_provider,
+                size: config.stream.rdma_ring.as_u64(),
+                retry: config.stream.rdma_retry,
+                spin: config.stream.rdma_spin,
+                faults: parts.faults.clone(),
+            }),
+    };
     let follow = Follow {
         instance: name.to_string(),
-        primary: config.redis.primary_addr.clone(),
+        primary: String::new(),
         password: config.redis.password.clone(),
         snapshot_dir: config.snapshot_dir.clone(),
-        offered: Box::new(offered),
+        offered,
         ack: config.stream.ack,
         metrics: parts.metrics.clone(),
     };
-    instance.spawn(crate::stream::follow::run(
+    let writers = Writers {
         follow,
+        pull: Arc::new(pull),
+        local_server: config
+            .redis
+            .local_server(config.handoff.mode)
+            .unwrap_or_default()
+            .to_string(),
+    };
+    instance.spawn(crate::stream::source::run(
+        writers,
+        upstreams,
         stream.clone(),
         instance.stop.clone(),
     ));

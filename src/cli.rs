@@ -223,6 +223,29 @@ pub enum StreamCommand {
     /// nearest first; a session that fails turns to the next, from the
     /// log's end. Kept across the agent's restarts.
     Upstream(StreamUpstreamArgs),
+    /// After a failover: make the agent's stream log follow the new
+    /// primary from now on. The promoted server's own agent follows it as
+    /// its replica (call it first: the server must be a primary); every
+    /// other agent follows the peer agent whose log follows it. The log
+    /// continues from its end, without a full resync, when the new
+    /// primary's history holds it. Kept across the agent's restarts.
+    Follow(StreamFollowArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct StreamFollowArgs {
+    /// gRPC address of the agent whose log follows (host:port).
+    #[arg(long)]
+    pub agent: String,
+    #[command(flatten)]
+    pub instance: InstanceArg,
+    /// The new primary (host:port, as its agent's [redis] config names it).
+    #[arg(long)]
+    pub primary: String,
+    /// gRPC address of an agent to look among for the one that follows the
+    /// new primary; repeat (default: the instance's [stream] peers).
+    #[arg(long = "peer")]
+    pub peers: Vec<String>,
 }
 
 #[derive(Debug, clap::Args)]

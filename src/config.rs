@@ -128,7 +128,8 @@ pub struct StreamConfig {
     #[serde(with = "humantime_serde")]
     pub rdma_retry: Duration,
     /// A replica agent whose session's credit window stays full this long
-    /// while the log holds more is marked lagging (status,
+    /// while the log holds more, or whose socket takes nothing for this
+    /// long, is marked lagging (status,
     /// `kvsync_stream_lagging_downstreams`); its source keeps waiting and
     /// the log keeps the stream, the primary is never slowed.
     #[serde(with = "humantime_serde")]
@@ -138,6 +139,10 @@ pub struct StreamConfig {
     /// devices; a lower value trades latency for CPU, 0 always blocks).
     #[serde(with = "humantime_serde")]
     pub rdma_spin: Duration,
+    /// The agents (gRPC `host:port`) of the instance's other servers: at a
+    /// failover (`kvsync stream follow --primary`) the log follows the one
+    /// among them whose log follows the new primary.
+    pub peers: Vec<String>,
 }
 
 impl Default for StreamConfig {
@@ -156,6 +161,7 @@ impl Default for StreamConfig {
             rdma_retry: Duration::from_secs(30),
             stall_timeout: Duration::from_secs(10),
             rdma_spin: Duration::from_micros(200),
+            peers: Vec::new(),
         }
     }
 }
@@ -1232,6 +1238,12 @@ impl Config {
             p.bad(
                 "stream.upstream",
                 format!("must be an agent's gRPC host:port, got {:?}", st.upstream),
+            );
+        }
+        if let Some(bad) = st.peers.iter().find(|a| !is_host_port(a)) {
+            p.bad(
+                "stream.peers",
+                format!("must be agents' gRPC host:port, got {bad:?}"),
             );
         }
         if !st.upstream.is_empty() && st.ack != StreamAck::Log {

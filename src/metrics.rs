@@ -138,6 +138,7 @@ pub struct Metrics {
     pub stream_behind_bytes: IntGaugeVec,
     pub stream_checksum_failures: IntCounterVec,
     pub stream_write_errors: IntCounterVec,
+    pub stream_diverged: IntCounterVec,
     pub stream_log_bytes: IntGaugeVec,
     pub stream_log_span: IntGaugeVec,
     pub stream_log_retain: IntGaugeVec,
@@ -176,13 +177,15 @@ pub const STREAM_FALLBACKS: &[&str] = &[
 /// because its peer broke the stream's rules (a frame that fails its MAC,
 /// does not continue the stream, or exceeds the credit window; an
 /// acknowledgement of bytes never sent), or a replica asked for an offset
-/// the log does not hold.
+/// the log does not hold, or an upstream still follows a history the
+/// replica's log left at a failover.
 pub const STREAM_REFUSALS: &[&str] = &[
     "forged",
     "discontinuous",
     "over_window",
     "bad_ack",
     "too_old",
+    "stale_upstream",
     "bad_ring",
     "bad_header",
     "no_credit",
@@ -345,6 +348,13 @@ impl Metrics {
                 Opts::new(
                     "kvsync_stream_checksum_failures_total",
                     "Records of the stream log found damaged on reading (disk, memory): never served, cut off and fetched again from upstream"
+                ),
+                &["kv_instance"]
+            )),
+            stream_diverged: reg!(IntCounterVec::new(
+                Opts::new(
+                    "kvsync_stream_diverged_bytes_total",
+                    "Stream bytes dropped from the log after a failover because the promoted primary never had them: writes the old primary took past the promotion point, lost to the failover (the servers fed from them are re-seeded, never merged)"
                 ),
                 &["kv_instance"]
             )),
@@ -598,6 +608,7 @@ impl Metrics {
         }
         self.stream_checksum_failures.with_label_values(&[name]);
         self.stream_write_errors.with_label_values(&[name]);
+        self.stream_diverged.with_label_values(&[name]);
         for source in ["primary", "agent"] {
             self.stream_reconnects.with_label_values(&[name, source]);
         }
@@ -672,6 +683,7 @@ impl Metrics {
         let _ = self.stream_behind_bytes.remove_label_values(&[name]);
         let _ = self.stream_checksum_failures.remove_label_values(&[name]);
         let _ = self.stream_write_errors.remove_label_values(&[name]);
+        let _ = self.stream_diverged.remove_label_values(&[name]);
         for source in ["primary", "agent"] {
             let _ = self.stream_reconnects.remove_label_values(&[name, source]);
         }

@@ -31,18 +31,9 @@ use std::path::Path;
 use common::kv::*;
 use common::netns::{block_on, Hosts, IPS};
 use common::node::*;
+use common::stream::*;
 use common::*;
 use kvsync::stream::log::{read, Log};
-
-/// The config of an agent following `primary` into `log_dir`.
-fn follower_config(primary: &Redis, log_dir: &Path) -> String {
-    format!(
-        "[redis]\nprimary_addr = \"{}\"\npassword = \"{}\"\n[stream]\ndir = \"{}\"\nfsync = \"always\"\n",
-        primary.addr(),
-        primary.password.as_deref().unwrap_or(""),
-        log_dir.display()
-    )
-}
 
 /// The offset the primary holds for its one replica (the agent's ack).
 fn replica_offset(primary: &Redis) -> Option<u64> {
@@ -149,16 +140,6 @@ fn the_primarys_agent_follows_it_into_the_log_and_continues_after_a_restart(serv
     assert!(String::from_utf8_lossy(&bytes2).contains("while-down:299"));
 }
 
-/// The stream status of an agent's only instance.
-fn stream_status(agent: &Node) -> kvsync::rpc::pb::StreamStatus {
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let s = rt.block_on(agent.status());
-    s.instances[0]
-        .stream
-        .clone()
-        .expect("the instance keeps a stream log")
-}
-
 /// Waits until `agent` follows its source and its log ends at the
 /// primary's offset then.
 fn wait_logged(agent: &Node, primary: &Redis, what: &str) -> u64 {
@@ -167,40 +148,6 @@ fn wait_logged(agent: &Node, primary: &Redis, what: &str) -> u64 {
         let st = stream_status(agent);
         (st.state.starts_with("following") && st.end_offset == end && end > 0).then_some(end)
     })
-}
-
-/// The primary's agent `src`, following `primary` into `<root>/src-log`,
-/// once it follows (writes from then on go into the stream).
-fn following_source(root: &Path, primary: &Redis, env: &[(&str, &str)]) -> Node {
-    let config = follower_config(primary, &root.join("src-log"));
-    source_with(root, &config, env)
-}
-
-/// The primary's agent `src` with `config`, once it follows.
-fn source_with(root: &Path, config: &str, env: &[(&str, &str)]) -> Node {
-    let source = agent(root, "src", &root.join("src-snaps"), config, env);
-    wait_following(&source);
-    source
-}
-
-/// Waits until `agent` follows its source, so that writes from now on go
-/// into the stream (not into a full resync's RDB).
-fn wait_following(agent: &Node) {
-    wait_for("the agent to follow its source", DEADLINE, || {
-        stream_status(agent)
-            .state
-            .starts_with("following")
-            .then_some(())
-    });
-}
-
-/// The config of a replica agent following `upstream`'s stream.
-fn puller_config(upstream: &Node, log_dir: &Path) -> String {
-    format!(
-        "[stream]\ndir = \"{}\"\nupstream = \"{}\"\n",
-        log_dir.display(),
-        upstream.grpc()
-    )
 }
 
 fn a_replica_agent_follows_the_primarys_agent_into_its_own_log_and_resumes_after_a_kill(
@@ -422,64 +369,6 @@ fn an_offset_the_upstream_does_not_hold_is_reported_and_the_log_left_as_it_is() 
     assert_eq!(Log::open(cfg).unwrap().position(), Some((other, 7)));
 }
 
-/// The config of a replica agent following `source`'s log into
-/// `log_dir` and feeding `rs` from it (`redis-stream`).
-fn feeding_puller_config(log_dir: &Path, source: &Node, rs: &Redis) -> String {
-    format!(
-        "{}[handoff]\nmode = \"redis-stream\"\ntimeout = \"60s\"\n[redis]\nserver_addr = \"{}\"\n",
-        puller_config(source, log_dir),
-        rs.addr()
-    )
-}
-
-/// A replica agent `rep` following `source`'s log with `redis-stream`, and
-/// its server seeded through it from the source's snapshot of `primary`,
-/// once the server has everything the primary wrote.
-fn seeded_through_two_agents(
-    root: &Path,
-    server: Server,
-    primary: &Redis,
-    source: &Node,
-) -> (Redis, Node) {
-    seeded_through_two_agents_with(root, server, primary, source, "")
-}
-
-/// [`seeded_through_two_agents`] with `stream` added to the replica
-/// agent's `[stream]` section.
-fn seeded_through_two_agents_with(
-    root: &Path,
-    server: Server,
-    primary: &Redis,
-    source: &Node,
-    stream: &str,
-) -> (Redis, Node) {
-    primary.fill("before", 500, "v");
-    let snapshot = wait_for("the full resync's RDB offered", DEADLINE, || {
-        let rt = tokio::runtime::Runtime::new().unwrap();
-        let s = rt.block_on(source.status());
-        s.instances[0].latest_snapshots.first().map(|e| e.seq)
-    });
-    let rs = Redis::standalone_replica(server, &root.join("r"));
-    let config = feeding_puller_config(&root.join("rep-log"), source, &rs).replacen(
-        "[handoff]",
-        &format!("{stream}[handoff]"),
-        1,
-    );
-    let replica = agent(root, "rep", &root.join("rep-snaps"), &config, &[]);
-    wait_following(&replica);
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let p = rt.block_on(sync_from(&replica, &source.grpc()));
-    assert_eq!(p.phase, kvsync::rpc::pb::Phase::Succeeded as i32, "{p:?}");
-    assert_eq!(p.seq, snapshot);
-    assert!(
-        p.handoff.contains("follows this agent's stream log"),
-        "{}",
-        p.handoff
-    );
-    converged(&rs, primary, "the fed server to converge after seeding");
-    (rs, replica)
-}
-
 fn a_server_fed_from_the_replica_agents_log_converges_and_continues_after_a_cut(server: Server) {
     let root = tempfile::tempdir().unwrap();
     let primary = Redis::start(server, &root.path().join("p"), &[]);
@@ -532,68 +421,6 @@ fn agent_again(root: &Path, snaps: &Path, config: &str) -> Node {
 }
 
 on_both_servers!(the_primarys_agent_follows_it_into_the_log_and_continues_after_a_restart);
-
-/// `SET` then `WAIT 1 timeout_ms` on one connection: how many replicas
-/// acknowledged that write.
-fn write_and_wait(con: &mut redis::Connection, key: &str, timeout_ms: u64) -> i64 {
-    redis::cmd("SET")
-        .arg(key)
-        .arg("w")
-        .query::<()>(con)
-        .unwrap();
-    redis::cmd("WAIT")
-        .arg(1)
-        .arg(timeout_ms)
-        .query(con)
-        .unwrap()
-}
-
-/// A writer of 2000 keys a second (`w:<n>`, values padded by `pad`
-/// bytes) for `secs` seconds on `con`; the thread returns how many it set.
-fn steady_writer(
-    mut con: redis::Connection,
-    secs: u64,
-    pad: usize,
-) -> std::thread::JoinHandle<usize> {
-    std::thread::spawn(move || {
-        let mut n = 0usize;
-        let start = std::time::Instant::now();
-        while start.elapsed() < std::time::Duration::from_secs(secs) {
-            let mut p = redis::pipe();
-            for _ in 0..20 {
-                p.cmd("SET")
-                    .arg(format!("w:{n}"))
-                    .arg(format!("value-{n}-of-a-steady-writer{}", "x".repeat(pad)))
-                    .ignore();
-                n += 1;
-            }
-            p.query::<()>(&mut con).unwrap();
-            // The writer's pace, not a wait for a state.
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
-        n
-    })
-}
-
-/// Waits until `rs` has applied everything `primary` wrote and holds as
-/// many keys.
-fn converged(rs: &Redis, primary: &Redis, what: &str) {
-    wait_for(what, DEADLINE, || {
-        let end = primary.info("replication").num("master_repl_offset");
-        let at = rs.info("replication").num("master_repl_offset");
-        (at == end && rs.cmd::<i64>(&["DBSIZE"]) == primary.cmd::<i64>(&["DBSIZE"])).then_some(())
-    })
-}
-
-/// Every hundredth of the `written` keys of [`steady_writer`] is the
-/// primary's, byte for byte.
-fn same_sample(rs: &Redis, primary: &Redis, written: usize) {
-    for i in (0..written).step_by(written / 100) {
-        let key = format!("w:{i}");
-        let dump = |r: &Redis| r.cmd::<Vec<u8>>(&["DUMP", &key]);
-        assert_eq!(dump(rs), dump(primary), "{key}");
-    }
-}
 
 fn a_server_fed_through_two_agents_keeps_up_with_a_writer_and_wait_counts_it(server: Server) {
     let root = tempfile::tempdir().unwrap();

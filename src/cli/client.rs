@@ -440,6 +440,9 @@ fn print_instance(i: &pb::InstanceStatus) {
         if !st.write_safety.is_empty() {
             println!("    the primary's write safety: {}", st.write_safety);
         }
+        if !st.diverged.is_empty() {
+            println!("    WARNING: diverged at a failover: {}", st.diverged);
+        }
         if !st.ack.is_empty() {
             println!(
                 "    acknowledges to the primary: {} (ack = \"{}\")",
@@ -537,6 +540,7 @@ fn stream_json(st: &pb::StreamStatus) -> serde_json::Value {
         "upstreams": st.upstreams,
         "reconnects": st.reconnects,
         "write_safety": st.write_safety,
+        "diverged": st.diverged,
         "behind_seconds": st.behind_seconds,
     })
 }
@@ -607,7 +611,8 @@ pub async fn cancel(args: super::CancelArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// `kvsync stream release|attach`: prints where the server follows now.
+/// `kvsync stream release|attach|upstream|follow`: prints where the
+/// server or the log follows now.
 pub async fn stream(command: super::StreamCommand) -> anyhow::Result<ExitCode> {
     use super::StreamCommand::*;
     let (agent, what, req) = match &command {
@@ -622,6 +627,20 @@ pub async fn stream(command: super::StreamCommand) -> anyhow::Result<ExitCode> {
             .await
             .map_err(|s| status_err("upstream", s))?;
             println!("the stream log follows {}", a.upstreams.join(", then "));
+            return Ok(ExitCode::SUCCESS);
+        }
+        Follow(a) => {
+            let mut c = client(&a.agent).await?;
+            let r = c
+                .follow_primary(pb::FollowPrimaryRequest {
+                    instance: a.instance.wire(),
+                    primary: a.primary.clone(),
+                    peers: a.peers.clone(),
+                })
+                .await
+                .map_err(|s| status_err("follow", s))?
+                .into_inner();
+            println!("the stream log follows {}", r.source);
             return Ok(ExitCode::SUCCESS);
         }
     };

@@ -16,9 +16,10 @@ use crate::rpc::auth::ClientAuth;
 use crate::rpc::{is_terminal, pb};
 use crate::snapshot::Format;
 use crate::store::catalog::CatalogEntry;
+use crate::stream::failover::{self, FailoverError};
 use crate::stream::feed::FeedHandle;
 use crate::stream::hand;
-use crate::stream::pull::ChainError;
+use crate::stream::source::ChainError;
 use crate::stream::{Downstream, SharedLog};
 use crate::sync::instance::{Instance, Instances};
 use crate::sync::serve::{DataEndpoints, SessionTable};
@@ -39,6 +40,8 @@ pub struct OrchestratorService {
     pub metrics: Arc<crate::metrics::Metrics>,
     /// The fan-outs this agent runs as their origin.
     pub fanouts: Arc<FanoutManager>,
+    /// Dials the peers a failover asks what they follow.
+    pub dialer: crate::rpc::dial::Dialer,
 }
 
 impl OrchestratorService {
@@ -100,7 +103,7 @@ impl OrchestratorService {
                 let log = s.lock();
                 let (replid, end) = log.position().unwrap_or_default();
                 pb::StreamStatus {
-                    source: s.source.clone(),
+                    source: s.source(),
                     state: s.state(),
                     replid,
                     first_offset: log.first().unwrap_or(end),
@@ -121,7 +124,7 @@ impl OrchestratorService {
                             offset,
                         })
                         .collect(),
-                    ack: match i.config.stream.upstream.is_empty() {
+                    ack: match s.source().starts_with("primary ") {
                         true => i.config.stream.ack.name().to_string(),
                         false => String::new(),
                     },
@@ -139,6 +142,7 @@ impl OrchestratorService {
                         })
                         .sum(),
                     write_safety: s.write_safety(),
+                    diverged: s.diverged(),
                     behind_seconds: s.behind().as_secs_f64(),
                 }
             }),
@@ -381,12 +385,16 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
     ) -> Result<Response<pb::SetStreamUpstreamResponse>, Status> {
         let req = request.into_inner();
         let i = self.instance(&req.instance)?;
-        let upstreams = i.upstreams.as_ref().ok_or_else(|| {
-            Status::failed_precondition(format!(
-                "instance {}'s stream log does not follow agents ([stream] dir and upstream)",
-                i.name
-            ))
-        })?;
+        let upstreams = i
+            .upstreams
+            .as_ref()
+            .filter(|u| !u.chain().is_empty())
+            .ok_or_else(|| {
+                Status::failed_precondition(format!(
+                    "instance {}'s stream log does not follow agents ([stream] dir and upstream); after a failover, `kvsync stream follow` names its new primary",
+                    i.name
+                ))
+            })?;
         let chain = req.upstreams.iter().map(|u| u.trim().to_string()).collect();
         upstreams
             .set(chain, &i.config.sync.allowed_sources)
@@ -398,6 +406,33 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         Ok(Response::new(pb::SetStreamUpstreamResponse {}))
     }
 
+    async fn follow_primary(
+        &self,
+        request: Request<pb::FollowPrimaryRequest>,
+    ) -> Result<Response<pb::FollowPrimaryResponse>, Status> {
+        // The peers are asked on the caller's behalf, with its token.
+        let auth = ClientAuth::of(&request);
+        let req = request.into_inner();
+        let i = self.instance(&req.instance)?;
+        let instance = match i.config.stream.upstream_instance.as_str() {
+            "" => i.name.clone(),
+            other => other.to_string(),
+        };
+        let source_of = |peer: String| {
+            let (dialer, auth, instance) = (self.dialer.clone(), auth.clone(), instance.clone());
+            async move { peer_source(&dialer, &peer, auth, &instance).await }
+        };
+        let source = failover::follow_primary(&i, &req.primary, &req.peers, source_of)
+            .await
+            .map_err(|e| match e {
+                FailoverError::NotAnAddress(_) => Status::invalid_argument(e.to_string()),
+                FailoverError::Source(ChainError::Keep { .. }) => Status::internal(e.to_string()),
+                _ => Status::failed_precondition(e.to_string()),
+            })?;
+        tracing::info!(instance = %i.name, primary = %req.primary, %source, "a failover: the stream log follows the new primary");
+        Ok(Response::new(pb::FollowPrimaryResponse { source }))
+    }
+
     async fn cancel_sync(
         &self,
         request: Request<pb::CancelSyncRequest>,
@@ -407,4 +442,34 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         let cancelled = self.syncs.cancel(&id)?;
         Ok(Response::new(pb::CancelSyncResponse { cancelled }))
     }
+}
+
+/// What `peer`'s log of `instance` follows (its status' stream source).
+async fn peer_source(
+    dialer: &crate::rpc::dial::Dialer,
+    peer: &str,
+    auth: ClientAuth,
+    instance: &str,
+) -> Result<String, String> {
+    const CALL: std::time::Duration = std::time::Duration::from_secs(10);
+    let channel = dialer
+        .connect_as(peer, CALL, auth)
+        .await
+        .map_err(|e| format!("unreachable: {e}"))?;
+    let mut client = pb::orchestrator_client::OrchestratorClient::new(channel);
+    let request = pb::GetStatusRequest {
+        instance: instance.to_string(),
+    };
+    let status = tokio::time::timeout(CALL, client.get_status(request))
+        .await
+        .map_err(|_| format!("no status within {CALL:?}"))?
+        .map_err(|s| format!("status refused: {}", s.message()))?
+        .into_inner();
+    status
+        .instances
+        .iter()
+        .find(|s| s.name == instance)
+        .and_then(|s| s.stream.as_ref())
+        .map(|st| st.source.clone())
+        .ok_or_else(|| format!("keeps no stream log of instance {instance}"))
 }

@@ -228,7 +228,12 @@ impl pb::peer_server::Peer for PeerService {
                 rdma_endpoint: o.rdma_endpoint.map(|e| e.to_string()).unwrap_or_default(),
                 ..Default::default()
             },
-            StreamAnswer::TooOld { held, snapshot } => {
+            StreamAnswer::TooOld {
+                held,
+                snapshot,
+                diverged_at,
+                current,
+            } => {
                 info!(replica = %ask.replica_node, replid = %crate::peer_text::escape_controls(&ask.replid), offset = ask.offset, %held, "stream asked from an offset the log does not hold");
                 let continues = snapshot
                     .as_ref()
@@ -240,6 +245,9 @@ impl pb::peer_server::Peer for PeerService {
                     snapshot: snapshot.map(|e| e.manifest.id().into()),
                     replid,
                     offset,
+                    diverged_at: diverged_at.unwrap_or(0),
+                    log_replid: current.as_ref().map(|c| c.0.clone()).unwrap_or_default(),
+                    log_end: current.map_or(0, |c| c.1),
                     ..Default::default()
                 }
             }

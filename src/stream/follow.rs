@@ -56,6 +56,7 @@ const READ_CHUNK: usize = 256 << 10;
 const MAX_LINE: usize = 512;
 
 /// What the follower needs to know of its instance.
+#[derive(Clone)]
 pub struct Follow {
     pub instance: String,
     /// The primary (`host:port`) and its password.
@@ -64,7 +65,7 @@ pub struct Follow {
     /// Where an RDB of a full resync is offered.
     pub snapshot_dir: PathBuf,
     /// The (replication id, M) of the snapshots offered now.
-    pub offered: Box<dyn Fn() -> Vec<(String, u64)> + Send + Sync>,
+    pub offered: super::pull::Offered,
     pub ack: StreamAck,
     pub metrics: Arc<Metrics>,
 }
@@ -214,6 +215,7 @@ async fn session(follow: &Follow, log: &SharedLog) -> Result<(), FollowError> {
     )
     .await?;
     ask("REPLCONF capa", &["REPLCONF", "capa", "psync2"]).await?;
+    let promoted = promotion(follow, log).await?;
     let asked = start_point(follow, log);
     let (id, offset) = match &asked {
         Some((id, offset)) => (id.clone(), (offset + 1).to_string()),
@@ -236,23 +238,101 @@ async fn session(follow: &Follow, log: &SharedLog) -> Result<(), FollowError> {
             info!(instance = %follow.instance, offset, "full resync from the primary: its RDB is offered and the stream log starts over at its offset");
         }
         (["+CONTINUE", rest @ ..], Some((id, start))) if rest.len() <= 1 => {
-            let id = rest.first().map_or(id, |new| new.to_string());
+            let new = rest.first().map_or(id.clone(), |new| new.to_string());
+            // A promoted primary's own history starts where it took over:
+            // the old id's bytes up to there are logged under the old id.
+            let at = promoted
+                .filter(|p| p.replid == new && p.previous == id && start < p.at)
+                .map_or(start, |p| p.at);
+            let switch = Some((new, at)).filter(|(new, _)| *new != id);
+            let now = switch.clone().filter(|(_, at)| *at == start);
             blocking(move || {
                 log_.write(|log| {
                     // A log still empty continues from the snapshot's point.
-                    match log.position() {
-                        Some(_) => log.switch(&id),
-                        None => log.restart(&id, start),
+                    match (log.position(), now) {
+                        (None, _) => log.restart(&id, start),
+                        (Some(_), Some((new, _))) => log.switch(&new),
+                        (Some(_), None) => Ok(()),
                     }
                 })
             })
             .await?;
             info!(instance = %follow.instance, offset = start, "the primary continues the stream");
+            log.set_state("following");
+            let switch = switch.filter(|(_, at)| *at > start);
+            return stream_into(follow, (read, write), log, switch).await;
         }
         _ => return Err(refused()),
     }
     log.set_state("following");
-    stream_into(follow, read, write, log).await
+    stream_into(follow, (read, write), log, None).await
+}
+
+/// A primary's promotion, from its `INFO replication`: the id it had
+/// before (`master_replid2`) held up to offset `at`, its own from there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Promotion {
+    previous: String,
+    replid: String,
+    at: u64,
+}
+
+/// Reads the primary's promotion point and, when the log holds more of
+/// the previous history than the primary took over with, cuts the log
+/// back to that point: those bytes are writes the old primary took after
+/// the promotion, lost to the failover. They are counted
+/// (`kvsync_stream_diverged_bytes_total`) and reported in status, never
+/// merged into the new history; the servers fed from them need a
+/// re-seeding (no log under the new history continues them). A primary
+/// whose `INFO` cannot be read is followed as before: `PSYNC` alone then
+/// decides, and a log past the point costs a full resync.
+async fn promotion(follow: &Follow, log: &SharedLog) -> Result<Option<Promotion>, FollowError> {
+    let info = match crate::kv::redis::info(&follow.primary, &follow.password, "replication").await
+    {
+        Ok(info) => info,
+        Err(e) => {
+            warn!(instance = %follow.instance, error = %e, "cannot read the primary's INFO replication: a promotion point is not looked for");
+            return Ok(None);
+        }
+    };
+    let second: Option<u64> = info
+        .get("second_repl_offset")
+        .and_then(|o| o.parse::<u64>().ok())
+        .filter(|&o| o > 0);
+    let (Some(previous), Some(replid), Some(second)) = (
+        info.get("master_replid2"),
+        info.get("master_replid"),
+        second,
+    ) else {
+        return Ok(None);
+    };
+    let promoted = Promotion {
+        previous: previous.to_string(),
+        replid: replid.to_string(),
+        at: second - 1,
+    };
+    let Some((id, end)) = position(log) else {
+        return Ok(Some(promoted));
+    };
+    if id != promoted.previous || end <= promoted.at {
+        return Ok(Some(promoted));
+    }
+    let (at, log_) = (promoted.at, log.clone());
+    blocking(move || log_.write(|l| l.cut(at))).await?;
+    let kept = position(log).map_or(at, |(_, e)| e);
+    let lost = end - at;
+    follow
+        .metrics
+        .stream_diverged
+        .with_label_values(&[&follow.instance])
+        .inc_by(lost);
+    let what = format!(
+        "{lost} bytes of {id} past offset {at}, where {} took over as primary, were dropped from the log: writes the old primary took after the promotion; servers fed from them need a re-seeding",
+        follow.primary
+    );
+    warn!(instance = %follow.instance, lost, at, kept, "{what}");
+    log.set_diverged(what);
+    Ok(Some(promoted))
 }
 
 /// The primary's reply line, skipping the empty lines it sends to keep
@@ -338,12 +418,14 @@ async fn blocking<T: Send + 'static, E: Send + 'static>(
 
 /// The stream: every read becomes a record, appended at the log's end;
 /// the log's end is acknowledged, and each second the log is flushed (as
-/// `everysec` asks) and trimmed to its retention.
+/// `everysec` asks) and trimmed to its retention. `switch`: a promoted
+/// primary's new replication id and the offset its history starts at,
+/// still ahead of the log's end (the read that crosses it is split there).
 async fn stream_into(
     follow: &Follow,
-    mut read: BufReader<OwnedReadHalf>,
-    mut write: OwnedWriteHalf,
+    (mut read, mut write): (BufReader<OwnedReadHalf>, OwnedWriteHalf),
     log: &SharedLog,
+    mut switch: Option<(String, u64)>,
 ) -> Result<(), FollowError> {
     let addr = follow.primary.as_str();
     let io_err = |source| FollowError::Io {
@@ -372,11 +454,37 @@ async fn stream_into(
                     return Err(io_err(std::io::ErrorKind::UnexpectedEof.into()));
                 }
                 heard = Instant::now();
-                let rec = Record::new(end, std::mem::replace(&mut buf, Vec::with_capacity(READ_CHUNK)));
-                end = rec.end();
-                let asked = asks_for_ack(&mut tail, &rec.bytes);
+                let mut bytes = std::mem::replace(&mut buf, Vec::with_capacity(READ_CHUNK));
+                let asked = asks_for_ack(&mut tail, &bytes);
+                // Before the promotion point, under the old id; then the new.
+                let split = switch.as_ref().and_then(|(_, at)| {
+                    let before = usize::try_from(at - end).ok()?;
+                    (before <= bytes.len()).then_some(before)
+                });
+                let (old, new): (Vec<u8>, _) = match split {
+                    Some(before) => (bytes.drain(..before).collect(), switch.take()),
+                    None => (std::mem::take(&mut bytes), None),
+                };
+                let first = Record::new(end, old);
+                end = first.end();
+                let rest = Record::new(end, bytes);
+                end = rest.end();
                 let writer = log.clone();
-                blocking(move || writer.write(|l| l.append(&rec))).await?;
+                blocking(move || {
+                    writer.write(|l| {
+                        if !first.bytes.is_empty() {
+                            l.append(&first)?;
+                        }
+                        if let Some((id, _)) = &new {
+                            l.switch(id)?;
+                        }
+                        if !rest.bytes.is_empty() {
+                            l.append(&rest)?;
+                        }
+                        Ok::<(), LogError>(())
+                    })
+                })
+                .await?;
                 lag.logged(end, Instant::now());
                 follow.ack == StreamAck::Log && asked
             }

@@ -290,6 +290,14 @@ impl Log {
             .map(|e| e.replid.as_str())
     }
 
+    /// Where `replid`'s history ended in this log because a later id took
+    /// over there (a promotion or a restart): `None` while it is the
+    /// log's current id, or one the log never held.
+    pub fn superseded_at(&self, replid: &str) -> Option<u64> {
+        let i = self.history.iter().rposition(|e| e.replid == replid)?;
+        self.history.get(i + 1).map(|next| next.start)
+    }
+
     /// Starts the log over at a full resync: `replid` from `offset` (the
     /// RDB's), dropping what it held, which no longer continues.
     pub fn restart(&mut self, replid: &str, offset: u64) -> Result<(), LogError> {

@@ -3,12 +3,14 @@
 //! agent ([`pull`]) into a checksummed log on disk ([`log`]) and serves
 //! that log on to other agents ([`serve`]) and to its local server as its
 //! master ([`feed`]), which can hand the server to the primary and take it
-//! back ([`hand`]). The agent that follows a primary also watches its
-//! write safety ([`safety`]). [`Stream`] is one instance's
+//! back ([`hand`]). Whom the log follows, and the switch from one to the
+//! other at a failover, is [`source`]'s. The agent that follows a primary
+//! also watches its write safety ([`safety`]). [`Stream`] is one instance's
 //! log as its writer and its readers share it, with what the servers fed
 //! from it acknowledged ([`Downstream`]) and a reader's check that sends a
 //! damaged record back to its writer to fetch again.
 
+pub mod failover;
 pub mod feed;
 pub mod follow;
 pub mod hand;
@@ -16,6 +18,7 @@ pub mod log;
 pub mod pull;
 pub mod safety;
 pub mod serve;
+pub mod source;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -55,7 +58,7 @@ pub struct Stream {
     /// Bumped after every write: readers wait on it for more stream.
     changed: watch::Sender<u64>,
     /// Where the stream comes from: `primary <addr>` or `agent <addr>`.
-    pub source: String,
+    source: Mutex<String>,
     /// The writer's state, for status (`following`, or why not).
     state: Mutex<String>,
     /// What each downstream acknowledged; bumped on every change.
@@ -74,6 +77,9 @@ pub struct Stream {
     /// What the primary's `min-replicas-to-write` condition is now, at an
     /// agent that follows a primary ([`follow::write_safety`]).
     write_safety: Mutex<String>,
+    /// The last failover's divergence: what the log dropped because the
+    /// promoted primary never had it (empty: none).
+    diverged: Mutex<String>,
     gauges: Gauges,
 }
 
@@ -105,7 +111,7 @@ impl Stream {
         let stream = Arc::new(Stream {
             log: Mutex::new(log),
             changed: watch::Sender::new(0),
-            source,
+            source: Mutex::new(source),
             state: Mutex::new("starting".into()),
             acks: Mutex::default(),
             lagging: Mutex::default(),
@@ -113,6 +119,7 @@ impl Stream {
             upstream_acked: AtomicU64::new(0),
             behind_since: Mutex::default(),
             write_safety: Mutex::default(),
+            diverged: Mutex::default(),
             gauges,
         });
         stream.export();
@@ -163,6 +170,15 @@ impl Stream {
             .map(|(_, m)| *m)
             .min()
             .unwrap_or(u64::MAX)
+    }
+
+    /// Where the stream comes from now ([`source::Source`]'s text).
+    pub fn source(&self) -> String {
+        self.source.lock().expect("source lock").clone()
+    }
+
+    pub fn set_source(&self, source: String) {
+        *self.source.lock().expect("source lock") = source;
     }
 
     pub fn set_state(&self, state: impl Into<String>) {
@@ -302,6 +318,16 @@ impl Stream {
 
     /// The primary's `min-replicas-to-write` condition (empty: not
     /// watched, the log follows an agent).
+    /// Reports what a failover made the log drop.
+    pub fn set_diverged(&self, what: String) {
+        *self.diverged.lock().expect("diverged lock") = what;
+    }
+
+    /// The last failover's divergence (empty: none).
+    pub fn diverged(&self) -> String {
+        self.diverged.lock().expect("diverged lock").clone()
+    }
+
     pub fn write_safety(&self) -> String {
         self.write_safety.lock().expect("write safety lock").clone()
     }

@@ -16,7 +16,7 @@
 //! again later.
 //!
 //! The upstream is a chain, nearest first ([`Upstreams`]: `[stream]
-//! upstream`, or what a fan-out set, kept in the log's directory): a
+//! upstream`, or what a fan-out or a failover set): a
 //! session that fails passes over its upstream for [`PASS_OVER`] and the
 //! next starts at once with the next of the chain, from the log's end, so
 //! a relay's failure re-parents its children onto its ancestors without a
@@ -25,16 +25,15 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::log::{LogError, Record};
+use super::source::{Source, Upstreams};
 use super::SharedLog;
 use crate::blk3::stream::{Receiver, StreamError, MAX_FRAME, STREAM_KEY_LEN};
 use crate::blk3::token::REPLID_LEN;
@@ -58,96 +57,6 @@ const MAX_WINDOW: u64 = 256 << 20;
 /// How long an upstream whose session failed is passed over, and how long
 /// a session with any but the nearest lasts.
 pub const PASS_OVER: Duration = Duration::from_secs(30);
-/// The most upstreams in a chain.
-pub const MAX_CHAIN: usize = 16;
-/// The chain's file in the log's directory.
-pub const CHAIN_FILE: &str = "upstreams.json";
-
-/// The agents a log follows, nearest first: `[stream] upstream`, or the
-/// chain a fan-out set ([`Upstreams::set`]), kept in the log's directory
-/// for as long as the configured upstream is the one it was set under.
-pub struct Upstreams {
-    configured: String,
-    file: PathBuf,
-    chain: watch::Sender<Vec<String>>,
-}
-
-/// The chain's file.
-#[derive(serde::Serialize, serde::Deserialize)]
-struct ChainFile {
-    configured: String,
-    chain: Vec<String>,
-}
-
-/// Why a chain was refused.
-#[derive(Debug, thiserror::Error)]
-pub enum ChainError {
-    #[error("give 1 to {MAX_CHAIN} upstream agents, nearest first")]
-    Length,
-    #[error("{0:?} is not an agent's gRPC address host:port")]
-    NotAnAgent(String),
-    #[error("{0} is not in sync.allowed_sources of this agent; add it there to follow it")]
-    NotAllowed(String),
-    #[error("cannot keep the chain in {}: {source}", path.display())]
-    Keep {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-}
-
-impl Upstreams {
-    /// The chain kept in `dir` when it was set under `configured`, else
-    /// `configured` alone.
-    pub fn open(dir: &Path, configured: &str) -> Arc<Upstreams> {
-        let file = dir.join(CHAIN_FILE);
-        let kept = crate::sys::fs::read_regular(&file, 64 << 10)
-            .ok()
-            .and_then(|b| serde_json::from_slice::<ChainFile>(&b).ok())
-            .filter(|k| k.configured == configured && !k.chain.is_empty());
-        let chain = kept.map_or_else(|| vec![configured.to_string()], |k| k.chain);
-        Arc::new(Upstreams {
-            configured: configured.to_string(),
-            file,
-            chain: watch::Sender::new(chain),
-        })
-    }
-
-    /// Follows `chain` (nearest first) from now on, each checked against
-    /// `allowed` (`[sync] allowed_sources`); the session in progress ends
-    /// and the next asks the nearest from the log's end.
-    pub fn set(&self, chain: Vec<String>, allowed: &[String]) -> Result<(), ChainError> {
-        if chain.is_empty() || chain.len() > MAX_CHAIN {
-            return Err(ChainError::Length);
-        }
-        if let Some(bad) = chain.iter().find(|u| !crate::sync::is_agent_addr(u)) {
-            return Err(ChainError::NotAnAgent(bad.clone()));
-        }
-        if let Some(bad) = chain
-            .iter()
-            .find(|u| !crate::rpc::dial::allowed(allowed, u))
-        {
-            return Err(ChainError::NotAllowed(bad.clone()));
-        }
-        let kept = ChainFile {
-            configured: self.configured.clone(),
-            chain,
-        };
-        let text = serde_json::to_vec(&kept).expect("a chain serialises");
-        crate::sys::fs::write_atomic(&self.file, &text, (".kvsync-chain-", ".tmp"), 0o644)
-            .map_err(|source| ChainError::Keep {
-                path: self.file.clone(),
-                source,
-            })?;
-        self.chain.send_replace(kept.chain);
-        Ok(())
-    }
-
-    /// The chain now, nearest first.
-    pub fn chain(&self) -> Vec<String> {
-        self.chain.borrow().clone()
-    }
-}
-
 /// Starts a sync of a snapshot from an upstream agent (its gRPC address).
 pub type Reseed = Box<dyn Fn(&str, pb::SnapshotId) + Send + Sync>;
 
@@ -210,6 +119,16 @@ pub enum PullError {
         /// The snapshot the upstream's log continues from, with its
         /// replication id and M.
         continues: Option<(pb::SnapshotId, String, u64)>,
+        /// Where `replid` ended in the upstream's log, before `offset`: a
+        /// failover's promotion point, past which this log diverged.
+        diverged_at: Option<u64>,
+    },
+    #[error("the upstream agent {upstream} still follows {replid} to offset {end}, a history this log left at offset {left_at} for a new primary's (a failover it has not followed): nothing is taken from it")]
+    Stale {
+        upstream: String,
+        replid: String,
+        end: u64,
+        left_at: u64,
     },
     #[error("the upstream's offer is unusable: {0}")]
     BadOffer(String),
@@ -239,6 +158,7 @@ impl PullError {
             PullError::Stream(e) => Some(e.label()),
             PullError::Ring(RingRunError::Ring(e)) => Some(e.label()),
             PullError::TooOld { .. } => Some("too_old"),
+            PullError::Stale { .. } => Some("stale_upstream"),
             _ => None,
         }
     }
@@ -258,17 +178,20 @@ impl PullError {
 /// (100 ms, doubling to 5 s while sessions fail before any stream; 30 s
 /// while the upstream answers "too old" to a log that holds a stream)
 /// with the nearest again.
-pub async fn run(pull: Pull, stream: SharedLog, stop: CancellationToken) {
+pub async fn run(pull: Arc<Pull>, stream: SharedLog, stop: CancellationToken) {
     let mut backoff = Duration::from_millis(100);
     let mut passed: HashMap<String, Instant> = HashMap::new();
-    let mut chain = pull.upstreams.chain.subscribe();
+    let mut chain = pull.upstreams.watch();
     // After a ring failed: the stream runs over TCP until then.
     let mut tcp_until: Option<Instant> = None;
     loop {
         let now = Instant::now();
-        let upstreams = chain.borrow_and_update().clone();
+        let upstreams = match &*chain.borrow_and_update() {
+            Source::Agents(chain) => chain.clone(),
+            Source::Primary(_) => Vec::new(),
+        };
         let Some(upstream) = next_upstream(&upstreams, &passed, now).cloned() else {
-            // Only an empty chain, which is never set: wait for another.
+            // No agents (the source is a primary now): wait for some.
             tokio::select! {
                 _ = stop.cancelled() => return,
                 _ = chain.changed() => continue,
@@ -289,7 +212,7 @@ pub async fn run(pull: Pull, stream: SharedLog, stop: CancellationToken) {
             // ring again.
             _ = tokio::time::sleep_until(fell_back.unwrap_or(now)), if fell_back.is_some() => continue,
             _ = chain.changed() => {
-                info!(instance = %pull.instance, chain = ?chain.borrow().clone(), "the stream's upstreams changed: following the nearest from the log's end");
+                info!(instance = %pull.instance, source = %chain.borrow().clone(), "the stream's upstreams changed: following the nearest from the log's end");
                 passed.clear();
                 continue;
             }
@@ -327,6 +250,15 @@ pub async fn run(pull: Pull, stream: SharedLog, stop: CancellationToken) {
         }
         warn!(instance = %pull.instance, %upstream, error = %e, "following the upstream agent's stream stopped; it asks again");
         stream.set_state(format!("reconnecting: {e}"));
+        if let PullError::TooOld {
+            replid,
+            offset,
+            diverged_at: Some(at),
+            ..
+        } = &e
+        {
+            diverged(&pull, &stream, (replid, *offset, *at), &upstream);
+        }
         // Too old, with a snapshot that continues into the upstream's log:
         // the log starts over there, and the snapshot is synced.
         if let (
@@ -378,6 +310,35 @@ pub async fn run(pull: Pull, stream: SharedLog, stop: CancellationToken) {
     }
 }
 
+/// Reports, once, that the log holds `offset - at` bytes of `replid` past
+/// `at`, where the upstream's history went on under another id: writes
+/// the old primary took after a failover's promotion point. The log is
+/// left as it is (its server applied them); `[stream] reseed` starts it
+/// over at the upstream's snapshot, which re-seeds the server.
+fn diverged(
+    pull: &Pull,
+    stream: &SharedLog,
+    (replid, offset, at): (&str, u64, u64),
+    upstream: &str,
+) {
+    let lost = offset - at;
+    let what = format!(
+        "{lost} bytes of {replid} past offset {at} are not in the history of the upstream {upstream}, where a new primary took over at that offset: writes the old primary took after the promotion; the server fed from them needs a re-seeding{}",
+        match pull.reseed {
+            Some(_) => " (started from the upstream's snapshot)",
+            None => " (sync a snapshot, or set [stream] reseed)",
+        }
+    );
+    if stream.diverged() != what {
+        pull.metrics
+            .stream_diverged
+            .with_label_values(&[&pull.instance])
+            .inc_by(lost);
+        warn!(instance = %pull.instance, lost, at, "{what}");
+        stream.set_diverged(what);
+    }
+}
+
 /// The nearest upstream of `chain` not passed over at `now`.
 fn next_upstream<'a>(
     chain: &'a [String],
@@ -405,7 +366,7 @@ struct Offer {
 /// Asks `upstream` to continue from `at` (the log's position).
 async fn ask(
     pull: &Pull,
-    upstream: &str,
+    (upstream, stream): (&str, &SharedLog),
     at: Option<&(String, u64)>,
     ring: Option<&RingAsk>,
 ) -> Result<Offer, PullError> {
@@ -438,6 +399,17 @@ async fn ask(
     match pb::stream_offer::Answer::try_from(o.answer) {
         Ok(pb::stream_offer::Answer::Continue) => {}
         Ok(pb::stream_offer::Answer::TooOld) => {
+            // An upstream still on a history this log left is stale: its
+            // snapshot would feed the server the lost writes again.
+            let left_at = stream.lock().superseded_at(&o.log_replid);
+            if let Some(left_at) = left_at.filter(|&l| o.log_end > l) {
+                return Err(PullError::Stale {
+                    upstream,
+                    replid: crate::peer_text::escape_controls(&o.log_replid).into_owned(),
+                    end: o.log_end,
+                    left_at,
+                });
+            }
             return Err(PullError::TooOld {
                 upstream,
                 replid,
@@ -451,7 +423,8 @@ async fn ask(
                     .snapshot
                     .filter(|_| !o.replid.is_empty())
                     .map(|s| (s, o.replid, o.offset)),
-            })
+                diverged_at: Some(o.diverged_at).filter(|&at| at > 0 && at < offset),
+            });
         }
         _ => return Err(bad("it answers neither continue nor too old")),
     }
@@ -513,7 +486,7 @@ async fn session(
     fell_back: bool,
 ) -> Result<(), PullError> {
     let at = start_point(pull, stream);
-    let offer = ask(pull, upstream, at.as_ref(), ring).await?;
+    let offer = ask(pull, (upstream, stream), at.as_ref(), ring).await?;
     if let (Some(ring), Some(endpoint)) = (ring, offer.rdma_endpoint) {
         return ring_session(pull, ring, upstream, stream, offer, endpoint).await;
     }
@@ -808,36 +781,5 @@ mod tests {
         assert_eq!(next_upstream(&chain, &passed, now), None, "all passed over");
         let later = now + PASS_OVER;
         assert_eq!(next_upstream(&chain, &passed, later), Some(&chain[0]));
-    }
-
-    #[test]
-    fn a_chain_is_checked_kept_and_dropped_when_the_configured_upstream_changes() {
-        let dir = tempfile::tempdir().unwrap();
-        let up = Upstreams::open(dir.path(), "origin:1");
-        assert_eq!(up.chain(), ["origin:1"]);
-        let allowed = ["relay".to_string(), "origin".to_string()];
-        assert!(matches!(up.set(vec![], &[]), Err(ChainError::Length)));
-        assert!(matches!(
-            up.set(vec!["no port".into()], &[]),
-            Err(ChainError::NotAnAgent(_))
-        ));
-        assert!(matches!(
-            up.set(vec!["elsewhere:1".into()], &allowed),
-            Err(ChainError::NotAllowed(_))
-        ));
-        assert_eq!(up.chain(), ["origin:1"], "a refused chain changes nothing");
-        up.set(vec!["relay:1".into(), "origin:1".into()], &allowed)
-            .unwrap();
-        assert_eq!(up.chain(), ["relay:1", "origin:1"]);
-        assert_eq!(
-            Upstreams::open(dir.path(), "origin:1").chain(),
-            ["relay:1", "origin:1"],
-            "kept across a restart"
-        );
-        assert_eq!(
-            Upstreams::open(dir.path(), "other:1").chain(),
-            ["other:1"],
-            "the operator's new upstream wins"
-        );
     }
 }

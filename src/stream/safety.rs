@@ -78,7 +78,8 @@ fn describe(c: &Condition, for_: Duration) -> String {
 }
 
 /// Reads the primary's condition every [`EVERY`] until `stop` into the
-/// stream's status and `kvsync_stream_write_safety_degraded`.
+/// stream's status and `kvsync_stream_write_safety_degraded`, and clears
+/// both when stopped.
 pub async fn write_safety(
     (instance, primary): (String, String),
     password: String,
@@ -91,6 +92,12 @@ pub async fn write_safety(
         .with_label_values(&[&instance]);
     let mut since: Option<Instant> = None;
     loop {
+        if stop.is_cancelled() {
+            // No longer this primary's replica (a failover): nothing to say.
+            degraded.set(0);
+            stream.set_write_safety(String::new());
+            return;
+        }
         match read(&primary, &password).await {
             Ok(c) => {
                 let bad = matches!(c, Condition::Degraded { .. });
@@ -106,7 +113,7 @@ pub async fn write_safety(
             Err(e) => stream.set_write_safety(format!("unknown: {e}")),
         }
         tokio::select! {
-            _ = stop.cancelled() => return,
+            _ = stop.cancelled() => {}
             _ = tokio::time::sleep(EVERY) => {}
         }
     }

@@ -34,8 +34,8 @@ pub struct Instance {
     pub stream: Option<SharedLog>,
     /// Its server's feed from that log (`redis-stream`).
     pub feed: Option<crate::stream::feed::FeedHandle>,
-    /// The agents that log follows, when it follows agents.
-    pub upstreams: Option<Arc<crate::stream::pull::Upstreams>>,
+    /// Whom that log follows, a primary or agents, when it has one.
+    pub upstreams: Option<Arc<crate::stream::source::Upstreams>>,
     /// Cancelled when the instance is removed or the agent stops: its
     /// tasks end and its running syncs are cancelled.
     pub stop: CancellationToken,

@@ -140,6 +140,12 @@ pub enum StreamAnswer {
     TooOld {
         held: String,
         snapshot: Option<Arc<CatalogEntry>>,
+        /// The replica's id ended in this log before the offset it asked
+        /// from, where a later id took over: the replica holds bytes of
+        /// that id past it, which this log's history never had.
+        diverged_at: Option<u64>,
+        /// The id the log runs under now, and its end.
+        current: Option<(String, u64)>,
     },
 }
 
@@ -287,6 +293,8 @@ impl Offers {
             };
             start.ok_or_else(|| StreamAnswer::TooOld {
                 held: log.describe(),
+                current: log.position(),
+                diverged_at: log.superseded_at(&ask.replid).filter(|&at| ask.offset > at),
                 snapshot: instance
                     .catalog
                     .list()

@@ -7,6 +7,7 @@ pub mod kv;
 pub mod netns;
 pub mod node;
 pub mod pki;
+pub mod stream;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
