@@ -700,10 +700,7 @@ async fn follow_stream(
     let pull = Pull {
         instance: name.to_string(),
         upstreams: upstreams.clone(),
-        upstream_instance: match config.stream.upstream_instance.as_str() {
-            "" => name.to_string(),
-            other => other.to_string(),
-        },
+        upstream_instance: config.stream.upstream_instance_of(name),
         node_id: config.node_id.clone(),
         dialer: parts.dialer.clone(),
         tls_server_name: config.tls.server_name.clone(),
@@ -767,10 +764,7 @@ fn reseed(name: &str, parts: &Parts) -> crate::stream::pull::Reseed {
                     upstream: Vec::new(),
                     want: Some(want),
                     mode: None,
-                    source_instance: match i.config.stream.upstream_instance.as_str() {
-                        "" => name.clone(),
-                        other => other.to_string(),
-                    },
+                    source_instance: i.config.stream.upstream_instance_of(&name),
                 };
                 syncs.start(&i, pull).map_err(|e| e.to_string())
             });

@@ -170,6 +170,14 @@ impl StreamConfig {
     pub fn enabled(&self) -> bool {
         !self.dir.as_os_str().is_empty()
     }
+
+    /// The instance asked of upstreams and peers for instance `name`.
+    pub fn upstream_instance_of(&self, name: &str) -> String {
+        match self.upstream_instance.as_str() {
+            "" => name.to_string(),
+            other => other.to_string(),
+        }
+    }
 }
 
 /// What the agent that follows a primary acknowledges to it (`REPLCONF

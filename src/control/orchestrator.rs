@@ -414,10 +414,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         let auth = ClientAuth::of(&request);
         let req = request.into_inner();
         let i = self.instance(&req.instance)?;
-        let instance = match i.config.stream.upstream_instance.as_str() {
-            "" => i.name.clone(),
-            other => other.to_string(),
-        };
+        let instance = i.config.stream.upstream_instance_of(&i.name);
         let source_of = |peer: String| {
             let (dialer, auth, instance) = (self.dialer.clone(), auth.clone(), instance.clone());
             async move { peer_source(&dialer, &peer, auth, &instance).await }
