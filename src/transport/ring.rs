@@ -143,6 +143,17 @@ struct Qp<F> {
 }
 
 impl<F: Fabric> Qp<F> {
+    /// `qp`, its busy-poll capped at `spin`, ended by `cancel`.
+    fn new(mut qp: F, spin: Duration, cancel: &CancellationToken) -> Qp<F> {
+        qp.cap_spin(spin);
+        Qp {
+            qp,
+            next_id: 0,
+            sends: 0,
+            cancel: cancel.clone(),
+        }
+    }
+
     fn post_recv(&mut self) -> Result<(), RingRunError> {
         self.next_id += 1;
         Ok(self.qp.post_recv(RECV_TAG | self.next_id)?)
@@ -235,17 +246,11 @@ pub struct RingSource {
 /// proved), until it fails or is cancelled; returns where the stream
 /// stood.
 pub fn run_source<F: Fabric>(
-    mut qp: F,
+    qp: F,
     s: RingSource,
     feed: &mut dyn RingFeed,
 ) -> (u64, Result<(), RingRunError>) {
-    qp.cap_spin(s.spin);
-    let mut qp = Qp {
-        qp,
-        next_id: 0,
-        sends: 0,
-        cancel: s.cancel.clone(),
-    };
+    let mut qp = Qp::new(qp, s.spin, &s.cancel);
     let mut at = s.from;
     let result = match serve(&mut qp, &s, feed, &mut at) {
         Err(e) if e.cancelled() => Ok(()),
@@ -389,17 +394,11 @@ pub struct RingReplica {
 /// Follows the stream through a ring on a dialled queue pair until the
 /// session fails or is cancelled (`Ok`).
 pub fn run_replica<F: Fabric>(
-    mut qp: F,
+    qp: F,
     r: RingReplica,
     sink: &mut dyn RingSink,
 ) -> Result<(), RingRunError> {
-    qp.cap_spin(r.spin);
-    let mut qp = Qp {
-        qp,
-        next_id: 0,
-        sends: 0,
-        cancel: r.cancel.clone(),
-    };
+    let mut qp = Qp::new(qp, r.spin, &r.cancel);
     let mut ring = None;
     let result = match follow(&mut qp, &r, sink, &mut ring) {
         Err(e) if e.cancelled() => Ok(()),
