@@ -3,10 +3,11 @@
 # it needs first, when missing, and ends with one summary line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# real Redis and Valkey servers (Valkey 8 from the release's backports);
+# real Redis and Valkey servers (Valkey 8 from the release's backports) and
+# Redis Sentinel for the failover tests;
 # network namespaces; systemd-analyze for the unit test; bc for the Redis
 # seeding demo that tests/scripts.rs runs
-bash scripts/deps.sh redis-server valkey-server/backports valkey-tools/backports iproute2 systemd bc
+bash scripts/deps.sh redis-server redis-sentinel valkey-server/backports valkey-tools/backports iproute2 systemd bc
 log=$(mktemp)
 export KVSYNC_SKIP_LOG KVSYNC_VM_LOG
 KVSYNC_SKIP_LOG=$(mktemp)

@@ -743,7 +743,48 @@ async fn follow_stream(
         stream.clone(),
         instance.stop.clone(),
     ));
+    if !config.stream.sentinels.is_empty() {
+        follow_sentinels(name, config, instance, parts);
+    }
     Ok(stream)
+}
+
+/// Follows the primary instance `name`'s Sentinels name: the watch of
+/// their word, and its take as `kvsync stream follow` would.
+fn follow_sentinels(name: &str, config: &Config, instance: &Instance, parts: &Parts) {
+    use crate::stream::{failover, sentinel};
+    let sentinels = sentinel::Sentinels {
+        addrs: config.stream.sentinels.clone(),
+        master_name: config.stream.master_name.clone(),
+        password: config.stream.sentinel_password.clone(),
+    };
+    let (primary, named) = tokio::sync::watch::channel(None);
+    instance.spawn(sentinel::watch(sentinels, primary, instance.stop.clone()));
+    let (instances, dialer, name) = (
+        parts.instances.clone(),
+        parts.dialer.clone(),
+        name.to_string(),
+    );
+    let upstream_instance = config.stream.upstream_instance_of(&name);
+    let follow = move |addr: String| {
+        let (instances, dialer, name) = (instances.clone(), dialer.clone(), name.clone());
+        let upstream_instance = upstream_instance.clone();
+        async move {
+            let i = instances.resolve(&name).map_err(|e| e.to_string())?;
+            let source_of = |peer: String| {
+                let (dialer, instance) = (dialer.clone(), upstream_instance.clone());
+                async move { failover::peer_source(&dialer, &peer, &instance).await }
+            };
+            let followed = failover::follow_primary(&i, &addr, &[], source_of)
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok::<_, String>(match followed.local_server {
+                Some(local) => format!("{}; {local}", followed.source),
+                None => followed.source.to_string(),
+            })
+        }
+    };
+    instance.spawn(sentinel::apply(named, follow, instance.stop.clone()));
 }
 
 /// `[stream] reseed` of instance `name`: syncs the snapshot an upstream

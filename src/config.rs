@@ -143,6 +143,15 @@ pub struct StreamConfig {
     /// failover (`kvsync stream follow --primary`) the log follows the one
     /// among them whose log follows the new primary.
     pub peers: Vec<String>,
+    /// Redis Sentinels (`host:port`) that watch the instance's primary:
+    /// the agent asks them who the primary is (at start and after each
+    /// reconnect) and follows each `+switch-master` of `master_name` as
+    /// `kvsync stream follow --primary` does.
+    pub sentinels: Vec<String>,
+    /// The name the Sentinels monitor the primary under.
+    pub master_name: String,
+    /// The Sentinels' `requirepass`, if they have one.
+    pub sentinel_password: String,
 }
 
 impl Default for StreamConfig {
@@ -162,6 +171,9 @@ impl Default for StreamConfig {
             stall_timeout: Duration::from_secs(10),
             rdma_spin: Duration::from_micros(200),
             peers: Vec::new(),
+            sentinels: Vec::new(),
+            master_name: String::new(),
+            sentinel_password: String::new(),
         }
     }
 }
@@ -1254,6 +1266,24 @@ impl Config {
                 format!("must be agents' gRPC host:port, got {bad:?}"),
             );
         }
+        if let Some(bad) = st.sentinels.iter().find(|a| !is_host_port(a)) {
+            p.bad(
+                "stream.sentinels",
+                format!("must be Sentinels' host:port, got {bad:?}"),
+            );
+        }
+        if !st.sentinels.is_empty() && st.peers.is_empty() {
+            p.bad(
+                "stream.peers",
+                "must name the agents of the instance's other servers when stream.sentinels is set: after a failover the log follows the one among them that follows the new primary".into(),
+            );
+        }
+        if st.sentinels.is_empty() != st.master_name.is_empty() {
+            p.bad(
+                "stream.master_name",
+                "and stream.sentinels go together: the Sentinels to ask and the name they monitor the primary under".into(),
+            );
+        }
         if !st.upstream.is_empty() && st.ack != StreamAck::Log {
             p.bad(
                 "stream.ack",
@@ -1878,6 +1908,24 @@ expected_transfer_rate = "0"
                 .any(|p| p.message.contains("share the stream log dir")),
             "{problems:?}"
         );
+    }
+
+    #[test]
+    fn sentinels_come_with_a_master_name_and_peers() {
+        let mut c = valid();
+        c.stream.dir = "/var/lib/kvsync/stream".into();
+        c.redis.primary_addr = "127.0.0.1:6379".into();
+        c.stream.sentinels = vec!["10.0.0.9:26379".into(), "sentinel-b".into()];
+        assert_eq!(
+            problem_keys(&c),
+            ["stream.sentinels", "stream.peers", "stream.master_name"]
+        );
+        c.stream.sentinels.pop();
+        c.stream.master_name = "mymaster".into();
+        c.stream.peers = vec!["agent-b:7400".into()];
+        c.validate().unwrap();
+        c.stream.sentinels.clear();
+        assert_eq!(problem_keys(&c), ["stream.master_name"]);
     }
 
     #[test]

@@ -815,6 +815,13 @@ impl pb::peer_server::Peer for FloodingSource {
         Err(tonic::Status::unimplemented("this source serves no stream"))
     }
 
+    async fn get_stream_source(
+        &self,
+        _: tonic::Request<pb::StreamSourceRequest>,
+    ) -> Result<tonic::Response<pb::StreamSourceResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("this source keeps no stream"))
+    }
+
     type GetManifestStream = std::pin::Pin<
         Box<dyn futures::Stream<Item = Result<pb::ManifestPart, tonic::Status>> + Send>,
     >;

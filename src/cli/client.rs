@@ -641,6 +641,9 @@ pub async fn stream(command: super::StreamCommand) -> anyhow::Result<ExitCode> {
                 .map_err(|s| status_err("follow", s))?
                 .into_inner();
             println!("the stream log follows {}", r.source);
+            if !r.local_server.is_empty() {
+                println!("{}", r.local_server);
+            }
             return Ok(ExitCode::SUCCESS);
         }
     };

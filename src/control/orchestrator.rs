@@ -410,24 +410,26 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         &self,
         request: Request<pb::FollowPrimaryRequest>,
     ) -> Result<Response<pb::FollowPrimaryResponse>, Status> {
-        // The peers are asked on the caller's behalf, with its token.
-        let auth = ClientAuth::of(&request);
         let req = request.into_inner();
         let i = self.instance(&req.instance)?;
         let instance = i.config.stream.upstream_instance_of(&i.name);
         let source_of = |peer: String| {
-            let (dialer, auth, instance) = (self.dialer.clone(), auth.clone(), instance.clone());
-            async move { peer_source(&dialer, &peer, auth, &instance).await }
+            let (dialer, instance) = (self.dialer.clone(), instance.clone());
+            async move { failover::peer_source(&dialer, &peer, &instance).await }
         };
-        let source = failover::follow_primary(&i, &req.primary, &req.peers, source_of)
+        let followed = failover::follow_primary(&i, &req.primary, &req.peers, source_of)
             .await
             .map_err(|e| match e {
                 FailoverError::NotAnAddress(_) => Status::invalid_argument(e.to_string()),
                 FailoverError::Source(ChainError::Keep { .. }) => Status::internal(e.to_string()),
                 _ => Status::failed_precondition(e.to_string()),
             })?;
-        tracing::info!(instance = %i.name, primary = %req.primary, %source, "a failover: the stream log follows the new primary");
-        Ok(Response::new(pb::FollowPrimaryResponse { source }))
+        let source = followed.source.to_string();
+        tracing::info!(instance = %i.name, primary = %req.primary, %source, local_server = ?followed.local_server, "a failover: the stream log follows the new primary");
+        Ok(Response::new(pb::FollowPrimaryResponse {
+            source,
+            local_server: followed.local_server.unwrap_or_default(),
+        }))
     }
 
     async fn cancel_sync(
@@ -439,34 +441,4 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         let cancelled = self.syncs.cancel(&id)?;
         Ok(Response::new(pb::CancelSyncResponse { cancelled }))
     }
-}
-
-/// What `peer`'s log of `instance` follows (its status' stream source).
-async fn peer_source(
-    dialer: &crate::rpc::dial::Dialer,
-    peer: &str,
-    auth: ClientAuth,
-    instance: &str,
-) -> Result<String, String> {
-    const CALL: std::time::Duration = std::time::Duration::from_secs(10);
-    let channel = dialer
-        .connect_as(peer, CALL, auth)
-        .await
-        .map_err(|e| format!("unreachable: {e}"))?;
-    let mut client = pb::orchestrator_client::OrchestratorClient::new(channel);
-    let request = pb::GetStatusRequest {
-        instance: instance.to_string(),
-    };
-    let status = tokio::time::timeout(CALL, client.get_status(request))
-        .await
-        .map_err(|_| format!("no status within {CALL:?}"))?
-        .map_err(|s| format!("status refused: {}", s.message()))?
-        .into_inner();
-    status
-        .instances
-        .iter()
-        .find(|s| s.name == instance)
-        .and_then(|s| s.stream.as_ref())
-        .map(|st| st.source.clone())
-        .ok_or_else(|| format!("keeps no stream log of instance {instance}"))
 }

@@ -5,7 +5,8 @@
 //! `ReportResult` records how the session ended and releases its backlog
 //! lease. Both name the session's instance, and a session of another
 //! instance is refused. `OpenStream` answers a replica agent that follows
-//! the replication stream. This module only translates between the wire
+//! the replication stream, and `GetStreamSource` a peer that looks for the
+//! agent following a new primary. This module only translates between the wire
 //! and the domain.
 
 use std::time::Duration;
@@ -183,6 +184,15 @@ impl pb::peer_server::Peer for PeerService {
             .map(|c| Ok(pb::ManifestPart { data: c.to_vec() }))
             .collect();
         Ok(Response::new(futures::stream::iter(parts)))
+    }
+
+    async fn get_stream_source(
+        &self,
+        request: Request<pb::StreamSourceRequest>,
+    ) -> Result<Response<pb::StreamSourceResponse>, Status> {
+        let name = request.into_inner().instance;
+        let source = self.offers.stream_source(&name).map_err(ApiError::from)?;
+        Ok(Response::new(pb::StreamSourceResponse { source }))
     }
 
     async fn open_stream(

@@ -80,17 +80,22 @@ pub(crate) fn server_err(addr: &str, e: impl std::fmt::Display) -> RedisError {
     }
 }
 
+/// A client of the server (or Sentinel) at `addr`, with `password` when
+/// set.
+pub(crate) fn client(addr: &str, password: &str) -> Result<redis::Client, RedisError> {
+    let url = match password {
+        "" => format!("redis://{addr}/"),
+        p => format!("redis://:{p}@{addr}/"),
+    };
+    redis::Client::open(url).map_err(|e| server_err(addr, e))
+}
+
 /// A connection to `addr` (with `password` when set).
 pub(crate) async fn connect(
     addr: &str,
     password: &str,
 ) -> Result<redis::aio::MultiplexedConnection, RedisError> {
-    let url = if password.is_empty() {
-        format!("redis://{addr}/")
-    } else {
-        format!("redis://:{password}@{addr}/")
-    };
-    let client = redis::Client::open(url).map_err(|e| server_err(addr, e))?;
+    let client = client(addr, password)?;
     let connect = client.get_multiplexed_async_connection();
     tokio::time::timeout(Duration::from_secs(5), connect)
         .await

@@ -4,7 +4,9 @@
 //! that log on to other agents ([`serve`]) and to its local server as its
 //! master ([`feed`]), which can hand the server to the primary and take it
 //! back ([`hand`]). Whom the log follows, and the switch from one to the
-//! other at a failover, is [`source`]'s. The agent that follows a primary
+//! other at a failover, is [`source`]'s; a failover is taken by
+//! [`failover`], told by an orchestrator or by Redis Sentinel
+//! ([`sentinel`]). The agent that follows a primary
 //! also watches its write safety ([`safety`]). [`Stream`] is one instance's
 //! log as its writer and its readers share it, with what the servers fed
 //! from it acknowledged ([`Downstream`]) and a reader's check that sends a
@@ -17,6 +19,7 @@ pub mod hand;
 pub mod log;
 pub mod pull;
 pub mod safety;
+pub mod sentinel;
 pub mod serve;
 pub mod source;
 

@@ -231,7 +231,10 @@ pub async fn run(
                 }
                 match (&now, &*source.borrow()) {
                     // A new chain is the puller's to follow.
-                    (Source::Agents(_), Source::Agents(_)) => continue,
+                    (Source::Agents(_), next @ Source::Agents(_)) => {
+                        stream.set_source(next.to_string());
+                        continue;
+                    }
                     (was, next) if was == next => continue,
                     _ => return true,
                 }

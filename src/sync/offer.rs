@@ -262,6 +262,18 @@ impl Offers {
     /// Answers a replica agent that asks to continue the replication
     /// stream of one of this agent's instances. `local` is the address it
     /// reached this agent on, `remote` its own.
+    /// What instance `name`'s stream log follows.
+    pub fn stream_source(&self, name: &str) -> Result<String, OfferError> {
+        let instance = self.instances.resolve(name)?;
+        let upstreams = instance.upstreams.as_ref().ok_or_else(|| {
+            OfferError::Unsupported(format!(
+                "instance {:?} of this agent keeps no replication stream ([stream] dir)",
+                instance.name
+            ))
+        })?;
+        Ok(upstreams.source().to_string())
+    }
+
     pub fn open_stream(
         &self,
         ask: &StreamAsk,

@@ -102,8 +102,19 @@ impl Redis {
     /// Like [`Redis::start`], as `user` when given, the way Debian's unit
     /// runs it: `dir` is `0750 user:user`, and the server's umask 007.
     pub fn start_as(server: Server, dir: &Path, extra: &[&str], user: Option<&str>) -> Redis {
+        Redis::start_on(server, dir, extra, user, free_port())
+    }
+
+    /// Like [`Redis::start_as`], on `port` (a server started again where it
+    /// was).
+    pub fn start_on(
+        server: Server,
+        dir: &Path,
+        extra: &[&str],
+        user: Option<&str>,
+        port: u16,
+    ) -> Redis {
         std::fs::create_dir_all(dir).unwrap();
-        let port = free_port();
         let bin = server.bin();
         let mut command = Command::new(bin);
         if let Some(user) = user {
