@@ -33,12 +33,15 @@
 #      replication on soft-RoCE, one VM and two: WAIT latency, catch-up
 #      throughput against ib_write_bw, agent CPU per MiB
 #      (scripts/bench-stream-ring.sh; as root, BENCH_VM=1, BENCH_REDIS=1)
+#   9c. a Sentinel failover with 4 replicas, kvsync vs plain replication:
+#      seconds until every replica holds a write of the new primary, and
+#      the full syncs it caused (scripts/bench-failover.sh; BENCH_REDIS=1)
 #
 # Knobs: SIZES="1GiB 4GiB" RUNS=3 FAN_SIZE=1GiB FANOUT="1 2 4 8"
 #        RESUME_SIZE=4GiB RELAY_REPLICAS=8 RELAY_SIZE=512MiB RELAY_RATE=400mbit
 #        BENCH_DIR=/dev/shm (tmpfs: takes the disk out) BENCH_VM BENCH_REDIS
 #        RTT_MS=100 RTT_SIZE=128MiB RTT_RUNS=5
-#        SECTIONS="1 1b 2 3 4 5 6 7 8 9 9b" (which sections to run; --write needs all)
+#        SECTIONS="1 1b 2 3 4 5 6 7 8 9 9b 9c" (which sections to run; --write needs all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 write=0
@@ -53,7 +56,7 @@ relay_size=${RELAY_SIZE:-512MiB}
 relay_rate=${RELAY_RATE:-400mbit}
 vm=${BENCH_VM:-$([ "$(id -u)" = 0 ] && echo 1 || echo 0)}
 redis=${BENCH_REDIS:-1}
-sections=" ${SECTIONS:-1 1b 2 3 4 5 6 7 8 9 9b} "
+sections=" ${SECTIONS:-1 1b 2 3 4 5 6 7 8 9 9b 9c} "
 section() { [[ "$sections" == *" $1 "* ]]; }
 if [ "$write" = 1 ] && [ -n "${SECTIONS:-}" ]; then
     echo "--write replaces the whole report: run every section" >&2
@@ -492,6 +495,13 @@ if [ "$vm" = 1 ]; then
 else
     out "Skipped (needs root for the VM; BENCH_VM=1)."
 fi
+out ""
+fi
+
+if [ "$redis" = 1 ] && section 9c; then
+out "### 9c. A Sentinel failover with 4 replicas: kvsync vs plain replication"
+out ""
+out "$(bash scripts/bench-failover.sh "$bin" "$runs")"
 out ""
 fi
 

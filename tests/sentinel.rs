@@ -232,13 +232,17 @@ fn cast(root: &Path, b_stream: &str) -> Cast {
         format!("127.0.0.1:{src_port}"),
         format!("127.0.0.1:{a_port}"),
     );
-    let src_config = follower_config(&p, &root.join("src-log")).replace(
-        "[stream]\n",
-        &format!(
-            "[stream]\n{}",
-            sentinel_lines(&sentinels, std::slice::from_ref(&a_addr))
-        ),
-    );
+    // P's agent knows P as localhost, the Sentinels by its address: the
+    // same server.
+    let src_config = follower_config(&p, &root.join("src-log"))
+        .replace(&p.addr(), &format!("localhost:{}", p.port))
+        .replace(
+            "[stream]\n",
+            &format!(
+                "[stream]\n{}",
+                sentinel_lines(&sentinels, std::slice::from_ref(&a_addr))
+            ),
+        );
     let src = agent_at(
         root,
         "src",
@@ -314,8 +318,8 @@ fn a_sentinel_failover_moves_every_agent_to_the_promoted_server_without_a_full_s
     replicates_from(&c.p, &c.a, "P to replicate from A");
     assert!(
         c.src.proc.log().contains(&format!(
-            "the old primary {} replicates from {}",
-            c.p.addr(),
+            "the old primary localhost:{} replicates from {}",
+            c.p.port,
             c.a.addr()
         )),
         "P's agent re-attached P"

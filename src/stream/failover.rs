@@ -82,17 +82,21 @@ where
         .ok_or_else(|| FailoverError::NoLog(i.name.clone()))?;
     let wanted = Source::Primary(primary.to_string());
     let redis = &i.config.redis;
+    let local = redis.local_server(i.config.handoff.mode);
+    let promoted = match local {
+        Some(local) => same_server(local, primary, &redis.password).await,
+        None => false,
+    };
     let local_server = match redis.primary_addr.as_str() {
-        "" => None,
-        old if old == primary => None,
+        old if promoted || old.is_empty() => None,
         old => re_attach(old, &redis.password, &new).await,
     };
     let followed = |source| Followed {
         source,
         local_server: local_server.clone(),
     };
-    if redis.local_server(i.config.handoff.mode) == Some(primary) {
-        let info = crate::kv::redis::info(primary, &redis.password, "replication").await?;
+    if let (true, Some(local)) = (promoted, local) {
+        let info = crate::kv::redis::info(local, &redis.password, "replication").await?;
         let role = info.get("role").unwrap_or("unknown");
         if role != "master" {
             return Err(FailoverError::NotPromoted {
@@ -100,6 +104,7 @@ where
                 role: role.to_string(),
             });
         }
+        // Under the address the others know it by, which they look for.
         if upstreams.source() != wanted {
             upstreams.set_primary(primary)?;
         }
@@ -132,6 +137,26 @@ where
         primary: primary.to_string(),
         asked,
     })
+}
+
+/// Whether `addr` names the local server at `local`: the same text, or a
+/// server with the same `run_id` (Sentinel names servers by IP address,
+/// a configuration may say `localhost`).
+async fn same_server(local: &str, addr: &str, password: &str) -> bool {
+    if local == addr {
+        return true;
+    }
+    match (run_id(local, password).await, run_id(addr, password).await) {
+        (Some(a), Some(b)) => a == b,
+        _ => false,
+    }
+}
+
+async fn run_id(addr: &str, password: &str) -> Option<String> {
+    let info = crate::kv::redis::info(addr, password, "server")
+        .await
+        .ok()?;
+    info.get("run_id").map(str::to_string)
 }
 
 /// Makes the old primary `server` a replica of `new`, unless it is one

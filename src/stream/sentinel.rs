@@ -22,8 +22,11 @@ use crate::kv::redis::server_err;
 /// How often the Sentinels are asked even without a message, in case a
 /// subscription died silently.
 pub const RECHECK: Duration = Duration::from_secs(10);
-/// The pause before a failed take of a primary is tried again.
-pub const RETRY: Duration = Duration::from_secs(1);
+/// The pause before a failed take of a primary is tried again (the
+/// promoted server's agent usually moves within milliseconds).
+pub const RETRY: Duration = Duration::from_millis(200);
+/// The pause before a broken subscription is made again.
+const RESUBSCRIBE: Duration = Duration::from_secs(1);
 /// The longest one question to a Sentinel may take.
 const ASK: Duration = Duration::from_secs(5);
 
@@ -164,7 +167,7 @@ pub async fn watch(s: Sentinels, primary: watch::Sender<Option<Known>>, stop: Ca
             Ok(Err(e)) => {
                 warn!(sentinel = %addr, error = %e, "cannot subscribe to the Sentinel");
                 take(newest(&s).await);
-                pause(&stop, RETRY).await;
+                pause(&stop, RESUBSCRIBE).await;
                 continue;
             }
             Err(_) => {
@@ -194,7 +197,7 @@ pub async fn watch(s: Sentinels, primary: watch::Sender<Option<Known>>, stop: Ca
                 _ = tokio::time::sleep(RECHECK) => take(newest(&s).await),
             }
         }
-        pause(&stop, RETRY).await;
+        pause(&stop, RESUBSCRIBE).await;
     }
 }
 
@@ -227,7 +230,7 @@ pub async fn apply<F, Fut, E>(
                         break;
                     }
                     Err(e) => {
-                        // Said once per reason, not once a second.
+                        // Said once per reason, not at every try.
                         let e = e.to_string();
                         if e != said {
                             warn!(primary = %k.addr, error = %e, "the Sentinels' primary is not followed yet; trying again");
