@@ -14,7 +14,10 @@
 //! converges with A. P killed under writes: Sentinel promotes A, what the
 //! logs hold past the promotion point is counted as divergence (B is
 //! re-seeded only then), B converges with A, and P, restarted, is made A's
-//! replica by Sentinel.
+//! replica by Sentinel. P's host cut off by a partition (network
+//! namespaces) while P takes writes: B never gets a byte of P's side, and
+//! once the partition heals P's agent makes P A's replica and counts what
+//! its log held past the promotion point.
 
 mod common;
 
@@ -34,36 +37,50 @@ const MASTER: &str = "kvmaster";
 fn sentinels(root: &Path, primary: &Redis) -> Vec<Redis> {
     (0..3)
         .map(|i| {
-            let dir = root.join(format!("sentinel-{i}"));
-            std::fs::create_dir_all(&dir).unwrap();
-            let port = free_port();
-            let conf = dir.join("sentinel.conf");
-            std::fs::write(
-                &conf,
-                format!(
-                    "port {port}\nbind 127.0.0.1\ndir {}\nlogfile {}\nsentinel monitor {MASTER} 127.0.0.1 {} 2\nsentinel down-after-milliseconds {MASTER} 1000\nsentinel failover-timeout {MASTER} 20000\n",
-                    dir.display(),
-                    dir.join("sentinel.log").display(),
-                    primary.port
-                ),
+            sentinel(
+                &root.join(format!("sentinel-{i}")),
+                "127.0.0.1",
+                &primary.addr(),
             )
-            .unwrap();
-            let child = std::process::Command::new("redis-sentinel")
-                .arg(&conf)
-                .stdout(std::process::Stdio::null())
-                .spawn()
-                .expect("redis-sentinel (the test command installs it)");
-            let s = Redis {
-                server: Server::Redis,
-                port,
-                dir,
-                child: Some(child),
-                password: None,
-            };
-            s.wait_up();
-            s
         })
         .collect()
+}
+
+/// A Sentinel in `dir`, listening on 127.0.0.1 and `ip`, watching the
+/// primary at `primary` as [`MASTER`] with two others (quorum 2), quick to
+/// call it down (1 s).
+fn sentinel(dir: &Path, ip: &str, primary: &str) -> Redis {
+    std::fs::create_dir_all(dir).unwrap();
+    let port = free_port();
+    let conf = dir.join("sentinel.conf");
+    let (host, primary_port) = primary.rsplit_once(':').unwrap();
+    let bind = match ip {
+        "127.0.0.1" => ip.to_string(),
+        _ => format!("127.0.0.1 {ip}\nprotected-mode no"),
+    };
+    std::fs::write(
+        &conf,
+        format!(
+            "port {port}\nbind {bind}\ndir {}\nlogfile {}\nsentinel monitor {MASTER} {host} {primary_port} 2\nsentinel down-after-milliseconds {MASTER} 1000\nsentinel failover-timeout {MASTER} 20000\n",
+            dir.display(),
+            dir.join("sentinel.log").display(),
+        ),
+    )
+    .unwrap();
+    let child = std::process::Command::new("redis-sentinel")
+        .arg(&conf)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("redis-sentinel (the test command installs it)");
+    let s = Redis {
+        server: Server::Redis,
+        port,
+        dir: dir.to_owned(),
+        child: Some(child),
+        password: None,
+    };
+    s.wait_up();
+    s
 }
 
 /// A Sentinel's field-value answer as pairs.
@@ -71,6 +88,19 @@ fn fields(flat: &[String]) -> std::collections::HashMap<String, String> {
     flat.chunks_exact(2)
         .map(|kv| (kv[0].clone(), kv[1].clone()))
         .collect()
+}
+
+/// Whether `sentinel` knows two other Sentinels and the replica on port
+/// `replica` as a healthy one it could promote.
+fn sentinel_ready(sentinel: &Redis, replica: u16) -> bool {
+    let master = fields(&sentinel.cmd::<Vec<String>>(&["SENTINEL", "MASTER", MASTER]));
+    let replicas: Vec<Vec<String>> = sentinel.cmd(&["SENTINEL", "REPLICAS", MASTER]);
+    master["num-other-sentinels"] == "2"
+        && replicas.iter().map(|r| fields(r)).any(|r| {
+            r["port"] == replica.to_string()
+                && r["flags"] == "slave"
+                && r["master-link-status"] == "ok"
+        })
 }
 
 /// Waits until every Sentinel knows the other two and `replica` as a
@@ -82,16 +112,7 @@ fn sentinels_ready(sentinels: &[Redis], replica: &Redis) {
         || {
             sentinels
                 .iter()
-                .all(|s| {
-                    let master = fields(&s.cmd::<Vec<String>>(&["SENTINEL", "MASTER", MASTER]));
-                    let replicas: Vec<Vec<String>> = s.cmd(&["SENTINEL", "REPLICAS", MASTER]);
-                    master["num-other-sentinels"] == "2"
-                        && replicas.iter().map(|r| fields(r)).any(|r| {
-                            r["port"] == replica.port.to_string()
-                                && r["flags"] == "slave"
-                                && r["master-link-status"] == "ok"
-                        })
-                })
+                .all(|s| sentinel_ready(s, replica.port))
                 .then_some(())
         },
     );
@@ -103,10 +124,10 @@ fn master_of(sentinel: &Redis) -> String {
     format!("{}:{}", at[0], at[1])
 }
 
-/// `[stream]` lines of an agent that follows the Sentinels, its peers
-/// `peers`.
-fn sentinel_lines(sentinels: &[Redis], peers: &[String]) -> String {
-    let list = |v: Vec<String>| {
+/// `[stream]` lines of an agent that follows the Sentinels at `sentinels`
+/// (`host:port`), its peers `peers`.
+fn sentinel_lines(sentinels: &[String], peers: &[String]) -> String {
+    let list = |v: &[String]| {
         v.iter()
             .map(|a| format!("\"{a}\""))
             .collect::<Vec<_>>()
@@ -114,8 +135,8 @@ fn sentinel_lines(sentinels: &[Redis], peers: &[String]) -> String {
     };
     format!(
         "sentinels = [{}]\nmaster_name = \"{MASTER}\"\npeers = [{}]\n",
-        list(sentinels.iter().map(|s| s.addr()).collect()),
-        list(peers.to_vec())
+        list(sentinels),
+        list(peers)
     )
 }
 
@@ -226,6 +247,7 @@ fn cast(root: &Path, b_stream: &str) -> Cast {
         &["--repl-ping-replica-period", "3600"],
     );
     let sentinels = sentinels(root, &p);
+    let addrs: Vec<String> = sentinels.iter().map(|s| s.addr()).collect();
     // Both agents name each other: their addresses are chosen first.
     let (src_port, a_port) = (free_port(), free_port());
     let (src_addr, a_addr) = (
@@ -240,7 +262,7 @@ fn cast(root: &Path, b_stream: &str) -> Cast {
             "[stream]\n",
             &format!(
                 "[stream]\n{}",
-                sentinel_lines(&sentinels, std::slice::from_ref(&a_addr))
+                sentinel_lines(&addrs, std::slice::from_ref(&a_addr))
             ),
         );
     let src = agent_at(
@@ -261,7 +283,7 @@ fn cast(root: &Path, b_stream: &str) -> Cast {
     let a_config = format!(
         "[stream]\ndir = \"{}\"\nupstream = \"{src_addr}\"\n{}[handoff]\nmode = \"redis-replicate\"\n[redis]\nserver_addr = \"{}\"\nprimary = \"{}\"\n",
         root.join("a-log").display(),
-        sentinel_lines(&sentinels, std::slice::from_ref(&src_addr)),
+        sentinel_lines(&addrs, std::slice::from_ref(&src_addr)),
         a.addr(),
         p.addr()
     );
@@ -276,7 +298,7 @@ fn cast(root: &Path, b_stream: &str) -> Cast {
     wait_following(&agent_a);
     let b_stream = format!(
         "{}{b_stream}",
-        sentinel_lines(&sentinels, &[src_addr.clone(), a_addr.clone()])
+        sentinel_lines(&addrs, &[src_addr.clone(), a_addr.clone()])
     );
     let (b, agent_b) = seeded_replica(root, server, &p, &src, ("b", "b-srv", &b_stream));
     converged(&a, &p, "A to have what P wrote");
@@ -429,4 +451,203 @@ fn a_primary_killed_under_writes_is_failed_over_by_sentinel_and_nothing_lost_is_
         }
     }
     assert_eq!(stream_status(&c.agent_b).replid, new_id);
+}
+
+/// A network partition that cuts the primary's host off (network
+/// namespaces, one host each for P and its agent, A and its agent, B and
+/// its agent, and a third Sentinel; a Sentinel on each host but P's). P
+/// goes on taking writes on its side and its agent logging them; the
+/// Sentinels promote A; B's agent follows A's agent and B never gets a
+/// byte of P's side, before or after the partition heals. Healed, P's
+/// agent hears of the switch, makes P a replica of A (which syncs it in
+/// full: it wrote past the promotion point) and counts what its log held
+/// past it; nothing of P's side reaches A or B.
+#[test]
+fn a_partition_of_the_old_primarys_host_feeds_no_server_from_both_sides() {
+    use common::netns::{block_on, Hosts};
+    let Some(hosts) = Hosts::create_n("failover partition", 4) else {
+        return;
+    };
+    let root = tempfile::tempdir().unwrap();
+    let r = root.path();
+    const AGENT_PORT: u16 = 7700;
+    let ip = |h: usize| hosts.ip(h);
+    let agent_at_host = |h: usize| format!("{}:{AGENT_PORT}", ip(h));
+    let server = Server::Redis;
+    let p = hosts.run_in(0, || {
+        let p = Redis::start(
+            server,
+            &r.join("p"),
+            &["--bind", "127.0.0.1", &ip(0), "--protected-mode", "no"],
+        );
+        p.fill("before", 500, "v");
+        p
+    });
+    let p_addr = format!("{}:{}", ip(0), p.port);
+    let sentinels: Vec<Redis> = (1..=3)
+        .map(|h| {
+            hosts.run_in(h, || {
+                sentinel(&r.join(format!("sentinel-{h}")), &ip(h), &p_addr)
+            })
+        })
+        .collect();
+    let sentinel_addrs: Vec<String> = (1..=3)
+        .map(|h| format!("{}:{}", ip(h), sentinels[h - 1].port))
+        .collect();
+    let lines = |peers: &[String]| sentinel_lines(&sentinel_addrs, peers);
+    let src = hosts.run_in(0, || {
+        let config = format!(
+            "[redis]\nprimary_addr = \"{p_addr}\"\n[stream]\ndir = \"{}\"\nfsync = \"always\"\n{}",
+            r.join("src-log").display(),
+            lines(&[agent_at_host(1)])
+        );
+        let src = agent_at(r, "src", &r.join("src-snaps"), &config, &ip(0), AGENT_PORT);
+        wait_following(&src);
+        src
+    });
+    let (a, agent_a) = hosts.run_in(1, || {
+        let pport = p.port.to_string();
+        let a = Redis::start(
+            server,
+            &r.join("a"),
+            &[
+                "--bind",
+                "127.0.0.1",
+                &ip(1),
+                "--protected-mode",
+                "no",
+                "--replicaof",
+                &ip(0),
+                &pport,
+            ],
+        );
+        let config = format!(
+            "[stream]\ndir = \"{}\"\nupstream = \"{}\"\n{}[handoff]\nmode = \"redis-replicate\"\n[redis]\nserver_addr = \"{}:{}\"\nprimary = \"{p_addr}\"\n",
+            r.join("a-log").display(),
+            agent_at_host(0),
+            lines(&[agent_at_host(0)]),
+            ip(1),
+            a.port
+        );
+        let agent_a = agent_at(r, "a", &r.join("a-snaps"), &config, &ip(1), AGENT_PORT);
+        wait_following(&agent_a);
+        (a, agent_a)
+    });
+    let (b, agent_b) = hosts.run_in(2, || {
+        let b = Redis::standalone_replica(server, &r.join("b"));
+        let config = format!(
+            "[stream]\ndir = \"{}\"\nupstream = \"{}\"\n{}[handoff]\nmode = \"redis-stream\"\ntimeout = \"60s\"\n[redis]\nserver_addr = \"{}\"\n",
+            r.join("b-log").display(),
+            agent_at_host(0),
+            lines(&[agent_at_host(0), agent_at_host(1)]),
+            b.addr()
+        );
+        let agent_b = agent_at(r, "b", &r.join("b-snaps"), &config, &ip(2), AGENT_PORT);
+        wait_following(&agent_b);
+        let done = block_on(sync_from(&agent_b, &agent_at_host(0)));
+        assert_eq!(done.phase, kvsync::rpc::pb::Phase::Succeeded as i32, "{done:?}");
+        (b, agent_b)
+    });
+    let keys = |h: usize, server: &Redis, pattern: &str| {
+        hosts.run_in(h, || server.cmd::<Vec<String>>(&["KEYS", pattern]).len())
+    };
+    wait_for("B and A to hold what P wrote", DEADLINE, || {
+        (keys(2, &b, "before:*") == 500 && keys(1, &a, "before:*") == 500).then_some(())
+    });
+    wait_for(
+        "the Sentinels to know each other and A",
+        DEADLINE * 2,
+        || {
+            (1..=3)
+                .all(|h| hosts.run_in(h, || sentinel_ready(&sentinels[h - 1], a.port)))
+                .then_some(())
+        },
+    );
+
+    // P's host cut off; P takes writes on its side, its agent logs them.
+    hosts.set_link(0, false);
+    hosts.run_in(0, || p.fill("isolated", 2000, "lost"));
+    let logged = hosts.run_in(0, || {
+        let end = p.info("replication").num("master_repl_offset");
+        wait_for("P's agent to log P's side", DEADLINE, || {
+            (stream_status(&src).end_offset == end).then_some(end)
+        })
+    });
+    // Sentinel kills A's clients as it promotes it: a failed ask is asked
+    // again.
+    wait_for("the Sentinels to promote A", DEADLINE * 2, || {
+        hosts.run_in(1, || {
+            let mut con = redis::Client::open(a.url()).ok()?.get_connection().ok()?;
+            let info: String = redis::cmd("INFO").arg("replication").query(&mut con).ok()?;
+            info.contains("role:master").then_some(())
+        })
+    });
+    let (new_id, at) = hosts.run_in(1, || {
+        let info = a.info("replication");
+        let id = info.get("master_replid").unwrap().to_string();
+        (id, info.num("second_repl_offset") - 1)
+    });
+    assert!(logged > at, "P's side went past the promotion point");
+    let a_agent = agent_at_host(1);
+    wait_for("B's agent to follow A's agent", DEADLINE * 2, || {
+        hosts
+            .run_in(2, || {
+                let st = stream_status(&agent_b);
+                st.source == format!("agent {a_agent}") && st.replid == new_id
+            })
+            .then_some(())
+    });
+    hosts.run_in(1, || a.fill("after", 500, "new"));
+    wait_for("B to take A's writes", DEADLINE, || {
+        (keys(2, &b, "after:*") == 500).then_some(())
+    });
+    assert_eq!(
+        keys(2, &b, "isolated:*"),
+        0,
+        "nothing of P's side reached B"
+    );
+
+    // Healed: P's agent hears of the switch within its recheck, makes P
+    // A's replica, and its log counts what it held past the promotion.
+    hosts.set_link(0, true);
+    wait_for("P's agent to follow A's agent", DEADLINE * 2, || {
+        hosts
+            .run_in(0, || {
+                stream_status(&src).source == format!("agent {a_agent}")
+            })
+            .then_some(())
+    });
+    wait_for(
+        "P to replicate from A, without its side",
+        DEADLINE * 2,
+        || {
+            hosts
+                .run_in(0, || {
+                    let info = p.info("replication");
+                    info.get("master_link_status") == Some("up")
+                        && info.num("master_port") == a.port as u64
+                        && p.cmd::<Vec<String>>(&["KEYS", "isolated:*"]).is_empty()
+                        && p.cmd::<Vec<String>>(&["KEYS", "after:*"]).len() == 500
+                })
+                .then_some(())
+        },
+    );
+    // At least what P took before the promotion's check (its pings may
+    // add some after).
+    wait_for("P's agent to count what diverged", DEADLINE, || {
+        hosts
+            .run_in(0, || diverged(&src) >= (logged - at) as f64)
+            .then_some(())
+    });
+    assert!(hosts.run_in(0, || !stream_status(&src).diverged.is_empty()));
+    // B's agent never took from the stale side: no re-seeding, and the
+    // promoted server's history only.
+    hosts.run_in(2, || {
+        assert_eq!(full_feeds(&agent_b), 1, "B's only full sync is its seeding");
+        assert_eq!(diverged(&agent_b), 0.0);
+        assert_eq!(stream_status(&agent_b).replid, new_id);
+    });
+    assert_eq!(keys(1, &a, "isolated:*"), 0);
+    assert_eq!(keys(2, &b, "isolated:*"), 0);
+    drop(agent_a);
 }
