@@ -231,12 +231,24 @@ impl Cast {
 /// Waits until `server` replicates from `primary` with its link up.
 fn replicates_from(server: &Redis, primary: &Redis, what: &str) {
     wait_for(what, DEADLINE * 2, || {
-        let info = server.info("replication");
+        let info = try_info(server)?;
         (info.get("role") == Some("slave")
             && info.num("master_port") == primary.port as u64
             && info.get("master_link_status") == Some("up"))
         .then_some(())
     });
+}
+
+/// `INFO replication` of `server`, or `None` when the ask failed: a
+/// Sentinel that promotes or demotes a server kills its clients
+/// (`CLIENT KILL TYPE normal`), and a wait asks again.
+fn try_info(server: &Redis) -> Option<kvsync::kv::redis::Info> {
+    let mut con = redis::Client::open(server.url())
+        .ok()?
+        .get_connection()
+        .ok()?;
+    let text: String = redis::cmd("INFO").arg("replication").query(&mut con).ok()?;
+    Some(kvsync::kv::redis::Info::parse(&text))
 }
 
 fn cast(root: &Path, b_stream: &str) -> Cast {
@@ -573,13 +585,9 @@ fn a_partition_of_the_old_primarys_host_feeds_no_server_from_both_sides() {
             (stream_status(&src).end_offset == end).then_some(end)
         })
     });
-    // Sentinel kills A's clients as it promotes it: a failed ask is asked
-    // again.
     wait_for("the Sentinels to promote A", DEADLINE * 2, || {
         hosts.run_in(1, || {
-            let mut con = redis::Client::open(a.url()).ok()?.get_connection().ok()?;
-            let info: String = redis::cmd("INFO").arg("replication").query(&mut con).ok()?;
-            info.contains("role:master").then_some(())
+            (try_info(&a)?.get("role") == Some("master")).then_some(())
         })
     });
     let (new_id, at) = hosts.run_in(1, || {
@@ -617,21 +625,19 @@ fn a_partition_of_the_old_primarys_host_feeds_no_server_from_both_sides() {
             })
             .then_some(())
     });
-    wait_for(
-        "P to replicate from A, without its side",
-        DEADLINE * 2,
-        || {
-            hosts
-                .run_in(0, || {
-                    let info = p.info("replication");
-                    info.get("master_link_status") == Some("up")
-                        && info.num("master_port") == a.port as u64
-                        && p.cmd::<Vec<String>>(&["KEYS", "isolated:*"]).is_empty()
-                        && p.cmd::<Vec<String>>(&["KEYS", "after:*"]).len() == 500
-                })
-                .then_some(())
-        },
-    );
+    hosts.run_in(0, || {
+        replicates_from(&p, &a, "P to replicate from A");
+        wait_for("P to hold A's writes, without its side", DEADLINE, || {
+            let keys = |pattern| {
+                let mut con = redis::Client::open(p.url()).ok()?.get_connection().ok()?;
+                redis::cmd("KEYS")
+                    .arg(pattern)
+                    .query::<Vec<String>>(&mut con)
+                    .ok()
+            };
+            (keys("isolated:*")?.is_empty() && keys("after:*")?.len() == 500).then_some(())
+        });
+    });
     // At least what P took before the promotion's check (its pings may
     // add some after).
     wait_for("P's agent to count what diverged", DEADLINE, || {

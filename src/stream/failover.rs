@@ -160,8 +160,9 @@ async fn run_id(addr: &str, password: &str) -> Option<String> {
 }
 
 /// Makes the old primary `server` a replica of `new`, unless it is one
-/// already: what was done, or why not (it may be down; whoever restarts
-/// it must attach it, as Sentinel does).
+/// already or `new` does not answer as a primary: what was done, or why
+/// not (it may be down; whoever restarts it must attach it, as Sentinel
+/// does).
 async fn re_attach(server: &str, password: &str, new: &HostPort) -> Option<String> {
     let attach = async {
         let info = crate::kv::redis::info(server, password, "replication").await?;
@@ -171,6 +172,15 @@ async fn re_attach(server: &str, password: &str, new: &HostPort) -> Option<Strin
             && master == (Some(new.host.as_str()), Some(port.as_str()))
         {
             return Ok(None);
+        }
+        // Only toward a server seen to be a primary (and, by the caller's
+        // run_id check, another one): never its own replica.
+        let theirs = crate::kv::redis::info(&new.to_string(), password, "replication").await?;
+        if theirs.get("role") != Some("master") {
+            return Err(RedisError::Precondition(format!(
+                "{new} answers as role {}, not a primary",
+                theirs.get("role").unwrap_or("unknown")
+            )));
         }
         let mut con = crate::kv::redis::connect(server, password).await?;
         crate::kv::seed::replicaof(&mut con, server, &new.host, new.port).await?;
