@@ -766,7 +766,7 @@ fn follow_sentinels(name: &str, config: &Config, instance: &Instance, parts: &Pa
         name.to_string(),
     );
     let upstream_instance = config.stream.upstream_instance_of(&name);
-    let follow = move |addr: String| {
+    let follow = move |addr: String, first: bool| {
         let (instances, dialer, name) = (instances.clone(), dialer.clone(), name.clone());
         let upstream_instance = upstream_instance.clone();
         async move {
@@ -775,7 +775,7 @@ fn follow_sentinels(name: &str, config: &Config, instance: &Instance, parts: &Pa
                 let (dialer, instance) = (dialer.clone(), upstream_instance.clone());
                 async move { failover::peer_source(&dialer, &peer, &instance).await }
             };
-            let followed = failover::follow_primary(&i, &addr, &[], source_of)
+            let followed = failover::follow_primary(&i, &addr, &[], first, source_of)
                 .await
                 .map_err(|e| e.to_string())?;
             Ok::<_, String>(match followed.local_server {

@@ -112,10 +112,12 @@ pub struct StreamConfig {
     pub fsync: Fsync,
     /// What the agent that follows a primary acknowledges to it.
     pub ack: StreamAck,
-    /// An agent that follows `upstream`: when the upstream no longer holds
-    /// the log's offset, start the log over at the snapshot it names and
-    /// sync that snapshot from it (re-seeding a `redis-stream` server),
-    /// instead of only reporting it.
+    /// When the upstream agent no longer holds the log's offset (or, after
+    /// a failover, the log went past the promotion point), start the log
+    /// over at the snapshot the upstream names and sync that snapshot from
+    /// it (re-seeding a `redis-stream` server), instead of only reporting
+    /// it. The old primary's agent uses it once a failover moved it onto
+    /// another agent.
     pub reseed: bool,
     /// An agent that follows `upstream`: the RDMA ring it registers for the
     /// stream (a power of two, 1 MiB to 1 GiB; 0 keeps the stream on TCP).
@@ -1290,12 +1292,6 @@ impl Config {
                 "is what the agent that follows a primary acknowledges to it; an agent that follows stream.upstream always passes its servers' acknowledgements on".into(),
             );
         }
-        if st.upstream.is_empty() && st.reseed {
-            p.bad(
-                "stream.reseed",
-                "re-seeds an agent that follows stream.upstream; one that follows its primary gets a full resync from it anyway".into(),
-            );
-        }
         if !(ByteSize::mib(1)..=ByteSize::gib(4)).contains(&st.segment_size) {
             p.bad(
                 "stream.segment_size",
@@ -1882,11 +1878,8 @@ expected_transfer_rate = "0"
         c.validate().unwrap();
         c.stream.upstream.clear();
         c.redis.primary_addr = "127.0.0.1:6379".into();
-        assert_eq!(
-            problem_keys(&c),
-            ["stream.reseed"],
-            "only an agent's follower"
-        );
+        c.validate()
+            .expect("the primary's agent follows agents after a failover");
         c.redis.primary_addr.clear();
         c.stream.reseed = false;
         c.stream.upstream = "agent-a".into();

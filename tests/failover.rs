@@ -5,14 +5,17 @@
 //! with `kvsync stream follow`) moves A's agent onto A and the other
 //! agents onto A's agent, each continuing from its log's end: no server
 //! and no agent takes a full sync, `WAIT` on A counts its agent, B
-//! converges with A. Before that, a promotion that has not happened and
-//! a peer that does not follow the new primary yet are refused with
-//! nothing changed. An unplanned one (A promoted while P writes, then P
-//! killed) leaves logs that hold writes past the promotion point: A's
-//! agent drops them from its log, B's agent and P's agent are refused by
-//! A's agent; each counts the bytes and says so in status, and B's server
-//! is re-seeded from A's agent (`reseed`), never merged; pointed at P's stale
-//! agent afterwards, B's agent takes nothing from it.
+//! converges with A; an RDB saved after it carries A's id, and a server
+//! seeded from it is fed on from the log. Before that, a promotion that
+//! has not happened and a peer that does not follow the new primary yet
+//! are refused with nothing changed. An unplanned one (A promoted while P
+//! writes, then P killed) leaves logs that hold writes past the promotion
+//! point: A's agent drops them from its log, B's agent and P's agent are
+//! refused by A's agent; each counts the bytes and says so in status, and
+//! B's server is re-seeded from A's agent (`reseed`), never merged;
+//! pointed at P's stale agent, B's agent takes nothing from it, until P's
+//! agent, told of the failover, starts its log over (`reseed`) on A's
+//! history, from which B's agent then continues.
 
 mod common;
 
@@ -63,7 +66,10 @@ fn a_planned_failover_moves_every_agent_to_the_promoted_server_without_a_full_re
         &r.join("p"),
         &["--repl-ping-replica-period", "3600"],
     );
-    let src = following_source(r, &p, &[]);
+    // Its agent offers the RDBs it saves, as on a primary's host.
+    let config = follower_config(&p, &r.join("src-log"));
+    let src = agent(r, "src", &r.join("p"), &config, &[]);
+    wait_following(&src);
     let (a, agent_a) = seeded_replica(r, server, &p, &src, ("a", "a-srv", ""));
     let (b, agent_b) = seeded_replica(r, server, &p, &src, ("b", "b-srv", ""));
     steady_writer(p.con(), 3, 0).join().unwrap();
@@ -148,6 +154,27 @@ fn a_planned_failover_moves_every_agent_to_the_promoted_server_without_a_full_re
         );
     }
     let _: String = p.cmd(&["CLIENT", "UNPAUSE"]);
+
+    // A snapshot saved after the promotion carries the new id: P, A's
+    // replica now, saves one where its agent offers snapshots, and a new
+    // server C seeded from it is fed on from that agent's log, which
+    // continues it under the new id. A serves no full sync.
+    converged(&p, &a, "the re-attached P to catch up with A");
+    let _: String = p.cmd(&["BGSAVE"]);
+    wait_for("P's RDB offered by its agent", DEADLINE, || {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let s = rt.block_on(src.status());
+        let newest = s.instances[0].latest_snapshots.first()?;
+        newest.path.ends_with("dump.rdb").then_some(())
+    });
+    let info = kvsync::snapshot::verify_file(&r.join("p/dump.rdb"), None).unwrap();
+    assert_eq!(info.repl_id.as_deref(), Some(new_id.as_str()));
+    let (c, agent_c) = seeded_replica(r, server, &a, &src, ("c", "c-srv", ""));
+    let written = steady_writer(a.con(), 1, 0).join().unwrap();
+    converged(&c, &a, "C to follow the new primary");
+    same_sample(&c, &a, written);
+    assert_eq!(full_feeds(&agent_c), 1, "C's only full sync is its seeding");
+    assert_eq!(a.info("stats").num("sync_full"), 0, "A served none");
 }
 
 on_both_servers!(a_planned_failover_moves_every_agent_to_the_promoted_server_without_a_full_resync);
@@ -180,7 +207,8 @@ fn writes_lost_to_a_failover_are_counted_as_divergence_and_their_server_re_seede
     let r = root.path();
     let server = Server::Redis;
     let mut p = Redis::start(server, &r.join("p"), &[]);
-    let src = following_source(r, &p, &[]);
+    let config = follower_config(&p, &r.join("src-log")) + "reseed = true\n";
+    let src = source_with(r, &config, &[]);
     let (a, agent_a) = seeded_replica(r, server, &p, &src, ("a", "a-srv", ""));
     let (b, agent_b) = seeded_replica(r, server, &p, &src, ("b", "b-srv", "reseed = true\n"));
 
@@ -233,22 +261,13 @@ fn writes_lost_to_a_failover_are_counted_as_divergence_and_their_server_re_seede
         "{said}"
     );
 
-    // B's agent and P's are refused by A's agent, from where their logs
-    // stand; they count it, and B's server is re-seeded from A's agent.
+    // B's agent is refused by A's agent, from where its log stands; it
+    // counts it, and B's server is re-seeded from A's agent.
     let (ok, _, err) = follow(&agent_b, &a, &[&agent_a]);
     assert!(ok, "{err}");
-    let (ok, _, err) = follow(&src, &a, &[&agent_a]);
-    assert!(ok, "{err}");
-    wait_for(
-        "the refused agents to count what diverged",
-        DEADLINE,
-        || (diverged(&agent_b) == lost && diverged(&src) == lost).then_some(()),
-    );
-    assert!(
-        stream_status(&src).diverged.contains("needs a re-seeding"),
-        "{}",
-        stream_status(&src).diverged
-    );
+    wait_for("B's agent to count what diverged", DEADLINE, || {
+        (diverged(&agent_b) == lost).then_some(())
+    });
     a.fill("after", 500, "new-primary");
     converged(&b, &a, "B re-seeded from A's agent to converge with A");
     let value: String = b.cmd(&["GET", "after:499"]);
@@ -257,9 +276,9 @@ fn writes_lost_to_a_failover_are_counted_as_divergence_and_their_server_re_seede
     assert!(agent_b.proc.log().contains("re-seeding"));
     assert_eq!(a.info("stats").num("sync_full"), 0, "A served no full sync");
 
-    // P's agent is stale: it still holds P's history past the promotion.
-    // B's agent, pointed at it, takes nothing from it (not even its
-    // snapshot, which would bring the lost writes back).
+    // P's agent, not told yet, is stale: it still holds P's history past
+    // the promotion. B's agent, pointed at it, takes nothing from it (not
+    // even its snapshot, which would bring the lost writes back).
     let (ok, _, err) = cli(&[
         "stream",
         "upstream",
@@ -278,6 +297,28 @@ fn writes_lost_to_a_failover_are_counted_as_divergence_and_their_server_re_seede
     assert_eq!(full_feeds(&agent_b), 2, "no re-seeding from the stale one");
     assert_eq!(stream_status(&agent_b).replid, new_id);
     assert_eq!(b.cmd::<i64>(&["DBSIZE"]), a.cmd::<i64>(&["DBSIZE"]));
+
+    // Told, P's agent is refused by A's agent too and counts it; with
+    // reseed its log starts over at A's agent's snapshot and follows the
+    // new history, and B's agent continues from it without a re-seeding.
+    let (ok, _, err) = follow(&src, &a, &[&agent_a]);
+    assert!(ok, "{err}");
+    wait_for("P's agent to count what diverged", DEADLINE, || {
+        (diverged(&src) == lost).then_some(())
+    });
+    let said = stream_status(&src).diverged;
+    assert!(
+        said.contains("started from the upstream's snapshot"),
+        "{said}"
+    );
+    logged_from(&src, &a, &new_id, "P's agent to start over on A's history");
+    a.fill("later", 500, "via-p-agent");
+    converged(&b, &a, "B to go on from P's re-seeded agent");
+    assert_eq!(full_feeds(&agent_b), 2, "B continued, no re-seeding");
+    assert_eq!(
+        stream_status(&agent_b).source,
+        format!("agent {}", src.grpc())
+    );
     assert_eq!(
         b.cmd::<Option<String>>(&["GET", &format!("k:{}", written - 1)]),
         None

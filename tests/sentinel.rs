@@ -1,9 +1,10 @@
-//! Failover told by Redis Sentinel, with real `redis-server` and three
-//! `redis-sentinel` processes and agent processes. P is the primary and
-//! its agent follows it; A is a replica of P that Sentinel knows (a
-//! server Sentinel may promote replicates from the primary itself: it
-//! re-points every replica it knows at the primary), and its agent keeps
-//! a log that follows P's agent; B is fed through an agent of its own
+//! Failover told by Sentinel, with real servers and three Sentinels of
+//! their family (`redis-server` and `redis-sentinel`; `valkey-server`,
+//! also as its Sentinel) and agent processes; the partition runs on
+//! Redis. P is the primary and its agent follows it; A is a replica of P
+//! that Sentinel knows (a server Sentinel may promote replicates from the
+//! primary itself: it re-points every replica it knows at the primary),
+//! and its agent keeps a log that follows P's agent; B is fed through an agent of its own
 //! (`redis-stream`), out of Sentinel's sight. Every agent names the
 //! Sentinels and the master's name, and follows what they say.
 //!
@@ -38,6 +39,7 @@ fn sentinels(root: &Path, primary: &Redis) -> Vec<Redis> {
     (0..3)
         .map(|i| {
             sentinel(
+                primary.server,
                 &root.join(format!("sentinel-{i}")),
                 "127.0.0.1",
                 &primary.addr(),
@@ -46,10 +48,10 @@ fn sentinels(root: &Path, primary: &Redis) -> Vec<Redis> {
         .collect()
 }
 
-/// A Sentinel in `dir`, listening on 127.0.0.1 and `ip`, watching the
-/// primary at `primary` as [`MASTER`] with two others (quorum 2), quick to
-/// call it down (1 s).
-fn sentinel(dir: &Path, ip: &str, primary: &str) -> Redis {
+/// A Sentinel of `server`'s family in `dir`, listening on 127.0.0.1 and
+/// `ip`, watching the primary at `primary` as [`MASTER`] with two others
+/// (quorum 2), quick to call it down (1 s).
+fn sentinel(server: Server, dir: &Path, ip: &str, primary: &str) -> Redis {
     std::fs::create_dir_all(dir).unwrap();
     let port = free_port();
     let conf = dir.join("sentinel.conf");
@@ -67,13 +69,13 @@ fn sentinel(dir: &Path, ip: &str, primary: &str) -> Redis {
         ),
     )
     .unwrap();
-    let child = std::process::Command::new("redis-sentinel")
-        .arg(&conf)
+    let child = server
+        .sentinel(&conf)
         .stdout(std::process::Stdio::null())
         .spawn()
-        .expect("redis-sentinel (the test command installs it)");
+        .expect("a Sentinel (the test command installs redis-sentinel)");
     let s = Redis {
-        server: Server::Redis,
+        server,
         port,
         dir: dir.to_owned(),
         child: Some(child),
@@ -251,8 +253,7 @@ fn try_info(server: &Redis) -> Option<kvsync::kv::redis::Info> {
     Some(kvsync::kv::redis::Info::parse(&text))
 }
 
-fn cast(root: &Path, b_stream: &str) -> Cast {
-    let server = Server::Redis;
+fn cast(server: Server, root: &Path, b_stream: &str) -> Cast {
     let p = Redis::start(
         server,
         &root.join("p"),
@@ -326,10 +327,11 @@ fn cast(root: &Path, b_stream: &str) -> Cast {
     }
 }
 
-#[test]
-fn a_sentinel_failover_moves_every_agent_to_the_promoted_server_without_a_full_sync() {
+fn a_sentinel_failover_moves_every_agent_to_the_promoted_server_without_a_full_sync(
+    server: Server,
+) {
     let root = tempfile::tempdir().unwrap();
-    let c = cast(root.path(), "");
+    let c = cast(server, root.path(), "");
     let stop = Arc::new(AtomicBool::new(false));
     let writer = writer_through_sentinel(c.sentinels[0].addr(), stop.clone());
     wait_for("the writer to write at P", DEADLINE, || {
@@ -412,10 +414,11 @@ fn a_sentinel_failover_moves_every_agent_to_the_promoted_server_without_a_full_s
     }
 }
 
-#[test]
-fn a_primary_killed_under_writes_is_failed_over_by_sentinel_and_nothing_lost_is_merged() {
+fn a_primary_killed_under_writes_is_failed_over_by_sentinel_and_nothing_lost_is_merged(
+    server: Server,
+) {
     let root = tempfile::tempdir().unwrap();
-    let mut c = cast(root.path(), "reseed = true\n");
+    let mut c = cast(server, root.path(), "reseed = true\n");
     let stop = Arc::new(AtomicBool::new(false));
     let writer = writer_through_sentinel(c.sentinels[0].addr(), stop.clone());
     wait_for("the writer to write at P", DEADLINE, || {
@@ -441,7 +444,7 @@ fn a_primary_killed_under_writes_is_failed_over_by_sentinel_and_nothing_lost_is_
     // P restarted, empty: Sentinel makes it A's replica, a full sync.
     let (p_port, p_dir) = (c.p.port, c.p.dir.clone());
     drop(c.p);
-    let p = Redis::start_on(Server::Redis, &p_dir, &[], None, p_port);
+    let p = Redis::start_on(server, &p_dir, &[], None, p_port);
     replicates_from(&p, &c.a, "Sentinel to make P a replica of A");
     stop.store(true, Ordering::Relaxed);
     writer.join().unwrap();
@@ -464,6 +467,11 @@ fn a_primary_killed_under_writes_is_failed_over_by_sentinel_and_nothing_lost_is_
     }
     assert_eq!(stream_status(&c.agent_b).replid, new_id);
 }
+
+on_both_servers!(
+    a_sentinel_failover_moves_every_agent_to_the_promoted_server_without_a_full_sync,
+    a_primary_killed_under_writes_is_failed_over_by_sentinel_and_nothing_lost_is_merged,
+);
 
 /// A network partition that cuts the primary's host off (network
 /// namespaces, one host each for P and its agent, A and its agent, B and
@@ -499,7 +507,7 @@ fn a_partition_of_the_old_primarys_host_feeds_no_server_from_both_sides() {
     let sentinels: Vec<Redis> = (1..=3)
         .map(|h| {
             hosts.run_in(h, || {
-                sentinel(&r.join(format!("sentinel-{h}")), &ip(h), &p_addr)
+                sentinel(server, &r.join(format!("sentinel-{h}")), &ip(h), &p_addr)
             })
         })
         .collect();

@@ -417,7 +417,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             let (dialer, instance) = (self.dialer.clone(), instance.clone());
             async move { failover::peer_source(&dialer, &peer, &instance).await }
         };
-        let followed = failover::follow_primary(&i, &req.primary, &req.peers, source_of)
+        let followed = failover::follow_primary(&i, &req.primary, &req.peers, true, source_of)
             .await
             .map_err(|e| match e {
                 FailoverError::NotAnAddress(_) => Status::invalid_argument(e.to_string()),

@@ -61,11 +61,15 @@ pub struct Followed {
 /// through the first of `peers` (the request's, or `[stream] peers`) whose
 /// log follows it; `source_of(peer)` tells what a peer's log follows
 /// (`primary <addr>` or `agent <addr>`, or why it could not be asked).
-/// The old primary's agent first makes its server a replica of `primary`.
+/// The old primary's agent first makes its server a replica of `primary`
+/// when `re_attach` (a caller that tries one primary again and again asks
+/// for that once: the old primary may be down, and each try would reach
+/// for it again).
 pub async fn follow_primary<F, Fut>(
     i: &Instance,
     primary: &str,
     peers: &[String],
+    re_attach: bool,
     source_of: F,
 ) -> Result<Followed, FailoverError>
 where
@@ -88,8 +92,8 @@ where
         None => false,
     };
     let local_server = match redis.primary_addr.as_str() {
-        old if promoted || old.is_empty() => None,
-        old => re_attach(old, &redis.password, &new).await,
+        old if promoted || old.is_empty() || !re_attach => None,
+        old => attach_old_primary(old, &redis.password, &new).await,
     };
     let followed = |source| Followed {
         source,
@@ -163,7 +167,7 @@ async fn run_id(addr: &str, password: &str) -> Option<String> {
 /// already or `new` does not answer as a primary: what was done, or why
 /// not (it may be down; whoever restarts it must attach it, as Sentinel
 /// does).
-async fn re_attach(server: &str, password: &str, new: &HostPort) -> Option<String> {
+async fn attach_old_primary(server: &str, password: &str, new: &HostPort) -> Option<String> {
     let attach = async {
         let info = crate::kv::redis::info(server, password, "replication").await?;
         let master = (info.get("master_host"), info.get("master_port"));

@@ -208,23 +208,26 @@ async fn pause(stop: &CancellationToken, d: Duration) {
     }
 }
 
-/// Takes every primary `primary` names with `follow(addr)`, tried again
-/// every [`RETRY`] until it is taken or a newer one is named, until `stop`.
+/// Takes every primary `primary` names with `follow(addr, first)`, tried
+/// again every [`RETRY`] until it is taken or a newer one is named, until
+/// `stop`; `first` says whether this is the first try of that primary.
 pub async fn apply<F, Fut, E>(
     mut primary: watch::Receiver<Option<Known>>,
     follow: F,
     stop: CancellationToken,
 ) where
-    F: Fn(String) -> Fut,
+    F: Fn(String, bool) -> Fut,
     Fut: Future<Output = Result<String, E>>,
     E: std::fmt::Display,
 {
     'next: loop {
         let wanted = primary.borrow_and_update().clone();
         if let Some(k) = wanted {
-            let mut said = String::new();
+            let (mut said, mut first) = (String::new(), true);
             loop {
-                match follow(k.addr.clone()).await {
+                let tried = follow(k.addr.clone(), first);
+                first = false;
+                match tried.await {
                     Ok(done) => {
                         info!(primary = %k.addr, epoch = k.epoch, %done, "the stream follows the Sentinels' primary");
                         break;
@@ -306,8 +309,8 @@ mod tests {
         let (tx, rx) = watch::channel(None);
         let stop = CancellationToken::new();
         let (seen, mut tries) = tokio::sync::mpsc::unbounded_channel();
-        let follow = move |addr: String| {
-            let _ = seen.send(addr.clone());
+        let follow = move |addr: String, first: bool| {
+            let _ = seen.send((addr.clone(), first));
             async move {
                 match addr.as_str() {
                     "a:1" => Err("the promoted server's agent has not moved yet"),
@@ -316,26 +319,28 @@ mod tests {
             }
         };
         let task = tokio::spawn(apply(rx, follow, stop.clone()));
-        async fn next(tries: &mut tokio::sync::mpsc::UnboundedReceiver<String>) -> String {
+        type Tries = tokio::sync::mpsc::UnboundedReceiver<(String, bool)>;
+        async fn next(tries: &mut Tries) -> (String, bool) {
             let t = tokio::time::timeout(Duration::from_secs(10), tries.recv());
             t.await.expect("a try within the deadline").unwrap()
         }
+        let a = |first| ("a:1".to_string(), first);
         tx.send_replace(Some(Known {
             epoch: 1,
             addr: "a:1".into(),
         }));
-        assert_eq!(next(&mut tries).await, "a:1");
-        assert_eq!(next(&mut tries).await, "a:1", "tried again");
+        assert_eq!(next(&mut tries).await, a(true));
+        assert_eq!(next(&mut tries).await, a(false), "tried again, not first");
         tx.send_replace(Some(Known {
             epoch: 2,
             addr: "b:1".into(),
         }));
         // A try of a:1 may have started before the change was seen.
         let mut t = next(&mut tries).await;
-        while t == "a:1" {
+        while t == a(false) {
             t = next(&mut tries).await;
         }
-        assert_eq!(t, "b:1");
+        assert_eq!(t, ("b:1".to_string(), true));
         stop.cancel();
         task.await.unwrap();
         assert!(

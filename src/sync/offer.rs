@@ -385,11 +385,13 @@ async fn lease_backlog(
 ) -> Result<(Option<Lease>, u64), OfferError> {
     // A replica fed from a stream log takes the stream after M from this
     // agent's log, whose retention keeps every offered snapshot continuous:
-    // what the primary's backlog still holds does not matter to it.
+    // what the primary's backlog still holds does not matter to it. A
+    // snapshot saved a little ahead of the log under its current id (by a
+    // server fed faster than this log) is continued once the log has it.
     if let (true, Some(stream)) = (from_stream_log, &instance.stream) {
         let replid = info.repl_id.as_deref().unwrap_or_default();
         let log = stream.lock();
-        return match log.covers(replid, info.seq) {
+        return match log.continues(replid, info.seq) {
             Ok(()) => Ok((None, 0)),
             Err(_) => Err(OfferError::Unsupported(format!(
                 "this agent's stream log does not continue the snapshot of seq {} (it holds {}): a replica fed from a stream log needs a snapshot the log continues",

@@ -55,6 +55,21 @@ impl Server {
         }
     }
 
+    /// A Sentinel of this server's family with the configuration `conf`
+    /// (Debian ships `redis-sentinel`; Valkey's server runs as one with
+    /// `--sentinel`).
+    pub fn sentinel(self, conf: &Path) -> Command {
+        let mut command = match self {
+            Server::Redis => Command::new("redis-sentinel"),
+            Server::Valkey => Command::new("valkey-server"),
+        };
+        command.arg(conf);
+        if self == Server::Valkey {
+            command.arg("--sentinel");
+        }
+        command
+    }
+
     /// The user Debian's package runs the server as.
     pub fn user(self) -> &'static str {
         match self {
