@@ -139,6 +139,7 @@ pub struct Metrics {
     pub stream_checksum_failures: IntCounterVec,
     pub stream_write_errors: IntCounterVec,
     pub stream_diverged: IntCounterVec,
+    pub stream_snapshots_taken: IntCounterVec,
     pub stream_log_bytes: IntGaugeVec,
     pub stream_log_span: IntGaugeVec,
     pub stream_log_retain: IntGaugeVec,
@@ -355,6 +356,13 @@ impl Metrics {
                 Opts::new(
                     "kvsync_stream_diverged_bytes_total",
                     "Stream bytes dropped from the log after a failover because the promoted primary never had them: writes the old primary took past the promotion point, lost to the failover (the servers fed from them are re-seeded, never merged)"
+                ),
+                &["kv_instance"]
+            )),
+            stream_snapshots_taken: reg!(IntCounterVec::new(
+                Opts::new(
+                    "kvsync_stream_snapshots_taken_total",
+                    "Snapshots the agent took of its primary (a full resync on a link of its own: a fork of the primary) because a reader needed one that continues into the log and none did"
                 ),
                 &["kv_instance"]
             )),
@@ -609,6 +617,7 @@ impl Metrics {
         self.stream_checksum_failures.with_label_values(&[name]);
         self.stream_write_errors.with_label_values(&[name]);
         self.stream_diverged.with_label_values(&[name]);
+        self.stream_snapshots_taken.with_label_values(&[name]);
         for source in ["primary", "agent"] {
             self.stream_reconnects.with_label_values(&[name, source]);
         }
@@ -684,6 +693,7 @@ impl Metrics {
         let _ = self.stream_checksum_failures.remove_label_values(&[name]);
         let _ = self.stream_write_errors.remove_label_values(&[name]);
         let _ = self.stream_diverged.remove_label_values(&[name]);
+        let _ = self.stream_snapshots_taken.remove_label_values(&[name]);
         for source in ["primary", "agent"] {
             let _ = self.stream_reconnects.remove_label_values(&[name, source]);
         }

@@ -15,7 +15,8 @@
 //! B's server is re-seeded from A's agent (`reseed`), never merged;
 //! pointed at P's stale agent, B's agent takes nothing from it, until P's
 //! agent, told of the failover, starts its log over (`reseed`) on A's
-//! history, from which B's agent then continues.
+//! history, from which B's agent then continues. When A's agent holds no
+//! snapshot (A replicated from P directly), it takes one of A for B.
 
 mod common;
 
@@ -39,6 +40,13 @@ fn follow(agent: &Node, primary: &Redis, peers: &[&Node]) -> (bool, String, Stri
 fn replid(server: &Redis) -> String {
     let info = server.info("replication");
     info.get("master_replid").unwrap().to_string()
+}
+
+/// The snapshots `agent` offers of its only instance.
+fn snapshots(agent: &Node) -> Vec<kvsync::rpc::pb::SnapshotEntry> {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let s = rt.block_on(agent.status());
+    s.instances[0].latest_snapshots.clone()
 }
 
 /// How many times `agent`'s feed sent its server a whole RDB.
@@ -201,6 +209,28 @@ fn writer_until_killed(
     })
 }
 
+/// Promotes `a` (`REPLICAOF NO ONE`) while a writer goes on at `p`, until
+/// the logs of `agents` hold 1000 bytes past the promotion point: that
+/// point, and how many keys the writer set (`k:<n>`).
+fn promoted_under_writes(p: &Redis, a: &Redis, agents: &[&Node]) -> (u64, usize) {
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = writer_until_killed(p.con(), stop.clone());
+    wait_for("some writes to reach A", DEADLINE, || {
+        (a.cmd::<i64>(&["DBSIZE"]) > 1000).then_some(())
+    });
+    let _: String = a.cmd(&["REPLICAOF", "NO", "ONE"]);
+    let at = a.info("replication").num("second_repl_offset") - 1;
+    for agent in agents {
+        wait_for(
+            "the agents' logs to pass the promotion point",
+            DEADLINE,
+            || (stream_status(agent).end_offset > at + 1000).then_some(()),
+        );
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    (at, writer.join().unwrap())
+}
+
 #[test]
 fn writes_lost_to_a_failover_are_counted_as_divergence_and_their_server_re_seeded() {
     let root = tempfile::tempdir().unwrap();
@@ -214,22 +244,7 @@ fn writes_lost_to_a_failover_are_counted_as_divergence_and_their_server_re_seede
 
     // A promoted while P goes on writing: what P takes from then on is
     // lost to the failover, though the agents' logs still get it.
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let writer = writer_until_killed(p.con(), stop.clone());
-    wait_for("some writes to reach A", DEADLINE, || {
-        (a.cmd::<i64>(&["DBSIZE"]) > 1000).then_some(())
-    });
-    let _: String = a.cmd(&["REPLICAOF", "NO", "ONE"]);
-    let at = a.info("replication").num("second_repl_offset") - 1;
-    for agent in [&agent_a, &agent_b, &src] {
-        wait_for(
-            "the agents' logs to pass the promotion point",
-            DEADLINE,
-            || (stream_status(agent).end_offset > at + 1000).then_some(()),
-        );
-    }
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let written = writer.join().unwrap();
+    let (at, written) = promoted_under_writes(&p, &a, &[&agent_a, &agent_b, &src]);
     p.child.as_mut().unwrap().kill().unwrap();
     p.child.as_mut().unwrap().wait().unwrap();
     // P's last bytes reach every log: all that P sent is in its agent's
@@ -323,4 +338,57 @@ fn writes_lost_to_a_failover_are_counted_as_divergence_and_their_server_re_seede
         b.cmd::<Option<String>>(&["GET", &format!("k:{}", written - 1)]),
         None
     );
+}
+
+/// A promoted server whose agent holds no snapshot (A replicated from P
+/// directly; its agent's log followed P's agent and went on by `PSYNC`):
+/// B's log, which went past the promotion point, is refused by A's agent
+/// all the same, which then takes one snapshot of A for it, and B is
+/// re-seeded from that (`reseed`) and converges with A without the lost
+/// writes.
+#[test]
+fn a_promoted_servers_agent_without_a_snapshot_takes_one_for_a_replica_to_re_seed() {
+    let root = tempfile::tempdir().unwrap();
+    let r = root.path();
+    let server = Server::Redis;
+    let p = Redis::start(server, &r.join("p"), &[]);
+    let src = following_source(r, &p, &[]);
+    let port = p.port.to_string();
+    let a = Redis::start(server, &r.join("a"), &["--replicaof", "127.0.0.1", &port]);
+    let config = puller_config(&src, &r.join("a-log"))
+        + &format!(
+            "[handoff]\nmode = \"redis-replicate\"\n[redis]\nserver_addr = \"{}\"\nprimary = \"{}\"\n",
+            a.addr(),
+            p.addr()
+        );
+    let agent_a = agent(r, "a", &r.join("a-snaps"), &config, &[]);
+    wait_following(&agent_a);
+    let (b, agent_b) = seeded_replica(r, server, &p, &src, ("b", "b-srv", "reseed = true\n"));
+
+    // A promoted while P goes on writing; B's log gets past the point.
+    let (_, written) = promoted_under_writes(&p, &a, &[&agent_b]);
+    let (ok, _, err) = follow(&agent_a, &a, &[]);
+    assert!(ok, "{err}");
+    assert!(
+        snapshots(&agent_a).is_empty(),
+        "A's agent holds no snapshot"
+    );
+    let (ok, _, err) = follow(&agent_b, &a, &[&agent_a]);
+    assert!(ok, "{err}");
+
+    a.fill("after", 500, "new-primary");
+    converged(&b, &a, "B re-seeded from A's snapshot to converge with A");
+    let value: String = b.cmd(&["GET", "after:499"]);
+    assert_eq!(value, "new-primary");
+    assert_eq!(
+        b.cmd::<Option<String>>(&["GET", &format!("k:{}", written - 1)]),
+        None,
+        "a write lost to the failover"
+    );
+    assert_eq!(full_feeds(&agent_b), 2, "the seeding, then the re-seeding");
+    assert!(agent_a.proc.log().contains("the primary's RDB is offered"));
+    assert_eq!(snapshots(&agent_a).len(), 1);
+    assert_eq!(a.info("stats").num("sync_full"), 1, "one snapshot of A");
+    let taken = "kvsync_stream_snapshots_taken_total{kv_instance=\"default\"}";
+    assert_eq!(agent_a.metric(taken), 1.0);
 }

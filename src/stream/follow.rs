@@ -11,6 +11,9 @@
 //! (`stream-<offset>.rdb` in `snapshot_dir`, the one before it removed) and
 //! the log starts over at its offset. A `+CONTINUE <new id>` after the
 //! primary's restart or promotion continues the log under the new id.
+//! When a reader needs a snapshot that continues into the log and none
+//! does, one is taken from the primary on a link of its own
+//! ([`snapshots_on_demand`]).
 //!
 //! Acknowledgement, every second as a replica's, and at once when the
 //! primary asks (`REPLCONF GETACK` in the stream, which `WAIT` sends) or,
@@ -178,50 +181,73 @@ fn start_point(follow: &Follow, log: &SharedLog) -> Option<(String, u64)> {
     position(log).or_else(|| (follow.offered)().into_iter().min_by_key(|(_, m)| *m))
 }
 
-async fn session(follow: &Follow, log: &SharedLog) -> Result<(), FollowError> {
-    let addr = follow.primary.as_str();
-    let io_err = |source| FollowError::Io {
-        addr: addr.to_string(),
-        source,
-    };
-    let stream = tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(addr))
-        .await
-        .map_err(|_| io_err(std::io::ErrorKind::TimedOut.into()))?
-        .map_err(io_err)?;
-    stream.set_nodelay(true).map_err(io_err)?;
-    let (read, mut write) = stream.into_split();
-    let mut read = BufReader::with_capacity(READ_CHUNK, read);
-    let mut ask = async |asked: &'static str, args: &[&str]| -> Result<String, FollowError> {
-        write
+/// A replication link to the primary: connected, authenticated and
+/// announced as a replica that understands PSYNC2.
+struct Link {
+    read: BufReader<OwnedReadHalf>,
+    write: OwnedWriteHalf,
+    addr: String,
+}
+
+impl Link {
+    async fn open(follow: &Follow) -> Result<Link, FollowError> {
+        let addr = follow.primary.clone();
+        let io_err = |source| FollowError::Io {
+            addr: addr.clone(),
+            source,
+        };
+        let stream = tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(&addr))
+            .await
+            .map_err(|_| io_err(std::io::ErrorKind::TimedOut.into()))?
+            .map_err(io_err)?;
+        stream.set_nodelay(true).map_err(io_err)?;
+        let (read, write) = stream.into_split();
+        let read = BufReader::with_capacity(READ_CHUNK, read);
+        let mut link = Link { read, write, addr };
+        if !follow.password.is_empty() {
+            link.ask("AUTH", &["AUTH", &follow.password]).await?;
+        }
+        let port = ["REPLCONF", "listening-port", "0"];
+        link.ask("REPLCONF listening-port", &port).await?;
+        link.ask("REPLCONF capa", &["REPLCONF", "capa", "psync2"])
+            .await?;
+        Ok(link)
+    }
+
+    /// Sends the command `args` and reads its status reply (`+…`).
+    async fn ask(&mut self, asked: &'static str, args: &[&str]) -> Result<String, FollowError> {
+        self.write
             .write_all(&resp::command(args))
             .await
-            .map_err(io_err)?;
-        let answer = reply(&mut read, addr).await?;
+            .map_err(|source| FollowError::Io {
+                addr: self.addr.clone(),
+                source,
+            })?;
+        let answer = reply(&mut self.read, &self.addr).await?;
         match answer.starts_with('+') {
             true => Ok(answer),
             false => Err(FollowError::Refused {
-                addr: addr.to_string(),
+                addr: self.addr.clone(),
                 asked,
                 answer,
             }),
         }
-    };
-    if !follow.password.is_empty() {
-        ask("AUTH", &["AUTH", &follow.password]).await?;
     }
-    ask(
-        "REPLCONF listening-port",
-        &["REPLCONF", "listening-port", "0"],
-    )
-    .await?;
-    ask("REPLCONF capa", &["REPLCONF", "capa", "psync2"]).await?;
+}
+
+async fn session(follow: &Follow, log: &SharedLog) -> Result<(), FollowError> {
+    let addr = follow.primary.as_str();
+    let mut link = Link::open(follow).await?;
     let promoted = promotion(follow, log).await?;
     let asked = start_point(follow, log);
     let (id, offset) = match &asked {
         Some((id, offset)) => (id.clone(), (offset + 1).to_string()),
         None => ("?".to_string(), "-1".to_string()),
     };
-    let answer = ask("PSYNC", &["PSYNC", &id, &offset]).await?;
+    let answer = link.ask("PSYNC", &["PSYNC", &id, &offset]).await?;
+    let Link {
+        mut read, write, ..
+    } = link;
     let refused = || FollowError::Refused {
         addr: addr.to_string(),
         asked: "PSYNC",
@@ -333,6 +359,70 @@ async fn promotion(follow: &Follow, log: &SharedLog) -> Result<Option<Promotion>
     warn!(instance = %follow.instance, lost, at, kept, "{what}");
     log.set_diverged(what);
     Ok(Some(promoted))
+}
+
+/// Takes a snapshot of the primary's history now, on a link of its own,
+/// as a replica's full resync does (`PSYNC ? -1`, a fork of the primary):
+/// its RDB is offered as `stream-<offset>.rdb`, and the log, which follows
+/// the same primary, continues it. Returns its offset.
+async fn take_snapshot(follow: &Follow) -> Result<u64, FollowError> {
+    let mut link = Link::open(follow).await?;
+    let answer = link.ask("PSYNC", &["PSYNC", "?", "-1"]).await?;
+    let words: Vec<&str> = answer.split_whitespace().collect();
+    let offset = match words.as_slice() {
+        ["+FULLRESYNC", _, offset] => offset.parse().ok(),
+        _ => None,
+    };
+    let Some(offset) = offset else {
+        return Err(FollowError::Refused {
+            addr: follow.primary.clone(),
+            asked: "PSYNC ? -1",
+            answer,
+        });
+    };
+    receive_rdb(follow, &mut link.read, offset).await?;
+    Ok(offset)
+}
+
+/// Least time between two snapshots taken on demand: each is a fork of
+/// the primary.
+const SNAPSHOT_EVERY: Duration = Duration::from_secs(30);
+
+/// Takes a snapshot of the primary whenever a reader of the log needs one
+/// that continues into it and none does ([`super::Stream::want_snapshot`]):
+/// a reader too old for the log, or one whose log went past a failover's
+/// promotion point, at an agent that holds no snapshot of the history it
+/// follows (the promoted server's agent, whose log continued by `PSYNC`).
+/// At most one every [`SNAPSHOT_EVERY`], until `stop`.
+pub async fn snapshots_on_demand(follow: Follow, log: SharedLog, stop: CancellationToken) {
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            () = log.snapshot_wanted() => {}
+        }
+        // One continues already, or the log has not started: its first
+        // sync brings one.
+        if log.floor(&(follow.offered)()) != u64::MAX || position(&log).is_none() {
+            continue;
+        }
+        match take_snapshot(&follow).await {
+            Ok(offset) => {
+                follow
+                    .metrics
+                    .stream_snapshots_taken
+                    .with_label_values(&[&follow.instance])
+                    .inc();
+                info!(instance = %follow.instance, offset, "a reader needs a snapshot that continues into the log and none did: the primary's RDB is offered")
+            }
+            Err(e) => {
+                warn!(instance = %follow.instance, error = %e, "a reader needs a snapshot that continues into the log, and none could be taken from the primary")
+            }
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(SNAPSHOT_EVERY) => {}
+        }
+    }
 }
 
 /// The primary's reply line, skipping the empty lines it sends to keep

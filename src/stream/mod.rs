@@ -83,6 +83,9 @@ pub struct Stream {
     /// The last failover's divergence: what the log dropped because the
     /// promoted primary never had it (empty: none).
     diverged: Mutex<String>,
+    /// A reader needs a snapshot that continues into the log, and none
+    /// does ([`follow::snapshots_on_demand`] takes one).
+    snapshot_wanted: tokio::sync::Notify,
     gauges: Gauges,
 }
 
@@ -123,6 +126,7 @@ impl Stream {
             behind_since: Mutex::default(),
             write_safety: Mutex::default(),
             diverged: Mutex::default(),
+            snapshot_wanted: tokio::sync::Notify::new(),
             gauges,
         });
         stream.export();
@@ -173,6 +177,17 @@ impl Stream {
             .map(|(_, m)| *m)
             .min()
             .unwrap_or(u64::MAX)
+    }
+
+    /// Says that a reader needs a snapshot that continues into the log
+    /// and none does.
+    pub fn want_snapshot(&self) {
+        self.snapshot_wanted.notify_one();
+    }
+
+    /// Wakes when a reader needs a snapshot ([`Stream::want_snapshot`]).
+    pub async fn snapshot_wanted(&self) {
+        self.snapshot_wanted.notified().await
     }
 
     /// Where the stream comes from now ([`source::Source`]'s text).

@@ -296,9 +296,15 @@ pub async fn run(pull: Arc<Pull>, stream: SharedLog, stop: CancellationToken) {
             }
         }
         // An upstream that lost this log's offset will not find it again
-        // soon; one with nothing yet (a log that asked from none) will.
+        // soon; one with nothing yet (a log that asked from none) will, and
+        // so will one that named no snapshot (it takes one, when it follows
+        // a primary).
         let wait = match &e {
-            PullError::TooOld { replid, .. } if !replid.is_empty() => Duration::from_secs(30),
+            PullError::TooOld {
+                replid,
+                continues: Some(_),
+                ..
+            } if !replid.is_empty() => Duration::from_secs(30),
             _ => backoff,
         };
         tokio::select! {

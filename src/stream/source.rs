@@ -216,6 +216,11 @@ pub async fn run(
                             stream.clone(),
                             task.clone(),
                         ),
+                        super::follow::snapshots_on_demand(
+                            follow.clone(),
+                            stream.clone(),
+                            task.clone()
+                        ),
                         super::follow::run(follow, stream.clone(), task.clone()),
                     );
                 }

@@ -322,7 +322,12 @@ impl Offers {
         };
         let (replid, offset) = match start {
             Ok(start) => start,
-            Err(too_old) => return Ok(too_old),
+            Err(too_old) => {
+                if let StreamAnswer::TooOld { snapshot: None, .. } = too_old {
+                    stream.want_snapshot();
+                }
+                return Ok(too_old);
+            }
         };
         let (id, key) = (new_id(), new_key());
         // A ring when the replica can run one with this agent's provider;
