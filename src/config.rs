@@ -522,8 +522,8 @@ pub struct DataConfig {
     /// kept for a sync to resume.
     #[serde(with = "humantime_serde")]
     pub resume_ttl: Duration,
-    /// Replica: TCP connections one sync runs on at once, each carrying
-    /// its share of the pieces (1 to [`MAX_TCP_STREAMS`]). More than one
+    /// Replica: TCP connections one sync runs on at once, each taking
+    /// its pieces from the session's queue (1 to [`MAX_TCP_STREAMS`]). More than one
     /// helps where one stream is limited by its window: long, fat links.
     /// Source: the most it grants one session.
     pub tcp_streams: u32,

@@ -408,10 +408,18 @@ async fn wrong_used_expired_or_other_transport_session_tokens_are_refused() {
         .unwrap();
     let ask = |n| pb::OpenFullSyncRequest {
         tcp_streams: n,
+        piece_queue: true,
         ..Default::default()
     };
+    // A replica whose streams do not share a piece queue gets one.
+    let old = pb::OpenFullSyncRequest {
+        piece_queue: false,
+        ..ask(2)
+    };
+    let one = peer.open_full_sync(old).await.unwrap().into_inner();
+    assert_eq!((one.tcp_streams, one.piece_queue), (1, false));
     let two = peer.open_full_sync(ask(2)).await.unwrap().into_inner();
-    assert_eq!(two.tcp_streams, 2);
+    assert_eq!((two.tcp_streams, two.piece_queue), (2, true));
     let token: [u8; 32] = two.session_token.as_slice().try_into().unwrap();
     assert_eq!(present_token(&two.data_endpoint, token), Token::Srdy);
     assert_eq!(present_token(&two.data_endpoint, token), Token::Srdy);

@@ -512,6 +512,8 @@ async fn a_source_that_stops_sending_loses_the_session_within_the_window() {
 struct Taker {
     file: std::fs::File,
     want: kvsync::transport::Want,
+    /// A stream of a session with a piece queue: what it takes, once.
+    queue: Option<Vec<(u32, u32)>>,
     bytes: u64,
     stall: Option<std::sync::mpsc::Receiver<()>>,
 }
@@ -535,32 +537,43 @@ impl kvsync::transport::Sink for Taker {
     fn piece_done(&mut self, _index: u32) -> Result<(), kvsync::transport::SinkError> {
         Ok(())
     }
+    fn more_pieces(
+        &mut self,
+        _wait: bool,
+    ) -> Result<Vec<(u32, u32)>, kvsync::transport::SinkError> {
+        Ok(self.queue.take().unwrap_or_default())
+    }
     fn verify(&mut self) -> Result<(), kvsync::transport::SinkError> {
         Ok(())
     }
 }
 
 /// On a thread: one raw TCP stream of `offer`'s session asking for every
-/// piece into a [`Taker`]; why it failed (`None`: it completed) and the
-/// bytes it got.
+/// piece into a [`Taker`] (in its first NEED, or as what it takes from the
+/// queue of a session on several streams); why it failed (`None`: it
+/// completed) and the bytes it got.
 fn take_all(
     offer: &pb::SyncOffer,
     stall: Option<std::sync::mpsc::Receiver<()>>,
 ) -> std::thread::JoinHandle<(Option<String>, u64)> {
     let token: [u8; 32] = offer.session_token.as_slice().try_into().unwrap();
-    let (endpoint, size, piece_size) = (
+    let (endpoint, size, piece_size, queued) = (
         offer.data_endpoint.clone(),
         offer.snapshot_size,
         offer.piece_size,
+        offer.piece_queue,
     );
     std::thread::spawn(move || {
+        let all = vec![(0, size.div_ceil(piece_size) as u32)];
         let mut sink = Taker {
             file: tempfile::tempfile().unwrap(),
             want: kvsync::transport::Want {
                 piece_size,
-                need: vec![(0, size.div_ceil(piece_size) as u32)],
+                need: if queued { Vec::new() } else { all.clone() },
                 retries: 0,
+                refill: queued.then_some(1),
             },
+            queue: queued.then_some(all),
             bytes: 0,
             stall,
         };
@@ -974,13 +987,16 @@ async fn one_token_fetches_the_snapshot_once_however_many_streams_it_opens() {
         .unwrap()
         .open_full_sync(pb::OpenFullSyncRequest {
             tcp_streams: 4,
+            piece_queue: true,
             ..Default::default()
         })
         .await
         .unwrap()
         .into_inner();
     assert_eq!(offer.tcp_streams, 4);
-    // Every stream asks for every piece, instead of its share.
+    assert!(offer.piece_queue);
+    // Every stream asks for every piece, instead of what it took from the
+    // queue.
     let streams: Vec<_> = (0..4).map(|_| take_all(&offer, None)).collect();
     let ends: Vec<_> = streams.into_iter().map(|s| s.join().unwrap()).collect();
     let total: u64 = ends.iter().map(|(_, bytes)| bytes).sum();

@@ -1,11 +1,13 @@
 //! Syncs over several TCP streams at once, between real agent processes:
 //! exact copies at 1, 2, 4 and 7 streams for odd sizes (no payload, the
-//! smallest record, a size that is no multiple of the piece size), and a
-//! session whose streams are cut midway, resumed by the retry.
+//! smallest record, a size that is no multiple of the piece size), a
+//! session whose streams are all cut midway, resumed by the retry, and one
+//! whose one stream is cut, finished by the others.
 
 mod common;
 
 use common::node::*;
+use kvsync::rpc::pb;
 use kvsync::snapshot::kvr1::MIN_LEN;
 
 const MIB: u64 = 1 << 20;
@@ -55,30 +57,51 @@ async fn every_stream_count_and_odd_size_gives_an_exact_copy() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn streams_cut_midway_fail_the_attempt_and_the_retry_resumes() {
-    let root = tempfile::tempdir().unwrap();
-    // Every stream's session is cut after 5 MiB: the first attempt cannot
-    // finish 32 MiB on 4 streams; what verified is kept and resumed.
-    let env = [("KVSYNC_FAULTS", "cut_after=5242880")];
-    let source = Node::start(root.path(), "source", PIECES, &env);
+/// A 32 MiB sync on 4 streams from a source whose data plane has
+/// `faults`, to a replica whose `[sync]` section is `sync`: the sync's
+/// end (an exact copy, no temp file left) and the source.
+async fn cut_sync(root: &std::path::Path, faults: &str, sync: &str) -> (pb::SyncProgress, Node) {
+    let source = Node::start(root, "source", PIECES, &[("KVSYNC_FAULTS", faults)]);
     let bytes = put_snapshot(&source.dir, "s.kvr1", 32 * MIB, 7);
     source.offered(7).await;
     let replica = Node::start(
-        root.path(),
+        root,
         "replica",
-        &format!(
-            "{}[sync]\nretries = 4\nretry_backoff = \"50ms\"\n",
-            streams(4)
-        ),
+        &format!("{}[sync]\n{sync}", streams(4)),
         &[],
     );
     let p = sync_ok(&replica, &source).await;
-    assert!(p.attempts >= 2, "{p:?}");
-    assert!(p.resumed_bytes >= 4 * MIB, "{p:?}");
     assert!(
         std::fs::read(&p.installed_path).unwrap() == bytes,
         "exact copy"
     );
     assert!(replica.temp_files().is_empty());
+    (p, source)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_cut_midway_fail_the_attempt_and_the_retry_resumes() {
+    let root = tempfile::tempdir().unwrap();
+    // Every stream's session is cut after 5 MiB: the first attempt cannot
+    // finish 32 MiB on 4 streams; what verified is kept and resumed.
+    let retries = "retries = 4\nretry_backoff = \"50ms\"\n";
+    let (p, _source) = cut_sync(root.path(), "cut_after=5242880", retries).await;
+    assert!(p.attempts >= 2, "{p:?}");
+    assert!(p.resumed_bytes >= 4 * MIB, "{p:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_cut_midway_hands_its_pieces_to_the_others() {
+    let root = tempfile::tempdir().unwrap();
+    // Only the session's second stream is cut, after 5 MiB: the pieces it
+    // took and did not verify go back to the queue, the other three fetch
+    // them, and the first attempt succeeds. Before the queue, one stream's
+    // failure failed the attempt.
+    let faults = "cut_after=5242880,cut_stream=1";
+    let (p, source) = cut_sync(root.path(), faults, "retries = 0\n").await;
+    assert_eq!(p.attempts, 1, "{p:?}");
+    // The source sent the cut stream's unverified pieces once more, no
+    // other piece twice.
+    let sent = source.metric("kvsync_fullsync_bytes_total");
+    assert!(sent < (32 + 5 + 4) as f64 * MIB as f64, "{sent}");
 }

@@ -11,6 +11,7 @@
 pub mod plan;
 pub mod replica;
 pub mod ring;
+pub mod share;
 pub mod source;
 pub mod stream;
 pub mod token;
@@ -22,7 +23,8 @@ use std::time::Duration;
 
 pub use plan::{need_ranges, size_scaled_timeout, BulkParams, WriteOp, WritePlanner};
 pub use replica::Replica;
-pub use source::{Asked, Source};
+pub use share::{Claims, PieceQueue};
+pub use source::Source;
 pub use token::{Kind, Token, TokenError};
 
 /// How the bulk phase moves bytes.
@@ -81,6 +83,10 @@ pub enum Command {
         rkey: u32,
         writes: Vec<WriteOp>,
     },
+    /// Source: claim these pieces (a NEED's, or one asked again) for this
+    /// stream in its session ([`Claims::claim`]). Answer with
+    /// [`Input::Claimed`].
+    Claim { pieces: Vec<u32> },
     /// Source, stream: send the piece's bytes (after its PDON). No answer.
     StreamPiece { index: u32, offset: u64, len: u64 },
     /// Replica: create the destination for `len` bytes (and register its
@@ -91,6 +97,11 @@ pub enum Command {
     /// stream, or from the receive memory, and check it against the
     /// manifest. Answer with [`Input::PieceChecked`].
     TakePiece { index: u32, offset: u64, len: u64 },
+    /// Replica on a shared queue: take this stream's next pieces from the
+    /// session's [`PieceQueue`]; with `wait`, wait until there are some or
+    /// none is left anywhere. Answer with [`Input::MorePieces`] (empty:
+    /// none now, or with `wait` none left), or [`Input::ReceiveFailed`].
+    MorePieces { wait: bool },
     /// Replica: every piece is in; verify the whole snapshot. Answer with
     /// [`Input::Verified`].
     Verify,
@@ -119,6 +130,10 @@ pub enum Input {
     },
     /// Checksum result; `Err` carries the reason.
     Verified(Result<(), String>),
+    /// The claim of [`Command::Claim`]; `Err` carries the refusal.
+    Claimed(Result<(), String>),
+    /// The pieces [`Command::MorePieces`] took, as NEED ranges.
+    MorePieces(Vec<(u32, u32)>),
 }
 
 /// How a session ended well.

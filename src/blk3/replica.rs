@@ -11,6 +11,12 @@
 //! when it matches the manifest, PREQ to have it again, up to the
 //! session's retries. An empty snapshot skips MRINFO and the pieces but
 //! still receives BDON and REPLMETA, so M always arrives.
+//!
+//! A stream of a session on several ([`Replica::queued`]) asks for what it
+//! takes from the session's queue ([`Command::MorePieces`]): its first
+//! NEED once it is ready, the next whenever it holds a batch or fewer
+//! unverified pieces, and an empty NEED once the queue says every piece
+//! is verified.
 
 use std::time::Duration;
 
@@ -26,6 +32,7 @@ enum ReplicaState {
     WaitRdgo,
     WaitBlk3,
     WaitMemory,
+    Refill,
     Pieces,
     WaitBdon,
     WaitVerify,
@@ -41,6 +48,7 @@ impl ReplicaState {
             ReplicaState::WaitRdgo => "waiting for RDGO",
             ReplicaState::WaitBlk3 => "waiting for the BLK3 header",
             ReplicaState::WaitMemory => "preparing receive memory",
+            ReplicaState::Refill => "taking pieces from the session's queue",
             ReplicaState::Pieces => "receiving pieces",
             ReplicaState::WaitBdon => "waiting for BDON",
             ReplicaState::WaitVerify => "verifying",
@@ -54,7 +62,7 @@ impl ReplicaState {
             ReplicaState::Idle | ReplicaState::WaitSrdy => Kind::Srdy,
             ReplicaState::WaitRdgo => Kind::Rdgo,
             ReplicaState::WaitBlk3 => Kind::Blk3,
-            ReplicaState::Pieces => Kind::Pdon,
+            ReplicaState::Refill | ReplicaState::Pieces => Kind::Pdon,
             ReplicaState::WaitMemory | ReplicaState::WaitBdon => Kind::Bdon,
             ReplicaState::WaitVerify | ReplicaState::WaitReplmeta | ReplicaState::Done => {
                 Kind::Replmeta
@@ -81,6 +89,11 @@ pub struct Replica {
     failures: std::collections::HashMap<u32, u32>,
     /// Failed checks one piece may have before the session fails.
     retries: u32,
+    /// On a shared queue: ask for more when this many or fewer pieces are
+    /// left.
+    refill: Option<u32>,
+    /// The queue had nothing the last time it was asked without waiting.
+    dry: bool,
     /// The longest silence of the source while pieces are outstanding
     /// (`None`: the whole bulk's size-scaled deadline only).
     piece_wait: Option<Duration>,
@@ -118,6 +131,8 @@ impl Replica {
             wanted,
             failures: Default::default(),
             retries,
+            refill: None,
+            dry: false,
             piece_wait: None,
             state: ReplicaState::Idle,
             core: Core::default(),
@@ -131,6 +146,42 @@ impl Replica {
     pub fn with_piece_wait(mut self, wait: Duration) -> Replica {
         self.piece_wait = Some(wait);
         self
+    }
+
+    /// Takes its pieces from the session's queue (see the module's text)
+    /// instead of the `need` it was made with, asking for more when it
+    /// holds `refill` or fewer (at most half the piece window). Each NEED
+    /// adds a piece at least, so at most `refill + 1` are on their way
+    /// before the source takes one: never more than the PIECE_WINDOW
+    /// receives the source keeps posted for them.
+    pub fn queued(mut self, refill: u32) -> Replica {
+        self.refill = Some(refill.clamp(1, PIECE_WINDOW / 2));
+        self
+    }
+
+    /// Asks the queue for more when running low, without waiting.
+    fn maybe_refill(&mut self) {
+        if self
+            .refill
+            .is_some_and(|r| self.left > 0 && self.left <= r as u64 && !self.dry)
+        {
+            self.core.push(Command::MorePieces { wait: false });
+        }
+    }
+
+    /// Marks the pieces of `ranges` (from the queue) wanted; `Err` when
+    /// one is outside the snapshot or already wanted.
+    fn add(&mut self, ranges: &[(u32, u32)]) -> Result<(), String> {
+        for &(first, count) in ranges {
+            for i in first..first.saturating_add(count) {
+                match self.wanted.get_mut(i as usize) {
+                    Some(w) if *w == 0 => *w = WANTED,
+                    _ => return Err(format!("the queue gave piece {i}, which is not free")),
+                }
+                self.left += 1;
+            }
+        }
+        Ok(())
     }
 
     /// How long to wait for the next piece announcement.
@@ -198,6 +249,13 @@ impl Replica {
                     rkey,
                     len: self.len,
                 });
+                if self.refill.is_some() {
+                    self.core.push(Command::MorePieces { wait: true });
+                    self.state = ReplicaState::Refill;
+                    return self
+                        .core
+                        .wait("pieces from the session's queue", now, scaled);
+                }
                 self.core.send(Token::Need {
                     ranges: self.need.clone(),
                 });
@@ -210,8 +268,33 @@ impl Replica {
                     self.core.wait("pieces", now, wait);
                 }
             }
-            (ReplicaState::WaitMemory, Input::ReceiveFailed(reason)) => {
+            (
+                ReplicaState::WaitMemory | ReplicaState::Refill | ReplicaState::Pieces,
+                Input::ReceiveFailed(reason),
+            ) => {
                 self.fail(Blk3Error::CannotReceive(reason));
+            }
+            (state @ (ReplicaState::Refill | ReplicaState::Pieces), Input::MorePieces(ranges))
+                if self.refill.is_some() =>
+            {
+                if let Err(why) = self.add(&ranges) {
+                    return self.fail(Blk3Error::BadInput {
+                        state: state.name(),
+                        input: why,
+                    });
+                }
+                self.dry = ranges.is_empty();
+                if !ranges.is_empty() {
+                    self.core.send(Token::Need { ranges });
+                    self.state = ReplicaState::Pieces;
+                    self.core.wait("pieces", now, self.pieces_wait(scaled));
+                    self.maybe_refill();
+                } else if matches!(state, ReplicaState::Refill) {
+                    // Every piece is verified: no more.
+                    self.core.send(Token::Need { ranges });
+                    self.state = ReplicaState::WaitBdon;
+                    self.core.wait("BDON", now, self.pieces_wait(scaled));
+                }
             }
             (ReplicaState::Pieces, Input::Received(Token::Pdon { index }))
                 if self.wanted.get(index as usize) == Some(&WANTED) =>
@@ -231,9 +314,16 @@ impl Replica {
                         self.wanted[index as usize] = 0;
                         self.left -= 1;
                         self.core.send(Token::Pack { index });
-                        if self.left == 0 {
+                        if self.left == 0 && self.refill.is_some() {
+                            self.core.push(Command::MorePieces { wait: true });
+                            self.state = ReplicaState::Refill;
+                            self.core
+                                .wait("pieces from the session's queue", now, scaled);
+                        } else if self.left == 0 {
                             self.state = ReplicaState::WaitBdon;
                             self.core.wait("BDON", now, self.pieces_wait(scaled));
+                        } else {
+                            self.maybe_refill();
                         }
                     }
                     Err(reason) => {

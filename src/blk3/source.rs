@@ -12,23 +12,34 @@
 //! announced without a reply (the replica keeps that many PDON receives
 //! posted): over RDMA, a piece's writes and then its PDON on the same queue
 //! pair; over TCP, its PDON and then its bytes. PACK returns the credit;
-//! PREQ returns it and puts the piece first in line again, at most
-//! [`MAX_PIECE_SENDS`] sends per piece. BDON follows the last PACK.
+//! PREQ returns it and puts the piece first in line again. BDON follows
+//! the last PACK.
 //!
-//! The streams of one session share what they [`Asked`] for: a piece goes
-//! to the first stream whose NEED names it, and a NEED naming a piece
-//! another stream has is refused, so one session token fetches each piece once
-//! however many streams it opens.
+//! Every piece a NEED names, and every piece a PREQ asks for again, is
+//! first claimed for the stream in its session ([`Command::Claim`], see
+//! [`super::share::Claims`]): a refused claim fails the stream before the
+//! piece moves. A stream of a session with several ([`Source::queued`])
+//! takes further NEEDs while it sends, each naming the next pieces the
+//! replica took from its queue, and an empty NEED says there are no more:
+//! BDON follows the last PACK after it.
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use super::plan::{size_scaled_timeout, WritePlanner};
 use super::{
     Blk3Error, BulkMode, Command, Core, Input, Kind, Outcome, Pieces, Token, HANDSHAKE_TIMEOUT,
-    MAX_PIECE_SENDS, PIECE_WINDOW,
+    PIECE_WINDOW,
 };
+
+/// A claim the driver is making.
+#[derive(Debug)]
+enum Claiming {
+    /// A NEED's pieces, to send in order.
+    Need(VecDeque<u32>),
+    /// A piece asked for again, to send next.
+    Again(u32),
+}
 
 /// Pieces in flight: which to send, which await a reply, and the writes.
 #[derive(Debug)]
@@ -38,8 +49,9 @@ struct Bulk {
     unanswered: Vec<u32>,
     /// Pieces still to be acknowledged.
     left: u64,
-    /// Times each piece was sent, for pieces sent more than once.
-    resent: std::collections::HashMap<u32, u32>,
+    /// No NEED follows (the replica said so, or the session has one).
+    ended: bool,
+    claiming: Option<Claiming>,
     /// RDMA: the writes, and where they go.
     writes: Option<(WritePlanner, u64, u32)>,
 }
@@ -78,6 +90,7 @@ impl SourceState {
             SourceState::WaitRdpr => Kind::Rdpr,
             SourceState::WaitMrin { region: None, .. } => Kind::Mrin,
             SourceState::WaitMrin { .. } => Kind::Need,
+            SourceState::Bulk(bulk) if bulk.left == 0 && !bulk.ended => Kind::Need,
             SourceState::Bulk(_) => Kind::Pack,
             SourceState::WaitRdok | SourceState::Done => Kind::Rdok,
         }
@@ -94,34 +107,10 @@ pub struct Source {
     /// The longest silence of the replica while pieces await replies
     /// (`None`: the whole bulk's size-scaled deadline only).
     reply_wait: Option<Duration>,
-    /// The pieces the session's other streams asked for.
-    asked: Option<Arc<Asked>>,
+    /// More NEEDs may follow the first (a session on several streams).
+    queued: bool,
     state: SourceState,
     pub(super) core: Core,
-}
-
-/// The pieces the streams of one session asked for so far.
-#[derive(Debug, Default)]
-pub struct Asked(Mutex<Vec<bool>>);
-
-impl Asked {
-    /// Gives `pieces` (ascending) to one stream: all of them, or none when
-    /// one is another's (that piece).
-    fn take(&self, pieces: &VecDeque<u32>) -> Result<(), u32> {
-        let mut taken = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        let is_taken = |i: u32| taken.get(i as usize).copied().unwrap_or(false);
-        if let Some(&other) = pieces.iter().find(|&&i| is_taken(i)) {
-            return Err(other);
-        }
-        if let Some(&last) = pieces.back() {
-            let len = taken.len().max(last as usize + 1);
-            taken.resize(len, false);
-        }
-        for &i in pieces {
-            taken[i as usize] = true;
-        }
-        Ok(())
-    }
 }
 
 impl Source {
@@ -137,7 +126,7 @@ impl Source {
             },
             mode,
             reply_wait: None,
-            asked: None,
+            queued: false,
             state: SourceState::Idle,
             core: Core::default(),
         }
@@ -152,11 +141,26 @@ impl Source {
         self
     }
 
-    /// Serves one of the streams of a session, which share what they
-    /// `asked` for.
-    pub fn sharing(mut self, asked: Arc<Asked>) -> Source {
-        self.asked = Some(asked);
+    /// Serves one of the streams of a session on several: NEEDs come as
+    /// the replica takes pieces from its queue, an empty one last.
+    pub fn queued(mut self) -> Source {
+        self.queued = true;
         self
+    }
+
+    /// The pieces this stream claimed that no PACK acknowledged (for
+    /// [`super::share::Claims::end`] when the stream is over).
+    pub fn unfinished(&self) -> Vec<u32> {
+        let SourceState::Bulk(bulk) = &self.state else {
+            return Vec::new();
+        };
+        let claiming = match &bulk.claiming {
+            Some(Claiming::Need(pieces)) => pieces.iter().copied().collect(),
+            Some(Claiming::Again(index)) => vec![*index],
+            None => Vec::new(),
+        };
+        let sent = bulk.queue.iter().chain(&bulk.unanswered).copied();
+        sent.chain(claiming).collect()
     }
 
     /// Waits (again) for the next piece reply.
@@ -192,7 +196,13 @@ impl Source {
             (SourceState::WaitRdpr, Input::Received(Token::Rdpr)) => {
                 if self.len > 0 {
                     self.core.push(Command::PostRecv(Kind::Mrin));
-                    self.core.push(Command::PostRecv(Kind::Need));
+                    // On a shared queue, NEEDs may come PIECE_WINDOW at a
+                    // time (see the replica); one is posted again for
+                    // each taken.
+                    let needs = if self.queued { PIECE_WINDOW } else { 1 };
+                    for _ in 0..needs {
+                        self.core.push(Command::PostRecv(Kind::Need));
+                    }
                 }
                 self.core.send(Token::Rdgo);
                 self.core.send(Token::Blk3 { len: self.len });
@@ -249,17 +259,49 @@ impl Source {
                 self.pump(now);
             }
             (SourceState::Bulk(bulk), Input::Received(Token::Preq { index }))
-                if bulk.unanswered.contains(&index) =>
+                if bulk.unanswered.contains(&index) && bulk.claiming.is_none() =>
             {
                 bulk.unanswered.retain(|&i| i != index);
-                let sends = bulk.resent.entry(index).or_insert(1);
-                if *sends >= MAX_PIECE_SENDS {
+                bulk.claiming = Some(Claiming::Again(index));
+                self.core.push(Command::Claim {
+                    pieces: vec![index],
+                });
+            }
+            (SourceState::Bulk(bulk), Input::Received(Token::Need { ranges }))
+                if self.queued && !bulk.ended && bulk.claiming.is_none() =>
+            {
+                if ranges.is_empty() {
+                    bulk.ended = true;
+                    return self.pump(now);
+                }
+                let pieces = match expand(&ranges, self.pieces.count()) {
+                    Ok(pieces) => pieces,
+                    Err(why) => return self.fail(Blk3Error::BadPiece(why)),
+                };
+                let mine = |i: &&u32| bulk.queue.contains(i) || bulk.unanswered.contains(i);
+                if let Some(&i) = pieces.iter().find(mine) {
                     return self.fail(Blk3Error::BadPiece(format!(
-                        "the replica asked for piece {index} more than {MAX_PIECE_SENDS} times"
+                        "NEED names piece {i}, which this stream is still sending"
                     )));
                 }
-                *sends += 1;
-                bulk.queue.push_front(index);
+                self.core.push(Command::PostRecv(Kind::Need));
+                self.core.push(Command::Claim {
+                    pieces: pieces.iter().copied().collect(),
+                });
+                bulk.claiming = Some(Claiming::Need(pieces));
+            }
+            (SourceState::Bulk(bulk), Input::Claimed(result)) if bulk.claiming.is_some() => {
+                let claiming = bulk.claiming.take().expect("a claim is being made");
+                if let Err(why) = result {
+                    return self.fail(Blk3Error::BadPiece(why));
+                }
+                match claiming {
+                    Claiming::Need(pieces) => {
+                        bulk.left += pieces.len() as u64;
+                        bulk.queue.extend(pieces);
+                    }
+                    Claiming::Again(index) => bulk.queue.push_front(index),
+                }
                 self.wait_replies(now);
                 self.pump(now);
             }
@@ -300,24 +342,29 @@ impl Source {
         let (Some((addr, rkey)), Some(ranges)) = (*region, need.take()) else {
             return;
         };
-        let queue = match expand(&ranges, self.pieces.count()) {
-            Ok(queue) => queue,
+        let pieces = match expand(&ranges, self.pieces.count()) {
+            Ok(pieces) => pieces,
             Err(why) => return self.fail(Blk3Error::BadPiece(why)),
         };
-        if let Err(other) = self.asked.as_ref().map_or(Ok(()), |a| a.take(&queue)) {
-            return self.fail(Blk3Error::BadPiece(format!(
-                "piece {other} was asked for on another stream of this session; each stream may fetch only its share"
-            )));
-        }
         let writes = match self.mode {
             BulkMode::Rdma(params) => Some((WritePlanner::new(params), addr, rkey)),
             BulkMode::Stream => None,
         };
+        if self.queued {
+            self.core.push(Command::PostRecv(Kind::Need));
+        }
+        let claiming = (!pieces.is_empty()).then(|| {
+            self.core.push(Command::Claim {
+                pieces: pieces.iter().copied().collect(),
+            });
+            Claiming::Need(pieces)
+        });
         self.state = SourceState::Bulk(Bulk {
-            left: queue.len() as u64,
-            queue,
+            left: 0,
+            queue: VecDeque::new(),
             unanswered: Vec::new(),
-            resent: Default::default(),
+            ended: !self.queued || claiming.is_none(),
+            claiming,
             writes,
         });
         self.wait_replies(now);
@@ -360,8 +407,15 @@ impl Source {
             }
         }
         let writing = bulk.writes.as_ref().is_some_and(|(p, ..)| !p.idle());
-        if bulk.left == 0 && !writing {
+        if bulk.left > 0 || writing || bulk.claiming.is_some() {
+            return;
+        }
+        if bulk.ended {
             self.finish_bulk(now);
+        } else {
+            // The replica's other streams may take a while to verify
+            // what they hold before it knows there is no more.
+            self.core.wait("NEED", now, size_scaled_timeout(self.len));
         }
     }
 

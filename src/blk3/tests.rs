@@ -8,6 +8,8 @@ use std::time::Duration;
 
 use super::*;
 
+mod queue;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Side {
     Src,
@@ -48,8 +50,10 @@ struct Sim {
     piece_wait: Option<Duration>,
     /// The source's longest wait for a piece reply.
     reply_wait: Option<Duration>,
-    /// What the other streams of the source's session asked for.
-    asked: Option<std::sync::Arc<Asked>>,
+    /// What the streams of the source's session claimed, and which of
+    /// them this one is.
+    claims: std::rc::Rc<std::cell::RefCell<Claims>>,
+    stream: u32,
 }
 
 const MIB: u64 = 1 << 20;
@@ -71,7 +75,8 @@ impl Sim {
             skip_post: None,
             piece_wait: None,
             reply_wait: None,
-            asked: None,
+            claims: Default::default(),
+            stream: 0,
         }
     }
 
@@ -142,9 +147,6 @@ fn simulate(mut sim: Sim) -> Run {
     if let Some(wait) = sim.reply_wait {
         src = src.with_reply_wait(wait);
     }
-    if let Some(asked) = sim.asked.clone() {
-        src = src.sharing(asked);
-    }
     let mut rep = Replica::new(sim.offered, sim.piece_size, need, sim.retries);
     if let Some(wait) = sim.piece_wait {
         rep = rep.with_piece_wait(wait);
@@ -185,6 +187,12 @@ fn simulate(mut sim: Sim) -> Run {
                         deliver(&mut sim, &mut events, &mut posted, &mut inbox, side, t)
                     }
                     Command::PrepareSource => inbox[i].push_back(Input::SourceReady),
+                    // The driver claims at once: its answer comes first.
+                    Command::Claim { pieces } => {
+                        let claimed = sim.claims.borrow_mut().claim(sim.stream, &pieces);
+                        inbox[i].push_front(Input::Claimed(claimed.map_err(|e| e.to_string())));
+                    }
+                    Command::MorePieces { .. } => unreachable!("one stream has no queue"),
                     Command::PostWrites {
                         remote_addr,
                         rkey,
@@ -287,6 +295,7 @@ fn simulate(mut sim: Sim) -> Run {
             rep.on_timeout(now);
         }
     }
+    sim.claims.borrow_mut().end(sim.stream, &src.unfinished());
     Run {
         events,
         src: src_done,
@@ -876,11 +885,14 @@ fn a_need_outside_the_snapshot_or_out_of_order_is_refused() {
 #[test]
 fn the_streams_of_one_session_fetch_each_piece_once() {
     for mode in [rdma(1, 4, 2), BulkMode::Stream] {
-        let asked = std::sync::Arc::new(Asked::default());
-        let stream = |need: Vec<(u32, u32)>| {
+        let claims = std::rc::Rc::new(std::cell::RefCell::new(Claims::default()));
+        let mut streams = 0;
+        let mut stream = |need: Vec<(u32, u32)>| {
             let mut sim = Sim::new(mode, 6 * MIB);
             sim.need = Some(need);
-            sim.asked = Some(asked.clone());
+            sim.claims = claims.clone();
+            sim.stream = streams;
+            streams += 1;
             simulate(sim)
         };
         // Two shares apart: both are served.

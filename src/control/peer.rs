@@ -77,6 +77,7 @@ fn ask_from_wire(req: pb::OpenFullSyncRequest) -> Result<Ask, ApiError> {
         format: req.format,
         data_tls: req.data_tls,
         tcp_streams: req.tcp_streams,
+        piece_queue: req.piece_queue,
         instance: req.instance,
         from_stream_log: req.from_stream_log,
     })
@@ -114,6 +115,7 @@ impl PeerService {
             manifest_digest: o.entry.manifest.digest().as_bytes().to_vec(),
             origin_node_id: o.origin.unwrap_or_default(),
             tcp_streams: o.streams,
+            piece_queue: o.streams > 1,
             instance: o.instance.name.clone(),
         }
     }

@@ -524,6 +524,7 @@ async fn negotiate(
         data_tls: ctx.dialer.data_tls.is_some(),
         snapshot: ctx.want.map(Into::into),
         tcp_streams: ctx.config.data.tcp_streams,
+        piece_queue: true,
         from_stream_log: ctx.config.handoff.mode == crate::config::HandoffMode::RedisStream,
     };
     let offer = ctx
@@ -636,7 +637,7 @@ fn offer_from_wire(o: pb::SyncOffer) -> Result<Offer, JobError> {
         name: o.snapshot_name,
         piece_size: o.piece_size,
         data_tls: o.data_tls,
-        tcp_streams: o.tcp_streams,
+        tcp_streams: if o.piece_queue { o.tcp_streams } else { 1 },
         rdma_device: o.rdma_device,
         backlog_bytes_left: o.backlog_bytes_left,
         instance: o.instance,

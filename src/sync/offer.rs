@@ -52,6 +52,8 @@ pub struct Ask {
     pub snapshot: Option<SnapshotId>,
     /// TCP streams it asks for.
     pub tcp_streams: u32,
+    /// Its streams share a piece queue (else it gets one stream).
+    pub piece_queue: bool,
     /// The instance it asks for (empty: the only one).
     pub instance: String,
     /// It continues the snapshot from a stream log, not from the primary.
@@ -219,7 +221,8 @@ impl Offers {
             "" => "unnamed".to_string(),
             node => node.to_string(),
         };
-        let streams = super::streams::granted(transport, ask.tcp_streams, config.data.tcp_streams);
+        let asked = if ask.piece_queue { ask.tcp_streams } else { 1 };
+        let streams = super::streams::granted(transport, asked, config.data.tcp_streams);
         let token = self.sessions.insert(
             OfferedSession {
                 id: id.clone(),

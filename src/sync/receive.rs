@@ -14,12 +14,14 @@
 //! each. docs/ARCHITECTURE.md, "Receiving" and "Pieces and resume".
 
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::Instant;
 
 use tracing::{info, warn};
 
+use crate::blk3::share::{runs, Take};
 use crate::blk3::token::MAX_NEED_RANGES;
-use crate::blk3::{need_ranges, Blk3Error, Outcome};
+use crate::blk3::{need_ranges, size_scaled_timeout, Blk3Error, Outcome, PieceQueue};
 use crate::snapshot::manifest::Manifest;
 use crate::snapshot::{Corruption, Format, SnapshotInfo, Verifier};
 use crate::store::arrivals::Arrivals;
@@ -577,47 +579,6 @@ impl Receiver {
         (self.progress)(self.resumed_bytes + self.received);
     }
 
-    /// The missing pieces in `n` shares of about equal count, in order,
-    /// for a session's streams (a share may be empty).
-    pub fn shares(&self, n: u32) -> Vec<Vec<(u32, u32)>> {
-        let verified = &self.journal.verified;
-        let missing: Vec<u32> = (0..verified.len() as u32)
-            .filter(|&i| !verified[i as usize])
-            .collect();
-        let mut parts = missing.chunks(missing.len().div_ceil(n as usize).max(1));
-        (0..n)
-            .map(|_| {
-                // Chunks are never empty.
-                parts.next().map_or(Vec::new(), |part| {
-                    let span = part[0]..=part[part.len() - 1];
-                    let wanted = verified
-                        .iter()
-                        .enumerate()
-                        .map(|(i, v)| !v && span.contains(&(i as u32)));
-                    need_ranges(wanted, MAX_NEED_RANGES)
-                })
-            })
-            .collect()
-    }
-
-    /// A stream's end: its share `need` arrived and verified, and nothing
-    /// failed here. The whole is verified once every stream has ended.
-    fn share_verified(&self, need: &[(u32, u32)]) -> Result<(), SinkError> {
-        if let Some(e) = &self.failure {
-            return Err(SinkError::Local(e.clone()));
-        }
-        let verified = &self.journal.verified;
-        let missing = need
-            .iter()
-            .flat_map(|&(first, count)| first..first + count)
-            .filter(|&i| !verified[i as usize])
-            .count();
-        if missing > 0 {
-            return Err(SinkError::Missing(missing));
-        }
-        Ok(())
-    }
-
     /// What the status says about how the bytes were verified.
     pub fn check_label(manifest: &Manifest) -> String {
         let info = &manifest.info;
@@ -643,6 +604,7 @@ impl Sink for Receiver {
             piece_size: self.manifest.piece_size,
             need: need_ranges(self.journal.verified.iter().map(|v| !v), MAX_NEED_RANGES),
             retries: self.retries,
+            refill: None,
         }
     }
 
@@ -801,59 +763,107 @@ fn landed_piece<'m>(
         .map_or(&[][..], |m| &m[offset as usize..(offset + len) as usize])
 }
 
-/// One stream's view of a receiver that several streams of one session
-/// feed: the share of the pieces it asks for and the piece it is taking.
-/// Every step runs on the receiver under its lock, so a piece's bytes,
-/// check and journal entry are handled exactly as for a single stream.
+/// A receiver that the streams of one session feed, and the queue they
+/// take its missing pieces from ([`PieceQueue`]).
+pub struct Shared {
+    fed: Mutex<Fed>,
+    /// A piece verified or handed back, or a local failure.
+    changed: Condvar,
+}
+
+struct Fed {
+    receiver: Receiver,
+    queue: PieceQueue,
+}
+
+impl Shared {
+    /// The streams' queue holds the pieces `receiver` lacks.
+    pub fn new(receiver: Receiver) -> Shared {
+        let verified = &receiver.journal.verified;
+        let missing = (0..verified.len() as u32).filter(|&i| !verified[i as usize]);
+        let queue = PieceQueue::new(missing, receiver.manifest.piece_size);
+        Shared {
+            fed: Mutex::new(Fed { receiver, queue }),
+            changed: Condvar::new(),
+        }
+    }
+
+    /// The receiver, once every stream has ended.
+    pub fn into_inner(self) -> Receiver {
+        self.fed
+            .into_inner()
+            .unwrap_or_else(PoisonError::into_inner)
+            .receiver
+    }
+
+    /// The receiver and queue, also after another stream panicked holding
+    /// them (that stream's session then fails; their state stays consistent).
+    fn lock(&self) -> MutexGuard<'_, Fed> {
+        self.fed.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// One stream's view of a [`Shared`] receiver: the pieces it took from the
+/// queue and has not verified, and the piece it is taking. Every step runs
+/// on the receiver under its lock, so a piece's bytes, check and journal
+/// entry are handled exactly as for a single stream. Dropped, however its
+/// session ended, it hands its unverified pieces back to the queue.
 pub struct Share<'a> {
-    receiver: &'a Mutex<Receiver>,
-    need: Vec<(u32, u32)>,
+    shared: &'a Shared,
+    held: Vec<u32>,
     current: Option<Current>,
     file: std::fs::File,
 }
 
 impl<'a> Share<'a> {
-    /// A stream asking for `need` (see [`Receiver::shares`]).
-    pub fn new(receiver: &'a Mutex<Receiver>, need: Vec<(u32, u32)>) -> std::io::Result<Share<'a>> {
-        let file = lock(receiver).staging.file().try_clone()?;
+    /// A stream of the session `shared` receives.
+    pub fn new(shared: &'a Shared) -> std::io::Result<Share<'a>> {
+        let file = shared.lock().receiver.staging.file().try_clone()?;
         Ok(Share {
-            receiver,
-            need,
+            shared,
+            held: Vec::new(),
             current: None,
             file,
         })
     }
 
-    /// Runs `f` on the receiver with this stream's piece as its current one.
-    fn with<T>(&mut self, f: impl FnOnce(&mut Receiver) -> T) -> T {
-        let mut receiver = lock(self.receiver);
-        std::mem::swap(&mut receiver.current, &mut self.current);
-        let out = f(&mut receiver);
-        std::mem::swap(&mut receiver.current, &mut self.current);
+    /// Runs `f` on the receiver and queue with this stream's piece as the
+    /// receiver's current one.
+    fn with<T>(&mut self, f: impl FnOnce(&mut Fed) -> T) -> T {
+        let mut fed = self.shared.lock();
+        std::mem::swap(&mut fed.receiver.current, &mut self.current);
+        let out = f(&mut fed);
+        std::mem::swap(&mut fed.receiver.current, &mut self.current);
         out
     }
 }
 
-/// The receiver, also after another stream panicked holding it (that
-/// stream's session then fails; the receiver's state stays consistent).
-fn lock(receiver: &Mutex<Receiver>) -> std::sync::MutexGuard<'_, Receiver> {
-    receiver
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
+impl Drop for Share<'_> {
+    fn drop(&mut self) {
+        let mut fed = self.shared.lock();
+        fed.queue.hand_back(self.held.drain(..));
+        if let Some(current) = self.current.take() {
+            // Its bytes count again when another stream takes the piece.
+            fed.receiver.received -= current.got;
+        }
+        drop(fed);
+        self.shared.changed.notify_all();
+    }
 }
 
 impl Sink for Share<'_> {
     fn want(&self) -> Want {
-        let receiver = lock(self.receiver);
+        let fed = self.shared.lock();
         Want {
-            piece_size: receiver.manifest.piece_size,
-            need: self.need.clone(),
-            retries: receiver.retries,
+            piece_size: fed.receiver.manifest.piece_size,
+            need: Vec::new(),
+            retries: fed.receiver.retries,
+            refill: Some(fed.queue.batch()),
         }
     }
 
     fn prepare(&mut self, len: u64) -> Result<(), SinkError> {
-        self.with(|r| r.prepare(len))
+        self.with(|f| f.receiver.prepare(len))
     }
 
     fn file(&self) -> &std::fs::File {
@@ -861,19 +871,68 @@ impl Sink for Share<'_> {
     }
 
     fn piece_bytes(&mut self, index: u32, bytes: &[u8], in_file: bool) {
-        self.with(|r| r.piece_bytes(index, bytes, in_file))
+        self.with(|f| f.receiver.piece_bytes(index, bytes, in_file))
     }
 
     fn piece_from_pipe(&mut self, index: u32, pipe: &Pipe, n: usize) -> std::io::Result<()> {
-        self.with(|r| r.piece_from_pipe(index, pipe, n))
+        self.with(|f| f.receiver.piece_from_pipe(index, pipe, n))
     }
 
     fn piece_done(&mut self, index: u32) -> Result<(), SinkError> {
-        self.with(|r| r.piece_done(index))
+        let result = self.with(|f| {
+            let result = f.receiver.piece_done(index);
+            if f.receiver.journal.verified[index as usize] {
+                f.queue.verified(index);
+            }
+            result
+        });
+        self.held.retain(|&i| i != index || result.is_err());
+        self.shared.changed.notify_all();
+        result
     }
 
+    fn more_pieces(&mut self, wait: bool) -> Result<Vec<(u32, u32)>, SinkError> {
+        let mut fed = self.shared.lock();
+        let limit = size_scaled_timeout(fed.receiver.manifest.info.size);
+        let until = Instant::now() + limit;
+        loop {
+            if let Some(e) = &fed.receiver.failure {
+                return Err(SinkError::Local(e.clone()));
+            }
+            match fed.queue.take() {
+                Take::Pieces(pieces) => {
+                    self.held.extend(&pieces);
+                    return Ok(runs(&pieces));
+                }
+                Take::Wait if wait => {
+                    let left = until.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Err(SinkError::QueueWait(limit));
+                    }
+                    fed = self
+                        .shared
+                        .changed
+                        .wait_timeout(fed, left)
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .0;
+                }
+                Take::Wait | Take::Done => return Ok(Vec::new()),
+            }
+        }
+    }
+
+    /// This stream's end: every piece of the session verified (its last
+    /// NEED said so), and nothing failed here. The whole is verified once
+    /// every stream has ended.
     fn verify(&mut self) -> Result<(), SinkError> {
-        lock(self.receiver).share_verified(&self.need)
+        let fed = self.shared.lock();
+        if let Some(e) = &fed.receiver.failure {
+            return Err(SinkError::Local(e.clone()));
+        }
+        match fed.queue.left() {
+            0 => Ok(()),
+            left => Err(SinkError::Missing(left)),
+        }
     }
 }
 

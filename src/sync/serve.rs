@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, info_span, warn};
 
 use crate::blk3::token::SESSION_TOKEN_LEN;
-use crate::blk3::{Asked, BulkParams};
+use crate::blk3::BulkParams;
 use crate::metrics::{unix_now, Metrics, Running};
 use crate::rpc::conn_limit;
 use crate::store::catalog::CatalogEntry;
@@ -31,6 +31,7 @@ use crate::transport::pace::MinRate;
 use crate::transport::probe::LocalRdma;
 use crate::transport::ratelimit::RateLimiter;
 use crate::transport::session::{Accepted, Proved, SessionResult, SourceLink};
+use crate::transport::Asked;
 use crate::transport::{ktls, Faults, Serve, TransportKind};
 
 /// A session offered to a replica, waiting for its data connection.
@@ -112,8 +113,10 @@ pub enum Refusal {
 /// The streams of one session share its offer and its admission.
 pub struct Session {
     pub offer: Arc<OfferedSession>,
-    /// The pieces its streams asked for.
+    /// The pieces its streams claimed.
     pub asked: Arc<Asked>,
+    /// This connection's number among the session's streams.
+    pub stream: u32,
     _serving: Arc<Slot>,
     _replica: Arc<ReplicaSlot>,
 }
@@ -243,6 +246,7 @@ impl SessionTable {
         let session = Session {
             offer: offer.clone(),
             asked: waiting.asked.clone(),
+            stream: offer.streams.max(1) - waiting.streams_left,
             _serving: serving.clone(),
             _replica: waiting.replica.clone(),
         };
@@ -601,6 +605,8 @@ fn serve_session(plane: &DataPlane, session: &Session, peer: &str, link: SourceL
             .min_rate
             .piece_wait(plane.peer_timeout, offer.entry.manifest.piece_size),
         asked: &session.asked,
+        stream: session.stream,
+        queued: offer.streams > 1,
     });
     let sent = progress.load(Ordering::Relaxed);
     m.fullsync_bytes

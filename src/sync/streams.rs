@@ -1,22 +1,21 @@
 //! One session over several TCP connections at once.
 //!
-//! Owns running a replica's session on the streams its offer granted: the
-//! missing pieces are split into one share per stream
-//! ([`Receiver::shares`]), each stream runs its own BLK3 session for its
-//! share into the one [`Receiver`] (through a [`Share`]), the first stream
-//! that fails stops the others, and the session has one verdict: the first
-//! real failure, or success once every stream succeeded and the whole
-//! snapshot verifies.
-
-use std::sync::Mutex;
+//! Owns running a replica's session on the streams its offer granted: each
+//! stream runs its own BLK3 session into the one [`Receiver`] (through a
+//! [`Share`] of it), taking its pieces a batch at a time from the session's
+//! queue as it runs low, so fast streams take more; a stream that fails
+//! hands its unverified pieces back and the others fetch them. The session
+//! has one verdict: success once a stream saw every piece verified and the
+//! whole snapshot verifies, else the first real failure (every stream
+//! failed).
 
 use crate::blk3::token::SESSION_TOKEN_LEN;
 use crate::blk3::Blk3Error;
 use crate::config::MAX_TCP_STREAMS;
-use crate::transport::session::{Canceller, DataLink, SessionResult};
+use crate::transport::session::{DataLink, SessionResult};
 use crate::transport::{Faults, TransportKind};
 
-use super::receive::{Receiver, Share};
+use super::receive::{Receiver, Share, Shared};
 
 /// The streams a session over `transport` runs on when `asked` for (0:
 /// a peer that does not know streams) from a source whose own `[data]
@@ -37,26 +36,17 @@ pub fn run(
     receiver: Receiver,
     faults: &Faults,
 ) -> (SessionResult, Receiver) {
-    let shares = receiver.shares(links.len() as u32);
-    let cancellers: Vec<Canceller> = links.iter().map(DataLink::canceller).collect();
-    let shared = Mutex::new(receiver);
+    let shared = Shared::new(receiver);
     let results: Vec<SessionResult> = std::thread::scope(|scope| {
         let streams: Vec<_> = links
             .into_iter()
-            .zip(shares)
-            .map(|(link, need)| {
-                let (shared, cancellers) = (&shared, &cancellers);
-                scope.spawn(move || {
-                    let result = match Share::new(shared, need) {
-                        Ok(mut share) => link.run(token, offered_len, &mut share, faults).0,
-                        Err(e) => Ok(Err(Blk3Error::CannotReceive(format!(
-                            "open the staging file for a stream: {e}"
-                        )))),
-                    };
-                    if !matches!(result, Ok(Ok(_))) {
-                        cancellers.iter().for_each(Canceller::cancel);
-                    }
-                    result
+            .map(|link| {
+                let shared = &shared;
+                scope.spawn(move || match Share::new(shared) {
+                    Ok(mut share) => link.run(token, offered_len, &mut share, faults).0,
+                    Err(e) => Ok(Err(Blk3Error::CannotReceive(format!(
+                        "open the staging file for a stream: {e}"
+                    )))),
                 })
             })
             .collect();
@@ -65,9 +55,7 @@ pub fn run(
             .map(|s| s.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
             .collect()
     });
-    let mut receiver = shared
-        .into_inner()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mut receiver = shared.into_inner();
     let result = match verdict(results) {
         Ok(Ok(outcome)) => match crate::transport::Sink::verify(&mut receiver) {
             Ok(()) => Ok(Ok(outcome)),
@@ -78,26 +66,24 @@ pub fn run(
     (result, receiver)
 }
 
-/// The session's verdict from its streams': the first real failure (a
-/// stream stopped because another failed is not one), else a cancellation,
-/// else success.
+/// The session's verdict from its streams': success when one succeeded
+/// (it saw every piece verified), else the first real failure, else a
+/// cancellation.
 fn verdict(results: Vec<SessionResult>) -> SessionResult {
     let mut cancelled = None;
-    let mut ok = None;
+    let mut failed = None;
     for result in results {
         match result {
-            Ok(Ok(outcome)) => {
-                ok.get_or_insert(outcome);
-            }
+            Ok(Ok(outcome)) => return Ok(Ok(outcome)),
             Err(e) if e.is_cancelled() => {
-                cancelled.get_or_insert(e);
+                cancelled.get_or_insert(Err(e));
             }
-            failed => return failed,
+            other => {
+                failed.get_or_insert(other);
+            }
         }
     }
-    match (cancelled, ok) {
-        (Some(e), _) => Err(e),
-        (None, Some(outcome)) => Ok(Ok(outcome)),
-        (None, None) => unreachable!("a session runs on at least one stream"),
-    }
+    failed
+        .or(cancelled)
+        .expect("a session runs on at least one stream")
 }

@@ -23,12 +23,15 @@ pub mod tls;
 pub mod verbs;
 
 use std::sync::atomic::AtomicU64;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::blk3::{Asked, Blk3Error, BulkParams, Command, Input, Machine, Outcome};
+use crate::blk3::share::Refused;
+use crate::blk3::{
+    Blk3Error, BulkMode, BulkParams, Claims, Command, Input, Machine, Outcome, Replica, Source,
+};
 use crate::store::install::InstallError;
 use crate::store::journal::ClaimsError;
 use crate::store::served::Served;
@@ -53,8 +56,83 @@ pub struct Serve<'a> {
     pub cancel: CancellationToken,
     /// RDMA: how long the replica may leave every piece unanswered.
     pub reply_wait: Duration,
-    /// The pieces the session's streams asked for.
+    /// The pieces the session's streams claimed.
     pub asked: &'a Arc<Asked>,
+    /// This connection's number among the session's streams.
+    pub stream: u32,
+    /// The session runs on several streams, sharing the replica's queue.
+    pub queued: bool,
+}
+
+/// How long a stream's claim waits for a piece another stream of the
+/// session holds (a replica hands a dead stream's pieces on as soon as it
+/// closes it; the source notices the close about a round trip later).
+pub const CLAIM_WAIT: Duration = Duration::from_secs(10);
+
+/// The pieces the streams of one session claimed on the source
+/// ([`Claims`]), shared by their threads: a claim on a piece another live
+/// stream holds waits for that stream to end.
+#[derive(Debug, Default)]
+pub struct Asked {
+    claims: std::sync::Mutex<Claims>,
+    released: std::sync::Condvar,
+}
+
+impl Asked {
+    /// [`Claims::claim`], waiting up to `wait` while another stream holds
+    /// a piece; refused when it still does.
+    pub fn claim(&self, stream: u32, pieces: &[u32], wait: Duration) -> Result<(), Refused> {
+        let until = std::time::Instant::now() + wait;
+        let mut claims = self.claims.lock().unwrap_or_else(PoisonError::into_inner);
+        loop {
+            match claims.claim(stream, pieces) {
+                Err(Refused::Held) => {}
+                other => return other,
+            }
+            let left = until.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                let held = claims.held_of(stream, pieces).unwrap_or_default();
+                return Err(Refused::Another(held));
+            }
+            claims = self
+                .released
+                .wait_timeout(claims, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+    }
+
+    /// [`Claims::end`], waking the claims that wait.
+    pub fn end(&self, stream: u32, unfinished: &[u32]) {
+        let mut claims = self.claims.lock().unwrap_or_else(PoisonError::into_inner);
+        claims.end(stream, unfinished);
+        drop(claims);
+        self.released.notify_all();
+    }
+}
+
+impl Serve<'_> {
+    /// The source machine for this session's `len` bytes over `mode`.
+    pub fn source(&self, len: u64, mode: BulkMode) -> Source {
+        let machine = Source::new(len, self.seq, self.piece_size, mode);
+        if self.queued {
+            machine.queued()
+        } else {
+            machine
+        }
+    }
+
+    /// The answer to the machine's [`Command::Claim`].
+    pub fn claim(&self, pieces: &[u32]) -> Input {
+        let claimed = self.asked.claim(self.stream, pieces, CLAIM_WAIT);
+        Input::Claimed(claimed.map_err(|e| e.to_string()))
+    }
+
+    /// The stream is over: what its machine claimed and no PACK answered
+    /// is free for the session's other streams.
+    pub fn end(&self, machine: &Source) {
+        self.asked.end(self.stream, &machine.unfinished());
+    }
 }
 
 /// What a replica session asks its source for.
@@ -66,6 +144,29 @@ pub struct Want {
     pub need: Vec<(u32, u32)>,
     /// Failed checks one piece may have.
     pub retries: u32,
+    /// A stream of a session on several: it takes its pieces from the
+    /// session's queue ([`Sink::more_pieces`], not `need`), asking for more
+    /// when it holds this many or fewer.
+    pub refill: Option<u32>,
+}
+
+impl Want {
+    /// The replica machine for a snapshot of `offered_len` bytes.
+    pub fn replica(self, offered_len: u64) -> Replica {
+        let machine = Replica::new(offered_len, self.piece_size, self.need, self.retries);
+        match self.refill {
+            Some(refill) => machine.queued(refill),
+            None => machine,
+        }
+    }
+}
+
+/// The answer to a replica machine's [`Command::MorePieces`].
+fn more_pieces(sink: &mut dyn Sink, wait: bool) -> Input {
+    match sink.more_pieces(wait) {
+        Ok(ranges) => Input::MorePieces(ranges),
+        Err(e) => Input::ReceiveFailed(e.to_string()),
+    }
 }
 
 /// Why a [`Sink`] refuses a piece or the snapshot. Its text is what the
@@ -102,6 +203,9 @@ pub enum SinkError {
     /// Pieces asked for that never verified.
     #[error("{0} pieces never verified")]
     Missing(usize),
+    /// The session's other streams held their pieces past the deadline.
+    #[error("waited {0:?} for the session's other streams to verify or hand back their pieces")]
+    QueueWait(Duration),
 }
 
 /// A sink's verdict as BLK3 carries it: the reason in words (for RDFL).
@@ -144,6 +248,13 @@ pub trait Sink: Send {
     }
     /// Piece `index` is complete: checks it; `Err` says why it is bad.
     fn piece_done(&mut self, index: u32) -> Result<(), SinkError>;
+    /// A stream of a session on several ([`Want::refill`]): its next pieces
+    /// from the session's queue, as NEED ranges; with `wait`, waits until
+    /// there are some or none is left anywhere (empty). A sink of one
+    /// stream has no queue.
+    fn more_pieces(&mut self, _wait: bool) -> Result<Vec<(u32, u32)>, SinkError> {
+        Ok(Vec::new())
+    }
     /// Every piece is in: verifies the whole; `Err` is the reason for RDFL.
     fn verify(&mut self) -> Result<(), SinkError>;
 }
@@ -257,7 +368,7 @@ pub const CRC32_NEUTRAL: [u8; 5] = [0x41, 0x06, 0x71, 0xdb, 0x01];
 
 /// Faults injected into the data plane for fault tests, from the
 /// `KVSYNC_FAULTS` environment variable: `corrupt_at=N,forge_at=N,
-/// stall_after=N,cut_after=N` for TCP sources; `stream_corrupt_at=N` for
+/// stall_after=N,cut_after=N,cut_stream=N` for TCP sources; `stream_corrupt_at=N` for
 /// stream sources; `stream_ack_on_tick=1` for stream replicas; `rdma_corrupt_at=N,rdma_cut_after=N,rdma_drop_send=N` for
 /// the emulated fabric; `rdma_bad_rkey=1` and `rdma_hold_after=N` with
 /// `hold_file=PATH`, `rdma_write_after_verify=1` (source), `rdma_no_file_mr=1`
@@ -281,6 +392,9 @@ pub struct Faults {
     pub stall_after: Option<u64>,
     /// Source: drop the connection after this many bulk bytes.
     pub cut_after: Option<u64>,
+    /// Source: `stall_after` and `cut_after` stop only this stream of a
+    /// session on several (numbered from 0 as they connect).
+    pub cut_stream: Option<u32>,
     /// Stream source: flip one bit of the replication stream's byte at
     /// this offset on the wire, after its frame's MAC was made (an on-path
     /// change), in every session that sends it.
@@ -339,6 +453,7 @@ impl Faults {
                 "forge_at" => f.forge_at = Some(n),
                 "stall_after" => f.stall_after = Some(n),
                 "cut_after" => f.cut_after = Some(n),
+                "cut_stream" => f.cut_stream = Some(n as u32),
                 "stream_corrupt_at" => f.stream_corrupt_at = Some(n),
                 "stream_ack_on_tick" => f.stream_ack_on_tick = n != 0,
                 "stream_ring_lie" => {

@@ -23,9 +23,7 @@ use super::fabric::{Completion, Fabric, FabricError, MemoryRegion, WcStatus, Wor
 use super::ratelimit::RateLimiter;
 use super::{drive, Executor, Serve, Sink, CONNECT_TIMEOUT};
 use crate::blk3::token::SESSION_TOKEN_LEN;
-use crate::blk3::{
-    Blk3Error, BulkMode, Command, Input, Outcome, Replica, Source, Token, TokenError,
-};
+use crate::blk3::{Blk3Error, BulkMode, Command, Input, Outcome, Token, TokenError};
 use crate::store::cache::{CacheError, CacheRef};
 use crate::sys::buf::AlignedBuf;
 
@@ -230,6 +228,7 @@ struct SourceIo<'a, F> {
     remote: Option<(u64, u32)>,
     /// The `write_after_verify` fault's bytes, registered while it lasts.
     forged: Option<(Vec<u8>, MemoryRegion)>,
+    serve: &'a Serve<'a>,
 }
 
 impl<F: Fabric> SourceIo<'_, F> {
@@ -372,10 +371,12 @@ impl<F: Fabric> Executor for SourceIo<'_, F> {
                     .post_writes(&region, remote_addr, rkey, &writes)?;
                 Ok(None)
             }
+            Command::Claim { pieces } => Ok(Some(self.serve.claim(&pieces))),
             Command::StreamPiece { .. } => Err(RdmaError::Unsupported("StreamPiece")),
-            Command::PrepareReceive { .. } | Command::TakePiece { .. } | Command::Verify => {
-                Err(RdmaError::Unsupported("replica command"))
-            }
+            Command::PrepareReceive { .. }
+            | Command::TakePiece { .. }
+            | Command::MorePieces { .. }
+            | Command::Verify => Err(RdmaError::Unsupported("replica command")),
             Command::Done(_) => Ok(None),
         }
     }
@@ -439,7 +440,7 @@ pub fn run_source<F: Fabric>(qp: F, s: Serve) -> SourceRun {
         };
     };
     let mut io = SourceIo {
-        link: Link::new(qp, s.cancel),
+        link: Link::new(qp, s.cancel.clone()),
         snapshot: image,
         region: None,
         faults: &s.faults.rdma,
@@ -452,17 +453,14 @@ pub fn run_source<F: Fabric>(qp: F, s: Serve) -> SourceRun {
         held: false,
         remote: None,
         forged: None,
+        serve: &s,
     };
-    let mut machine = Source::new(
-        image.len() as u64,
-        s.seq,
-        s.piece_size,
-        BulkMode::Rdma(s.params),
-    )
-    .with_reply_wait(s.reply_wait)
-    .sharing(s.asked.clone());
+    let mut machine = s
+        .source(image.len() as u64, BulkMode::Rdma(s.params))
+        .with_reply_wait(s.reply_wait);
     machine.start(io.now());
     let result = drive(&mut machine, &mut io);
+    s.end(&machine);
     // Tear the connection down before the snapshot reference can go.
     io.link.close();
     SourceRun {
@@ -632,9 +630,11 @@ impl<F: Fabric> Executor for ReplicaIo<'_, F> {
                 }
                 Ok(Some(Input::Verified(super::verdict(self.sink.verify()))))
             }
-            Command::PrepareSource | Command::StreamPiece { .. } | Command::PostWrites { .. } => {
-                Err(RdmaError::Unsupported("source command"))
-            }
+            Command::MorePieces { wait } => Ok(Some(super::more_pieces(self.sink, wait))),
+            Command::PrepareSource
+            | Command::Claim { .. }
+            | Command::StreamPiece { .. }
+            | Command::PostWrites { .. } => Err(RdmaError::Unsupported("source command")),
             Command::Done(_) => Ok(None),
         }
     }
@@ -677,8 +677,10 @@ pub fn run_replica<F: Fabric>(
         damage: faults.damage_piece,
     };
     let want = io.sink.want();
-    let mut machine = Replica::new(offered_len, want.piece_size, want.need, want.retries)
-        .with_piece_wait(piece_wait(want.piece_size));
+    let piece_size = want.piece_size;
+    let mut machine = want
+        .replica(offered_len)
+        .with_piece_wait(piece_wait(piece_size));
     machine.start(io.now());
     let result = drive(&mut machine, &mut io);
     io.link.close();

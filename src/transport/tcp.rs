@@ -20,8 +20,7 @@ use super::ratelimit::RateLimiter;
 use super::{drive, Executor, Faults, Serve, Sink};
 use crate::blk3::token::{FRAME_HEADER_LEN, MAX_TOKEN_LEN, SESSION_TOKEN_LEN};
 use crate::blk3::{
-    size_scaled_timeout, Blk3Error, BulkMode, Command, Input, Outcome, Replica, Source, Token,
-    TokenError,
+    size_scaled_timeout, Blk3Error, BulkMode, Command, Input, Outcome, Token, TokenError,
 };
 use crate::store::cache::CacheError;
 use crate::store::served::{Served, SnapshotFile};
@@ -506,6 +505,7 @@ struct SourceIo<'a> {
     corrupted: bool,
     /// File bytes on their way into TLS records (encrypted sessions).
     plaintext: Vec<u8>,
+    serve: &'a Serve<'a>,
 }
 
 impl Executor for SourceIo<'_> {
@@ -524,14 +524,16 @@ impl Executor for SourceIo<'_> {
             Command::Send(t) => self.link.send(&t).map(|_| None),
             Command::PostRecv(_) => Ok(None),
             Command::PrepareSource => Ok(Some(Input::SourceReady)),
+            Command::Claim { pieces } => Ok(Some(self.serve.claim(&pieces))),
             Command::StreamPiece { offset, len, .. } => {
                 self.stream_piece(offset, len)?;
                 Ok(None)
             }
             Command::PostWrites { .. } => Err(TcpError::Unsupported("PostWrites")),
-            Command::PrepareReceive { .. } | Command::TakePiece { .. } | Command::Verify => {
-                Err(TcpError::Unsupported("replica command"))
-            }
+            Command::PrepareReceive { .. }
+            | Command::TakePiece { .. }
+            | Command::MorePieces { .. }
+            | Command::Verify => Err(TcpError::Unsupported("replica command")),
             Command::Done(_) => Ok(None),
         }
     }
@@ -554,9 +556,14 @@ impl SourceIo<'_> {
         while at < end {
             let chunk = (end - at).min(BULK_CHUNK as u64);
             let start = self.sent;
+            let this_stream = self
+                .faults
+                .cut_stream
+                .is_none_or(|k| k == self.serve.stream);
             let stop = [self.faults.stall_after, self.faults.cut_after]
                 .into_iter()
                 .flatten()
+                .filter(|_| this_stream)
                 .min();
             let part = match stop {
                 Some(stop) if stop < start + chunk => stop.saturating_sub(start),
@@ -742,8 +749,7 @@ impl SourceIo<'_> {
 /// cache loads them.
 pub fn run_source(link: &mut Link, s: &Serve) -> Result<Result<Outcome, Blk3Error>, TcpError> {
     let len = s.snapshot.len();
-    let mut machine =
-        Source::new(len, s.seq, s.piece_size, BulkMode::Stream).sharing(s.asked.clone());
+    let mut machine = s.source(len, BulkMode::Stream);
     machine.start(link.now());
     // Set once, before the zero-copy sender reads it: a reader that stops
     // reading fails the floor within two windows. The pace itself starts
@@ -774,8 +780,11 @@ pub fn run_source(link: &mut Link, s: &Serve) -> Result<Result<Outcome, Blk3Erro
         sent: 0,
         corrupted: false,
         plaintext: Vec::new(),
+        serve: s,
     };
-    drive(&mut machine, &mut io)
+    let result = drive(&mut machine, &mut io);
+    s.end(&machine);
+    result
 }
 
 /// Replica-side executor: tokens, and the bulk stream into the sink.
@@ -804,10 +813,12 @@ impl Executor for ReplicaIo<'_> {
                 let result = super::verdict(self.sink.piece_done(index));
                 Ok(Some(Input::PieceChecked { index, result }))
             }
+            Command::MorePieces { wait } => Ok(Some(super::more_pieces(self.sink, wait))),
             Command::Verify => Ok(Some(Input::Verified(super::verdict(self.sink.verify())))),
-            Command::PrepareSource | Command::StreamPiece { .. } | Command::PostWrites { .. } => {
-                Err(TcpError::Unsupported("source command"))
-            }
+            Command::PrepareSource
+            | Command::Claim { .. }
+            | Command::StreamPiece { .. }
+            | Command::PostWrites { .. } => Err(TcpError::Unsupported("source command")),
             Command::Done(_) => Ok(None),
         }
     }
@@ -826,8 +837,7 @@ pub fn run_replica(
     offered_len: u64,
     sink: &mut dyn Sink,
 ) -> Result<Result<Outcome, Blk3Error>, TcpError> {
-    let want = sink.want();
-    let mut machine = Replica::new(offered_len, want.piece_size, want.need, want.retries);
+    let mut machine = sink.want().replica(offered_len);
     machine.start(link.now());
     link.send(&Token::Sess { token })?;
     let result = drive(&mut machine, &mut ReplicaIo { link, sink });

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::*;
-use crate::blk3::BulkParams;
+use crate::blk3::{BulkParams, Replica};
 use crate::metrics::Metrics;
 use crate::snapshot::kvr1::GenSpec;
 use crate::snapshot::manifest::Manifest;
@@ -96,6 +96,8 @@ fn session(
                 cancel: Default::default(),
                 reply_wait: T,
                 asked: &Default::default(),
+                stream: 0,
+                queued: false,
             },
         )
     });
