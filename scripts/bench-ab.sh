@@ -9,6 +9,7 @@
 #   RUNS=15 SIZE=1GiB AB_DIR=/dev/shm B_CONFIG='[data]\npiece_size = "64MiB"\n' scripts/bench-ab.sh A B
 #   TRANSPORT=rdma scripts/bench-ab.sh A B
 #   TLS=1 scripts/bench-ab.sh A B
+#   CONFIG='[data]\ntcp_streams = 4\n' scripts/bench-ab.sh A B    # both agents of both
 set -euo pipefail
 A=$(realpath "$1") B=$(realpath "$2")
 runs=${RUNS:-9} size=${SIZE:-1GiB} transport=${TRANSPORT:-tcp}
@@ -20,7 +21,7 @@ cleanup() {
     rm -rf "$work"
 }
 trap cleanup EXIT
-printf '[cache]\nlinger = "0s"\n' > "$work/a.toml"
+printf '[cache]\nlinger = "0s"\n%b' "${CONFIG:-}" > "$work/a.toml"
 [ "$transport" = rdma ] &&
     printf '[data]\nrdma_port = 0\n[transport]\nmode = "auto"\nrdma_provider = "emulated"\n' >> "$work/a.toml"
 cli=()

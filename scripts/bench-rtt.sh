@@ -5,7 +5,7 @@
 # RTT_MS. Needs root and a kernel with veth and sch_netem: bench.sh runs it
 # inside the soft-RoCE VM (scripts/rxe-vm.sh), whose Debian kernel has both.
 #
-#   scripts/bench-rtt.sh KVSYNC_BIN [SIZE] [RUNS] [RTT_MS]
+#   [PIECE=4MiB] [RMEM=BYTES] [LOSS=PERCENT] scripts/bench-rtt.sh KVSYNC_BIN [SIZE] [RUNS] [RTT_MS]
 #
 # Prints one Markdown table row: | RTT | snapshot | 1 stream | 4 streams | 4 / 1 |
 set -euo pipefail
@@ -13,6 +13,9 @@ bin=$1
 size=${2:-256MiB}
 runs=${3:-3}
 rtt=${4:-100}
+# Pieces the streams take from their shared queue: 4 MiB gives a 128 MiB
+# snapshot 32, enough for a stream that falls behind to be left fewer.
+piece=${PIECE:-4MiB}
 work=$(mktemp -d /tmp/kvsync-rtt.XXXXXX)
 pids=()
 cleanup() {
@@ -36,8 +39,19 @@ ns ip addr add 10.77.0.2/24 dev rtt-b
 ns ip link set rtt-b up
 ns ip link set lo up
 half=$((rtt / 2))
-tc qdisc add dev rtt-a root netem delay "${half}ms" limit 100000
-ns tc qdisc add dev rtt-b root netem delay "${half}ms" limit 100000
+# LOSS=PERCENT drops that share of the packets each way: each stream backs
+# off on its own losses, so streams fall behind each other.
+loss=()
+[ -n "${LOSS:-}" ] && loss=(loss "${LOSS}%")
+tc qdisc add dev rtt-a root netem delay "${half}ms" "${loss[@]}" limit 100000
+ns tc qdisc add dev rtt-b root netem delay "${half}ms" "${loss[@]}" limit 100000
+# RMEM=BYTES caps the TCP receive buffer on both sides, so one stream's
+# window (not the VM's emulated CPUs, which verify every byte) is what
+# limits it: a long fat link scaled down to rates the VM can check.
+if [ -n "${RMEM:-}" ]; then
+    echo "4096 131072 $RMEM" > /proc/sys/net/ipv4/tcp_rmem
+    ns sh -c "echo '4096 131072 $RMEM' > /proc/sys/net/ipv4/tcp_rmem"
+fi
 
 echo "kvsync-rtt-bench-token-0123456789" > "$work/token"
 # agent NAME IP STREAMS [ns]: starts an agent; sets GRPC_<NAME>.
@@ -53,6 +67,7 @@ plaintext = true
 [data]
 tcp_listen = "$ip:0"
 tcp_streams = $streams
+piece_size = "$piece"
 [metrics]
 listen = "127.0.0.1:0"
 [auth]

@@ -38,20 +38,30 @@ pub struct PieceQueue {
     batch: u32,
 }
 
-/// Bytes a stream takes at a time (in whole pieces, at most half the
-/// piece window): enough to keep a long path busy for the round trip its
-/// next NEED takes, little enough that the slowest stream's last batch
-/// is short.
+/// Bytes a stream takes at a time at most (in whole pieces, at most half
+/// the piece window): enough to keep a long path busy for the round trip
+/// its next NEED takes.
 const BATCH_BYTES: u64 = 32 << 20;
 
 impl PieceQueue {
-    /// A queue of the `missing` pieces of `piece_size` bytes.
-    pub fn new(missing: impl IntoIterator<Item = u32>, piece_size: u64) -> PieceQueue {
+    /// A queue of the `missing` pieces of `piece_size` bytes for `streams`
+    /// streams. A stream holds one to two batches, so a batch is also at
+    /// most a quarter of a stream's even share: half the pieces stay in
+    /// the queue for the streams that turn out faster, and the slowest
+    /// stream's last batch is short.
+    pub fn new(
+        missing: impl IntoIterator<Item = u32>,
+        piece_size: u64,
+        streams: u32,
+    ) -> PieceQueue {
+        let pending: BTreeSet<u32> = missing.into_iter().collect();
+        let share = pending.len() as u64 / (4 * streams.max(1) as u64);
         let batch = BATCH_BYTES
             .div_ceil(piece_size.max(1))
+            .min(share)
             .clamp(1, PIECE_WINDOW as u64 / 2) as u32;
         PieceQueue {
-            pending: missing.into_iter().collect(),
+            pending,
             out: BTreeSet::new(),
             batch,
         }

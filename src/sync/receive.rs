@@ -777,11 +777,11 @@ struct Fed {
 }
 
 impl Shared {
-    /// The streams' queue holds the pieces `receiver` lacks.
-    pub fn new(receiver: Receiver) -> Shared {
+    /// The queue of `streams` streams holds the pieces `receiver` lacks.
+    pub fn new(receiver: Receiver, streams: u32) -> Shared {
         let verified = &receiver.journal.verified;
         let missing = (0..verified.len() as u32).filter(|&i| !verified[i as usize]);
-        let queue = PieceQueue::new(missing, receiver.manifest.piece_size);
+        let queue = PieceQueue::new(missing, receiver.manifest.piece_size, streams);
         Shared {
             fed: Mutex::new(Fed { receiver, queue }),
             changed: Condvar::new(),

@@ -36,7 +36,7 @@ pub fn run(
     receiver: Receiver,
     faults: &Faults,
 ) -> (SessionResult, Receiver) {
-    let shared = Shared::new(receiver);
+    let shared = Shared::new(receiver, links.len() as u32);
     let results: Vec<SessionResult> = std::thread::scope(|scope| {
         let streams: Vec<_> = links
             .into_iter()

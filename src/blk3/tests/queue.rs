@@ -56,7 +56,7 @@ const REP: usize = 1;
 impl Session {
     fn new(len: u64, streams: u32, bad: HashMap<u32, u32>) -> Session {
         let pieces = Pieces { len, size: MIB };
-        let queue = PieceQueue::new(0..pieces.count(), MIB);
+        let queue = PieceQueue::new(0..pieces.count(), MIB, streams);
         let pairs = (0..streams)
             .map(|_| {
                 let mut src = Source::new(len, SEQ, MIB, BulkMode::Stream).queued();
