@@ -21,7 +21,7 @@ mod tests;
 
 use std::time::Duration;
 
-pub use plan::{need_ranges, size_scaled_timeout, BulkParams, WriteOp, WritePlanner};
+pub use plan::{need_ranges, runs, size_scaled_timeout, BulkParams, WriteOp, WritePlanner};
 pub use replica::Replica;
 pub use share::{Claims, PieceQueue};
 pub use source::Source;

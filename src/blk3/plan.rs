@@ -171,17 +171,8 @@ impl WritePlanner {
 /// most `max` of them: beyond that, the closest ranges are merged (asking
 /// again for the few verified pieces between them, which is harmless).
 pub fn need_ranges(wanted: impl IntoIterator<Item = bool>, max: usize) -> Vec<(u32, u32)> {
-    let mut ranges: Vec<(u32, u32)> = Vec::new();
-    for (i, want) in wanted.into_iter().enumerate() {
-        if !want {
-            continue;
-        }
-        let i = i as u32;
-        match ranges.last_mut() {
-            Some((first, count)) if *first + *count == i => *count += 1,
-            _ => ranges.push((i, 1)),
-        }
-    }
+    let wanted = wanted.into_iter().enumerate().filter(|&(_, w)| w);
+    let mut ranges = runs(wanted.map(|(i, _)| i as u32));
     while ranges.len() > max.max(1) {
         // Merge across the smallest gap.
         let k = (1..ranges.len())
@@ -190,6 +181,19 @@ pub fn need_ranges(wanted: impl IntoIterator<Item = bool>, max: usize) -> Vec<(u
         let (first, _) = ranges[k - 1];
         let (f, c) = ranges.remove(k);
         ranges[k - 1].1 = f + c - first;
+    }
+    ranges
+}
+
+/// Pieces (ascending) as NEED ranges, one range per run of consecutive
+/// pieces.
+pub fn runs(pieces: impl IntoIterator<Item = u32>) -> Vec<(u32, u32)> {
+    let mut ranges: Vec<(u32, u32)> = Vec::new();
+    for i in pieces {
+        match ranges.last_mut() {
+            Some((first, count)) if *first + *count == i => *count += 1,
+            _ => ranges.push((i, 1)),
+        }
     }
     ranges
 }

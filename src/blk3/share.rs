@@ -113,18 +113,6 @@ impl PieceQueue {
     }
 }
 
-/// Pieces (ascending) as NEED ranges: one range per run.
-pub fn runs(pieces: &[u32]) -> Vec<(u32, u32)> {
-    let mut ranges: Vec<(u32, u32)> = Vec::new();
-    for &i in pieces {
-        match ranges.last_mut() {
-            Some((first, count)) if *first + *count == i => *count += 1,
-            _ => ranges.push((i, 1)),
-        }
-    }
-    ranges
-}
-
 /// A piece's standing in a session on the source.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct Hold {

@@ -19,9 +19,9 @@ use std::time::Instant;
 
 use tracing::{info, warn};
 
-use crate::blk3::share::{runs, Take};
+use crate::blk3::share::Take;
 use crate::blk3::token::MAX_NEED_RANGES;
-use crate::blk3::{need_ranges, size_scaled_timeout, Blk3Error, Outcome, PieceQueue};
+use crate::blk3::{need_ranges, runs, size_scaled_timeout, Blk3Error, Outcome, PieceQueue};
 use crate::snapshot::manifest::Manifest;
 use crate::snapshot::{Corruption, Format, SnapshotInfo, Verifier};
 use crate::store::arrivals::Arrivals;
@@ -879,14 +879,17 @@ impl Sink for Share<'_> {
     }
 
     fn piece_done(&mut self, index: u32) -> Result<(), SinkError> {
-        let result = self.with(|f| {
+        let (result, verified) = self.with(|f| {
             let result = f.receiver.piece_done(index);
-            if f.receiver.journal.verified[index as usize] {
+            let verified = f.receiver.journal.verified[index as usize];
+            if verified {
                 f.queue.verified(index);
             }
-            result
+            (result, verified)
         });
-        self.held.retain(|&i| i != index || result.is_err());
+        if verified {
+            self.held.retain(|&i| i != index);
+        }
         self.shared.changed.notify_all();
         result
     }
@@ -902,7 +905,7 @@ impl Sink for Share<'_> {
             match fed.queue.take() {
                 Take::Pieces(pieces) => {
                     self.held.extend(&pieces);
-                    return Ok(runs(&pieces));
+                    return Ok(runs(pieces));
                 }
                 Take::Wait if wait => {
                     let left = until.saturating_duration_since(Instant::now());

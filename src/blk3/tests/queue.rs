@@ -7,7 +7,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use super::super::share::{runs, Take};
+use super::super::share::Take;
 use super::*;
 
 /// One stream: its two machines, the receives each has posted, their
@@ -129,7 +129,7 @@ impl Session {
         let ranges = match self.queue.take() {
             Take::Pieces(pieces) => {
                 self.pairs[k].held.extend(&pieces);
-                runs(&pieces)
+                runs(pieces)
             }
             Take::Wait if wait => return false,
             Take::Wait | Take::Done => Vec::new(),
