@@ -523,14 +523,62 @@ pub struct DataConfig {
     #[serde(with = "humantime_serde")]
     pub resume_ttl: Duration,
     /// Replica: TCP connections one sync runs on at once, each taking
-    /// its pieces from the session's queue (1 to [`MAX_TCP_STREAMS`]). More than one
-    /// helps where one stream is limited by its window: long, fat links.
-    /// Source: the most it grants one session.
-    pub tcp_streams: u32,
+    /// its pieces from the session's queue (1 to [`MAX_TCP_STREAMS`]), or
+    /// `"auto"`: one, and more once its first second shows a long link
+    /// (`sync::streams::auto_count`). More than one helps where one stream
+    /// is limited by its window: long, fat links. Source: the most it
+    /// grants one session (`"auto"`: [`AUTO_TCP_STREAMS`]).
+    pub tcp_streams: TcpStreams,
 }
 
 /// The most TCP streams one sync runs on.
 pub const MAX_TCP_STREAMS: u32 = 16;
+
+/// The most TCP streams `tcp_streams = "auto"` asks for and grants.
+pub const AUTO_TCP_STREAMS: u32 = 8;
+
+/// `[data] tcp_streams`: a count, or `"auto"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum TcpStreams {
+    /// This many, as far as the source grants them.
+    Fixed(u32),
+    /// One to start with; the count from its measured round trip and
+    /// first second.
+    Auto(Auto),
+}
+
+/// The word `"auto"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Auto {
+    Auto,
+}
+
+impl TcpStreams {
+    pub const AUTO: TcpStreams = TcpStreams::Auto(Auto::Auto);
+
+    /// The most streams this setting asks for (replica) or grants (source).
+    pub fn most(self) -> u32 {
+        match self {
+            TcpStreams::Fixed(n) => n,
+            TcpStreams::Auto(_) => AUTO_TCP_STREAMS,
+        }
+    }
+
+    pub fn is_auto(self) -> bool {
+        matches!(self, TcpStreams::Auto(_))
+    }
+}
+
+impl std::fmt::Display for TcpStreams {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TcpStreams::Fixed(n) => write!(f, "{n}"),
+            TcpStreams::Auto(_) => f.write_str("\"auto\""),
+        }
+    }
+}
 
 /// The most data connections a source serves at once: each of the
 /// `sync.max_outgoing_syncs` sessions on up to `data.tcp_streams` streams,
@@ -821,7 +869,7 @@ impl Default for DataConfig {
             piece_size: ByteSize::b(crate::snapshot::manifest::DEFAULT_PIECE_SIZE),
             piece_retries: 3,
             resume_ttl: Duration::from_secs(3600),
-            tcp_streams: 1,
+            tcp_streams: TcpStreams::Fixed(1),
         }
     }
 }
@@ -1094,11 +1142,13 @@ impl Config {
                 format!("must be at most {}", crate::blk3::MAX_PIECE_SENDS - 1),
             );
         }
-        if !(1..=MAX_TCP_STREAMS).contains(&self.data.tcp_streams) {
-            p.bad(
-                "data.tcp_streams",
-                format!("must be between 1 and {MAX_TCP_STREAMS}"),
-            );
+        if let TcpStreams::Fixed(n) = self.data.tcp_streams {
+            if !(1..=MAX_TCP_STREAMS).contains(&n) {
+                p.bad(
+                    "data.tcp_streams",
+                    format!("must be \"auto\" or between 1 and {MAX_TCP_STREAMS}"),
+                );
+            }
         }
         let limit = self.sync.rate_limit.as_u64();
         if limit > 0 && self.data.min_rate.as_u64() > limit {
@@ -1452,7 +1502,7 @@ impl Config {
         if self.sync.max_outgoing_syncs == 0 {
             p.bad("sync.max_outgoing_syncs", "must be at least 1".into());
         }
-        let streams = self.sync.max_outgoing_syncs as u64 * self.data.tcp_streams as u64;
+        let streams = self.sync.max_outgoing_syncs as u64 * self.data.tcp_streams.most() as u64;
         if streams > MAX_SERVED_STREAMS as u64 {
             p.bad(
                 "sync.max_outgoing_syncs",
@@ -1698,7 +1748,10 @@ mod tests {
         assert_eq!(a.snapshot_format, Format::RedisRdb);
         assert_eq!(b.redis.primary_addr, "");
         assert_eq!(b.snapshot_format, Format::Kvr1);
-        assert_eq!((a.data.tcp_streams, b.data.tcp_streams), (3, 3));
+        assert_eq!(
+            (a.data.tcp_streams, b.data.tcp_streams),
+            (TcpStreams::Fixed(3), TcpStreams::Fixed(3))
+        );
     }
 
     #[test]
@@ -1933,9 +1986,22 @@ expected_transfer_rate = "0"
     }
 
     #[test]
+    fn tcp_streams_is_a_count_or_auto() {
+        let streams =
+            |v: &str| Config::parse(&format!("node_id = \"n\"\n[data]\ntcp_streams = {v}\n"));
+        assert_eq!(streams("3").unwrap().data.tcp_streams, TcpStreams::Fixed(3));
+        let auto = streams("\"auto\"").unwrap();
+        assert_eq!(auto.data.tcp_streams, TcpStreams::AUTO);
+        assert_eq!(auto.data.tcp_streams.most(), AUTO_TCP_STREAMS);
+        auto.validate().unwrap();
+        assert!(streams("\"many\"").is_err());
+        assert_eq!(problem_keys(&streams("0").unwrap()), ["data.tcp_streams"]);
+    }
+
+    #[test]
     fn the_streams_a_source_may_serve_at_once_are_bounded() {
         let mut c = valid();
-        c.data.tcp_streams = MAX_TCP_STREAMS;
+        c.data.tcp_streams = TcpStreams::Fixed(MAX_TCP_STREAMS);
         c.sync.max_outgoing_syncs = MAX_SERVED_STREAMS / MAX_TCP_STREAMS as usize;
         c.validate().unwrap();
         c.sync.max_outgoing_syncs += 1;

@@ -30,14 +30,16 @@ const LAG_BUCKETS: &[f64] = &[
 /// The `reason` labels of `kvsync_data_connections_refused_total`: why the
 /// source closed a data connection before serving it: too many
 /// still proving their session (in total, or from that address), no proof
-/// within `data.hello_timeout`, a first message that is no proof, or a
-/// proof of no valid session.
+/// within `data.hello_timeout`, a first message that is no proof, a
+/// proof of no valid session, or of a session whose streams all ended (a
+/// replica's late stream; not an authentication failure).
 pub const REFUSAL_REASONS: &[&str] = &[
     "pending_total",
     "pending_per_peer",
     "hello_timeout",
     "bad_hello",
     "bad_token",
+    "session_over",
 ];
 
 /// The `reason` labels of `kvsync_transport_fallback_total`.

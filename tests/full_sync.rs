@@ -359,6 +359,12 @@ async fn source_unreachable_or_without_snapshot() {
 
 /// Sends a SESS frame with `token` to a data endpoint; returns the reply.
 fn present_token(data: &str, token: [u8; 32]) -> Token {
+    open_with_token(data, token).0
+}
+
+/// Presents `token` on a new data connection: the reply, and the
+/// connection, which the source serves until it closes.
+fn open_with_token(data: &str, token: [u8; 32]) -> (Token, std::net::TcpStream) {
     let mut s = std::net::TcpStream::connect(data).unwrap();
     s.set_read_timeout(Some(DEADLINE)).unwrap();
     s.write_all(&Token::Sess { token }.encode_frame()).unwrap();
@@ -366,7 +372,7 @@ fn present_token(data: &str, token: [u8; 32]) -> Token {
     let mut chunk = [0u8; 600];
     loop {
         if let Some((t, _)) = Token::decode_frame(&buf).unwrap() {
-            return t;
+            return (t, s);
         }
         let n = s.read(&mut chunk).unwrap();
         assert!(n > 0, "connection closed without a reply");
@@ -421,10 +427,32 @@ async fn wrong_used_expired_or_other_transport_session_tokens_are_refused() {
     let two = peer.open_full_sync(ask(2)).await.unwrap().into_inner();
     assert_eq!((two.tcp_streams, two.piece_queue), (2, true));
     let token: [u8; 32] = two.session_token.as_slice().try_into().unwrap();
-    assert_eq!(present_token(&two.data_endpoint, token), Token::Srdy);
+    let (reply, first) = open_with_token(&two.data_endpoint, token);
+    assert_eq!(reply, Token::Srdy);
+    // The second while the first still runs: once a session's streams
+    // all ended, its unused ones are refused too.
     assert_eq!(present_token(&two.data_endpoint, token), Token::Srdy);
     let reply = present_token(&two.data_endpoint, token);
     assert!(refused(&reply), "{reply:?}");
+    drop(first);
+    // A session that ran on one of its two streams and ended refuses the
+    // other: it does not hold its place on the source until it expires.
+    let over = peer.open_full_sync(ask(2)).await.unwrap().into_inner();
+    let token: [u8; 32] = over.session_token.as_slice().try_into().unwrap();
+    assert_eq!(present_token(&over.data_endpoint, token), Token::Srdy);
+    wait_for_async("the session to end", DEADLINE, || async {
+        (source.status().await.serving_sessions == 0).then_some(())
+    })
+    .await;
+    let reply = present_token(&over.data_endpoint, token);
+    assert!(
+        matches!(&reply, Token::Rdfl { reason } if reason.contains("have all ended")),
+        "{reply:?}"
+    );
+    assert_eq!(
+        source.metric(r#"kvsync_data_connections_refused_total{reason="session_over"}"#),
+        1.0
+    );
     // More than the source's own [data] tcp_streams is granted that: one
     // token never fetches the snapshot on more connections than the
     // source allows (before, any replica got 16).

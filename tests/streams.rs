@@ -2,11 +2,14 @@
 //! exact copies at 1, 2, 4 and 7 streams for odd sizes (no payload, the
 //! smallest record, a size that is no multiple of the piece size), a
 //! session whose streams are all cut midway, resumed by the retry, and one
-//! whose one stream is cut, finished by the others.
+//! whose one stream is cut, finished by the others; `tcp_streams = "auto"`
+//! on loopback (one stream) and over a link whose handshake counts as
+//! 60 ms (three), the source freeing the session once its streams ended.
 
 mod common;
 
 use common::node::*;
+use common::{wait_for_async, DEADLINE};
 use kvsync::rpc::pb;
 use kvsync::snapshot::kvr1::MIN_LEN;
 
@@ -104,4 +107,60 @@ async fn a_stream_cut_midway_hands_its_pieces_to_the_others() {
     // other piece twice.
     let sent = source.metric("kvsync_fullsync_bytes_total");
     assert!(sent < (32 + 5 + 4) as f64 * MIB as f64, "{sent}");
+}
+
+/// A 64 MiB sync with `tcp_streams = "auto"` (replica faults `faults`)
+/// from a source that grants 4 streams and sends at most 16 MiB/s in all,
+/// so the first second leaves more than 2 s to go: an exact copy in one
+/// attempt, and the source frees the session once its streams ended (the
+/// ones never dialled do not hold it until the token expires, 60 s).
+async fn auto_sync(faults: &str) -> pb::SyncProgress {
+    let root = tempfile::tempdir().unwrap();
+    let source = Node::start(
+        root.path(),
+        "source",
+        "[data]\npiece_size = \"1MiB\"\ntcp_streams = 4\n[sync]\nrate_limit = \"16MiB\"\n",
+        &[],
+    );
+    let bytes = put_snapshot(&source.dir, "s.kvr1", 64 * MIB, 3);
+    source.offered(3).await;
+    let env = [("KVSYNC_FAULTS", faults)];
+    let replica = Node::start(
+        root.path(),
+        "replica",
+        "[data]\ntcp_streams = \"auto\"\n",
+        &env,
+    );
+    let p = sync_ok(&replica, &source).await;
+    assert!(
+        std::fs::read(&p.installed_path).unwrap() == bytes,
+        "exact copy"
+    );
+    assert_eq!(p.attempts, 1, "{p:?}");
+    assert!(replica.temp_files().is_empty());
+    wait_for_async("the source to free the session", DEADLINE, || async {
+        (source.status().await.serving_sessions == 0).then_some(())
+    })
+    .await;
+    p
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_runs_one_stream_on_a_lan() {
+    // Loopback's round trip is far under 10 ms: one stream of the 4.
+    let p = auto_sync("").await;
+    assert!(
+        p.detail.contains("tcp_streams = auto: 1 of 4 streams"),
+        "{}",
+        p.detail
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_adds_streams_after_the_first_second_over_a_long_link() {
+    // The replica's handshakes count as 60 ms: a long link, 3 streams by
+    // the rule (one per 25 ms).
+    let p = auto_sync("handshake_ms=60").await;
+    let three = "tcp_streams = auto: 3 of 4 streams for a 60 ms round trip";
+    assert!(p.detail.contains(three), "{}", p.detail);
 }

@@ -523,7 +523,7 @@ async fn negotiate(
         },
         data_tls: ctx.dialer.data_tls.is_some(),
         snapshot: ctx.want.map(Into::into),
-        tcp_streams: ctx.config.data.tcp_streams,
+        tcp_streams: ctx.config.data.tcp_streams.most(),
         piece_queue: true,
         from_stream_log: ctx.config.handoff.mode == crate::config::HandoffMode::RedisStream,
     };
@@ -755,44 +755,63 @@ async fn transfer(
         p.check = check;
     });
     let spec = dial_spec(ctx, offer, kind)?;
-    // What the source granted, and never more than this agent asked for.
-    let streams = super::streams::granted(kind, offer.tcp_streams, ctx.config.data.tcp_streams);
-    let label = link_label(offer, &spec, streams);
+    // What the source granted, and never more than this agent asked for;
+    // `auto` dials one and decides on the rest after its first second.
+    let count = ctx.config.data.tcp_streams;
+    let streams = super::streams::granted(kind, offer.tcp_streams, count.most());
+    let auto = count.is_auto() && streams > 1;
+    let label = link_label(offer, &spec, if auto { 1 } else { streams });
     ctx.progress.send_modify(|p| p.detail = label.clone());
     let endpoint = spec.endpoint;
-    let mut links = ctx
+    let (first, spec) = ctx
         .or_cancel(tokio::task::spawn_blocking(move || {
-            (0..streams)
+            let first = (0..if auto { 1 } else { streams })
                 .map(|_| DataLink::dial(&spec))
-                .collect::<Result<Vec<_>, _>>()
+                .collect::<Result<Vec<_>, _>>();
+            (first, spec)
         }))
         .await?
-        .map_err(|e| JobError::Panicked(panic_text(e)))?
-        .map_err(|source| JobError::DataConnect { endpoint, source })?;
-    let cancellers: Vec<_> = links.iter().map(DataLink::canceller).collect();
+        .map_err(|e| JobError::Panicked(panic_text(e)))?;
+    let mut links = first.map_err(|source| JobError::DataConnect { endpoint, source })?;
+    let cancel = super::streams::Cancel::default();
+    links.iter().for_each(|link| cancel.add(link));
+    let round_trip = links[0].handshake().unwrap_or_default();
+    let grow = auto.then(|| super::streams::Grow {
+        round_trip,
+        spec,
+        most: streams,
+    });
 
     ctx.phase(pb::Phase::Transferring);
     let bulk_started = Instant::now();
     let (token, total, faults) = (offer.token, offer.snapshot.size, ctx.faults.clone());
-    let mut run = tokio::task::spawn_blocking(move || match links.len() {
-        1 => {
+    let canceller = cancel.clone();
+    let mut run = tokio::task::spawn_blocking(move || {
+        if links.len() == 1 && grow.is_none() {
             let link = links.pop().expect("one link");
             let (result, memory) = link.run(token, total, &mut receiver, &faults);
-            (result, memory, receiver)
-        }
-        _ => {
-            let (result, receiver) = super::streams::run(links, token, total, receiver, &faults);
-            (result, None, receiver)
+            (result, memory, receiver, 1)
+        } else {
+            let (result, receiver, ran) =
+                super::streams::run(links, grow, &canceller, token, total, receiver, &faults);
+            (result, None, receiver, ran)
         }
     });
     let joined = tokio::select! {
         r = &mut run => r,
         _ = ctx.cancel.cancelled() => {
-            cancellers.iter().for_each(|c| c.cancel());
+            cancel.cancel();
             run.await
         }
     };
-    let (result, memory, receiver) = joined.map_err(|e| JobError::Panicked(panic_text(e)))?;
+    let (result, memory, receiver, ran) = joined.map_err(|e| JobError::Panicked(panic_text(e)))?;
+    if auto {
+        let detail = format!(
+            "{label}; tcp_streams = auto: {ran} of {streams} streams for a {} ms round trip",
+            round_trip.as_millis()
+        );
+        ctx.progress.send_modify(|p| p.detail = detail);
+    }
     let instance = ctx.instance.as_str();
     ctx.metrics
         .bulk_duration

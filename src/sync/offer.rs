@@ -222,7 +222,7 @@ impl Offers {
             node => node.to_string(),
         };
         let asked = if ask.piece_queue { ask.tcp_streams } else { 1 };
-        let streams = super::streams::granted(transport, asked, config.data.tcp_streams);
+        let streams = super::streams::granted(transport, asked, config.data.tcp_streams.most());
         let token = self.sessions.insert(
             OfferedSession {
                 id: id.clone(),

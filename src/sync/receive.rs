@@ -788,6 +788,24 @@ impl Shared {
         }
     }
 
+    /// Waits until `deadline` or until every piece is verified; returns
+    /// the bytes this session received so far and the bytes still to come.
+    pub fn progress_by(&self, deadline: Instant) -> (u64, u64) {
+        let mut fed = self.lock();
+        loop {
+            let now = Instant::now();
+            if fed.queue.left() == 0 || now >= deadline {
+                let left = fed.queue.left() as u64 * fed.receiver.manifest.piece_size;
+                return (fed.receiver.received, left);
+            }
+            fed = self
+                .changed
+                .wait_timeout(fed, deadline - now)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+    }
+
     /// The receiver, once every stream has ended.
     pub fn into_inner(self) -> Receiver {
         self.fed

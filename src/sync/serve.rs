@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
@@ -121,6 +121,16 @@ pub struct Session {
     _replica: Arc<ReplicaSlot>,
 }
 
+/// Why a token opened no session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Untaken {
+    /// Unknown, used up, expired or offered for another transport.
+    Unknown,
+    /// Its session ran and all its streams ended: a stream the replica
+    /// dialled late, or one of a session that is over.
+    Over,
+}
+
 /// An offer waiting for its data connections.
 struct Waiting {
     offer: Arc<OfferedSession>,
@@ -128,9 +138,22 @@ struct Waiting {
     streams_left: u32,
     /// The pieces its streams asked for.
     asked: Arc<Asked>,
-    /// Its one count as served, from its first connection on.
-    serving: Option<Arc<Slot>>,
+    /// Its one count as served, from its first connection on, held by
+    /// its connections: once they all ended, the session is over and the
+    /// connections it did not use are refused.
+    serving: Option<Weak<Slot>>,
     replica: Arc<ReplicaSlot>,
+}
+
+impl Waiting {
+    /// Its streams ran and have all ended.
+    fn ended(&self) -> bool {
+        self.serving.as_ref().is_some_and(|s| s.strong_count() == 0)
+    }
+
+    fn open(&self, now: Instant) -> bool {
+        self.offer.expires > now && !self.ended()
+    }
 }
 
 /// Limits on the sessions a source offers and serves at once.
@@ -229,32 +252,45 @@ impl SessionTable {
 
     /// Takes the offer for `token` if it exists, has not expired and was
     /// made for `transport`. A token works for as many connections as the
-    /// offer has streams (once, mostly); a misused one not at all. The
-    /// session counts as served until its last connection's value drops.
-    pub fn take(&self, token: &[u8], transport: TransportKind) -> Option<Session> {
-        let token: &[u8; SESSION_TOKEN_LEN] = token.get(..SESSION_TOKEN_LEN)?.try_into().ok()?;
+    /// offer has streams (once, mostly), while the session runs; a misused
+    /// one not at all. The session counts as served until its last
+    /// connection's value drops.
+    pub fn take(&self, token: &[u8], transport: TransportKind) -> Result<Session, Untaken> {
+        let token: &[u8; SESSION_TOKEN_LEN] = token
+            .get(..SESSION_TOKEN_LEN)
+            .and_then(|t| t.try_into().ok())
+            .ok_or(Untaken::Unknown)?;
         let mut offers = self.offers.lock().expect("sessions lock");
-        let waiting = offers.get_mut(token)?;
-        let offer = &waiting.offer;
-        if offer.expires <= Instant::now() || offer.transport != transport {
+        let waiting = offers.get_mut(token).ok_or(Untaken::Unknown)?;
+        if waiting.ended() && waiting.offer.transport == transport {
             offers.remove(token);
-            return None;
+            return Err(Untaken::Over);
         }
-        let serving = waiting
-            .serving
-            .get_or_insert_with(|| Arc::new(Slot::take(&self.serving)));
+        if !waiting.open(Instant::now()) || waiting.offer.transport != transport {
+            offers.remove(token);
+            return Err(Untaken::Unknown);
+        }
+        let serving = match waiting.serving.as_ref().and_then(Weak::upgrade) {
+            Some(serving) => serving,
+            None => {
+                let serving = Arc::new(Slot::take(&self.serving));
+                waiting.serving = Some(Arc::downgrade(&serving));
+                serving
+            }
+        };
+        let offer = &waiting.offer;
         let session = Session {
             offer: offer.clone(),
             asked: waiting.asked.clone(),
             stream: offer.streams.max(1) - waiting.streams_left,
-            _serving: serving.clone(),
+            _serving: serving,
             _replica: waiting.replica.clone(),
         };
         waiting.streams_left -= 1;
         if waiting.streams_left == 0 {
             offers.remove(token);
         }
-        Some(session)
+        Ok(session)
     }
 
     /// Data connections the source expects from `ip`: the streams left of
@@ -264,17 +300,18 @@ impl SessionTable {
         let offers = self.offers.lock().expect("sessions lock");
         offers
             .values()
-            .filter(|w| w.offer.replica_ip == Some(ip) && w.offer.expires > now)
+            .filter(|w| w.offer.replica_ip == Some(ip) && w.open(now))
             .map(|w| w.streams_left as usize)
             .sum()
     }
 
-    /// Drops expired offers (releasing their cache references).
+    /// Drops expired offers and those whose streams all ended (releasing
+    /// their cache references).
     pub fn sweep(&self) -> usize {
         let now = Instant::now();
         let mut offers = self.offers.lock().expect("sessions lock");
         let before = offers.len();
-        offers.retain(|_, w| w.offer.expires > now);
+        offers.retain(|_, w| w.open(now));
         before - offers.len()
     }
 
@@ -294,7 +331,7 @@ impl SessionTable {
         let offers = self.offers.lock().expect("sessions lock");
         offers
             .values()
-            .find(|w| w.offer.id == id && w.offer.expires > now)
+            .find(|w| w.offer.id == id && w.open(now))
             .map(|w| (w.offer.instance.clone(), w.offer.entry.manifest.clone()))
     }
 
@@ -441,6 +478,7 @@ pub async fn serve(mut incoming: impl Stream<Item = (Accepted, String)> + Unpin,
 
 /// The refusal a replica sees for a bad session proof.
 const BAD_TOKEN: &str = "unknown, used or expired session token";
+const SESSION_OVER: &str = "the session's other streams have all ended";
 
 /// The `stream_ring_lie` fault was used (it lies once per process).
 static RING_LIED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -528,10 +566,23 @@ async fn prove_and_serve(conn: Accepted, peer: String, slot: conn_limit::Slot, p
         }
         return;
     }
-    let Some(session) = plane.sessions.take(proved.proof(), kind) else {
-        refused("bad_token", &BAD_TOKEN);
-        let _ = tokio::time::timeout(plane.hello_timeout, proved.refuse(BAD_TOKEN)).await;
-        return;
+    let session = match plane.sessions.take(proved.proof(), kind) {
+        Ok(session) => session,
+        Err(Untaken::Over) => {
+            plane
+                .metrics
+                .data_refused
+                .with_label_values(&["session_over"])
+                .inc();
+            info!(%peer, "data connection refused: {SESSION_OVER}");
+            let _ = tokio::time::timeout(plane.hello_timeout, proved.refuse(SESSION_OVER)).await;
+            return;
+        }
+        Err(Untaken::Unknown) => {
+            refused("bad_token", &BAD_TOKEN);
+            let _ = tokio::time::timeout(plane.hello_timeout, proved.refuse(BAD_TOKEN)).await;
+            return;
+        }
     };
     // A session offered under TLS is served only under TLS (and the other
     // way round): the offer said which.

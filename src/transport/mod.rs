@@ -368,7 +368,8 @@ pub const CRC32_NEUTRAL: [u8; 5] = [0x41, 0x06, 0x71, 0xdb, 0x01];
 
 /// Faults injected into the data plane for fault tests, from the
 /// `KVSYNC_FAULTS` environment variable: `corrupt_at=N,forge_at=N,
-/// stall_after=N,cut_after=N,cut_stream=N` for TCP sources; `stream_corrupt_at=N` for
+/// stall_after=N,cut_after=N,cut_stream=N` for TCP sources; `handshake_ms=N`
+/// for TCP replicas; `stream_corrupt_at=N` for
 /// stream sources; `stream_ack_on_tick=1` for stream replicas; `rdma_corrupt_at=N,rdma_cut_after=N,rdma_drop_send=N` for
 /// the emulated fabric; `rdma_bad_rkey=1` and `rdma_hold_after=N` with
 /// `hold_file=PATH`, `rdma_write_after_verify=1` (source), `rdma_no_file_mr=1`
@@ -395,6 +396,9 @@ pub struct Faults {
     /// Source: `stall_after` and `cut_after` stop only this stream of a
     /// session on several (numbered from 0 as they connect).
     pub cut_stream: Option<u32>,
+    /// Replica: its TCP data connections' handshakes count as this many
+    /// milliseconds (a long link on loopback, for `tcp_streams = "auto"`).
+    pub handshake_ms: Option<u64>,
     /// Stream source: flip one bit of the replication stream's byte at
     /// this offset on the wire, after its frame's MAC was made (an on-path
     /// change), in every session that sends it.
@@ -454,6 +458,7 @@ impl Faults {
                 "stall_after" => f.stall_after = Some(n),
                 "cut_after" => f.cut_after = Some(n),
                 "cut_stream" => f.cut_stream = Some(n as u32),
+                "handshake_ms" => f.handshake_ms = Some(n),
                 "stream_corrupt_at" => f.stream_corrupt_at = Some(n),
                 "stream_ack_on_tick" => f.stream_ack_on_tick = n != 0,
                 "stream_ring_lie" => {

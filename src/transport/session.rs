@@ -13,7 +13,7 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 use tracing::info;
@@ -138,7 +138,12 @@ impl DataLink {
         };
         match spec.rdma {
             None => {
+                let started = Instant::now();
                 let s = std::net::TcpStream::connect_timeout(&spec.endpoint, CONNECT_TIMEOUT)?;
+                let handshake = match spec.faults.handshake_ms {
+                    Some(ms) => Duration::from_millis(ms),
+                    None => started.elapsed(),
+                };
                 super::detect_dead_peer(&s, spec.peer_timeout)?;
                 let tls = match &spec.tls {
                     Some(t) => Some((
@@ -147,7 +152,8 @@ impl DataLink {
                     )),
                     None => None,
                 };
-                let link = Link::new(s, spec.min_rate)?;
+                let mut link = Link::new(s, spec.min_rate)?;
+                link.handshake = Some(handshake);
                 Ok(DataLink::Tcp(match tls {
                     Some((conn, kernel)) => link.with_tls(conn, kernel)?,
                     None => link,
@@ -165,6 +171,15 @@ impl DataLink {
             }
             #[cfg(not(feature = "rdma"))]
             Some(RdmaProvider::Verbs) => Err(FabricError::NoVerbs.into()),
+        }
+    }
+
+    /// The round trip its TCP handshake took (connect to accepted), the
+    /// path's length before any queue fills: `None` for RDMA.
+    pub fn handshake(&self) -> Option<Duration> {
+        match self {
+            DataLink::Tcp(link) => link.handshake,
+            _ => None,
         }
     }
 

@@ -102,6 +102,8 @@ pub struct Link {
     /// Where the replica receives the bulk, kept across pieces.
     landing: Option<Landing>,
     started: Instant,
+    /// A dialled link: how long its TCP handshake took.
+    pub handshake: Option<Duration>,
     buf: Vec<u8>,
     cancelled: Arc<AtomicBool>,
     canceller: Arc<TcpStream>,
@@ -120,6 +122,7 @@ impl Link {
             pace: None,
             landing: None,
             started: Instant::now(),
+            handshake: None,
             buf: Vec::with_capacity(64),
             cancelled: Arc::new(AtomicBool::new(false)),
             canceller,
