@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# One sync over a long link: 1 TCP stream vs 4 ([data] tcp_streams), side by
-# side, alternating. Two agents in two network namespaces joined by a veth
+# One sync over a long link: 1 TCP stream vs 4 ([data] tcp_streams) vs
+# "auto" (which the source's 4 cap), side by side, alternating. Two agents in two network namespaces joined by a veth
 # pair whose both ends delay every packet (tc netem), so the round trip is
 # RTT_MS. Needs root and a kernel with veth and sch_netem: bench.sh runs it
 # inside the soft-RoCE VM (scripts/rxe-vm.sh), whose Debian kernel has both.
 #
 #   [PIECE=4MiB] [RMEM=BYTES] [LOSS=PERCENT] scripts/bench-rtt.sh KVSYNC_BIN [SIZE] [RUNS] [RTT_MS]
 #
-# Prints one Markdown table row: | RTT | snapshot | 1 stream | 4 streams | 4 / 1 |
+# Prints one Markdown table row:
+# | RTT | snapshot | 1 stream | 4 streams | 4 / 1 | auto | auto / 4 |
 set -euo pipefail
 bin=$1
 size=${2:-256MiB}
@@ -93,6 +94,7 @@ EOF
 agent source 10.77.0.1 4
 agent one 10.77.0.2 1 nsenter -t "$holder" -n
 agent four 10.77.0.2 4 nsenter -t "$holder" -n
+agent auto 10.77.0.2 '"auto"' nsenter -t "$holder" -n
 cli=("$bin" --token-file "$work/token")
 "$bin" gen-snapshot --size "$size" --seq 3 "$work/source/s.kvr1" > /dev/null
 for _ in $(seq 600); do
@@ -104,17 +106,20 @@ secs() {
     local json
     json=$(ns "${cli[@]}" sync --agent "$1" --source "$GRPC_source" --transport tcp --wait --json)
     echo "$json" | grep -q '"status":"succeeded"' || { echo "sync failed: $json" >&2; exit 1; }
-    rm -f "$work"/one/s.kvr1* "$work"/four/s.kvr1*
+    rm -f "$work"/one/s.kvr1* "$work"/four/s.kvr1* "$work"/auto/s.kvr1*
+    echo "$json" | grep -o 'tcp_streams = auto: [0-9]* of [0-9]*' | sed 's/^/# /' >&2 || true
     echo "$json" | sed -E 's/.*"duration_ms":([0-9]+).*/\1/' | awk '{print $1 / 1000}'
 }
 median() { printf '%s\n' "$@" | sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
-one_s=(); four_s=()
+one_s=(); four_s=(); auto_s=()
 for _ in $(seq "$runs"); do
     one_s+=("$(secs "$GRPC_one")")
     four_s+=("$(secs "$GRPC_four")")
+    auto_s+=("$(secs "$GRPC_auto")")
 done
 bytes=$(stat -c %s "$work/source/s.kvr1")
-o=$(median "${one_s[@]}"); f=$(median "${four_s[@]}")
+o=$(median "${one_s[@]}"); f=$(median "${four_s[@]}"); a=$(median "${auto_s[@]}")
 mbps() { awk -v b="$bytes" -v s="$1" 'BEGIN {printf "%.0f", b / s / 1e6}'; }
-echo "| ${rtt} ms | $size | $(mbps "$o") MB/s | $(mbps "$f") MB/s | $(awk -v a="$o" -v b="$f" 'BEGIN {printf "%.2f", a / b}') |"
-echo "rtt bench runs: one ${one_s[*]}; four ${four_s[*]}"
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f", a / b}'; }
+echo "| ${rtt} ms | $size | $(mbps "$o") MB/s | $(mbps "$f") MB/s | $(ratio "$o" "$f") | $(mbps "$a") MB/s | $(ratio "$f" "$a") |"
+echo "rtt bench runs: one ${one_s[*]}; four ${four_s[*]}; auto ${auto_s[*]}"

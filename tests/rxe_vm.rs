@@ -10,7 +10,9 @@
 //! access error (wrong rkey) falling back to TCP — and a real Redis replica
 //! seeded over rxe0 that continues with a partial resync; and, since the
 //! VM's kernel has the `tls` module, agents with [tls] sync with their TLS
-//! records in the kernel, against each other and against rustls. A second test
+//! records in the kernel, against each other and against rustls; and a
+//! replica with `tcp_streams = "auto"` runs 3 streams over a loopback
+//! delayed to a 60 ms round trip (netem). A second test
 //! boots two such VMs joined by one link (`rxe-vm.sh --hosts 2`): each
 //! probe picks the link, not the NAT interface; a snapshot and a Redis
 //! replica's seed cross between them over real RDMA; the source's rxe0,
@@ -219,6 +221,24 @@ for i in $(seq 300); do "$K" snapshots --agent $RSRC | grep -q dump.rdb && break
 redis-cli -p $RP info stats | grep -E "^sync_(full|partial_ok):"
 for i in $(seq 300); do [ "$(redis-cli -p $RR get after-save)" = yes ] && break; sleep 0.1; done
 echo "after-save=$(redis-cli -p $RR get after-save) keys=$(redis-cli -p $RR dbsize)/$(redis-cli -p $RP dbsize)"
+
+echo "== auto streams"
+# tcp_streams = "auto" over a real long link: loopback delayed 30 ms each
+# way (netem), so the replica's handshake takes 60 ms; its receive buffer
+# capped at 256 KiB keeps one stream window-bound (about 2 MB/s), so its
+# first second leaves far more than 2 s to go. The rule: 3 streams.
+ASRC=$(DATA='tcp_streams = 4
+piece_size = "1MiB"' start_agent asrc tcp false | grpc) || exit 1
+ADST=$(DATA='tcp_streams = "auto"' start_agent adst tcp false | grpc) || exit 1
+"$K" gen-snapshot --size 16777216 --seq 11 /tmp/kv/asrc/a11.kvr1 > /dev/null
+offered $ASRC 11
+rmem=$(cat /proc/sys/net/ipv4/tcp_rmem)
+echo "4096 131072 262144" > /proc/sys/net/ipv4/tcp_rmem
+tc qdisc add dev lo root netem delay 30ms limit 100000 || exit 1
+"$K" sync --agent $ADST --source $ASRC --wait --json
+tc qdisc del dev lo root
+echo "$rmem" > /proc/sys/net/ipv4/tcp_rmem
+cmp /tmp/kv/asrc/a11.kvr1 /tmp/kv/adst/a11.kvr1 && echo "identical"
 echo "== done"
 "#;
 
@@ -475,6 +495,17 @@ fn soft_roce_vm_has_active_rxe0_and_real_verbs() {
 
     // A Redis replica seeded by real RDMA continues with a partial resync.
     assert_redis_seeded_over_rdma(out);
+
+    // `auto` measured the delayed loopback's handshake (60 ms and a
+    // little) and ran 3 of the 4 streams the source granted.
+    let auto = section_json(out, "auto streams");
+    assert_eq!(auto["status"], "succeeded", "{auto}");
+    let detail = auto["detail"].as_str().unwrap_or_default();
+    assert!(
+        detail.contains("tcp_streams = auto: 3 of 4 streams for a 6"),
+        "{auto}"
+    );
+    assert!(section(out, "auto streams").contains("identical"));
 
     assert_kernel_tls(out);
 

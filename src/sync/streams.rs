@@ -92,6 +92,12 @@ impl Cancel {
         state.1.push(canceller);
     }
 
+    /// The session was cancelled: dial no further link.
+    pub fn cancelled(&self) -> bool {
+        self.0.lock().expect("cancel lock").0
+    }
+
+    /// Stops every link added, and those added from now on.
     pub fn cancel(&self) {
         let mut state = self.0.lock().expect("cancel lock");
         state.0 = true;
@@ -149,6 +155,9 @@ pub fn run(
                 );
                 let mut more = Vec::new();
                 for _ in 1..n {
+                    if cancel.cancelled() {
+                        break;
+                    }
                     match DataLink::dial(&grow.spec) {
                         Ok(link) => {
                             cancel.add(&link);
