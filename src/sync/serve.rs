@@ -262,13 +262,17 @@ impl SessionTable {
             .ok_or(Untaken::Unknown)?;
         let mut offers = self.offers.lock().expect("sessions lock");
         let waiting = offers.get_mut(token).ok_or(Untaken::Unknown)?;
-        if waiting.ended() && waiting.offer.transport == transport {
+        let refused =
+            if waiting.offer.expires <= Instant::now() || waiting.offer.transport != transport {
+                Some(Untaken::Unknown)
+            } else if waiting.ended() {
+                Some(Untaken::Over)
+            } else {
+                None
+            };
+        if let Some(why) = refused {
             offers.remove(token);
-            return Err(Untaken::Over);
-        }
-        if !waiting.open(Instant::now()) || waiting.offer.transport != transport {
-            offers.remove(token);
-            return Err(Untaken::Unknown);
+            return Err(why);
         }
         let serving = match waiting.serving.as_ref().and_then(Weak::upgrade) {
             Some(serving) => serving,
