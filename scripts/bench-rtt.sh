@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One sync over a long link: 1 TCP stream vs 4 ([data] tcp_streams) vs
-# "auto" (which the source's 4 cap), side by side, alternating. Two agents in two network namespaces joined by a veth
-# pair whose both ends delay every packet (tc netem), so the round trip is
-# RTT_MS. Needs root and a kernel with veth and sch_netem: bench.sh runs it
+# "auto" (which the source's 4 cap), side by side, alternating. Two agents
+# in two network namespaces joined by a veth pair whose both ends delay
+# every packet (tc netem), so the round trip is RTT_MS. Needs root and a kernel with veth and sch_netem: bench.sh runs it
 # inside the soft-RoCE VM (scripts/rxe-vm.sh), whose Debian kernel has both.
 #
 #   [PIECE=4MiB] [RMEM=BYTES] [LOSS=PERCENT] scripts/bench-rtt.sh KVSYNC_BIN [SIZE] [RUNS] [RTT_MS]
