@@ -213,11 +213,17 @@ impl Redis {
     }
 
     pub fn cmd<T: redis::FromRedisValue>(&self, args: &[&str]) -> T {
+        self.try_cmd(args).unwrap()
+    }
+
+    /// The command's answer or the server's error (a replica still
+    /// loading its master's RDB answers `LOADING`).
+    pub fn try_cmd<T: redis::FromRedisValue>(&self, args: &[&str]) -> redis::RedisResult<T> {
         let mut c = redis::cmd(args[0]);
         for a in &args[1..] {
             c.arg(*a);
         }
-        c.query(&mut self.con()).unwrap()
+        c.query(&mut self.con())
     }
 
     pub fn info(&self, section: &str) -> kvsync::kv::redis::Info {
