@@ -30,6 +30,7 @@
 # Usage: scripts/bench-failover.sh KVSYNC_BIN [RUNS]   Knobs: KEEP=1 RATE=1048576 PING=3600
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/servers.sh
 bin=$1
 runs=${2:-${RUNS:-3}}
 rate=${RATE:-1048576}
@@ -40,7 +41,7 @@ examples=$PWD/target/release/examples
 top=$(mktemp -d "${TMPDIR:-/tmp}/kvsync-failover.XXXXXX")
 work=$top
 stop_all() {
-    for f in "$work"/*/redis.pid; do [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null || true; done
+    stop_servers "$work"
     [ -f "$work/pids" ] && xargs -r kill <"$work/pids" 2>/dev/null || true
     wait 2>/dev/null || true
 }

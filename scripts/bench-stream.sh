@@ -25,6 +25,7 @@
 #        SERVER=redis|valkey PARTS="1 2 3 4" (which measurements)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/servers.sh
 bin=$1
 runs=${2:-${RUNS:-3}}
 rate=${RATE:-1048576}
@@ -43,7 +44,7 @@ cargo build --locked --release --quiet --example wait_latency --example redis_wr
 examples=$PWD/target/release/examples
 work=$(mktemp -d "${TMPDIR:-/tmp}/kvsync-stream.XXXXXX")
 cleanup() {
-    for f in "$work"/*/redis.pid; do [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null || true; done
+    stop_servers "$work"
     [ -f "$work/pids" ] && xargs -r kill <"$work/pids" 2>/dev/null || true
     wait 2>/dev/null || true
     if [ -n "${KEEP:-}" ]; then echo "kept $work" >&2; else rm -rf "$work"; fi

@@ -32,6 +32,7 @@
 # Everything it starts (servers, agents) is stopped when it exits.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/servers.sh
 keys=${1:-100000}
 size=${2:-100}
 srv=${SERVER:-redis}
@@ -58,7 +59,7 @@ if [ "$availability" = 1 ]; then
 fi
 work=$(mktemp -d "${TMPDIR:-/tmp}/kvsync-redis.XXXXXX")
 cleanup() {
-    for f in "$work"/*/redis.pid; do [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null || true; done
+    stop_servers "$work"
     # Agents start inside $(agent ...) subshells, which `jobs` cannot see:
     # each records its pid in $work/agents.
     [ -f "$work/agents" ] && xargs -r kill <"$work/agents" 2>/dev/null || true
