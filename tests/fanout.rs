@@ -307,17 +307,10 @@ async fn a_relay_serving_a_crc_neutral_forgery_is_refused_by_the_digest_and_the_
     );
     assert_ne!(genuine.manifest_digest, doctored.manifest_digest);
 
-    let pull = |digest: Vec<u8>| pb::StartFullSyncRequest {
-        source: relay.grpc(),
-        upstream: vec![origin.grpc()],
-        snapshot: Some(pb::SnapshotId {
-            size: genuine.size,
-            seq: genuine.seq,
-            checksum: genuine.checksum,
-            manifest_digest: digest,
-        }),
-        transport: pb::TransportPreference::Tcp as i32,
-        ..Default::default()
+    let pull = |digest: Vec<u8>| {
+        let mut request = through(&relay, &origin, &genuine);
+        request.snapshot.as_mut().unwrap().manifest_digest = digest;
+        request
     };
     // By size, seq and checksum alone, the relay's copy is the snapshot
     // asked for: that request installs the forgery.
@@ -344,17 +337,125 @@ async fn a_relay_serving_a_crc_neutral_forgery_is_refused_by_the_digest_and_the_
     );
 }
 
+/// 4 MiB pieces: a relay's blocks are a quarter of one.
+const BIG_PIECES: &str = "[data]\npiece_size = \"4MiB\"\n";
+
+/// A request to pull the origin's snapshot `genuine` from `relay`, with
+/// the origin as its upstream.
+fn through(relay: &Node, origin: &Node, genuine: &pb::SnapshotEntry) -> pb::StartFullSyncRequest {
+    pb::StartFullSyncRequest {
+        source: relay.grpc(),
+        upstream: vec![origin.grpc()],
+        snapshot: Some(pb::SnapshotId {
+            size: genuine.size,
+            seq: genuine.seq,
+            checksum: genuine.checksum,
+            manifest_digest: genuine.manifest_digest.clone(),
+        }),
+        transport: pb::TransportPreference::Tcp as i32,
+        ..Default::default()
+    }
+}
+
+/// Waits until `node` relays a snapshot it is still receiving.
+async fn relaying(node: &Node) {
+    let client = node.client().await;
+    wait_for_async(&format!("{} to relay", node.grpc()), DEADLINE, || {
+        let mut c = client.clone();
+        async move {
+            let s = c.get_status(pb::GetStatusRequest::default()).await.ok()?;
+            s.into_inner().relaying.first().map(drop)
+        }
+    })
+    .await;
+}
+
+/// A relay passes a piece on while it still arrives: its origin stalls
+/// 3 MiB into the first 4 MiB piece, so the relay has verified nothing,
+/// and still its child receives the blocks that landed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_passes_on_the_blocks_of_a_piece_before_the_piece_is_whole() {
+    let root = tempfile::tempdir().unwrap();
+    let faults = format!("stall_after={}", 3 * MIB);
+    let origin = Node::start(
+        root.path(),
+        "origin",
+        BIG_PIECES,
+        &[("KVSYNC_FAULTS", &faults)],
+    );
+    put_snapshot(&origin.dir, "s.kvr1", 8 * MIB, 4);
+    origin.offered(4).await;
+    let genuine = origin.status().await.latest_snapshots.remove(0);
+    let relay = Node::start(root.path(), "relay", BIG_PIECES, &[]);
+    start_sync(&relay, through(&origin, &origin, &genuine)).await;
+    relaying(&relay).await;
+    let child = Node::start(root.path(), "child", BIG_PIECES, &[]);
+    start_sync(&child, through(&relay, &origin, &genuine)).await;
+    receiving(&child, 2 * MIB).await;
+    let r = relay.status().await;
+    let own = r.running.first().expect("the relay still receives");
+    assert!(own.bytes_done <= 3 * MIB, "stalled mid-piece: {own:?}");
+    let c = child.status().await;
+    let p = c.running.first().expect("the child still receives");
+    assert_eq!(p.source, relay.grpc(), "{p:?}");
+    assert!(p.bytes_done >= 2 * MIB && p.bytes_done <= 3 * MIB, "{p:?}");
+}
+
+/// A piece that fails the relay's own check after the relay began passing
+/// it on: the relay ends its child's session, the child drops those bytes
+/// (it keeps only verified pieces) and pulls from the origin, and installs
+/// the origin's exact bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_piece_that_fails_the_relays_check_after_it_was_passed_on_sends_the_child_up() {
+    let root = tempfile::tempdir().unwrap();
+    // The relay's first piece takes 4 s at 1 MiB/s, its last bytes damaged.
+    let faults = format!("corrupt_at={}", 4 * MIB - 16);
+    let origin = Node::start(
+        root.path(),
+        "origin",
+        &format!("{BIG_PIECES}[sync]\nrate_limit = \"1MiB\"\n"),
+        &[("KVSYNC_FAULTS", &faults)],
+    );
+    let bytes = put_snapshot(&origin.dir, "s.kvr1", 5 * MIB, 4);
+    origin.offered(4).await;
+    let genuine = origin.status().await.latest_snapshots.remove(0);
+    let relay = Node::start(root.path(), "relay", BIG_PIECES, &[]);
+    let relay_sync = start_sync(&relay, through(&origin, &origin, &genuine)).await;
+    relaying(&relay).await;
+    let child = Node::start(root.path(), "child", BIG_PIECES, &[]);
+    let p = run_sync(&child, through(&relay, &origin, &genuine)).await;
+    assert_eq!(p.phase, pb::Phase::Succeeded as i32, "{p:?}");
+    assert_eq!(p.source, origin.grpc(), "{p:?}");
+    assert_eq!(p.abandoned_sources, vec![relay.grpc()], "{p:?}");
+    assert!(std::fs::read(&p.installed_path).unwrap() == bytes);
+    let r = wait_done(&relay, &relay_sync).await;
+    assert_eq!(r.phase, pb::Phase::Succeeded as i32, "{r:?}");
+    assert_eq!(r.pieces_refetched, 1, "{r:?}");
+    assert!(relay
+        .proc
+        .log()
+        .contains("piece 0 failed this relay's own check"));
+    assert!(child.temp_files().is_empty(), "{:?}", child.temp_files());
+    origin.wait_released();
+    relay.wait_released();
+}
+
 /// Starts `request` on `replica` and follows it to its end.
 async fn run_sync(replica: &Node, request: pb::StartFullSyncRequest) -> pb::SyncProgress {
-    let id = replica
+    let id = start_sync(replica, request).await;
+    wait_done(replica, &id).await
+}
+
+/// Starts `request` on `replica`; its sync id.
+async fn start_sync(replica: &Node, request: pb::StartFullSyncRequest) -> String {
+    replica
         .client()
         .await
         .start_full_sync(request)
         .await
         .expect("start sync")
         .into_inner()
-        .sync_id;
-    wait_done(replica, &id).await
+        .sync_id
 }
 
 #[test]

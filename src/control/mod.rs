@@ -88,7 +88,9 @@ impl From<CacheError> for ApiError {
         match e {
             CacheError::TooLarge { .. } | CacheError::OverBudget { .. } => ApiError::Busy(msg),
             CacheError::Changed { .. } => ApiError::Unavailable(format!("{msg}; retry")),
-            CacheError::RelayEnded(_) | CacheError::PieceChanged { .. } => {
+            CacheError::RelayEnded(_)
+            | CacheError::PieceChanged { .. }
+            | CacheError::PieceDropped { .. } => {
                 ApiError::Unavailable(format!("{msg}; pull from this relay's own source instead"))
             }
             CacheError::Io { .. } | CacheError::Corrupt { .. } | CacheError::Load(_) => {

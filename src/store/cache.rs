@@ -6,7 +6,8 @@
 //! that verifies as it goes while sessions send what is loaded; a refcount and
 //! a `cache.linger` after the last holder; a memory budget that makes loads
 //! wait or fail clearly, shared fairly by the agent's instances; and relay
-//! images filled as their pieces verify.
+//! images filled block by block as a snapshot being received lands, each
+//! piece checked again.
 //!
 //! The sharing rule: with `n` instances, each is guaranteed a share of
 //! `budget / n` and may borrow free room beyond it, except while another
@@ -27,7 +28,7 @@ use tracing::{info, warn};
 use crate::metrics::Metrics;
 use crate::snapshot::manifest::Manifest;
 use crate::snapshot::{Corruption, Verifier};
-use crate::store::arrivals::{Arrivals, ArrivalsError};
+use crate::store::arrivals::{Arrivals, ArrivalsError, RELAY_BLOCK};
 use crate::store::catalog::{system_time_ns, CatalogEntry};
 use crate::sys::buf::AlignedBuf;
 
@@ -88,10 +89,15 @@ pub enum CacheError {
     /// A relayed snapshot's receive ended before this piece came.
     #[error("this agent's own sync of the relayed snapshot ended: {0}")]
     RelayEnded(#[from] ArrivalsError),
-    /// A verified piece of a relayed snapshot no longer matches its
-    /// manifest in the staging file.
+    /// The bytes of a relayed snapshot's piece that this agent passed on
+    /// do not match the manifest (the staging file changed after the
+    /// receiver verified them).
     #[error("{path}: piece {index} changed after it was verified")]
     PieceChanged { path: PathBuf, index: u32 },
+    /// A piece of a relayed snapshot failed this agent's own check after
+    /// it began passing its bytes on: they are not the piece.
+    #[error("piece {index} failed this relay's own check after it began passing it on: drop that piece's bytes")]
+    PieceDropped { index: u32 },
 }
 
 /// How far the background load got.
@@ -115,15 +121,20 @@ impl Image {
         self.buf.len()
     }
 
-    /// Blocks until `[0, end)` is loaded; returns that prefix.
-    fn wait_loaded(&self, end: usize) -> Result<&[u8], CacheError> {
+    /// Blocks until `[0, need)` is loaded; returns the loaded prefix, up
+    /// to `end` at most.
+    fn wait_loaded(&self, need: usize, end: usize) -> Result<&[u8], CacheError> {
         let end = end.min(self.len());
+        let need = need.min(end);
         let mut state = self.state.lock().expect("image lock");
         loop {
-            if self.loaded.load(Ordering::Acquire) >= end {
+            let loaded = self.loaded.load(Ordering::Acquire);
+            if loaded >= need {
                 // SAFETY: the loader wrote every byte below `loaded` before
                 // publishing it with Release, and never writes them again.
-                return Ok(unsafe { std::slice::from_raw_parts(self.buf.as_ptr(), end) });
+                return Ok(unsafe {
+                    std::slice::from_raw_parts(self.buf.as_ptr(), loaded.min(end))
+                });
             }
             if let LoadState::Failed(e) = &*state {
                 return Err(CacheError::Load(e.clone()));
@@ -558,7 +569,14 @@ impl CacheRef {
     /// Blocks until `[0, end)` is loaded and returns it (sessions send each
     /// range as soon as it is there).
     pub fn wait_loaded(&self, end: usize) -> Result<&[u8], CacheError> {
-        self.image.wait_loaded(end)
+        self.image.wait_loaded(end, end)
+    }
+
+    /// Blocks until more than `at` bytes are loaded and returns the loaded
+    /// prefix, up to `end` at most (a session sends what a relay image has
+    /// passed on so far, not waiting for a whole range).
+    pub fn wait_past(&self, at: usize, end: usize) -> Result<&[u8], CacheError> {
+        self.image.wait_loaded(at + 1, end)
     }
 
     /// Blocks until the whole image is loaded and verified.
@@ -696,9 +714,20 @@ pub struct RelayFeed {
     pub arrivals: Arc<Arrivals>,
 }
 
-/// Fills a relay image piece by piece, in order: each once the receiver
-/// verified it, read from the staging file and checked against the
-/// manifest before it is published. Stops when nobody holds the image.
+/// Fills a relay image in order, cutting through: the bytes of the next
+/// piece are read from the staging file and published block by block as
+/// they land there ([`RELAY_BLOCK`]), before the receiver checked the
+/// piece, so a session passes them on at once and a relay delays its
+/// children by a block, not a piece. Every replica checks every piece
+/// against the origin's manifest itself; the relay checks the bytes it
+/// copied too, once the receiver verified the piece (what it reads after
+/// that verdict it publishes only after this check). Bytes it published
+/// can never be taken back (sessions are sending them), so a piece that
+/// failed the receiver's check after some were published, or whose bytes
+/// here do not match the manifest, fails the image: every session serving
+/// it ends and its replica pulls from further up, keeping what it verified.
+/// A piece that failed before any of it was published just comes again.
+/// Stops when nobody holds the image.
 fn fill_relay(
     image: &Arc<Image>,
     file: &std::fs::File,
@@ -706,23 +735,49 @@ fn fill_relay(
 ) -> Result<(), CacheError> {
     let (path, manifest) = (&feed.path, &feed.manifest);
     for index in 0..manifest.pieces() {
-        feed.arrivals.wait(index)?;
-        // Only the loader's own reference is left: the image was dropped.
-        if Arc::strong_count(image) == 1 {
-            return Err(ArrivalsError::Ended("nobody holds the image".into()).into());
-        }
         let (offset, len) = manifest.range(index);
         let mut hash = blake3::Hasher::new();
-        read_into(
-            image,
-            file,
-            path,
-            (offset as usize, len as usize),
-            |b, _| {
-                hash.update(b);
-                Ok(())
-            },
-        )?;
+        let mut copied = 0;
+        let mut drops = None;
+        loop {
+            // The next block (or the piece's end), the verdict, or a drop.
+            let want = (copied + RELAY_BLOCK).min(len);
+            let piece = feed.arrivals.wait_until(index, |p| {
+                Some(p.drops) != drops || (copied < len && p.landed >= want)
+            })?;
+            // Only the loader's own reference is left: the image was dropped.
+            if Arc::strong_count(image) == 1 {
+                return Err(ArrivalsError::Ended("nobody holds the image".into()).into());
+            }
+            if drops.is_some_and(|d| d != piece.drops) && copied > 0 {
+                return Err(CacheError::PieceDropped { index });
+            }
+            drops = Some(piece.drops);
+            let upto = match piece {
+                p if p.verified => len,
+                p if p.landed >= want => p.landed,
+                _ => copied,
+            };
+            if upto > copied {
+                read_into(
+                    image,
+                    file,
+                    path,
+                    ((offset + copied) as usize, (upto - copied) as usize),
+                    |b, _| {
+                        hash.update(b);
+                        Ok(())
+                    },
+                )?;
+                copied = upto;
+                if !piece.verified {
+                    image.publish((offset + copied) as usize, None);
+                }
+            }
+            if piece.verified && copied == len {
+                break;
+            }
+        }
         if !manifest.piece_is(index, &hash.finalize()) {
             return Err(CacheError::PieceChanged {
                 path: path.clone(),
@@ -741,7 +796,7 @@ mod tests {
     use crate::snapshot::{Format, SnapshotInfo};
     use std::os::unix::fs::FileExt;
 
-    const PIECE: u64 = 1 << 20;
+    const PIECE: u64 = 2 * RELAY_BLOCK;
 
     /// A 4-piece staging file and its manifest, and a relay image of it
     /// nobody verified a piece of yet.
@@ -779,22 +834,62 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_relay_image_holds_only_verified_pieces_and_checks_them_again() {
+    async fn a_relay_image_passes_on_each_block_as_it_lands_and_checks_each_piece_again() {
         let (file, arrivals, image, bytes) = relay_image().await;
         let image = Arc::new(image);
-        let reader = {
+        let loaded = |end: u64| {
             let image = image.clone();
-            std::thread::spawn(move || image.wait_loaded(2 * PIECE as usize).map(<[u8]>::to_vec))
+            std::thread::spawn(move || image.wait_loaded(end as usize).map(<[u8]>::to_vec))
         };
+        // Half a block landed: nothing to pass on yet. A block landed: it
+        // is passed on before the piece is checked.
+        arrivals.landed(0, RELAY_BLOCK / 2, PIECE);
+        let first_block = loaded(RELAY_BLOCK);
+        arrivals.landed(0, RELAY_BLOCK, PIECE);
+        assert_eq!(
+            first_block.join().unwrap().unwrap(),
+            bytes[..RELAY_BLOCK as usize]
+        );
+        arrivals.landed(0, PIECE, PIECE);
         arrivals.mark(0);
         arrivals.mark(1);
-        assert_eq!(reader.join().unwrap().unwrap(), bytes[..2 * PIECE as usize]);
-        // Piece 2 changed on disk after the receiver verified it: never served.
+        assert_eq!(
+            loaded(2 * PIECE).join().unwrap().unwrap(),
+            bytes[..2 * PIECE as usize]
+        );
+        // Piece 2 changed on disk after the receiver verified it: its
+        // bytes are published, but the image fails at its check.
         file.as_file().write_all_at(b"X", 2 * PIECE + 5).unwrap();
         arrivals.mark(2);
         let err = image.wait_complete().unwrap_err();
         assert!(err.to_string().contains("piece 2 changed"), "{err}");
         assert!(image.wait_loaded(3 * PIECE as usize).is_err());
+    }
+
+    #[tokio::test]
+    async fn a_piece_that_fails_the_relays_check_after_it_was_passed_on_fails_the_image() {
+        let (_file, arrivals, image, _) = relay_image().await;
+        // Dropped before any of it was passed on: it just comes again.
+        arrivals.landed(0, RELAY_BLOCK / 2, PIECE);
+        arrivals.dropped(0);
+        arrivals.landed(0, PIECE, PIECE);
+        arrivals.mark(0);
+        // Dropped after a block of it was passed on: those bytes cannot be
+        // taken back, so every session serving the image ends.
+        arrivals.landed(1, RELAY_BLOCK, PIECE);
+        image.wait_loaded((PIECE + RELAY_BLOCK) as usize).unwrap();
+        arrivals.dropped(1);
+        let err = image.wait_complete().unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("piece 1 failed this relay's own check"),
+            "{err}"
+        );
+        assert_eq!(
+            image.wait_loaded(PIECE as usize).unwrap().len(),
+            PIECE as usize,
+            "what it passed on stays"
+        );
     }
 
     #[tokio::test]

@@ -9,9 +9,11 @@
 //! journal (written beside the transfer every [`JOURNAL_EVERY`] pieces), the
 //! first local failure, and the one install decision ([`Receiver::finish`]).
 //! A failed session that verified pieces keeps them for the next attempt;
-//! a journal that lied is discarded. As a relay it marks each verified piece
-//! in its [`Arrivals`]; the streams of one session feed it through a [`Share`]
-//! each. docs/ARCHITECTURE.md, "Receiving" and "Pieces and resume".
+//! a journal that lied is discarded. As a relay it reports in its
+//! [`Arrivals`] the bytes of each piece as they land, each piece it
+//! verified and each that failed its check; the streams of one session
+//! feed it through a [`Share`] each. docs/ARCHITECTURE.md, "Receiving" and
+//! "Pieces and resume".
 
 use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
@@ -575,8 +577,13 @@ impl Receiver {
             });
         }
         current.got += len;
+        let (index, got) = (current.index, current.got);
         self.received += len;
         (self.progress)(self.resumed_bytes + self.received);
+        // A relay passes these bytes on before the piece is checked.
+        self.arrivals
+            .0
+            .landed(index, got, self.manifest.range(index).1);
     }
 
     /// What the status says about how the bytes were verified.
@@ -699,6 +706,7 @@ impl Sink for Receiver {
         };
         if got != len || !self.manifest.piece_is(index, &hash) {
             self.unmap_landed(offset, len);
+            self.arrivals.0.dropped(index);
             self.refetched += 1;
             // Progress counts its bytes again when they come again.
             self.received -= got;

@@ -4,9 +4,9 @@
 //!
 //! A receiving job registers its snapshot here once its manifest checked
 //! ([`RelayTable::receiving`]); the registration holds the staging file and
-//! the [`Arrivals`] the receiver marks, so an offer can start a relay image
-//! in the cache (`SnapshotCache::acquire_relay`) that fills piece by piece
-//! as they verify. Installing turns it into an installed entry, served from
+//! the [`Arrivals`] the receiver reports to, so an offer can start a relay
+//! image in the cache (`SnapshotCache::acquire_relay`) that fills block by
+//! block as the bytes land. Installing turns it into an installed entry, served from
 //! the installed file like any snapshot; a job that fails withdraws it. A
 //! newer snapshot of the same format supersedes the entry: offers for the
 //! old one are refused from then on (sessions already serving it finish).
@@ -48,7 +48,7 @@ struct Entry {
 
 /// How to serve a relayed snapshot.
 pub enum RelaySource {
-    /// A relay image, filled as the receive verifies pieces.
+    /// A relay image, filled as the receive's bytes land.
     Feed(RelayFeed),
     /// The installed file.
     File(CatalogEntry),

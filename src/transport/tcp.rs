@@ -627,9 +627,15 @@ impl SourceIo<'_> {
             return rate.paced(n, |r| self.send_grain(&copy[r], false));
         }
         match snapshot {
+            // What is loaded goes at once (a relay image fills block by block).
             Served::Image(image) => {
-                let bytes = &image.wait_loaded(end as usize)?[at as usize..];
-                rate.paced(n, |r| self.send_grain(&bytes[r], true))
+                let mut at = at;
+                while at < end {
+                    let bytes = &image.wait_past(at as usize, end as usize)?[at as usize..];
+                    rate.paced(bytes.len(), |r| self.send_grain(&bytes[r], true))?;
+                    at += bytes.len() as u64;
+                }
+                Ok(())
             }
             // TLS encrypts in user space: read the range, then send it.
             Served::File(file) if self.link.user_space_tls() => {
