@@ -3,17 +3,19 @@
 # namespace per agent (the origin and N replicas) on one bridge, each
 # host's egress limited with tc. Seeds N replicas with one snapshot three
 # ways — one replica alone, a star (N syncs from the origin at once), a
-# relay tree of degree 2 (`kvsync fanout`) — and prints one markdown table
+# relay tree of degree DEGREE (default 2; `kvsync fanout`) — and prints one markdown table
 # row per mode: wall time, ratio to the single replica, bytes the origin
 # sent. Needs root (namespaces, tc); prints why when it cannot run.
 #
 #   scripts/bench-fanout.sh BIN [REPLICAS] [SIZE] [RATE]
 #   e.g. scripts/bench-fanout.sh target/release/kvsync 8 512MiB 400mbit
+#        DEGREE=3 scripts/bench-fanout.sh target/release/kvsync 8 512MiB 400mbit
 set -euo pipefail
 bin=$(realpath "$1")
 n=${2:-8}
 size=${3:-512MiB}
 rate=${4:-400mbit}
+degree=${DEGREE:-2}
 if [ "$(id -u)" != 0 ] || ! ip netns add "kvf-probe-$$" 2>/dev/null; then
     echo "| (not run: network namespaces and tc need root) | | | |"
     exit 0
@@ -127,12 +129,12 @@ fi
 star=$(awk -v a="$t0" -v b="$t1" 'BEGIN {print b - a}')
 star_sent=$(( $(sent) - before ))
 
-# A relay tree of degree 2.
+# A relay tree of degree $degree.
 clean_replicas
 replicas=()
 for i in $(seq 1 "$n"); do replicas+=(--replica "${ADDR[i]}"); done
 t0=$(now)
-json=$("${cli[@]}" fanout --source "${ADDR[0]}" "${replicas[@]}" --degree 2 --transport tcp --wait --json)
+json=$("${cli[@]}" fanout --source "${ADDR[0]}" "${replicas[@]}" --degree "$degree" --transport tcp --wait --json)
 t1=$(now)
 echo "$json" | grep -q "\"succeeded\":$n" || { echo "fan-out failed: $json" >&2; exit 1; }
 tree=$(awk -v a="$t0" -v b="$t1" 'BEGIN {print b - a}')
@@ -145,6 +147,6 @@ row() { # mode seconds sent
 }
 row "1 replica alone" "$single" "$single_sent"
 row "$n replicas, star" "$star" "$star_sent"
-row "$n replicas, relay tree of degree 2" "$tree" "$tree_sent"
+row "$n replicas, relay tree of degree $degree" "$tree" "$tree_sent"
 awk -v t="$tree" -v one="$single" -v s="$star" \
-    'BEGIN {printf "| tree / single = %.2f (target ≤ 1.6; 2 is the floor at degree 2); tree / star = %.2f (target ≤ 0.35) | | | |\n", t / one, t / s}'
+    -v d="$degree" 'BEGIN {printf "| tree / single = %.2f (target ≤ 1.6 at degree 2; %d is the floor at degree %d); tree / star = %.2f (target ≤ 0.35) | | | |\n", t / one, d, d, t / s}'
