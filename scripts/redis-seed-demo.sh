@@ -28,6 +28,11 @@
 # replication (both ends dual-channel-replication-enabled, diskless sync,
 # delay 0), with its forks and copy-on-write; its row adds: dual-channel
 # full sync | ratio | forks | copy-on-write.
+# HANDOFF=redis-replicate seeds the replica's running server over the
+# replication protocol (it loads the RDB while the rest still arrives)
+# instead of restarting it on the installed file (the default, `redis`).
+# REPL_LOAD=<disabled|on-empty-db|swapdb> sets repl-diskless-load on every
+# empty replica the run times (kvsync's, the full syncs'), alike.
 # KVSYNC_BIN=path uses that kvsync binary instead of building a release one.
 # Everything it starts (servers, agents) is stopped when it exits.
 set -euo pipefail
@@ -44,6 +49,13 @@ esac
 server_bin=$srv-server cli=$srv-cli
 write_rate=${WRITE_RATE:-0}
 backlog=${BACKLOG:-256mb}
+handoff=${HANDOFF:-redis}
+case "$handoff" in
+    redis | redis-replicate) ;;
+    *) echo "HANDOFF must be redis or redis-replicate, not $handoff" >&2; exit 2 ;;
+esac
+load_args=()
+[ -n "${REPL_LOAD:-}" ] && load_args=(--repl-diskless-load "$REPL_LOAD")
 if [ -n "${KVSYNC_BIN:-}" ]; then
     bin=$KVSYNC_BIN
 else
@@ -144,20 +156,27 @@ $common
 primary_addr = \"127.0.0.1:$P\"
 grow_backlog = true")
 mkdir -p "$work/replica-agent" "$work/a"
+if [ "$handoff" = redis ]; then
+    redis_section="[redis]
+server_addr = \"127.0.0.1:$A\"
+dir = \"$work/a\"
+dbfilename = \"dump.rdb\"
+primary = \"127.0.0.1:$P\"
+start = [\"$server_bin\", \"--port\", \"$A\", \"--bind\", \"127.0.0.1\", \"--dir\", \"{dir}\", \"--dbfilename\", \"{dbfilename}\", \"--replicaof\", \"{primary_host}\", \"{primary_port}\", \"--appendonly\", \"no\", \"--save\", \"\", \"--daemonize\", \"yes\", \"--pidfile\", \"$work/a/redis.pid\", \"--logfile\", \"$work/a/redis.log\"]"
+else
+    redis_section="[redis]
+server_addr = \"127.0.0.1:$A\"
+primary = \"127.0.0.1:$P\""
+fi
 dst=$(agent replica "node_id = \"replica\"
 snapshot_dir = \"$work/replica-agent\"
 snapshot_format = \"redis-rdb\"
 $common
 [handoff]
-mode = \"redis\"
+mode = \"$handoff\"
 timeout = \"1h\"
-[redis]
-server_addr = \"127.0.0.1:$A\"
-dir = \"$work/a\"
-dbfilename = \"dump.rdb\"
-primary = \"127.0.0.1:$P\"
-start = [\"$server_bin\", \"--port\", \"$A\", \"--bind\", \"127.0.0.1\", \"--dir\", \"{dir}\", \"--dbfilename\", \"{dbfilename}\", \"--replicaof\", \"{primary_host}\", \"{primary_port}\", \"--appendonly\", \"no\", \"--save\", \"\", \"--daemonize\", \"yes\", \"--pidfile\", \"$work/a/redis.pid\", \"--logfile\", \"$work/a/redis.log\"]")
-server a $A   # the replica's server, standalone until seeded
+$redis_section")
+server a $A "${load_args[@]}"   # the replica's server, standalone until seeded
 for _ in $(seq 400); do "$bin" snapshots --agent "$src" | grep -q dump.rdb && break; sleep 0.05; done
 
 load=""
@@ -165,8 +184,10 @@ if [ "$write_rate" != 0 ]; then
     target/release/examples/redis_writer "127.0.0.1:$P" "$write_rate" 1024 &
     load=", writer $((write_rate / 1048576)) MiB/s, backlog $backlog"
 fi
+[ "$handoff" = redis ] || load="$load, $handoff"
+[ -n "${REPL_LOAD:-}" ] && load="$load, repl-diskless-load $REPL_LOAD"
 stats() { echo "sync_full=$(field $P stats sync_full) sync_partial_ok=$(field $P stats sync_partial_ok) total_forks=$(field $P stats total_forks)"; }
-echo "== kvsync seeding (primary before: $(stats))"
+echo "== kvsync seeding, $handoff handoff${REPL_LOAD:+, repl-diskless-load $REPL_LOAD} (primary before: $(stats))"
 forks0=$(field $P stats total_forks)
 poll $A
 t0=$(now)
@@ -179,7 +200,7 @@ seed_forks=$(( $(field $P stats total_forks) - forks0 ))
 
 echo "== $srv's own full sync of an empty replica (primary before: $(stats))"
 forks0=$(field $P stats total_forks)
-server b $B
+server b $B "${load_args[@]}"
 poll $B
 t0=$(now)
 $cli -p $B replicaof 127.0.0.1 $P >/dev/null
@@ -197,7 +218,7 @@ if [ "$srv" = valkey ]; then
     $cli -p $P config set dual-channel-replication-enabled yes >/dev/null
     forks0=$(field $P stats total_forks)
     D=$((base + 5))
-    server d $D --dual-channel-replication-enabled yes
+    server d $D --dual-channel-replication-enabled yes "${load_args[@]}"
     t0=$(now)
     $cli -p $D replicaof 127.0.0.1 $P >/dev/null
     wait_link $D

@@ -1120,6 +1120,102 @@ fn a_running_replica_is_seeded_over_the_replication_protocol_without_a_restart(s
     }
 }
 
+/// The source stalls 2.5 MiB into an RDB of 1 MiB pieces. The running
+/// server already receives the two verified pieces (it loads while the
+/// rest still moves), and nothing unverified. The sync is then cancelled:
+/// the server drops what it got and keeps its own data, its replication
+/// and `masterauth` are as they were, and no temp or seed file is left.
+/// A sync from a source that does not stall then seeds it.
+fn a_running_server_loads_the_verified_pieces_while_the_rest_arrives_and_a_stopped_sync_leaves_it_as_it_was(
+    server: Server,
+) {
+    const MIB: u64 = 1 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let (primary, rdb) = loaded_primary(server, root, "64mb");
+    let size = std::fs::metadata(&rdb).unwrap().len();
+    assert!(size > 3 * MIB, "an RDB of several pieces: {size}");
+    let replica_redis = Redis::start(server, &root.join("replica-redis"), &[]);
+    let _: () = replica_redis.cmd(&["SET", "own", "1"]);
+    let pieces = "[data]\npiece_size = \"1MiB\"\n";
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let stalling = agent(
+            root,
+            "stalling",
+            &primary.dir,
+            &format!("{pieces}{}", source_config(&primary, TCP)),
+            &[("KVSYNC_FAULTS", "stall_after=2621440")],
+        );
+        let replica = agent(
+            root,
+            "replica",
+            &root.join("replica-agent"),
+            &replicate_config(&primary, replica_redis.port),
+            &[],
+        );
+        offered_rdb(&stalling, &primary).await;
+        let id = start_sync(&replica, &stalling).await;
+        wait_for(
+            "the server to receive the verified pieces",
+            DEADLINE,
+            || {
+                let i = replica_redis.info("replication");
+                (i.num("master_sync_read_bytes") == 2 * MIB).then_some(())
+            },
+        );
+        let i = replica_redis.info("replication");
+        assert_eq!(i.num("master_sync_total_bytes"), size, "{i:?}");
+        let p = replica.status().await;
+        let sync = p.running.iter().find(|s| s.sync_id == id).unwrap();
+        assert_eq!(sync.phase, pb::Phase::Transferring as i32, "{sync:?}");
+
+        let mut c = replica.client().await;
+        c.cancel_sync(pb::CancelSyncRequest {
+            sync_id: id.clone(),
+        })
+        .await
+        .unwrap();
+        let p = wait_done(&replica, &id).await;
+        assert_eq!(p.phase, pb::Phase::Cancelled as i32, "{p:?}");
+        wait_for("the server to be a primary again", DEADLINE, || {
+            (replica_redis.info("replication").get("role") == Some("master")).then_some(())
+        });
+        assert_eq!(
+            replica_redis
+                .cmd::<Option<String>>(&["GET", "own"])
+                .as_deref(),
+            Some("1")
+        );
+        assert_eq!(replica_redis.cmd::<u64>(&["DBSIZE"]), 1);
+        let auth: Vec<String> = replica_redis.cmd(&["CONFIG", "GET", "masterauth"]);
+        assert_eq!(auth[1], "", "its own masterauth (none) again");
+        assert!(!seed_record(root).exists());
+        assert_eq!(replica.temp_files(), Vec::<String>::new());
+        drop(stalling);
+
+        let source = agent(
+            root,
+            "source",
+            &primary.dir,
+            &format!("{pieces}{}", source_config(&primary, TCP)),
+            &[],
+        );
+        offered_rdb(&source, &primary).await;
+        let p = sync_ok(&replica, &source).await;
+        assert!(p.handoff.contains("partial resync accepted"), "{p:?}");
+        assert!(replica
+            .proc
+            .log()
+            .contains("seeding the local server while the snapshot arrives"));
+    });
+    assert_eq!(replica_redis.cmd::<Option<String>>(&["GET", "own"]), None);
+    assert_eq!(
+        replica_redis.cmd::<Vec<u8>>(&["DUMP", "hash:7"]),
+        primary.cmd::<Vec<u8>>(&["DUMP", "hash:7"])
+    );
+}
+
 fn a_replica_reseeded_with_swapdb_serves_its_old_data_while_it_loads_and_the_seed_admits_one_connection(
     server: Server,
 ) {
@@ -1680,6 +1776,7 @@ on_both_servers!(
     an_agent_killed_holding_a_grown_backlog_restores_it_when_it_starts_again,
     a_burst_of_writes_that_pushes_m_out_of_the_backlog_is_reported_before_the_handoff,
     a_running_replica_is_seeded_over_the_replication_protocol_without_a_restart,
+    a_running_server_loads_the_verified_pieces_while_the_rest_arrives_and_a_stopped_sync_leaves_it_as_it_was,
     a_server_that_refuses_replicaof_fails_the_handoff_and_is_left_as_it_was,
     agents_run_as_nobody_seed_a_server_run_as_redis_with_debians_modes,
     a_replica_with_masterauth_is_seeded_while_a_local_process_on_the_seed_port_gets_no_rdb_byte,

@@ -16,6 +16,7 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 use crate::config::{HandoffConfig, HandoffMode, RedisConfig};
+use crate::kv::payload::Payload;
 use crate::peer_text::{escape_controls, has_control};
 use crate::snapshot::SnapshotInfo;
 use crate::store::install::{self, InstallError};
@@ -95,12 +96,15 @@ pub enum HandoffError {
 }
 
 /// Writes the record, then hands off per `config`. Returns a short
-/// description of what was done.
+/// description of what was done. A `redis-replicate` seeding that began
+/// while the snapshot arrived (`early`) is finished; without one the
+/// installed file is served.
 pub async fn hand_off(
     config: &HandoffConfig,
     redis: &RedisConfig,
     record: &HandoffRecord,
     feed: Option<&crate::kv::seed::Feed>,
+    early: Option<crate::kv::seed::Early>,
 ) -> Result<String, HandoffError> {
     install::write_atomic(&record.replmeta_path(), record.render().as_bytes())?;
     let deadline = config.timeout;
@@ -115,9 +119,14 @@ pub async fn hand_off(
                         .await?,
                 )
             }
-            HandoffMode::RedisReplicate => {
-                Ok(crate::kv::seed::replicate(redis, deadline, &record.path, &record.info).await?)
-            }
+            HandoffMode::RedisReplicate => Ok(match early {
+                Some(early) => early.finish(&record.info).await?,
+                None => {
+                    let rdb = Payload::File(record.path.clone());
+                    let dir = record.path.parent().unwrap_or(Path::new("."));
+                    crate::kv::seed::replicate(redis, deadline, rdb, &record.info, dir).await?
+                }
+            }),
             HandoffMode::RedisStream => {
                 let feed = feed.ok_or(HandoffError::NoFeed)?;
                 Ok(crate::kv::seed::attach(redis, deadline, feed, &record.info).await?)

@@ -4,7 +4,8 @@
 //! the bits of RESP spoken on raw replication connections.
 //! Replica side: [`handoff`] tells the KV about an installed snapshot's M,
 //! by [`restart`] (place the RDB, restart the server) or [`seed`] (the
-//! agent as a one-shot master of a running server). Source side:
+//! agent as a one-shot master of a running server, sending the RDB as a
+//! [`payload`], from the installed file or as its pieces arrive). Source side:
 //! [`preflight`] checks the primary's backlog still holds M+1 and sizes
 //! what a seeding needs; [`backlog`] holds it there while seedings run.
 //! Either side: [`health`] keeps the local server's replication health as
@@ -14,6 +15,7 @@ pub mod backlog;
 pub mod check;
 pub mod handoff;
 pub mod health;
+pub mod payload;
 pub mod preflight;
 pub mod redis;
 pub mod resp;

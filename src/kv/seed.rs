@@ -19,6 +19,7 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
@@ -27,10 +28,13 @@ use tokio::net::{TcpListener, TcpStream};
 use tracing::{info, warn};
 
 use crate::config::{HostPort, RedisConfig};
+use crate::kv::payload::{Arriving, Payload, PayloadError};
 use crate::kv::redis::{
     confirm_partial, connect, info, infos, server_err, until, Info, RedisError,
 };
+use crate::snapshot::manifest::Manifest;
 use crate::snapshot::SnapshotInfo;
+use crate::store::arrivals::Arrivals;
 
 /// The one-time `masterauth` record, in `snapshot_dir`: the server's own
 /// value while the seed's is in force, so a killed agent puts it back.
@@ -40,13 +44,16 @@ pub const RECORD: &str = ".kvsync-seed-masterauth";
 const MAX_ARGS: usize = 16;
 const MAX_ARG: usize = 1024;
 
-/// Seeds the local server from the verified RDB `rdb` saved at `snapshot`
-/// over the replication protocol, then points it at the primary.
+/// Seeds the local server with `rdb` (saved at `snapshot`, kept in
+/// `snapshot_dir`) over the replication protocol, then points it at the
+/// primary. `timeout` bounds each wait on the server: for its connection,
+/// and for its load once the whole payload is sent.
 pub async fn replicate(
     cfg: &RedisConfig,
     timeout: Duration,
-    rdb: &Path,
+    rdb: Payload,
     snapshot: &SnapshotInfo,
+    snapshot_dir: &Path,
 ) -> Result<String, RedisError> {
     let repl_id = snapshot
         .repl_id
@@ -54,7 +61,7 @@ pub async fn replicate(
         .ok_or_else(|| RedisError::Precondition("the RDB carries no replication id".into()))?;
     let before = info(&cfg.primary, &cfg.password, "stats").await?;
     let (server, password) = (&cfg.server_addr, &cfg.password);
-    let record_path = rdb.parent().unwrap_or(Path::new(".")).join(RECORD);
+    let record_path = snapshot_dir.join(RECORD);
     let mut con = connect(server, password).await?;
     // A record left by a killed agent holds the server's own values.
     put_back(&mut con, cfg, &record_path).await?;
@@ -92,14 +99,23 @@ pub async fn replicate(
         replicaof(&mut con, server, &seed.ip().to_string(), seed.port()).await?;
         info!(%seed, seq = snapshot.seq, "serving the RDB to the local server as its master");
         let seeded = accept_seeded(&listener, server_ip(server).await?, &secret, timeout).await?;
+        let (sent, was_sent) = tokio::sync::oneshot::channel();
         let mut serving = tokio::spawn(serve(
             seeded,
-            rdb.to_owned(),
+            rdb,
             repl_id.to_string(),
             snapshot.seq,
+            sent,
         ));
+        let loaded = async {
+            match was_sent.await {
+                Ok(()) => loaded(cfg, timeout, repl_id, snapshot.seq, seed.port()).await,
+                // `serving` ended first, and says why.
+                Err(_) => std::future::pending().await,
+            }
+        };
         let loaded = tokio::select! {
-            r = loaded(cfg, timeout, repl_id, snapshot.seq, seed.port()) => r,
+            r = loaded => r,
             r = &mut serving => Err(match r {
                 Ok(Ok(())) => RedisError::Seed(
                     "the local server closed the seed connection before it had loaded the RDB (its log says why: a failed load?)".into(),
@@ -146,6 +162,78 @@ pub async fn replicate(
     }
     remove_record(&record_path);
     confirm_partial(cfg, timeout, &before, snapshot).await
+}
+
+/// A `redis-replicate` seeding started while its snapshot still arrives:
+/// the server loads the verified pieces as they come, and gets the last
+/// once [`Early::finish`] accepts the snapshot ([`crate::kv::payload`]).
+pub struct Early {
+    task: tokio::task::JoinHandle<Result<String, RedisError>>,
+    accept: tokio::sync::oneshot::Sender<Result<(), String>>,
+    /// What the manifest says the snapshot is (the server is told its
+    /// replication id and M before the bytes prove them).
+    announced: SnapshotInfo,
+}
+
+impl Early {
+    /// Starts seeding the local server with `manifest`'s snapshot as it
+    /// arrives in `file` (the staging file, in `snapshot_dir`).
+    pub fn start(
+        cfg: RedisConfig,
+        timeout: Duration,
+        snapshot_dir: PathBuf,
+        file: std::fs::File,
+        manifest: Arc<Manifest>,
+        arrivals: Arc<Arrivals>,
+    ) -> Early {
+        let (accept, accepted) = tokio::sync::oneshot::channel();
+        let announced = manifest.info.clone();
+        let snapshot = announced.clone();
+        let rdb = Payload::Arriving(Arriving {
+            file,
+            manifest,
+            arrivals,
+            accepted,
+        });
+        let task =
+            tokio::spawn(
+                async move { replicate(&cfg, timeout, rdb, &snapshot, &snapshot_dir).await },
+            );
+        Early {
+            task,
+            accept,
+            announced,
+        }
+    }
+
+    /// The snapshot is verified and installed, and is `verified`: when
+    /// that is the one announced, the server gets its last piece; then the
+    /// seeding ends as [`replicate`] does.
+    pub async fn finish(self, verified: &SnapshotInfo) -> Result<String, RedisError> {
+        let a = &self.announced;
+        let same =
+            verified.repl_id == a.repl_id && verified.seq == a.seq && verified.size == a.size;
+        let _ = self.accept.send(match same {
+            true => Ok(()),
+            false => Err(format!(
+                "the verified RDB (replication id {:?}, M {}) is not the one the manifest announced ({:?}, {})",
+                verified.repl_id, verified.seq, a.repl_id, a.seq
+            )),
+        });
+        self.task
+            .await
+            .map_err(|e| RedisError::Seed(format!("the seed task: {e}")))?
+    }
+
+    /// The snapshot will not be accepted (`why`): the server's payload
+    /// ends short, so it drops what it buffered and keeps its data, and its
+    /// replication is put back as it was.
+    pub async fn abandon(self, why: String) {
+        let _ = self.accept.send(Err(why));
+        if let Ok(Err(e)) = self.task.await {
+            info!(error = %e, "the seeding that began while the snapshot arrived is undone");
+        }
+    }
 }
 
 /// Where an instance's stream feed (`stream::feed`) listens, its password,
@@ -637,13 +725,14 @@ async fn close_politely(mut read: OwnedReadHalf, mut write: OwnedWriteHalf) {
 }
 
 /// The master's answer to the replica's sync request: `+FULLRESYNC
-/// <repl-id> <M>` (to `PSYNC`) and the RDB as one bulk payload; then it
+/// <repl-id> <M>` (to `PSYNC`) and the RDB's payload, then `sent`; then it
 /// reads the replica's acknowledgements until the connection ends.
 async fn serve(
     seeded: Seeded,
-    rdb: std::path::PathBuf,
+    rdb: Payload,
     repl_id: String,
     seq: u64,
+    sent: tokio::sync::oneshot::Sender<()>,
 ) -> Result<(), RedisError> {
     let err = |e: std::io::Error| RedisError::Seed(format!("the seed connection: {e}"));
     let Seeded {
@@ -656,15 +745,12 @@ async fn serve(
         let line = format!("+FULLRESYNC {repl_id} {seq}\r\n");
         write.write_all(line.as_bytes()).await.map_err(err)?;
     }
-    let mut file = tokio::fs::File::from_std(crate::sys::fs::open_read(&rdb).map_err(err)?);
-    let len = file.metadata().await.map_err(err)?.len();
-    write
-        .write_all(format!("${len}\r\n").as_bytes())
-        .await
-        .map_err(err)?;
-    tokio::io::copy(&mut file, &mut write).await.map_err(err)?;
-    write.flush().await.map_err(err)?;
+    let len = rdb.send(&mut write).await.map_err(|e| match e {
+        PayloadError::Io(e) => err(e),
+        e => RedisError::Seed(format!("the RDB's payload ended short: {e}")),
+    })?;
     info!(bytes = len, "RDB sent to the local server");
+    let _ = sent.send(());
     // Its acknowledgements follow; nothing more is sent, so its offset
     // stays M.
     let mut sink = [0u8; 4096];

@@ -33,6 +33,7 @@ use tracing::{info, warn};
 use super::log::Log;
 use super::log::LogError;
 use super::{Downstream, SharedLog};
+use crate::kv::payload::{Payload, PayloadError};
 use crate::kv::redis::RedisError;
 use crate::kv::seed::{self, Seeded};
 
@@ -204,6 +205,8 @@ pub async fn run(
 enum ConnError {
     #[error("the server's connection: {0}")]
     Io(#[from] std::io::Error),
+    #[error("the snapshot's payload: {0}")]
+    Payload(#[from] PayloadError),
     #[error(transparent)]
     Log(#[from] LogError),
     #[error("the server asked for {0}, which neither the log nor a snapshot continues")]
@@ -271,10 +274,7 @@ async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<()
                     .await?;
             }
             feed.served.send_modify(|s| s.full += 1);
-            let mut file = tokio::fs::File::from_std(crate::sys::fs::open_read(&rdb)?);
-            let len = file.metadata().await?.len();
-            write.write_all(format!("${len}\r\n").as_bytes()).await?;
-            tokio::io::copy(&mut file, &mut write).await?;
+            let len = Payload::File(rdb).send(&mut write).await?;
             info!(
                 bytes = len,
                 seq = m,

@@ -17,8 +17,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, info_span, warn, Instrument};
 
 use crate::blk3::Outcome;
-use crate::config::{Config, RdmaProvider, TransportMode};
+use crate::config::{Config, HandoffMode, RdmaProvider, TransportMode};
 use crate::kv::handoff::{self, HandoffRecord};
+use crate::kv::seed::Early;
 use crate::metrics::{unix_now, Metrics, Running};
 use crate::rpc::dial::CONNECT_TIMEOUT;
 use crate::rpc::{pb, AgentChannel, Dialer};
@@ -222,12 +223,16 @@ async fn attempt(ctx: &JobContext) -> Result<(), JobError> {
             message: e.to_string(),
         })?;
     let mut peer = pb::peer_client::PeerClient::new(channel);
-    let (offer, received) = receive(ctx, &mut peer, &plan).await?;
+    let mut early = None;
+    let (offer, received) = receive(ctx, &mut peer, &plan, &mut early).await?;
     let done = async {
         let installed = install(ctx, &offer, received).await?;
-        hand_off(ctx, &offer, installed).await
+        hand_off(ctx, &offer, installed, early.take()).await
     }
     .await;
+    if let (Err(e), Some(early)) = (&done, early) {
+        early.abandon(e.to_string()).await;
+    }
     // A Redis primary's source holds its backlog until it hears.
     let outcome = done.as_ref().copied().map_err(ToString::to_string);
     let outcome = outcome.as_ref().copied().map_err(String::as_str);
@@ -248,11 +253,13 @@ fn transport_plan(ctx: &JobContext) -> Result<TransportPlan, JobError> {
 
 /// Negotiates and runs the data session: over RDMA when offered, retried
 /// over TCP (with a fresh offer) when that fails and the plan allows it.
-/// Returns the offer the bytes came under and the verified snapshot.
+/// Returns the offer the bytes came under and the verified snapshot; a
+/// seeding that began while it arrived is in `early`.
 async fn receive(
     ctx: &JobContext,
     peer: &mut PeerClient,
     plan: &TransportPlan,
+    early: &mut Option<Early>,
 ) -> Result<(Offer, Received), JobError> {
     let offer = usable_offer(ctx, peer, plan).await?;
     if offer.transport == TransportKind::Tcp {
@@ -261,17 +268,17 @@ async fn receive(
         } else if plan.want_rdma {
             info!("the source offers tcp only; using tcp");
         }
-        let received = transfer(ctx, peer, &offer).await;
+        let received = transfer(ctx, peer, &offer, early).await;
         return settle(peer, offer, received).await;
     }
-    match transfer(ctx, peer, &offer).await {
+    match transfer(ctx, peer, &offer, early).await {
         Ok(received) => Ok((offer, received)),
         Err(e) => match plan.fall_back_after(&e) {
             Some(reason) => {
                 fell_back(ctx, reason, &e.to_string());
                 decline(peer, &(&offer).into(), &e.to_string()).await;
                 let offer = negotiate(ctx, peer, false, false).await?;
-                let received = transfer(ctx, peer, &offer).await;
+                let received = transfer(ctx, peer, &offer, early).await;
                 settle(peer, offer, received).await
             }
             None => settle(peer, offer, Err(e)).await,
@@ -435,11 +442,13 @@ async fn install(
     Ok((installed, info))
 }
 
-/// Hands the installed snapshot to the local KV and counts the result.
+/// Hands the installed snapshot to the local KV (finishing `early`, a
+/// seeding that began while it arrived) and counts the result.
 async fn hand_off(
     ctx: &JobContext,
     offer: &Offer,
     (installed, info): (PathBuf, SnapshotInfo),
+    early: Option<Early>,
 ) -> Result<Duration, JobError> {
     ctx.phase(pb::Phase::HandingOff);
     let start = std::time::Instant::now();
@@ -463,6 +472,7 @@ async fn hand_off(
             &config.redis,
             &record,
             feed.as_ref(),
+            early,
         ))
         .await?;
     let result = if handoff.is_ok() { "ok" } else { "failed" };
@@ -525,7 +535,7 @@ async fn negotiate(
         snapshot: ctx.want.map(Into::into),
         tcp_streams: ctx.config.data.tcp_streams.most(),
         piece_queue: true,
-        from_stream_log: ctx.config.handoff.mode == crate::config::HandoffMode::RedisStream,
+        from_stream_log: ctx.config.handoff.mode == HandoffMode::RedisStream,
     };
     let offer = ctx
         .or_cancel(peer.open_full_sync(request))
@@ -714,15 +724,20 @@ async fn fetch_manifest(
 /// One BLK3 session on the offered transport, into a staging file that
 /// resumes what an earlier attempt verified of the same snapshot.
 /// Cancelling stops the session and still waits for its thread, so the
-/// staging file is gone by the time the sync reports "cancelled".
+/// staging file is gone by the time the sync reports "cancelled". With the
+/// `redis-replicate` handoff the server is seeded from the verified pieces
+/// while the rest arrives; that seeding is left in `early` when the
+/// snapshot arrived whole, and undone when it did not.
 async fn transfer(
     ctx: &JobContext,
     peer: &mut PeerClient,
     offer: &Offer,
+    early: &mut Option<Early>,
 ) -> Result<Received, JobError> {
     let kind = offer.transport;
     let manifest = Arc::new(fetch_manifest(ctx, peer, offer).await?);
     let (origin, name) = (offer.origin().to_string(), offer.name.clone());
+    let announced = manifest.clone();
     // Only a snapshot asked for by its digest (a fan-out's) is passed on
     // while it arrives: its manifest is the origin's, checked above, so
     // another replica can get from this relay the origin's bytes or none.
@@ -783,6 +798,10 @@ async fn transfer(
     });
 
     ctx.phase(pb::Phase::Transferring);
+    let seeding = match ctx.config.handoff.mode {
+        HandoffMode::RedisReplicate => Some(start_early(ctx, &receiver, announced)?),
+        _ => None,
+    };
     let bulk_started = Instant::now();
     let (token, total, faults) = (offer.token, offer.snapshot.size, ctx.faults.clone());
     let canceller = cancel.clone();
@@ -837,10 +856,37 @@ async fn transfer(
             .send_modify(|p| p.detail = format!("{label}; receive memory: {memory}"));
     }
     let received = receiver.finish(result);
-    if let Err(e) = &received {
-        warn!(error = %e, "received snapshot rejected");
+    match (&received, seeding) {
+        (Ok(_), seeding) => *early = seeding,
+        (Err(e), seeding) => {
+            warn!(error = %e, "received snapshot rejected");
+            if let Some(seeding) = seeding {
+                seeding.abandon(e.to_string()).await;
+            }
+        }
     }
     received
+}
+
+/// Starts seeding the local server (`redis-replicate`) from the pieces
+/// `receiver` verifies, in order, as they arrive.
+fn start_early(
+    ctx: &JobContext,
+    receiver: &Receiver,
+    manifest: Arc<Manifest>,
+) -> Result<Early, JobError> {
+    let (file, arrivals) = receiver
+        .following()
+        .map_err(|e| JobError::Panicked(format!("follow the staging file for the seeding: {e}")))?;
+    info!("seeding the local server while the snapshot arrives");
+    Ok(Early::start(
+        ctx.config.redis.clone(),
+        ctx.config.handoff.timeout,
+        ctx.config.snapshot_dir.clone(),
+        file,
+        manifest,
+        arrivals,
+    ))
 }
 
 /// Where and how to reach the offer's data endpoint. RDMA cannot use

@@ -368,15 +368,22 @@ impl Receiver {
         relays: &Arc<RelayTable>,
         origin_and_name: (&str, &str),
     ) -> std::io::Result<()> {
-        let file = self.staging.file().try_clone()?;
+        let (file, arrivals) = self.following()?;
         let path = self.staging.path().to_owned();
         self.relay = Some(relays.receiving(
             origin_and_name,
             self.manifest.clone(),
             (path, file),
-            self.arrivals.0.clone(),
+            arrivals,
         ));
         Ok(())
+    }
+
+    /// The staging file (a handle of its own, readable after the install
+    /// renames it) and the arrivals that say which of its bytes are there
+    /// and verified: what a reader that follows the receive needs.
+    pub fn following(&self) -> std::io::Result<(std::fs::File, Arc<Arrivals>)> {
+        Ok((self.staging.file().try_clone()?, self.arrivals.0.clone()))
     }
 
     /// Bytes written to the staging file in this session.
