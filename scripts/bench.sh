@@ -397,6 +397,11 @@ if [ "$redis" = 1 ] && section 5; then
     out "| dataset | kvsync seeding | classic full sync | ratio | primary forks (kvsync / classic) | primary CoW (kvsync / classic) | notes | dual-channel full sync | ratio | its forks | its CoW |"
     out "|---|---|---|---|---|---|---|---|---|---|---|"
     out "$(SERVER=valkey bash scripts/redis-seed-demo.sh 10000000 100 | grep '^| ' | head -1)"
+    # The running server seeded with redis-replicate, loading while the
+    # RDB still arrives, at 3 M and 10 M keys.
+    for keys in 3000000 10000000; do
+        out "$(SERVER=valkey HANDOFF=redis-replicate REPL_LOAD=disabled bash scripts/redis-seed-demo.sh $keys 100 | grep '^| ' | head -1)"
+    done
     out ""
 fi
 
