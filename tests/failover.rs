@@ -387,7 +387,15 @@ fn a_promoted_servers_agent_without_a_snapshot_takes_one_for_a_replica_to_re_see
         "a write lost to the failover"
     );
     assert_eq!(full_feeds(&agent_b), 2, "the seeding, then the re-seeding");
-    assert!(agent_a.proc.log().contains("the primary's RDB is offered"));
+    // The agent logs and counts the snapshot once it is in place, which
+    // is also when B may already take it: wait for the log, not race it.
+    wait_for("A's agent to log the snapshot it took", DEADLINE, || {
+        agent_a
+            .proc
+            .log()
+            .contains("the primary's RDB is offered")
+            .then_some(())
+    });
     assert_eq!(snapshots(&agent_a).len(), 1);
     assert_eq!(a.info("stats").num("sync_full"), 1, "one snapshot of A");
     let taken = "kvsync_stream_snapshots_taken_total{kv_instance=\"default\"}";
