@@ -1166,18 +1166,7 @@ fn a_running_server_loads_the_verified_pieces_while_the_rest_arrives_and_a_stopp
         );
         let i = replica_redis.info("replication");
         assert_eq!(i.num("master_sync_total_bytes"), size, "{i:?}");
-        let p = replica.status().await;
-        let sync = p.running.iter().find(|s| s.sync_id == id).unwrap();
-        assert_eq!(sync.phase, pb::Phase::Transferring as i32, "{sync:?}");
-
-        let mut c = replica.client().await;
-        c.cancel_sync(pb::CancelSyncRequest {
-            sync_id: id.clone(),
-        })
-        .await
-        .unwrap();
-        let p = wait_done(&replica, &id).await;
-        assert_eq!(p.phase, pb::Phase::Cancelled as i32, "{p:?}");
+        cancel_while_transferring(&replica, &id).await;
         wait_for("the server to be a primary again", DEADLINE, || {
             (replica_redis.info("replication").get("role") == Some("master")).then_some(())
         });

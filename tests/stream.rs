@@ -415,6 +415,67 @@ fn a_server_fed_from_the_replica_agents_log_converges_and_continues_after_a_cut(
 
 on_both_servers!(a_server_fed_from_the_replica_agents_log_converges_and_continues_after_a_cut);
 
+/// A server seeded through its agent (`redis-stream`) loads the snapshot's
+/// verified pieces while the rest still arrives: the source stalls at
+/// 2.5 MiB of an RDB in 1 MiB pieces, and the server has received exactly
+/// the 2 verified MiB from the feed while the sync is still transferring.
+/// A stopped sync ends the payload short: the server keeps its own data
+/// and is a primary again with its own `masterauth`, and no temp file is
+/// left.
+fn a_fed_server_loads_the_verified_pieces_while_the_rest_arrives_and_a_stopped_sync_leaves_it_as_it_was(
+    server: Server,
+) {
+    const MIB: u64 = 1 << 20;
+    let root = tempfile::tempdir().unwrap();
+    let r = root.path();
+    let primary = Redis::start(server, &r.join("p"), &[]);
+    primary.fill("key", 100_000, "value-of-some-length");
+    let config = follower_config(&primary, &r.join("src-log")) + "[data]\npiece_size = \"1MiB\"\n";
+    let source = source_with(r, &config, &[("KVSYNC_FAULTS", "stall_after=2621440")]);
+    let size = wait_for("the full resync's RDB offered", DEADLINE, || {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let s = rt.block_on(source.status());
+        s.instances[0].latest_snapshots.first().map(|e| e.size)
+    });
+    assert!(size > 3 * MIB, "an RDB of several pieces: {size}");
+    let rs = Redis::standalone_replica(server, &r.join("r"));
+    let _: () = rs.cmd(&["SET", "own", "1"]);
+    let config = feeding_puller_config(&r.join("rep-log"), &source, &rs);
+    let replica = agent(r, "rep", &r.join("rep-snaps"), &config, &[]);
+    wait_following(&replica);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let id = start_sync(&replica, &source).await;
+        wait_for(
+            "the server to receive the verified pieces",
+            DEADLINE,
+            || (rs.info("replication").num("master_sync_read_bytes") == 2 * MIB).then_some(()),
+        );
+        let i = rs.info("replication");
+        assert_eq!(i.num("master_sync_total_bytes"), size, "{i:?}");
+        cancel_while_transferring(&replica, &id).await;
+    });
+    wait_for("the server to be a primary again", DEADLINE, || {
+        (rs.info("replication").get("role") == Some("master")).then_some(())
+    });
+    assert_eq!(
+        rs.cmd::<Option<String>>(&["GET", "own"]).as_deref(),
+        Some("1")
+    );
+    assert_eq!(rs.cmd::<u64>(&["DBSIZE"]), 1);
+    let auth: Vec<String> = rs.cmd(&["CONFIG", "GET", "masterauth"]);
+    assert_eq!(auth[1], "", "its own masterauth (none) again");
+    assert_eq!(replica.temp_files(), Vec::<String>::new());
+    assert!(replica
+        .proc
+        .log()
+        .contains("seeding the local server while the snapshot arrives"));
+}
+
+on_both_servers!(
+    a_fed_server_loads_the_verified_pieces_while_the_rest_arrives_and_a_stopped_sync_leaves_it_as_it_was
+);
+
 /// The agent started again with the same config file.
 fn agent_again(root: &Path, snaps: &Path, config: &str) -> Node {
     agent(root, "src", snaps, config, &[])

@@ -96,9 +96,9 @@ pub enum HandoffError {
 }
 
 /// Writes the record, then hands off per `config`. Returns a short
-/// description of what was done. A `redis-replicate` seeding that began
-/// while the snapshot arrived (`early`) is finished; without one the
-/// installed file is served.
+/// description of what was done. A `redis-replicate` or `redis-stream`
+/// seeding that began while the snapshot arrived (`early`) is finished;
+/// without one the installed file is served.
 pub async fn hand_off(
     config: &HandoffConfig,
     redis: &RedisConfig,
@@ -127,10 +127,13 @@ pub async fn hand_off(
                     crate::kv::seed::replicate(redis, deadline, rdb, &record.info, dir).await?
                 }
             }),
-            HandoffMode::RedisStream => {
-                let feed = feed.ok_or(HandoffError::NoFeed)?;
-                Ok(crate::kv::seed::attach(redis, deadline, feed, &record.info).await?)
-            }
+            HandoffMode::RedisStream => Ok(match early {
+                Some(early) => early.finish(&record.info).await?,
+                None => {
+                    let feed = feed.ok_or(HandoffError::NoFeed)?;
+                    crate::kv::seed::attach(redis, deadline, feed, &record.info, None).await?
+                }
+            }),
         }
     };
     tokio::time::timeout(deadline, work)

@@ -13,13 +13,17 @@
 //! piece is ready the server gets a newline a second, the keepalive a
 //! master sends before a payload. The length is the manifest's, known
 //! before any byte arrives, so the EOF-marker form is never needed.
+//!
+//! A payload is cheap to clone and each clone sends the whole: the stream
+//! feed serves the same arriving snapshot to each full resync its server
+//! asks for, and [`Payload::refused`] tells it when one never will be whole.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncWrite, AsyncWriteExt};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, watch};
 
 use crate::snapshot::manifest::Manifest;
 use crate::store::arrivals::Arrivals;
@@ -32,6 +36,7 @@ const AHEAD: usize = 4;
 const KEEPALIVE: Duration = Duration::from_secs(1);
 
 /// What a full resync sends.
+#[derive(Clone)]
 pub enum Payload {
     /// An installed RDB.
     File(PathBuf),
@@ -41,15 +46,78 @@ pub enum Payload {
 
 /// A snapshot being received: its staging file, manifest and arrivals,
 /// and the job's verdict on the whole.
+#[derive(Clone)]
 pub struct Arriving {
     /// The staging file (a clone of the receiver's: it stays readable when
     /// the install renames it).
-    pub file: std::fs::File,
+    pub file: Arc<std::fs::File>,
     pub manifest: Arc<Manifest>,
     pub arrivals: Arc<Arrivals>,
-    /// `Ok` once the whole snapshot is accepted; `Err` (or a dropped
-    /// sender) when it never will be: why.
-    pub accepted: oneshot::Receiver<Result<(), String>>,
+    pub accepted: Accepted,
+}
+
+impl Arriving {
+    /// The snapshot arriving in `file` per `manifest` and `arrivals`, and
+    /// the verdict the job gives on it.
+    pub fn new(
+        file: std::fs::File,
+        manifest: Arc<Manifest>,
+        arrivals: Arc<Arrivals>,
+    ) -> (Arriving, Verdict) {
+        let (verdict, accepted) = Verdict::new();
+        let file = Arc::new(file);
+        (
+            Arriving {
+                file,
+                manifest,
+                arrivals,
+                accepted,
+            },
+            verdict,
+        )
+    }
+}
+
+/// The job's verdict on an arriving snapshot, given once: `Ok` when the
+/// whole is accepted, `Err` with why when it never will be.
+pub struct Verdict(watch::Sender<Option<Result<(), String>>>);
+
+/// Where the verdict is awaited; a verdict dropped ungiven is a refusal.
+#[derive(Clone)]
+pub struct Accepted(watch::Receiver<Option<Result<(), String>>>);
+
+impl Verdict {
+    fn new() -> (Verdict, Accepted) {
+        let (tx, rx) = watch::channel(None);
+        (Verdict(tx), Accepted(rx))
+    }
+
+    pub fn give(&self, verdict: Result<(), String>) {
+        self.0.send_replace(Some(verdict));
+    }
+
+    /// Another place to await it.
+    pub fn accepted(&self) -> Accepted {
+        Accepted(self.0.subscribe())
+    }
+}
+
+impl Accepted {
+    /// Waits for the verdict.
+    pub async fn wait(&mut self) -> Result<(), String> {
+        match self.0.wait_for(Option::is_some).await {
+            Ok(v) => v.clone().expect("a given verdict"),
+            Err(_) => Err("the sync ended".into()),
+        }
+    }
+
+    /// Whether the snapshot is refused, or its verdict dropped ungiven.
+    pub fn refused(&self) -> bool {
+        match &*self.0.borrow() {
+            Some(v) => v.is_err(),
+            None => self.0.has_changed().is_err(),
+        }
+    }
 }
 
 /// Why a payload was not sent whole.
@@ -63,6 +131,15 @@ pub enum PayloadError {
 }
 
 impl Payload {
+    /// Whether this payload will never be sent whole: an arriving snapshot
+    /// that was refused, or whose sync ended without a verdict.
+    pub fn refused(&self) -> bool {
+        match self {
+            Payload::File(_) => false,
+            Payload::Arriving(a) => a.accepted.refused(),
+        }
+    }
+
     /// Sends `$<len>\r\n` and the bytes; returns the bytes sent.
     pub async fn send<W: AsyncWrite + Unpin>(self, write: &mut W) -> Result<u64, PayloadError> {
         match self {
@@ -86,7 +163,8 @@ async fn send_arriving<W: AsyncWrite + Unpin>(
     let len = arriving.manifest.info.size;
     let (tx, mut rx) = mpsc::channel(AHEAD);
     // Ends when the channel closes (this future dropped) or a wait fails.
-    tokio::task::spawn_blocking(move || read_in_order(arriving, tx));
+    let runtime = tokio::runtime::Handle::current();
+    tokio::task::spawn_blocking(move || read_in_order(arriving, &runtime, tx));
     let mut keepalive =
         tokio::time::interval_at(tokio::time::Instant::now() + KEEPALIVE, KEEPALIVE);
     let first = loop {
@@ -112,26 +190,27 @@ async fn send_arriving<W: AsyncWrite + Unpin>(
 /// Reads the verified pieces in order, in blocks, into `tx`; the last
 /// piece once the snapshot is accepted. Stops at the first error (sent
 /// on) or when nobody reads.
-fn read_in_order(a: Arriving, tx: mpsc::Sender<Result<Vec<u8>, PayloadError>>) {
+fn read_in_order(
+    a: Arriving,
+    runtime: &tokio::runtime::Handle,
+    tx: mpsc::Sender<Result<Vec<u8>, PayloadError>>,
+) {
     use std::os::unix::fs::FileExt;
     let Arriving {
         file,
         manifest,
         arrivals,
-        accepted,
+        mut accepted,
     } = a;
-    let mut accepted = Some(accepted);
     let last = manifest.pieces().saturating_sub(1);
     for index in 0..manifest.pieces() {
         let ready = arrivals
             .wait(index)
             .map_err(|e| PayloadError::NotAccepted(e.to_string()))
             .and_then(|()| match index == last {
-                true => match accepted.take().expect("one last piece").blocking_recv() {
-                    Ok(Ok(())) => Ok(()),
-                    Ok(Err(why)) => Err(PayloadError::NotAccepted(why)),
-                    Err(_) => Err(PayloadError::NotAccepted("the sync ended".into())),
-                },
+                true => runtime
+                    .block_on(accepted.wait())
+                    .map_err(PayloadError::NotAccepted),
                 false => Ok(()),
             });
         if let Err(e) = ready {
@@ -167,7 +246,7 @@ mod tests {
 
     /// What the job holds of an arriving snapshot: its arrivals and the
     /// verdict to give.
-    type Job = (Arc<Arrivals>, oneshot::Sender<Result<(), String>>);
+    type Job = (Arc<Arrivals>, Verdict);
 
     /// A 3.5-piece snapshot in a file, its manifest and fresh arrivals.
     fn arriving() -> (Vec<u8>, Arriving, Job) {
@@ -188,14 +267,8 @@ mod tests {
             repl_id: None,
         }));
         let arrivals = Arc::new(Arrivals::new(vec![false; 4]));
-        let (tx, accepted) = oneshot::channel();
-        let a = Arriving {
-            file,
-            manifest,
-            arrivals: arrivals.clone(),
-            accepted,
-        };
-        (bytes, a, (arrivals, tx))
+        let (a, verdict) = Arriving::new(file, manifest, arrivals.clone());
+        (bytes, a, (arrivals, verdict))
     }
 
     /// Reads what the server got until `want` bytes or the end.
@@ -233,10 +306,40 @@ mod tests {
         // The last piece is verified, and still held.
         let held = tokio::time::timeout(Duration::from_millis(200), read.read(&mut [0u8; 1])).await;
         assert!(held.is_err(), "the last piece went out before the verdict");
-        accept.send(Ok(())).unwrap();
+        accept.give(Ok(()));
         let rest = got(&mut read, PIECE as usize).await;
         assert_eq!(rest, &bytes[3 * PIECE as usize..]);
         assert_eq!(sending.await.unwrap().unwrap(), bytes.len() as u64);
+    }
+
+    /// Every clone of an arriving payload sends the whole, and tells when
+    /// it never will: refused, or its verdict dropped ungiven.
+    #[tokio::test]
+    async fn each_clone_sends_the_whole_and_a_dropped_verdict_is_a_refusal() {
+        let (bytes, a, (arrivals, accept)) = arriving();
+        let (first, second) = (Payload::Arriving(a.clone()), Payload::Arriving(a));
+        assert!(!first.refused());
+        (0..4).for_each(|i| arrivals.mark(i));
+        accept.give(Ok(()));
+        for payload in [first, second] {
+            let (mut write, mut read) = tokio::io::duplex(8 << 20);
+            let sent = payload.send(&mut write).await.unwrap();
+            drop(write);
+            let header = format!("${}\r\n", bytes.len());
+            let got = got(&mut read, header.len() + bytes.len() + 1).await;
+            assert_eq!(
+                (sent, &got[header.len()..]),
+                (bytes.len() as u64, &bytes[..])
+            );
+        }
+
+        let (_, a, (_arrivals, accept)) = arriving();
+        let payload = Payload::Arriving(a);
+        drop(accept);
+        assert!(payload.refused());
+        let (_, a, (_arrivals, accept)) = arriving();
+        accept.give(Err("the check failed".into()));
+        assert!(Payload::Arriving(a).refused());
     }
 
     /// A snapshot that is not accepted ends the payload short of its last
@@ -247,9 +350,7 @@ mod tests {
         let (mut write, mut read) = tokio::io::duplex(8 << 20);
         let sending = tokio::spawn(async move { Payload::Arriving(a).send(&mut write).await });
         (0..4).for_each(|i| arrivals.mark(i));
-        accept
-            .send(Err("the installed file differs".into()))
-            .unwrap();
+        accept.give(Err("the installed file differs".into()));
         let err = sending.await.unwrap().unwrap_err();
         assert!(
             err.to_string().contains("the installed file differs"),

@@ -19,7 +19,6 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
@@ -28,13 +27,11 @@ use tokio::net::{TcpListener, TcpStream};
 use tracing::{info, warn};
 
 use crate::config::{HostPort, RedisConfig};
-use crate::kv::payload::{Arriving, Payload, PayloadError};
+use crate::kv::payload::{Accepted, Arriving, Payload, PayloadError, Verdict};
 use crate::kv::redis::{
     confirm_partial, connect, info, infos, server_err, until, Info, RedisError,
 };
-use crate::snapshot::manifest::Manifest;
 use crate::snapshot::SnapshotInfo;
-use crate::store::arrivals::Arrivals;
 
 /// The one-time `masterauth` record, in `snapshot_dir`: the server's own
 /// value while the seed's is in force, so a killed agent puts it back.
@@ -164,56 +161,71 @@ pub async fn replicate(
     confirm_partial(cfg, timeout, &before, snapshot).await
 }
 
-/// A `redis-replicate` seeding started while its snapshot still arrives:
-/// the server loads the verified pieces as they come, and gets the last
-/// once [`Early::finish`] accepts the snapshot ([`crate::kv::payload`]).
+/// A seeding started while its snapshot still arrives: the server loads
+/// the verified pieces as they come, and gets the last once
+/// [`Early::finish`] accepts the snapshot ([`crate::kv::payload`]).
 pub struct Early {
     task: tokio::task::JoinHandle<Result<String, RedisError>>,
-    accept: tokio::sync::oneshot::Sender<Result<(), String>>,
+    verdict: Verdict,
     /// What the manifest says the snapshot is (the server is told its
     /// replication id and M before the bytes prove them).
     announced: SnapshotInfo,
 }
 
 impl Early {
-    /// Starts seeding the local server with `manifest`'s snapshot as it
-    /// arrives in `file` (the staging file, in `snapshot_dir`).
-    pub fn start(
+    /// `redis-replicate`: seeds the local server from `arriving` (in
+    /// `snapshot_dir`), whose verdict is `verdict`.
+    pub fn replicate(
         cfg: RedisConfig,
         timeout: Duration,
         snapshot_dir: PathBuf,
-        file: std::fs::File,
-        manifest: Arc<Manifest>,
-        arrivals: Arc<Arrivals>,
+        arriving: Arriving,
+        verdict: Verdict,
     ) -> Early {
-        let (accept, accepted) = tokio::sync::oneshot::channel();
-        let announced = manifest.info.clone();
+        let announced = arriving.manifest.info.clone();
         let snapshot = announced.clone();
-        let rdb = Payload::Arriving(Arriving {
-            file,
-            manifest,
-            arrivals,
-            accepted,
-        });
+        let rdb = Payload::Arriving(arriving);
         let task =
             tokio::spawn(
                 async move { replicate(&cfg, timeout, rdb, &snapshot, &snapshot_dir).await },
             );
         Early {
             task,
-            accept,
+            verdict,
+            announced,
+        }
+    }
+
+    /// `redis-stream`: points the local server at `feed`, which was given
+    /// the arriving snapshot `announced` (whose verdict is `verdict`) to
+    /// serve; the wait for the server to follow starts with the verdict.
+    pub fn attach(
+        cfg: RedisConfig,
+        timeout: Duration,
+        feed: Feed,
+        announced: SnapshotInfo,
+        verdict: Verdict,
+    ) -> Early {
+        let (snapshot, accepted) = (announced.clone(), verdict.accepted());
+        let task =
+            tokio::spawn(
+                async move { attach(&cfg, timeout, &feed, &snapshot, Some(accepted)).await },
+            );
+        Early {
+            task,
+            verdict,
             announced,
         }
     }
 
     /// The snapshot is verified and installed, and is `verified`: when
     /// that is the one announced, the server gets its last piece; then the
-    /// seeding ends as [`replicate`] does.
+    /// seeding ends as [`replicate`] or [`attach`] does.
     pub async fn finish(self, verified: &SnapshotInfo) -> Result<String, RedisError> {
         let a = &self.announced;
         let same =
             verified.repl_id == a.repl_id && verified.seq == a.seq && verified.size == a.size;
-        let _ = self.accept.send(match same {
+        self.verdict.give(match same {
             true => Ok(()),
             false => Err(format!(
                 "the verified RDB (replication id {:?}, M {}) is not the one the manifest announced ({:?}, {})",
@@ -229,7 +241,7 @@ impl Early {
     /// ends short, so it drops what it buffered and keeps its data, and its
     /// replication is put back as it was.
     pub async fn abandon(self, why: String) {
-        let _ = self.accept.send(Err(why));
+        self.verdict.give(Err(why));
         if let Ok(Err(e)) = self.task.await {
             info!(error = %e, "the seeding that began while the snapshot arrived is undone");
         }
@@ -249,13 +261,16 @@ pub struct Feed {
 /// The `redis-stream` handoff: points the local server at this agent's
 /// feed (which answers it from the stream log) with the feed's password as
 /// its `masterauth`, and waits until it has loaded `snapshot` (or
-/// continued past it) and follows the feed. A failure puts the server's
-/// `masterauth` and replication back as they were.
+/// continued past it) and follows the feed. With `accepted`, the snapshot
+/// still arrives: the wait starts once it is accepted. A failure, or a
+/// refusal, puts the server's `masterauth` and replication back as they
+/// were.
 pub async fn attach(
     cfg: &RedisConfig,
     timeout: Duration,
     feed: &Feed,
     snapshot: &SnapshotInfo,
+    accepted: Option<Accepted>,
 ) -> Result<String, RedisError> {
     let (server, password) = (&cfg.server_addr, &cfg.password);
     let mut con = connect(server, password).await?;
@@ -265,6 +280,12 @@ pub async fn attach(
     let attached = async {
         config_set(&mut con, server, "masterauth", secret).await?;
         replicaof(&mut con, server, &feed.ip().to_string(), feed.port()).await?;
+        if let Some(mut accepted) = accepted {
+            accepted
+                .wait()
+                .await
+                .map_err(|why| RedisError::Seed(format!("the snapshot was not accepted: {why}")))?;
+        }
         let done = following(
             cfg,
             timeout,

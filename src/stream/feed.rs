@@ -6,7 +6,9 @@
 //! `+CONTINUE <id>` when the log holds that id at that offset, and streams
 //! the log from there; otherwise `+FULLRESYNC <id> <M>` with the RDB a
 //! handoff gave it ([`FeedHandle::seed_with`], once the log continues it)
-//! and the stream from M. So the server's every reconnect (its restart, a
+//! and the stream from M. While a sync still receives its snapshot the
+//! feed serves that as it arrives ([`FeedHandle::seed_arriving`]), and
+//! falls back to the installed RDB if it is refused. So the server's every reconnect (its restart, a
 //! blip between them) continues from the log without the primary. A
 //! connection ends where the log's replication id changes: the server asks
 //! again and continues under the new id. A newer connection from the
@@ -33,7 +35,7 @@ use tracing::{info, warn};
 use super::log::Log;
 use super::log::LogError;
 use super::{Downstream, SharedLog};
-use crate::kv::payload::{Payload, PayloadError};
+use crate::kv::payload::{Arriving, Payload, PayloadError};
 use crate::kv::redis::RedisError;
 use crate::kv::seed::{self, Seeded};
 
@@ -50,8 +52,8 @@ const CHUNK: usize = 1 << 20;
 pub struct FeedHandle {
     pub addr: SocketAddr,
     pub secret: String,
-    /// The RDB a full resync serves: its path, replication id and M.
-    seed: Arc<Mutex<Option<(PathBuf, String, u64)>>>,
+    /// The RDBs a full resync may serve.
+    seed: Arc<Mutex<Seeds>>,
     /// Where the server's own `masterauth` is kept ([`SERVER_AUTH_FILE`]).
     pub server_auth: PathBuf,
     /// How the feed answered its server's sync requests so far.
@@ -66,10 +68,41 @@ pub struct Served {
     pub full: u64,
 }
 
+/// An RDB a full resync serves, its replication id and M.
+type Seed = (Payload, String, u64);
+
+/// The installed RDB, and the one a sync still receives, which is served
+/// first unless it is refused.
+#[derive(Default)]
+struct Seeds {
+    installed: Option<Seed>,
+    arriving: Option<Seed>,
+}
+
 impl FeedHandle {
-    /// Serves `rdb` (saved at `replid` `m`) to the next full resync.
+    /// Serves `rdb` (installed, saved at `replid` `m`) to the next full
+    /// resync.
     pub fn seed_with(&self, rdb: PathBuf, replid: String, m: u64) {
-        *self.seed.lock().expect("feed seed lock") = Some((rdb, replid, m));
+        let mut seeds = self.seed.lock().expect("feed seed lock");
+        *seeds = Seeds {
+            installed: Some((Payload::File(rdb), replid, m)),
+            arriving: None,
+        };
+    }
+
+    /// Serves the snapshot `arriving` (saved at `replid` `m`) to the next
+    /// full resync while it arrives; the installed one again if it is
+    /// refused.
+    pub fn seed_arriving(&self, arriving: Arriving, replid: String, m: u64) {
+        self.seed.lock().expect("feed seed lock").arriving =
+            Some((Payload::Arriving(arriving), replid, m));
+    }
+
+    /// What the next full resync serves.
+    fn seed(&self) -> Option<Seed> {
+        let seeds = self.seed.lock().expect("feed seed lock");
+        let arriving = seeds.arriving.as_ref().filter(|(p, _, _)| !p.refused());
+        arriving.or(seeds.installed.as_ref()).cloned()
     }
 
     /// What a handoff points the server at.
@@ -257,8 +290,9 @@ async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<()
             (id, at)
         }
         None => {
-            let seed = feed.seed.lock().expect("feed seed lock").clone();
-            let usable = seed.filter(|(_, id, m)| stream.lock().covers(id, *m).is_ok());
+            let usable = feed
+                .seed()
+                .filter(|(_, id, m)| stream.lock().covers(id, *m).is_ok());
             let Some((rdb, id, m)) = usable else {
                 let why = asked.map_or("a full sync".to_string(), |(id, at)| {
                     format!("{id} at {}", at + 1)
@@ -274,7 +308,7 @@ async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<()
                     .await?;
             }
             feed.served.send_modify(|s| s.full += 1);
-            let len = Payload::File(rdb).send(&mut write).await?;
+            let len = rdb.send(&mut write).await?;
             info!(
                 bytes = len,
                 seq = m,

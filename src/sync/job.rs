@@ -19,6 +19,7 @@ use tracing::{info, info_span, warn, Instrument};
 use crate::blk3::Outcome;
 use crate::config::{Config, HandoffMode, RdmaProvider, TransportMode};
 use crate::kv::handoff::{self, HandoffRecord};
+use crate::kv::payload::Arriving;
 use crate::kv::seed::Early;
 use crate::metrics::{unix_now, Metrics, Running};
 use crate::rpc::dial::CONNECT_TIMEOUT;
@@ -798,10 +799,7 @@ async fn transfer(
     });
 
     ctx.phase(pb::Phase::Transferring);
-    let seeding = match ctx.config.handoff.mode {
-        HandoffMode::RedisReplicate => Some(start_early(ctx, &receiver, announced)?),
-        _ => None,
-    };
+    let seeding = start_early(ctx, &receiver, announced)?;
     let bulk_started = Instant::now();
     let (token, total, faults) = (offer.token, offer.snapshot.size, ctx.faults.clone());
     let canceller = cancel.clone();
@@ -868,25 +866,41 @@ async fn transfer(
     received
 }
 
-/// Starts seeding the local server (`redis-replicate`) from the pieces
-/// `receiver` verifies, in order, as they arrive.
+/// Starts seeding the local server from the pieces `receiver` verifies,
+/// in order, as they arrive: as its one-shot master (`redis-replicate`),
+/// or through the stream feed (`redis-stream`, for an RDB the feed can
+/// serve). Other handoffs wait for the install.
 fn start_early(
     ctx: &JobContext,
     receiver: &Receiver,
     manifest: Arc<Manifest>,
-) -> Result<Early, JobError> {
+) -> Result<Option<Early>, JobError> {
+    let (mode, feed) = (ctx.config.handoff.mode, ctx.feed.as_ref());
+    let announced = manifest.info.clone();
+    let streamed = match (mode, feed, &announced.repl_id) {
+        (HandoffMode::RedisReplicate, _, _) => None,
+        (HandoffMode::RedisStream, Some(feed), Some(id)) => Some((feed, id.clone())),
+        _ => return Ok(None),
+    };
     let (file, arrivals) = receiver
         .following()
         .map_err(|e| JobError::Panicked(format!("follow the staging file for the seeding: {e}")))?;
+    let (arriving, verdict) = Arriving::new(file, manifest, arrivals);
+    let (cfg, timeout) = (ctx.config.redis.clone(), ctx.config.handoff.timeout);
     info!("seeding the local server while the snapshot arrives");
-    Ok(Early::start(
-        ctx.config.redis.clone(),
-        ctx.config.handoff.timeout,
-        ctx.config.snapshot_dir.clone(),
-        file,
-        manifest,
-        arrivals,
-    ))
+    Ok(Some(match streamed {
+        None => Early::replicate(
+            cfg,
+            timeout,
+            ctx.config.snapshot_dir.clone(),
+            arriving,
+            verdict,
+        ),
+        Some((feed, id)) => {
+            feed.seed_arriving(arriving, id, announced.seq);
+            Early::attach(cfg, timeout, feed.target(), announced, verdict)
+        }
+    }))
 }
 
 /// Where and how to reach the offer's data endpoint. RDMA cannot use

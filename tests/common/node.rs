@@ -355,6 +355,20 @@ pub async fn wait_done(replica: &Node, id: &str) -> pb::SyncProgress {
         .expect("sync finished in time")
 }
 
+/// Cancels sync `id`, which is still transferring, and follows it to its
+/// end: cancelled.
+pub async fn cancel_while_transferring(replica: &Node, id: &str) {
+    let p = replica.status().await;
+    let sync = p.running.iter().find(|s| s.sync_id == id).unwrap();
+    assert_eq!(sync.phase, pb::Phase::Transferring as i32, "{sync:?}");
+    let mut c = replica.client().await;
+    c.cancel_sync(pb::CancelSyncRequest { sync_id: id.into() })
+        .await
+        .unwrap();
+    let p = wait_done(replica, id).await;
+    assert_eq!(p.phase, pb::Phase::Cancelled as i32, "{p:?}");
+}
+
 /// Waits until the sync reports at least `bytes` received.
 pub async fn wait_bytes(replica: &Node, id: &str, bytes: u64) {
     let mut c = replica.client().await;

@@ -137,6 +137,11 @@ pub fn seeded_replica(
         "{}",
         p.handoff
     );
+    // The server was fed the snapshot while it arrived.
+    assert!(replica
+        .proc
+        .log()
+        .contains("seeding the local server while the snapshot arrives"));
     converged(&rs, primary, "the fed server to converge after seeding");
     (rs, replica)
 }
