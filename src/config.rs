@@ -334,7 +334,8 @@ pub struct RedisConfig {
     #[serde(with = "humantime_serde")]
     pub health_interval: Duration,
     /// Source: the backlog guard. The primary's write rate is measured over
-    /// `rate_window` (`0s`: not measured); a seeding is estimated to take
+    /// the last `rate_window`, sampled in the background (`0s`: not
+    /// measured); a seeding is estimated to take
     /// the RDB's size at the slowest of `expected_transfer_rate`, the rate
     /// this agent last served a session at and its `[sync] rate_limit`,
     /// plus its size at the rate a replica last

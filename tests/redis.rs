@@ -192,7 +192,21 @@ fn seeds_a_replica_with_a_partial_resync(server: Server, transport: &str, expect
     rt.block_on(async {
         let (source, replica, seq) =
             source_and_replica(root, "", &primary, port, &rdir, transport, &[]).await;
+        // The source has measured its primary's write rate in the
+        // background for a whole `rate_window`: the offer does not wait.
+        wait_for(
+            "the source's write meter to span its window",
+            DEADLINE,
+            || {
+                let log = source.proc.log();
+                log.contains("write rate is measured over the last rate_window")
+                    .then_some(())
+            },
+        );
         let p = sync_ok(&replica, &source).await;
+        let log = source.proc.log();
+        let passed = log.lines().find(|l| l.contains("backlog guard passed"));
+        assert!(passed.is_some_and(|l| l.contains("waited_ms=0")), "{log}");
         assert_eq!(p.transport, expect as i32, "{p:?}");
         assert!(
             p.handoff.contains("partial resync accepted"),

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
 use crate::config::RedisConfig;
-use crate::kv::preflight::{self, Foresight, Preflight};
+use crate::kv::preflight::{self, Foresight, Preflight, WriteMeter};
 use crate::kv::redis::{self, Info, RedisError};
 use crate::metrics::Metrics;
 use crate::snapshot::SnapshotInfo;
@@ -82,6 +82,8 @@ pub struct BacklogGuard {
     /// The source's own bandwidth limit (`[sync] rate_limit`): no seeding
     /// moves faster.
     rate_limit: Arc<RateLimiter>,
+    /// The primary's write rate, measured in the background.
+    meter: Arc<WriteMeter>,
     runtime: tokio::runtime::Handle,
 }
 
@@ -181,6 +183,10 @@ impl BacklogGuard {
             cfg.backlog_record.clone()
         };
         let original = read_record(&record);
+        let meter = Arc::new(WriteMeter::new(cfg.rate_window));
+        if !cfg.rate_window.is_zero() {
+            tokio::spawn(preflight::run_meter(Arc::downgrade(&meter), cfg.clone()));
+        }
         // Both series exist from the start, at zero.
         metrics
             .kv_backlog_grown_bytes
@@ -201,6 +207,7 @@ impl BacklogGuard {
             served_rate: AtomicU64::new(0),
             loaded_rate: AtomicU64::new(0),
             rate_limit,
+            meter,
             runtime: tokio::runtime::Handle::current(),
         });
         guard.restore(&mut *guard.state.lock().await).await;
@@ -216,8 +223,8 @@ impl BacklogGuard {
         snapshot: &SnapshotInfo,
     ) -> Result<(Lease, Preflight), RedisError> {
         let measured = (known(&self.served_rate), known(&self.loaded_rate));
-        let sizing =
-            preflight::measure(&self.cfg, snapshot, measured, self.rate_limit.rate()).await?;
+        let limit = self.rate_limit.rate();
+        let sizing = preflight::measure(&self.cfg, snapshot, measured, limit, &self.meter).await?;
         let mut state = self.state.lock().await;
         if sizing.needed > sizing.size {
             let shortfall = sizing.shortfall(snapshot.size);
@@ -234,6 +241,7 @@ impl BacklogGuard {
             write_rate = sizing.foresight.write_rate,
             needed = sizing.needed,
             backlog = sizing.size.max(sizing.needed),
+            waited_ms = sizing.waited.as_millis() as u64,
             "backlog guard passed"
         );
         let watch = self.runtime.spawn(self.clone().watch(

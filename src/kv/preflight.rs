@@ -1,8 +1,15 @@
 //! The source's pre-flight check of its local primary before it offers an
 //! RDB (docs/ARCHITECTURE.md, "Backlog guard"): does the backlog still hold
 //! offset M+1, and how large must it be to still hold it when the replica
-//! has received and loaded the RDB, at the write rate measured now?
-//! Whether a shortfall is refused or the backlog grown is `backlog`'s.
+//! has received and loaded the RDB, at the write rate measured now? The
+//! rate is the primary's offset growth over `rate_window`, which
+//! [`WriteMeter`] samples in the background, so an offer need not wait a
+//! window to know it. Whether a shortfall is refused or the backlog grown
+//! is `backlog`'s.
+
+use std::collections::VecDeque;
+use std::sync::{Mutex, Weak};
+use std::time::{Duration, Instant};
 
 use crate::config::RedisConfig;
 use crate::kv::redis::{info, Info, RedisError};
@@ -103,6 +110,8 @@ pub struct Sizing {
     pub needed: u64,
     pub size: u64,
     pub foresight: Foresight,
+    /// How long the measurement waited for the rate window.
+    pub waited: Duration,
 }
 
 impl Sizing {
@@ -122,10 +131,96 @@ impl Sizing {
     }
 }
 
+/// The primary's replication offset, sampled in the background: enough
+/// samples to span the last `window`, so the write rate over it is known
+/// whenever an offer asks.
+#[derive(Debug)]
+pub struct WriteMeter {
+    window: Duration,
+    samples: Mutex<VecDeque<(Instant, u64)>>,
+}
+
+impl WriteMeter {
+    pub fn new(window: Duration) -> WriteMeter {
+        WriteMeter {
+            window,
+            samples: Mutex::default(),
+        }
+    }
+
+    /// How often the meter reads the primary.
+    pub fn every(&self) -> Duration {
+        (self.window / 4).max(Duration::from_millis(50))
+    }
+
+    /// The primary was at `offset` at `at`. An offset that went back (the
+    /// primary restarted) starts the meter over; samples older than the
+    /// newest one at least a window old are dropped. Returns whether the
+    /// samples now span a window and did not before.
+    pub fn record(&self, at: Instant, offset: u64) -> bool {
+        let mut samples = self.samples.lock().expect("meter lock");
+        if samples.back().is_some_and(|(_, o)| *o > offset) {
+            samples.clear();
+        }
+        let spans = |s: &VecDeque<(Instant, u64)>| matches!((s.front(), s.back()), (Some((a, _)), Some((b, _))) if b.saturating_duration_since(*a) >= self.window);
+        let spanned = spans(&samples);
+        samples.push_back((at, offset));
+        while samples
+            .get(1)
+            .is_some_and(|(t, _)| at.saturating_duration_since(*t) >= self.window)
+        {
+            samples.pop_front();
+        }
+        !spanned && spans(&samples)
+    }
+
+    /// The primary did not answer: what was measured no longer spans a
+    /// gapless window.
+    pub fn clear(&self) {
+        self.samples.lock().expect("meter lock").clear();
+    }
+
+    /// The oldest sample kept: at most a window and one reading old once
+    /// the meter has run that long.
+    pub fn oldest(&self) -> Option<(Instant, u64)> {
+        self.samples.lock().expect("meter lock").front().copied()
+    }
+}
+
+/// Reads the primary's offset into `meter` every [`WriteMeter::every`]
+/// until the meter is dropped.
+pub async fn run_meter(meter: Weak<WriteMeter>, cfg: RedisConfig) {
+    let every = match meter.upgrade() {
+        Some(m) => m.every(),
+        None => return,
+    };
+    let mut ticks = tokio::time::interval(every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        let read = info(&cfg.primary_addr, &cfg.password, "replication").await;
+        let Some(meter) = meter.upgrade() else {
+            return;
+        };
+        match read {
+            Ok(repl) => {
+                if meter.record(Instant::now(), repl.num("master_repl_offset")) {
+                    tracing::info!(
+                        rate_window = ?meter.window,
+                        "the primary's write rate is measured over the last rate_window: offers need not wait for it"
+                    );
+                }
+            }
+            Err(_) => meter.clear(),
+        }
+    }
+}
+
 /// The source's pre-flight measurement of its local primary: M+1 is still
 /// in the backlog (or an error says why not), and the backlog a seeding
-/// needs to still hold it when the replica asks, at the write rate measured
-/// over `rate_window`. `measured` are the transfer and load rates this
+/// needs to still hold it when the replica asks, at the write rate over
+/// the last `rate_window`: from the oldest sample `meter` holds, after
+/// waiting out what of the window it does not span yet. `measured` are the transfer and load rates this
 /// agent last saw (the rate it served a session at, and the RDB's size over
 /// a replica's reported handoff time), where it has them; the configured
 /// expectations stand in otherwise. A seeding is never expected to move
@@ -138,21 +233,24 @@ pub async fn measure(
     snapshot: &SnapshotInfo,
     measured: (Option<u64>, Option<u64>),
     rate_limit: u64,
+    meter: &WriteMeter,
 ) -> Result<Sizing, RedisError> {
     let repl_id = snapshot.repl_id.as_deref().unwrap_or("");
     let (addr, password) = (&cfg.primary_addr, &cfg.password);
-    let first = info(addr, password, "replication").await?;
-    let mut repl = first.clone();
-    let mut checked = check_backlog(&first, repl_id, snapshot.seq)?;
-    if !cfg.rate_window.is_zero() {
-        tokio::time::sleep(cfg.rate_window).await;
+    let mut repl = info(addr, password, "replication").await?;
+    let mut checked = check_backlog(&repl, repl_id, snapshot.seq)?;
+    let now = (Instant::now(), repl.num("master_repl_offset"));
+    let since = meter.oldest().filter(|(_, o)| *o <= now.1).unwrap_or(now);
+    let wait = cfg.rate_window.saturating_sub(since.0.elapsed());
+    if !wait.is_zero() {
+        tokio::time::sleep(wait).await;
         repl = info(addr, password, "replication").await?;
         checked = check_backlog(&repl, repl_id, snapshot.seq)?;
     }
     let master = repl.num("master_repl_offset");
-    let written = master.saturating_sub(first.num("master_repl_offset"));
+    let written = master.saturating_sub(since.1);
     let foresight = Foresight {
-        write_rate: written as f64 / cfg.rate_window.as_secs_f64().max(1e-3),
+        write_rate: written as f64 / since.0.elapsed().as_secs_f64().max(1e-3),
         transfer_rate: transfer_rate(cfg.expected_transfer_rate.as_u64(), measured.0, rate_limit),
         load_rate: measured.1.unwrap_or(cfg.expected_load_rate.as_u64()),
         safety: cfg.backlog_safety,
@@ -162,6 +260,7 @@ pub async fn measure(
         needed: foresight.backlog_needed(master, snapshot.seq, snapshot.size),
         size: repl.num("repl_backlog_size"),
         foresight,
+        waited: wait,
     })
 }
 
@@ -197,6 +296,38 @@ mod tests {
         assert_eq!(transfer_rate(100 * mib, Some(500 * mib), 2 * mib), 2 * mib);
         assert_eq!(transfer_rate(100 * mib, Some(30 * mib), 0), 30 * mib);
         assert_eq!(transfer_rate(100 * mib, Some(300 * mib), 0), 100 * mib);
+    }
+
+    #[test]
+    fn the_meter_keeps_one_window_of_samples_and_starts_over_when_the_offset_goes_back() {
+        let meter = WriteMeter::new(Duration::from_secs(2));
+        assert_eq!(meter.every(), Duration::from_millis(500));
+        let t = Instant::now();
+        let at = |ms| t + Duration::from_millis(ms);
+        assert_eq!(meter.oldest(), None);
+        for (ms, offset) in [(0, 100), (500, 200), (1000, 300), (1500, 400)] {
+            assert!(!meter.record(at(ms), offset));
+        }
+        assert!(meter.record(at(2000), 500), "now it spans a window");
+        // 2 s spanned: nothing older is needed yet.
+        assert_eq!(meter.oldest(), Some((at(0), 100)));
+        meter.record(at(2500), 600);
+        assert_eq!(
+            meter.oldest(),
+            Some((at(500), 200)),
+            "the newest sample a window old"
+        );
+        meter.record(at(2600), 650);
+        assert_eq!(meter.oldest(), Some((at(500), 200)));
+        // The primary restarted: its offset went back.
+        meter.record(at(3000), 10);
+        assert_eq!(meter.oldest(), Some((at(3000), 10)));
+        meter.clear();
+        assert_eq!(meter.oldest(), None);
+        assert_eq!(
+            WriteMeter::new(Duration::from_millis(100)).every(),
+            Duration::from_millis(50)
+        );
     }
 
     fn repl(first: u64, histlen: u64, master: u64) -> Info {
