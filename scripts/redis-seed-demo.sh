@@ -33,6 +33,10 @@
 # instead of restarting it on the installed file (the default, `redis`).
 # REPL_LOAD=<disabled|on-empty-db|swapdb> sets repl-diskless-load on every
 # empty replica the run times (kvsync's, the full syncs'), alike.
+# The source agent runs as a service would, up before it is asked: the timed
+# seeding starts once it has run a `[redis] rate_window` (2 s) and a meter
+# reading, so its backlog guard knows the primary's write rate without
+# waiting. COLD_AGENT=1 times it right after the agents start instead.
 # KVSYNC_BIN=path uses that kvsync binary instead of building a release one.
 # Everything it starts (servers, agents) is stopped when it exits.
 set -euo pipefail
@@ -148,6 +152,7 @@ tcp_listen = "127.0.0.1:0"
 rdma_port = 0
 [metrics]
 listen = ""'
+src_up=$(now)
 src=$(agent source "node_id = \"source\"
 snapshot_dir = \"$work/primary\"
 snapshot_format = \"redis-rdb\"
@@ -190,6 +195,10 @@ stats() { echo "sync_full=$(field $P stats sync_full) sync_partial_ok=$(field $P
 echo "== kvsync seeding, $handoff handoff${REPL_LOAD:+, repl-diskless-load $REPL_LOAD} (primary before: $(stats))"
 forks0=$(field $P stats total_forks)
 poll $A
+if [ -z "${COLD_AGENT:-}" ]; then
+    warm=$(echo "2.5 - ($(now) - $src_up)" | bc)
+    [ "${warm#-}" = "$warm" ] && sleep "$warm"
+fi
 t0=$(now)
 "$bin" sync --agent "$dst" --source "$src" --wait --json
 t1=$(now)

@@ -162,8 +162,7 @@ impl WriteMeter {
         if samples.back().is_some_and(|(_, o)| *o > offset) {
             samples.clear();
         }
-        let spans = |s: &VecDeque<(Instant, u64)>| matches!((s.front(), s.back()), (Some((a, _)), Some((b, _))) if b.saturating_duration_since(*a) >= self.window);
-        let spanned = spans(&samples);
+        let spanned = self.spans(&samples);
         samples.push_back((at, offset));
         while samples
             .get(1)
@@ -171,7 +170,17 @@ impl WriteMeter {
         {
             samples.pop_front();
         }
-        !spanned && spans(&samples)
+        !spanned && self.spans(&samples)
+    }
+
+    /// Whether `samples` span a window.
+    fn spans(&self, samples: &VecDeque<(Instant, u64)>) -> bool {
+        match (samples.front(), samples.back()) {
+            (Some((first, _)), Some((last, _))) => {
+                last.saturating_duration_since(*first) >= self.window
+            }
+            _ => false,
+        }
     }
 
     /// The primary did not answer: what was measured no longer spans a
@@ -220,10 +229,10 @@ pub async fn run_meter(meter: Weak<WriteMeter>, cfg: RedisConfig) {
 /// in the backlog (or an error says why not), and the backlog a seeding
 /// needs to still hold it when the replica asks, at the write rate over
 /// the last `rate_window`: from the oldest sample `meter` holds, after
-/// waiting out what of the window it does not span yet. `measured` are the transfer and load rates this
-/// agent last saw (the rate it served a session at, and the RDB's size over
-/// a replica's reported handoff time), where it has them; the configured
-/// expectations stand in otherwise. A seeding is never expected to move
+/// waiting out what of the window it does not span yet. `measured` are
+/// the transfer and load rates this agent last saw (the rate it served a
+/// session at, and the RDB's size over a replica's reported handoff time),
+/// where it has them; the configured expectations stand in otherwise. A seeding is never expected to move
 /// faster than the slowest of `rate_limit` (the source's own `[sync]
 /// rate_limit`, 0: none), the last served rate and the configured
 /// expectation. Whether a shortfall is refused or the backlog grown is the

@@ -8,11 +8,11 @@
 //! handoff gave it ([`FeedHandle::seed_with`], once the log continues it)
 //! and the stream from M. While a sync still receives its snapshot the
 //! feed serves that as it arrives ([`FeedHandle::seed_arriving`]), and
-//! falls back to the installed RDB if it is refused. So the server's every reconnect (its restart, a
-//! blip between them) continues from the log without the primary. A
-//! connection ends where the log's replication id changes: the server asks
-//! again and continues under the new id. A newer connection from the
-//! server replaces the one before it. A server that asks for an offset
+//! falls back to the installed RDB if it is refused. So the server's every
+//! reconnect (its restart, a blip between them) continues from the log
+//! without the primary. A connection ends where the log's replication id
+//! changes: the server asks again and continues under the new id. A newer
+//! connection from the server replaces the one before it. A server that asks for an offset
 //! the log has not reached yet (it applied more than the log holds after
 //! the log was cut, or it was just taken back from the primary) is
 //! continued and fed once the log has it ([`Log::continues`]). The server's
