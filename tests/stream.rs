@@ -7,7 +7,9 @@
 //! of its own, byte for byte, resumes from its log after being killed, and
 //! refuses a frame changed on the wire; a server fed through two agents
 //! keeps up with a steady writer while `WAIT` counts it (`ack =
-//! "replicas"`); a replica agent killed while the primary writes ten times
+//! "replicas"`); a server seeded through its agent loads the snapshot's
+//! verified pieces while the rest arrives, and a stopped sync leaves it as
+//! it was; a replica agent killed while the primary writes ten times
 //! its backlog continues its server from its log once restarted, with no
 //! full sync; the link between two agents' hosts (network namespaces) cut
 //! while the primary writes several times its backlog, once with the
