@@ -724,6 +724,8 @@ async fn follow_stream(
         primary: String::new(),
         password: config.redis.password.clone(),
         snapshot_dir: config.snapshot_dir.clone(),
+        max_rdb: config.sync.max_snapshot_bytes.as_u64(),
+        min_free_after: config.sync.min_free_after.as_u64(),
         offered,
         ack: config.stream.ack,
         metrics: parts.metrics.clone(),
@@ -744,14 +746,21 @@ async fn follow_stream(
         instance.stop.clone(),
     ));
     if !config.stream.sentinels.is_empty() {
-        follow_sentinels(name, config, instance, parts);
+        follow_sentinels(name, config, instance, parts, &stream);
     }
     Ok(stream)
 }
 
-/// Follows the primary instance `name`'s Sentinels name: the watch of
-/// their word, and its take as `kvsync stream follow` would.
-fn follow_sentinels(name: &str, config: &Config, instance: &Instance, parts: &Parts) {
+/// Follows the primary a majority of instance `name`'s Sentinels name:
+/// the watch of their word (its verdict in status and the dissent
+/// counter), and its take as `kvsync stream follow` would.
+fn follow_sentinels(
+    name: &str,
+    config: &Config,
+    instance: &Instance,
+    parts: &Parts,
+    stream: &SharedLog,
+) {
     use crate::stream::{failover, sentinel};
     let sentinels = sentinel::Sentinels {
         addrs: config.stream.sentinels.clone(),
@@ -759,28 +768,50 @@ fn follow_sentinels(name: &str, config: &Config, instance: &Instance, parts: &Pa
         password: config.stream.sentinel_password.clone(),
     };
     let (primary, named) = tokio::sync::watch::channel(None);
-    instance.spawn(sentinel::watch(sentinels, primary, instance.stop.clone()));
+    let (reported, dissent) = (
+        stream.clone(),
+        parts
+            .metrics
+            .stream_sentinel_dissent
+            .with_label_values(&[name]),
+    );
+    let report = move |v: &sentinel::Verdict| {
+        if !v.dissent.is_empty() {
+            dissent.inc();
+        }
+        reported.set_sentinels(v.to_string());
+    };
+    instance.spawn(sentinel::watch(
+        sentinels,
+        primary,
+        report,
+        instance.stop.clone(),
+    ));
     let (instances, dialer, name) = (
         parts.instances.clone(),
         parts.dialer.clone(),
         name.to_string(),
     );
     let upstream_instance = config.stream.upstream_instance_of(&name);
-    let follow = move |addr: String, first: bool| {
+    let follow = move |addr: String| {
         let (instances, dialer, name) = (instances.clone(), dialer.clone(), name.clone());
         let upstream_instance = upstream_instance.clone();
         async move {
             let i = instances.resolve(&name).map_err(|e| e.to_string())?;
-            let source_of = |peer: String| {
+            let ask = |peer: String| {
                 let (dialer, instance) = (dialer.clone(), upstream_instance.clone());
-                async move { failover::peer_source(&dialer, &peer, &instance).await }
+                async move { failover::peer_report(&dialer, &peer, &instance).await }
             };
-            let followed = failover::follow_primary(&i, &addr, &[], first, source_of)
+            let followed = failover::follow_primary(&i, &addr, &[], ask)
                 .await
                 .map_err(|e| e.to_string())?;
-            Ok::<_, String>(match followed.local_server {
+            let said = match followed.local_server {
                 Some(local) => format!("{}; {local}", followed.source),
                 None => followed.source.to_string(),
+            };
+            Ok::<_, String>(match followed.re_attach_pending {
+                true => sentinel::Taken::Pending(said),
+                false => sentinel::Taken::Done(said),
             })
         }
     };

@@ -143,8 +143,15 @@ pub struct StreamConfig {
     pub rdma_spin: Duration,
     /// The agents (gRPC `host:port`) of the instance's other servers: at a
     /// failover (`kvsync stream follow --primary`) the log follows the one
-    /// among them whose log follows the new primary.
+    /// among them whose log follows the new primary. Each one's word on the
+    /// server beside it (checked against that server's `run_id`) proves
+    /// that server's address to a failover.
     pub peers: Vec<String>,
+    /// The instance's other servers (`host:port`) a failover or a release
+    /// may point a server at, besides `[redis]`'s own addresses and those
+    /// the configured peers report: an address nothing proves is never
+    /// sent `REPLICAOF`, `AUTH` or the password.
+    pub servers: Vec<String>,
     /// Redis Sentinels (`host:port`) that watch the instance's primary:
     /// the agent asks them who the primary is (at start and after each
     /// reconnect) and follows each `+switch-master` of `master_name` as
@@ -173,6 +180,7 @@ impl Default for StreamConfig {
             stall_timeout: Duration::from_secs(10),
             rdma_spin: Duration::from_micros(200),
             peers: Vec::new(),
+            servers: Vec::new(),
             sentinels: Vec::new(),
             master_name: String::new(),
             sentinel_password: String::new(),
@@ -1319,10 +1327,27 @@ impl Config {
                 format!("must be agents' gRPC host:port, got {bad:?}"),
             );
         }
+        if let Some(bad) = st.servers.iter().find(|a| !is_host_port(a)) {
+            p.bad(
+                "stream.servers",
+                format!("must be servers' host:port, got {bad:?}"),
+            );
+        }
         if let Some(bad) = st.sentinels.iter().find(|a| !is_host_port(a)) {
             p.bad(
                 "stream.sentinels",
                 format!("must be Sentinels' host:port, got {bad:?}"),
+            );
+        }
+        if let Some(twice) = st
+            .sentinels
+            .iter()
+            .enumerate()
+            .find_map(|(n, a)| st.sentinels[..n].contains(a).then_some(a))
+        {
+            p.bad(
+                "stream.sentinels",
+                format!("lists {twice:?} twice: each Sentinel is one vote of the majority the agent acts on"),
             );
         }
         if !st.sentinels.is_empty() && st.peers.is_empty() {

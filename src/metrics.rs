@@ -142,6 +142,7 @@ pub struct Metrics {
     pub stream_write_errors: IntCounterVec,
     pub stream_diverged: IntCounterVec,
     pub stream_snapshots_taken: IntCounterVec,
+    pub stream_sentinel_dissent: IntCounterVec,
     pub stream_log_bytes: IntGaugeVec,
     pub stream_log_span: IntGaugeVec,
     pub stream_log_retain: IntGaugeVec,
@@ -365,6 +366,13 @@ impl Metrics {
                 Opts::new(
                     "kvsync_stream_snapshots_taken_total",
                     "Snapshots the agent took of its primary (a full resync on a link of its own: a fork of the primary) because a reader needed one that continues into the log and none did"
+                ),
+                &["kv_instance"]
+            )),
+            stream_sentinel_dissent: reg!(IntCounterVec::new(
+                Opts::new(
+                    "kvsync_stream_sentinel_dissent_total",
+                    "Askings of the instance's Sentinels at which one or more named another primary than their majority (a Sentinel cut off from the others, or one that lies): only the majority's word is acted on"
                 ),
                 &["kv_instance"]
             )),
@@ -620,6 +628,7 @@ impl Metrics {
         self.stream_write_errors.with_label_values(&[name]);
         self.stream_diverged.with_label_values(&[name]);
         self.stream_snapshots_taken.with_label_values(&[name]);
+        self.stream_sentinel_dissent.with_label_values(&[name]);
         for source in ["primary", "agent"] {
             self.stream_reconnects.with_label_values(&[name, source]);
         }
@@ -695,6 +704,7 @@ impl Metrics {
         let _ = self.stream_checksum_failures.remove_label_values(&[name]);
         let _ = self.stream_write_errors.remove_label_values(&[name]);
         let _ = self.stream_diverged.remove_label_values(&[name]);
+        let _ = self.stream_sentinel_dissent.remove_label_values(&[name]);
         let _ = self.stream_snapshots_taken.remove_label_values(&[name]);
         for source in ["primary", "agent"] {
             let _ = self.stream_reconnects.remove_label_values(&[name, source]);

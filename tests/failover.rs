@@ -36,6 +36,11 @@ fn follow(agent: &Node, primary: &Redis, peers: &[&Node]) -> (bool, String, Stri
     cli(&args)
 }
 
+/// The `[stream] servers` line naming the server on `port`.
+fn servers(port: u16) -> String {
+    format!("servers = [\"127.0.0.1:{port}\"]\n")
+}
+
 /// The replication id a server's history runs under now.
 fn replid(server: &Redis) -> String {
     let info = server.info("replication");
@@ -74,11 +79,14 @@ fn a_planned_failover_moves_every_agent_to_the_promoted_server_without_a_full_re
         &r.join("p"),
         &["--repl-ping-replica-period", "3600"],
     );
-    // Its agent offers the RDBs it saves, as on a primary's host.
-    let config = follower_config(&p, &r.join("src-log"));
+    // Its agent offers the RDBs it saves, as on a primary's host, and
+    // knows A as one of the instance's servers: the only new primary it
+    // points P at.
+    let a_port = free_port();
+    let config = follower_config(&p, &r.join("src-log")) + &servers(a_port);
     let src = agent(r, "src", &r.join("p"), &config, &[]);
     wait_following(&src);
-    let (a, agent_a) = seeded_replica(r, server, &p, &src, ("a", "a-srv", ""));
+    let (a, agent_a) = seeded_replica_on(r, server, &p, &src, ("a", "a-srv", ""), a_port);
     let (b, agent_b) = seeded_replica(r, server, &p, &src, ("b", "b-srv", ""));
     steady_writer(p.con(), 3, 0).join().unwrap();
 
@@ -238,9 +246,10 @@ fn writes_lost_to_a_failover_are_counted_as_divergence_and_their_server_re_seede
     let r = root.path();
     let server = Server::Redis;
     let mut p = Redis::start(server, &r.join("p"), &[]);
-    let config = follower_config(&p, &r.join("src-log")) + "reseed = true\n";
+    let a_port = free_port();
+    let config = follower_config(&p, &r.join("src-log")) + "reseed = true\n" + &servers(a_port);
     let src = source_with(r, &config, &[]);
-    let (a, agent_a) = seeded_replica(r, server, &p, &src, ("a", "a-srv", ""));
+    let (a, agent_a) = seeded_replica_on(r, server, &p, &src, ("a", "a-srv", ""), a_port);
     let (b, agent_b) = seeded_replica(r, server, &p, &src, ("b", "b-srv", "reseed = true\n"));
 
     // A promoted while P goes on writing: what P takes from then on is

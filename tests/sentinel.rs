@@ -52,37 +52,7 @@ fn sentinels(root: &Path, primary: &Redis) -> Vec<Redis> {
 /// `ip`, watching the primary at `primary` as [`MASTER`] with two others
 /// (quorum 2), quick to call it down (1 s).
 fn sentinel(server: Server, dir: &Path, ip: &str, primary: &str) -> Redis {
-    std::fs::create_dir_all(dir).unwrap();
-    let port = free_port();
-    let conf = dir.join("sentinel.conf");
-    let (host, primary_port) = primary.rsplit_once(':').unwrap();
-    let bind = match ip {
-        "127.0.0.1" => ip.to_string(),
-        _ => format!("127.0.0.1 {ip}\nprotected-mode no"),
-    };
-    std::fs::write(
-        &conf,
-        format!(
-            "port {port}\nbind {bind}\ndir {}\nlogfile {}\nsentinel monitor {MASTER} {host} {primary_port} 2\nsentinel down-after-milliseconds {MASTER} 1000\nsentinel failover-timeout {MASTER} 20000\n",
-            dir.display(),
-            dir.join("sentinel.log").display(),
-        ),
-    )
-    .unwrap();
-    let child = server
-        .sentinel(&conf)
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .expect("a Sentinel (the test command installs redis-sentinel)");
-    let s = Redis {
-        server,
-        port,
-        dir: dir.to_owned(),
-        child: Some(child),
-        password: None,
-    };
-    s.wait_up();
-    s
+    start_sentinel(server, dir, ip, primary, MASTER)
 }
 
 /// A Sentinel's field-value answer as pairs.

@@ -18,7 +18,8 @@ use crate::snapshot::Format;
 use crate::store::catalog::CatalogEntry;
 use crate::stream::failover::{self, FailoverError};
 use crate::stream::feed::FeedHandle;
-use crate::stream::hand;
+use crate::stream::hand::{self, HandError};
+use crate::stream::proof;
 use crate::stream::source::ChainError;
 use crate::stream::{Downstream, SharedLog};
 use crate::sync::instance::{Instance, Instances};
@@ -75,11 +76,39 @@ impl OrchestratorService {
         let (i, feed, stream) = self.fed(&req.instance)?;
         let (redis, timeout) = (&i.config.redis, i.config.handoff.timeout);
         let done = match release {
-            true => hand::release(redis, timeout, &req.primary, &feed, &stream).await,
+            true => self.release(&i, req.primary.trim(), &feed, &stream).await,
             false => hand::attach(redis, timeout, &feed, &stream).await,
         };
         done.map(|message| Response::new(pb::HandStreamResponse { message }))
-            .map_err(|e| Status::failed_precondition(e.to_string()))
+            .map_err(|e| match e {
+                HandError::Unproved(_) | HandError::NotTheServer { .. } => {
+                    Status::permission_denied(e.to_string())
+                }
+                _ => Status::failed_precondition(e.to_string()),
+            })
+    }
+
+    /// Releases instance `i`'s fed server to `primary` (empty: `[redis]
+    /// primary`), once that address is proved.
+    async fn release(
+        &self,
+        i: &Instance,
+        primary: &str,
+        feed: &FeedHandle,
+        stream: &SharedLog,
+    ) -> Result<String, HandError> {
+        let primary = match (primary, i.config.redis.primary.as_str()) {
+            ("", "") => return Err(HandError::NoPrimary),
+            ("", p) | (p, _) => p,
+        };
+        let instance = i.config.stream.upstream_instance_of(&i.name);
+        let ask = |peer: String| {
+            let (dialer, instance) = (self.dialer.clone(), instance.clone());
+            async move { failover::peer_report(&dialer, &peer, &instance).await }
+        };
+        let proof = proof::prove_asking(&i.config, primary, ask).await?;
+        let timeout = i.config.handoff.timeout;
+        hand::release(&i.config.redis, timeout, (primary, &proof), feed, stream).await
     }
 
     /// What one instance holds and does now.
@@ -143,6 +172,7 @@ impl OrchestratorService {
                         .sum(),
                     write_safety: s.write_safety(),
                     diverged: s.diverged(),
+                    sentinels: s.sentinels(),
                     behind_seconds: s.behind().as_secs_f64(),
                 }
             }),
@@ -413,14 +443,17 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         let req = request.into_inner();
         let i = self.instance(&req.instance)?;
         let instance = i.config.stream.upstream_instance_of(&i.name);
-        let source_of = |peer: String| {
+        let ask = |peer: String| {
             let (dialer, instance) = (self.dialer.clone(), instance.clone());
-            async move { failover::peer_source(&dialer, &peer, &instance).await }
+            async move { failover::peer_report(&dialer, &peer, &instance).await }
         };
-        let followed = failover::follow_primary(&i, &req.primary, &req.peers, true, source_of)
+        let followed = failover::follow_primary(&i, &req.primary, &req.peers, ask)
             .await
             .map_err(|e| match e {
                 FailoverError::NotAnAddress(_) => Status::invalid_argument(e.to_string()),
+                FailoverError::Unproved(_) | FailoverError::NotTheServer { .. } => {
+                    Status::permission_denied(e.to_string())
+                }
                 FailoverError::Source(ChainError::Keep { .. }) => Status::internal(e.to_string()),
                 _ => Status::failed_precondition(e.to_string()),
             })?;

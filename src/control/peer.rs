@@ -193,8 +193,13 @@ impl pb::peer_server::Peer for PeerService {
         request: Request<pb::StreamSourceRequest>,
     ) -> Result<Response<pb::StreamSourceResponse>, Status> {
         let name = request.into_inner().instance;
-        let source = self.offers.stream_source(&name).map_err(ApiError::from)?;
-        Ok(Response::new(pb::StreamSourceResponse { source }))
+        let (source, instance) = self.offers.stream_source(&name).map_err(ApiError::from)?;
+        let r = crate::stream::failover::own_report(&instance.config, source).await;
+        Ok(Response::new(pb::StreamSourceResponse {
+            source: r.source,
+            server: r.server,
+            server_run_id: r.run_id,
+        }))
     }
 
     async fn open_stream(

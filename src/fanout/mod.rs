@@ -435,17 +435,26 @@ impl Follower {
         start: pb::StartFullSyncRequest,
     ) -> Result<(), String> {
         let replica = &self.replica;
+        // Refused, unreachable, silent, or not an agent at all: until an
+        // agent has answered, the caller is not told which (the origin is
+        // no port scanner); its log says.
+        let unreachable = |e: &dyn std::fmt::Display| {
+            warn!(%replica, error = %e, "cannot reach a fan-out replica");
+            format!("cannot reach an agent at {replica}")
+        };
         let channel = self
             .dialer
             .connect_as(replica, CALL_TIMEOUT, self.auth.clone())
             .await
-            .map_err(|e| {
-                // Refused, unreachable or silent: the caller is not told
-                // which (the origin is no port scanner); its log says.
-                warn!(%replica, error = %e, "cannot reach a fan-out replica");
-                format!("cannot reach the agent at {replica}")
-            })?;
+            .map_err(|e| unreachable(&e))?;
         let mut client = OrchestratorClient::new(channel);
+        let status = client.get_status(pb::GetStatusRequest::default());
+        let before = tokio::time::timeout(CALL_TIMEOUT, status)
+            .await
+            .map_err(|_| unreachable(&format!("no answer within {CALL_TIMEOUT:?}")))?
+            .map_err(|s| unreachable(&s))?
+            .into_inner()
+            .relay_bytes;
         if let Some(chain) = stream {
             tokio::time::timeout(CALL_TIMEOUT, client.set_stream_upstream(chain))
                 .await
@@ -456,7 +465,6 @@ impl Follower {
                     format!("{replica} refused the stream's upstreams: {}", s.message())
                 })?;
         }
-        let before = relay_bytes(&mut client).await.unwrap_or(0);
         let started = tokio::time::timeout(CALL_TIMEOUT, client.start_full_sync(start))
             .await
             .map_err(|_| format!("{replica} did not answer StartFullSync within {CALL_TIMEOUT:?}"))?

@@ -1,5 +1,5 @@
 //! A failover as one instance's agent takes it (`kvsync stream follow
-//! --primary`, an orchestrator's call, or Redis Sentinel's word through
+//! --primary`, an orchestrator's call, or the Sentinels' majority through
 //! [`super::sentinel`]): which primary the stream log follows from now on,
 //! and through whom. The agent next to the promoted server follows that
 //! server as its replica: the log continues under the new replication id
@@ -9,24 +9,31 @@
 //! The agent of the old primary also re-attaches its server as a replica
 //! of the new one, so that it takes no more writes of a history the others
 //! left (the server's own PSYNC continues it, or syncs it in full if it
-//! wrote past the promotion point: never a merge). Nothing changes while
-//! the named primary is not a primary yet, or while no peer follows it:
-//! the caller is told what to do and calls again. The continuity is the
-//! logs': an upstream continues a log only from an offset its history
-//! holds under the same id, so a log from before the promotion continues,
-//! and one that went past it (writes lost to the failover) or a stale
-//! upstream is refused, never merged.
+//! wrote past the promotion point: never a merge).
+//!
+//! Everything is decided before anything changes: the named primary must
+//! be the local server (promoted by now) or a peer's log must follow it,
+//! and the old primary's agent points its server only at an address
+//! [`super::proof`] proves, whose server reports the `run_id` its agent
+//! gave and answers as a primary. A refused call changes nothing and says
+//! why; the re-attach comes last, and one that could not be done (the old
+//! primary is down) is reported as pending, to be tried again. The
+//! continuity is the logs': an upstream continues a log only from an
+//! offset its history holds under the same id, so a log from before the
+//! promotion continues, and one that went past it (writes lost to the
+//! failover) or a stale upstream is refused, never merged.
 
 use std::future::Future;
 
+use super::proof::{configured_peers, prove, same_addr, PeerReport, Proof, Unproved};
 use super::source::{ChainError, Source};
-use crate::config::HostPort;
-use crate::kv::redis::RedisError;
+use crate::config::{Config, HostPort};
+use crate::kv::redis::{Info, RedisError};
 use crate::rpc::dial::Dialer;
 use crate::rpc::pb;
 use crate::sync::instance::Instance;
 
-/// Why a failover was not taken.
+/// Why a failover was not taken; nothing was changed.
 #[derive(Debug, thiserror::Error)]
 pub enum FailoverError {
     #[error("{0:?} is not a server's address host:port")]
@@ -41,6 +48,13 @@ pub enum FailoverError {
     NoPeers { primary: String },
     #[error("no agent follows the primary {primary} yet (asked: {}); tell the promoted server's agent first, then call again", asked.join("; "))]
     NoPeerFollows { primary: String, asked: Vec<String> },
+    /// The old primary's agent would point its server at an address
+    /// nothing proves.
+    #[error("refused, nothing was changed: {0}")]
+    Unproved(#[from] Unproved),
+    /// The proved address answers, but not as the server it was proved as.
+    #[error("refused, nothing was changed: the server at {addr} {problem}")]
+    NotTheServer { addr: String, problem: String },
     #[error(transparent)]
     Source(#[from] ChainError),
 }
@@ -54,27 +68,32 @@ pub struct Followed {
     /// instance's `[redis] primary_addr`, not the new one): re-attached,
     /// or why not; `None` when there was nothing to do.
     pub local_server: Option<String>,
+    /// The old primary could not be re-attached (it did not answer): a
+    /// caller tries the failover again, which re-attaches it once it does.
+    pub re_attach_pending: bool,
+}
+
+/// What the agent beside the new primary's address found there.
+struct Identity {
+    run_id: String,
+    role: String,
 }
 
 /// Makes instance `i`'s log follow `primary` from now on: as its replica
 /// when it is the local server (which must be a primary by now), else
 /// through the first of `peers` (the request's, or `[stream] peers`) whose
-/// log follows it; `source_of(peer)` tells what a peer's log follows
-/// (`primary <addr>` or `agent <addr>`, or why it could not be asked).
-/// The old primary's agent first makes its server a replica of `primary`
-/// when `re_attach` (a caller that tries one primary again and again asks
-/// for that once: the old primary may be down, and each try would reach
-/// for it again).
+/// log follows it; `ask(peer)` tells what a peer's log follows and which
+/// server it sits beside ([`PeerReport`]). The old primary's agent then
+/// makes its server a replica of `primary`, once everything else is done.
 pub async fn follow_primary<F, Fut>(
     i: &Instance,
     primary: &str,
     peers: &[String],
-    re_attach: bool,
-    source_of: F,
+    ask: F,
 ) -> Result<Followed, FailoverError>
 where
     F: Fn(String) -> Fut,
-    Fut: Future<Output = Result<String, String>>,
+    Fut: Future<Output = Result<PeerReport, String>>,
 {
     let primary = primary.trim();
     let Ok(new) = primary.parse::<HostPort>() else {
@@ -84,128 +103,228 @@ where
         .upstreams
         .as_ref()
         .ok_or_else(|| FailoverError::NoLog(i.name.clone()))?;
+    let c = &i.config;
+    let redis = &c.redis;
+    let local = redis.local_server(c.handoff.mode);
     let wanted = Source::Primary(primary.to_string());
-    let redis = &i.config.redis;
-    let local = redis.local_server(i.config.handoff.mode);
-    let promoted = match local {
-        Some(local) => same_server(local, primary, &redis.password).await,
-        None => false,
-    };
-    let local_server = match redis.primary_addr.as_str() {
-        old if promoted || old.is_empty() || !re_attach => None,
-        old => attach_old_primary(old, &redis.password, &new).await,
-    };
-    let followed = |source| Followed {
-        source,
-        local_server: local_server.clone(),
-    };
-    if let (true, Some(local)) = (promoted, local) {
-        let info = crate::kv::redis::info(local, &redis.password, "replication").await?;
-        let role = info.get("role").unwrap_or("unknown");
-        if role != "master" {
-            return Err(FailoverError::NotPromoted {
-                server: primary.to_string(),
-                role: role.to_string(),
-            });
+
+    // Decide. The local server under a name its configuration gives.
+    if let Some(local) = local {
+        if same_addr(local, primary).await {
+            return follow_local(i, local, primary).await;
         }
-        // Under the address the others know it by, which they look for.
-        if upstreams.source() != wanted {
-            upstreams.set_primary(primary)?;
-        }
-        return Ok(followed(wanted));
     }
-    let peers = match peers.is_empty() {
-        true => &i.config.stream.peers,
+    let look_among = match peers.is_empty() {
+        true => &c.stream.peers,
         false => peers,
     };
-    if peers.is_empty() {
+    let mut asked_peers = look_among.to_vec();
+    for p in configured_peers(c) {
+        if !asked_peers.contains(&p) {
+            asked_peers.push(p);
+        }
+    }
+    let reports: Vec<(String, Result<PeerReport, String>)> = futures::future::join_all(
+        asked_peers
+            .iter()
+            .map(|p| async { (p.clone(), ask(p.clone()).await) }),
+    )
+    .await;
+    let proof = prove(c, primary, &reports).await;
+    // A proved address may be asked who it is; nothing else is.
+    let theirs = match &proof {
+        Ok(_) => identity(primary, &redis.password).await.ok(),
+        Err(_) => None,
+    };
+    // The local server under another name (a proved one, with its run_id).
+    // A local server that does not answer is not the one that does.
+    if let (Some(local), Some(theirs)) = (local, &theirs) {
+        let ours = identity(local, &redis.password).await;
+        if ours.is_ok_and(|ours| ours.run_id == theirs.run_id) {
+            return follow_local(i, local, primary).await;
+        }
+    }
+    // The old primary's agent acts on its server: only toward a proved
+    // primary that is the server it was proved as.
+    let old = match redis.primary_addr.as_str() {
+        "" => None,
+        old => {
+            let proof = proof?;
+            check_new_primary(primary, &proof, theirs.as_ref())?;
+            Some(old)
+        }
+    };
+    if look_among.is_empty() {
         return Err(FailoverError::NoPeers {
             primary: primary.to_string(),
         });
     }
-    let mut asked = Vec::new();
-    for peer in peers {
-        match source_of(peer.clone()).await {
-            Ok(source) if source == wanted.to_string() => {
-                // A chain through that peer (a relay tree) is kept.
-                if !upstreams.chain().contains(peer) {
-                    upstreams.set(vec![peer.clone()], &i.config.sync.allowed_sources)?;
-                }
-                return Ok(followed(upstreams.source()));
-            }
-            Ok(source) => asked.push(format!("{peer} follows {source}")),
-            Err(e) => asked.push(format!("{peer}: {e}")),
-        }
+    let follower = reports.iter().find_map(|(peer, r)| {
+        let follows =
+            look_among.contains(peer) && r.as_ref().is_ok_and(|r| r.source == wanted.to_string());
+        follows.then_some(peer.clone())
+    });
+    let Some(follower) = follower else {
+        let asked = reports
+            .iter()
+            .filter(|(p, _)| look_among.contains(p))
+            .map(|(peer, r)| match r {
+                Ok(r) => format!("{peer} follows {}", r.source),
+                Err(e) => format!("{peer}: {e}"),
+            })
+            .collect();
+        return Err(FailoverError::NoPeerFollows {
+            primary: primary.to_string(),
+            asked,
+        });
+    };
+
+    // Act: the log's source first (a chain through that peer, a relay
+    // tree, is kept), the old primary last.
+    if !upstreams.chain().contains(&follower) {
+        upstreams.set(vec![follower], &c.sync.allowed_sources)?;
     }
-    Err(FailoverError::NoPeerFollows {
-        primary: primary.to_string(),
-        asked,
+    let (local_server, re_attach_pending) = match old {
+        Some(old) => match re_attach(old, &redis.password, &new).await {
+            Ok(None) => (None, false),
+            Ok(Some(done)) => (Some(done), false),
+            Err(e) => {
+                let said = format!(
+                    "the old primary {old} could not be re-attached ({e}): make it a replica of {new} (REPLICAOF) before it takes writes again; it is tried again"
+                );
+                (Some(said), true)
+            }
+        },
+        None => (None, false),
+    };
+    if let Some(said) = &local_server {
+        tracing::warn!(instance = %i.name, "{said}");
+    }
+    Ok(Followed {
+        source: upstreams.source(),
+        local_server,
+        re_attach_pending,
     })
 }
 
-/// Whether `addr` names the local server at `local`: the same text, or a
-/// server with the same `run_id` (Sentinel names servers by IP address,
-/// a configuration may say `localhost`).
-async fn same_server(local: &str, addr: &str, password: &str) -> bool {
-    if local == addr {
-        return true;
+/// The log follows the local server at `local`, named `primary` (under
+/// the address the others know it by, which they look for), once it is a
+/// primary.
+async fn follow_local(i: &Instance, local: &str, primary: &str) -> Result<Followed, FailoverError> {
+    let ours = identity(local, &i.config.redis.password).await?;
+    if ours.role != "master" {
+        return Err(FailoverError::NotPromoted {
+            server: primary.to_string(),
+            role: ours.role,
+        });
     }
-    match (run_id(local, password).await, run_id(addr, password).await) {
-        (Some(a), Some(b)) => a == b,
-        _ => false,
+    let upstreams = i
+        .upstreams
+        .as_ref()
+        .ok_or_else(|| FailoverError::NoLog(i.name.clone()))?;
+    let wanted = Source::Primary(primary.to_string());
+    if upstreams.source() != wanted {
+        upstreams.set_primary(primary)?;
     }
+    Ok(Followed {
+        source: wanted,
+        local_server: None,
+        re_attach_pending: false,
+    })
 }
 
-async fn run_id(addr: &str, password: &str) -> Option<String> {
-    let info = crate::kv::redis::info(addr, password, "server")
-        .await
-        .ok()?;
-    info.get("run_id").map(str::to_string)
-}
-
-/// Makes the old primary `server` a replica of `new`, unless it is one
-/// already or `new` does not answer as a primary: what was done, or why
-/// not (it may be down; whoever restarts it must attach it, as Sentinel
-/// does).
-async fn attach_old_primary(server: &str, password: &str, new: &HostPort) -> Option<String> {
-    let attach = async {
-        let info = crate::kv::redis::info(server, password, "replication").await?;
-        let master = (info.get("master_host"), info.get("master_port"));
-        let port = new.port.to_string();
-        if info.get("role") == Some("slave")
-            && master == (Some(new.host.as_str()), Some(port.as_str()))
-        {
-            return Ok(None);
-        }
-        // Only toward a server seen to be a primary (and, by the caller's
-        // run_id check, another one): never its own replica.
-        let theirs = crate::kv::redis::info(&new.to_string(), password, "replication").await?;
-        if theirs.get("role") != Some("master") {
-            return Err(RedisError::Precondition(format!(
-                "{new} answers as role {}, not a primary",
-                theirs.get("role").unwrap_or("unknown")
+/// That the server at `addr`, proved by `proof`, is that server and a
+/// primary.
+fn check_new_primary(
+    addr: &str,
+    proof: &Proof,
+    identity: Option<&Identity>,
+) -> Result<(), FailoverError> {
+    let bad = |problem: String| FailoverError::NotTheServer {
+        addr: addr.to_string(),
+        problem,
+    };
+    let Some(theirs) = identity else {
+        return Err(bad(format!("({proof}) does not answer INFO")));
+    };
+    if let Some(expected) = proof.run_id() {
+        if theirs.run_id != expected {
+            return Err(bad(format!(
+                "reports run_id {}, not the {expected} of {proof}",
+                theirs.run_id
             )));
         }
-        let mut con = crate::kv::redis::connect(server, password).await?;
-        crate::kv::seed::replicaof(&mut con, server, &new.host, new.port).await?;
-        Ok::<_, RedisError>(Some(format!(
-            "the old primary {server} replicates from {new} now"
-        )))
-    };
-    let said = match attach.await {
-        Ok(None) => return None,
-        Ok(Some(done)) => done,
-        Err(e) => format!(
-            "the old primary {server} could not be re-attached ({e}): make it a replica of {new} (REPLICAOF) before it takes writes again"
-        ),
-    };
-    tracing::warn!("{said}");
-    Some(said)
+    }
+    if theirs.role != "master" {
+        return Err(bad(format!(
+            "answers as role {}, not as a primary",
+            theirs.role
+        )));
+    }
+    Ok(())
 }
 
-/// What `peer`'s log of `instance` follows, asked with this agent's own
-/// token (a peer's, where those are separate).
-pub async fn peer_source(dialer: &Dialer, peer: &str, instance: &str) -> Result<String, String> {
+/// The `run_id` and role of the server at `addr`.
+async fn identity(addr: &str, password: &str) -> Result<Identity, RedisError> {
+    let info = crate::kv::redis::infos(addr, password, &["server", "replication"]).await?;
+    Ok(Identity {
+        run_id: info.get("run_id").unwrap_or_default().to_string(),
+        role: info.get("role").unwrap_or("unknown").to_string(),
+    })
+}
+
+/// Makes the old primary `server` a replica of `new` unless it is one
+/// already: what was done (`None`: nothing to do), or why it could not be.
+async fn re_attach(
+    server: &str,
+    password: &str,
+    new: &HostPort,
+) -> Result<Option<String>, RedisError> {
+    let info = crate::kv::redis::info(server, password, "replication").await?;
+    if replicates_from(&info, new) {
+        return Ok(None);
+    }
+    let mut con = crate::kv::redis::connect(server, password).await?;
+    crate::kv::seed::replicaof(&mut con, server, &new.host, new.port).await?;
+    Ok(Some(format!(
+        "the old primary {server} replicates from {new} now"
+    )))
+}
+
+/// Whether a server (its `INFO replication`) is a replica of `new`.
+fn replicates_from(info: &Info, new: &HostPort) -> bool {
+    let port = new.port.to_string();
+    info.get("role") == Some("slave")
+        && info.get("master_host") == Some(new.host.as_str())
+        && info.get("master_port") == Some(port.as_str())
+}
+
+/// What this agent tells a peer of instance `c`: what its log follows
+/// (`source`), and the server beside it with the `run_id` it reports now.
+pub async fn own_report(c: &Config, source: String) -> PeerReport {
+    let server = c.redis.local_server(c.handoff.mode).unwrap_or_default();
+    let run_id = match server {
+        "" => String::new(),
+        s => identity(s, &c.redis.password)
+            .await
+            .map(|i| i.run_id)
+            .unwrap_or_default(),
+    };
+    PeerReport {
+        source,
+        server: server.to_string(),
+        run_id,
+    }
+}
+
+/// What `peer`'s log of `instance` follows and which server it sits
+/// beside, asked with this agent's own token (a peer's, where those are
+/// separate).
+pub async fn peer_report(
+    dialer: &Dialer,
+    peer: &str,
+    instance: &str,
+) -> Result<PeerReport, String> {
     const CALL: std::time::Duration = std::time::Duration::from_secs(10);
     let channel = dialer
         .connect(peer, CALL)
@@ -218,6 +337,13 @@ pub async fn peer_source(dialer: &Dialer, peer: &str, instance: &str) -> Result<
     tokio::time::timeout(CALL, client.get_stream_source(request))
         .await
         .map_err(|_| format!("no answer within {CALL:?}"))?
-        .map(|r| r.into_inner().source)
+        .map(|r| {
+            let r = r.into_inner();
+            PeerReport {
+                source: r.source,
+                server: r.server,
+                run_id: r.server_run_id,
+            }
+        })
         .map_err(|s| format!("refused: {}", s.message()))
 }

@@ -67,6 +67,11 @@ pub struct Follow {
     pub password: String,
     /// Where an RDB of a full resync is offered.
     pub snapshot_dir: PathBuf,
+    /// `[sync] max_snapshot_bytes` and `min_free_after`: an RDB the
+    /// primary announces is refused before a byte is written unless it
+    /// fits.
+    pub max_rdb: u64,
+    pub min_free_after: u64,
     /// The (replication id, M) of the snapshots offered now.
     pub offered: super::pull::Offered,
     pub ack: StreamAck,
@@ -130,6 +135,12 @@ pub enum FollowError {
     Silent(String),
     #[error("the RDB of a full resync: {0}")]
     Rdb(std::io::Error),
+    #[error("the primary {addr} announced an RDB that is not taken: {source}")]
+    RdbRefused {
+        addr: String,
+        #[source]
+        source: crate::sync::error::JobError,
+    },
     #[error(transparent)]
     Log(#[from] LogError),
 }
@@ -459,6 +470,17 @@ async fn receive_rdb(
             answer: line.clone(),
         })?;
     let dir = follow.snapshot_dir.clone();
+    let limits = crate::sync::policy::Limits {
+        data_tls: crate::config::DataTls::Off,
+        max_snapshot_bytes: follow.max_rdb,
+        min_free_after: follow.min_free_after,
+        dir: &dir,
+    };
+    let free = crate::sys::fs::free_bytes(&dir).map_err(FollowError::Rdb)?;
+    crate::sync::policy::fits(&limits, len, free).map_err(|source| FollowError::RdbRefused {
+        addr: follow.primary.clone(),
+        source,
+    })?;
     let tmp = tempfile::Builder::new()
         .prefix(".kvsync-stream-")
         .suffix(".tmp")

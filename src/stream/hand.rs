@@ -15,6 +15,7 @@ use tracing::info;
 use super::feed::FeedHandle;
 #[cfg(doc)]
 use super::log::Log;
+use super::proof::{Proof, Unproved};
 use super::{Downstream, SharedLog};
 use crate::config::{HostPort, RedisConfig};
 use crate::kv::redis::{connect, info, infos, server_err, RedisError};
@@ -35,6 +36,10 @@ pub enum HandError {
     NotReplica { server: String },
     #[error("no primary to hand the server to: pass --primary or set [redis] primary")]
     NoPrimary,
+    #[error("refused, nothing was changed: {0}")]
+    Unproved(#[from] Unproved),
+    #[error("refused, nothing was changed: the server at {primary} {problem}")]
+    NotTheServer { primary: String, problem: String },
     #[error("the primary {primary} is at replication id {primary_id}, the server at {server_id}: they do not share a history, so a release would be a full resync; nothing was changed")]
     History {
         primary: String,
@@ -59,21 +64,19 @@ pub enum HandError {
     Redis(#[from] RedisError),
 }
 
-/// Makes the server fed by `feed` a direct replica of `primary` (empty:
-/// `[redis] primary`) by a partial resync, with its own `masterauth` back
-/// (else `[redis] password`). The feed's acknowledgement from it is
-/// forgotten: it no longer holds the stream upstream.
+/// Makes the server fed by `feed` a direct replica of `primary`, which
+/// `proof` proved ([`super::proof`]; a peer's word is checked against the
+/// server's `run_id` before anything changes), by a partial resync, with
+/// its own `masterauth` back (else `[redis] password`). The feed's
+/// acknowledgement from it is forgotten: it no longer holds the stream
+/// upstream.
 pub async fn release(
     cfg: &RedisConfig,
     timeout: Duration,
-    primary: &str,
+    (primary, proof): (&str, &Proof),
     feed: &FeedHandle,
     stream: &SharedLog,
 ) -> Result<String, HandError> {
-    let primary = match (primary, cfg.primary.as_str()) {
-        ("", "") => return Err(HandError::NoPrimary),
-        ("", p) | (p, _) => p,
-    };
     let to: HostPort = primary.parse().map_err(|e| server_err(primary, e))?;
     let (server, password) = (&cfg.server_addr, &cfg.password);
     let mut con = connect(server, password).await?;
@@ -89,7 +92,16 @@ pub async fn release(
         was.get("master_replid").unwrap_or_default().to_string(),
         was.num("master_repl_offset"),
     );
-    let before = infos(primary, password, &["replication", "stats"]).await?;
+    let before = infos(primary, password, &["server", "replication", "stats"]).await?;
+    if let Some(expected) = proof.run_id() {
+        let found = before.get("run_id").unwrap_or_default();
+        if found != expected {
+            return Err(HandError::NotTheServer {
+                primary: primary.into(),
+                problem: format!("reports run_id {found}, not the {expected} of {proof}"),
+            });
+        }
+    }
     let shares = before.get("master_replid") == Some(id.as_str())
         || (before.get("master_replid2") == Some(id.as_str())
             && offset <= before.num("second_repl_offset"));

@@ -17,6 +17,7 @@ pub mod feed;
 pub mod follow;
 pub mod hand;
 pub mod log;
+pub mod proof;
 pub mod pull;
 pub mod safety;
 pub mod sentinel;
@@ -83,6 +84,8 @@ pub struct Stream {
     /// The last failover's divergence: what the log dropped because the
     /// promoted primary never had it (empty: none).
     diverged: Mutex<String>,
+    /// With `[stream] sentinels`: their last verdict ([`sentinel::Verdict`]).
+    sentinels: Mutex<String>,
     /// A reader needs a snapshot that continues into the log, and none
     /// does ([`follow::snapshots_on_demand`] takes one).
     snapshot_wanted: tokio::sync::Notify,
@@ -126,6 +129,7 @@ impl Stream {
             behind_since: Mutex::default(),
             write_safety: Mutex::default(),
             diverged: Mutex::default(),
+            sentinels: Mutex::default(),
             snapshot_wanted: tokio::sync::Notify::new(),
             gauges,
         });
@@ -342,6 +346,14 @@ impl Stream {
     }
 
     /// The last failover's divergence (empty: none).
+    pub fn set_sentinels(&self, verdict: String) {
+        *self.sentinels.lock().expect("sentinels lock") = verdict;
+    }
+
+    pub fn sentinels(&self) -> String {
+        self.sentinels.lock().expect("sentinels lock").clone()
+    }
+
     pub fn diverged(&self) -> String {
         self.diverged.lock().expect("diverged lock").clone()
     }

@@ -1,13 +1,19 @@
 //! Redis Sentinel's word on who an instance's primary is
-//! (`[stream] sentinels`, `master_name`): [`watch`] asks every Sentinel
-//! for the master it knows (`SENTINEL MASTER`) at start, after every
+//! (`[stream] sentinels`, `master_name`), taken only from a majority: the
+//! way Sentinel itself fails a primary over only on a quorum and a leader
+//! a majority elected, an agent that may demote a primary acts on no
+//! single Sentinel's word. [`watch`] asks every configured Sentinel for
+//! the master it knows (`SENTINEL MASTER`) at start, after every
 //! reconnect, on every `+switch-master` of that name and every
-//! [`RECHECK`], and passes on the address held under the newest
-//! configuration epoch; an answer under an older epoch than the one
-//! followed (a Sentinel cut off from the others) is never taken. [`apply`]
-//! takes each address the way `kvsync stream follow --primary` does
+//! [`RECHECK`], and passes on the address that a majority of the
+//! configured Sentinels name ([`verdict`]); a Sentinel that names another
+//! (cut off from the others, or lying, whatever epoch it claims) is
+//! reported, never followed, and an agreed answer under an older epoch
+//! than the one followed is never taken. [`apply`] takes each address the
+//! way `kvsync stream follow --primary` does
 //! ([`super::failover::follow_primary`]), again and again until it is
-//! taken: the promoted server's agent may not have moved yet.
+//! taken (the promoted server's agent may not have moved yet), and until
+//! the old primary is re-attached too (it may be down).
 
 use std::future::Future;
 use std::time::Duration;
@@ -119,26 +125,109 @@ fn supersedes(k: &Known, now: Option<&Known>) -> bool {
     now.is_none_or(|n| k.epoch >= n.epoch && k != n)
 }
 
-/// The newest of what the Sentinels answer, if any answers; those that
-/// cannot are logged.
-async fn newest(s: &Sentinels) -> Option<Known> {
+/// What the configured Sentinels said at one asking.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verdict {
+    /// The primary a majority of the configured Sentinels name, under the
+    /// highest epoch any of them gave for it.
+    pub agreed: Option<Known>,
+    /// How many name the most named primary, of how many are configured.
+    pub votes: usize,
+    pub configured: usize,
+    /// The Sentinels that name another primary than the most named one,
+    /// with what they name.
+    pub dissent: Vec<(String, Known)>,
+}
+
+impl std::fmt::Display for Verdict {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (votes, of) = (self.votes, self.configured);
+        match &self.agreed {
+            Some(k) => write!(
+                f,
+                "{votes} of {of} Sentinels name {} (epoch {})",
+                k.addr, k.epoch
+            )?,
+            None => write!(
+                f,
+                "no majority: at most {votes} of {of} Sentinels name the same primary; nothing is acted on"
+            )?,
+        }
+        for (sentinel, k) in &self.dissent {
+            write!(
+                f,
+                "; Sentinel {sentinel} names {} (epoch {}): not followed",
+                k.addr, k.epoch
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// The verdict of `configured` Sentinels of which those in `answers`
+/// answered (each Sentinel once): the address named by more than half of
+/// the configured ones, whatever epochs the others claim.
+pub fn verdict(configured: usize, answers: &[(String, Known)]) -> Verdict {
+    let votes = |addr: &str| answers.iter().filter(|(_, k)| k.addr == addr).count();
+    let most = answers
+        .iter()
+        .map(|(_, k)| k.addr.as_str())
+        .max_by_key(|a| votes(a));
+    let (top, count) = match most {
+        Some(addr) => (addr, votes(addr)),
+        None => ("", 0),
+    };
+    let agreed = (count > configured / 2).then(|| Known {
+        addr: top.to_string(),
+        epoch: answers
+            .iter()
+            .filter(|(_, k)| k.addr == top)
+            .map(|(_, k)| k.epoch)
+            .max()
+            .unwrap_or(0),
+    });
+    let dissent = answers
+        .iter()
+        .filter(|(_, k)| k.addr != top)
+        .cloned()
+        .collect();
+    Verdict {
+        agreed,
+        votes: count,
+        configured,
+        dissent,
+    }
+}
+
+/// Asks every Sentinel; those that cannot answer are logged.
+async fn ask_all(s: &Sentinels) -> Verdict {
     let answers = futures::future::join_all(s.addrs.iter().map(|a| ask(a, s))).await;
-    let mut best: Option<Known> = None;
-    for answer in answers {
+    let mut named = Vec::new();
+    for (addr, answer) in s.addrs.iter().zip(answers) {
         match answer {
-            Ok(k) if best.as_ref().is_none_or(|b| k.epoch > b.epoch) => best = Some(k),
-            Ok(_) => {}
+            Ok(k) => named.push((addr.clone(), k)),
             Err(e) => warn!(error = %e, "a Sentinel gave no primary"),
         }
     }
-    best
+    let v = verdict(s.addrs.len(), &named);
+    if !v.dissent.is_empty() || v.agreed.is_none() {
+        warn!(master = %s.master_name, verdict = %v, "the Sentinels disagree");
+    }
+    v
 }
 
-/// Keeps `primary` at the address the Sentinels hold under the newest
-/// epoch, never going back to an older epoch, until `stop`.
-pub async fn watch(s: Sentinels, primary: watch::Sender<Option<Known>>, stop: CancellationToken) {
-    let take = |k: Option<Known>| {
-        primary.send_if_modified(|now| match k {
+/// Keeps `primary` at the address a majority of the Sentinels name,
+/// never going back to an older epoch, until `stop`; `report` hears every
+/// verdict (status, the dissent counter).
+pub async fn watch(
+    s: Sentinels,
+    primary: watch::Sender<Option<Known>>,
+    report: impl Fn(&Verdict) + Send,
+    stop: CancellationToken,
+) {
+    let take = |v: Verdict| {
+        report(&v);
+        primary.send_if_modified(|now| match v.agreed {
             Some(k) if supersedes(&k, now.as_ref()) => {
                 *now = Some(k);
                 true
@@ -166,7 +255,7 @@ pub async fn watch(s: Sentinels, primary: watch::Sender<Option<Known>>, stop: Ca
             Ok(Ok(sub)) => sub,
             Ok(Err(e)) => {
                 warn!(sentinel = %addr, error = %e, "cannot subscribe to the Sentinel");
-                take(newest(&s).await);
+                take(ask_all(&s).await);
                 pause(&stop, RESUBSCRIBE).await;
                 continue;
             }
@@ -176,17 +265,18 @@ pub async fn watch(s: Sentinels, primary: watch::Sender<Option<Known>>, stop: Ca
             }
         };
         info!(sentinel = %addr, master = %s.master_name, "following the Sentinels' +switch-master");
-        take(newest(&s).await);
+        take(ask_all(&s).await);
         let mut messages = sub.on_message();
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
                 m = messages.next() => match m {
                     Some(m) => {
+                        // A message only makes the agent ask them all.
                         let text: String = m.get_payload().unwrap_or_default();
                         if is_switch_of(&text, &s.master_name) {
-                            info!(sentinel = %addr, switch = %text, "the Sentinels switched the primary");
-                            take(newest(&s).await);
+                            info!(sentinel = %addr, switch = %text, "a Sentinel announced a switch of the primary: asking them all");
+                            take(ask_all(&s).await);
                         }
                     }
                     None => {
@@ -194,7 +284,7 @@ pub async fn watch(s: Sentinels, primary: watch::Sender<Option<Known>>, stop: Ca
                         break;
                     }
                 },
-                _ = tokio::time::sleep(RECHECK) => take(newest(&s).await),
+                _ = tokio::time::sleep(RECHECK) => take(ask_all(&s).await),
             }
         }
         pause(&stop, RESUBSCRIBE).await;
@@ -208,38 +298,45 @@ async fn pause(stop: &CancellationToken, d: Duration) {
     }
 }
 
-/// Takes every primary `primary` names with `follow(addr, first)`, tried
-/// again every [`RETRY`] until it is taken or a newer one is named, until
-/// `stop`; `first` says whether this is the first try of that primary.
+/// How a try of a primary ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Taken {
+    /// Everything is done.
+    Done(String),
+    /// The log follows it, but the old primary is still to be re-attached
+    /// (it did not answer): tried again every [`RECHECK`].
+    Pending(String),
+}
+
+/// Takes every primary `primary` names with `follow(addr)`, tried again
+/// every [`RETRY`] until it is taken (every [`RECHECK`] while only the old
+/// primary's re-attach is pending) or a newer one is named, until `stop`.
 pub async fn apply<F, Fut, E>(
     mut primary: watch::Receiver<Option<Known>>,
     follow: F,
     stop: CancellationToken,
 ) where
-    F: Fn(String, bool) -> Fut,
-    Fut: Future<Output = Result<String, E>>,
+    F: Fn(String) -> Fut,
+    Fut: Future<Output = Result<Taken, E>>,
     E: std::fmt::Display,
 {
     'next: loop {
         let wanted = primary.borrow_and_update().clone();
         if let Some(k) = wanted {
-            let (mut said, mut first) = (String::new(), true);
+            let mut said = String::new();
             loop {
-                let tried = follow(k.addr.clone(), first);
-                first = false;
-                match tried.await {
-                    Ok(done) => {
+                // Said once per reason, not at every try.
+                let (again, now) = match follow(k.addr.clone()).await {
+                    Ok(Taken::Done(done)) => {
                         info!(primary = %k.addr, epoch = k.epoch, %done, "the stream follows the Sentinels' primary");
                         break;
                     }
-                    Err(e) => {
-                        // Said once per reason, not at every try.
-                        let e = e.to_string();
-                        if e != said {
-                            warn!(primary = %k.addr, error = %e, "the Sentinels' primary is not followed yet; trying again");
-                            said = e;
-                        }
-                    }
+                    Ok(Taken::Pending(e)) => (RECHECK, e),
+                    Err(e) => (RETRY, e.to_string()),
+                };
+                if now != said {
+                    warn!(primary = %k.addr, error = %now, "the Sentinels' primary is not wholly taken yet; trying again");
+                    said = now;
                 }
                 tokio::select! {
                     _ = stop.cancelled() => return,
@@ -247,7 +344,7 @@ pub async fn apply<F, Fut, E>(
                         Ok(()) => continue 'next,
                         Err(_) => return,
                     },
-                    _ = tokio::time::sleep(RETRY) => {}
+                    _ = tokio::time::sleep(again) => {}
                 }
             }
         }
@@ -291,10 +388,6 @@ mod tests {
 
     #[test]
     fn an_older_epoch_never_replaces_a_newer_one() {
-        let k = |epoch, addr: &str| Known {
-            epoch,
-            addr: addr.into(),
-        };
         assert!(supersedes(&k(1, "a:1"), None));
         assert!(supersedes(&k(2, "b:1"), Some(&k(1, "a:1"))));
         assert!(
@@ -304,48 +397,134 @@ mod tests {
         assert!(!supersedes(&k(2, "b:1"), Some(&k(2, "b:1"))), "nothing new");
     }
 
+    fn k(epoch: u64, addr: &str) -> Known {
+        Known {
+            epoch,
+            addr: addr.into(),
+        }
+    }
+
+    fn said(answers: &[(&str, Known)]) -> Vec<(String, Known)> {
+        answers
+            .iter()
+            .map(|(s, k)| (s.to_string(), k.clone()))
+            .collect()
+    }
+
+    #[test]
+    fn only_a_majority_of_the_configured_sentinels_is_followed() {
+        let (p, a) = (k(1, "p:1"), k(2, "a:1"));
+        // All agree.
+        let v = verdict(
+            3,
+            &said(&[("s1", p.clone()), ("s2", p.clone()), ("s3", p.clone())]),
+        );
+        assert_eq!(v.agreed, Some(p.clone()));
+        assert!(v.dissent.is_empty());
+        // One lies with a huge epoch: reported, never followed.
+        let liar = k(1 << 62, "fake:1");
+        let v = verdict(
+            3,
+            &said(&[("s1", p.clone()), ("s2", p.clone()), ("s3", liar.clone())]),
+        );
+        assert_eq!(v.agreed, Some(p.clone()));
+        assert_eq!(v.dissent, said(&[("s3", liar.clone())]));
+        assert!(v.to_string().contains("Sentinel s3 names fake:1"), "{v}");
+        // Two that answer of three configured agree: a majority of three.
+        let v = verdict(3, &said(&[("s1", a.clone()), ("s2", a.clone())]));
+        assert_eq!(v.agreed, Some(a.clone()));
+        // One that answers of three, however high its epoch: no majority.
+        for lone in [liar.clone(), a.clone()] {
+            let v = verdict(3, &said(&[("s3", lone)]));
+            assert_eq!(v.agreed, None);
+            assert!(v.to_string().starts_with("no majority"), "{v}");
+        }
+        // Split two against two of four: none.
+        let v = verdict(
+            4,
+            &said(&[
+                ("s1", p.clone()),
+                ("s2", p.clone()),
+                ("s3", a.clone()),
+                ("s4", a.clone()),
+            ]),
+        );
+        assert_eq!(v.agreed, None);
+        // A majority mid-switch: the highest epoch any of it gave.
+        let v = verdict(
+            3,
+            &said(&[("s1", k(3, "a:1")), ("s2", k(4, "a:1")), ("s3", p.clone())]),
+        );
+        assert_eq!(v.agreed, Some(k(4, "a:1")));
+        assert_eq!(verdict(3, &[]).agreed, None);
+    }
+
     #[tokio::test]
     async fn a_primary_not_taken_is_tried_again_until_taken_and_a_newer_one_wins() {
         let (tx, rx) = watch::channel(None);
         let stop = CancellationToken::new();
         let (seen, mut tries) = tokio::sync::mpsc::unbounded_channel();
-        let follow = move |addr: String, first: bool| {
-            let _ = seen.send((addr.clone(), first));
+        let follow = move |addr: String| {
+            let _ = seen.send(addr.clone());
             async move {
                 match addr.as_str() {
                     "a:1" => Err("the promoted server's agent has not moved yet"),
-                    _ => Ok(addr),
+                    _ => Ok(Taken::Done(addr)),
                 }
             }
         };
         let task = tokio::spawn(apply(rx, follow, stop.clone()));
-        type Tries = tokio::sync::mpsc::UnboundedReceiver<(String, bool)>;
-        async fn next(tries: &mut Tries) -> (String, bool) {
+        type Tries = tokio::sync::mpsc::UnboundedReceiver<String>;
+        async fn next(tries: &mut Tries) -> String {
             let t = tokio::time::timeout(Duration::from_secs(10), tries.recv());
             t.await.expect("a try within the deadline").unwrap()
         }
-        let a = |first| ("a:1".to_string(), first);
-        tx.send_replace(Some(Known {
-            epoch: 1,
-            addr: "a:1".into(),
-        }));
-        assert_eq!(next(&mut tries).await, a(true));
-        assert_eq!(next(&mut tries).await, a(false), "tried again, not first");
-        tx.send_replace(Some(Known {
-            epoch: 2,
-            addr: "b:1".into(),
-        }));
+        tx.send_replace(Some(k(1, "a:1")));
+        assert_eq!(next(&mut tries).await, "a:1");
+        assert_eq!(next(&mut tries).await, "a:1", "tried again");
+        tx.send_replace(Some(k(2, "b:1")));
         // A try of a:1 may have started before the change was seen.
         let mut t = next(&mut tries).await;
-        while t == a(false) {
+        while t == "a:1" {
             t = next(&mut tries).await;
         }
-        assert_eq!(t, ("b:1".to_string(), true));
+        assert_eq!(t, "b:1");
         stop.cancel();
         task.await.unwrap();
         assert!(
             tries.try_recv().is_err(),
             "b:1 was taken once, then nothing more"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pending_re_attach_is_tried_again_until_done() {
+        let (tx, rx) = watch::channel(None);
+        let stop = CancellationToken::new();
+        let tries = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = tries.clone();
+        let follow = move |_addr: String| {
+            let n = counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            async move {
+                match n {
+                    // The old primary is down for two tries, then back.
+                    0 | 1 => Ok::<_, String>(Taken::Pending("the old primary is down".into())),
+                    _ => Ok(Taken::Done("re-attached".into())),
+                }
+            }
+        };
+        let task = tokio::spawn(apply(rx, follow, stop.clone()));
+        tx.send_replace(Some(k(1, "a:1")));
+        // Virtual time: three tries take two RECHECKs.
+        tokio::time::sleep(RECHECK * 2 + RETRY).await;
+        assert_eq!(tries.load(std::sync::atomic::Ordering::SeqCst), 3);
+        tokio::time::sleep(RECHECK * 3).await;
+        assert_eq!(
+            tries.load(std::sync::atomic::Ordering::SeqCst),
+            3,
+            "done: no more tries"
+        );
+        stop.cancel();
+        task.await.unwrap();
     }
 }

@@ -262,11 +262,8 @@ impl Offers {
 }
 
 impl Offers {
-    /// Answers a replica agent that asks to continue the replication
-    /// stream of one of this agent's instances. `local` is the address it
-    /// reached this agent on, `remote` its own.
-    /// What instance `name`'s stream log follows.
-    pub fn stream_source(&self, name: &str) -> Result<String, OfferError> {
+    /// What instance `name`'s stream log follows, and the instance.
+    pub fn stream_source(&self, name: &str) -> Result<(String, Arc<Instance>), OfferError> {
         let instance = self.instances.resolve(name)?;
         let upstreams = instance.upstreams.as_ref().ok_or_else(|| {
             OfferError::Unsupported(format!(
@@ -274,9 +271,12 @@ impl Offers {
                 instance.name
             ))
         })?;
-        Ok(upstreams.source().to_string())
+        Ok((upstreams.source().to_string(), instance.clone()))
     }
 
+    /// Answers a replica agent that asks to continue the replication
+    /// stream of one of this agent's instances. `local` is the address it
+    /// reached this agent on, `remote` its own.
     pub fn open_stream(
         &self,
         ask: &StreamAsk,

@@ -186,7 +186,15 @@ pub fn within_limits(
             "source {source_addr} offered the data plane without TLS and this replica requires it ([data] tls = \"required\"); give the source a [tls] configuration"
         )));
     }
-    let (size, max) = (offer.snapshot.size, limits.max_snapshot_bytes);
+    fits(limits, offer.snapshot.size, free)
+}
+
+/// That a snapshot of `size` bytes may be written into `limits.dir`,
+/// whose file system has `free` bytes: at most `sync.max_snapshot_bytes`,
+/// leaving `sync.min_free_after`. Checked before a byte is written,
+/// whoever announced the size (a source's offer, a primary's full resync).
+pub fn fits(limits: &Limits, size: u64, free: u64) -> Result<(), JobError> {
+    let max = limits.max_snapshot_bytes;
     if size > max {
         return Err(JobError::TooLarge { size, max });
     }

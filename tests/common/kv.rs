@@ -173,10 +173,18 @@ impl Redis {
     /// A replica's server, standalone until a handoff seeds it (its pidfile
     /// lets the handoff's start and stop find it).
     pub fn standalone_replica(server: Server, dir: &Path) -> Redis {
-        Redis::start(
+        Redis::standalone_replica_on(server, dir, free_port())
+    }
+
+    /// [`Redis::standalone_replica`] on `port`.
+    pub fn standalone_replica_on(server: Server, dir: &Path, port: u16) -> Redis {
+        let pidfile = dir.join("redis.pid");
+        Redis::start_on(
             server,
             dir,
-            &["--pidfile", dir.join("redis.pid").to_str().unwrap()],
+            &["--pidfile", pidfile.to_str().unwrap()],
+            None,
+            port,
         )
     }
 
@@ -439,4 +447,41 @@ pub fn uid(user: &str) -> u32 {
 
 pub fn gid(user: &str) -> u32 {
     id("-g", user)
+}
+
+/// A Sentinel of `server`'s family in `dir`, listening on 127.0.0.1 and
+/// `ip`, watching the primary at `primary` as `master` (quorum 2), quick to
+/// call it down (1 s).
+pub fn start_sentinel(server: Server, dir: &Path, ip: &str, primary: &str, master: &str) -> Redis {
+    std::fs::create_dir_all(dir).unwrap();
+    let port = free_port();
+    let conf = dir.join("sentinel.conf");
+    let (host, primary_port) = primary.rsplit_once(':').unwrap();
+    let bind = match ip {
+        "127.0.0.1" => ip.to_string(),
+        _ => format!("127.0.0.1 {ip}\nprotected-mode no"),
+    };
+    std::fs::write(
+        &conf,
+        format!(
+            "port {port}\nbind {bind}\ndir {}\nlogfile {}\nsentinel monitor {master} {host} {primary_port} 2\nsentinel down-after-milliseconds {master} 1000\nsentinel failover-timeout {master} 20000\n",
+            dir.display(),
+            dir.join("sentinel.log").display(),
+        ),
+    )
+    .unwrap();
+    let child = server
+        .sentinel(&conf)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("a Sentinel (the test command installs redis-sentinel)");
+    let s = Redis {
+        server,
+        port,
+        dir: dir.to_owned(),
+        child: Some(child),
+        password: None,
+    };
+    s.wait_up();
+    s
 }

@@ -3,6 +3,7 @@
 //! `/metrics` over HTTP.
 #![allow(dead_code)]
 
+pub mod fake;
 pub mod kv;
 pub mod netns;
 pub mod node;
@@ -43,9 +44,14 @@ pub fn skip(test: &str, why: &str) {
     }
 }
 
-/// Path of the built `kvsync` binary.
+/// Path of the `kvsync` binary the tests run: the one built with them, or
+/// `$KVSYNC_TEST_BIN` (another build, e.g. to see an attack test succeed
+/// against the code before its fix).
 pub fn kvsync_bin() -> &'static str {
-    env!("CARGO_BIN_EXE_kvsync")
+    static BIN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    BIN.get_or_init(|| {
+        std::env::var("KVSYNC_TEST_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_kvsync").into())
+    })
 }
 
 /// Polls `cond` until it returns `Some` or the deadline passes (then panics

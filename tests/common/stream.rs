@@ -106,7 +106,20 @@ pub fn seeded_replica(
     server: Server,
     primary: &Redis,
     source: &Node,
+    names: (&str, &str, &str),
+) -> (Redis, Node) {
+    seeded_replica_on(root, server, primary, source, names, free_port())
+}
+
+/// [`seeded_replica`] with its server on `port` (an address chosen before,
+/// for other agents' configurations).
+pub fn seeded_replica_on(
+    root: &Path,
+    server: Server,
+    primary: &Redis,
+    source: &Node,
     (name, server_dir, stream): (&str, &str, &str),
+    port: u16,
 ) -> (Redis, Node) {
     primary.fill("before", 500, "v");
     let snapshot = wait_for("the full resync's RDB offered", DEADLINE, || {
@@ -114,7 +127,7 @@ pub fn seeded_replica(
         let s = rt.block_on(source.status());
         s.instances[0].latest_snapshots.first().map(|e| e.seq)
     });
-    let rs = Redis::standalone_replica(server, &root.join(server_dir));
+    let rs = Redis::standalone_replica_on(server, &root.join(server_dir), port);
     let config = feeding_puller_config(&root.join(format!("{name}-log")), source, &rs).replacen(
         "[handoff]",
         &format!("{stream}[handoff]"),
