@@ -83,6 +83,13 @@ fn follow_never_points_the_primary_at_an_address_nothing_proves(server: Server) 
         assert_eq!(stream_status(&src).source, format!("primary {}", p.addr()));
     }
     assert!(!src.proc.log().contains("REPLICAOF"));
+    // Without [tls] the stream's key crosses the control plane in plain
+    // text: status says what that leaves.
+    let integrity = stream_status(&src).integrity;
+    assert!(
+        integrity.contains("plain text") && integrity.contains("[tls]"),
+        "{integrity}"
+    );
 }
 
 /// Two real Sentinels of `p` and a fake one that names `master` under a

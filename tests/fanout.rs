@@ -130,6 +130,68 @@ fn a_fanout_to_a_replica_not_in_allowed_replicas_is_refused_before_any_connectio
     );
 }
 
+/// With no `allowed_replicas` (the default), a caller who holds an
+/// orchestrator token can make the origin dial any address; the answer
+/// reads the same for a closed port, a silent one and one that speaks
+/// something else than gRPC, so the origin tells the caller nothing about
+/// what listens where (its log says).
+#[test]
+fn a_fanout_answers_the_same_for_a_closed_port_and_one_that_is_no_agent() {
+    use std::io::{Read, Write};
+    let root = tempfile::tempdir().unwrap();
+    let origin = Node::start(root.path(), "origin", PIECES, &[]);
+    put_snapshot(&origin.dir, "s.kvr1", 2 << 20, 3);
+    block_on(origin.offered(3));
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    // A silent listener, and one that answers every connection as a web
+    // server would.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let web = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let (silent_addr, web_addr) = (
+        silent.local_addr().unwrap().to_string(),
+        web.local_addr().unwrap().to_string(),
+    );
+    std::thread::spawn(move || {
+        for c in web.incoming() {
+            let Ok(mut c) = c else { return };
+            let mut buf = [0; 1024];
+            let _ = c.read(&mut buf);
+            let _ = c.write_all(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n");
+        }
+    });
+    let out = Command::new(kvsync_bin())
+        .args(["fanout", "--source", &origin.grpc()])
+        .args([
+            "--replica",
+            &closed,
+            "--replica",
+            &silent_addr,
+            "--replica",
+            &web_addr,
+        ])
+        .args(["--wait", "--json"])
+        .output()
+        .unwrap();
+    let s = summary(&out);
+    for addr in [&closed, &silent_addr, &web_addr] {
+        let n = s["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|n| n["replica"] == addr.as_str())
+            .unwrap_or_else(|| panic!("{addr} is not in {s}"));
+        assert_eq!(
+            n["error"].as_str().unwrap(),
+            format!("cannot reach an agent at {addr}"),
+            "{s}"
+        );
+    }
+    drop(silent);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn six_replicas_through_relays_get_exact_copies_while_the_origin_sends_two() {
     for (transport, label) in [("mode = \"tcp\"", "tcp"), (EMULATED, "rdma")] {

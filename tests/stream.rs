@@ -847,7 +847,11 @@ fn a_hand_over_that_would_be_a_full_resync_is_refused_and_changes_nothing() {
         &["--repl-backlog-size", "1mb"],
     );
     let mut source = following_source(root.path(), &primary, &[]);
-    let (rs, replica) = seeded_through_two_agents(root.path(), Server::Redis, &primary, &source);
+    // The replica agent knows the primary from its configuration: the
+    // agent that would vouch for it is down below.
+    let servers = format!("servers = [\"{}\"]\n", primary.addr());
+    let (rs, replica) =
+        seeded_through_two_agents_with(root.path(), Server::Redis, &primary, &source, &servers);
     let agent = replica.grpc();
     let feed_port = rs.info("replication").num("master_port");
     // The stream stops at the primary's agent while the primary writes

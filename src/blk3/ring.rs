@@ -428,7 +428,7 @@ impl RingReceiver {
         } else {
             return None;
         }
-        let Token::Sack { offset: acked } = self.rx.ack() else {
+        let Token::Sack { offset: acked, .. } = self.rx.ack() else {
             unreachable!("an ack is a SACK")
         };
         // `applied` is already cut to `next`, which `acked` is now.

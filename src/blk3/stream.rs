@@ -38,6 +38,15 @@ pub fn epoch_mac(key: &[u8; STREAM_KEY_LEN], offset: u64, replid: &[u8; REPLID_L
     *h.finalize().as_bytes()
 }
 
+/// The MAC of an acknowledgement (`SACK`: the replica's log holds up to
+/// `offset`; `SAPP`: its servers applied up to it).
+pub fn ack_mac(key: &[u8; STREAM_KEY_LEN], magic: &[u8; 4], offset: u64) -> [u8; 32] {
+    let mut h = blake3::Hasher::new_keyed(key);
+    h.update(magic);
+    h.update(&offset.to_be_bytes());
+    *h.finalize().as_bytes()
+}
+
 /// Why a stream session's peer is not followed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum StreamError {
@@ -45,6 +54,8 @@ pub enum StreamError {
         "the frame at offset {offset} fails its MAC: its bytes are not the ones the source sent"
     )]
     Forged { offset: u64 },
+    #[error("an acknowledgement of offset {offset} fails its MAC: the replica did not send it")]
+    ForgedAck { offset: u64 },
     #[error("a frame at offset {offset} does not continue the stream, which stands at {expected}")]
     Discontinuous { offset: u64, expected: u64 },
     #[error("the source sent up to offset {end}, past its credit window ({window} bytes after the acknowledged {acked})")]
@@ -61,7 +72,7 @@ impl StreamError {
     /// Its `reason` label (`kvsync_stream_refused_total`).
     pub fn label(&self) -> &'static str {
         match self {
-            StreamError::Forged { .. } => "forged",
+            StreamError::Forged { .. } | StreamError::ForgedAck { .. } => "forged",
             StreamError::Discontinuous { .. } => "discontinuous",
             StreamError::OverWindow { .. } | StreamError::TooLarge(_) => "over_window",
             StreamError::BadAck { .. } | StreamError::BadApplied { .. } => "bad_ack",
@@ -132,6 +143,23 @@ impl Sender {
             replid: *replid,
             mac: epoch_mac(&self.key, self.sent, replid),
         }
+    }
+
+    /// A `SACK`: the replica's acknowledgement under its MAC
+    /// ([`Sender::on_ack`]).
+    pub fn on_sack(&mut self, ack: u64, mac: &[u8; 32]) -> Result<(), StreamError> {
+        if ack_mac(&self.key, b"SACK", ack) != *mac {
+            return Err(StreamError::ForgedAck { offset: ack });
+        }
+        self.on_ack(ack)
+    }
+
+    /// A `SAPP`: the replica's report under its MAC ([`Sender::on_applied`]).
+    pub fn on_sapp(&self, applied: u64, mac: &[u8; 32]) -> Result<u64, StreamError> {
+        if ack_mac(&self.key, b"SAPP", applied) != *mac {
+            return Err(StreamError::ForgedAck { offset: applied });
+        }
+        self.on_applied(applied)
     }
 
     /// The replica's acknowledgement: it never goes back, nor past what
@@ -247,7 +275,10 @@ impl Receiver {
     /// for another window.
     pub fn ack(&mut self) -> Token {
         self.acked = self.next;
-        Token::Sack { offset: self.next }
+        Token::Sack {
+            offset: self.next,
+            mac: ack_mac(&self.key, b"SACK", self.next),
+        }
     }
 
     /// The report of what the servers fed downstream applied (`applied`,
@@ -257,7 +288,10 @@ impl Receiver {
         let offset = applied.min(self.acked);
         (self.reported != Some(offset)).then(|| {
             self.reported = Some(offset);
-            Token::Sapp { offset }
+            Token::Sapp {
+                offset,
+                mac: ack_mac(&self.key, b"SAPP", offset),
+            }
         })
     }
 
@@ -297,10 +331,10 @@ mod tests {
                 at += n;
             }
             assert!(tx.sent() - tx.acked() <= 4096, "never past the window");
-            let Token::Sack { offset } = rx.ack() else {
+            let Token::Sack { offset, mac } = rx.ack() else {
                 unreachable!()
             };
-            tx.on_ack(offset).unwrap();
+            tx.on_sack(offset, &mac).unwrap();
         }
         assert_eq!(got, stream);
         assert_eq!(tx.sent(), 11_000);
@@ -373,25 +407,66 @@ mod tests {
         assert_eq!(tx.room(), 5);
     }
 
-    #[test]
-    fn applied_reports_stay_within_what_the_replica_logged() {
+    /// A session from offset 100 whose replica took 50 bytes, unacknowledged.
+    fn fifty_bytes_taken() -> (Sender, Receiver) {
         let mut tx = Sender::new(KEY, 100, 1000);
         let mut rx = Receiver::new(KEY, 100, 1000);
         let bytes = [1u8; 50];
         let (t, _) = tx.frame(&bytes).unwrap();
         let (offset, _, mac) = strm(&t);
         rx.accept(offset, &bytes, &mac).unwrap();
-        // Before the ack, a report is cut to what was acknowledged.
-        assert_eq!(rx.applied(150), Some(Token::Sapp { offset: 100 }));
-        assert_eq!(rx.applied(120), None, "unchanged: nothing to send");
-        let Token::Sack { offset } = rx.ack() else {
+        (tx, rx)
+    }
+
+    #[test]
+    fn an_acknowledgement_without_the_sessions_key_is_refused() {
+        let (mut tx, mut rx) = fifty_bytes_taken();
+        // Someone on the path who does not hold the key: an ack of what the
+        // replica never logged (WAIT would count it), a report of what its
+        // servers never applied, or a genuine MAC moved to another offset.
+        let other = [8; STREAM_KEY_LEN];
+        let forged = ack_mac(&other, b"SACK", 150);
+        assert_eq!(
+            tx.on_sack(150, &forged),
+            Err(StreamError::ForgedAck { offset: 150 })
+        );
+        let Token::Sack { offset, mac } = rx.ack() else {
             unreachable!()
         };
-        tx.on_ack(offset).unwrap();
-        let Some(Token::Sapp { offset }) = rx.applied(140) else {
+        assert_eq!(
+            tx.on_sack(offset - 1, &mac),
+            Err(StreamError::ForgedAck { offset: 149 })
+        );
+        let sapp_as_sack = ack_mac(&KEY, b"SAPP", offset);
+        assert!(
+            tx.on_sack(offset, &sapp_as_sack).is_err(),
+            "one kind is not the other"
+        );
+        assert_eq!(tx.acked(), 100, "nothing forged was taken");
+        tx.on_sack(offset, &mac).unwrap();
+        assert_eq!(
+            tx.on_sapp(150, &ack_mac(&other, b"SAPP", 150)),
+            Err(StreamError::ForgedAck { offset: 150 })
+        );
+        assert_eq!(StreamError::ForgedAck { offset: 1 }.label(), "forged");
+    }
+
+    #[test]
+    fn applied_reports_stay_within_what_the_replica_logged() {
+        let (mut tx, mut rx) = fifty_bytes_taken();
+        // Before the ack, a report is cut to what was acknowledged.
+        let Some(Token::Sapp { offset: 100, .. }) = rx.applied(150) else {
+            panic!("a report cut to the acknowledged 100")
+        };
+        assert_eq!(rx.applied(120), None, "unchanged: nothing to send");
+        let Token::Sack { offset, mac } = rx.ack() else {
+            unreachable!()
+        };
+        tx.on_sack(offset, &mac).unwrap();
+        let Some(Token::Sapp { offset, mac }) = rx.applied(140) else {
             panic!("a changed report is sent")
         };
-        assert_eq!(tx.on_applied(offset), Ok(140));
+        assert_eq!(tx.on_sapp(offset, &mac), Ok(140));
         assert_eq!(tx.on_applied(90), Ok(90), "a lagging downstream joined");
         assert_eq!(
             tx.on_applied(151),

@@ -152,12 +152,13 @@ pub enum Token {
         mac: [u8; 32],
     },
     /// Stream replica → source: the replica's log holds the stream up to
-    /// `offset` (credits back).
-    Sack { offset: u64 },
+    /// `offset` (credits back), under the session's MAC.
+    Sack { offset: u64, mac: [u8; 32] },
     /// Stream replica → source: the servers fed from the replica's log
     /// (its own server, and those of the agents it serves) have applied
-    /// the stream up to `offset`, the lowest of their acknowledgements.
-    Sapp { offset: u64 },
+    /// the stream up to `offset`, the lowest of their acknowledgements,
+    /// under the session's MAC.
+    Sapp { offset: u64, mac: [u8; 32] },
     /// Replica → source over an RDMA ring: the answer to one message, with
     /// what the log holds (credit) and what the servers fed from it applied.
     Rack { acked: u64, applied: u64 },
@@ -265,8 +266,9 @@ impl Token {
                 out.extend_from_slice(replid);
                 out.extend_from_slice(mac);
             }
-            Token::Sack { offset } | Token::Sapp { offset } => {
-                out.extend_from_slice(&offset.to_be_bytes())
+            Token::Sack { offset, mac } | Token::Sapp { offset, mac } => {
+                out.extend_from_slice(&offset.to_be_bytes());
+                out.extend_from_slice(mac);
             }
             Token::Rack { acked, applied } => {
                 out.extend_from_slice(&acked.to_be_bytes());
@@ -367,11 +369,12 @@ impl Token {
                 }
             }
             Kind::Sack | Kind::Sapp => {
-                exact(8)?;
-                let offset = be64(p);
+                exact(8 + 32)?;
+                let offset = be64(&p[..8]);
+                let mac = p[8..].try_into().expect("checked length");
                 match kind {
-                    Kind::Sack => Token::Sack { offset },
-                    _ => Token::Sapp { offset },
+                    Kind::Sack => Token::Sack { offset, mac },
+                    _ => Token::Sapp { offset, mac },
                 }
             }
             Kind::Rack => {
@@ -470,8 +473,14 @@ mod tests {
                 replid: [b'a'; REPLID_LEN],
                 mac: [4; 32],
             },
-            Token::Sack { offset: 1 << 40 },
-            Token::Sapp { offset: 3 },
+            Token::Sack {
+                offset: 1 << 40,
+                mac: [4; 32],
+            },
+            Token::Sapp {
+                offset: 3,
+                mac: [5; 32],
+            },
             Token::Rack {
                 acked: 9,
                 applied: 4,

@@ -443,6 +443,10 @@ fn print_instance(i: &pb::InstanceStatus) {
         if !st.diverged.is_empty() {
             println!("    WARNING: diverged at a failover: {}", st.diverged);
         }
+        if !st.sentinels.is_empty() {
+            println!("    Sentinels: {}", st.sentinels);
+        }
+        println!("    integrity: {}", st.integrity);
         if !st.ack.is_empty() {
             println!(
                 "    acknowledges to the primary: {} (ack = \"{}\")",
@@ -541,6 +545,8 @@ fn stream_json(st: &pb::StreamStatus) -> serde_json::Value {
         "reconnects": st.reconnects,
         "write_safety": st.write_safety,
         "diverged": st.diverged,
+        "sentinels": st.sentinels,
+        "integrity": st.integrity,
         "behind_seconds": st.behind_seconds,
     })
 }

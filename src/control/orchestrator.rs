@@ -173,6 +173,7 @@ impl OrchestratorService {
                     write_safety: s.write_safety(),
                     diverged: s.diverged(),
                     sentinels: s.sentinels(),
+                    integrity: crate::stream::serve::integrity(i.config.tls.enabled()).into(),
                     behind_seconds: s.behind().as_secs_f64(),
                 }
             }),

@@ -190,7 +190,7 @@ where
             Ok(Some(done)) => (Some(done), false),
             Err(e) => {
                 let said = format!(
-                    "the old primary {old} could not be re-attached ({e}): make it a replica of {new} (REPLICAOF) before it takes writes again; it is tried again"
+                    "the old primary {old} could not be re-attached ({e}): make it a replica of {new} before it takes writes again (call this failover again once it is up; an agent that follows Sentinels tries every 10 s)"
                 );
                 (Some(said), true)
             }

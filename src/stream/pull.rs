@@ -751,7 +751,7 @@ async fn report_applied(
 ) -> Result<(), PullError> {
     if let Some(t) = stream.applied().and_then(|a| rx.applied(a)) {
         link.send(&t).await?;
-        if let Token::Sapp { offset } = t {
+        if let Token::Sapp { offset, .. } = t {
             stream.set_upstream_acked(offset);
         }
     }

@@ -508,11 +508,21 @@ async fn send_stream(
             // The writer is gone with its instance: nothing more comes.
             r = changed.changed() => if r.is_err() { return Ok(tx.sent()) },
             t = link.next_token() => match t? {
-                Token::Sack { offset } => tx.on_ack(offset)?,
-                Token::Sapp { offset } => s.stream.acked(downstream.clone(), tx.on_applied(offset)?),
+                Token::Sack { offset, mac } => tx.on_sack(offset, &mac)?,
+                Token::Sapp { offset, mac } => s.stream.acked(downstream.clone(), tx.on_sapp(offset, &mac)?),
                 Token::Rdfl { reason } => return Err(ServeError::Replica(reason)),
                 other => return Err(ServeError::Unexpected(other.kind())),
             },
         }
+    }
+}
+
+/// What protects the stream sessions of an agent whose control plane is
+/// under TLS (`tls`) or not: the key of each session's MAC travels in the
+/// `OpenStream` answer.
+pub fn integrity(tls: bool) -> &'static str {
+    match tls {
+        true => "frames and acknowledgements under a per-session MAC whose key only the TLS control plane carried",
+        false => "frames and acknowledgements under a per-session MAC whose key crossed the control plane in plain text ([tls] is off): whoever can read that path can forge them; set [tls] where the path is not yours",
     }
 }
