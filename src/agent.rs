@@ -787,21 +787,15 @@ fn follow_sentinels(
         report,
         instance.stop.clone(),
     ));
-    let (instances, dialer, name) = (
-        parts.instances.clone(),
+    let (instances, name) = (parts.instances.clone(), name.to_string());
+    let ask = failover::peer_asker(
         parts.dialer.clone(),
-        name.to_string(),
+        config.stream.upstream_instance_of(&name),
     );
-    let upstream_instance = config.stream.upstream_instance_of(&name);
     let follow = move |addr: String| {
-        let (instances, dialer, name) = (instances.clone(), dialer.clone(), name.clone());
-        let upstream_instance = upstream_instance.clone();
+        let (instances, name, ask) = (instances.clone(), name.clone(), ask.clone());
         async move {
             let i = instances.resolve(&name).map_err(|e| e.to_string())?;
-            let ask = |peer: String| {
-                let (dialer, instance) = (dialer.clone(), upstream_instance.clone());
-                async move { failover::peer_report(&dialer, &peer, &instance).await }
-            };
             let followed = failover::follow_primary(&i, &addr, &[], ask)
                 .await
                 .map_err(|e| e.to_string())?;

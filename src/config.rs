@@ -426,6 +426,22 @@ pub struct HostPort {
     pub port: u16,
 }
 
+impl HostPort {
+    /// What tells two spellings of one address apart from two addresses,
+    /// without asking a resolver: the host in lower case, an IP address in
+    /// its canonical form, every loopback name and address as one, and
+    /// the port's number.
+    pub fn same_host_key(&self) -> (String, u16) {
+        let host = match self.host.parse::<std::net::IpAddr>() {
+            Ok(ip) if ip.is_loopback() => "loopback".to_string(),
+            Ok(ip) => ip.to_string(),
+            Err(_) if self.host.eq_ignore_ascii_case("localhost") => "loopback".to_string(),
+            Err(_) => self.host.to_ascii_lowercase(),
+        };
+        (host, self.port)
+    }
+}
+
 /// Text that is not `host:port`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0:?} is not host:port")]
@@ -1339,15 +1355,17 @@ impl Config {
                 format!("must be Sentinels' host:port, got {bad:?}"),
             );
         }
-        if let Some(twice) = st
-            .sentinels
-            .iter()
-            .enumerate()
-            .find_map(|(n, a)| st.sentinels[..n].contains(a).then_some(a))
-        {
+        let one = |a: &String| a.parse::<HostPort>().ok().map(|a| a.same_host_key());
+        if let Some(twice) = st.sentinels.iter().enumerate().find_map(|(n, a)| {
+            let key = one(a)?;
+            st.sentinels[..n]
+                .iter()
+                .any(|b| one(b).as_ref() == Some(&key))
+                .then_some(a)
+        }) {
             p.bad(
                 "stream.sentinels",
-                format!("lists {twice:?} twice: each Sentinel is one vote of the majority the agent acts on"),
+                format!("lists the Sentinel at {twice:?} twice (under one name or another): each Sentinel is one vote of the majority the agent acts on"),
             );
         }
         if !st.sentinels.is_empty() && st.peers.is_empty() {
@@ -1995,6 +2013,21 @@ expected_transfer_rate = "0"
         c.stream.sentinels.pop();
         c.stream.master_name = "mymaster".into();
         c.stream.peers = vec!["agent-b:7400".into()];
+        c.validate().unwrap();
+        // One Sentinel under several spellings is one vote, not a majority.
+        for twice in ["10.0.0.9:26379", "10.0.0.9:026379"] {
+            c.stream.sentinels = vec!["10.0.0.9:26379".into(), twice.into()];
+            assert_eq!(problem_keys(&c), ["stream.sentinels"], "{twice}");
+        }
+        c.stream.sentinels = vec![
+            "127.0.0.1:26379".into(),
+            "localhost:26379".into(),
+            "[::1]:26379".into(),
+        ];
+        assert_eq!(problem_keys(&c), ["stream.sentinels"]);
+        c.stream.sentinels = vec!["Sentinel-A:26379".into(), "sentinel-a:26379".into()];
+        assert_eq!(problem_keys(&c), ["stream.sentinels"]);
+        c.stream.sentinels = vec!["127.0.0.1:26379".into(), "127.0.0.1:26380".into()];
         c.validate().unwrap();
         c.stream.sentinels.clear();
         assert_eq!(problem_keys(&c), ["stream.master_name"]);

@@ -15,7 +15,10 @@
 //!   replication id handed the fed server to it with `masterauth`; now it
 //!   is refused and the server stays on its feed;
 //! - a "primary" announcing a 1 TB RDB made the agent write it into
-//!   `snapshot_dir`; now it is refused before a byte is written.
+//!   `snapshot_dir`; now it is refused before a byte is written;
+//! - the Sentinel the agent subscribes to, publishing any message every
+//!   half second, put off the agent's asking of the others for good (it
+//!   would miss a failover); now they are asked every 10 s regardless.
 
 mod common;
 
@@ -247,4 +250,47 @@ fn a_primary_announcing_a_huge_rdb_is_refused_before_a_byte_is_written() {
         .map(|e| e.unwrap().file_name())
         .collect();
     assert!(files.is_empty(), "nothing written: {files:?}");
+}
+
+#[test]
+fn a_sentinel_that_floods_messages_cannot_put_off_the_asking_of_the_others() {
+    let root = tempfile::tempdir().unwrap();
+    let r = root.path();
+    let p = Redis::start(Server::Redis, &r.join("p"), &[]);
+    let names_p = Some(("127.0.0.1".to_string(), p.port, 0));
+    // The first Sentinel, the one subscribed to, publishes a switch of
+    // another master twice a second; the other two only answer.
+    let flooder = Fake::start(Script {
+        sentinel_master: names_p.clone(),
+        publish: Some((
+            "another 10.0.0.1 6379 10.0.0.2 6379".into(),
+            std::time::Duration::from_millis(500),
+        )),
+        ..Script::default()
+    });
+    let others: Vec<Fake> = (0..2)
+        .map(|_| {
+            Fake::start(Script {
+                sentinel_master: names_p.clone(),
+                ..Script::default()
+            })
+        })
+        .collect();
+    let list = [&flooder, &others[0], &others[1]]
+        .iter()
+        .map(|f| format!("\"{}\"", f.addr()))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let stream =
+        format!("sentinels = [{list}]\nmaster_name = \"{MASTER}\"\npeers = [\"127.0.0.1:9\"]\n");
+    let config = follower_config(&p, &r.join("src-log")) + &stream;
+    let _src = source_with(r, &config, &[]);
+    let asked = |f: &Fake| f.commands().iter().filter(|c| *c == "SENTINEL").count();
+    // Asked at the subscription, then every 10 s.
+    wait_for(
+        "the other Sentinels to be asked three times",
+        DEADLINE,
+        || (asked(&others[0]) >= 3 && asked(&others[1]) >= 3).then_some(()),
+    );
+    assert!(flooder.commands().contains(&"SUBSCRIBE".to_string()));
 }

@@ -76,7 +76,10 @@ impl OrchestratorService {
         let (i, feed, stream) = self.fed(&req.instance)?;
         let (redis, timeout) = (&i.config.redis, i.config.handoff.timeout);
         let done = match release {
-            true => self.release(&i, req.primary.trim(), &feed, &stream).await,
+            true => {
+                let ask = self.ask_peers(&i);
+                hand::release(&i.config, req.primary.trim(), ask, &feed, &stream).await
+            }
             false => hand::attach(redis, timeout, &feed, &stream).await,
         };
         done.map(|message| Response::new(pb::HandStreamResponse { message }))
@@ -88,27 +91,15 @@ impl OrchestratorService {
             })
     }
 
-    /// Releases instance `i`'s fed server to `primary` (empty: `[redis]
-    /// primary`), once that address is proved.
-    async fn release(
+    /// How instance `i` asks its peers what they follow and which server
+    /// they sit beside ([`failover::peer_report`]).
+    fn ask_peers(
         &self,
         i: &Instance,
-        primary: &str,
-        feed: &FeedHandle,
-        stream: &SharedLog,
-    ) -> Result<String, HandError> {
-        let primary = match (primary, i.config.redis.primary.as_str()) {
-            ("", "") => return Err(HandError::NoPrimary),
-            ("", p) | (p, _) => p,
-        };
+    ) -> impl Fn(String) -> futures::future::BoxFuture<'static, Result<proof::PeerReport, String>>
+    {
         let instance = i.config.stream.upstream_instance_of(&i.name);
-        let ask = |peer: String| {
-            let (dialer, instance) = (self.dialer.clone(), instance.clone());
-            async move { failover::peer_report(&dialer, &peer, &instance).await }
-        };
-        let proof = proof::prove_asking(&i.config, primary, ask).await?;
-        let timeout = i.config.handoff.timeout;
-        hand::release(&i.config.redis, timeout, (primary, &proof), feed, stream).await
+        failover::peer_asker(self.dialer.clone(), instance)
     }
 
     /// What one instance holds and does now.
@@ -443,11 +434,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
     ) -> Result<Response<pb::FollowPrimaryResponse>, Status> {
         let req = request.into_inner();
         let i = self.instance(&req.instance)?;
-        let instance = i.config.stream.upstream_instance_of(&i.name);
-        let ask = |peer: String| {
-            let (dialer, instance) = (self.dialer.clone(), instance.clone());
-            async move { failover::peer_report(&dialer, &peer, &instance).await }
-        };
+        let ask = self.ask_peers(&i);
         let followed = failover::follow_primary(&i, &req.primary, &req.peers, ask)
             .await
             .map_err(|e| match e {

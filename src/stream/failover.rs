@@ -317,6 +317,18 @@ pub async fn own_report(c: &Config, source: String) -> PeerReport {
     }
 }
 
+/// The `ask` of [`follow_primary`] and of a release: [`peer_report`] of
+/// the peers' `instance`, dialled with `dialer`.
+pub fn peer_asker(
+    dialer: Dialer,
+    instance: String,
+) -> impl Fn(String) -> futures::future::BoxFuture<'static, Result<PeerReport, String>> + Clone {
+    move |peer: String| {
+        let (dialer, instance) = (dialer.clone(), instance.clone());
+        Box::pin(async move { peer_report(&dialer, &peer, &instance).await })
+    }
+}
+
 /// What `peer`'s log of `instance` follows and which server it sits
 /// beside, asked with this agent's own token (a peer's, where those are
 /// separate).

@@ -15,9 +15,9 @@ use tracing::info;
 use super::feed::FeedHandle;
 #[cfg(doc)]
 use super::log::Log;
-use super::proof::{Proof, Unproved};
+use super::proof::{prove_asking, PeerReport, Unproved};
 use super::{Downstream, SharedLog};
-use crate::config::{HostPort, RedisConfig};
+use crate::config::{Config, HostPort, RedisConfig};
 use crate::kv::redis::{connect, info, infos, server_err, RedisError};
 use crate::kv::seed::{self, config_set, following, replicaof, restore_role};
 
@@ -64,19 +64,30 @@ pub enum HandError {
     Redis(#[from] RedisError),
 }
 
-/// Makes the server fed by `feed` a direct replica of `primary`, which
-/// `proof` proved ([`super::proof`]; a peer's word is checked against the
-/// server's `run_id` before anything changes), by a partial resync, with
-/// its own `masterauth` back (else `[redis] password`). The feed's
-/// acknowledgement from it is forgotten: it no longer holds the stream
-/// upstream.
-pub async fn release(
-    cfg: &RedisConfig,
-    timeout: Duration,
-    (primary, proof): (&str, &Proof),
+/// Makes the server fed by `feed` a direct replica of `primary` (empty:
+/// `[redis] primary`) by a partial resync, with its own `masterauth` back
+/// (else `[redis] password`), once the address is proved
+/// ([`super::proof`], asking the configured peers with `ask` when the
+/// configuration does not; a peer's word is checked against the server's
+/// `run_id` before anything changes). The feed's acknowledgement from it
+/// is forgotten: it no longer holds the stream upstream.
+pub async fn release<F, Fut>(
+    c: &Config,
+    primary: &str,
+    ask: F,
     feed: &FeedHandle,
     stream: &SharedLog,
-) -> Result<String, HandError> {
+) -> Result<String, HandError>
+where
+    F: Fn(String) -> Fut,
+    Fut: std::future::Future<Output = Result<PeerReport, String>>,
+{
+    let (cfg, timeout) = (&c.redis, c.handoff.timeout);
+    let primary = match (primary, cfg.primary.as_str()) {
+        ("", "") => return Err(HandError::NoPrimary),
+        ("", p) | (p, _) => p,
+    };
+    let proof = prove_asking(c, primary, ask).await?;
     let to: HostPort = primary.parse().map_err(|e| server_err(primary, e))?;
     let (server, password) = (&cfg.server_addr, &cfg.password);
     let mut con = connect(server, password).await?;

@@ -3,14 +3,20 @@
 //! password as `masterauth`); a fake or mistyped `<addr>` would make the
 //! server wipe itself with whatever that address sends. So an address is
 //! acted on only once something the operator wrote proves it:
-//! - the instance's configuration names it (`[redis] server_addr` or
-//!   `primary_addr`, `[redis] primary`, `[stream] servers`), compared by
-//!   text or by the socket addresses the names resolve to (Sentinel names
-//!   servers by IP address where a configuration may say `localhost`);
+//! - the instance's configuration names it (the local server, `[redis]
+//!   primary_addr` or else `server_addr`; `[redis] primary`, `[stream]
+//!   servers`): by the same text, or as an IP address the configured name
+//!   resolves to (Sentinel names servers by IP address where a
+//!   configuration may say `localhost`), never as another name that
+//!   resolves alike ([`same_addr`]);
 //! - or a configured peer agent (`[stream] peers`, `upstream`), asked over
 //!   gRPC, names it as the server it sits beside together with that
-//!   server's `run_id`, and the server at the address, asked only then,
-//!   reports the same `run_id`.
+//!   server's `run_id` (a loopback address only from a peer on loopback),
+//!   and the server at the address, asked only then, reports the same
+//!   `run_id`.
+//!
+//! What is acted on is the address as asked, once proved: an IP address,
+//! or the very text the configuration or the peer gave.
 //!
 //! What a caller names in a request (an address, the peers to look among)
 //! proves nothing: a caller's typo or an attacker's fake would otherwise
@@ -76,7 +82,9 @@ pub struct Unproved {
 pub fn configured(c: &Config) -> Vec<(&'static str, &str)> {
     let r = &c.redis;
     let mut named = vec![("[redis] primary_addr", r.primary_addr.as_str())];
-    if c.handoff.mode.is_redis() {
+    // server_addr is a server only where it is the local one (its default
+    // is no server of this instance's otherwise).
+    if r.primary_addr.is_empty() && c.handoff.mode.is_redis() {
         named.push(("[redis] server_addr", r.server_addr.as_str()));
     }
     named.push(("[redis] primary", r.primary.as_str()));
@@ -117,14 +125,33 @@ async fn resolve(addr: &str) -> Vec<SocketAddr> {
     found
 }
 
-/// Whether `a` and `b` name the same server address: the same text, or
-/// names that resolve to a common socket address.
-pub async fn same_addr(a: &str, b: &str) -> bool {
-    if a == b {
+/// Whether the address `asked` (what a request or a Sentinel names) is
+/// the server at `known` (what the configuration or a peer names): the
+/// same text, or `asked` is an IP address `known` resolves to (Sentinel
+/// names servers by IP address where a configuration may say
+/// `localhost`). A name that is not an IP address is taken by its text
+/// only: it would be resolved again when acted on, by other resolvers, to
+/// any of its addresses (one may be another listener's), and may resolve
+/// differently by then.
+pub async fn same_addr(known: &str, asked: &str) -> bool {
+    if known == asked {
         return true;
     }
-    let (a, b) = (resolve(a).await, resolve(b).await);
-    a.iter().any(|x| b.contains(x))
+    match asked.parse::<SocketAddr>() {
+        Ok(ip) => resolve(known).await.contains(&ip),
+        Err(_) => false,
+    }
+}
+
+/// Whether `addr` names this host's loopback (`localhost`, `127.0.0.0/8`,
+/// `::1`): where a peer on another host says it, it means that host's.
+fn loopback(addr: &str) -> bool {
+    match addr.parse::<SocketAddr>() {
+        Ok(a) => a.ip().is_loopback() || a.ip().is_unspecified(),
+        Err(_) => addr
+            .parse::<crate::config::HostPort>()
+            .is_ok_and(|a| a.host.eq_ignore_ascii_case("localhost")),
+    }
 }
 
 /// What proves `addr` for an instance configured as `c`, given what its
@@ -143,9 +170,11 @@ pub async fn prove(
     let peers = configured_peers(c);
     for (peer, report) in reports {
         let Ok(r) = report else { continue };
+        // A peer's loopback is its host's, not this one's.
         if peers.contains(peer)
             && !r.server.is_empty()
             && !r.run_id.is_empty()
+            && (!loopback(&r.server) || loopback(peer))
             && same_addr(&r.server, addr).await
         {
             return Ok(Proof::Peer {
@@ -206,40 +235,44 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn the_configuration_proves_its_own_addresses_under_any_name_that_resolves_alike() {
+    async fn the_configuration_proves_its_own_addresses_by_text_or_as_an_ip_they_resolve_to() {
         let c = config(
-            "[redis]\nprimary_addr = \"localhost:6379\"\n[stream]\nservers = [\"10.0.0.2:6380\"]\n",
+            "[redis]\nprimary_addr = \"localhost:6379\"\n[stream]\nservers = [\"10.0.0.2:6380\", \"127.0.0.1:6381\"]\n",
         );
         let p = |a: &'static str| prove(&c, a, &[]);
-        assert_eq!(
-            p("localhost:6379").await,
-            Ok(Proof::Config("[redis] primary_addr"))
-        );
-        assert_eq!(
-            p("127.0.0.1:6379").await,
-            Ok(Proof::Config("[redis] primary_addr"))
-        );
+        let primary = Ok(Proof::Config("[redis] primary_addr"));
+        assert_eq!(p("localhost:6379").await, primary);
+        assert_eq!(p("127.0.0.1:6379").await, primary, "Sentinel's IP");
         assert_eq!(
             p("10.0.0.2:6380").await,
             Ok(Proof::Config("[stream] servers"))
         );
-        // Another port, a typo, a name that does not resolve.
+        // Another port, a typo, a name that does not resolve; and a name
+        // that resolves to a configured address among others (localhost:
+        // ::1 too, where another process may listen), which would be
+        // resolved again, by other resolvers, when acted on.
         for bad in [
             "127.0.0.1:6378",
             "10.0.0.2:680",
             "no-such-host.invalid:6379",
+            "localhost:6381",
         ] {
             let e = p(bad).await.unwrap_err();
             assert_eq!(e.addr, bad);
             assert!(e.to_string().contains("[stream] servers"), "{e}");
         }
-        // server_addr counts only where a redis handoff makes it a server.
+        // server_addr counts only where it is the local server: a redis
+        // handoff's, on an agent that follows no primary.
         let c = config("[redis]\nserver_addr = \"10.0.0.3:6379\"\n");
         assert!(prove(&c, "10.0.0.3:6379", &[]).await.is_err());
-        let c = config(
-            "[handoff]\nmode = \"redis-stream\"\n[redis]\nserver_addr = \"10.0.0.3:6379\"\n",
-        );
+        let stream = "[handoff]\nmode = \"redis-stream\"\n[redis]\n";
+        let c = config(&format!("{stream}server_addr = \"10.0.0.3:6379\"\n"));
         assert!(prove(&c, "10.0.0.3:6379", &[]).await.is_ok());
+        let c = config(&format!("{stream}primary_addr = \"10.0.0.1:6379\"\n"));
+        assert!(
+            prove(&c, "127.0.0.1:6379", &[]).await.is_err(),
+            "the default server_addr is no server of the instance"
+        );
     }
 
     #[tokio::test]
@@ -263,6 +296,20 @@ mod tests {
         // A configured peer whose server did not answer proves nothing.
         let silent = ("10.0.0.9:35101".to_string(), report("10.0.0.2:6380", ""));
         assert!(prove(&c, "10.0.0.2:6380", &[silent]).await.is_err());
+        // A peer on another host speaks of its own loopback, not this one's.
+        let own = (
+            "10.0.0.9:35101".to_string(),
+            report("127.0.0.1:6379", "abc"),
+        );
+        assert!(prove(&c, "127.0.0.1:6379", &[own]).await.is_err());
+        let c_local = config("[stream]\npeers = [\"127.0.0.1:35101\"]\n");
+        let same_host = (
+            "127.0.0.1:35101".to_string(),
+            report("127.0.0.1:6379", "abc"),
+        );
+        assert!(prove(&c_local, "127.0.0.1:6379", &[same_host])
+            .await
+            .is_ok());
         let e = prove(&c, "10.0.0.5:6380", &[configured]).await.unwrap_err();
         assert!(
             e.to_string()

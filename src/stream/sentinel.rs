@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use tokio::sync::watch;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -31,6 +32,9 @@ pub const RECHECK: Duration = Duration::from_secs(10);
 /// The pause before a failed take of a primary is tried again (the
 /// promoted server's agent usually moves within milliseconds).
 pub const RETRY: Duration = Duration::from_millis(200);
+/// The least time between two askings a message causes (a Sentinel that
+/// floods `+switch-master` makes the agent ask no more often).
+const MESSAGE_GAP: Duration = Duration::from_millis(100);
 /// The pause before a broken subscription is made again.
 const RESUBSCRIBE: Duration = Duration::from_secs(1);
 /// The longest one question to a Sentinel may take.
@@ -129,7 +133,7 @@ fn supersedes(k: &Known, now: Option<&Known>) -> bool {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Verdict {
     /// The primary a majority of the configured Sentinels name, under the
-    /// highest epoch any of them gave for it.
+    /// highest epoch a majority of them reached.
     pub agreed: Option<Known>,
     /// How many name the most named primary, of how many are configured.
     pub votes: usize,
@@ -166,7 +170,8 @@ impl std::fmt::Display for Verdict {
 
 /// The verdict of `configured` Sentinels of which those in `answers`
 /// answered (each Sentinel once): the address named by more than half of
-/// the configured ones, whatever epochs the others claim.
+/// the configured ones, under the highest epoch that many of them
+/// reached, whatever epochs the others claim.
 pub fn verdict(configured: usize, answers: &[(String, Known)]) -> Verdict {
     let votes = |addr: &str| answers.iter().filter(|(_, k)| k.addr == addr).count();
     let most = answers
@@ -177,14 +182,18 @@ pub fn verdict(configured: usize, answers: &[(String, Known)]) -> Verdict {
         Some(addr) => (addr, votes(addr)),
         None => ("", 0),
     };
-    let agreed = (count > configured / 2).then(|| Known {
+    // The highest epoch a majority reached: a minority's higher one (a
+    // liar that agrees on the address) would outlast every later verdict.
+    let majority = configured / 2 + 1;
+    let mut epochs: Vec<u64> = answers
+        .iter()
+        .filter(|(_, k)| k.addr == top)
+        .map(|(_, k)| k.epoch)
+        .collect();
+    epochs.sort_unstable_by(|a, b| b.cmp(a));
+    let agreed = epochs.get(majority - 1).map(|&epoch| Known {
         addr: top.to_string(),
-        epoch: answers
-            .iter()
-            .filter(|(_, k)| k.addr == top)
-            .map(|(_, k)| k.epoch)
-            .max()
-            .unwrap_or(0),
+        epoch,
     });
     let dissent = answers
         .iter()
@@ -267,6 +276,11 @@ pub async fn watch(
         info!(sentinel = %addr, master = %s.master_name, "following the Sentinels' +switch-master");
         take(ask_all(&s).await);
         let mut messages = sub.on_message();
+        // Every RECHECK whatever the subscribed Sentinel sends (its
+        // messages must not put the asking off), and on a switch of the
+        // master's name, at most once every MESSAGE_GAP.
+        let mut recheck = tokio::time::interval_at(Instant::now() + RECHECK, RECHECK);
+        let mut asked = Instant::now();
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
@@ -274,9 +288,10 @@ pub async fn watch(
                     Some(m) => {
                         // A message only makes the agent ask them all.
                         let text: String = m.get_payload().unwrap_or_default();
-                        if is_switch_of(&text, &s.master_name) {
+                        if is_switch_of(&text, &s.master_name) && asked.elapsed() >= MESSAGE_GAP {
                             info!(sentinel = %addr, switch = %text, "a Sentinel announced a switch of the primary: asking them all");
                             take(ask_all(&s).await);
+                            asked = Instant::now();
                         }
                     }
                     None => {
@@ -284,7 +299,10 @@ pub async fn watch(
                         break;
                     }
                 },
-                _ = tokio::time::sleep(RECHECK) => take(ask_all(&s).await),
+                _ = recheck.tick() => {
+                    take(ask_all(&s).await);
+                    asked = Instant::now();
+                }
             }
         }
         pause(&stop, RESUBSCRIBE).await;
@@ -450,13 +468,33 @@ mod tests {
             ]),
         );
         assert_eq!(v.agreed, None);
-        // A majority mid-switch: the highest epoch any of it gave.
+        // A majority mid-switch: the highest epoch the majority reached.
         let v = verdict(
             3,
             &said(&[("s1", k(3, "a:1")), ("s2", k(4, "a:1")), ("s3", p.clone())]),
         );
-        assert_eq!(v.agreed, Some(k(4, "a:1")));
+        assert_eq!(v.agreed, Some(k(3, "a:1")));
         assert_eq!(verdict(3, &[]).agreed, None);
+        // A liar that agrees on the address under a huge epoch: the
+        // majority's epoch stands, so the next agreed switch supersedes it.
+        let v = verdict(
+            3,
+            &said(&[
+                ("s1", p.clone()),
+                ("s2", p.clone()),
+                ("s3", k(1 << 62, "p:1")),
+            ]),
+        );
+        assert_eq!(v.agreed, Some(p.clone()));
+        let next = verdict(
+            3,
+            &said(&[
+                ("s1", a.clone()),
+                ("s2", a.clone()),
+                ("s3", k(1 << 62, "p:1")),
+            ]),
+        );
+        assert!(supersedes(next.agreed.as_ref().unwrap(), v.agreed.as_ref()));
     }
 
     #[tokio::test]

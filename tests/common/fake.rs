@@ -21,6 +21,9 @@ pub struct Script {
     pub rdb_len: u64,
     /// `SENTINEL MASTER`'s answer: the master's address and epoch.
     pub sentinel_master: Option<(String, u16, u64)>,
+    /// After `SUBSCRIBE`: this message, published on the channel again and
+    /// again at this pace.
+    pub publish: Option<(String, std::time::Duration)>,
 }
 
 impl Default for Script {
@@ -31,6 +34,7 @@ impl Default for Script {
             offset: 1000,
             rdb_len: EMPTY_RDB.len() as u64,
             sentinel_master: None,
+            publish: None,
         }
     }
 }
@@ -131,12 +135,26 @@ fn serve(con: TcpStream, script: &Script, log: &Mutex<Vec<Vec<String>>>) {
                 ]),
                 None => b"-ERR No such master with that name\r\n".to_vec(),
             },
-            "SUBSCRIBE" => format!(
-                "*3\r\n$9\r\nsubscribe\r\n${}\r\n{}\r\n:1\r\n",
-                words[1].len(),
-                words[1]
-            )
-            .into_bytes(),
+            "SUBSCRIBE" => {
+                if let Some((message, every)) = script.publish.clone() {
+                    let (mut out, channel) = (out.try_clone().unwrap(), words[1].clone());
+                    std::thread::spawn(move || loop {
+                        std::thread::sleep(every);
+                        let frame = [bulk("message"), bulk(&channel), bulk(&message)].concat();
+                        let mut m = b"*3\r\n".to_vec();
+                        m.extend(frame);
+                        if out.write_all(&m).is_err() {
+                            return;
+                        }
+                    });
+                }
+                format!(
+                    "*3\r\n$9\r\nsubscribe\r\n${}\r\n{}\r\n:1\r\n",
+                    words[1].len(),
+                    words[1]
+                )
+                .into_bytes()
+            }
             _ => format!("-ERR unknown command '{name}'\r\n").into_bytes(),
         };
         if out.write_all(&reply).is_err() {
