@@ -790,7 +790,9 @@ fn follow_sentinels(
     let (instances, name) = (parts.instances.clone(), name.to_string());
     let ask = failover::peer_asker(
         parts.dialer.clone(),
+        config,
         config.stream.upstream_instance_of(&name),
+        None,
     );
     let follow = move |addr: String| {
         let (instances, name, ask) = (instances.clone(), name.clone(), ask.clone());

@@ -432,11 +432,11 @@ impl HostPort {
     /// its canonical form, every loopback name and address as one, and
     /// the port's number.
     pub fn same_host_key(&self) -> (String, u16) {
-        let host = match self.host.parse::<std::net::IpAddr>() {
-            Ok(ip) if ip.is_loopback() => "loopback".to_string(),
-            Ok(ip) => ip.to_string(),
-            Err(_) if self.host.eq_ignore_ascii_case("localhost") => "loopback".to_string(),
-            Err(_) => self.host.to_ascii_lowercase(),
+        let host = match crate::sys::numeric_ip(&self.host).map(|ip| ip.to_canonical()) {
+            Some(ip) if ip.is_loopback() || ip.is_unspecified() => "local".to_string(),
+            Some(ip) => ip.to_string(),
+            None if self.host.eq_ignore_ascii_case("localhost") => "local".to_string(),
+            None => self.host.to_ascii_lowercase(),
         };
         (host, self.port)
     }
@@ -2026,6 +2026,18 @@ expected_transfer_rate = "0"
         ];
         assert_eq!(problem_keys(&c), ["stream.sentinels"]);
         c.stream.sentinels = vec!["Sentinel-A:26379".into(), "sentinel-a:26379".into()];
+        assert_eq!(problem_keys(&c), ["stream.sentinels"]);
+        for twice in [
+            "127.1:26379",
+            "0.0.0.0:26379",
+            "[::ffff:127.0.0.1]:26379",
+            "0:26379",
+            "2130706433:26379",
+        ] {
+            c.stream.sentinels = vec!["127.0.0.1:26379".into(), twice.into()];
+            assert_eq!(problem_keys(&c), ["stream.sentinels"], "{twice}");
+        }
+        c.stream.sentinels = vec!["10.1:26379".into(), "10.0.0.1:26379".into()];
         assert_eq!(problem_keys(&c), ["stream.sentinels"]);
         c.stream.sentinels = vec!["127.0.0.1:26379".into(), "127.0.0.1:26380".into()];
         c.validate().unwrap();

@@ -16,6 +16,11 @@
 //!   is refused and the server stays on its feed;
 //! - a "primary" announcing a 1 TB RDB made the agent write it into
 //!   `snapshot_dir`; now it is refused before a byte is written;
+//! - `kvsync stream follow` naming a configured server that is a primary
+//!   of another history (a replica restarted without `replicaof`, with an
+//!   agent of its own) made the old primary its replica: a full resync
+//!   wiped it; now the re-attach needs the new primary to continue the old
+//!   one's history;
 //! - the Sentinel the agent subscribes to, publishing any message every
 //!   half second, put off the agent's asking of the others for good (it
 //!   would miss a failover); now they are asked every 10 s regardless.
@@ -179,10 +184,8 @@ on_both_servers!(
     one_lying_sentinel_never_moves_the_primary,
 );
 
-#[test]
-fn a_release_toward_a_fake_that_echoes_the_replid_is_refused() {
+fn a_release_toward_a_fake_that_echoes_the_replid_is_refused(server: Server) {
     let root = tempfile::tempdir().unwrap();
-    let server = Server::Redis;
     let p = Redis::start(server, &root.path().join("p"), &[]);
     let src = following_source(root.path(), &p, &[]);
     let (rs, replica) = seeded_through_two_agents(root.path(), server, &p, &src);
@@ -222,6 +225,8 @@ fn a_release_toward_a_fake_that_echoes_the_replid_is_refused() {
         "{err}"
     );
 }
+
+on_both_servers!(a_release_toward_a_fake_that_echoes_the_replid_is_refused);
 
 #[test]
 fn a_primary_announcing_a_huge_rdb_is_refused_before_a_byte_is_written() {
@@ -293,4 +298,41 @@ fn a_sentinel_that_floods_messages_cannot_put_off_the_asking_of_the_others() {
         || (asked(&others[0]) >= 3 && asked(&others[1]) >= 3).then_some(()),
     );
     assert!(flooder.commands().contains(&"SUBSCRIBE".to_string()));
+}
+
+#[test]
+fn the_old_primary_is_never_re_attached_to_another_history() {
+    let root = tempfile::tempdir().unwrap();
+    let r = root.path();
+    // B: a standalone primary with one stale key, known to the old
+    // primary's agent as one of the instance's servers, followed by an
+    // agent of its own (a peer whose log follows B).
+    let b = Redis::start(Server::Redis, &r.join("b"), &["--requirepass", PASSWORD]);
+    let _: () = b.cmd(&["SET", "stale", "1"]);
+    let b_agent = agent(
+        r,
+        "b-agent",
+        &r.join("b-snaps"),
+        &follower_config(&b, &r.join("b-log")),
+        &[],
+    );
+    wait_following(&b_agent);
+    let servers = format!("servers = [\"{}\"]\n", b.addr());
+    let (p, src) = primary_and_agent(Server::Redis, r, &servers);
+    let (ok, out, err) = cli(&[
+        "stream",
+        "follow",
+        "--agent",
+        &src.grpc(),
+        "--primary",
+        &b.addr(),
+        "--peer",
+        &b_agent.grpc(),
+    ]);
+    untouched(&p);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("was not re-attached") && out.contains("not promoted from its history"),
+        "{out}"
+    );
 }

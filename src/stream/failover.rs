@@ -29,6 +29,7 @@ use super::proof::{configured_peers, prove, same_addr, PeerReport, Proof, Unprov
 use super::source::{ChainError, Source};
 use crate::config::{Config, HostPort};
 use crate::kv::redis::{Info, RedisError};
+use crate::rpc::auth::ClientAuth;
 use crate::rpc::dial::Dialer;
 use crate::rpc::pb;
 use crate::sync::instance::Instance;
@@ -77,6 +78,10 @@ pub struct Followed {
 struct Identity {
     run_id: String,
     role: String,
+    /// Its replication id, and the one it continued from (a promoted
+    /// server's old primary's).
+    replid: String,
+    replid2: String,
 }
 
 /// Makes instance `i`'s log follow `primary` from now on: as its replica
@@ -184,10 +189,11 @@ where
     if !upstreams.chain().contains(&follower) {
         upstreams.set(vec![follower], &c.sync.allowed_sources)?;
     }
-    let (local_server, re_attach_pending) = match old {
-        Some(old) => match re_attach(old, &redis.password, &new).await {
+    let theirs = theirs.as_ref();
+    let (local_server, re_attach_pending) = match (old, theirs) {
+        (Some(old), Some(theirs)) => match re_attach(old, &redis.password, &new, theirs).await {
             Ok(None) => (None, false),
-            Ok(Some(done)) => (Some(done), false),
+            Ok(Some(said)) => (Some(said), false),
             Err(e) => {
                 let said = format!(
                     "the old primary {old} could not be re-attached ({e}): make it a replica of {new} before it takes writes again (call this failover again once it is up; an agent that follows Sentinels tries every 10 s)"
@@ -195,7 +201,7 @@ where
                 (Some(said), true)
             }
         },
-        None => (None, false),
+        _ => (None, false),
     };
     if let Some(said) = &local_server {
         tracing::warn!(instance = %i.name, "{said}");
@@ -267,22 +273,37 @@ fn check_new_primary(
 /// The `run_id` and role of the server at `addr`.
 async fn identity(addr: &str, password: &str) -> Result<Identity, RedisError> {
     let info = crate::kv::redis::infos(addr, password, &["server", "replication"]).await?;
+    let get = |key: &str| info.get(key).unwrap_or_default().to_string();
     Ok(Identity {
-        run_id: info.get("run_id").unwrap_or_default().to_string(),
+        run_id: get("run_id"),
         role: info.get("role").unwrap_or("unknown").to_string(),
+        replid: get("master_replid"),
+        replid2: get("master_replid2"),
     })
 }
 
-/// Makes the old primary `server` a replica of `new` unless it is one
-/// already: what was done (`None`: nothing to do), or why it could not be.
+/// Makes the old primary `server` a replica of `new` (whose server is
+/// `theirs`) unless it is one already (`None`), or unless `new` was not
+/// promoted from its history: a REPLICAOF would then replace its data
+/// with another history's (a server restarted empty is Sentinel's to
+/// convert). What was done or refused, or why it could not be asked
+/// (`Err`: it did not answer).
 async fn re_attach(
     server: &str,
     password: &str,
     new: &HostPort,
+    theirs: &Identity,
 ) -> Result<Option<String>, RedisError> {
     let info = crate::kv::redis::info(server, password, "replication").await?;
     if replicates_from(&info, new) {
         return Ok(None);
+    }
+    let ours = info.get("master_replid").unwrap_or_default();
+    if ours != theirs.replid && ours != theirs.replid2 {
+        return Ok(Some(format!(
+            "the old primary {server} was not re-attached, nothing was sent to it: {new} was not promoted from its history (it runs under {} after {}, the old primary under {ours}), so a REPLICAOF would replace its data",
+            theirs.replid, theirs.replid2
+        )));
     }
     let mut con = crate::kv::redis::connect(server, password).await?;
     crate::kv::seed::replicaof(&mut con, server, &new.host, new.port).await?;
@@ -318,30 +339,47 @@ pub async fn own_report(c: &Config, source: String) -> PeerReport {
 }
 
 /// The `ask` of [`follow_primary`] and of a release: [`peer_report`] of
-/// the peers' `instance`, dialled with `dialer`.
+/// the peers' `instance`, dialled with `dialer`. A configured peer of `c`
+/// (`[stream] peers`, `upstream`) is asked with this agent's own token;
+/// any other (one a caller named) only with the `caller`'s token, never
+/// this agent's (`None`: no caller, only configured peers are asked).
 pub fn peer_asker(
     dialer: Dialer,
+    c: &Config,
     instance: String,
+    caller: Option<ClientAuth>,
 ) -> impl Fn(String) -> futures::future::BoxFuture<'static, Result<PeerReport, String>> + Clone {
+    let configured = configured_peers(c);
     move |peer: String| {
         let (dialer, instance) = (dialer.clone(), instance.clone());
-        Box::pin(async move { peer_report(&dialer, &peer, &instance).await })
+        let who = match configured.contains(&peer) {
+            true => Some(None),
+            false => caller.clone().map(Some),
+        };
+        Box::pin(async move {
+            let Some(who) = who else {
+                return Err("not a configured peer".to_string());
+            };
+            peer_report(&dialer, &peer, &instance, who).await
+        })
     }
 }
 
 /// What `peer`'s log of `instance` follows and which server it sits
 /// beside, asked with this agent's own token (a peer's, where those are
-/// separate).
+/// separate), or with a caller's (`as_caller`).
 pub async fn peer_report(
     dialer: &Dialer,
     peer: &str,
     instance: &str,
+    as_caller: Option<ClientAuth>,
 ) -> Result<PeerReport, String> {
     const CALL: std::time::Duration = std::time::Duration::from_secs(10);
-    let channel = dialer
-        .connect(peer, CALL)
-        .await
-        .map_err(|e| format!("unreachable: {e}"))?;
+    let channel = match as_caller {
+        None => dialer.connect(peer, CALL).await,
+        Some(auth) => dialer.connect_as(peer, CALL, auth).await,
+    }
+    .map_err(|e| format!("unreachable: {e}"))?;
     let mut client = pb::peer_client::PeerClient::new(channel);
     let request = pb::StreamSourceRequest {
         instance: instance.to_string(),

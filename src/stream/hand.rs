@@ -91,7 +91,7 @@ where
     let to: HostPort = primary.parse().map_err(|e| server_err(primary, e))?;
     let (server, password) = (&cfg.server_addr, &cfg.password);
     let mut con = connect(server, password).await?;
-    let was = info(server, password, "replication").await?;
+    let was = infos(server, password, &["server", "replication"]).await?;
     if !follows(&was, feed) {
         return Err(HandError::NotFed {
             server: server.clone(),
@@ -104,6 +104,12 @@ where
         was.num("master_repl_offset"),
     );
     let before = infos(primary, password, &["server", "replication", "stats"]).await?;
+    if before.get("run_id") == was.get("run_id") {
+        return Err(HandError::NotTheServer {
+            primary: primary.into(),
+            problem: "is the server being released itself".into(),
+        });
+    }
     if let Some(expected) = proof.run_id() {
         let found = before.get("run_id").unwrap_or_default();
         if found != expected {

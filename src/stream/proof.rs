@@ -11,7 +11,8 @@
 //!   resolves alike ([`same_addr`]);
 //! - or a configured peer agent (`[stream] peers`, `upstream`), asked over
 //!   gRPC, names it as the server it sits beside together with that
-//!   server's `run_id` (a loopback address only from a peer on loopback),
+//!   server's `run_id` (from a peer on another host, only an IP address
+//!   that is no loopback, unspecified or link-local one),
 //!   and the server at the address, asked only then, reports the same
 //!   `run_id`.
 //!
@@ -143,14 +144,29 @@ pub async fn same_addr(known: &str, asked: &str) -> bool {
     }
 }
 
-/// Whether `addr` names this host's loopback (`localhost`, `127.0.0.0/8`,
-/// `::1`): where a peer on another host says it, it means that host's.
-fn loopback(addr: &str) -> bool {
-    match addr.parse::<SocketAddr>() {
-        Ok(a) => a.ip().is_loopback() || a.ip().is_unspecified(),
-        Err(_) => addr
+/// Whether a peer's word on its server at `server` can mean a server
+/// here: from a peer on this host (`peer` a loopback address or
+/// `localhost`), any address; from another host, only an IP address that
+/// is no loopback, unspecified or link-local one (its `127.0.0.1`, or a
+/// name that resolves to a loopback address here, such as `127.1` or a
+/// host alias, would mean this host's).
+fn speaks_of_here(peer: &str, server: &str) -> bool {
+    let ip = |a: &str| a.parse::<SocketAddr>().map(|a| a.ip().to_canonical());
+    let on_this_host = match ip(peer) {
+        Ok(ip) => ip.is_loopback(),
+        Err(_) => peer
             .parse::<crate::config::HostPort>()
             .is_ok_and(|a| a.host.eq_ignore_ascii_case("localhost")),
+    };
+    on_this_host
+        || ip(server)
+            .is_ok_and(|ip| !ip.is_loopback() && !ip.is_unspecified() && !is_link_local(ip))
+}
+
+fn is_link_local(ip: std::net::IpAddr) -> bool {
+    match ip {
+        std::net::IpAddr::V4(v4) => v4.is_link_local(),
+        std::net::IpAddr::V6(v6) => (v6.segments()[0] & 0xffc0) == 0xfe80,
     }
 }
 
@@ -170,11 +186,10 @@ pub async fn prove(
     let peers = configured_peers(c);
     for (peer, report) in reports {
         let Ok(r) = report else { continue };
-        // A peer's loopback is its host's, not this one's.
         if peers.contains(peer)
             && !r.server.is_empty()
             && !r.run_id.is_empty()
-            && (!loopback(&r.server) || loopback(peer))
+            && speaks_of_here(peer, &r.server)
             && same_addr(&r.server, addr).await
         {
             return Ok(Proof::Peer {
@@ -296,12 +311,20 @@ mod tests {
         // A configured peer whose server did not answer proves nothing.
         let silent = ("10.0.0.9:35101".to_string(), report("10.0.0.2:6380", ""));
         assert!(prove(&c, "10.0.0.2:6380", &[silent]).await.is_err());
-        // A peer on another host speaks of its own loopback, not this one's.
-        let own = (
-            "10.0.0.9:35101".to_string(),
-            report("127.0.0.1:6379", "abc"),
-        );
-        assert!(prove(&c, "127.0.0.1:6379", &[own]).await.is_err());
+        // A peer on another host speaks of its own loopback, not this
+        // one's, under whatever spelling; and of its servers by address.
+        for own in [
+            "127.0.0.1:6379",
+            "127.1:6379",
+            "[::ffff:127.0.0.1]:6379",
+            "0.0.0.0:6379",
+            "localhost:6379",
+            "[fe80::1]:6379",
+            "redis-a:6379",
+        ] {
+            let r = ("10.0.0.9:35101".to_string(), report(own, "abc"));
+            assert!(prove(&c, own, &[r]).await.is_err(), "{own}");
+        }
         let c_local = config("[stream]\npeers = [\"127.0.0.1:35101\"]\n");
         let same_host = (
             "127.0.0.1:35101".to_string(),

@@ -5,7 +5,8 @@
 //! single Sentinel's word. [`watch`] asks every configured Sentinel for
 //! the master it knows (`SENTINEL MASTER`) at start, after every
 //! reconnect, on every `+switch-master` of that name and every
-//! [`RECHECK`], and passes on the address that a majority of the
+//! [`RECHECK`] (every [`SETTLE`] for a while when they disagree: a
+//! switch spreads among them), and passes on the address that a majority of the
 //! configured Sentinels name ([`verdict`]); a Sentinel that names another
 //! (cut off from the others, or lying, whatever epoch it claims) is
 //! reported, never followed, and an agreed answer under an older epoch
@@ -32,6 +33,17 @@ pub const RECHECK: Duration = Duration::from_secs(10);
 /// The pause before a failed take of a primary is tried again (the
 /// promoted server's agent usually moves within milliseconds).
 pub const RETRY: Duration = Duration::from_millis(200);
+/// In the first [`EAGER`] of a primary's tries, the pause is this short
+/// instead: the old primary's agent re-attaches its server only once the
+/// promoted server's agent has moved, and every moment it waits the old
+/// primary may take writes that the failover loses.
+const RETRY_EAGER: Duration = Duration::from_millis(10);
+const EAGER: Duration = Duration::from_secs(1);
+/// While the Sentinels disagree, they are asked again this soon, up to
+/// [`SETTLE_ASKS`] times in a row (Sentinels spread a switch among
+/// themselves through their hello messages, every 2 s).
+const SETTLE: Duration = Duration::from_millis(250);
+const SETTLE_ASKS: u32 = 40;
 /// The least time between two askings a message causes (a Sentinel that
 /// floods `+switch-master` makes the agent ask no more often).
 const MESSAGE_GAP: Duration = Duration::from_millis(100);
@@ -111,10 +123,24 @@ fn parse_master(fields: &[String]) -> Option<Known> {
             .find(|kv| kv[0] == key)
             .map(|kv| kv[1].as_str())
     };
+    // Data from a peer: an IP address or a plain host name, a port number.
+    let ip = get("ip")
+        .filter(|h| h.parse::<std::net::IpAddr>().is_ok() || crate::peer_text::is_plain_name(h))?;
+    let port: u16 = get("port")?.parse().ok()?;
     Some(Known {
         epoch: get("config-epoch")?.parse().ok()?,
-        addr: host_port(get("ip")?, get("port")?),
+        addr: host_port(ip, &port.to_string()),
     })
+}
+
+/// The new primary a `+switch-master` message names (`<name> <old ip>
+/// <old port> <new ip> <new port>`).
+fn switched_to(message: &str) -> Option<String> {
+    let words: Vec<&str> = message.split(' ').collect();
+    match words.as_slice() {
+        [_, _, _, ip, port] => Some(host_port(ip, port)),
+        _ => None,
+    }
 }
 
 /// Whether a `+switch-master` message (`<name> <old ip> <old port> <new
@@ -234,8 +260,14 @@ pub async fn watch(
     report: impl Fn(&Verdict) + Send,
     stop: CancellationToken,
 ) {
-    let take = |v: Verdict| {
+    // Takes a verdict and says when to ask next: soon while the Sentinels
+    // disagree (a switch spreads among them within seconds: the agent
+    // acts once a majority has it, not at the next RECHECK), for at most
+    // SETTLE_ASKS askings in a row (a lasting dissenter is only reported).
+    let mut unsettled = 0;
+    let mut take = |v: Verdict| {
         report(&v);
+        let settled = v.agreed.is_some() && v.dissent.is_empty();
         primary.send_if_modified(|now| match v.agreed {
             Some(k) if supersedes(&k, now.as_ref()) => {
                 *now = Some(k);
@@ -243,6 +275,12 @@ pub async fn watch(
             }
             _ => false,
         });
+        unsettled = if settled { 0 } else { unsettled + 1 };
+        let wait = match unsettled {
+            1..=SETTLE_ASKS => SETTLE,
+            _ => RECHECK,
+        };
+        Instant::now() + wait
     };
     let mut next = 0;
     while !stop.is_cancelled() {
@@ -274,13 +312,12 @@ pub async fn watch(
             }
         };
         info!(sentinel = %addr, master = %s.master_name, "following the Sentinels' +switch-master");
-        take(ask_all(&s).await);
-        let mut messages = sub.on_message();
-        // Every RECHECK whatever the subscribed Sentinel sends (its
-        // messages must not put the asking off), and on a switch of the
-        // master's name, at most once every MESSAGE_GAP.
-        let mut recheck = tokio::time::interval_at(Instant::now() + RECHECK, RECHECK);
+        let mut due = take(ask_all(&s).await);
         let mut asked = Instant::now();
+        let mut messages = sub.on_message();
+        // When due whatever the subscribed Sentinel sends (its messages
+        // never put the asking off), and on a switch of the master's name,
+        // at most once every MESSAGE_GAP.
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
@@ -288,9 +325,14 @@ pub async fn watch(
                     Some(m) => {
                         // A message only makes the agent ask them all.
                         let text: String = m.get_payload().unwrap_or_default();
-                        if is_switch_of(&text, &s.master_name) && asked.elapsed() >= MESSAGE_GAP {
+                        // Only news: a switch to another primary than the
+                        // one followed (a flood of the same one asks nothing).
+                        let news = switched_to(&text).is_some_and(|to| {
+                            primary.borrow().as_ref().is_none_or(|now| now.addr != to)
+                        });
+                        if is_switch_of(&text, &s.master_name) && news && asked.elapsed() >= MESSAGE_GAP {
                             info!(sentinel = %addr, switch = %text, "a Sentinel announced a switch of the primary: asking them all");
-                            take(ask_all(&s).await);
+                            due = take(ask_all(&s).await);
                             asked = Instant::now();
                         }
                     }
@@ -299,8 +341,8 @@ pub async fn watch(
                         break;
                     }
                 },
-                _ = recheck.tick() => {
-                    take(ask_all(&s).await);
+                _ = tokio::time::sleep_until(due) => {
+                    due = take(ask_all(&s).await);
                     asked = Instant::now();
                 }
             }
@@ -327,7 +369,7 @@ pub enum Taken {
 }
 
 /// Takes every primary `primary` names with `follow(addr)`, tried again
-/// every [`RETRY`] until it is taken (every [`RECHECK`] while only the old
+/// every [`RETRY`] (at first sooner) until it is taken (every [`RECHECK`] while only the old
 /// primary's re-attach is pending) or a newer one is named, until `stop`.
 pub async fn apply<F, Fut, E>(
     mut primary: watch::Receiver<Option<Known>>,
@@ -342,6 +384,7 @@ pub async fn apply<F, Fut, E>(
         let wanted = primary.borrow_and_update().clone();
         if let Some(k) = wanted {
             let mut said = String::new();
+            let first = Instant::now();
             loop {
                 // Said once per reason, not at every try.
                 let (again, now) = match follow(k.addr.clone()).await {
@@ -350,6 +393,7 @@ pub async fn apply<F, Fut, E>(
                         break;
                     }
                     Ok(Taken::Pending(e)) => (RECHECK, e),
+                    Err(e) if first.elapsed() < EAGER => (RETRY_EAGER, e.to_string()),
                     Err(e) => (RETRY, e.to_string()),
                 };
                 if now != said {
@@ -400,6 +444,24 @@ mod tests {
         let v6 = f(&["ip", "::1", "port", "6379", "config-epoch", "0"]);
         assert_eq!(parse_master(&v6).unwrap().addr, "[::1]:6379");
         assert_eq!(parse_master(&f(&["ip", "10.0.0.2", "port"])), None);
+        // A lying Sentinel's text is data: no control characters reach
+        // status, no port that is no number.
+        let escape = f(&[
+            "ip",
+            "\u{1b}]0;PWNED\u{7}",
+            "port",
+            "6379",
+            "config-epoch",
+            "1",
+        ]);
+        assert_eq!(parse_master(&escape), None);
+        let port = f(&["ip", "10.0.0.2", "port", "63 79", "config-epoch", "1"]);
+        assert_eq!(parse_master(&port), None);
+        assert_eq!(
+            switched_to("m 10.0.0.1 6379 10.0.0.2 6380").as_deref(),
+            Some("10.0.0.2:6380")
+        );
+        assert_eq!(switched_to("m 10.0.0.1"), None);
         assert!(is_switch_of("m 10.0.0.1 6379 10.0.0.2 6380", "m"));
         assert!(!is_switch_of("mm 10.0.0.1 6379 10.0.0.2 6380", "m"));
     }
