@@ -74,7 +74,7 @@ pub struct Followed {
     pub re_attach_pending: bool,
 }
 
-/// What the agent beside the new primary's address found there.
+/// Who a server says it is: what a failover checks before it acts on it.
 struct Identity {
     run_id: String,
     role: String,
@@ -270,7 +270,7 @@ fn check_new_primary(
     Ok(())
 }
 
-/// The `run_id` and role of the server at `addr`.
+/// The `run_id`, role and replication ids of the server at `addr`.
 async fn identity(addr: &str, password: &str) -> Result<Identity, RedisError> {
     let info = crate::kv::redis::infos(addr, password, &["server", "replication"]).await?;
     let get = |key: &str| info.get(key).unwrap_or_default().to_string();
