@@ -119,6 +119,7 @@ async fn resolve(addr: &str) -> Vec<SocketAddr> {
         return Vec::new();
     };
     let lookup = tokio::net::lookup_host((hp.host.as_str(), hp.port));
+    // Bound to a name so the lookup, which borrows `hp`, ends before it.
     let found = match tokio::time::timeout(RESOLVE, lookup).await {
         Ok(Ok(found)) => found.collect(),
         _ => Vec::new(),
