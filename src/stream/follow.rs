@@ -470,8 +470,7 @@ async fn receive_rdb(
             answer: line.clone(),
         })?;
     let dir = follow.snapshot_dir.clone();
-    let limits = crate::sync::policy::Limits {
-        data_tls: crate::config::DataTls::Off,
+    let limits = crate::sync::policy::Room {
         max_snapshot_bytes: follow.max_rdb,
         min_free_after: follow.min_free_after,
         dir: &dir,

@@ -186,14 +186,28 @@ pub fn within_limits(
             "source {source_addr} offered the data plane without TLS and this replica requires it ([data] tls = \"required\"); give the source a [tls] configuration"
         )));
     }
-    fits(limits, offer.snapshot.size, free)
+    let room = Room {
+        max_snapshot_bytes: limits.max_snapshot_bytes,
+        min_free_after: limits.min_free_after,
+        dir: limits.dir,
+    };
+    fits(&room, offer.snapshot.size, free)
+}
+
+/// What a snapshot written into `dir` may take: at most
+/// `max_snapshot_bytes`, leaving `min_free_after` free.
+#[derive(Debug, Clone, Copy)]
+pub struct Room<'a> {
+    pub max_snapshot_bytes: u64,
+    pub min_free_after: u64,
+    pub dir: &'a Path,
 }
 
 /// That a snapshot of `size` bytes may be written into `limits.dir`,
 /// whose file system has `free` bytes: at most `sync.max_snapshot_bytes`,
 /// leaving `sync.min_free_after`. Checked before a byte is written,
 /// whoever announced the size (a source's offer, a primary's full resync).
-pub fn fits(limits: &Limits, size: u64, free: u64) -> Result<(), JobError> {
+pub fn fits(limits: &Room, size: u64, free: u64) -> Result<(), JobError> {
     let max = limits.max_snapshot_bytes;
     if size > max {
         return Err(JobError::TooLarge { size, max });
