@@ -15,14 +15,19 @@
 #      against the primary: its rate, the most bytes the replica server was
 #      behind the primary (sampled every 50 ms) and how long it took to
 #      catch up after the benchmark.
-#   3. Egress with 8 replica servers: the bytes the primary sent to its
+#   3. Catch-up: the replica side stopped (the direct replica server; the
+#      replica agent) for AWAY seconds while the primary takes CATCHUP_MB
+#      of SETs of 1000-byte values, then resumed: the time until the
+#      replica server holds the primary's offset.
+#   4. Egress with 8 replica servers: the bytes the primary sent to its
 #      replicas, and the bytes the primary's host sent on (the primary plus
 #      its agent), per byte of stream: direct (8 replicas of the primary)
 #      vs kvsync (a `fanout --stream` tree of degree 2 over 8 replica
 #      agents, each feeding its server).
 # Prints markdown tables. Usage: scripts/bench-stream.sh KVSYNC_BIN [RUNS]
 # Knobs: KEEP=1 (keep the servers' and agents' files) RATE=1048576 LAT_SECS=10 BENCH_N=1000000 PART_SECS=60
-#        SERVER=redis|valkey PARTS="1 2 3 4" (which measurements)
+#        SERVER=redis|valkey PARTS="1 2 3 4 5" (which measurements)
+#        CATCHUP_MB=200 AWAY=20 (part 3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/servers.sh
@@ -32,7 +37,7 @@ rate=${RATE:-1048576}
 lat_secs=${LAT_SECS:-10}
 bench_n=${BENCH_N:-1000000}
 srv=${SERVER:-redis}
-parts=" ${PARTS:-1 2 3 4} "
+parts=" ${PARTS:-1 2 3 4 5} "
 part() { [[ "$parts" == *" $1 "* ]]; }
 case "$srv" in
     redis) bash scripts/deps.sh redis-server redis-tools ;;
@@ -55,7 +60,7 @@ trap cleanup EXIT
 low=$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range)
 port=$((10000 + RANDOM % (low - 10100)))
 take_port() { port=$((port + 1)); printf -v "$1" %s "$port"; }  # VAR: the next port into VAR
-# Part 4 runs servers and agents in network namespaces: `host` is the
+# Part 5 runs servers and agents in network namespaces: `host` is the
 # namespace the next server or agent starts in (empty: this one), and
 # each server's port remembers its namespace.
 host=""
@@ -107,7 +112,7 @@ rdma_port = 0
 [metrics]
 listen = "127.0.0.1:0"'
 metric() { in_host "$host" curl -s "http://$1/metrics" | awk -v m="$2" '$1 == m {print $2}'; }
-# The CLI, on `host` (part 4: the replica's, which reaches both).
+# The CLI, on `host` (part 5: the replica's, which reaches both).
 cli_on() { in_host "$host" "$bin" "$@"; }
 # following AGENT: until the agent's stream log follows its source.
 following() {
@@ -244,9 +249,56 @@ echo ""
 
 fi
 
-# 3. Egress with 8 replica servers: the first replica of each setup leaves
-# (the direct one becomes a primary of its own, the replica agent stops).
+# 3. Catch-up: the replica side stopped (SIGSTOP: the direct replica
+# server; the replica agent) while the primary takes CATCHUP_MB of SETs of
+# 1000-byte values, left stopped AWAY seconds in all, then resumed: the
+# time until the replica server holds the primary's offset. The direct
+# primary keeps its stopped replica whatever its output buffer holds, so
+# both setups carry the same bytes without a full resync.
 if part 3; then
+catchup_mb=${CATCHUP_MB:-200}
+away=${AWAY:-20}
+rcli "$PD" config set client-output-buffer-limit "replica 0 0 0" >/dev/null
+declare -A stopped_pid=([direct]=$(cat "$work/direct-r/redis.pid") [kvsync]=$(cat "$work/rep.pid"))
+declare -A back rate_mb
+for setup in direct kvsync; do back[$setup]=""; rate_mb[$setup]=""; done
+for run in $(seq "$runs"); do
+    for setup in direct kvsync; do
+        p=${primary_of[$setup]} r=${replica_of[$setup]}
+        caught_up "$p" "$r"
+        o0=$(offset "$p")
+        kill -STOP "${stopped_pid[$setup]}"
+        t_stop=$(now)
+        $benchmark -p "$p" -t set -P 16 -n "$((catchup_mb * 1000))" -r 1000000 -d 1000 -q >/dev/null 2>&1
+        left=$(awk -v a="$t_stop" -v b="$(now)" -v w="$away" 'BEGIN {l = w - (b - a); print (l > 0 ? l : 0)}')
+        sleep "$left"   # the time away, the thing varied
+        kill -CONT "${stopped_pid[$setup]}"
+        t0=$(now)
+        caught_up "$p" "$r"
+        t1=$(now)
+        secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN {printf "%.2f", b - a}')
+        mb=$(awk -v o="$(( $(offset "$p") - o0 ))" -v s="$secs" 'BEGIN {printf "%.0f", o / 1e6 / (s > 0.01 ? s : 0.01)}')
+        echo "catch-up run $run $setup: $(( ($(offset "$p") - o0) / 1000000 )) MB away ${away} s, caught up in $secs s ($mb MB/s)" >&2
+        back[$setup]+="$secs "
+        rate_mb[$setup]+="$mb "
+    done
+done
+echo "#### Catch-up: the replica side stopped ${away} s while the primary takes ${catchup_mb} MB of SETs (1000-byte values), median of $runs alternating runs"
+echo ""
+echo "| path | caught up after it resumed | MB/s |"
+echo "|---|---|---|"
+for setup in direct kvsync; do
+    echo "| ${path_name[$setup]} | $(m "${back[$setup]}") s | $(m "${rate_mb[$setup]}") |"
+done
+echo ""
+echo "kvsync / direct: $(awk -v a="$(m "${back[kvsync]}")" -v b="$(m "${back[direct]}")" 'BEGIN {printf "%.1f", a / (b > 0.01 ? b : 0.01)}')."
+echo ""
+
+fi
+
+# 4. Egress with 8 replica servers: the first replica of each setup leaves
+# (the direct one becomes a primary of its own, the replica agent stops).
+if part 4; then
 rcli "$RD" replicaof no one >/dev/null
 kill "$(cat "$work/rep.pid")"
 declare -A rports
@@ -296,8 +348,8 @@ echo ""
 
 fi
 
-# 4. A partition between the replica's host and the primary's.
-part 4 || exit 0
+# 5. A partition between the replica's host and the primary's.
+part 5 || exit 0
 part_secs=${PART_SECS:-60}
 echo "#### A ${part_secs} s partition between the replica's host and the primary's (network namespaces), the primary writing 5 × its 1 MB backlog meanwhile, median of $runs runs (both setups cut by the same link)"
 echo ""

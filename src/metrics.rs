@@ -134,6 +134,7 @@ pub struct Metrics {
     pub transport_fallback: IntCounterVec,
     // The replication stream (`stream`).
     pub stream_bytes: IntCounterVec,
+    pub stream_frames: IntCounterVec,
     pub stream_sessions: IntGaugeVec,
     pub stream_refused: IntCounterVec,
     pub stream_lag: HistogramVec,
@@ -316,6 +317,13 @@ impl Metrics {
                 Opts::new(
                     "kvsync_stream_bytes_total",
                     "Replication stream bytes sent to replica agents (role=source) or received from an upstream agent and logged (role=replica)"
+                ),
+                &["kv_instance", "role"]
+            )),
+            stream_frames: reg!(IntCounterVec::new(
+                Opts::new(
+                    "kvsync_stream_frames_total",
+                    "Replication stream data frames sent to replica agents (role=source) or received from an upstream agent (role=replica): bytes over frames is the mean frame, which stays near 1 MiB while a downstream catches up"
                 ),
                 &["kv_instance", "role"]
             )),
@@ -615,6 +623,7 @@ impl Metrics {
         self.relay_bytes.with_label_values(&[name]);
         for role in ["source", "replica"] {
             self.stream_bytes.with_label_values(&[name, role]);
+            self.stream_frames.with_label_values(&[name, role]);
             self.stream_sessions.with_label_values(&[name, role]);
             self.stream_ring_sessions.with_label_values(&[name, role]);
         }
@@ -690,6 +699,7 @@ impl Metrics {
         let _ = self.resumed_bytes.remove_label_values(&[name]);
         for role in ["source", "replica"] {
             let _ = self.stream_bytes.remove_label_values(&[name, role]);
+            let _ = self.stream_frames.remove_label_values(&[name, role]);
             let _ = self.stream_sessions.remove_label_values(&[name, role]);
             let _ = self.stream_ring_sessions.remove_label_values(&[name, role]);
         }

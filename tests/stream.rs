@@ -1067,7 +1067,8 @@ fn a_replica_that_acknowledges_slowly_stalls_the_sources_credit_and_loses_nothin
 }
 
 #[test]
-fn a_replica_agent_stopped_past_the_stall_timeout_is_marked_lagging_and_the_primary_goes_on() {
+fn a_replica_agent_stopped_past_the_stall_timeout_is_marked_lagging_the_primary_goes_on_and_it_catches_up_in_full_frames(
+) {
     let root = tempfile::tempdir().unwrap();
     let primary = Redis::start(Server::Redis, &root.path().join("p"), &[]);
     let config =
@@ -1086,9 +1087,21 @@ fn a_replica_agent_stopped_past_the_stall_timeout_is_marked_lagging_and_the_prim
     let lagging = "kvsync_stream_lagging_downstreams{kv_instance=\"default\"}";
     assert_eq!(source.metric(lagging), 0.0);
     // The replica agent stops taking the stream (SIGSTOP) while the
-    // primary writes more than the 4 MiB credit window.
+    // primary writes far more than the 4 MiB credit window, 16 writes at a
+    // time: the source's log takes them as many small records, and its
+    // window fills with as many small frames.
     replica.proc.signal(libc::SIGSTOP);
-    primary.fill("big", 6_000, &"v".repeat(1000));
+    let mut con = primary.con();
+    for i in 0..1_250 {
+        let mut p = redis::pipe();
+        for j in 0..16 {
+            p.cmd("SET")
+                .arg(format!("big:{i}:{j}"))
+                .arg("v".repeat(1000))
+                .ignore();
+        }
+        p.query::<()>(&mut con).unwrap();
+    }
     wait_for("the stopped agent to be marked lagging", DEADLINE, || {
         let st = stream_status(&source);
         (source.metric(lagging) == 1.0 && st.lagging.len() == 1).then_some(st)
@@ -1101,11 +1114,27 @@ fn a_replica_agent_stopped_past_the_stall_timeout_is_marked_lagging_and_the_prim
         &primary,
         "the source to log while the replica is stopped",
     );
+    // Its catch-up goes in full frames, however the window was cut up
+    // when it stopped (a frame per small record of the live tail): a
+    // window refilled a sliver at a time would re-read and re-check a
+    // record of the log per sliver and crawl.
+    let frames = "kvsync_stream_frames_total{kv_instance=\"default\",role=\"source\"}";
+    let bytes = "kvsync_stream_bytes_total{kv_instance=\"default\",role=\"source\"}";
+    let before = (source.metric(frames), source.metric(bytes));
     replica.proc.signal(libc::SIGCONT);
     wait_logged(&replica, &primary, "the replica agent to catch up");
     wait_for("the lagging mark to clear", DEADLINE, || {
         (source.metric(lagging) == 0.0 && stream_status(&source).lagging.is_empty()).then_some(())
     });
+    let (sent_frames, sent) = (
+        source.metric(frames) - before.0,
+        source.metric(bytes) - before.1,
+    );
+    assert!(
+        sent > 16e6 && sent / sent_frames >= 256.0 * 1024.0,
+        "the catch-up sent {sent} bytes in {sent_frames} frames: a mean of {} bytes",
+        sent / sent_frames
+    );
     drop(replica);
     drop(source);
     assert!(

@@ -225,6 +225,16 @@ impl RingSender {
         }
     }
 
+    /// How many of the `available` bytes past [`RingSender::sent`] the next
+    /// message carries: [`Sender::due`], at most a frame, none without a
+    /// message credit.
+    pub fn due(&self, available: u64) -> u64 {
+        match self.room() {
+            0 => 0,
+            _ => self.tx.due(available).min(MAX_FRAME as u64),
+        }
+    }
+
     /// Messages sent and not answered.
     pub fn unanswered(&self) -> u32 {
         self.unanswered

@@ -10,7 +10,10 @@
 //! replica refuses a source that sends past it or acknowledges what it
 //! never sent. The replica also reports what the servers fed downstream of
 //! it have applied (`SAPP`), at most what it acknowledged: the source's
-//! view of where its replica servers stand.
+//! view of where its replica servers stand. A source with more to send
+//! than its window holds sends it in full frames ([`Sender::due`]): it
+//! waits for a frame's worth of credit rather than refilling the window a
+//! sliver at a time as small acknowledgements come back.
 
 use super::token::{Token, REPLID_LEN};
 
@@ -113,6 +116,24 @@ impl Sender {
     /// Bytes that may be sent before the next acknowledgement.
     pub fn room(&self) -> u64 {
         self.window.saturating_sub(self.sent - self.acked)
+    }
+
+    /// How many of the `available` bytes past [`Sender::sent`] to send now:
+    /// all of them when they fit the room; otherwise the room, once it
+    /// holds a full frame or half the window; else none, and the sender
+    /// waits for acknowledgements. Without the wait a window cut into
+    /// small frames (a live tail of small records when the replica
+    /// stopped) would stay cut: each acknowledgement of a small frame
+    /// would free room for just one more small frame, and a replica far
+    /// behind would catch up a sliver per round trip (the silly window of
+    /// TCP, RFC 813).
+    pub fn due(&self, available: u64) -> u64 {
+        let room = self.room();
+        let worth = available.min(MAX_FRAME as u64).min(self.window.div_ceil(2));
+        match room >= worth {
+            true => room.min(available),
+            false => 0,
+        }
     }
 
     /// The frame for the front of `bytes` (the stream from [`Sender::sent`])
@@ -338,6 +359,68 @@ mod tests {
         }
         assert_eq!(got, stream);
         assert_eq!(tx.sent(), 11_000);
+    }
+
+    #[test]
+    fn a_window_cut_into_small_frames_is_refilled_in_full_frames() {
+        const WINDOW: u64 = 4 << 20;
+        let mut tx = Sender::new(KEY, 0, WINDOW);
+        let mut rx = Receiver::new(KEY, 0, WINDOW);
+        // A live tail: each small record goes at once, as it comes.
+        let mut inflight = std::collections::VecDeque::new();
+        while tx.due(16 << 10) == 16 << 10 {
+            let (t, n) = tx.frame(&[1u8; 16 << 10]).unwrap();
+            let (offset, _, mac) = strm(&t);
+            rx.accept(offset, &[1u8; 16 << 10][..n], &mac).unwrap();
+            inflight.push_back(rx.ack());
+        }
+        assert_eq!(tx.room(), 0, "the window is full of 256 small frames");
+        // The replica stopped meanwhile; 64 MiB wait in the log. As its
+        // acknowledgements of the small frames come back one by one, the
+        // source sends only full frames.
+        let mut backlog = 64u64 << 20;
+        let mut frames = 0;
+        while backlog > 0 {
+            let Token::Sack { offset, mac } = inflight.pop_front().expect("a frame in flight")
+            else {
+                unreachable!()
+            };
+            tx.on_sack(offset, &mac).unwrap();
+            let due = tx.due(backlog);
+            assert!(
+                due == 0 || due >= u64::from(MAX_FRAME).min(backlog),
+                "{due} bytes go"
+            );
+            let mut left = due as usize;
+            while let Some((t, n)) = tx.frame(&vec![2u8; left]) {
+                let (offset, len, mac) = strm(&t);
+                rx.accept(offset, &vec![2u8; len as usize], &mac).unwrap();
+                inflight.push_back(rx.ack());
+                (left, backlog, frames) = (left - n, backlog - n as u64, frames + 1);
+            }
+        }
+        assert_eq!(frames, 64, "one frame per MiB");
+    }
+
+    #[test]
+    fn what_fits_the_room_goes_at_once_and_a_small_window_still_moves() {
+        let mut tx = Sender::new(KEY, 0, 4 << 20);
+        assert_eq!(tx.due(0), 0);
+        assert_eq!(tx.due(100), 100, "a tail that fits goes at once");
+        assert_eq!(tx.due(10 << 20), 4 << 20, "the whole window");
+        while tx.frame(&[0; 1 << 20]).is_some() {}
+        tx.on_ack((1 << 20) - 1).unwrap();
+        assert_eq!(tx.due(10 << 20), 0, "less than a frame of room waits");
+        assert_eq!(tx.due(100), 100, "unless the rest fits it");
+        tx.on_ack(1 << 20).unwrap();
+        assert_eq!(tx.due(10 << 20), 1 << 20, "a frame of room goes");
+        // A window smaller than two frames (a small ring) goes at half.
+        let mut small = Sender::new(KEY, 0, 1000);
+        small.frame(&[0; 1000]);
+        small.on_ack(499).unwrap();
+        assert_eq!(small.due(5000), 0);
+        small.on_ack(500).unwrap();
+        assert_eq!(small.due(5000), 500);
     }
 
     #[test]

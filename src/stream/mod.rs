@@ -106,6 +106,30 @@ struct Gauges {
 /// A stream log shared by its writer and its readers.
 pub type SharedLog = Arc<Stream>;
 
+/// The data frames a session sent (`role = "source"`) or took
+/// (`"replica"`) and their bytes (`kvsync_stream_frames_total`,
+/// `kvsync_stream_bytes_total`).
+#[derive(Clone)]
+pub struct Traffic {
+    bytes: prometheus::IntCounter,
+    frames: prometheus::IntCounter,
+}
+
+impl Traffic {
+    pub fn of(metrics: &Metrics, instance: &str, role: &str) -> Traffic {
+        Traffic {
+            bytes: metrics.stream_bytes.with_label_values(&[instance, role]),
+            frames: metrics.stream_frames.with_label_values(&[instance, role]),
+        }
+    }
+
+    /// One frame of `len` bytes.
+    pub fn frame(&self, len: usize) {
+        self.frames.inc();
+        self.bytes.inc_by(len as u64);
+    }
+}
+
 impl Stream {
     /// The stream of `log`, from `source`, with `instance`'s metrics.
     pub fn new(log: Log, source: String, metrics: &Metrics, instance: &str) -> SharedLog {

@@ -34,7 +34,7 @@ use tracing::{info, warn};
 
 use super::log::{LogError, Record};
 use super::source::{Source, Upstreams};
-use super::SharedLog;
+use super::{SharedLog, Traffic};
 use crate::blk3::stream::{Receiver, StreamError, MAX_FRAME, STREAM_KEY_LEN};
 use crate::blk3::token::REPLID_LEN;
 use crate::blk3::token::{Kind, SESSION_TOKEN_LEN};
@@ -521,9 +521,7 @@ async fn session(
         m.stream_sessions
             .with_label_values(&[&pull.instance, "replica"]),
     );
-    let received = m
-        .stream_bytes
-        .with_label_values(&[&pull.instance, "replica"]);
+    let received = Traffic::of(m, &pull.instance, "replica");
     info!(instance = %pull.instance, %upstream, replid = %offer.replid, offset = offer.offset, tls = offer.tls, "following the upstream agent's stream");
     stream.set_state(match fell_back {
         true => format!("following agent {upstream} over TCP until the RDMA ring is tried again"),
@@ -565,7 +563,7 @@ async fn session(
                 rx.accept(offset, &bytes, &mac)?;
                 let rec = Record::new(offset, bytes);
                 blocking(stream, move |s| s.write(|l| l.append(&rec))).await?;
-                received.inc_by(len as u64);
+                received.frame(len as usize);
                 if !pull.ack_on_tick {
                     link.send(&rx.ack()).await?;
                 }
@@ -650,9 +648,7 @@ async fn ring_session(
     let mut sink = LogSink {
         stream: stream.clone(),
         offered: pull.offered.clone(),
-        received: m
-            .stream_bytes
-            .with_label_values(&[&pull.instance, "replica"]),
+        received: Traffic::of(m, &pull.instance, "replica"),
         instance: pull.instance.clone(),
         stop: stop.clone(),
     };
@@ -702,7 +698,7 @@ async fn ring_session(
 struct LogSink {
     stream: SharedLog,
     offered: Offered,
-    received: prometheus::IntCounter,
+    received: Traffic,
     instance: String,
     /// The session was dropped: a next one may already write the log.
     stop: CancellationToken,
@@ -713,10 +709,10 @@ impl RingSink for LogSink {
         if self.stop.is_cancelled() {
             return Err("the session was stopped".into());
         }
-        let n = bytes.len() as u64;
+        let n = bytes.len();
         let rec = Record::new(offset, bytes);
         self.stream.write(|l| l.append(&rec))?;
-        self.received.inc_by(n);
+        self.received.frame(n);
         Ok(())
     }
 

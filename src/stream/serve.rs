@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::log::{LogError, ReadPlan};
-use super::{Downstream, SharedLog};
+use super::{Downstream, SharedLog, Traffic};
 use crate::blk3::stream::{Sender, StreamError, STREAM_KEY_LEN};
 use crate::blk3::token::{Kind, REPLID_LEN, SESSION_TOKEN_LEN};
 use crate::blk3::Token;
@@ -165,9 +165,7 @@ pub async fn serve(
             .with_label_values(&[&s.instance, "source"]),
     );
     info!(session = %s.id, instance = %s.instance, replica = %s.replica, %peer, from = s.from, tls = s.tls, "serving the replication stream");
-    let sent = metrics
-        .stream_bytes
-        .with_label_values(&[&s.instance, "source"]);
+    let sent = Traffic::of(&metrics, &s.instance, "source");
     let downstream = Downstream::Agent {
         node: s.replica.clone(),
         session: s.id.clone(),
@@ -233,9 +231,7 @@ pub fn serve_ring(
     let mut feed = LogFeed {
         stream: &s.stream,
         downstream: &downstream,
-        sent: metrics
-            .stream_bytes
-            .with_label_values(&[&s.instance, "source"]),
+        sent: Traffic::of(metrics, &s.instance, "source"),
         stall: Stall::new(s, &downstream, metrics),
     };
     let source = RingSource {
@@ -292,7 +288,7 @@ pub struct RingPlane {
 struct LogFeed<'a> {
     stream: &'a SharedLog,
     downstream: &'a Downstream,
-    sent: prometheus::IntCounter,
+    sent: Traffic,
     stall: Stall<'a>,
 }
 
@@ -301,17 +297,17 @@ impl RingFeed for LogFeed<'_> {
         &mut self,
         at: u64,
         replid: &[u8; REPLID_LEN],
-        max: usize,
+        due: &dyn Fn(u64) -> u64,
     ) -> Result<RingNext, LogFailure> {
         Ok(
-            match next(self.stream, at, &String::from_utf8_lossy(replid))? {
+            match next(self.stream, at, &String::from_utf8_lossy(replid), due)? {
                 Next::Wait => RingNext::Wait,
                 Next::Epoch(id) => RingNext::Epoch(id),
-                Next::Read(plan) => {
-                    let records = self.stream.read_blocking(&plan, max)?;
+                Next::Read(plan, n) => {
+                    let records = self.stream.read_blocking(&plan, n)?;
                     let mut run = super::log::contiguous(&records, at);
-                    run.truncate(max);
-                    self.sent.inc_by(run.len() as u64);
+                    run.truncate(n);
+                    self.sent.frame(run.len());
                     RingNext::Bytes(run)
                 }
             },
@@ -322,13 +318,14 @@ impl RingFeed for LogFeed<'_> {
         self.stream.acked(self.downstream.clone(), offset);
     }
 
-    fn window(&mut self, room: u64, sent: u64) {
-        self.stall.update(room, sent);
+    fn window(&mut self, due: &dyn Fn(u64) -> u64, sent: u64) {
+        self.stall.update(due, sent);
     }
 }
 
-/// A served session's credit window against the log: full while it is
-/// used up and the log holds more than was sent. Each full stretch is one
+/// A served session's credit window against the log: full while the log
+/// holds more than was sent and the window lets none of it go
+/// ([`Sender::due`]). Each full stretch is one
 /// credit stall (`kvsync_stream_credit_stalls_total`); one that lasts
 /// `[stream] stall_timeout` marks the downstream lagging until the window
 /// opens again. The source only waits, the log keeps the stream meanwhile:
@@ -354,17 +351,12 @@ impl<'a> Stall<'a> {
         }
     }
 
-    /// Where the window stands (`room` bytes left, the stream sent up to
-    /// `sent`); while a stall has not yet lasted the timeout, when to look
-    /// again.
-    fn update(&mut self, room: u64, sent: u64) -> Option<Instant> {
-        let full = room == 0
-            && self
-                .stream
-                .lock()
-                .position()
-                .is_some_and(|(_, end)| end > sent);
-        self.mark(full)
+    /// Where the window stands (the stream sent up to `sent`, `due(held)`
+    /// of what the log holds past it may go); while a stall has not yet
+    /// lasted the timeout, when to look again.
+    fn update(&mut self, due: &dyn Fn(u64) -> u64, sent: u64) -> Option<Instant> {
+        let held = held_past(self.stream, sent);
+        self.mark(held > 0 && due(held) == 0)
     }
 
     /// A send the replica has left blocked for the whole timeout (its
@@ -407,17 +399,32 @@ impl<'a> Stall<'a> {
 
 /// What the session sends next from where it stands.
 enum Next {
-    /// It has sent everything the log holds.
+    /// It has sent everything the log holds, or the window lets none of
+    /// the rest go yet.
     Wait,
     /// The stream changes replication id here.
     Epoch([u8; REPLID_LEN]),
-    Read(ReadPlan),
+    /// The records from where it stands, of which this many bytes go.
+    Read(ReadPlan, usize),
+}
+
+/// Bytes the log holds past `at`.
+fn held_past(stream: &SharedLog, at: u64) -> u64 {
+    stream
+        .lock()
+        .position()
+        .map_or(0, |(_, end)| end.saturating_sub(at))
 }
 
 /// Under the log's lock: the log must still continue the replica's id at
 /// `at` (a log started over by a full resync no longer does), then an id
-/// change at `at`, or the records from it.
-fn next(stream: &SharedLog, at: u64, replid: &str) -> Result<Next, LogError> {
+/// change at `at`, or the records from it, of which `due(held)` may go.
+fn next(
+    stream: &SharedLog,
+    at: u64,
+    replid: &str,
+    due: &dyn Fn(u64) -> u64,
+) -> Result<Next, LogError> {
     let log = stream.lock();
     log.continues(replid, at)?;
     let now = log.replid_at(at).unwrap_or(replid);
@@ -428,9 +435,10 @@ fn next(stream: &SharedLog, at: u64, replid: &str) -> Result<Next, LogError> {
             .expect("the log keeps 40-byte ids");
         return Ok(Next::Epoch(id));
     }
-    match log.position() {
-        Some((_, end)) if at < end => Ok(Next::Read(log.plan(at)?)),
-        _ => Ok(Next::Wait),
+    let held = log.position().map_or(0, |(_, end)| end.saturating_sub(at));
+    match due(held) as usize {
+        0 => Ok(Next::Wait),
+        n => Ok(Next::Read(log.plan(at)?, n)),
     }
 }
 
@@ -459,27 +467,28 @@ async fn send_stream(
     s: &StreamSession,
     downstream: &Downstream,
     shutdown: &CancellationToken,
-    (sent, stall): (&prometheus::IntCounter, &mut Stall<'_>),
+    (sent, stall): (&Traffic, &mut Stall<'_>),
     corrupt_at: Option<u64>,
 ) -> Result<u64, ServeError> {
     let mut tx = Sender::new(s.key, s.from, WINDOW);
     let mut replid = s.replid.clone();
     let mut changed = s.stream.watch();
     loop {
-        'send: while tx.room() > 0 {
-            match next(&s.stream, tx.sent(), &replid)? {
+        loop {
+            match next(&s.stream, tx.sent(), &replid, &|held| tx.due(held))? {
                 Next::Wait => break,
                 Next::Epoch(id) => {
                     link.send(&tx.epoch(&id)).await?;
                     replid = String::from_utf8_lossy(&id).into_owned();
                 }
-                Next::Read(plan) => {
-                    let records = s.stream.read(plan, tx.room() as usize).await?;
+                Next::Read(plan, n) => {
+                    let records = s.stream.read(plan, n).await?;
                     // Consecutive records go out in frames as large as the
                     // window and a frame allow: a log of many small records
                     // (one per read from the primary) costs a frame, a MAC
                     // and an acknowledgement per megabyte, not per record.
-                    let run = super::log::contiguous(&records, tx.sent());
+                    let mut run = super::log::contiguous(&records, tx.sent());
+                    run.truncate(n);
                     let mut bytes = &run[..];
                     while let Some((frame, n)) = tx.frame(bytes) {
                         let end = tx.sent();
@@ -492,16 +501,14 @@ async fn send_stream(
                             }
                             None => send_frame(link, (&frame, &bytes[..n]), stall).await?,
                         }
-                        sent.inc_by(n as u64);
+                        sent.frame(n);
                         bytes = &bytes[n..];
                     }
-                    if !bytes.is_empty() {
-                        break 'send;
-                    }
+                    debug_assert!(bytes.is_empty(), "what was due fits the room");
                 }
             }
         }
-        let look_again = stall.update(tx.room(), tx.sent());
+        let look_again = stall.update(&|held| tx.due(held), tx.sent());
         tokio::select! {
             _ = shutdown.cancelled() => return Ok(tx.sent()),
             _ = tokio::time::sleep_until(look_again.unwrap_or_else(Instant::now).into()), if look_again.is_some() => {}

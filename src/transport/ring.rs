@@ -20,7 +20,7 @@ use tokio_util::sync::CancellationToken;
 use super::fabric::{Completion, Fabric, FabricError, MemoryRegion, WorkKind};
 use super::rdma::RdmaError;
 use crate::blk3::ring::{Header, RingError, RingReceiver, RingSender, CREDITS, PRODUCER_LEN};
-use crate::blk3::stream::{MAX_FRAME, STREAM_KEY_LEN};
+use crate::blk3::stream::STREAM_KEY_LEN;
 use crate::blk3::token::{Kind, REPLID_LEN, SESSION_TOKEN_LEN};
 use crate::blk3::{Token, TokenError, WriteOp, HANDSHAKE_TIMEOUT};
 use crate::sys::buf::AlignedBuf;
@@ -102,13 +102,20 @@ pub enum Next {
 /// Where a ring source reads the stream from.
 pub trait RingFeed {
     /// What follows `at` for a replica whose stream has replication id
-    /// `replid` there; at most `max` bytes.
-    fn next(&mut self, at: u64, replid: &[u8; REPLID_LEN], max: usize) -> Result<Next, LogFailure>;
+    /// `replid` there: of the bytes the stream holds past `at`, `due(held)`
+    /// may go now (none: [`Next::Wait`]).
+    fn next(
+        &mut self,
+        at: u64,
+        replid: &[u8; REPLID_LEN],
+        due: &dyn Fn(u64) -> u64,
+    ) -> Result<Next, LogFailure>;
     /// The replica's servers applied the stream up to `offset`.
     fn applied(&mut self, offset: u64);
     /// Where the session's window stands after each round (at least every
-    /// [`TICK`]): `room` bytes may go, the stream was sent up to `sent`.
-    fn window(&mut self, room: u64, sent: u64);
+    /// [`TICK`]): the stream was sent up to `sent`, and `due(held)` bytes
+    /// of what the stream holds past it may go now.
+    fn window(&mut self, due: &dyn Fn(u64) -> u64, sent: u64);
 }
 
 /// Where a ring replica writes the stream.
@@ -292,10 +299,9 @@ fn serve<F: Fabric>(
     let mut heard = Instant::now();
     loop {
         // Everything that may go now.
-        while tx.room() > 0 {
-            let max = tx.room().min(MAX_FRAME as u64) as usize;
+        loop {
             match feed
-                .next(tx.sent(), &replid, max)
+                .next(tx.sent(), &replid, &|held| tx.due(held))
                 .map_err(RingRunError::Log)?
             {
                 Next::Wait => break,
@@ -352,7 +358,7 @@ fn serve<F: Fabric>(
             qp.send(&t)?;
         }
         *at = tx.sent();
-        feed.window(tx.room(), tx.sent());
+        feed.window(&|held| tx.due(held), tx.sent());
         // Then the replica's answers, or the feed's wake-up.
         match qp.next(TICK)? {
             Some(Token::Rack { acked, applied }) => {

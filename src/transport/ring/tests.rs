@@ -31,7 +31,12 @@ struct Shared {
 struct Feed(Arc<Mutex<Shared>>);
 
 impl RingFeed for Feed {
-    fn next(&mut self, at: u64, replid: &[u8; REPLID_LEN], max: usize) -> Result<Next, LogFailure> {
+    fn next(
+        &mut self,
+        at: u64,
+        replid: &[u8; REPLID_LEN],
+        due: &dyn Fn(u64) -> u64,
+    ) -> Result<Next, LogFailure> {
         let s = self.0.lock().unwrap();
         if s.change_at == Some(at) && *replid == OLD {
             return Ok(Next::Epoch(NEW));
@@ -40,7 +45,7 @@ impl RingFeed for Feed {
             Some(c) if c > at => c,
             _ => s.bytes.len() as u64,
         };
-        let end = until.min(at + max as u64);
+        let end = at + due(until.saturating_sub(at));
         Ok(match end > at {
             true => Next::Bytes(s.bytes[at as usize..end as usize].to_vec()),
             false => Next::Wait,
@@ -51,7 +56,7 @@ impl RingFeed for Feed {
         self.0.lock().unwrap().applied.push(offset);
     }
 
-    fn window(&mut self, _room: u64, _sent: u64) {}
+    fn window(&mut self, _due: &dyn Fn(u64) -> u64, _sent: u64) {}
 }
 
 #[derive(Default)]
