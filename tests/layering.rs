@@ -207,7 +207,8 @@ fn listed_submodules() -> BTreeMap<String, BTreeSet<String>> {
 }
 
 /// The submodules `src/NAME/` holds: its `.rs` files other than `mod.rs`
-/// and `tests.rs`, and the modules its `mod.rs` writes inline.
+/// and `tests.rs`, its folders with a `mod.rs`, and the modules its
+/// `mod.rs` writes inline.
 fn submodules_in_src(name: &str) -> BTreeSet<String> {
     let dir = Path::new(ROOT).join("src").join(name);
     let mut found = BTreeSet::new();
@@ -215,7 +216,11 @@ fn submodules_in_src(name: &str) -> BTreeSet<String> {
         return found;
     };
     for e in entries {
-        let file = e.unwrap().file_name().to_string_lossy().into_owned();
+        let e = e.unwrap();
+        let file = e.file_name().to_string_lossy().into_owned();
+        if e.path().join("mod.rs").is_file() {
+            found.insert(file.clone());
+        }
         if let Some(stem) = file.strip_suffix(".rs") {
             if stem != "mod" && stem != "tests" {
                 found.insert(stem.to_string());

@@ -22,6 +22,19 @@ pub const STREAM_KEY_LEN: usize = 32;
 /// The most bytes one `STRM` frame carries.
 pub const MAX_FRAME: u32 = 1 << 20;
 
+/// What follows a point of the stream, for a reader of it (a source's
+/// session, a feed).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Next {
+    /// The reader has everything there is, or may take none of the rest
+    /// yet.
+    Wait,
+    /// The stream changes replication id here.
+    Epoch([u8; REPLID_LEN]),
+    /// The stream's bytes from the point asked for.
+    Bytes(Vec<u8>),
+}
+
 /// The MAC of `bytes` of the stream from `offset`.
 pub fn data_mac(key: &[u8; STREAM_KEY_LEN], offset: u64, bytes: &[u8]) -> [u8; 32] {
     let mut h = blake3::Hasher::new_keyed(key);

@@ -123,16 +123,24 @@ impl OrchestratorService {
             relay_bytes: self.metrics.relay_bytes.with_label_values(&[&i.name]).get(),
             warnings: i.backlog.as_ref().map(|b| b.warnings()).unwrap_or_default(),
             stream: i.stream.as_ref().map(|s| {
-                let log = s.lock();
-                let (replid, end) = log.position().unwrap_or_default();
+                let (replid, first, end, synced, bytes) = s.view(|log| {
+                    let (replid, end) = log.position().unwrap_or_default();
+                    (
+                        replid,
+                        log.first().unwrap_or(end),
+                        end,
+                        log.synced(),
+                        log.bytes(),
+                    )
+                });
                 pb::StreamStatus {
                     source: s.source(),
                     state: s.state(),
                     replid,
-                    first_offset: log.first().unwrap_or(end),
+                    first_offset: first,
                     end_offset: end,
-                    synced_offset: log.synced(),
-                    log_bytes: log.bytes(),
+                    synced_offset: synced,
+                    log_bytes: bytes,
                     serving: self
                         .metrics
                         .stream_sessions

@@ -35,6 +35,7 @@ use tracing::{info, warn};
 use super::log::Log;
 use super::log::LogError;
 use super::{Downstream, SharedLog};
+use crate::blk3::stream::Next;
 use crate::kv::payload::{Arriving, Payload, PayloadError};
 use crate::kv::redis::RedisError;
 use crate::kv::seed::{self, Seeded};
@@ -45,7 +46,7 @@ pub const SECRET_FILE: &str = ".kvsync-feed-masterauth";
 /// primary's password, for a hand back), in the stream log's directory.
 pub const SERVER_AUTH_FILE: &str = ".kvsync-feed-server-masterauth";
 /// The most stream bytes one write to the server takes.
-const CHUNK: usize = 1 << 20;
+const CHUNK: u64 = 1 << 20;
 
 /// What a handoff needs of the feed, and what it tells it.
 #[derive(Clone)]
@@ -276,9 +277,10 @@ async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<()
         _ => None,
     };
     let continued = asked.as_ref().and_then(|(id, at)| {
-        let log = stream.lock();
-        log.continues(id, *at).ok()?;
-        Some((log.replid_at(*at)?.to_string(), *at))
+        stream.view(|log| {
+            log.continues(id, *at).ok()?;
+            Some((log.replid_at(*at)?.to_string(), *at))
+        })
     });
     let (replid, mut at) = match continued {
         Some((id, at)) => {
@@ -292,7 +294,7 @@ async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<()
         None => {
             let usable = feed
                 .seed()
-                .filter(|(_, id, m)| stream.lock().covers(id, *m).is_ok());
+                .filter(|(_, id, m)| stream.view(|l| l.covers(id, *m).is_ok()));
             let Some((rdb, id, m)) = usable else {
                 let why = asked.map_or("a full sync".to_string(), |(id, at)| {
                     format!("{id} at {}", at + 1)
@@ -335,22 +337,15 @@ async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<()
     let mut changed = stream.watch();
     loop {
         loop {
-            let plan = {
-                let log = stream.lock();
-                log.continues(&replid, at)?;
-                if log.replid_at(at).is_some_and(|id| id != replid) {
-                    return Err(ConnError::Epoch(at));
+            match stream.next(at, &replid, &|held| held.min(CHUNK)).await? {
+                Next::Wait => break,
+                Next::Epoch(_) => return Err(ConnError::Epoch(at)),
+                // One write for what was read, however many records it holds.
+                Next::Bytes(run) => {
+                    write.write_all(&run).await?;
+                    at += run.len() as u64;
                 }
-                match log.position() {
-                    Some((_, end)) if at < end => log.plan(at)?,
-                    _ => break,
-                }
-            };
-            // One write for what was read, however many records it holds.
-            let records = stream.read(plan, CHUNK).await?;
-            let run = super::log::contiguous(&records, at);
-            write.write_all(&run).await?;
-            at += run.len() as u64;
+            }
         }
         tokio::select! {
             r = changed.changed() => if r.is_err() { return Ok(()) },

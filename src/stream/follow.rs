@@ -150,7 +150,7 @@ pub enum FollowError {
 pub async fn run(follow: Follow, log: SharedLog, stop: CancellationToken) {
     let mut backoff = Duration::from_millis(100);
     loop {
-        let before = position(&log);
+        let before = log.position();
         let result = tokio::select! {
             _ = stop.cancelled() => return,
             r = session(&follow, &log) => r,
@@ -171,7 +171,7 @@ pub async fn run(follow: Follow, log: SharedLog, stop: CancellationToken) {
             warn!(instance = %follow.instance, error = %e, "following the primary into the stream log stopped; it reconnects");
             log.set_state(format!("reconnecting: {e}"));
         }
-        if position(&log) != before {
+        if log.position() != before {
             backoff = Duration::from_millis(100);
         }
         tokio::select! {
@@ -182,14 +182,11 @@ pub async fn run(follow: Follow, log: SharedLog, stop: CancellationToken) {
     }
 }
 
-fn position(log: &SharedLog) -> Option<(String, u64)> {
-    log.lock().position()
-}
-
 /// Where to ask the primary to continue from: `(id, offset)` of the
 /// replica's state, or `None` for a full resync.
 fn start_point(follow: &Follow, log: &SharedLog) -> Option<(String, u64)> {
-    position(log).or_else(|| (follow.offered)().into_iter().min_by_key(|(_, m)| *m))
+    log.position()
+        .or_else(|| (follow.offered)().into_iter().min_by_key(|(_, m)| *m))
 }
 
 /// A replication link to the primary: connected, authenticated and
@@ -348,7 +345,7 @@ async fn promotion(follow: &Follow, log: &SharedLog) -> Result<Option<Promotion>
         replid: replid.to_string(),
         at: second - 1,
     };
-    let Some((id, end)) = position(log) else {
+    let Some((id, end)) = log.position() else {
         return Ok(Some(promoted));
     };
     if id != promoted.previous || end <= promoted.at {
@@ -356,7 +353,7 @@ async fn promotion(follow: &Follow, log: &SharedLog) -> Result<Option<Promotion>
     }
     let (at, log_) = (promoted.at, log.clone());
     blocking(move || log_.write(|l| l.cut(at))).await?;
-    let kept = position(log).map_or(at, |(_, e)| e);
+    let kept = log.position().map_or(at, |(_, e)| e);
     let lost = end - at;
     follow
         .metrics
@@ -413,7 +410,7 @@ pub async fn snapshots_on_demand(follow: Follow, log: SharedLog, stop: Cancellat
         }
         // One continues already, or the log has not started: its first
         // sync brings one.
-        if log.floor(&(follow.offered)()) != u64::MAX || position(&log).is_none() {
+        if log.floor(&(follow.offered)()) != u64::MAX || log.position().is_none() {
             continue;
         }
         match take_snapshot(&follow).await {
@@ -543,7 +540,7 @@ async fn stream_into(
         addr: addr.to_string(),
         source,
     };
-    let (_, mut end) = position(log).expect("the session set the log's start");
+    let (_, mut end) = log.position().expect("the session set the log's start");
     let mut heard = Instant::now();
     let mut buf = Vec::with_capacity(READ_CHUNK);
     let (mut lag, mut acks, mut acked) = (Lag::default(), log.watch_acks(), 0);
@@ -614,9 +611,10 @@ async fn stream_into(
                 let log = log.clone();
                 let floor = log.floor(&(follow.offered)());
                 blocking(move || {
-                    let mut l = log.lock();
-                    l.still_ends_at(end)?;
-                    l.tick(floor)
+                    log.write(|l| {
+                        l.still_ends_at(end)?;
+                        l.tick(floor)
+                    })
                 })
                 .await?;
                 true

@@ -210,15 +210,13 @@ pub async fn attach(
         was.get("master_replid").unwrap_or_default().to_string(),
         was.num("master_repl_offset"),
     );
+    if let Some(held) = stream.view(|log| log.continues(&id, offset).err().map(|_| log.describe()))
     {
-        let log = stream.lock();
-        if log.continues(&id, offset).is_err() {
-            return Err(HandError::NotHeld {
-                replid: id,
-                offset,
-                held: log.describe(),
-            });
-        }
+        return Err(HandError::NotHeld {
+            replid: id,
+            offset,
+            held,
+        });
     }
     let target = feed.target();
     let (master, own) = seed::take_auth(&mut con, server, &was, &target).await?;

@@ -19,6 +19,7 @@ pub mod hand;
 pub mod log;
 pub mod proof;
 pub mod pull;
+pub mod reader;
 pub mod safety;
 pub mod sentinel;
 pub mod serve;
@@ -29,9 +30,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::watch;
-use tracing::error;
 
-use self::log::{Log, LogError, ReadPlan, Record};
+use self::log::Log;
 use crate::metrics::Metrics;
 
 /// A server or agent fed from a log, whose acknowledgements the log's
@@ -176,8 +176,19 @@ impl Stream {
         g.behind.set(behind as i64);
     }
 
-    /// The log, to read (a writer goes through [`Stream::write`]).
-    pub fn lock(&self) -> MutexGuard<'_, Log> {
+    /// Looks at the log under its lock, which is never held across a wait
+    /// (readers of the stream go through [`Stream::next`], writers through
+    /// [`Stream::write`]).
+    pub fn view<T>(&self, f: impl FnOnce(&Log) -> T) -> T {
+        f(&self.lock())
+    }
+
+    /// The log's replication id and end ([`Log::position`]).
+    pub fn position(&self) -> Option<(String, u64)> {
+        self.lock().position()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Log> {
         self.log.lock().expect("stream log lock")
     }
 
@@ -233,35 +244,6 @@ impl Stream {
 
     pub fn state(&self) -> String {
         self.state.lock().expect("stream state lock").clone()
-    }
-
-    /// Reads records of `plan` off the runtime, each checked against its
-    /// hash. A damaged one (disk, memory) is never served: the log is cut
-    /// back to before it, so its writer fetches the stream again from
-    /// there, and the caller's session ends with the error.
-    pub async fn read(
-        self: &Arc<Self>,
-        plan: ReadPlan,
-        max: usize,
-    ) -> Result<Vec<Record>, LogError> {
-        let stream = self.clone();
-        tokio::task::spawn_blocking(move || stream.read_blocking(&plan, max))
-            .await
-            .expect("log read task")
-    }
-
-    /// [`Stream::read`] on a thread that may block.
-    pub fn read_blocking(&self, plan: &ReadPlan, max: usize) -> Result<Vec<Record>, LogError> {
-        let read = log::read(plan, max);
-        if let Err(e @ LogError::Corrupt { offset, .. }) = &read {
-            self.gauges.damaged.inc();
-            error!(error = %e, "a damaged record in the stream log: the log is cut back to offset {offset} and fetched again from upstream");
-            self.set_state(format!("refetching from offset {offset}: {e}"));
-            if let Err(cut) = self.write(|l| l.cut(*offset)) {
-                error!(error = %cut, "the stream log cannot be cut back to its damage");
-            }
-        }
-        read
     }
 
     /// Records what `who` acknowledged and wakes those who pass it on.

@@ -198,7 +198,7 @@ pub async fn run(pull: Arc<Pull>, stream: SharedLog, stop: CancellationToken) {
             }
         };
         let nearest = upstreams.first() == Some(&upstream);
-        let before = stream.lock().position();
+        let before = stream.position();
         let now = Instant::now();
         let fell_back = tcp_until.filter(|t| *t > now);
         let ring = pull
@@ -285,7 +285,7 @@ pub async fn run(pull: Arc<Pull>, stream: SharedLog, stop: CancellationToken) {
                 }
             }
         }
-        if stream.lock().position() != before {
+        if stream.position() != before {
             backoff = Duration::from_millis(100);
         }
         // The next upstream of the chain at once, unless the log failed.
@@ -407,7 +407,7 @@ async fn ask(
         Ok(pb::stream_offer::Answer::TooOld) => {
             // An upstream still on a history this log left is stale: its
             // snapshot would feed the server the lost writes again.
-            let left_at = stream.lock().superseded_at(&o.log_replid);
+            let left_at = stream.view(|l| l.superseded_at(&o.log_replid));
             if let Some(left_at) = left_at.filter(|&l| o.log_end > l) {
                 return Err(PullError::Stale {
                     upstream,
@@ -480,7 +480,7 @@ async fn ask(
 /// Where the log asks to continue from: its end, else the newest of this
 /// agent's snapshots (so the log continues it), else nothing.
 fn start_point(pull: &Pull, stream: &SharedLog) -> Option<(String, u64)> {
-    let held = stream.lock().position();
+    let held = stream.position();
     held.or_else(|| (pull.offered)().into_iter().max_by_key(|(_, m)| *m))
 }
 
@@ -540,9 +540,10 @@ async fn session(
                 }
                 let (floor, end) = (stream.floor(&(pull.offered)()), rx.next());
                 blocking(stream, move |s| {
-                    let mut log = s.lock();
-                    log.still_ends_at(end)?;
-                    log.tick(floor)
+                    s.write(|log| {
+                        log.still_ends_at(end)?;
+                        log.tick(floor)
+                    })
                 })
                 .await?;
                 if pull.ack_on_tick {
@@ -591,7 +592,7 @@ async fn session(
 
 /// A log that holds nothing starts where the offer does.
 async fn start_log(stream: &SharedLog, offer: &Offer) -> Result<(), LogError> {
-    if stream.lock().position().is_none() {
+    if stream.position().is_none() {
         let (id, offset) = (offer.replid.clone(), offer.offset);
         blocking(stream, move |s| s.write(|l| l.restart(&id, offset))).await?;
     }
@@ -732,9 +733,10 @@ impl RingSink for LogSink {
 
     fn tick(&mut self, at: u64) -> Result<(), LogFailure> {
         let floor = self.stream.floor(&(self.offered)());
-        let mut log = self.stream.lock();
-        log.still_ends_at(at)?;
-        Ok(log.tick(floor)?)
+        Ok(self.stream.write(|log| {
+            log.still_ends_at(at)?;
+            log.tick(floor)
+        })?)
     }
 }
 

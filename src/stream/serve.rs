@@ -22,15 +22,13 @@ use rand::RngCore;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::log::{LogError, ReadPlan};
+use super::log::LogError;
 use super::{Downstream, SharedLog, Traffic};
-use crate::blk3::stream::{Sender, StreamError, STREAM_KEY_LEN};
+use crate::blk3::stream::{Next, Sender, StreamError, STREAM_KEY_LEN};
 use crate::blk3::token::{Kind, REPLID_LEN, SESSION_TOKEN_LEN};
 use crate::blk3::Token;
 use crate::metrics::{Metrics, Running};
-use crate::transport::ring::{
-    HeaderLie, LogFailure, Next as RingNext, RingFeed, RingRunError, RingSource,
-};
+use crate::transport::ring::{HeaderLie, LogFailure, RingFeed, RingRunError, RingSource};
 use crate::transport::session::SourceLink;
 use crate::transport::stream::{StreamLink, StreamLinkError};
 
@@ -298,20 +296,14 @@ impl RingFeed for LogFeed<'_> {
         at: u64,
         replid: &[u8; REPLID_LEN],
         due: &dyn Fn(u64) -> u64,
-    ) -> Result<RingNext, LogFailure> {
-        Ok(
-            match next(self.stream, at, &String::from_utf8_lossy(replid), due)? {
-                Next::Wait => RingNext::Wait,
-                Next::Epoch(id) => RingNext::Epoch(id),
-                Next::Read(plan, n) => {
-                    let records = self.stream.read_blocking(&plan, n)?;
-                    let mut run = super::log::contiguous(&records, at);
-                    run.truncate(n);
-                    self.sent.frame(run.len());
-                    RingNext::Bytes(run)
-                }
-            },
-        )
+    ) -> Result<Next, LogFailure> {
+        let next = self
+            .stream
+            .next_blocking(at, &String::from_utf8_lossy(replid), due)?;
+        if let Next::Bytes(run) = &next {
+            self.sent.frame(run.len());
+        }
+        Ok(next)
     }
 
     fn applied(&mut self, offset: u64) {
@@ -355,7 +347,7 @@ impl<'a> Stall<'a> {
     /// of what the log holds past it may go); while a stall has not yet
     /// lasted the timeout, when to look again.
     fn update(&mut self, due: &dyn Fn(u64) -> u64, sent: u64) -> Option<Instant> {
-        let held = held_past(self.stream, sent);
+        let held = self.stream.held_past(sent);
         self.mark(held > 0 && due(held) == 0)
     }
 
@@ -397,51 +389,6 @@ impl<'a> Stall<'a> {
     }
 }
 
-/// What the session sends next from where it stands.
-enum Next {
-    /// It has sent everything the log holds, or the window lets none of
-    /// the rest go yet.
-    Wait,
-    /// The stream changes replication id here.
-    Epoch([u8; REPLID_LEN]),
-    /// The records from where it stands, of which this many bytes go.
-    Read(ReadPlan, usize),
-}
-
-/// Bytes the log holds past `at`.
-fn held_past(stream: &SharedLog, at: u64) -> u64 {
-    stream
-        .lock()
-        .position()
-        .map_or(0, |(_, end)| end.saturating_sub(at))
-}
-
-/// Under the log's lock: the log must still continue the replica's id at
-/// `at` (a log started over by a full resync no longer does), then an id
-/// change at `at`, or the records from it, of which `due(held)` may go.
-fn next(
-    stream: &SharedLog,
-    at: u64,
-    replid: &str,
-    due: &dyn Fn(u64) -> u64,
-) -> Result<Next, LogError> {
-    let log = stream.lock();
-    log.continues(replid, at)?;
-    let now = log.replid_at(at).unwrap_or(replid);
-    if now != replid {
-        let id = now
-            .as_bytes()
-            .try_into()
-            .expect("the log keeps 40-byte ids");
-        return Ok(Next::Epoch(id));
-    }
-    let held = log.position().map_or(0, |(_, end)| end.saturating_sub(at));
-    match due(held) as usize {
-        0 => Ok(Next::Wait),
-        n => Ok(Next::Read(log.plan(at)?, n)),
-    }
-}
-
 /// Sends one frame; a send still blocked after `[stream] stall_timeout`
 /// marks the replica lagging ([`Stall::blocked`]) and goes on waiting.
 async fn send_frame(
@@ -475,20 +422,21 @@ async fn send_stream(
     let mut changed = s.stream.watch();
     loop {
         loop {
-            match next(&s.stream, tx.sent(), &replid, &|held| tx.due(held))? {
+            match s
+                .stream
+                .next(tx.sent(), &replid, &|held| tx.due(held))
+                .await?
+            {
                 Next::Wait => break,
                 Next::Epoch(id) => {
                     link.send(&tx.epoch(&id)).await?;
                     replid = String::from_utf8_lossy(&id).into_owned();
                 }
-                Next::Read(plan, n) => {
-                    let records = s.stream.read(plan, n).await?;
+                Next::Bytes(run) => {
                     // Consecutive records go out in frames as large as the
                     // window and a frame allow: a log of many small records
                     // (one per read from the primary) costs a frame, a MAC
                     // and an acknowledgement per megabyte, not per record.
-                    let mut run = super::log::contiguous(&records, tx.sent());
-                    run.truncate(n);
                     let mut bytes = &run[..];
                     while let Some((frame, n)) = tx.frame(bytes) {
                         let end = tx.sent();

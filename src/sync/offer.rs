@@ -295,8 +295,7 @@ impl Offers {
         if self.draining.is_cancelled() {
             return Err(OfferError::Draining);
         }
-        let start = {
-            let log = stream.lock();
+        let start = stream.view(|log| {
             let start = match ask.replid.as_str() {
                 "" => log
                     .first()
@@ -306,30 +305,32 @@ impl Offers {
                     .ok()
                     .map(|()| (id.to_string(), ask.offset)),
             };
-            start.ok_or_else(|| StreamAnswer::TooOld {
-                held: log.describe(),
-                current: log.position(),
-                diverged_at: log.superseded_at(&ask.replid).filter(|&at| ask.offset > at),
-                snapshot: instance
-                    .catalog
-                    .list()
-                    .into_iter()
-                    .filter(|e| {
-                        e.info
-                            .repl_id
-                            .as_ref()
-                            .is_some_and(|id| log.covers(id, e.info.seq).is_ok())
-                    })
-                    .max_by_key(|e| e.info.seq),
+            start.ok_or_else(|| {
+                Box::new(StreamAnswer::TooOld {
+                    held: log.describe(),
+                    current: log.position(),
+                    diverged_at: log.superseded_at(&ask.replid).filter(|&at| ask.offset > at),
+                    snapshot: instance
+                        .catalog
+                        .list()
+                        .into_iter()
+                        .filter(|e| {
+                            e.info
+                                .repl_id
+                                .as_ref()
+                                .is_some_and(|id| log.covers(id, e.info.seq).is_ok())
+                        })
+                        .max_by_key(|e| e.info.seq),
+                })
             })
-        };
+        });
         let (replid, offset) = match start {
             Ok(start) => start,
             Err(too_old) => {
-                if let StreamAnswer::TooOld { snapshot: None, .. } = too_old {
+                if let StreamAnswer::TooOld { snapshot: None, .. } = *too_old {
                     stream.want_snapshot();
                 }
-                return Ok(too_old);
+                return Ok(*too_old);
             }
         };
         let (id, key) = (new_id(), new_key());
@@ -398,15 +399,14 @@ async fn lease_backlog(
     // server fed faster than this log) is continued once the log has it.
     if let (true, Some(stream)) = (from_stream_log, &instance.stream) {
         let replid = info.repl_id.as_deref().unwrap_or_default();
-        let log = stream.lock();
-        return match log.continues(replid, info.seq) {
+        return stream.view(|log| match log.continues(replid, info.seq) {
             Ok(()) => Ok((None, 0)),
             Err(_) => Err(OfferError::Unsupported(format!(
                 "this agent's stream log does not continue the snapshot of seq {} (it holds {}): a replica fed from a stream log needs a snapshot the log continues",
                 info.seq,
                 log.describe()
             ))),
-        };
+        });
     }
     let Some(guard) = instance
         .backlog

@@ -20,7 +20,7 @@ use tokio_util::sync::CancellationToken;
 use super::fabric::{Completion, Fabric, FabricError, MemoryRegion, WorkKind};
 use super::rdma::RdmaError;
 use crate::blk3::ring::{Header, RingError, RingReceiver, RingSender, CREDITS, PRODUCER_LEN};
-use crate::blk3::stream::STREAM_KEY_LEN;
+use crate::blk3::stream::{Next, STREAM_KEY_LEN};
 use crate::blk3::token::{Kind, REPLID_LEN, SESSION_TOKEN_LEN};
 use crate::blk3::{Token, TokenError, WriteOp, HANDSHAKE_TIMEOUT};
 use crate::sys::buf::AlignedBuf;
@@ -87,16 +87,6 @@ impl RingRunError {
     fn cancelled(&self) -> bool {
         matches!(self, RingRunError::Link(RdmaError::Cancelled))
     }
-}
-
-/// What follows a point of the stream, for the source.
-pub enum Next {
-    /// Nothing yet: the feed wakes the session when there is.
-    Wait,
-    /// The stream changes replication id here.
-    Epoch([u8; REPLID_LEN]),
-    /// The stream's bytes from the point asked for.
-    Bytes(Vec<u8>),
 }
 
 /// Where a ring source reads the stream from.

@@ -10,15 +10,21 @@
 //! header (magic, the start offset, the replication id its records belong
 //! to, a hash of the header) and holds records `[offset u64][len u32]
 //! [BLAKE3 of offset, len and bytes][bytes]`, each following the one before
-//! without a gap. The hash is made once, where the stream enters kvsync (the
-//! primary's agent), and travels with the record to every agent that logs,
-//! forwards or feeds it, so each checks the very bytes the primary sent.
+//! without a gap ([`record`], [`segment`]). Each agent hashes a record as
+//! it logs it: the primary's agent what the primary sent, a replica agent
+//! what its upstream's frames carried under their MAC; every read checks
+//! the hash again, so what the disk damaged is never served.
 //!
-//! The replication ids the stream has carried, and from which offset each
-//! ([`Epoch`]), are the log's history (`history.json`), the generalisation of
-//! PSYNC2's second replication id: a replica that still names an earlier id
-//! continues as long as its offset lies in that id's span and is retained.
-//! A new id starts a new segment, so each segment has exactly one.
+//! The replication ids the stream has carried, and from which offset each,
+//! are the log's [`history`]. A new id starts a new segment, so each
+//! segment has exactly one.
+//!
+//! The log's rules, which its methods keep: a record is appended only
+//! where the log ends ([`Log::append`]); a cut removes the damaged record,
+//! everything after it and the ids that began after it ([`Log::cut`]);
+//! retention removes only whole old segments, never the newest and never
+//! what an offered snapshot still needs ([`Log::trim`]); what is
+//! acknowledged is what was written ([`Log::synced`] under `always`).
 //!
 //! On open, the newest segment is checked record by record and cut after
 //! its last whole, matching record (a write torn by a crash); older
@@ -27,39 +33,31 @@
 //! end and are removed whole, so the planned bytes stay put (a removed file
 //! reads as "no longer retained").
 
+pub mod history;
+pub mod record;
+pub mod segment;
+
 use std::fs::{File, OpenOptions};
-use std::io::{BufReader, Read, Seek, SeekFrom, Write};
-use std::os::unix::fs::OpenOptionsExt;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime};
 
-use serde::{Deserialize, Serialize};
 use tracing::warn;
 
+pub use self::history::Epoch;
+use self::history::History;
+pub use self::record::{contiguous, Record, MAX_RECORD, RECORD_HEADER};
+use self::segment::{cut_point, scan, Segment, REPLID_LEN, SUFFIX};
+pub use self::segment::{read, ReadPlan};
 use crate::config::{Fsync, StreamConfig};
-use crate::sys::fs::{open_regular, sync_dir, write_atomic};
+use crate::sys::fs::open_regular;
 
-/// Segment file header: magic, start offset, replication id, header hash.
-const MAGIC: &[u8; 8] = b"KVSLOG01";
-const REPLID_LEN: usize = 40;
-const HEADER_LEN: usize = 8 + 8 + REPLID_LEN + 16;
-/// Record header: offset, length, BLAKE3.
-pub const RECORD_HEADER: usize = 8 + 4 + 32;
-/// The most bytes one record holds.
-pub const MAX_RECORD: usize = 1 << 20;
-/// An index entry at least every this many bytes of a segment.
-const INDEX_EVERY: u64 = 64 << 10;
-/// The replication ids the history keeps, newest last.
-const MAX_EPOCHS: usize = 64;
-const HISTORY: &str = "history.json";
-const SUFFIX: &str = ".kvslog";
-
-/// What went wrong with the log, for the operator and for the caller's
-/// decision (refetch from upstream, answer "too old", stop logging).
 /// How far past its end a log continues a stream of its current id
 /// ([`Log::continues`]).
 pub const AHEAD: u64 = 64 << 20;
 
+/// What went wrong with the log, for the operator and for the caller's
+/// decision (refetch from upstream, answer "too old", stop logging).
 #[derive(Debug, thiserror::Error)]
 pub enum LogError {
     #[error("stream log {}: {source}", path.display())]
@@ -99,96 +97,13 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> LogError + '_ {
     }
 }
 
-/// One replication id and the offset the stream carried it from.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Epoch {
-    pub replid: String,
-    pub start: u64,
-}
-
-/// A checksummed piece of the stream: its bytes follow offset `offset`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Record {
-    pub offset: u64,
-    pub bytes: Vec<u8>,
-    pub hash: [u8; 32],
-}
-
-impl Record {
-    /// A record of bytes as they arrive from the primary: hashed here.
-    pub fn new(offset: u64, bytes: Vec<u8>) -> Record {
-        let hash = Record::digest(offset, &bytes);
-        Record {
-            offset,
-            bytes,
-            hash,
-        }
-    }
-
-    fn digest(offset: u64, bytes: &[u8]) -> [u8; 32] {
-        let mut h = blake3::Hasher::new();
-        h.update(&offset.to_be_bytes());
-        h.update(&(bytes.len() as u32).to_be_bytes());
-        h.update(bytes);
-        *h.finalize().as_bytes()
-    }
-
-    /// Whether the bytes are the ones the hash was made of.
-    pub fn verify(&self) -> bool {
-        Record::digest(self.offset, &self.bytes) == self.hash
-    }
-
-    /// The offset after its last byte.
-    pub fn end(&self) -> u64 {
-        self.offset + self.bytes.len() as u64
-    }
-
-    /// The record as it is stored (and framed on the wire).
-    pub fn encode(&self, out: &mut Vec<u8>) {
-        out.extend_from_slice(&self.offset.to_be_bytes());
-        out.extend_from_slice(&(self.bytes.len() as u32).to_be_bytes());
-        out.extend_from_slice(&self.hash);
-        out.extend_from_slice(&self.bytes);
-    }
-
-    /// A record header's offset and length.
-    pub fn parse_header(h: &[u8; RECORD_HEADER]) -> (u64, usize, [u8; 32]) {
-        let offset = u64::from_be_bytes(h[0..8].try_into().expect("8 bytes"));
-        let len = u32::from_be_bytes(h[8..12].try_into().expect("4 bytes")) as usize;
-        (offset, len, h[12..44].try_into().expect("32 bytes"))
-    }
-}
-
-#[derive(Debug)]
-struct Segment {
-    path: PathBuf,
-    start: u64,
-    end: u64,
-    replid: String,
-    bytes: u64,
-    modified: SystemTime,
-    /// `(offset, file position)` of a record at least every `INDEX_EVERY`.
-    index: Vec<(u64, u64)>,
-}
-
-/// Where a read of the log starts and what it may read, taken under the
-/// log's lock and carried out without it ([`read`]).
-#[derive(Debug, Clone)]
-pub struct ReadPlan {
-    path: PathBuf,
-    pos: u64,
-    /// The offset the plan reads from, and the end of the records planned.
-    from: u64,
-    end: u64,
-}
-
 /// The stream log of one instance. Not shared by itself: callers hold it
 /// under a lock and read through [`Log::plan`] and [`read`].
 #[derive(Debug)]
 pub struct Log {
     cfg: StreamConfig,
     segments: Vec<Segment>,
-    history: Vec<Epoch>,
+    history: History,
     file: Option<File>,
     synced: u64,
     last_sync: Instant,
@@ -199,16 +114,7 @@ impl Log {
     pub fn open(cfg: StreamConfig) -> Result<Log, LogError> {
         let dir = cfg.dir.clone();
         std::fs::create_dir_all(&dir).map_err(io(&dir))?;
-        let hist_path = dir.join(HISTORY);
-        let history: Vec<Epoch> = match std::fs::read(&hist_path) {
-            Ok(b) => serde_json::from_slice(&b).map_err(|e| LogError::Corrupt {
-                path: hist_path.clone(),
-                offset: 0,
-                why: format!("unreadable history: {e}"),
-            })?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
-            Err(e) => return Err(io(&hist_path)(e)),
-        };
+        let history = History::load(&dir)?;
         let mut paths: Vec<(u64, PathBuf)> = Vec::new();
         for e in std::fs::read_dir(&dir).map_err(io(&dir))? {
             let p = e.map_err(io(&dir))?.path();
@@ -277,25 +183,20 @@ impl Log {
     }
 
     pub fn history(&self) -> &[Epoch] {
-        &self.history
+        self.history.epochs()
     }
 
     /// The replication id the stream is of at `offset`: the newest epoch
     /// that started at or before it (a change of id at `o` holds from `o`).
     pub fn replid_at(&self, offset: u64) -> Option<&str> {
-        self.history
-            .iter()
-            .rev()
-            .find(|e| e.start <= offset)
-            .map(|e| e.replid.as_str())
+        self.history.replid_at(offset)
     }
 
     /// Where `replid`'s history ended in this log because a later id took
     /// over there (a promotion or a restart): `None` while it is the
     /// log's current id, or one the log never held.
     pub fn superseded_at(&self, replid: &str) -> Option<u64> {
-        let i = self.history.iter().rposition(|e| e.replid == replid)?;
-        self.history.get(i + 1).map(|next| next.start)
+        self.history.superseded_at(replid)
     }
 
     /// Starts the log over at a full resync: `replid` from `offset` (the
@@ -329,50 +230,11 @@ impl Log {
                 why: format!("{replid:?} is not a replication id"),
             });
         }
-        if self.history.last().is_none_or(|e| e.replid != replid) {
-            self.history.push(Epoch {
-                replid: replid.to_string(),
-                start,
-            });
-            let drop = self.history.len().saturating_sub(MAX_EPOCHS);
-            self.history.drain(..drop);
-            self.save_history()?;
-        }
-        let path = self.cfg.dir.join(format!("{start:020}{SUFFIX}"));
-        let mut header = Vec::with_capacity(HEADER_LEN);
-        header.extend_from_slice(MAGIC);
-        header.extend_from_slice(&start.to_be_bytes());
-        header.extend_from_slice(replid.as_bytes());
-        let hash = blake3::hash(&header);
-        header.extend_from_slice(&hash.as_bytes()[..16]);
-        let mut file = open_regular(
-            &path,
-            OpenOptions::new().create_new(true).append(true).mode(0o600),
-        )
-        .map_err(io(&path))?;
-        if let Err(e) = file.write_all(&header).and_then(|()| file.sync_all()) {
-            // A full disk: no half-made segment stays to block the next try.
-            let _ = std::fs::remove_file(&path);
-            return Err(io(&path)(e));
-        }
-        sync_dir(&self.cfg.dir).map_err(io(&self.cfg.dir))?;
-        self.segments.push(Segment {
-            path,
-            start,
-            end: start,
-            replid: replid.to_string(),
-            bytes: HEADER_LEN as u64,
-            modified: SystemTime::now(),
-            index: Vec::new(),
-        });
+        self.history.begin(&self.cfg.dir, replid, start)?;
+        let (seg, file) = Segment::create(&self.cfg.dir, replid, start)?;
+        self.segments.push(seg);
         self.file = Some(file);
         Ok(())
-    }
-
-    fn save_history(&self) -> Result<(), LogError> {
-        let path = self.cfg.dir.join(HISTORY);
-        let json = serde_json::to_vec(&self.history).expect("plain data");
-        write_atomic(&path, &json, (".history", ".tmp"), 0o600).map_err(io(&path))
     }
 
     /// Cuts the log back to `offset`, where a reader found a damaged
@@ -405,11 +267,7 @@ impl Log {
         seg.index.retain(|&(_, p)| p < pos);
         self.file = Some(file);
         self.synced = self.synced.min(at);
-        let epochs = self.history.len();
-        self.history.retain(|e| e.start <= at);
-        if self.history.len() != epochs {
-            self.save_history()?;
-        }
+        self.history.cut(&self.cfg.dir, at)?;
         warn!(log = %self.cfg.dir.display(), "the stream log is cut back to offset {at} (it ended at {end}): what follows is fetched again");
         Ok(())
     }
@@ -461,16 +319,7 @@ impl Log {
             let _ = file.set_len(seg.bytes);
             return Err(io(&seg.path)(e));
         }
-        if seg
-            .index
-            .last()
-            .is_none_or(|&(_, pos)| seg.bytes - pos >= INDEX_EVERY)
-        {
-            seg.index.push((rec.offset, seg.bytes));
-        }
-        seg.bytes += buf.len() as u64;
-        seg.end = rec.end();
-        seg.modified = SystemTime::now();
+        seg.appended(rec, buf.len());
         match self.cfg.fsync {
             Fsync::Always => self.sync(),
             Fsync::Everysec => self.sync_due(),
@@ -514,11 +363,7 @@ impl Log {
         };
         let (_, end) = self.position().ok_or_else(not_held)?;
         let first = self.first().unwrap_or(end);
-        let span = self.history.iter().enumerate().find(|(i, e)| {
-            let until = self.history.get(i + 1).map_or(end, |n| n.start);
-            e.replid == replid && e.start <= offset && offset <= until
-        });
-        if span.is_none() || offset < first || offset > end {
+        if !self.history.holds(replid, offset, end) || offset < first || offset > end {
             return Err(not_held());
         }
         Ok(())
@@ -563,18 +408,7 @@ impl Log {
                 offset,
                 held: self.describe(),
             })?;
-        let at = seg.index.partition_point(|&(o, _)| o <= offset);
-        let pos = if at == 0 {
-            HEADER_LEN as u64
-        } else {
-            seg.index[at - 1].1
-        };
-        Ok(ReadPlan {
-            path: seg.path.clone(),
-            pos,
-            from: offset,
-            end: seg.end,
-        })
+        Ok(seg.plan(offset))
     }
 
     /// Removes whole old segments past `retain` (bytes or age), never one
@@ -601,203 +435,13 @@ impl Log {
     }
 }
 
-/// The stream from `from` on, as one run of bytes: `records` are
-/// consecutive, and the first holds `from`.
-pub fn contiguous(records: &[Record], from: u64) -> Vec<u8> {
-    let mut run = Vec::with_capacity(records.iter().map(|r| r.bytes.len()).sum());
-    for rec in records {
-        let at = from + run.len() as u64;
-        debug_assert!(rec.offset <= at && at <= rec.end(), "records run on");
-        run.extend_from_slice(&rec.bytes[(at - rec.offset) as usize..]);
-    }
-    run
-}
-
-/// Reads whole records of `plan`, from the one holding its offset, up to
-/// about `max` bytes; each is checked against its hash.
-pub fn read(plan: &ReadPlan, max: usize) -> Result<Vec<Record>, LogError> {
-    let gone = |offset| LogError::NotHeld {
-        replid: String::new(),
-        offset,
-        held: "no segment with it any more".into(),
-    };
-    let file = match File::open(&plan.path) {
-        Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(gone(plan.from)),
-        Err(e) => return Err(io(&plan.path)(e)),
-    };
-    let mut r = BufReader::with_capacity(256 << 10, file);
-    r.seek(SeekFrom::Start(plan.pos)).map_err(io(&plan.path))?;
-    let (mut out, mut size) = (Vec::new(), 0);
-    // The offset the next record must start at (`None`: the first read,
-    // at an index entry at or before the plan's offset).
-    let mut next: Option<u64> = None;
-    while size < max && next.is_none_or(|n| n < plan.end) {
-        let at = next.unwrap_or(plan.from);
-        let mut h = [0u8; RECORD_HEADER];
-        r.read_exact(&mut h)
-            .map_err(|e| damaged(&plan.path, at, e))?;
-        let (offset, len, hash) = Record::parse_header(&h);
-        let in_order = next.map_or(offset <= plan.from, |n| n == offset);
-        if len > MAX_RECORD || !in_order {
-            return Err(damaged(&plan.path, at, "a record header out of order"));
-        }
-        next = Some(offset + len as u64);
-        if offset + (len as u64) <= plan.from {
-            r.seek_relative(len as i64).map_err(io(&plan.path))?;
-            continue;
-        }
-        let mut bytes = vec![0u8; len];
-        r.read_exact(&mut bytes)
-            .map_err(|e| damaged(&plan.path, offset, e))?;
-        let rec = Record {
-            offset,
-            bytes,
-            hash,
-        };
-        if !rec.verify() {
-            return Err(damaged(
-                &plan.path,
-                offset,
-                "its bytes do not match their hash",
-            ));
-        }
-        size += len;
-        out.push(rec);
-    }
-    Ok(out)
-}
-
-/// The file position and offset of the last whole record boundary of
-/// `seg` at or before `offset`, walking record headers from an index entry.
-fn cut_point(seg: &Segment, offset: u64) -> Result<(u64, u64), LogError> {
-    let at = seg.index.partition_point(|&(o, _)| o <= offset);
-    let (mut o, mut pos) = match at {
-        0 => (seg.start, HEADER_LEN as u64),
-        _ => seg.index[at - 1],
-    };
-    let mut r = BufReader::new(File::open(&seg.path).map_err(io(&seg.path))?);
-    r.seek(SeekFrom::Start(pos)).map_err(io(&seg.path))?;
-    while o < offset {
-        let mut h = [0u8; RECORD_HEADER];
-        if r.read_exact(&mut h).is_err() {
-            break;
-        }
-        let (ro, len, _) = Record::parse_header(&h);
-        if ro != o || len > MAX_RECORD || ro + len as u64 > offset {
-            break;
-        }
-        r.seek_relative(len as i64).map_err(io(&seg.path))?;
-        pos += (RECORD_HEADER + len) as u64;
-        o = ro + len as u64;
-    }
-    Ok((pos, o))
-}
-
-fn damaged(path: &Path, offset: u64, why: impl std::fmt::Display) -> LogError {
-    LogError::Corrupt {
-        path: path.to_path_buf(),
-        offset,
-        why: why.to_string(),
-    }
-}
-
-/// Reads a segment's header and walks its records; `check` hashes each
-/// and cuts the file after the last good one (the newest segment).
-fn scan(path: &Path, check: bool) -> Result<Segment, LogError> {
-    let mut file =
-        open_regular(path, OpenOptions::new().read(true).write(check)).map_err(io(path))?;
-    let meta = file.metadata().map_err(io(path))?;
-    let mut r = BufReader::with_capacity(256 << 10, &mut file);
-    let mut header = [0u8; HEADER_LEN];
-    r.read_exact(&mut header)
-        .map_err(|e| damaged(path, 0, format!("no whole header: {e}")))?;
-    let hash = blake3::hash(&header[..HEADER_LEN - 16]);
-    if &header[..8] != MAGIC || header[HEADER_LEN - 16..] != hash.as_bytes()[..16] {
-        return Err(damaged(
-            path,
-            0,
-            "not a kvsync stream segment, or its header is damaged",
-        ));
-    }
-    let start = u64::from_be_bytes(header[8..16].try_into().expect("8 bytes"));
-    let replid = String::from_utf8_lossy(&header[16..16 + REPLID_LEN]).into_owned();
-    let (mut end, mut pos, mut index) = (start, HEADER_LEN as u64, Vec::new());
-    let mut bad = None;
-    loop {
-        let mut h = [0u8; RECORD_HEADER];
-        match r.read_exact(&mut h) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-                if pos != meta.len() {
-                    bad = Some("a torn record header");
-                }
-                break;
-            }
-            Err(e) => return Err(io(path)(e)),
-        }
-        let (o, len, hash) = Record::parse_header(&h);
-        if o != end || len > MAX_RECORD || pos + (RECORD_HEADER + len) as u64 > meta.len() {
-            bad = Some("a torn or out-of-order record");
-            break;
-        }
-        if check {
-            let mut bytes = vec![0u8; len];
-            r.read_exact(&mut bytes).map_err(io(path))?;
-            if !(Record {
-                offset: o,
-                bytes,
-                hash,
-            })
-            .verify()
-            {
-                bad = Some("a record whose bytes do not match their hash");
-                break;
-            }
-        } else {
-            r.seek_relative(len as i64).map_err(io(path))?;
-        }
-        if index.last().is_none_or(|&(_, p)| pos - p >= INDEX_EVERY) {
-            index.push((o, pos));
-        }
-        pos += (RECORD_HEADER + len) as u64;
-        end = o + len as u64;
-    }
-    drop(r);
-    if let Some(why) = bad {
-        if !check {
-            return Err(damaged(path, end, why));
-        }
-        warn!(segment = %path.display(), "the log's newest segment ends in {why} at offset {end}; it is cut there");
-        file.set_len(pos).map_err(io(path))?;
-        file.sync_all().map_err(io(path))?;
-    }
-    Ok(Segment {
-        path: path.to_path_buf(),
-        start,
-        end,
-        replid,
-        bytes: pos,
-        modified: meta.modified().unwrap_or(SystemTime::now()),
-        index,
-    })
-}
-
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use std::fs::OpenOptions;
+    use std::io::Write;
 
-    #[test]
-    fn consecutive_records_make_one_run_from_an_offset_inside_the_first() {
-        let recs = [
-            Record::new(0, b"abc".to_vec()),
-            Record::new(3, b"de".to_vec()),
-            Record::new(5, b"fghi".to_vec()),
-        ];
-        assert_eq!(contiguous(&recs, 1), b"bcdefghi");
-        assert_eq!(contiguous(&recs[1..], 3), b"defghi");
-        assert_eq!(contiguous(&recs[2..], 9), b"");
-    }
+    use super::segment::HEADER_LEN;
+    use super::*;
 
     const ID_A: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
     const ID_B: &str = "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb";

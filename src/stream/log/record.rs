@@ -1,0 +1,90 @@
+//! A record of the stream log: a checksummed piece of the stream, as it
+//! is stored (`[offset u64][len u32][BLAKE3 of offset, len and bytes]
+//! [bytes]`), and consecutive records as one run of bytes.
+
+/// Record header: offset, length, BLAKE3.
+pub const RECORD_HEADER: usize = 8 + 4 + 32;
+/// The most bytes one record holds.
+pub const MAX_RECORD: usize = 1 << 20;
+
+/// A checksummed piece of the stream: its bytes follow offset `offset`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    pub offset: u64,
+    pub bytes: Vec<u8>,
+    pub hash: [u8; 32],
+}
+
+impl Record {
+    /// A record of bytes as they arrive from the primary: hashed here.
+    pub fn new(offset: u64, bytes: Vec<u8>) -> Record {
+        let hash = Record::digest(offset, &bytes);
+        Record {
+            offset,
+            bytes,
+            hash,
+        }
+    }
+
+    fn digest(offset: u64, bytes: &[u8]) -> [u8; 32] {
+        let mut h = blake3::Hasher::new();
+        h.update(&offset.to_be_bytes());
+        h.update(&(bytes.len() as u32).to_be_bytes());
+        h.update(bytes);
+        *h.finalize().as_bytes()
+    }
+
+    /// Whether the bytes are the ones the hash was made of.
+    pub fn verify(&self) -> bool {
+        Record::digest(self.offset, &self.bytes) == self.hash
+    }
+
+    /// The offset after its last byte.
+    pub fn end(&self) -> u64 {
+        self.offset + self.bytes.len() as u64
+    }
+
+    /// The record as it is stored (and framed on the wire).
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.offset.to_be_bytes());
+        out.extend_from_slice(&(self.bytes.len() as u32).to_be_bytes());
+        out.extend_from_slice(&self.hash);
+        out.extend_from_slice(&self.bytes);
+    }
+
+    /// A record header's offset and length.
+    pub fn parse_header(h: &[u8; RECORD_HEADER]) -> (u64, usize, [u8; 32]) {
+        let offset = u64::from_be_bytes(h[0..8].try_into().expect("8 bytes"));
+        let len = u32::from_be_bytes(h[8..12].try_into().expect("4 bytes")) as usize;
+        (offset, len, h[12..44].try_into().expect("32 bytes"))
+    }
+}
+
+/// The stream from `from` on, as one run of bytes: `records` are
+/// consecutive, and the first holds `from`.
+pub fn contiguous(records: &[Record], from: u64) -> Vec<u8> {
+    let mut run = Vec::with_capacity(records.iter().map(|r| r.bytes.len()).sum());
+    for rec in records {
+        let at = from + run.len() as u64;
+        debug_assert!(rec.offset <= at && at <= rec.end(), "records run on");
+        run.extend_from_slice(&rec.bytes[(at - rec.offset) as usize..]);
+    }
+    run
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn consecutive_records_make_one_run_from_an_offset_inside_the_first() {
+        let recs = [
+            Record::new(0, b"abc".to_vec()),
+            Record::new(3, b"de".to_vec()),
+            Record::new(5, b"fghi".to_vec()),
+        ];
+        assert_eq!(contiguous(&recs, 1), b"bcdefghi");
+        assert_eq!(contiguous(&recs[1..], 3), b"defghi");
+        assert_eq!(contiguous(&recs[2..], 9), b"");
+    }
+}

@@ -1,0 +1,175 @@
+//! The one way to read a stream log, for every reader: a session served
+//! over TCP or an RDMA ring (`serve`) and the feed to the local server
+//! (`feed`). A reader stands at an offset under a replication id and asks
+//! what follows ([`Stream::next`]): the log must still continue that id
+//! there (a log started over by a full resync no longer does), then comes
+//! an id change where the log's history has one, or the bytes the log
+//! holds from there, as many as the reader says may go. The bytes are read
+//! off the log's lock and each record is checked against its hash; a
+//! damaged one is never returned: the log is cut back to it, so its writer
+//! fetches the stream again from there, and the reader gets the error.
+
+use tracing::error;
+
+use super::log::{self, LogError, ReadPlan};
+use super::{SharedLog, Stream};
+use crate::blk3::stream::Next;
+use crate::blk3::token::REPLID_LEN;
+
+/// Under the log's lock: what a reader at `at` under `replid` reads next.
+enum Plan {
+    Wait,
+    Epoch([u8; REPLID_LEN]),
+    Read(ReadPlan, usize),
+}
+
+impl Stream {
+    /// What follows `at` for a reader under `replid`: of the bytes the log
+    /// holds past `at`, `due(held)` go (none: [`Next::Wait`]). Reads on
+    /// the blocking pool.
+    pub async fn next(
+        self: &SharedLog,
+        at: u64,
+        replid: &str,
+        due: &(dyn Fn(u64) -> u64 + Sync),
+    ) -> Result<Next, LogError> {
+        match self.plan(at, replid, due)? {
+            Plan::Wait => Ok(Next::Wait),
+            Plan::Epoch(id) => Ok(Next::Epoch(id)),
+            Plan::Read(plan, n) => {
+                let stream = self.clone();
+                tokio::task::spawn_blocking(move || stream.read(&plan, at, n))
+                    .await
+                    .expect("log read task")
+            }
+        }
+    }
+
+    /// [`Stream::next`] on a thread that may block.
+    pub fn next_blocking(
+        &self,
+        at: u64,
+        replid: &str,
+        due: &dyn Fn(u64) -> u64,
+    ) -> Result<Next, LogError> {
+        match self.plan(at, replid, due)? {
+            Plan::Wait => Ok(Next::Wait),
+            Plan::Epoch(id) => Ok(Next::Epoch(id)),
+            Plan::Read(plan, n) => self.read(&plan, at, n),
+        }
+    }
+
+    /// Bytes the log holds past `at`.
+    pub fn held_past(&self, at: u64) -> u64 {
+        self.lock()
+            .position()
+            .map_or(0, |(_, end)| end.saturating_sub(at))
+    }
+
+    fn plan(&self, at: u64, replid: &str, due: &dyn Fn(u64) -> u64) -> Result<Plan, LogError> {
+        let log = self.lock();
+        log.continues(replid, at)?;
+        let now = log.replid_at(at).unwrap_or(replid);
+        if now != replid {
+            let id = now
+                .as_bytes()
+                .try_into()
+                .expect("the log keeps 40-byte ids");
+            return Ok(Plan::Epoch(id));
+        }
+        let held = log.position().map_or(0, |(_, end)| end.saturating_sub(at));
+        match due(held) as usize {
+            0 => Ok(Plan::Wait),
+            n => Ok(Plan::Read(log.plan(at)?, n)),
+        }
+    }
+
+    /// The bytes of `plan` from `at`, at most `n`, each record checked.
+    fn read(&self, plan: &ReadPlan, at: u64, n: usize) -> Result<Next, LogError> {
+        let records = log::read(plan, n);
+        if let Err(e @ LogError::Corrupt { offset, .. }) = &records {
+            self.gauges.damaged.inc();
+            error!(error = %e, "a damaged record in the stream log: the log is cut back to offset {offset} and fetched again from upstream");
+            self.set_state(format!("refetching from offset {offset}: {e}"));
+            if let Err(cut) = self.write(|l| l.cut(*offset)) {
+                error!(error = %cut, "the stream log cannot be cut back to its damage");
+            }
+        }
+        let mut run = log::contiguous(&records?, at);
+        run.truncate(n);
+        Ok(match run.is_empty() {
+            true => Next::Wait,
+            false => Next::Bytes(run),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::StreamConfig;
+    use crate::metrics::Metrics;
+    use crate::stream::log::{Log, Record};
+
+    const A: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+    const B: &str = "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb";
+
+    /// A stream of id A over 100..110, then of B over 110..115.
+    fn stream(dir: &std::path::Path) -> SharedLog {
+        let mut log = Log::open(StreamConfig {
+            dir: dir.to_path_buf(),
+            ..StreamConfig::default()
+        })
+        .unwrap();
+        log.restart(A, 100).unwrap();
+        log.append(&Record::new(100, b"0123456789".to_vec()))
+            .unwrap();
+        log.switch(B).unwrap();
+        log.append(&Record::new(110, b"abcde".to_vec())).unwrap();
+        Stream::new(log, "test".into(), &Metrics::new(), "reader-test")
+    }
+
+    #[test]
+    fn a_reader_gets_what_is_due_then_the_id_change_then_waits() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = stream(dir.path());
+        let all = |held: u64| held;
+        assert_eq!(s.held_past(103), 12);
+        assert_eq!(
+            s.next_blocking(103, A, &|held| held.min(4)).unwrap(),
+            Next::Bytes(b"3456".to_vec()),
+            "as many bytes as are due, from inside a record"
+        );
+        assert_eq!(s.next_blocking(103, A, &|_| 0).unwrap(), Next::Wait);
+        assert_eq!(
+            s.next_blocking(103, A, &all).unwrap(),
+            Next::Bytes(b"3456789".to_vec()),
+            "never past the id's span"
+        );
+        assert_eq!(
+            s.next_blocking(110, A, &all).unwrap(),
+            Next::Epoch(B.as_bytes().try_into().unwrap())
+        );
+        assert_eq!(
+            s.next_blocking(111, B, &all).unwrap(),
+            Next::Bytes(b"bcde".to_vec())
+        );
+        assert_eq!(s.next_blocking(115, B, &all).unwrap(), Next::Wait);
+    }
+
+    #[test]
+    fn a_reader_on_a_history_the_log_does_not_hold_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = stream(dir.path());
+        let other = "cccccccccccccccccccccccccccccccccccccccc";
+        for (at, id) in [(105, other), (112, A), (99, A)] {
+            assert!(
+                matches!(
+                    s.next_blocking(at, id, &|held| held),
+                    Err(LogError::NotHeld { .. })
+                ),
+                "{id} at {at}"
+            );
+        }
+    }
+}
