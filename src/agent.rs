@@ -41,8 +41,8 @@ use crate::sync::instance::{Instance, Instances};
 use crate::sync::offer::Offers;
 use crate::sync::serve::{self, DataEndpoints, DataPlane, SessionTable};
 use crate::sync::SyncManager;
+use crate::sys::ratelimit::RateLimiter;
 use crate::transport::probe::{self, LocalRdma, Probe};
-use crate::transport::ratelimit::RateLimiter;
 use crate::transport::{ktls, Faults};
 
 /// Why the agent could not start.

@@ -26,7 +26,7 @@ use kvsync::sync::job::JobError;
 use kvsync::sync::receive::{Received, Receiver};
 use kvsync::sync::serve::{self, DataPlane, Limits, OfferedSession, SessionTable};
 use kvsync::transport::pace::MinRate;
-use kvsync::transport::ratelimit::RateLimiter;
+use kvsync::sys::ratelimit::RateLimiter;
 use kvsync::transport::session::{ClientTls, DataLink, DialSpec};
 use kvsync::transport::{ktls, Faults, TransportKind};
 use tokio_util::sync::CancellationToken;

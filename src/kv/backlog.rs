@@ -31,7 +31,7 @@ use crate::kv::preflight::{self, Foresight, Preflight, WriteMeter};
 use crate::kv::redis::{self, Info, RedisError};
 use crate::metrics::Metrics;
 use crate::snapshot::SnapshotInfo;
-use crate::transport::ratelimit::RateLimiter;
+use crate::sys::ratelimit::RateLimiter;
 
 /// The default record of the operator's `repl-backlog-size`, in the
 /// snapshot dir (hidden, so the watcher skips it).

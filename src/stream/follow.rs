@@ -41,6 +41,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::log::{LogError, Record};
+use super::policy::{self, Backoff, LogStep, Promotion, Psync};
 use super::SharedLog;
 use crate::config::StreamAck;
 use crate::kv::resp;
@@ -146,9 +147,10 @@ pub enum FollowError {
 }
 
 /// Follows the primary until `stop`, reconnecting after every failure
-/// (100 ms, doubling to 5 s while sessions fail before any stream).
+/// ([`Backoff`]: 100 ms, doubling to 5 s while sessions fail before any
+/// stream).
 pub async fn run(follow: Follow, log: SharedLog, stop: CancellationToken) {
-    let mut backoff = Duration::from_millis(100);
+    let mut backoff = Backoff::default();
     loop {
         let before = log.position();
         let result = tokio::select! {
@@ -171,14 +173,12 @@ pub async fn run(follow: Follow, log: SharedLog, stop: CancellationToken) {
             warn!(instance = %follow.instance, error = %e, "following the primary into the stream log stopped; it reconnects");
             log.set_state(format!("reconnecting: {e}"));
         }
-        if log.position() != before {
-            backoff = Duration::from_millis(100);
-        }
+        let pause = backoff.failed(log.position() != before);
         tokio::select! {
             _ = stop.cancelled() => return,
-            _ = tokio::time::sleep(backoff) => {}
+            _ = tokio::time::sleep(pause) => {}
         }
-        backoff = (backoff * 2).min(Duration::from_secs(5));
+        backoff.paused();
     }
 }
 
@@ -261,54 +261,32 @@ async fn session(follow: &Follow, log: &SharedLog) -> Result<(), FollowError> {
         asked: "PSYNC",
         answer: answer.clone(),
     };
-    let words: Vec<&str> = answer.split_whitespace().collect();
     let log_ = log.clone();
-    match (words.as_slice(), asked) {
-        (["+FULLRESYNC", id, offset], _) => {
-            let offset: u64 = offset.parse().map_err(|_| refused())?;
+    let start = asked.as_ref().map_or(0, |(_, at)| *at);
+    let empty = log.position().is_none();
+    let later = match policy::psync(&answer, asked, promoted.as_ref(), empty) {
+        Psync::FullResync { replid, offset } => {
             receive_rdb(follow, &mut read, offset).await?;
-            let id = id.to_string();
-            blocking(move || log_.write(|l| l.restart(&id, offset))).await?;
+            blocking(move || log_.write(|l| l.restart(&replid, offset))).await?;
             info!(instance = %follow.instance, offset, "full resync from the primary: its RDB is offered and the stream log starts over at its offset");
+            None
         }
-        (["+CONTINUE", rest @ ..], Some((id, start))) if rest.len() <= 1 => {
-            let new = rest.first().map_or(id.clone(), |new| new.to_string());
-            // A promoted primary's own history starts where it took over:
-            // the old id's bytes up to there are logged under the old id.
-            let at = promoted
-                .filter(|p| p.replid == new && p.previous == id && start < p.at)
-                .map_or(start, |p| p.at);
-            let switch = Some((new, at)).filter(|(new, _)| *new != id);
-            let now = switch.clone().filter(|(_, at)| *at == start);
+        Psync::Continue { now, later } => {
             blocking(move || {
-                log_.write(|log| {
-                    // A log still empty continues from the snapshot's point.
-                    match (log.position(), now) {
-                        (None, _) => log.restart(&id, start),
-                        (Some(_), Some((new, _))) => log.switch(&new),
-                        (Some(_), None) => Ok(()),
-                    }
+                log_.write(|log| match now {
+                    LogStep::Restart(id, at) => log.restart(&id, at),
+                    LogStep::Switch(new) => log.switch(&new),
+                    LogStep::Keep => Ok(()),
                 })
             })
             .await?;
             info!(instance = %follow.instance, offset = start, "the primary continues the stream");
-            log.set_state("following");
-            let switch = switch.filter(|(_, at)| *at > start);
-            return stream_into(follow, (read, write), log, switch).await;
+            later
         }
-        _ => return Err(refused()),
-    }
+        Psync::Refused => return Err(refused()),
+    };
     log.set_state("following");
-    stream_into(follow, (read, write), log, None).await
-}
-
-/// A primary's promotion, from its `INFO replication`: the id it had
-/// before (`master_replid2`) held up to offset `at`, its own from there.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Promotion {
-    previous: String,
-    replid: String,
-    at: u64,
+    stream_into(follow, (read, write), log, later).await
 }
 
 /// Reads the primary's promotion point and, when the log holds more of
@@ -565,10 +543,7 @@ async fn stream_into(
                 let mut bytes = std::mem::replace(&mut buf, Vec::with_capacity(READ_CHUNK));
                 let asked = asks_for_ack(&mut tail, &bytes);
                 // Before the promotion point, under the old id; then the new.
-                let split = switch.as_ref().and_then(|(_, at)| {
-                    let before = usize::try_from(at - end).ok()?;
-                    (before <= bytes.len()).then_some(before)
-                });
+                let split = policy::before_switch(end, bytes.len(), switch.as_ref());
                 let (old, new): (Vec<u8>, _) = match split {
                     Some(before) => (bytes.drain(..before).collect(), switch.take()),
                     None => (std::mem::take(&mut bytes), None),
@@ -624,12 +599,7 @@ async fn stream_into(
         if !ack_now {
             continue;
         }
-        // Never back: a downstream that lags may join.
-        let to_ack = match follow.ack {
-            StreamAck::Log => Some(end),
-            StreamAck::Replicas => log.applied().map(|a| a.min(end)),
-        };
-        if let Some(offset) = to_ack.map(|o| o.max(acked)) {
+        if let Some(offset) = policy::ack_offset(follow.ack, end, log.applied(), acked) {
             let ack = resp::command(&["REPLCONF", "ACK", &offset.to_string()]);
             write.write_all(&ack).await.map_err(io_err)?;
             acked = offset;

@@ -17,6 +17,7 @@ pub mod feed;
 pub mod follow;
 pub mod hand;
 pub mod log;
+pub mod policy;
 pub mod proof;
 pub mod pull;
 pub mod reader;

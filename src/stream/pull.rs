@@ -23,7 +23,6 @@
 //! gap; a session on any but the nearest ends after [`PASS_OVER`], so a
 //! relay that is back gets its children back.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,6 +32,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::log::{LogError, Record};
+use super::policy::{Ended, Pick, Then, UpstreamPolicy, PASS_OVER};
 use super::source::{Source, Upstreams};
 use super::{SharedLog, Traffic};
 use crate::blk3::stream::{Receiver, StreamError, MAX_FRAME, STREAM_KEY_LEN};
@@ -54,9 +54,6 @@ use crate::transport::Faults;
 pub const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(60);
 /// The largest credit window a replica accepts from an offer.
 const MAX_WINDOW: u64 = 256 << 20;
-/// How long an upstream whose session failed is passed over, and how long
-/// a session with any but the nearest lasts.
-pub const PASS_OVER: Duration = Duration::from_secs(30);
 /// Starts a sync of a snapshot from an upstream agent (its gRPC address).
 pub type Reseed = Box<dyn Fn(&str, pb::SnapshotId) + Send + Sync>;
 
@@ -163,6 +160,21 @@ impl PullError {
         }
     }
 
+    /// How the session ended, as `stream::policy` decides on it.
+    fn ended(&self) -> Ended {
+        match self {
+            PullError::Ring(_) | PullError::RingDial(_) => Ended::RingFailed,
+            PullError::Log(_) => Ended::LogFailed,
+            PullError::TooOld {
+                replid, continues, ..
+            } => Ended::TooOld {
+                held: !replid.is_empty(),
+                continues: continues.as_ref().map(|(_, id, m)| (id.clone(), *m)),
+            },
+            _ => Ended::Failed,
+        }
+    }
+
     /// Why the ring failed, when it did (the stream goes on over TCP).
     fn ring_failure(&self) -> Option<&'static str> {
         match self {
@@ -173,83 +185,56 @@ impl PullError {
     }
 }
 
-/// Follows the upstreams until `stop`, a new session after every failure:
-/// at once with the next upstream not passed over, else after a pause
-/// (100 ms, doubling to 5 s while sessions fail before any stream; 30 s
-/// while the upstream answers "too old" to a log that holds a stream)
-/// with the nearest again.
+/// Follows the upstreams until `stop`, a new session after every failure,
+/// as `stream::policy` decides: at once with the next upstream not passed
+/// over, else after a pause with the nearest again.
 pub async fn run(pull: Arc<Pull>, stream: SharedLog, stop: CancellationToken) {
-    let mut backoff = Duration::from_millis(100);
-    let mut passed: HashMap<String, Instant> = HashMap::new();
+    let mut policy = UpstreamPolicy::new(pull.ring.as_ref().map_or(Duration::ZERO, |r| r.retry));
     let mut chain = pull.upstreams.watch();
-    // After a ring failed: the stream runs over TCP until then.
-    let mut tcp_until: Option<Instant> = None;
     loop {
-        let now = Instant::now();
         let upstreams = match &*chain.borrow_and_update() {
             Source::Agents(chain) => chain.clone(),
             Source::Primary(_) => Vec::new(),
         };
-        let Some(upstream) = next_upstream(&upstreams, &passed, now).cloned() else {
+        let now = std::time::Instant::now();
+        let Some(Pick {
+            upstream,
+            nearest,
+            tcp_until,
+        }) = policy.pick(&upstreams, now)
+        else {
             // No agents (the source is a primary now): wait for some.
             tokio::select! {
                 _ = stop.cancelled() => return,
                 _ = chain.changed() => continue,
             }
         };
-        let nearest = upstreams.first() == Some(&upstream);
+        let upstream = upstream.to_string();
         let before = stream.position();
-        let now = Instant::now();
-        let fell_back = tcp_until.filter(|t| *t > now);
         let ring = pull
             .ring
             .as_ref()
-            .filter(|r| fell_back.is_none() && r.rdma.available());
+            .filter(|r| tcp_until.is_none() && r.rdma.available());
         let result = tokio::select! {
             _ = stop.cancelled() => return,
-            r = session(&pull, &upstream, &stream, ring, fell_back.is_some()) => r,
+            r = session(&pull, &upstream, &stream, ring, tcp_until.is_some()) => r,
             // A TCP session after a ring failed ends in time to try the
             // ring again.
-            _ = tokio::time::sleep_until(fell_back.unwrap_or(now)), if fell_back.is_some() => continue,
+            _ = tokio::time::sleep_until(tcp_until.unwrap_or(now).into()), if tcp_until.is_some() => continue,
             _ = chain.changed() => {
                 info!(instance = %pull.instance, source = %chain.borrow().clone(), "the stream's upstreams changed: following the nearest from the log's end");
-                passed.clear();
+                policy.chain_changed();
                 continue;
             }
             _ = tokio::time::sleep(PASS_OVER), if !nearest => continue,
         };
         let Err(e) = result else { return };
-        pull.metrics
-            .stream_reconnects
-            .with_label_values(&[&pull.instance, "agent"])
-            .inc();
-        if matches!(e, PullError::Log(LogError::Io { .. })) {
-            pull.metrics
-                .stream_write_errors
-                .with_label_values(&[&pull.instance])
-                .inc();
+        count(&pull, &e);
+        let why = e.ended();
+        if why != Ended::RingFailed {
+            warn!(instance = %pull.instance, %upstream, error = %e, "following the upstream agent's stream stopped; it asks again");
+            stream.set_state(format!("reconnecting: {e}"));
         }
-        if let Some(reason) = e.refusal() {
-            pull.metrics
-                .stream_refused
-                .with_label_values(&[&pull.instance, reason])
-                .inc();
-        }
-        if let Some(reason) = e.ring_failure() {
-            pull.metrics
-                .stream_fallback
-                .with_label_values(&[&pull.instance, reason])
-                .inc();
-            let retry = pull.ring.as_ref().map_or(Duration::ZERO, |r| r.retry);
-            warn!(instance = %pull.instance, %upstream, error = %e, reason, "the RDMA ring failed: the stream goes on over TCP from what the log holds, and tries the ring again in {retry:?}");
-            tcp_until = Some(Instant::now() + retry);
-            stream.set_state(format!(
-                "reconnecting over TCP after the RDMA ring failed: {e}"
-            ));
-            continue;
-        }
-        warn!(instance = %pull.instance, %upstream, error = %e, "following the upstream agent's stream stopped; it asks again");
-        stream.set_state(format!("reconnecting: {e}"));
         if let PullError::TooOld {
             replid,
             offset,
@@ -259,61 +244,86 @@ pub async fn run(pull: Arc<Pull>, stream: SharedLog, stop: CancellationToken) {
         {
             diverged(&pull, &stream, (replid, *offset, *at), &upstream);
         }
-        // Too old, with a snapshot that continues into the upstream's log:
-        // the log starts over there, and the snapshot is synced.
-        if let (
-            Some(reseed),
-            PullError::TooOld {
-                continues: Some((id, replid, m)),
-                ..
-            },
-        ) = (&pull.reseed, &e)
-        {
-            let (replid, m) = (replid.clone(), *m);
-            match blocking(&stream, move |s| s.write(|l| l.restart(&replid, m))).await {
-                Ok(()) => {
-                    warn!(instance = %pull.instance, %upstream, seq = id.seq, "re-seeding: the log starts over at the upstream's snapshot, which is synced from it");
-                    stream.set_state(format!(
-                        "re-seeding from {upstream}'s snapshot of seq {}",
-                        id.seq
-                    ));
-                    reseed(&upstream, id.clone());
-                    continue;
-                }
+        let progressed = stream.position() != before;
+        let at = (upstream.as_str(), upstreams.as_slice());
+        let mut then = policy.ended(
+            at,
+            &why,
+            (progressed, pull.reseed.is_some()),
+            std::time::Instant::now(),
+        );
+        if let Then::Reseed { replid, m } = then {
+            match reseed(&pull, &stream, &upstream, &e, (replid, m)).await {
+                Ok(()) => continue,
                 Err(le) => {
-                    warn!(instance = %pull.instance, error = %le, "the log cannot start over for a re-seeding")
+                    warn!(instance = %pull.instance, error = %le, "the log cannot start over for a re-seeding");
+                    then = policy.ended(at, &why, (progressed, false), std::time::Instant::now());
                 }
             }
         }
-        if stream.position() != before {
-            backoff = Duration::from_millis(100);
-        }
-        // The next upstream of the chain at once, unless the log failed.
-        if !matches!(e, PullError::Log(_)) {
-            passed.insert(upstream, Instant::now() + PASS_OVER);
-            if next_upstream(&upstreams, &passed, Instant::now()).is_some() {
-                continue;
+        match then {
+            Then::OverTcp => {
+                let retry = pull.ring.as_ref().map_or(Duration::ZERO, |r| r.retry);
+                warn!(instance = %pull.instance, %upstream, error = %e, "the RDMA ring failed: the stream goes on over TCP from what the log holds, and tries the ring again in {retry:?}");
+                stream.set_state(format!(
+                    "reconnecting over TCP after the RDMA ring failed: {e}"
+                ));
+            }
+            Then::Next | Then::Reseed { .. } => {}
+            Then::Pause(wait) => {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(wait) => {}
+                }
+                policy.paused();
             }
         }
-        // An upstream that lost this log's offset will not find it again
-        // soon; one with nothing yet (a log that asked from none) will, and
-        // so will one that named no snapshot (it takes one, when it follows
-        // a primary).
-        let wait = match &e {
-            PullError::TooOld {
-                replid,
-                continues: Some(_),
-                ..
-            } if !replid.is_empty() => Duration::from_secs(30),
-            _ => backoff,
-        };
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tokio::time::sleep(wait) => {}
-        }
-        passed.clear();
-        backoff = (backoff * 2).min(Duration::from_secs(5));
     }
+}
+
+/// Counts a failed session in the metrics: a reconnect, and why.
+fn count(pull: &Pull, e: &PullError) {
+    let m = &pull.metrics;
+    let i = pull.instance.as_str();
+    m.stream_reconnects.with_label_values(&[i, "agent"]).inc();
+    if matches!(e, PullError::Log(LogError::Io { .. })) {
+        m.stream_write_errors.with_label_values(&[i]).inc();
+    }
+    if let Some(reason) = e.refusal() {
+        m.stream_refused.with_label_values(&[i, reason]).inc();
+    }
+    if let Some(reason) = e.ring_failure() {
+        m.stream_fallback.with_label_values(&[i, reason]).inc();
+    }
+}
+
+/// Starts the log over at the upstream's snapshot (replication id, M)
+/// that `e` named, and syncs that snapshot from it.
+async fn reseed(
+    pull: &Pull,
+    stream: &SharedLog,
+    upstream: &str,
+    e: &PullError,
+    (replid, m): (String, u64),
+) -> Result<(), LogError> {
+    let (
+        Some(sync),
+        PullError::TooOld {
+            continues: Some((id, ..)),
+            ..
+        },
+    ) = (&pull.reseed, e)
+    else {
+        unreachable!("the policy re-seeds only with [stream] reseed and a snapshot named");
+    };
+    blocking(stream, move |s| s.write(|l| l.restart(&replid, m))).await?;
+    warn!(instance = %pull.instance, %upstream, seq = id.seq, "re-seeding: the log starts over at the upstream's snapshot, which is synced from it");
+    stream.set_state(format!(
+        "re-seeding from {upstream}'s snapshot of seq {}",
+        id.seq
+    ));
+    sync(upstream, id.clone());
+    Ok(())
 }
 
 /// Reports, once, that the log holds `offset - at` bytes of `replid` past
@@ -343,17 +353,6 @@ fn diverged(
         warn!(instance = %pull.instance, lost, at, "{what}");
         stream.set_diverged(what);
     }
-}
-
-/// The nearest upstream of `chain` not passed over at `now`.
-fn next_upstream<'a>(
-    chain: &'a [String],
-    passed: &HashMap<String, Instant>,
-    now: Instant,
-) -> Option<&'a String> {
-    chain
-        .iter()
-        .find(|u| passed.get(*u).is_none_or(|until| *until <= now))
 }
 
 /// An offer to continue, checked.
@@ -765,25 +764,4 @@ async fn blocking<T: Send + 'static>(
     tokio::task::spawn_blocking(move || f(&stream))
         .await
         .expect("log task")
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_failed_upstream_is_passed_over_for_a_while_then_the_nearest_again() {
-        let chain: Vec<String> = ["relay:1", "parent:1", "origin:1"].map(String::from).into();
-        let now = Instant::now();
-        let mut passed = HashMap::new();
-        assert_eq!(next_upstream(&chain, &passed, now), Some(&chain[0]));
-        passed.insert(chain[0].clone(), now + PASS_OVER);
-        assert_eq!(next_upstream(&chain, &passed, now), Some(&chain[1]));
-        passed.insert(chain[1].clone(), now + PASS_OVER);
-        assert_eq!(next_upstream(&chain, &passed, now), Some(&chain[2]));
-        passed.insert(chain[2].clone(), now + PASS_OVER);
-        assert_eq!(next_upstream(&chain, &passed, now), None, "all passed over");
-        let later = now + PASS_OVER;
-        assert_eq!(next_upstream(&chain, &passed, later), Some(&chain[0]));
-    }
 }

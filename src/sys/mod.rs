@@ -4,12 +4,15 @@
 //! files; [`splice`] moves socket bytes into a file inside the kernel;
 //! [`zerocopy`] sends with `MSG_ZEROCOPY`; [`fs`] holds the file-system
 //! steps (directory sync, atomic writes, opening files without following
-//! links, free space); [`raise_open_files`] lifts the descriptor limit;
+//! links, free space); [`ratelimit`] is the token bucket the data plane
+//! and the backlog guard draw from; [`raise_open_files`] lifts the
+//! descriptor limit;
 //! [`numeric_ip`] reads an IP address as the C library does.
 
 pub mod buf;
 pub mod fs;
 pub mod pem;
+pub mod ratelimit;
 pub mod splice;
 pub mod zerocopy;
 

@@ -11,7 +11,6 @@ pub mod fabric;
 pub mod ktls;
 pub mod pace;
 pub mod probe;
-pub mod ratelimit;
 pub mod rdma;
 pub mod ring;
 pub mod select;
@@ -35,7 +34,7 @@ use crate::blk3::{
 use crate::store::install::InstallError;
 use crate::store::journal::ClaimsError;
 use crate::store::served::Served;
-use ratelimit::RateLimiter;
+use crate::sys::ratelimit::RateLimiter;
 
 pub use crate::rpc::dial::CONNECT_TIMEOUT;
 

@@ -20,12 +20,12 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::fabric::{Completion, Fabric, FabricError, MemoryRegion, WcStatus, WorkKind};
-use super::ratelimit::RateLimiter;
 use super::{drive, Executor, Serve, Sink, CONNECT_TIMEOUT};
 use crate::blk3::token::SESSION_TOKEN_LEN;
 use crate::blk3::{Blk3Error, BulkMode, Command, Input, Outcome, Token, TokenError};
 use crate::store::cache::{CacheError, CacheRef};
 use crate::sys::buf::AlignedBuf;
+use crate::sys::ratelimit::RateLimiter;
 
 /// Work-request ids of receives and sends; writes use their plan id.
 const RECV_TAG: u64 = 1 << 62;

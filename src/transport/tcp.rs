@@ -16,7 +16,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::pace::{MinRate, Pace, TooSlow};
-use super::ratelimit::RateLimiter;
 use super::{drive, Executor, Faults, Serve, Sink};
 use crate::blk3::token::{FRAME_HEADER_LEN, MAX_TOKEN_LEN, SESSION_TOKEN_LEN};
 use crate::blk3::{
@@ -25,6 +24,7 @@ use crate::blk3::{
 use crate::store::cache::CacheError;
 use crate::store::served::{Served, SnapshotFile};
 use crate::sys::buf::AlignedBuf;
+use crate::sys::ratelimit::RateLimiter;
 use crate::sys::splice::Pipe;
 use crate::sys::zerocopy::ZeroCopySender;
 

@@ -17,8 +17,8 @@ use crate::snapshot::manifest::Manifest;
 use crate::snapshot::Format;
 use crate::store::catalog::CatalogEntry;
 use crate::sync::receive::Receiver;
+use crate::sys::ratelimit::RateLimiter;
 use crate::transport::emulated::{EmuFaults, EmuQp};
-use crate::transport::ratelimit::RateLimiter;
 
 const T: Duration = Duration::from_secs(30);
 const TOKEN: [u8; SESSION_TOKEN_LEN] = [7; SESSION_TOKEN_LEN];
