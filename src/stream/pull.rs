@@ -264,7 +264,8 @@ pub async fn run(pull: Arc<Pull>, stream: SharedLog, stop: CancellationToken) {
         match then {
             Then::OverTcp => {
                 let retry = pull.ring.as_ref().map_or(Duration::ZERO, |r| r.retry);
-                warn!(instance = %pull.instance, %upstream, error = %e, "the RDMA ring failed: the stream goes on over TCP from what the log holds, and tries the ring again in {retry:?}");
+                let reason = e.ring_failure().unwrap_or_default();
+                warn!(instance = %pull.instance, %upstream, error = %e, reason, "the RDMA ring failed: the stream goes on over TCP from what the log holds, and tries the ring again in {retry:?}");
                 stream.set_state(format!(
                     "reconnecting over TCP after the RDMA ring failed: {e}"
                 ));
