@@ -248,9 +248,11 @@ impl UpstreamPolicy {
     /// reseed` is on (and starting the log over has not just failed).
     pub fn ended(
         &mut self,
-        (upstream, chain): (&str, &[String]),
+        upstream: &str,
+        chain: &[String],
         why: &Ended,
-        (progressed, can_reseed): (bool, bool),
+        progressed: bool,
+        can_reseed: bool,
         now: Instant,
     ) -> Then {
         if *why == Ended::RingFailed {
@@ -312,12 +314,12 @@ mod tests {
         let pick = u.pick(&chain, now).unwrap();
         assert_eq!((pick.upstream, pick.nearest), ("relay:1", true));
         for (failed, next) in [("relay:1", "parent:1"), ("parent:1", "origin:1")] {
-            let then = u.ended((failed, &chain), &Ended::Failed, (false, true), now);
+            let then = u.ended(failed, &chain, &Ended::Failed, false, true, now);
             assert_eq!(then, Then::Next);
             let pick = u.pick(&chain, now).unwrap();
             assert_eq!((pick.upstream, pick.nearest), (next, false));
         }
-        let then = u.ended(("origin:1", &chain), &Ended::Failed, (false, true), now);
+        let then = u.ended("origin:1", &chain, &Ended::Failed, false, true, now);
         assert_eq!(then, Then::Pause(FIRST_PAUSE), "all passed over");
         assert_eq!(u.pick(&chain, now), None);
         assert_eq!(
@@ -340,14 +342,14 @@ mod tests {
         let mut u = UpstreamPolicy::new(RETRY);
         let mut pauses = Vec::new();
         for _ in 0..8 {
-            match u.ended(("up:1", &chain), &Ended::Failed, (false, true), now) {
+            match u.ended("up:1", &chain, &Ended::Failed, false, true, now) {
                 Then::Pause(p) => pauses.push(p.as_millis()),
                 other => panic!("{other:?}"),
             }
             u.paused();
         }
         assert_eq!(pauses, [100, 200, 400, 800, 1600, 3200, 5000, 5000]);
-        let then = u.ended(("up:1", &chain), &Ended::Failed, (true, true), now);
+        let then = u.ended("up:1", &chain, &Ended::Failed, true, true, now);
         assert_eq!(then, Then::Pause(FIRST_PAUSE), "the log moved");
     }
 
@@ -356,7 +358,7 @@ mod tests {
         let chain = chain(&["a:1", "b:1"]);
         let now = Instant::now();
         let mut u = UpstreamPolicy::new(RETRY);
-        let then = u.ended(("a:1", &chain), &Ended::LogFailed, (false, true), now);
+        let then = u.ended("a:1", &chain, &Ended::LogFailed, false, true, now);
         assert_eq!(then, Then::Pause(FIRST_PAUSE));
         assert_eq!(
             u.pick(&chain, now).unwrap().upstream,
@@ -371,7 +373,7 @@ mod tests {
         let now = Instant::now();
         let mut u = UpstreamPolicy::new(RETRY);
         assert_eq!(u.pick(&chain, now).unwrap().tcp_until, None);
-        let then = u.ended(("a:1", &chain), &Ended::RingFailed, (false, true), now);
+        let then = u.ended("a:1", &chain, &Ended::RingFailed, false, true, now);
         assert_eq!(then, Then::OverTcp);
         let pick = u.pick(&chain, now).unwrap();
         assert_eq!(pick.upstream, "a:1", "the same upstream, not passed over");
@@ -389,7 +391,7 @@ mod tests {
         };
         let mut u = UpstreamPolicy::new(RETRY);
         assert_eq!(
-            u.ended(("a:1", &chain), &named, (false, true), now),
+            u.ended("a:1", &chain, &named, false, true, now),
             Then::Reseed {
                 replid: "r".repeat(40),
                 m: 900
@@ -402,7 +404,7 @@ mod tests {
         );
         // Without [stream] reseed, or once starting over failed.
         assert_eq!(
-            u.ended(("a:1", &chain), &named, (false, false), now),
+            u.ended("a:1", &chain, &named, false, false, now),
             Then::Pause(TOO_OLD_PAUSE)
         );
         u.paused();
@@ -419,7 +421,7 @@ mod tests {
             },
         ] {
             assert_eq!(
-                u.ended(("a:1", &chain), &why, (false, false), now),
+                u.ended("a:1", &chain, &why, false, false, now),
                 Then::Pause(Duration::from_millis(200)),
                 "{why:?}"
             );
@@ -559,7 +561,7 @@ mod tests {
         let chain = chain(&["a:1"]);
         let now = Instant::now();
         let mut u = UpstreamPolicy::new(RETRY);
-        u.ended(("a:1", &chain), &Ended::Failed, (false, true), now);
+        u.ended("a:1", &chain, &Ended::Failed, false, true, now);
         assert_eq!(u.pick(&chain, now), None);
         u.chain_changed();
         assert_eq!(u.pick(&chain, now).unwrap().upstream, "a:1");

@@ -245,19 +245,32 @@ pub async fn run(pull: Arc<Pull>, stream: SharedLog, stop: CancellationToken) {
             diverged(&pull, &stream, (replid, *offset, *at), &upstream);
         }
         let progressed = stream.position() != before;
-        let at = (upstream.as_str(), upstreams.as_slice());
+        // With [stream] reseed: how to sync the snapshot the upstream named.
+        let snapshot = match (&pull.reseed, &e) {
+            (
+                Some(sync),
+                PullError::TooOld {
+                    continues: Some((id, ..)),
+                    ..
+                },
+            ) => Some((sync, id)),
+            _ => None,
+        };
+        let now = std::time::Instant::now();
         let mut then = policy.ended(
-            at,
+            &upstream,
+            &upstreams,
             &why,
-            (progressed, pull.reseed.is_some()),
-            std::time::Instant::now(),
+            progressed,
+            snapshot.is_some(),
+            now,
         );
-        if let Then::Reseed { replid, m } = then {
-            match reseed(&pull, &stream, &upstream, &e, (replid, m)).await {
+        if let (Then::Reseed { replid, m }, Some((sync, id))) = (&then, snapshot) {
+            match reseed(&pull, &stream, &upstream, (sync, id), (replid.clone(), *m)).await {
                 Ok(()) => continue,
                 Err(le) => {
                     warn!(instance = %pull.instance, error = %le, "the log cannot start over for a re-seeding");
-                    then = policy.ended(at, &why, (progressed, false), std::time::Instant::now());
+                    then = policy.ended(&upstream, &upstreams, &why, progressed, false, now);
                 }
             }
         }
@@ -298,25 +311,15 @@ fn count(pull: &Pull, e: &PullError) {
     }
 }
 
-/// Starts the log over at the upstream's snapshot (replication id, M)
-/// that `e` named, and syncs that snapshot from it.
+/// Starts the log over at the upstream's snapshot `id` (replication id,
+/// M) and syncs that snapshot from it with `sync`.
 async fn reseed(
     pull: &Pull,
     stream: &SharedLog,
     upstream: &str,
-    e: &PullError,
+    (sync, id): (&Reseed, &pb::SnapshotId),
     (replid, m): (String, u64),
 ) -> Result<(), LogError> {
-    let (
-        Some(sync),
-        PullError::TooOld {
-            continues: Some((id, ..)),
-            ..
-        },
-    ) = (&pull.reseed, e)
-    else {
-        unreachable!("the policy re-seeds only with [stream] reseed and a snapshot named");
-    };
     blocking(stream, move |s| s.write(|l| l.restart(&replid, m))).await?;
     warn!(instance = %pull.instance, %upstream, seq = id.seq, "re-seeding: the log starts over at the upstream's snapshot, which is synced from it");
     stream.set_state(format!(

@@ -11,7 +11,7 @@
 
 use tracing::error;
 
-use super::log::{self, LogError, ReadPlan};
+use super::log::{self, Log, LogError, ReadPlan};
 use super::{SharedLog, Stream};
 use crate::blk3::stream::Next;
 use crate::blk3::token::REPLID_LEN;
@@ -61,9 +61,7 @@ impl Stream {
 
     /// Bytes the log holds past `at`.
     pub fn held_past(&self, at: u64) -> u64 {
-        self.lock()
-            .position()
-            .map_or(0, |(_, end)| end.saturating_sub(at))
+        held_past(&self.lock(), at)
     }
 
     fn plan(&self, at: u64, replid: &str, due: &dyn Fn(u64) -> u64) -> Result<Plan, LogError> {
@@ -77,8 +75,7 @@ impl Stream {
                 .expect("the log keeps 40-byte ids");
             return Ok(Plan::Epoch(id));
         }
-        let held = log.position().map_or(0, |(_, end)| end.saturating_sub(at));
-        match due(held) as usize {
+        match due(held_past(&log, at)) as usize {
             0 => Ok(Plan::Wait),
             n => Ok(Plan::Read(log.plan(at)?, n)),
         }
@@ -102,6 +99,11 @@ impl Stream {
             false => Next::Bytes(run),
         })
     }
+}
+
+/// Bytes `log` holds past `at`.
+fn held_past(log: &Log, at: u64) -> u64 {
+    log.position().map_or(0, |(_, end)| end.saturating_sub(at))
 }
 
 #[cfg(test)]
