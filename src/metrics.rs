@@ -183,7 +183,7 @@ pub const STREAM_FALLBACKS: &[&str] = &[
 /// does not continue the stream, or exceeds the credit window; an
 /// acknowledgement of bytes never sent), or a replica asked for an offset
 /// the log does not hold, or an upstream still follows a history the
-/// replica's log left at a failover.
+/// replica's log left at a failover, or stands behind it on its history.
 pub const STREAM_REFUSALS: &[&str] = &[
     "forged",
     "discontinuous",
@@ -191,6 +191,7 @@ pub const STREAM_REFUSALS: &[&str] = &[
     "bad_ack",
     "too_old",
     "stale_upstream",
+    "upstream_behind",
     "bad_ring",
     "bad_header",
     "no_credit",

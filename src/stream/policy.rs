@@ -160,6 +160,36 @@ pub fn ack_offset(ack: StreamAck, end: u64, applied: Option<u64>, acked: u64) ->
     offset.map(|o| o.max(acked))
 }
 
+/// What an upstream's answer that it no longer holds the log's offset
+/// means, from where its own log stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NotHeld {
+    /// It still follows a history this log left at `left_at` (a failover
+    /// it has not followed) and went past that point: its bytes and its
+    /// snapshot hold writes lost to the failover. Nothing is taken from it.
+    Stale { left_at: u64 },
+    /// Its log stands on this log's own history, behind this log's end
+    /// (it is catching up, or started over at an older snapshot): it is
+    /// asked again, and its snapshot would only take the server back.
+    Behind,
+    /// It holds neither the offset nor any point of this log's history:
+    /// a snapshot of it may start this log over.
+    TooOld,
+}
+
+/// Reads an upstream's "too old" answer: its log stands at `theirs` (its
+/// current id and end); this log `left_at` that id for a later one (a
+/// promotion or restart), or stands at `ours`.
+pub fn not_held(theirs: (&str, u64), left_at: Option<u64>, ours: Option<(&str, u64)>) -> NotHeld {
+    let (id, end) = theirs;
+    match (left_at, ours) {
+        (Some(left_at), _) if end > left_at => NotHeld::Stale { left_at },
+        (Some(_), _) => NotHeld::Behind,
+        (None, Some((our_id, our_end))) if our_id == id && end <= our_end => NotHeld::Behind,
+        _ => NotHeld::TooOld,
+    }
+}
+
 /// How a session with an upstream ended, as the decisions need it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Ended {
@@ -305,6 +335,23 @@ mod tests {
     }
 
     const RETRY: Duration = Duration::from_secs(60);
+
+    #[test]
+    fn an_upstream_that_does_not_hold_the_offset_is_stale_behind_or_too_old() {
+        let ours = Some(("new", 900));
+        // On the history this log left at 500 for "new".
+        let stale = not_held(("old", 600), Some(500), ours);
+        assert_eq!(stale, NotHeld::Stale { left_at: 500 }, "past the point");
+        assert_eq!(not_held(("old", 500), Some(500), ours), NotHeld::Behind);
+        assert_eq!(not_held(("old", 0), Some(500), ours), NotHeld::Behind);
+        // On this log's current id.
+        assert_eq!(not_held(("new", 700), None, ours), NotHeld::Behind);
+        assert_eq!(not_held(("new", 1000), None, ours), NotHeld::TooOld);
+        // Elsewhere: another id, an empty log, or an empty upstream.
+        assert_eq!(not_held(("other", 10), None, ours), NotHeld::TooOld);
+        assert_eq!(not_held(("new", 10), None, None), NotHeld::TooOld);
+        assert_eq!(not_held(("", 0), None, ours), NotHeld::TooOld);
+    }
 
     #[test]
     fn a_failed_upstream_is_passed_over_for_a_while_then_the_nearest_again() {

@@ -32,7 +32,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::log::{LogError, Record};
-use super::policy::{Ended, Pick, Then, UpstreamPolicy, PASS_OVER};
+use super::policy::{self, Ended, NotHeld, Pick, Then, UpstreamPolicy, PASS_OVER};
 use super::source::{Source, Upstreams};
 use super::{SharedLog, Traffic};
 use crate::blk3::stream::{Receiver, StreamError, MAX_FRAME, STREAM_KEY_LEN};
@@ -127,6 +127,13 @@ pub enum PullError {
         end: u64,
         left_at: u64,
     },
+    #[error("the upstream agent {upstream} stands at offset {end} of {replid}, behind this log's {offset} on the same history (it is catching up): it is asked again, and its snapshot is not taken")]
+    Behind {
+        upstream: String,
+        replid: String,
+        end: u64,
+        offset: u64,
+    },
     #[error("the upstream's offer is unusable: {0}")]
     BadOffer(String),
     #[error(transparent)]
@@ -156,6 +163,7 @@ impl PullError {
             PullError::Ring(RingRunError::Ring(e)) => Some(e.label()),
             PullError::TooOld { .. } => Some("too_old"),
             PullError::Stale { .. } => Some("stale_upstream"),
+            PullError::Behind { .. } => Some("upstream_behind"),
             _ => None,
         }
     }
@@ -408,16 +416,34 @@ async fn ask(
     match pb::stream_offer::Answer::try_from(o.answer) {
         Ok(pb::stream_offer::Answer::Continue) => {}
         Ok(pb::stream_offer::Answer::TooOld) => {
-            // An upstream still on a history this log left is stale: its
-            // snapshot would feed the server the lost writes again.
-            let left_at = stream.view(|l| l.superseded_at(&o.log_replid));
-            if let Some(left_at) = left_at.filter(|&l| o.log_end > l) {
-                return Err(PullError::Stale {
-                    upstream,
-                    replid: crate::peer_text::escape_controls(&o.log_replid).into_owned(),
-                    end: o.log_end,
-                    left_at,
-                });
+            let not_held = stream.view(|l| {
+                let ours = l.position();
+                let ours = ours.as_ref().map(|(id, end)| (id.as_str(), *end));
+                policy::not_held(
+                    (&o.log_replid, o.log_end),
+                    l.superseded_at(&o.log_replid),
+                    ours.filter(|_| at.is_some()),
+                )
+            });
+            let theirs = || crate::peer_text::escape_controls(&o.log_replid).into_owned();
+            match not_held {
+                NotHeld::Stale { left_at } => {
+                    return Err(PullError::Stale {
+                        upstream,
+                        replid: theirs(),
+                        end: o.log_end,
+                        left_at,
+                    })
+                }
+                NotHeld::Behind => {
+                    return Err(PullError::Behind {
+                        upstream,
+                        replid: theirs(),
+                        end: o.log_end,
+                        offset,
+                    })
+                }
+                NotHeld::TooOld => {}
             }
             return Err(PullError::TooOld {
                 upstream,

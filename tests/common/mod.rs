@@ -205,10 +205,29 @@ impl AgentProcess {
     }
 }
 
+/// Lines of each agent's log a failed test prints (info and above).
+const LOG_TAIL: usize = 40;
+
 impl Drop for AgentProcess {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        // A failed test shows what its agents said last.
+        if std::thread::panicking() {
+            let log = self.log();
+            let lines: Vec<&str> = log.lines().filter(|l| !l.contains(" DEBUG ")).collect();
+            let tail = &lines[lines.len().saturating_sub(LOG_TAIL)..];
+            eprintln!(
+                "--- the last {} lines of agent {} (grpc {}):\n{}",
+                tail.len(),
+                self.child.id(),
+                self.ready
+                    .iter()
+                    .find(|(k, _)| k == "grpc")
+                    .map_or("?", |(_, v)| v.as_str()),
+                tail.join("\n")
+            );
+        }
     }
 }
 
