@@ -24,6 +24,7 @@ use crate::config::{Config, HandoffMode, InstanceConfig, RdmaProvider, Transport
 use crate::control::orchestrator::OrchestratorService;
 use crate::control::peer::PeerService;
 use crate::fanout::FanoutManager;
+use crate::instance::{Instance, Instances};
 use crate::kv::backlog::BacklogGuard;
 use crate::metrics::{self, Metrics};
 use crate::rpc::auth::{ServerAuth, Tokens};
@@ -37,7 +38,6 @@ use crate::stream::log::Log;
 use crate::stream::pull::{Pull, RingAsk};
 use crate::stream::source::{Source, Upstreams, Writers};
 use crate::stream::{SharedLog, Stream};
-use crate::sync::instance::{Instance, Instances};
 use crate::sync::offer::Offers;
 use crate::sync::serve::{self, DataEndpoints, DataPlane, SessionTable};
 use crate::sync::SyncManager;
@@ -761,7 +761,8 @@ fn follow_sentinels(
     parts: &Parts,
     stream: &SharedLog,
 ) {
-    use crate::stream::{failover, sentinel};
+    use crate::instance::failover;
+    use crate::stream::sentinel;
     let sentinels = sentinel::Sentinels {
         addrs: config.stream.sentinels.clone(),
         master_name: config.stream.master_name.clone(),

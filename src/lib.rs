@@ -15,6 +15,7 @@ pub mod control;
 pub mod fanout;
 #[doc(hidden)]
 pub mod fuzz_targets;
+pub mod instance;
 pub mod kv;
 pub mod metrics;
 pub mod peer_text;

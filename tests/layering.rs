@@ -256,6 +256,10 @@ fn the_table_lists_every_submodule_and_only_those() {
 fn the_check_sees_a_forbidden_import() {
     let layers = layers();
     assert!(layers["store"].0 > layers["transport"].0);
+    // The instance composes the jobs' parts: the snapshot jobs above it,
+    // the stream below it, never the other way.
+    assert!(layers["sync"].0 < layers["instance"].0);
+    assert!(layers["instance"].0 < layers["stream"].0);
     assert_eq!(named_modules("use crate::transport::tcp;"), ["transport"]);
     assert_eq!(
         named_modules("x = kvsync::cli::run(crate::store::cache::X);"),

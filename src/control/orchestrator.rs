@@ -12,17 +12,17 @@ use tonic::{Request, Response, Status};
 
 use crate::config::TransportMode;
 use crate::fanout::FanoutManager;
+use crate::instance::failover::{self, FailoverError};
+use crate::instance::{Instance, Instances};
 use crate::rpc::auth::ClientAuth;
 use crate::rpc::{is_terminal, pb};
 use crate::snapshot::Format;
 use crate::store::catalog::CatalogEntry;
-use crate::stream::failover::{self, FailoverError};
 use crate::stream::feed::FeedHandle;
 use crate::stream::hand::{self, HandError};
 use crate::stream::proof;
 use crate::stream::source::ChainError;
 use crate::stream::{Downstream, SharedLog};
-use crate::sync::instance::{Instance, Instances};
 use crate::sync::serve::{DataEndpoints, SessionTable};
 use crate::sync::{Pull, SyncManager};
 

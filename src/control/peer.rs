@@ -194,7 +194,7 @@ impl pb::peer_server::Peer for PeerService {
     ) -> Result<Response<pb::StreamSourceResponse>, Status> {
         let name = request.into_inner().instance;
         let (source, instance) = self.offers.stream_source(&name).map_err(ApiError::from)?;
-        let r = crate::stream::failover::own_report(&instance.config, source).await;
+        let r = crate::instance::failover::own_report(&instance.config, source).await;
         Ok(Response::new(pb::StreamSourceResponse {
             source: r.source,
             server: r.server,

@@ -25,10 +25,10 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::instance::Instances;
 use crate::metrics::Metrics;
 use crate::rpc::auth::ClientAuth;
 use crate::rpc::{is_terminal, pb, AgentChannel, Dialer};
-use crate::sync::instance::Instances;
 use crate::sync::{new_id, unix_ms, SyncError};
 use plan::Place;
 
@@ -105,7 +105,7 @@ impl FanoutManager {
         }
         let mut seen = std::collections::HashSet::new();
         for r in req.replicas.iter().chain([&req.origin]) {
-            if !crate::sync::is_agent_addr(r) {
+            if !crate::rpc::dial::is_agent_addr(r) {
                 return bad(format!("{r:?} is not an agent's gRPC address host:port"));
             }
         }

@@ -1,6 +1,7 @@
 //! How a process reaches an agent's gRPC server: plaintext or TLS, with the
 //! bearer token of its (reloadable) token file on every call, and which
-//! agents an allow list lets it dial. Used by replica agents to reach
+//! agents an allow list lets it dial, what an agent's address looks like
+//! and which name its certificate must carry. Used by replica agents to reach
 //! sources, by origins to reach a fan-out's replicas and by the CLI to
 //! reach agents.
 
@@ -167,9 +168,43 @@ fn is_local(addr: &str) -> bool {
     }
 }
 
+/// Longest accepted agent address.
+const MAX_ADDR_LEN: usize = 256;
+
+/// Whether `addr` has the form of an agent's gRPC address (`host:port`).
+pub fn is_agent_addr(addr: &str) -> bool {
+    !addr.is_empty()
+        && addr.len() <= MAX_ADDR_LEN
+        && !addr.contains(['/', ' '])
+        && !crate::peer_text::has_control(addr)
+        && addr.contains(':')
+}
+
+/// The name an agent's certificate must carry: `[tls] server_name`, or
+/// else the host of the agent's gRPC address, as for gRPC.
+pub fn tls_name(server_name: &str, agent_addr: &str) -> String {
+    if !server_name.is_empty() {
+        return server_name.to_string();
+    }
+    agent_addr
+        .parse::<crate::config::HostPort>()
+        .map_or(agent_addr.to_string(), |a| a.host)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_certificate_name_is_the_configured_one_or_the_source_host() {
+        assert_eq!(
+            tls_name("agents.example", "10.0.0.1:7000"),
+            "agents.example"
+        );
+        assert_eq!(tls_name("", "src-a.example:7000"), "src-a.example");
+        assert_eq!(tls_name("", "[fd00::1]:7000"), "fd00::1");
+        assert_eq!(tls_name("", "bare-host"), "bare-host");
+    }
 
     #[test]
     fn allow_lists_match_the_address_or_the_proved_host_never_the_claimed_node_id() {

@@ -13,5 +13,7 @@ pub mod cache;
 pub mod catalog;
 pub mod install;
 pub mod journal;
+pub mod relay;
+pub mod room;
 pub mod served;
 pub mod watch;

@@ -46,6 +46,7 @@ use super::SharedLog;
 use crate::config::StreamAck;
 use crate::kv::resp;
 use crate::metrics::Metrics;
+use crate::store::room::{Room, RoomError};
 
 /// The end of a `REPLCONF GETACK *` in the stream: the primary asks its
 /// replicas where they stand (as `WAIT` does), and a replica answers at
@@ -140,7 +141,7 @@ pub enum FollowError {
     RdbRefused {
         addr: String,
         #[source]
-        source: crate::sync::error::JobError,
+        source: RoomError,
     },
     #[error(transparent)]
     Log(#[from] LogError),
@@ -445,16 +446,18 @@ async fn receive_rdb(
             answer: line.clone(),
         })?;
     let dir = follow.snapshot_dir.clone();
-    let limits = crate::sync::policy::Room {
+    let limits = Room {
         max_snapshot_bytes: follow.max_rdb,
         min_free_after: follow.min_free_after,
         dir: &dir,
     };
     let free = crate::sys::fs::free_bytes(&dir).map_err(FollowError::Rdb)?;
-    crate::sync::policy::fits(&limits, len, free).map_err(|source| FollowError::RdbRefused {
-        addr: follow.primary.clone(),
-        source,
-    })?;
+    limits
+        .fits(len, free)
+        .map_err(|source| FollowError::RdbRefused {
+            addr: follow.primary.clone(),
+            source,
+        })?;
     let tmp = tempfile::Builder::new()
         .prefix(".kvsync-stream-")
         .suffix(".tmp")

@@ -5,14 +5,13 @@
 //! master ([`feed`]), which can hand the server to the primary and take it
 //! back ([`hand`]). Whom the log follows, and the switch from one to the
 //! other at a failover, is [`source`]'s; a failover is taken by
-//! [`failover`], told by an orchestrator or by Redis Sentinel
-//! ([`sentinel`]). The agent that follows a primary
+//! [`crate::instance::failover`], told by an orchestrator or by Redis
+//! Sentinel ([`sentinel`]). The agent that follows a primary
 //! also watches its write safety ([`safety`]). [`Stream`] is one instance's
 //! log as its writer and its readers share it, with what the servers fed
 //! from it acknowledged ([`Downstream`]) and a reader's check that sends a
 //! damaged record back to its writer to fetch again.
 
-pub mod failover;
 pub mod feed;
 pub mod follow;
 pub mod hand;

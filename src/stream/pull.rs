@@ -529,7 +529,7 @@ async fn session(
         (false, _) => None,
         (true, Some(config)) => Some(StreamTls {
             config: config.clone(),
-            name: crate::sync::policy::tls_name(&pull.tls_server_name, upstream),
+            name: crate::rpc::dial::tls_name(&pull.tls_server_name, upstream),
         }),
         (true, None) => {
             return Err(PullError::BadOffer(

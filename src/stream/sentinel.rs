@@ -12,7 +12,7 @@
 //! reported, never followed, and an agreed answer under an older epoch
 //! than the one followed is never taken. [`apply`] takes each address the
 //! way `kvsync stream follow --primary` does
-//! ([`super::failover::follow_primary`]), again and again until it is
+//! ([`crate::instance::failover::follow_primary`]), again and again until it is
 //! taken (the promoted server's agent may not have moved yet), and until
 //! the old primary is re-attached too (it may be down).
 

@@ -2,7 +2,7 @@
 //! primary, as one of its replicas ([`super::follow`]), or agents, nearest
 //! first ([`super::pull`]). The source starts as the configuration says
 //! (`[redis] primary_addr` or `[stream] upstream`); a fan-out sets a chain
-//! of agents and a failover a new primary ([`super::failover`]), and what
+//! of agents and a failover a new primary ([`crate::instance::failover`]), and what
 //! was set is kept in the log's directory for as long as the configuration
 //! names the same source. [`run`] runs the writer the source of the moment
 //! needs and switches writers when the source changes kind; the log and
@@ -105,7 +105,7 @@ impl Upstreams {
         if chain.is_empty() || chain.len() > MAX_CHAIN {
             return Err(ChainError::Length);
         }
-        if let Some(bad) = chain.iter().find(|u| !crate::sync::is_agent_addr(u)) {
+        if let Some(bad) = chain.iter().find(|u| !crate::rpc::dial::is_agent_addr(u)) {
             return Err(ChainError::NotAnAgent(bad.clone()));
         }
         if let Some(bad) = chain

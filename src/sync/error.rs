@@ -9,6 +9,7 @@ use std::sync::Arc;
 use crate::blk3::Blk3Error;
 use crate::kv::handoff::HandoffError;
 use crate::store::install::InstallError;
+use crate::store::room::RoomError;
 use crate::transport::session::{DialError, LinkError};
 
 /// Why a sync failed.
@@ -41,18 +42,10 @@ pub enum JobError {
     /// The transfer thread panicked (a bug); nothing was installed.
     #[error("internal error in the transfer: {0}")]
     Panicked(String),
-    /// The offered snapshot is larger than this agent accepts.
-    #[error("the source offers a {size}-byte snapshot, more than sync.max_snapshot_bytes ({max}); raise it to accept this snapshot")]
-    TooLarge { size: u64, max: u64 },
-    /// The snapshot directory's file system cannot take the snapshot and
-    /// keep its headroom.
-    #[error("not enough free space in {}: the snapshot needs {size} bytes, {free} are free and sync.min_free_after keeps {keep} free; free space or lower sync.min_free_after", dir.display())]
-    NoRoom {
-        dir: PathBuf,
-        size: u64,
-        free: u64,
-        keep: u64,
-    },
+    /// The offered snapshot is larger than this agent accepts, or its
+    /// directory cannot take it.
+    #[error(transparent)]
+    Room(#[from] RoomError),
     /// RDMA was required but cannot be used, and fallback is off.
     #[error("rdma required but unavailable: {0} (set transport.fallback_to_tcp = true or use mode auto)")]
     RdmaUnavailable(String),

@@ -35,7 +35,7 @@ use crate::transport::{ktls, select, Faults, TransportKind};
 pub use super::error::JobError;
 use super::policy::{self, Asked, Attempts, Next, Offer, TransportPlan};
 use super::receive::{Received, Receiver};
-use super::relay::RelayTable;
+use crate::store::relay::RelayTable;
 
 /// A Peer client presenting this agent's token.
 type PeerClient = pb::peer_client::PeerClient<AgentChannel>;
@@ -921,7 +921,7 @@ fn dial_spec(ctx: &JobContext, offer: &Offer, kind: TransportKind) -> Result<Dia
     let tls = match (&ctx.dialer.data_tls, offer.data_tls && rdma.is_none()) {
         (Some(config), true) => Some(ClientTls {
             config: config.clone(),
-            name: policy::tls_name(&ctx.config.tls.server_name, &ctx.source),
+            name: crate::rpc::dial::tls_name(&ctx.config.tls.server_name, &ctx.source),
             kernel: ktls::use_kernel(ctx.config.data.kernel_tls, offer.snapshot.size),
         }),
         (None, true) => {

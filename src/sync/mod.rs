@@ -1,23 +1,22 @@
 //! Sync jobs: what drives a full sync end to end, for each role.
 //!
 //! [`SyncManager`] owns the replica-side jobs of this agent, for every
-//! [`instance`] it serves: starting one (or returning the running one for
+//! [`crate::instance`] it serves: starting one (or returning the running one for
 //! the same instance and source), their progress as a
 //! watchable [`pb::SyncProgress`], cancellation, and the list of recent
 //! finished syncs. The job itself is driven by [`job`] and decided by
 //! [`policy`], its receiving end is [`receive`] (run on several TCP
 //! streams at once by [`streams`]), why it failed is [`error`]. The source
 //! role: [`offer`] turns a replica's request into an offered session,
-//! [`serve`] holds the sessions and serves their data connections, and
-//! [`relay`] is what this agent passes on to other replicas.
+//! [`serve`] holds the sessions and serves their data connections
+//! (what this agent passes on to other replicas is
+//! [`crate::store::relay`]).
 
 pub mod error;
-pub mod instance;
 pub mod job;
 pub mod offer;
 pub mod policy;
 pub mod receive;
-pub mod relay;
 pub mod serve;
 pub mod streams;
 
@@ -106,8 +105,6 @@ pub struct Pull {
     pub source_instance: String,
 }
 
-/// Longest accepted source address.
-const MAX_ADDR_LEN: usize = 256;
 /// Most upstream sources of one sync (a fan-out tree's depth).
 const MAX_UPSTREAM: usize = 16;
 
@@ -138,7 +135,7 @@ impl SyncManager {
     /// into it from the same source. Returns (id, created).
     pub fn start(
         self: &Arc<Self>,
-        instance: &Arc<instance::Instance>,
+        instance: &Arc<crate::instance::Instance>,
         pull: Pull,
     ) -> Result<(String, bool), SyncError> {
         let source = self.check_source(&pull.source)?;
@@ -235,7 +232,7 @@ impl SyncManager {
     /// The trimmed source address, if a sync may pull from it now.
     fn check_source<'a>(&self, source: &'a str) -> Result<&'a str, SyncError> {
         let source = source.trim();
-        if !is_agent_addr(source) {
+        if !crate::rpc::dial::is_agent_addr(source) {
             return Err(SyncError::BadRequest(format!(
                 "source must be the source agent's gRPC address host:port, got {source:?}"
             )));
@@ -335,15 +332,6 @@ impl SyncManager {
             r.cancel.cancel();
         }
     }
-}
-
-/// Whether `addr` has the form of an agent's gRPC address (`host:port`).
-pub fn is_agent_addr(addr: &str) -> bool {
-    !addr.is_empty()
-        && addr.len() <= MAX_ADDR_LEN
-        && !addr.contains(['/', ' '])
-        && !crate::peer_text::has_control(addr)
-        && addr.contains(':')
 }
 
 /// A short random id (hex).

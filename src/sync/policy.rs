@@ -11,8 +11,9 @@ use std::time::Duration;
 
 use crate::blk3::token::SESSION_TOKEN_LEN;
 use crate::blk3::Blk3Error;
-use crate::config::{DataTls, HostPort, SyncConfig, TransportMode};
+use crate::config::{DataTls, SyncConfig, TransportMode};
 use crate::snapshot::{Format, SnapshotId};
+use crate::store::room::Room;
 use crate::transport::rdma::RdmaError;
 use crate::transport::session::LinkError;
 use crate::transport::tcp::TcpError;
@@ -191,37 +192,7 @@ pub fn within_limits(
         min_free_after: limits.min_free_after,
         dir: limits.dir,
     };
-    fits(&room, offer.snapshot.size, free)
-}
-
-/// What a snapshot written into `dir` may take: at most
-/// `max_snapshot_bytes`, leaving `min_free_after` free.
-#[derive(Debug, Clone, Copy)]
-pub struct Room<'a> {
-    pub max_snapshot_bytes: u64,
-    pub min_free_after: u64,
-    pub dir: &'a Path,
-}
-
-/// That a snapshot of `size` bytes may be written into `limits.dir`,
-/// whose file system has `free` bytes: at most `sync.max_snapshot_bytes`,
-/// leaving `sync.min_free_after`. Checked before a byte is written,
-/// whoever announced the size (a source's offer, a primary's full resync).
-pub fn fits(limits: &Room, size: u64, free: u64) -> Result<(), JobError> {
-    let max = limits.max_snapshot_bytes;
-    if size > max {
-        return Err(JobError::TooLarge { size, max });
-    }
-    let keep = limits.min_free_after;
-    if size.saturating_add(keep) > free {
-        return Err(JobError::NoRoom {
-            dir: limits.dir.to_owned(),
-            size,
-            free,
-            keep,
-        });
-    }
-    Ok(())
+    Ok(room.fits(offer.snapshot.size, free)?)
 }
 
 /// RDMA pins the receive memory: an RDMA offer larger than the memory
@@ -344,17 +315,6 @@ pub fn fallback_reason(err: &JobError) -> Option<&'static str> {
         JobError::Protocol(_) => "protocol",
         _ => return None,
     })
-}
-
-/// The name the source's certificate must carry: `[tls] server_name`, or
-/// else the host of the source's gRPC address, as for gRPC.
-pub fn tls_name(server_name: &str, source_addr: &str) -> String {
-    if !server_name.is_empty() {
-        return server_name.to_string();
-    }
-    source_addr
-        .parse::<HostPort>()
-        .map_or(source_addr.to_string(), |a| a.host)
 }
 
 #[cfg(test)]

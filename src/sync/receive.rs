@@ -34,7 +34,7 @@ use crate::transport::session::SessionResult;
 use crate::transport::{Sink, SinkError, Want};
 
 use super::error::JobError;
-use super::relay::{Registration, RelayTable};
+use crate::store::relay::{Registration, RelayTable};
 
 /// Verified pieces between two journal updates.
 pub const JOURNAL_EVERY: u32 = 8;

@@ -2,6 +2,8 @@
 
 use std::net::SocketAddr;
 use std::path::Path;
+
+use crate::store::room::RoomError;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -213,13 +215,13 @@ fn size_and_free_space_limits_hold_at_their_edges() {
     assert!(at(100 * MIB, u64::MAX).is_ok());
     assert!(matches!(
         at(100 * MIB + 1, u64::MAX),
-        Err(JobError::TooLarge { max, .. }) if max == 100 * MIB
+        Err(JobError::Room(RoomError::TooLarge { max, .. })) if max == 100 * MIB
     ));
     // The snapshot plus the kept headroom must fit.
     assert!(at(50 * MIB, 60 * MIB).is_ok());
     assert!(matches!(
         at(50 * MIB, 60 * MIB - 1),
-        Err(JobError::NoRoom { keep, .. }) if keep == 10 * MIB
+        Err(JobError::Room(RoomError::NoRoom { keep, .. })) if keep == 10 * MIB
     ));
     assert!(at(u64::MAX / 2, u64::MAX / 2).is_err(), "no overflow");
 }
@@ -281,7 +283,7 @@ fn local_and_operator_failures_end_the_job_even_with_upstreams() {
     for err in [
         local_failure(),
         JobError::Cancelled,
-        JobError::TooLarge { size: 2, max: 1 },
+        JobError::Room(RoomError::TooLarge { size: 2, max: 1 }),
     ] {
         assert_eq!(next(&err, 1, 0, true), Next::GiveUp, "{err}");
     }
@@ -344,17 +346,6 @@ fn backoff_doubles_caps_and_takes_its_jitter() {
     assert_eq!(b(60, 1.0), max, "no shift overflow");
     assert_eq!(b(0, 1.0), base);
     assert_eq!(b(2, 0.75), Duration::from_millis(150));
-}
-
-#[test]
-fn the_certificate_name_is_the_configured_one_or_the_source_host() {
-    assert_eq!(
-        tls_name("agents.example", "10.0.0.1:7000"),
-        "agents.example"
-    );
-    assert_eq!(tls_name("", "src-a.example:7000"), "src-a.example");
-    assert_eq!(tls_name("", "[fd00::1]:7000"), "fd00::1");
-    assert_eq!(tls_name("", "bare-host"), "bare-host");
 }
 
 #[test]

@@ -8,16 +8,18 @@
 //! A request names an instance, or none; [`Instances::resolve`] is the one
 //! rule for which instance that means.
 
+pub mod failover;
+
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, RwLock};
 
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use super::relay::RelayTable;
 use crate::config::{Config, InstanceConfig};
 use crate::kv::backlog::BacklogGuard;
 use crate::store::catalog::Catalog;
+use crate::store::relay::RelayTable;
 use crate::stream::SharedLog;
 
 /// One KV instance and its parts.

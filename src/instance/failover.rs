@@ -1,9 +1,9 @@
 //! A failover as one instance's agent takes it (`kvsync stream follow
 //! --primary`, an orchestrator's call, or the Sentinels' majority through
-//! [`super::sentinel`]): which primary the stream log follows from now on,
+//! [`crate::stream::sentinel`]): which primary the stream log follows from now on,
 //! and through whom. The agent next to the promoted server follows that
 //! server as its replica: the log continues under the new replication id
-//! from the promotion point ([`super::follow`], which drops and reports
+//! from the promotion point ([`crate::stream::follow`], which drops and reports
 //! what the log holds past that point). Every other agent follows the
 //! agent that does, found among its peers by what each one's log follows.
 //! The agent of the old primary also re-attaches its server as a replica
@@ -14,7 +14,7 @@
 //! Everything is decided before anything changes: the named primary must
 //! be the local server (promoted by now) or a peer's log must follow it,
 //! and the old primary's agent points its server only at an address
-//! [`super::proof`] proves, whose server reports the `run_id` its agent
+//! [`crate::stream::proof`] proves, whose server reports the `run_id` its agent
 //! gave and answers as a primary. A refused call changes nothing and says
 //! why; the re-attach comes last, and one that could not be done (the old
 //! primary is down) is reported as pending, to be tried again. The
@@ -25,14 +25,14 @@
 
 use std::future::Future;
 
-use super::proof::{configured_peers, prove, same_addr, PeerReport, Proof, Unproved};
-use super::source::{ChainError, Source};
+use super::Instance;
 use crate::config::{Config, HostPort};
 use crate::kv::redis::{Info, RedisError};
 use crate::rpc::auth::ClientAuth;
 use crate::rpc::dial::Dialer;
 use crate::rpc::pb;
-use crate::sync::instance::Instance;
+use crate::stream::proof::{configured_peers, prove, same_addr, PeerReport, Proof, Unproved};
+use crate::stream::source::{ChainError, Source};
 
 /// Why a failover was not taken; nothing was changed.
 #[derive(Debug, thiserror::Error)]
