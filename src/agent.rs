@@ -789,12 +789,7 @@ fn follow_sentinels(
         instance.stop.clone(),
     ));
     let (instances, name) = (parts.instances.clone(), name.to_string());
-    let ask = failover::peer_asker(
-        parts.dialer.clone(),
-        config,
-        config.stream.upstream_instance_of(&name),
-        None,
-    );
+    let ask = failover::peer_asker(parts.dialer.clone(), instance, None);
     let follow = move |addr: String| {
         let (instances, name, ask) = (instances.clone(), name.clone(), ask.clone());
         async move {

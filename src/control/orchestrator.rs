@@ -20,7 +20,6 @@ use crate::snapshot::Format;
 use crate::store::catalog::CatalogEntry;
 use crate::stream::feed::FeedHandle;
 use crate::stream::hand::{self, HandError};
-use crate::stream::proof;
 use crate::stream::source::ChainError;
 use crate::stream::{Downstream, SharedLog};
 use crate::sync::serve::{DataEndpoints, SessionTable};
@@ -77,7 +76,7 @@ impl OrchestratorService {
         let (redis, timeout) = (&i.config.redis, i.config.handoff.timeout);
         let done = match release {
             true => {
-                let ask = self.ask_peers(&i, None);
+                let ask = failover::peer_asker(self.dialer.clone(), &i, None);
                 hand::release(&i.config, req.primary.trim(), ask, &feed, &stream).await
             }
             false => hand::attach(redis, timeout, &feed, &stream).await,
@@ -89,20 +88,6 @@ impl OrchestratorService {
                 }
                 _ => Status::failed_precondition(e.to_string()),
             })
-    }
-
-    /// How instance `i` asks its peers what they follow and which server
-    /// they sit beside ([`failover::peer_report`]).
-    /// Peers a caller named are asked with the caller's token (`auth`;
-    /// `None`: only configured peers are asked).
-    fn ask_peers(
-        &self,
-        i: &Instance,
-        auth: Option<ClientAuth>,
-    ) -> impl Fn(String) -> futures::future::BoxFuture<'static, Result<proof::PeerReport, String>>
-    {
-        let instance = i.config.stream.upstream_instance_of(&i.name);
-        failover::peer_asker(self.dialer.clone(), &i.config, instance, auth)
     }
 
     /// What one instance holds and does now.
@@ -446,7 +431,7 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
         let auth = ClientAuth::of(&request);
         let req = request.into_inner();
         let i = self.instance(&req.instance)?;
-        let ask = self.ask_peers(&i, Some(auth));
+        let ask = failover::peer_asker(self.dialer.clone(), &i, Some(auth));
         let followed = failover::follow_primary(&i, &req.primary, &req.peers, ask)
             .await
             .map_err(|e| match e {

@@ -31,7 +31,9 @@ use crate::kv::redis::{Info, RedisError};
 use crate::rpc::auth::ClientAuth;
 use crate::rpc::dial::Dialer;
 use crate::rpc::pb;
-use crate::stream::proof::{configured_peers, prove, same_addr, PeerReport, Proof, Unproved};
+use crate::stream::proof::{
+    configured_peers, prove, same_addr, AskError, PeerReport, Proof, Unproved,
+};
 use crate::stream::source::{ChainError, Source};
 
 /// Why a failover was not taken; nothing was changed.
@@ -98,7 +100,7 @@ pub async fn follow_primary<F, Fut>(
 ) -> Result<Followed, FailoverError>
 where
     F: Fn(String) -> Fut,
-    Fut: Future<Output = Result<PeerReport, String>>,
+    Fut: Future<Output = Result<PeerReport, AskError>>,
 {
     let primary = primary.trim();
     let Ok(new) = primary.parse::<HostPort>() else {
@@ -129,7 +131,7 @@ where
             asked_peers.push(p);
         }
     }
-    let reports: Vec<(String, Result<PeerReport, String>)> = futures::future::join_all(
+    let reports: Vec<(String, Result<PeerReport, AskError>)> = futures::future::join_all(
         asked_peers
             .iter()
             .map(|p| async { (p.clone(), ask(p.clone()).await) }),
@@ -338,18 +340,19 @@ pub async fn own_report(c: &Config, source: String) -> PeerReport {
     }
 }
 
-/// The `ask` of [`follow_primary`] and of a release: [`peer_report`] of
-/// the peers' `instance`, dialled with `dialer`. A configured peer of `c`
-/// (`[stream] peers`, `upstream`) is asked with this agent's own token;
-/// any other (one a caller named) only with the `caller`'s token, never
-/// this agent's (`None`: no caller, only configured peers are asked).
+/// The `ask` of [`follow_primary`] and of a release for instance `i`:
+/// [`peer_report`] of the peers' instance that `i`'s log follows, dialled
+/// with `dialer`. A configured peer of `i` (`[stream] peers`, `upstream`)
+/// is asked with this agent's own token; any other (one a caller named)
+/// only with the `caller`'s token, never this agent's (`None`: no caller,
+/// only configured peers are asked).
 pub fn peer_asker(
     dialer: Dialer,
-    c: &Config,
-    instance: String,
+    i: &Instance,
     caller: Option<ClientAuth>,
-) -> impl Fn(String) -> futures::future::BoxFuture<'static, Result<PeerReport, String>> + Clone {
-    let configured = configured_peers(c);
+) -> impl Fn(String) -> futures::future::BoxFuture<'static, Result<PeerReport, AskError>> + Clone {
+    let configured = configured_peers(&i.config);
+    let instance = i.config.stream.upstream_instance_of(&i.name);
     move |peer: String| {
         let (dialer, instance) = (dialer.clone(), instance.clone());
         let who = match configured.contains(&peer) {
@@ -358,7 +361,7 @@ pub fn peer_asker(
         };
         Box::pin(async move {
             let Some(who) = who else {
-                return Err("not a configured peer".to_string());
+                return Err(AskError::NotConfigured);
             };
             peer_report(&dialer, &peer, &instance, who).await
         })
@@ -373,20 +376,20 @@ pub async fn peer_report(
     peer: &str,
     instance: &str,
     as_caller: Option<ClientAuth>,
-) -> Result<PeerReport, String> {
+) -> Result<PeerReport, AskError> {
     const CALL: std::time::Duration = std::time::Duration::from_secs(10);
     let channel = match as_caller {
         None => dialer.connect(peer, CALL).await,
         Some(auth) => dialer.connect_as(peer, CALL, auth).await,
     }
-    .map_err(|e| format!("unreachable: {e}"))?;
+    .map_err(|e| AskError::Unreachable(e.to_string()))?;
     let mut client = pb::peer_client::PeerClient::new(channel);
     let request = pb::StreamSourceRequest {
         instance: instance.to_string(),
     };
     tokio::time::timeout(CALL, client.get_stream_source(request))
         .await
-        .map_err(|_| format!("no answer within {CALL:?}"))?
+        .map_err(|_| AskError::Silent(CALL))?
         .map(|r| {
             let r = r.into_inner();
             PeerReport {
@@ -395,5 +398,5 @@ pub async fn peer_report(
                 run_id: r.server_run_id,
             }
         })
-        .map_err(|s| format!("refused: {}", s.message()))
+        .map_err(|s| AskError::Refused(s.message().to_string()))
 }

@@ -15,7 +15,7 @@ use tracing::info;
 use super::feed::FeedHandle;
 #[cfg(doc)]
 use super::log::Log;
-use super::proof::{prove_asking, PeerReport, Unproved};
+use super::proof::{prove_asking, AskError, PeerReport, Unproved};
 use super::{Downstream, SharedLog};
 use crate::config::{Config, HostPort, RedisConfig};
 use crate::kv::redis::{connect, info, infos, server_err, RedisError};
@@ -80,7 +80,7 @@ pub async fn release<F, Fut>(
 ) -> Result<String, HandError>
 where
     F: Fn(String) -> Fut,
-    Fut: std::future::Future<Output = Result<PeerReport, String>>,
+    Fut: std::future::Future<Output = Result<PeerReport, AskError>>,
 {
     let (cfg, timeout) = (&c.redis, c.handoff.timeout);
     let primary = match (primary, cfg.primary.as_str()) {

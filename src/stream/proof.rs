@@ -70,6 +70,20 @@ impl std::fmt::Display for Proof {
     }
 }
 
+/// Why a peer's report could not be had.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AskError {
+    /// A caller named it, and no caller's token came to ask it with.
+    #[error("not a configured peer")]
+    NotConfigured,
+    #[error("unreachable: {0}")]
+    Unreachable(String),
+    #[error("no answer within {0:?}")]
+    Silent(std::time::Duration),
+    #[error("refused: {0}")]
+    Refused(String),
+}
+
 /// Why an address is not acted on.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("nothing proves the server {addr}: it is not in [redis] server_addr, primary_addr or primary, nor in [stream] servers, and no configured peer ([stream] peers, upstream) reports it as its server{}; add it to [stream] servers (or its agent to [stream] peers) if it is one of this instance's servers", asked.as_deref().map(|a| format!(" (asked: {a})")).unwrap_or_default())]
@@ -177,7 +191,7 @@ fn is_link_local(ip: std::net::IpAddr) -> bool {
 pub async fn prove(
     c: &Config,
     addr: &str,
-    reports: &[(String, Result<PeerReport, String>)],
+    reports: &[(String, Result<PeerReport, AskError>)],
 ) -> Result<Proof, Unproved> {
     for (setting, named) in configured(c) {
         if same_addr(named, addr).await {
@@ -219,7 +233,7 @@ pub async fn prove(
 pub async fn prove_asking<F, Fut>(c: &Config, addr: &str, ask: F) -> Result<Proof, Unproved>
 where
     F: Fn(String) -> Fut,
-    Fut: std::future::Future<Output = Result<PeerReport, String>>,
+    Fut: std::future::Future<Output = Result<PeerReport, AskError>>,
 {
     if let Ok(proof) = prove(c, addr, &[]).await {
         return Ok(proof);
@@ -242,7 +256,7 @@ mod tests {
         toml::from_str(toml).unwrap()
     }
 
-    fn report(server: &str, run_id: &str) -> Result<PeerReport, String> {
+    fn report(server: &str, run_id: &str) -> Result<PeerReport, AskError> {
         Ok(PeerReport {
             source: "primary 10.0.0.1:6379".into(),
             server: server.into(),
