@@ -416,50 +416,13 @@ async fn ask(
     match pb::stream_offer::Answer::try_from(o.answer) {
         Ok(pb::stream_offer::Answer::Continue) => {}
         Ok(pb::stream_offer::Answer::TooOld) => {
-            let not_held = stream.view(|l| {
-                let ours = l.position();
-                let ours = ours.as_ref().map(|(id, end)| (id.as_str(), *end));
-                policy::not_held(
-                    (&o.log_replid, o.log_end),
-                    l.superseded_at(&o.log_replid),
-                    ours.filter(|_| at.is_some()),
-                )
-            });
-            let theirs = || crate::peer_text::escape_controls(&o.log_replid).into_owned();
-            match not_held {
-                NotHeld::Stale { left_at } => {
-                    return Err(PullError::Stale {
-                        upstream,
-                        replid: theirs(),
-                        end: o.log_end,
-                        left_at,
-                    })
-                }
-                NotHeld::Behind => {
-                    return Err(PullError::Behind {
-                        upstream,
-                        replid: theirs(),
-                        end: o.log_end,
-                        offset,
-                    })
-                }
-                NotHeld::TooOld => {}
-            }
-            return Err(PullError::TooOld {
+            return Err(not_held(
                 upstream,
-                replid,
-                offset,
-                held: crate::peer_text::escape_controls(&o.held).into_owned(),
-                snapshot: o
-                    .snapshot
-                    .as_ref()
-                    .map(|s| format!("snapshot of seq {}", s.seq)),
-                continues: o
-                    .snapshot
-                    .filter(|_| !o.replid.is_empty())
-                    .map(|s| (s, o.replid, o.offset)),
-                diverged_at: Some(o.diverged_at).filter(|&at| at > 0 && at < offset),
-            });
+                stream,
+                at.is_some(),
+                (replid, offset),
+                o,
+            ))
         }
         _ => return Err(bad("it answers neither continue nor too old")),
     }
@@ -504,6 +467,57 @@ async fn ask(
         return Err(bad("its credit window is outside 1 MiB to 256 MiB"));
     }
     Ok(offer)
+}
+
+/// Why an upstream that answered "too old" to (`replid`, `offset`) is not
+/// followed, from where its log stands (`o`) and this log's history
+/// (`held`: the log holds a stream): stale, behind, or too old.
+fn not_held(
+    upstream: String,
+    stream: &SharedLog,
+    held: bool,
+    (replid, offset): (String, u64),
+    o: pb::StreamOffer,
+) -> PullError {
+    let not_held = stream.view(|l| {
+        let ours = l.position();
+        let ours = ours.as_ref().map(|(id, end)| (id.as_str(), *end));
+        policy::not_held(
+            (&o.log_replid, o.log_end),
+            l.superseded_at(&o.log_replid),
+            ours.filter(|_| held),
+        )
+    });
+    let theirs = || crate::peer_text::escape_controls(&o.log_replid).into_owned();
+    match not_held {
+        NotHeld::Stale { left_at } => PullError::Stale {
+            upstream,
+            replid: theirs(),
+            end: o.log_end,
+            left_at,
+        },
+        NotHeld::Behind => PullError::Behind {
+            upstream,
+            replid: theirs(),
+            end: o.log_end,
+            offset,
+        },
+        NotHeld::TooOld => PullError::TooOld {
+            upstream,
+            replid,
+            offset,
+            held: crate::peer_text::escape_controls(&o.held).into_owned(),
+            snapshot: o
+                .snapshot
+                .as_ref()
+                .map(|s| format!("snapshot of seq {}", s.seq)),
+            continues: o
+                .snapshot
+                .filter(|_| !o.replid.is_empty())
+                .map(|s| (s, o.replid, o.offset)),
+            diverged_at: Some(o.diverged_at).filter(|&at| at > 0 && at < offset),
+        },
+    }
 }
 
 /// Where the log asks to continue from: its end, else the newest of this
