@@ -179,7 +179,8 @@ pub enum NotHeld {
 
 /// Reads an upstream's "too old" answer: its log stands at `theirs` (its
 /// current id and end); this log `left_at` that id for a later one (a
-/// promotion or restart), or stands at `ours`.
+/// promotion or restart), and asked to continue from `ours` (its end, or
+/// the snapshot an empty log continues).
 pub fn not_held(theirs: (&str, u64), left_at: Option<u64>, ours: Option<(&str, u64)>) -> NotHeld {
     let (id, end) = theirs;
     match (left_at, ours) {

@@ -416,13 +416,7 @@ async fn ask(
     match pb::stream_offer::Answer::try_from(o.answer) {
         Ok(pb::stream_offer::Answer::Continue) => {}
         Ok(pb::stream_offer::Answer::TooOld) => {
-            return Err(not_held(
-                upstream,
-                stream,
-                at.is_some(),
-                (replid, offset),
-                o,
-            ))
+            return Err(not_held(upstream, stream, at.cloned(), o))
         }
         _ => return Err(bad("it answers neither continue nor too old")),
     }
@@ -469,25 +463,25 @@ async fn ask(
     Ok(offer)
 }
 
-/// Why an upstream that answered "too old" to (`replid`, `offset`) is not
-/// followed, from where its log stands (`o`) and this log's history
-/// (`held`: the log holds a stream): stale, behind, or too old.
+/// Why an upstream that answered "too old" to the point this log asked
+/// from (`asked`: its end, or the snapshot an empty log continues; `None`:
+/// from nothing) is not followed, from where the upstream's log stands
+/// (`o`) and this log's history: stale, behind, or too old.
 fn not_held(
     upstream: String,
     stream: &SharedLog,
-    held: bool,
-    (replid, offset): (String, u64),
+    asked: Option<(String, u64)>,
     o: pb::StreamOffer,
 ) -> PullError {
+    let ours = asked.as_ref().map(|(id, at)| (id.as_str(), *at));
     let not_held = stream.view(|l| {
-        let ours = l.position();
-        let ours = ours.as_ref().map(|(id, end)| (id.as_str(), *end));
         policy::not_held(
             (&o.log_replid, o.log_end),
             l.superseded_at(&o.log_replid),
-            ours.filter(|_| held),
+            ours,
         )
     });
+    let (replid, offset) = asked.clone().unwrap_or_default();
     let theirs = || crate::peer_text::escape_controls(&o.log_replid).into_owned();
     match not_held {
         NotHeld::Stale { left_at } => PullError::Stale {
