@@ -43,7 +43,7 @@ use crate::sync::serve::{self, DataEndpoints, DataPlane, SessionTable};
 use crate::sync::SyncManager;
 use crate::sys::ratelimit::RateLimiter;
 use crate::transport::probe::{self, LocalRdma, Probe};
-use crate::transport::{ktls, Faults};
+use crate::transport::{faults, ktls};
 
 /// Why the agent could not start.
 #[derive(Debug, thiserror::Error)]
@@ -63,7 +63,7 @@ pub enum AgentError {
     },
     /// `KVSYNC_FAULTS` is malformed.
     #[error("KVSYNC_FAULTS: {0}")]
-    Faults(#[from] crate::transport::FaultsError),
+    Faults(#[from] crate::transport::faults::FaultsError),
     /// `[auth] token_file` is unusable.
     #[error("auth.token_file: {0}")]
     Tokens(String),
@@ -124,19 +124,15 @@ struct Parts {
     shutdown: CancellationToken,
     /// How an instance's stream reaches its upstream agent.
     dialer: Dialer,
-    /// `stream_ack_on_tick` (fault tests): pullers acknowledge once a second.
-    ack_on_tick: bool,
     /// What a `[stream] reseed` starts its sync with.
     syncs: Arc<SyncManager>,
     instances: Arc<Instances>,
     /// This agent's RDMA, for streams followed through a ring.
     local_rdma: Arc<LocalRdma>,
-    faults: Faults,
 }
 
 /// What is read and checked before anything binds.
 struct Prepared {
-    faults: Faults,
     /// Orchestrator tokens (and peer tokens unless those are separate).
     tokens: Arc<Tokens>,
     /// Peer tokens, when `[auth] peer_token_file` separates them.
@@ -186,7 +182,6 @@ impl RunningAgent {
         let plane = DataPlane {
             sessions: sessions.clone(),
             metrics: metrics.clone(),
-            faults: prepared.faults.clone(),
             bulk: Probe::bulk_params(&config.transport, probe.soft),
             shutdown: shutdown.clone(),
             rate: Arc::new(RateLimiter::new(config.sync.rate_limit.as_u64())),
@@ -213,7 +208,6 @@ impl RunningAgent {
             config.clone(),
             metrics.clone(),
             data.local_rdma.clone(),
-            prepared.faults,
             prepared.dialer.clone(),
             shutdown.clone(),
             draining.clone(),
@@ -224,11 +218,9 @@ impl RunningAgent {
             rate: plane.rate.clone(),
             shutdown: shutdown.clone(),
             dialer: prepared.dialer.clone(),
-            ack_on_tick: plane.faults.stream_ack_on_tick,
             syncs: syncs.clone(),
             instances: instances.clone(),
             local_rdma: data.local_rdma.clone(),
-            faults: plane.faults.clone(),
         };
         for ic in config.instances() {
             instances.insert(start_instance(&config, &ic, &parts).await?);
@@ -510,7 +502,7 @@ impl RunningAgent {
 /// Reads and checks what must be right before anything binds: fault
 /// injection, tokens and TLS files.
 fn prepare(config: &Config) -> Result<Prepared, AgentError> {
-    let faults = Faults::from_env()?;
+    let faults = faults::load()?;
     if faults.any() {
         warn!(?faults, "FAULT INJECTION ACTIVE (KVSYNC_FAULTS): this agent corrupts or stalls transfers on purpose");
     }
@@ -538,7 +530,6 @@ fn prepare(config: &Config) -> Result<Prepared, AgentError> {
         },
     };
     Ok(Prepared {
-        faults,
         tokens,
         peer_tokens,
         server_tls,
@@ -704,7 +695,6 @@ async fn follow_stream(
         node_id: config.node_id.clone(),
         dialer: parts.dialer.clone(),
         tls_server_name: config.tls.server_name.clone(),
-        ack_on_tick: parts.ack_on_tick,
         reseed: config.stream.reseed.then(|| reseed(name, parts)),
         peer_timeout: config.data.peer_timeout,
         metrics: parts.metrics.clone(),
@@ -716,7 +706,6 @@ async fn follow_stream(
                 size: config.stream.rdma_ring.as_u64(),
                 retry: config.stream.rdma_retry,
                 spin: config.stream.rdma_spin,
-                faults: parts.faults.clone(),
             }),
     };
     let follow = Follow {

@@ -7,6 +7,10 @@
 //! same job error, the same source-side result, and no temp file left
 //! behind, except what a failed session keeps for the next one to resume
 //! (which each case then resumes).
+//!
+//! Its faults are injected in this process (`faults::install`): it needs
+//! the `faults` feature, as the whole suite does.
+#![cfg(feature = "faults")]
 
 mod common;
 
@@ -28,7 +32,7 @@ use kvsync::sync::serve::{self, DataPlane, Limits, OfferedSession, SessionTable}
 use kvsync::sys::ratelimit::RateLimiter;
 use kvsync::transport::pace::MinRate;
 use kvsync::transport::session::{ClientTls, DataLink, DialSpec};
-use kvsync::transport::{ktls, Faults, TransportKind};
+use kvsync::transport::{faults, ktls, Faults, TransportKind};
 use tokio_util::sync::CancellationToken;
 
 const SIZE: u64 = 3 << 20;
@@ -100,7 +104,7 @@ impl Tls {
 }
 
 /// The source-side faults that make `case` happen on `kind`.
-fn faults(case: Case, kind: TransportKind) -> Faults {
+fn faults_of(case: Case, kind: TransportKind) -> Faults {
     let mut f = Faults::default();
     let (corrupt, cut) = (Some((2 << 20) + 5), Some(3 << 19));
     match (case, kind) {
@@ -239,10 +243,10 @@ async fn run(case: Case, wire: Wire, dir: &Path, tls: &Tls) -> Run {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let endpoint = listener.local_addr().unwrap();
     let shutdown = CancellationToken::new();
+    faults::install(faults_of(case, kind));
     let plane = DataPlane {
         sessions: sessions.clone(),
         metrics: metrics.clone(),
-        faults: faults(case, kind),
         bulk: BulkParams::new(1, 8, 2),
         shutdown: shutdown.clone(),
         rate: Arc::new(RateLimiter::new(0)),
@@ -278,7 +282,6 @@ async fn run(case: Case, wire: Wire, dir: &Path, tls: &Tls) -> Run {
         min_rate: MinRate::default(),
         local: None,
         soft: false,
-        faults: Faults::default(),
         tls: (wire == Wire::Tls).then(|| ClientTls {
             config: client.clone(),
             name: "localhost".to_string(),
@@ -296,7 +299,7 @@ async fn run(case: Case, wire: Wire, dir: &Path, tls: &Tls) -> Run {
             endpoint: spec.endpoint,
             source,
         })?;
-        let (result, _) = link.run(token, SIZE, &mut receiver, &Faults::default());
+        let (result, _) = link.run(token, SIZE, &mut receiver);
         let (refetched, resumed) = (receiver.refetched(), receiver.resumed_bytes());
         Ok::<_, JobError>((receiver.finish(result), refetched, resumed))
     })

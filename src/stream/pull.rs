@@ -43,11 +43,11 @@ use crate::config::RdmaProvider;
 use crate::metrics::{Metrics, Running};
 use crate::rpc::dial::{Dialer, CONNECT_TIMEOUT};
 use crate::rpc::pb;
+use crate::transport::faults;
 use crate::transport::probe::LocalRdma;
 use crate::transport::ring::{LogFailure, RingReplica, RingRunError, RingSink};
 use crate::transport::session::{DataLink, DialError, DialSpec};
 use crate::transport::stream::{StreamLink, StreamLinkError, StreamTls};
-use crate::transport::Faults;
 
 /// An upstream that sends nothing for this long is taken as gone (its
 /// primary pings the stream every few seconds).
@@ -68,8 +68,6 @@ pub struct Pull {
     /// `[tls] server_name`: the name upstreams' data-plane certificates
     /// must carry (empty: each upstream's host).
     pub tls_server_name: String,
-    /// A fault for tests: acknowledge only on the once-a-second tick.
-    pub ack_on_tick: bool,
     /// `[stream] reseed`: syncs the snapshot an upstream names from it.
     pub reseed: Option<Reseed>,
     pub peer_timeout: Duration,
@@ -96,7 +94,6 @@ pub struct RingAsk {
     pub retry: Duration,
     /// `[stream] rdma_spin`.
     pub spin: Duration,
-    pub faults: Faults,
 }
 
 /// Why a session with the upstream ended.
@@ -583,7 +580,7 @@ async fn session(
                     })
                 })
                 .await?;
-                if pull.ack_on_tick {
+                if faults::active().stream_ack_on_tick {
                     link.send(&rx.ack()).await?;
                 }
                 continue;
@@ -602,7 +599,7 @@ async fn session(
                 let rec = Record::new(offset, bytes);
                 blocking(stream, move |s| s.write(|l| l.append(&rec))).await?;
                 received.frame(len as usize);
-                if !pull.ack_on_tick {
+                if !faults::active().stream_ack_on_tick {
                     link.send(&rx.ack()).await?;
                 }
                 report_applied(&mut link, &mut rx, stream).await?;
@@ -661,7 +658,6 @@ async fn ring_session(
         min_rate: Default::default(),
         local,
         soft: probe.soft,
-        faults: ring.faults.clone(),
         tls: None,
     };
     start_log(stream, &offer).await?;

@@ -14,7 +14,7 @@
 //! `sync::offer`'s.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -28,6 +28,7 @@ use crate::blk3::stream::{Next, Sender, StreamError, STREAM_KEY_LEN};
 use crate::blk3::token::{Kind, REPLID_LEN, SESSION_TOKEN_LEN};
 use crate::blk3::Token;
 use crate::metrics::{Metrics, Running};
+use crate::transport::faults;
 use crate::transport::ring::{HeaderLie, LogFailure, RingFeed, RingRunError, RingSource};
 use crate::transport::session::SourceLink;
 use crate::transport::stream::{StreamLink, StreamLinkError};
@@ -154,7 +155,6 @@ pub async fn serve(
     peer: String,
     shutdown: CancellationToken,
     metrics: Arc<Metrics>,
-    corrupt_at: Option<u64>,
 ) {
     let s = &session;
     let _running = Running::start(
@@ -169,15 +169,7 @@ pub async fn serve(
         session: s.id.clone(),
     };
     let mut stall = Stall::new(s, &downstream, &metrics);
-    let result = send_stream(
-        &mut link,
-        s,
-        &downstream,
-        &shutdown,
-        (&sent, &mut stall),
-        corrupt_at,
-    )
-    .await;
+    let result = send_stream(&mut link, s, &downstream, &shutdown, (&sent, &mut stall)).await;
     s.stream.forget(&downstream);
     match result {
         Ok(at) => info!(session = %s.id, at, "stream session ended: the agent stops"),
@@ -239,7 +231,7 @@ pub fn serve_ring(
         window: WINDOW,
         silent: plane.silent,
         cancel: plane.shutdown.clone(),
-        lie: plane.lie,
+        lie: first_ring_lie(),
         spin: s.spin,
     };
     let mut watcher = None;
@@ -278,8 +270,14 @@ pub struct RingPlane {
     pub silent: std::time::Duration,
     /// Where the log's wake-ups run.
     pub runtime: tokio::runtime::Handle,
-    /// A fault: the source lies in the ring's header.
-    pub lie: Option<HeaderLie>,
+}
+
+/// The `stream_ring_lie` fault: in this agent's first ring session only.
+fn first_ring_lie() -> Option<HeaderLie> {
+    static LIED: AtomicBool = AtomicBool::new(false);
+    faults::active()
+        .stream_ring_lie
+        .filter(|_| !LIED.swap(true, Ordering::SeqCst))
 }
 
 /// The log as a ring session reads it.
@@ -415,8 +413,8 @@ async fn send_stream(
     downstream: &Downstream,
     shutdown: &CancellationToken,
     (sent, stall): (&Traffic, &mut Stall<'_>),
-    corrupt_at: Option<u64>,
 ) -> Result<u64, ServeError> {
+    let corrupt_at = faults::active().stream_corrupt_at;
     let mut tx = Sender::new(s.key, s.from, WINDOW);
     let mut replid = s.replid.clone();
     let mut changed = s.stream.watch();

@@ -30,7 +30,7 @@ use crate::store::catalog::CatalogEntry;
 use crate::store::install::{self, InstallError};
 use crate::transport::probe::LocalRdma;
 use crate::transport::session::{ClientTls, DataLink, DialSpec};
-use crate::transport::{ktls, select, Faults, TransportKind};
+use crate::transport::{ktls, select, TransportKind};
 
 pub use super::error::JobError;
 use super::policy::{self, Asked, Attempts, Next, Offer, TransportPlan};
@@ -62,7 +62,6 @@ pub struct JobContext {
     /// This agent's RDMA: the probe (provider, local address, soft
     /// device) and whether its device is still there.
     pub rdma: Arc<LocalRdma>,
-    pub faults: Faults,
     /// How to reach the source's Peer service (TLS, bearer token).
     pub dialer: Dialer,
     pub progress: watch::Sender<pb::SyncProgress>,
@@ -801,16 +800,16 @@ async fn transfer(
     ctx.phase(pb::Phase::Transferring);
     let seeding = start_early(ctx, &receiver, announced)?;
     let bulk_started = Instant::now();
-    let (token, total, faults) = (offer.token, offer.snapshot.size, ctx.faults.clone());
+    let (token, total) = (offer.token, offer.snapshot.size);
     let canceller = cancel.clone();
     let mut run = tokio::task::spawn_blocking(move || {
         if links.len() == 1 && grow.is_none() {
             let link = links.pop().expect("one link");
-            let (result, memory) = link.run(token, total, &mut receiver, &faults);
+            let (result, memory) = link.run(token, total, &mut receiver);
             (result, memory, receiver, 1)
         } else {
             let (result, receiver, ran) =
-                super::streams::run(links, grow, &canceller, token, total, receiver, &faults);
+                super::streams::run(links, grow, &canceller, token, total, receiver);
             (result, None, receiver, ran)
         }
     });
@@ -939,7 +938,6 @@ fn dial_spec(ctx: &JobContext, offer: &Offer, kind: TransportKind) -> Result<Dia
         min_rate: (&ctx.config.data).into(),
         local,
         soft: ctx.rdma.probe().soft,
-        faults: ctx.faults.clone(),
         tls,
     })
 }

@@ -31,7 +31,6 @@ use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::rpc::{pb, Dialer};
 use crate::transport::probe::LocalRdma;
-use crate::transport::Faults;
 
 /// Why a sync request was refused.
 #[derive(Debug, thiserror::Error)]
@@ -79,7 +78,6 @@ pub struct SyncManager {
     config: Config,
     metrics: Arc<Metrics>,
     rdma: Arc<LocalRdma>,
-    faults: Faults,
     /// How jobs reach their sources.
     dialer: Dialer,
     /// Syncs running at once (reloaded on SIGHUP).
@@ -113,7 +111,6 @@ impl SyncManager {
         config: Config,
         metrics: Arc<Metrics>,
         rdma: Arc<LocalRdma>,
-        faults: Faults,
         dialer: Dialer,
         shutdown: CancellationToken,
         draining: CancellationToken,
@@ -121,7 +118,6 @@ impl SyncManager {
         Arc::new(SyncManager {
             metrics,
             rdma,
-            faults,
             max_incoming: AtomicUsize::new(config.sync.max_incoming_syncs),
             config,
             dialer,
@@ -215,7 +211,6 @@ impl SyncManager {
             config: instance.config.clone(),
             metrics: self.metrics.clone(),
             rdma: self.rdma.clone(),
-            faults: self.faults.clone(),
             dialer: self.dialer.clone(),
             progress: tx,
             cancel,

@@ -32,7 +32,7 @@ use crate::transport::pace::MinRate;
 use crate::transport::probe::LocalRdma;
 use crate::transport::session::{Accepted, Proved, SessionResult, SourceLink};
 use crate::transport::Asked;
-use crate::transport::{ktls, Faults, Serve, TransportKind};
+use crate::transport::{faults, ktls, Serve, TransportKind};
 
 /// A session offered to a replica, waiting for its data connection.
 pub struct OfferedSession {
@@ -410,7 +410,6 @@ impl DataEndpoints {
 pub struct DataPlane {
     pub sessions: Arc<SessionTable>,
     pub metrics: Arc<Metrics>,
-    pub faults: Faults,
     /// Bulk parameters of RDMA sessions (soft-device caps applied).
     pub bulk: BulkParams,
     /// Stops every session at shutdown.
@@ -484,9 +483,6 @@ pub async fn serve(mut incoming: impl Stream<Item = (Accepted, String)> + Unpin,
 const BAD_TOKEN: &str = "unknown, used or expired session token";
 const SESSION_OVER: &str = "the session's other streams have all ended";
 
-/// The `stream_ring_lie` fault was used (it lies once per process).
-static RING_LIED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
 /// Reads the connection's session proof (within `hello_timeout`) and takes
 /// its offer; refuses (and counts) a connection that cannot prove one, and
 /// hands a proved one to a blocking thread.
@@ -536,14 +532,9 @@ async fn prove_and_serve(conn: Accepted, peer: String, slot: conn_limit::Slot, p
                 shutdown: plane.shutdown.clone(),
                 silent: crate::stream::pull::UPSTREAM_TIMEOUT,
                 runtime: tokio::runtime::Handle::current(),
-                // The fault lies in this agent's first ring session only.
-                lie: plane
-                    .faults
-                    .stream_ring_lie
-                    .filter(|_| !RING_LIED.swap(true, std::sync::atomic::Ordering::SeqCst)),
             };
             tokio::task::spawn_blocking(move || {
-                match proved.open(plane.peer_timeout, plane.min_rate, false, &plane.faults) {
+                match proved.open(plane.peer_timeout, plane.min_rate, false) {
                     Ok(link) => {
                         crate::stream::serve::serve_ring(link, session, serving, peer, ring)
                     }
@@ -561,7 +552,6 @@ async fn prove_and_serve(conn: Accepted, peer: String, slot: conn_limit::Slot, p
                     peer,
                     plane.shutdown.clone(),
                     plane.metrics.clone(),
-                    plane.faults.stream_corrupt_at,
                 )
                 .await
             }
@@ -608,12 +598,7 @@ async fn prove_and_serve(conn: Accepted, peer: String, slot: conn_limit::Slot, p
 /// QP threads, verbs resources) and serves its session; shutdown stops it.
 fn serve_proved(proved: Proved, session: Session, peer: &str, plane: &DataPlane) {
     let kernel_tls = ktls::use_kernel(plane.kernel_tls, session.offer.snapshot.len());
-    let link = match proved.open(
-        plane.peer_timeout,
-        plane.min_rate,
-        kernel_tls,
-        &plane.faults,
-    ) {
+    let link = match proved.open(plane.peer_timeout, plane.min_rate, kernel_tls) {
         Ok(link) => link,
         Err(e) => return warn!(%peer, "data connection failed to open: {e}"),
     };
@@ -652,7 +637,7 @@ fn serve_session(plane: &DataPlane, session: &Session, peer: &str, link: SourceL
         seq: offer.entry.info.seq,
         piece_size: offer.entry.manifest.piece_size,
         params: plane.bulk,
-        faults: &plane.faults,
+        faults: faults::active(),
         rate: &plane.rate,
         progress: &progress,
         cancel: plane.shutdown.clone(),

@@ -20,7 +20,7 @@ use crate::blk3::token::SESSION_TOKEN_LEN;
 use crate::blk3::Blk3Error;
 use crate::config::MAX_TCP_STREAMS;
 use crate::transport::session::{Canceller, DataLink, DialSpec, SessionResult};
-use crate::transport::{Faults, TransportKind};
+use crate::transport::TransportKind;
 
 use super::receive::{Receiver, Share, Shared};
 
@@ -125,14 +125,13 @@ pub fn run(
     token: [u8; SESSION_TOKEN_LEN],
     offered_len: u64,
     receiver: Receiver,
-    faults: &Faults,
 ) -> (SessionResult, Receiver, u32) {
     let planned = grow.as_ref().map_or(links.len() as u32, |g| g.most);
     let shared = Shared::new(receiver, planned);
     let stream = |link: DataLink| {
         let shared = &shared;
         move || match Share::new(shared) {
-            Ok(mut share) => link.run(token, offered_len, &mut share, faults).0,
+            Ok(mut share) => link.run(token, offered_len, &mut share).0,
             Err(e) => Ok(Err(Blk3Error::CannotReceive(format!(
                 "open the staging file for a stream: {e}"
             )))),

@@ -2,12 +2,12 @@
 //!
 //! Owns the generic driver loop ([`drive`]) that runs a sans-IO machine over
 //! an [`Executor`], the [`Sink`] every replica driver feeds, the transport
-//! labels used in status and metrics, and the fault-injection hooks used by
-//! fault tests. Each submodule owns one transport; [`session`] makes them
+//! labels used in status and metrics. Fault injection: [`faults`]. Each submodule owns one transport; [`session`] makes them
 //! one type for the layers above; protocol decisions stay in `blk3`.
 
 pub mod emulated;
 pub mod fabric;
+pub mod faults;
 pub mod ktls;
 pub mod pace;
 pub mod probe;
@@ -37,6 +37,7 @@ use crate::store::served::Served;
 use crate::sys::ratelimit::RateLimiter;
 
 pub use crate::rpc::dial::CONNECT_TIMEOUT;
+pub use faults::{Faults, CRC32_NEUTRAL};
 
 /// What a source session sends, and under which limits.
 pub struct Serve<'a> {
@@ -356,165 +357,5 @@ pub fn drive<M: Machine, E: Executor>(
             Some(input) => machine.handle(input, io.now()),
             None => machine.on_timeout(io.now()),
         }
-    }
-}
-
-/// XORed into a message anywhere, these 5 bytes leave its CRC32 (IEEE)
-/// unchanged: they are the generator polynomial 0x104c11db7 in the
-/// reflected bit order, a multiple of the generator. What a forger or an
-/// on-path attacker changes when CRC32 is the check (tests, `forge_at`).
-pub const CRC32_NEUTRAL: [u8; 5] = [0x41, 0x06, 0x71, 0xdb, 0x01];
-
-/// Faults injected into the data plane for fault tests, from the
-/// `KVSYNC_FAULTS` environment variable: `corrupt_at=N,forge_at=N,
-/// stall_after=N,cut_after=N,cut_stream=N` for TCP sources; `handshake_ms=N`
-/// for TCP replicas; `stream_corrupt_at=N` for
-/// stream sources; `stream_ack_on_tick=1` for stream replicas; `rdma_corrupt_at=N,rdma_cut_after=N,rdma_drop_send=N` for
-/// the emulated fabric; `rdma_bad_rkey=1` and `rdma_hold_after=N` with
-/// `hold_file=PATH`, `rdma_write_after_verify=1` (source), `rdma_no_file_mr=1`
-/// and `rdma_damage_piece=N`
-/// (replica) for the RDMA driver; `stream_ring_lie=1|2` (a stream source's
-/// first ring session: a wrong magic, a sequence that goes back). Read only by builds with the cargo
-/// feature `faults` (the test suite's); the agent logs loudly when any is
-/// active.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Faults {
-    /// Emulated-fabric faults.
-    pub emu: emulated::EmuFaults,
-    /// RDMA driver faults.
-    pub rdma: rdma::RdmaFaults,
-    /// Source: flip one bit of the snapshot byte at this offset on the wire.
-    pub corrupt_at: Option<u64>,
-    /// Source: XOR [`CRC32_NEUTRAL`] into the snapshot at this offset on
-    /// the wire, every time (an on-path change CRC32 cannot see).
-    pub forge_at: Option<u64>,
-    /// Source: stop sending after this many bulk bytes (until the peer leaves).
-    pub stall_after: Option<u64>,
-    /// Source: drop the connection after this many bulk bytes.
-    pub cut_after: Option<u64>,
-    /// Source: `stall_after` and `cut_after` stop only this stream of a
-    /// session on several (numbered from 0 as they connect).
-    pub cut_stream: Option<u32>,
-    /// Replica: its TCP data connections' handshakes count as this many
-    /// milliseconds (a long link on loopback, for `tcp_streams = "auto"`).
-    pub handshake_ms: Option<u64>,
-    /// Stream source: flip one bit of the replication stream's byte at
-    /// this offset on the wire, after its frame's MAC was made (an on-path
-    /// change), in every session that sends it.
-    pub stream_corrupt_at: Option<u64>,
-    /// Stream replica: acknowledge what the log holds only once a second,
-    /// not after every frame (a slow replica: the source's credit window
-    /// fills while the replica still reads).
-    pub stream_ack_on_tick: bool,
-    /// Stream source over an RDMA ring: lie in the ring's header of the
-    /// agent's first ring session (1: a wrong magic, 2: a sequence that
-    /// goes back).
-    pub stream_ring_lie: Option<ring::HeaderLie>,
-}
-
-/// A `KVSYNC_FAULTS` that does not parse.
-#[derive(Debug, thiserror::Error)]
-pub enum FaultsError {
-    #[error("fault {0:?} is not key=value")]
-    NotKeyValue(String),
-    #[error("fault {key}: {value:?} is not a byte offset")]
-    NotANumber { key: String, value: String },
-    #[error("unknown fault {0:?}")]
-    Unknown(String),
-}
-
-impl Faults {
-    /// Parses `KVSYNC_FAULTS`; an unset variable means no faults. Builds
-    /// without the `faults` feature never inject any.
-    pub fn from_env() -> Result<Faults, FaultsError> {
-        match std::env::var("KVSYNC_FAULTS") {
-            Ok(spec) if cfg!(feature = "faults") => Faults::parse(&spec),
-            Ok(_) => {
-                tracing::warn!("KVSYNC_FAULTS is set but this build has no fault injection (cargo feature `faults`); ignored");
-                Ok(Faults::default())
-            }
-            Err(_) => Ok(Faults::default()),
-        }
-    }
-
-    pub fn parse(spec: &str) -> Result<Faults, FaultsError> {
-        let mut f = Faults::default();
-        for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-            let (k, v) = part
-                .split_once('=')
-                .ok_or_else(|| FaultsError::NotKeyValue(part.into()))?;
-            if k == "hold_file" {
-                f.rdma.hold_file = Some(v.into());
-                continue;
-            }
-            let n: u64 = v.parse().map_err(|_| FaultsError::NotANumber {
-                key: k.into(),
-                value: v.into(),
-            })?;
-            match k {
-                "corrupt_at" => f.corrupt_at = Some(n),
-                "forge_at" => f.forge_at = Some(n),
-                "stall_after" => f.stall_after = Some(n),
-                "cut_after" => f.cut_after = Some(n),
-                "cut_stream" => f.cut_stream = Some(n as u32),
-                "handshake_ms" => f.handshake_ms = Some(n),
-                "stream_corrupt_at" => f.stream_corrupt_at = Some(n),
-                "stream_ack_on_tick" => f.stream_ack_on_tick = n != 0,
-                "stream_ring_lie" => {
-                    f.stream_ring_lie = match n {
-                        1 => Some(ring::HeaderLie::Magic),
-                        2 => Some(ring::HeaderLie::SequenceBack),
-                        _ => return Err(FaultsError::Unknown(part.into())),
-                    }
-                }
-                "rdma_corrupt_at" => f.emu.corrupt_at = Some(n),
-                "rdma_cut_after" => f.emu.cut_after = Some(n),
-                "rdma_drop_send" => f.emu.drop_send = Some(n as u32),
-                "rdma_bad_rkey" => f.rdma.bad_rkey = n != 0,
-                "rdma_no_file_mr" => f.rdma.no_file_mr = n != 0,
-                "rdma_damage_piece" => f.rdma.damage_piece = Some(n as u32),
-                "rdma_hold_after" => f.rdma.hold_after = Some(n),
-                "rdma_write_after_verify" => f.rdma.write_after_verify = n != 0,
-                _ => return Err(FaultsError::Unknown(k.into())),
-            }
-        }
-        Ok(f)
-    }
-
-    pub fn any(&self) -> bool {
-        *self != Faults::default()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::Faults;
-
-    #[test]
-    fn fault_hooks_exist_only_in_builds_with_the_faults_feature() {
-        // SAFETY (of the test): no other test of this binary reads the variable.
-        std::env::set_var("KVSYNC_FAULTS", "cut_after=5");
-        let f = Faults::from_env().unwrap();
-        std::env::remove_var("KVSYNC_FAULTS");
-        assert_eq!(f.any(), cfg!(feature = "faults"), "{f:?}");
-    }
-
-    #[test]
-    fn fault_specs_parse() {
-        assert_eq!(Faults::parse("").unwrap(), Faults::default());
-        let f = Faults::parse("corrupt_at=5, cut_after=10").unwrap();
-        assert_eq!(
-            (f.corrupt_at, f.cut_after, f.stall_after),
-            (Some(5), Some(10), None)
-        );
-        let f = Faults::parse("rdma_corrupt_at=7,rdma_bad_rkey=1").unwrap();
-        assert_eq!((f.emu.corrupt_at, f.rdma.bad_rkey), (Some(7), true));
-        let f = Faults::parse("rdma_hold_after=8,hold_file=/tmp/h").unwrap();
-        assert_eq!(
-            (f.rdma.hold_after, f.rdma.hold_file),
-            (Some(8), Some("/tmp/h".into()))
-        );
-        assert!(Faults::parse("explode=1").is_err());
-        assert!(Faults::parse("cut_after=x").is_err());
     }
 }

@@ -24,7 +24,7 @@ use super::pace::MinRate;
 use super::rdma::{self, RdmaError};
 use super::ring;
 use super::tcp::{self, CancelHandle, Link, TcpError};
-use super::{blocking_data_socket, Faults, Serve, Sink, TransportKind, CONNECT_TIMEOUT};
+use super::{blocking_data_socket, faults, Serve, Sink, TransportKind, CONNECT_TIMEOUT};
 use crate::blk3::token::SESSION_TOKEN_LEN;
 use crate::blk3::{Blk3Error, Outcome};
 use crate::config::RdmaProvider;
@@ -81,7 +81,6 @@ pub struct DialSpec {
     pub local: Option<IpAddr>,
     /// The local RDMA device is a soft device.
     pub soft: bool,
-    pub faults: Faults,
     /// TCP under TLS.
     pub tls: Option<ClientTls>,
 }
@@ -140,7 +139,7 @@ impl DataLink {
             None => {
                 let started = Instant::now();
                 let s = std::net::TcpStream::connect_timeout(&spec.endpoint, CONNECT_TIMEOUT)?;
-                let handshake = match spec.faults.handshake_ms {
+                let handshake = match faults::active().handshake_ms {
                     Some(ms) => Duration::from_millis(ms),
                     None => started.elapsed(),
                 };
@@ -160,7 +159,7 @@ impl DataLink {
                 }))
             }
             Some(RdmaProvider::Emulated) => {
-                let qp = EmuQp::dial(spec.endpoint, CONNECT_TIMEOUT, spec.faults.emu.clone())?;
+                let qp = EmuQp::dial(spec.endpoint, CONNECT_TIMEOUT, faults::active().emu.clone())?;
                 qp.set_peer_timeout(spec.peer_timeout)?;
                 Ok(DataLink::Emulated(qp, side()))
             }
@@ -201,7 +200,6 @@ impl DataLink {
         token: [u8; SESSION_TOKEN_LEN],
         offered_len: u64,
         sink: &mut dyn Sink,
-        faults: &Faults,
     ) -> (SessionResult, Option<&'static str>) {
         let rdma = |run: rdma::ReplicaRun| (run.result.map_err(LinkError::from), run.memory);
         match self {
@@ -214,7 +212,7 @@ impl DataLink {
                 token,
                 offered_len,
                 sink,
-                &faults.rdma,
+                &faults::active().rdma,
                 side.cancel,
                 |piece_size| side.min_rate.piece_wait(side.peer_timeout, piece_size),
             )),
@@ -224,7 +222,7 @@ impl DataLink {
                 token,
                 offered_len,
                 sink,
-                &faults.rdma,
+                &faults::active().rdma,
                 side.cancel,
                 |piece_size| side.min_rate.piece_wait(side.peer_timeout, piece_size),
             )),
@@ -391,7 +389,6 @@ impl Proved {
         peer_timeout: Duration,
         min_rate: MinRate,
         kernel_tls: bool,
-        faults: &Faults,
     ) -> Result<SourceLink, DialError> {
         Ok(match self.conn {
             ProvedConn::Tcp(s, read_ahead) => {
@@ -409,7 +406,7 @@ impl Proved {
             ProvedConn::Emulated(s) => SourceLink::Emulated(EmuQp::accepted(
                 blocking_data_socket(s, peer_timeout)?,
                 self.proof,
-                faults.emu.clone(),
+                faults::active().emu.clone(),
             )?),
             #[cfg(feature = "rdma")]
             ProvedConn::Verbs(mut qp) => {
