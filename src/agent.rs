@@ -1,15 +1,14 @@
 //! The running agent: binds the listeners and starts the long-running tasks
-//! (gRPC control plane with its TLS and request limits, the data plane's
-//! serve loops, metrics endpoint, and per KV instance its snapshot
-//! watcher and KV tasks) with one shutdown signal.
+//! (gRPC control plane with its TLS and request limits, the data plane
+//! through [`crate::sync::plane`], the metrics endpoint, and each KV
+//! instance through [`crate::instance::start`]) with one shutdown signal.
 //!
 //! Owns start-up order, the "ready" announcement, the drain before a
 //! shutdown and what a reload changes (instances added, removed or
-//! changed among them); each task's behaviour belongs to its own module,
-//! and each service gets only the handles it needs.
+//! changed among them); each part builds itself from its own section of
+//! the configuration, and each service gets only the handles it needs.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -20,30 +19,24 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::ServerTlsConfig;
 use tracing::{info, warn};
 
-use crate::config::{Config, HandoffMode, InstanceConfig, RdmaProvider, TransportMode};
+use crate::config::Config;
 use crate::control::orchestrator::OrchestratorService;
 use crate::control::peer::PeerService;
 use crate::fanout::FanoutManager;
-use crate::instance::{Instance, Instances};
-use crate::kv::backlog::BacklogGuard;
+use crate::instance::{self, start::Parts, Instance, Instances};
 use crate::metrics::{self, Metrics};
 use crate::rpc::auth::{ServerAuth, Tokens};
 use crate::rpc::conn_limit;
 use crate::rpc::{pb, tls, Dialer};
 use crate::store::cache::SnapshotCache;
 use crate::store::catalog::Catalog;
-use crate::store::watch::DirWatcher;
-use crate::stream::follow::Follow;
-use crate::stream::log::Log;
-use crate::stream::pull::{Pull, RingAsk};
-use crate::stream::source::{Source, Upstreams, Writers};
-use crate::stream::{SharedLog, Stream};
+use crate::stream::pull::Reseed;
 use crate::sync::offer::Offers;
-use crate::sync::serve::{self, DataEndpoints, DataPlane, SessionTable};
-use crate::sync::SyncManager;
+use crate::sync::serve::{DataEndpoints, DataPlane, SessionTable};
+use crate::sync::{plane, SyncManager};
 use crate::sys::ratelimit::RateLimiter;
-use crate::transport::probe::{self, LocalRdma, Probe};
-use crate::transport::{faults, ktls};
+use crate::transport::faults;
+use crate::transport::probe::{self, Probe};
 
 /// Why the agent could not start.
 #[derive(Debug, thiserror::Error)]
@@ -53,12 +46,6 @@ pub enum AgentError {
     Bind {
         what: &'static str,
         addr: String,
-        source: std::io::Error,
-    },
-    /// The snapshot directory cannot be created.
-    #[error("cannot create snapshot_dir {path}: {source}")]
-    SnapshotDir {
-        path: PathBuf,
         source: std::io::Error,
     },
     /// `KVSYNC_FAULTS` is malformed.
@@ -73,12 +60,9 @@ pub enum AgentError {
     /// The gRPC server refused the TLS settings.
     #[error("tls: {0}")]
     TlsServer(String),
-    /// An instance's stream feed cannot start.
+    /// An instance cannot start.
     #[error(transparent)]
-    StreamFeed(#[from] crate::stream::feed::FeedError),
-    /// An instance's stream log cannot be opened.
-    #[error("{0}")]
-    StreamLog(#[from] crate::stream::log::LogError),
+    Instance(#[from] instance::start::StartError),
     /// The gRPC reflection service could not be built.
     #[error("grpc reflection: {0}")]
     Reflection(String),
@@ -113,22 +97,6 @@ pub struct RunningAgent {
     shutdown: CancellationToken,
     tasks: JoinSet<()>,
     health: tonic_health::server::HealthReporter,
-}
-
-/// The agent-wide handles an instance's parts are made with.
-#[derive(Clone)]
-struct Parts {
-    metrics: Arc<Metrics>,
-    /// The source's send rate, which the backlog guard reckons with.
-    rate: Arc<RateLimiter>,
-    shutdown: CancellationToken,
-    /// How an instance's stream reaches its upstream agent.
-    dialer: Dialer,
-    /// What a `[stream] reseed` starts its sync with.
-    syncs: Arc<SyncManager>,
-    instances: Arc<Instances>,
-    /// This agent's RDMA, for streams followed through a ring.
-    local_rdma: Arc<LocalRdma>,
 }
 
 /// What is read and checked before anything binds.
@@ -196,7 +164,7 @@ impl RunningAgent {
                 per_peer: config.data.max_pending_per_peer,
             },
         };
-        let data = start_data_plane(
+        let data = plane::start(
             &config,
             probe,
             &plane,
@@ -218,12 +186,12 @@ impl RunningAgent {
             rate: plane.rate.clone(),
             shutdown: shutdown.clone(),
             dialer: prepared.dialer.clone(),
-            syncs: syncs.clone(),
+            reseed: reseeder(&syncs, &instances),
             instances: instances.clone(),
             local_rdma: data.local_rdma.clone(),
         };
         for ic in config.instances() {
-            instances.insert(start_instance(&config, &ic, &parts).await?);
+            instances.insert(instance::start::start(&config, &ic, &parts).await?);
         }
         cache.set_instances(instances.len());
         let fanouts = FanoutManager::new(
@@ -388,7 +356,7 @@ impl RunningAgent {
         }
         let mut started = Vec::new();
         for ic in added {
-            match start_instance(config, ic, &self.parts).await {
+            match instance::start::start(config, ic, &self.parts).await {
                 Ok(instance) => started.push(instance),
                 Err(e) => {
                     for instance in started {
@@ -414,7 +382,7 @@ impl RunningAgent {
         for (old, ic) in changed {
             let cancelled = self.stop_instance(&old).await;
             info!(instance = %old.name, cancelled_syncs = cancelled, "instance settings changed: restarting it (its running syncs were cancelled)");
-            match start_instance(config, ic, &self.parts).await {
+            match instance::start::start(config, ic, &self.parts).await {
                 Ok(instance) => {
                     self.instances.insert(instance);
                 }
@@ -542,293 +510,42 @@ fn prepare(config: &Config) -> Result<Prepared, AgentError> {
     })
 }
 
-/// Makes instance `ic`'s parts and starts its tasks: its snapshot
-/// directory (created, and swept of temp files that cannot be resumed), its
-/// catalog and watcher, its primary's backlog guard, and its KV's seeding
-/// recovery, health poll and consistency check.
-async fn start_instance(
-    agent: &Config,
-    ic: &InstanceConfig,
-    parts: &Parts,
-) -> Result<Arc<Instance>, AgentError> {
-    let config = agent.for_instance(ic);
-    let (name, dir, redis) = (ic.name.as_str(), &config.snapshot_dir, &config.redis);
-    std::fs::create_dir_all(dir).map_err(|source| AgentError::SnapshotDir {
-        path: dir.clone(),
-        source,
-    })?;
-    let swept = crate::store::journal::sweep(dir, config.data.resume_ttl, true);
-    if swept > 0 {
-        info!(
-            instance = name,
-            count = swept,
-            "removed temp files of an earlier run that cannot be resumed"
-        );
-    }
-    let metrics = &parts.metrics;
-    metrics.add_instance(name);
-    let catalog = Catalog::new(metrics.clone(), name);
-    let backlog = match redis.primary_addr.is_empty() {
-        true => None,
-        false => Some(
-            BacklogGuard::start(
-                (name, redis.clone()),
-                dir,
-                metrics.clone(),
-                parts.rate.clone(),
-            )
-            .await,
-        ),
-    };
-    let stop = parts.shutdown.child_token();
-    let mut instance = Instance::new(config.clone(), catalog.clone(), backlog, stop.clone());
-    if config.stream.enabled() {
-        let stream = follow_stream(name, &config, &catalog, &mut instance, parts).await?;
-        if config.handoff.mode == HandoffMode::RedisStream {
-            let (listener, feed) =
-                crate::stream::feed::bind(&redis.seed_listen, &config.stream.dir).await?;
-            instance.spawn(crate::kv::seed::repoint(
-                redis.clone(),
-                feed.addr,
-                feed.secret.clone(),
-                stop.clone(),
-            ));
-            instance.spawn(crate::stream::feed::run(
-                listener,
-                feed.clone(),
-                redis.server_addr.clone(),
-                stream.clone(),
-                stop.clone(),
-            ));
-            instance.feed = Some(feed);
-        }
-        instance.stream = Some(stream);
-    }
-    instance.spawn(crate::store::journal::sweep_every(
-        dir.clone(),
-        config.data.resume_ttl,
-        stop.clone(),
-    ));
-    let mode = config.handoff.mode;
-    if mode == HandoffMode::RedisReplicate {
-        instance.spawn(crate::kv::seed::recover(
-            redis.clone(),
-            dir.clone(),
-            stop.clone(),
-        ));
-    }
-    if let Some(addr) = redis.local_server(mode) {
-        if !redis.health_interval.is_zero() {
-            instance.spawn(crate::kv::health::watch(
-                (name.to_string(), addr.to_string()),
-                redis.password.clone(),
-                redis.health_interval,
-                metrics.clone(),
-                stop.clone(),
-            ));
-        }
-    }
-    if mode.is_redis() && !redis.consistency_interval.is_zero() && !redis.primary.is_empty() {
-        instance.spawn(crate::kv::check::every(
-            name.to_string(),
-            (redis.primary.clone(), redis.server_addr.clone()),
-            redis.password.clone(),
-            (redis.consistency_interval, redis.consistency_sample),
-            metrics.clone(),
-            stop.clone(),
-        ));
-    }
-    instance.spawn(
-        DirWatcher::new(
-            dir.clone(),
-            (config.snapshot_format, config.data.piece_size.as_u64()),
-            catalog,
-            metrics.clone(),
-            config.watch.clone(),
-        )
-        .run(stop),
-    );
-    Ok(Arc::new(instance))
-}
-
-/// Opens the instance's stream log and follows its source into it: the
-/// upstream agent, or else the primary, unless a fan-out or a failover
-/// set another.
-async fn follow_stream(
-    name: &str,
-    config: &Config,
-    catalog: &Arc<Catalog>,
-    instance: &mut Instance,
-    parts: &Parts,
-) -> Result<SharedLog, AgentError> {
-    let st = config.stream.clone();
-    let log = tokio::task::spawn_blocking(move || Log::open(st))
-        .await
-        .expect("log open task")?;
-    let offered = {
-        let catalog = catalog.clone();
-        move || {
-            catalog
-                .list()
-                .iter()
-                .filter_map(|e| Some((e.info.repl_id.clone()?, e.info.seq)))
-                .collect()
-        }
-    };
-    let offered: crate::stream::pull::Offered = Arc::new(offered);
-    parts
-        .metrics
-        .stream_log_retain
-        .with_label_values(&[name])
-        .set(config.stream.retain.as_u64() as i64);
-    let configured = match config.stream.upstream.as_str() {
-        "" => Source::Primary(config.redis.primary_addr.clone()),
-        upstream => Source::Agents(vec![upstream.to_string()]),
-    };
-    let upstreams = Upstreams::open(&config.stream.dir, configured);
-    let stream = Stream::new(log, upstreams.source().to_string(), &parts.metrics, name);
-    instance.upstreams = Some(upstreams.clone());
-    let pull = Pull {
-        instance: name.to_string(),
-        upstreams: upstreams.clone(),
-        upstream_instance: config.stream.upstream_instance_of(name),
-        node_id: config.node_id.clone(),
-        dialer: parts.dialer.clone(),
-        tls_server_name: config.tls.server_name.clone(),
-        reseed: config.stream.reseed.then(|| reseed(name, parts)),
-        peer_timeout: config.data.peer_timeout,
-        metrics: parts.metrics.clone(),
-        offered: offered.clone(),
-        ring: (config.stream.rdma_ring.as_u64() > 0 && config.transport.mode != TransportMode::Tcp)
-            .then(|| RingAsk {
-                rdma: parts.local_rdma.clone(),
-                provider: config.transport.rdma_provider,
-                size: config.stream.rdma_ring.as_u64(),
-                retry: config.stream.rdma_retry,
-                spin: config.stream.rdma_spin,
-            }),
-    };
-    let follow = Follow {
-        instance: name.to_string(),
-        primary: String::new(),
-        password: config.redis.password.clone(),
-        snapshot_dir: config.snapshot_dir.clone(),
-        max_rdb: config.sync.max_snapshot_bytes.as_u64(),
-        min_free_after: config.sync.min_free_after.as_u64(),
-        offered,
-        ack: config.stream.ack,
-        metrics: parts.metrics.clone(),
-    };
-    let writers = Writers {
-        follow,
-        pull: Arc::new(pull),
-        local_server: config
-            .redis
-            .local_server(config.handoff.mode)
-            .unwrap_or_default()
-            .to_string(),
-    };
-    instance.spawn(crate::stream::source::run(
-        writers,
-        upstreams,
-        stream.clone(),
-        instance.stop.clone(),
-    ));
-    if !config.stream.sentinels.is_empty() {
-        follow_sentinels(name, config, instance, parts, &stream);
-    }
-    Ok(stream)
-}
-
-/// Follows the primary a majority of instance `name`'s Sentinels name:
-/// the watch of their word (its verdict in status and the dissent
-/// counter), and its take as `kvsync stream follow` would.
-fn follow_sentinels(
-    name: &str,
-    config: &Config,
-    instance: &Instance,
-    parts: &Parts,
-    stream: &SharedLog,
-) {
-    use crate::instance::failover;
-    use crate::stream::sentinel;
-    let sentinels = sentinel::Sentinels {
-        addrs: config.stream.sentinels.clone(),
-        master_name: config.stream.master_name.clone(),
-        password: config.stream.sentinel_password.clone(),
-    };
-    let (primary, named) = tokio::sync::watch::channel(None);
-    let (reported, dissent) = (
-        stream.clone(),
-        parts
-            .metrics
-            .stream_sentinel_dissent
-            .with_label_values(&[name]),
-    );
-    let report = move |v: &sentinel::Verdict| {
-        if !v.dissent.is_empty() {
-            dissent.inc();
-        }
-        reported.set_sentinels(v.to_string());
-    };
-    instance.spawn(sentinel::watch(
-        sentinels,
-        primary,
-        report,
-        instance.stop.clone(),
-    ));
-    let (instances, name) = (parts.instances.clone(), name.to_string());
-    let ask = failover::peer_asker(parts.dialer.clone(), instance, None);
-    let follow = move |addr: String| {
-        let (instances, name, ask) = (instances.clone(), name.clone(), ask.clone());
-        async move {
-            let i = instances.resolve(&name).map_err(|e| e.to_string())?;
-            let followed = failover::follow_primary(&i, &addr, &[], ask)
-                .await
-                .map_err(|e| e.to_string())?;
-            let said = match followed.local_server {
-                Some(local) => format!("{}; {local}", followed.source),
-                None => followed.source.to_string(),
-            };
-            Ok::<_, String>(match followed.re_attach_pending {
-                true => sentinel::Taken::Pending(said),
-                false => sentinel::Taken::Done(said),
-            })
-        }
-    };
-    instance.spawn(sentinel::apply(named, follow, instance.stop.clone()));
-}
-
-/// `[stream] reseed` of instance `name`: syncs the snapshot an upstream
-/// names from it, into this instance (its handoff re-seeds the server).
-fn reseed(name: &str, parts: &Parts) -> crate::stream::pull::Reseed {
-    let (syncs, instances) = (parts.syncs.clone(), parts.instances.clone());
-    let name = name.to_string();
-    Box::new(move |upstream: &str, id: crate::rpc::pb::SnapshotId| {
-        let started = instances
-            .resolve(&name)
-            .map_err(|e| e.to_string())
-            .and_then(|i| {
-                let want = id
-                    .try_into()
-                    .map_err(|e: crate::rpc::BadDigest| e.to_string())?;
-                let pull = crate::sync::Pull {
-                    source: upstream.to_string(),
-                    upstream: Vec::new(),
-                    want: Some(want),
-                    mode: None,
-                    source_instance: i.config.stream.upstream_instance_of(&name),
-                };
-                syncs.start(&i, pull).map_err(|e| e.to_string())
-            });
-        match started {
-            Ok((sync, _)) => {
-                info!(instance = %name, %upstream, %sync, "re-seeding from the upstream's snapshot")
+/// `[stream] reseed` of an instance (by name): syncs the snapshot an
+/// upstream names from it, into that instance (its handoff re-seeds the
+/// server).
+fn reseeder(
+    syncs: &Arc<SyncManager>,
+    instances: &Arc<Instances>,
+) -> Arc<dyn Fn(&str) -> Reseed + Send + Sync> {
+    let (syncs, instances) = (syncs.clone(), instances.clone());
+    Arc::new(move |name: &str| -> Reseed {
+        let (syncs, instances, name) = (syncs.clone(), instances.clone(), name.to_string());
+        Box::new(move |upstream: &str, id: crate::rpc::pb::SnapshotId| {
+            let started = instances
+                .resolve(&name)
+                .map_err(|e| e.to_string())
+                .and_then(|i| {
+                    let want = id
+                        .try_into()
+                        .map_err(|e: crate::rpc::BadDigest| e.to_string())?;
+                    let pull = crate::sync::Pull {
+                        source: upstream.to_string(),
+                        upstream: Vec::new(),
+                        want: Some(want),
+                        mode: None,
+                        source_instance: i.config.stream.upstream_instance_of(&name),
+                    };
+                    syncs.start(&i, pull).map_err(|e| e.to_string())
+                });
+            match started {
+                Ok((sync, _)) => {
+                    info!(instance = %name, %upstream, %sync, "re-seeding from the upstream's snapshot")
+                }
+                Err(e) => {
+                    warn!(instance = %name, %upstream, error = %e, "cannot start the re-seeding sync; sync a snapshot yourself")
+                }
             }
-            Err(e) => {
-                warn!(instance = %name, %upstream, error = %e, "cannot start the re-seeding sync; sync a snapshot yourself")
-            }
-        }
+        })
     })
 }
 
@@ -842,131 +559,6 @@ async fn bind(what: &'static str, addr: &str) -> Result<(TcpListener, SocketAddr
     let listener = TcpListener::bind(addr).await.map_err(err)?;
     let local = listener.local_addr().map_err(err)?;
     Ok((listener, local))
-}
-
-/// Starts the serve loops (TCP always, RDMA when the probe says it is
-/// usable) and the offer expiry, and records what the data plane offers.
-async fn start_data_plane(
-    config: &Config,
-    mut probe: Probe,
-    plane: &DataPlane,
-    (tcp, tcp_addr): (TcpListener, SocketAddr),
-    tasks: &mut JoinSet<()>,
-) -> Arc<DataEndpoints> {
-    let bound = bind_rdma_listener(config, &probe)
-        .await
-        .unwrap_or_else(|e| {
-            warn!(error = %e, "rdma listener could not start; this agent uses tcp");
-            probe.fall_back_to_tcp(format!("no RDMA: {e}"));
-            None
-        });
-    let local_rdma = Arc::new(LocalRdma::new(probe));
-    let rdma = match bound {
-        Some((listener, addr)) => match serve_rdma(listener, &local_rdma, plane, tasks) {
-            Ok(()) => Some(addr),
-            Err(e) => {
-                local_rdma.set_lost(Some(format!("no RDMA: {e}")));
-                None
-            }
-        },
-        None => None,
-    };
-    let probe = local_rdma.probe();
-    info!(choice = %probe.choice, provider = %probe.provider, device = ?probe.device, interface = ?probe.interface, endpoint = ?rdma, "transport selection: {}", local_rdma.reason());
-    plane
-        .metrics
-        .rdma_available
-        .set(local_rdma.available() as i64);
-    for d in &probe.devices {
-        let soft = if d.soft { "true" } else { "false" };
-        plane
-            .metrics
-            .rdma_device_info
-            .with_label_values(&[d.name.as_str(), soft])
-            .set(1);
-    }
-    tasks.spawn(plane.sessions.clone().expire(plane.shutdown.clone()));
-    tasks.spawn(serve::serve(
-        serve::tcp_connections(tcp, false),
-        plane.clone(),
-    ));
-    Arc::new(DataEndpoints {
-        tcp: tcp_addr,
-        rdma,
-        local_rdma,
-        tls: if config.data_tls() {
-            ktls::describe(config.data.kernel_tls)
-        } else {
-            "off".into()
-        },
-    })
-}
-
-/// A bound RDMA listener, not yet serving.
-enum RdmaListener {
-    Emulated(TcpListener),
-    #[cfg(feature = "rdma")]
-    Verbs(crate::transport::verbs::VerbsListener),
-}
-
-/// Binds the RDMA listener on the chosen interface address (never a
-/// wildcard) when RDMA is usable.
-async fn bind_rdma_listener(
-    config: &Config,
-    probe: &Probe,
-) -> Result<Option<(RdmaListener, SocketAddr)>, AgentError> {
-    let Some(ip) = probe.local_addr.filter(|_| probe.rdma_available) else {
-        return Ok(None);
-    };
-    let addr = SocketAddr::new(ip, config.data.rdma_port);
-    let bind_err = |source| AgentError::Bind {
-        what: "data.rdma_port",
-        addr: addr.to_string(),
-        source,
-    };
-    match config.transport.rdma_provider {
-        RdmaProvider::Emulated => {
-            warn!("transport uses the EMULATED rdma fabric: an emulation over TCP for tests and hosts without RDMA, not hardware");
-            let listener = TcpListener::bind(addr).await.map_err(bind_err)?;
-            let local = listener.local_addr().map_err(bind_err)?;
-            Ok(Some((RdmaListener::Emulated(listener), local)))
-        }
-        #[cfg(feature = "rdma")]
-        RdmaProvider::Verbs => {
-            let listener = crate::transport::verbs::VerbsListener::bind(addr)
-                .map_err(|e| bind_err(std::io::Error::other(e.to_string())))?;
-            let local = listener.local_addr();
-            Ok(Some((RdmaListener::Verbs(listener), local)))
-        }
-        #[cfg(not(feature = "rdma"))]
-        RdmaProvider::Verbs => Ok(None),
-    }
-}
-
-/// Starts serving a bound RDMA listener.
-fn serve_rdma(
-    listener: RdmaListener,
-    local_rdma: &Arc<LocalRdma>,
-    plane: &DataPlane,
-    tasks: &mut JoinSet<()>,
-) -> std::io::Result<()> {
-    match listener {
-        RdmaListener::Emulated(l) => {
-            let conns = serve::tcp_connections(l, true);
-            tasks.spawn(serve::serve(conns, plane.clone()));
-        }
-        #[cfg(feature = "rdma")]
-        RdmaListener::Verbs(l) => {
-            let conns = serve::verbs_connections(
-                l,
-                local_rdma.clone(),
-                plane.metrics.clone(),
-                plane.shutdown.clone(),
-            )?;
-            tasks.spawn(serve::serve(conns, plane.clone()));
-        }
-    }
-    Ok(())
 }
 
 /// Starts `/metrics`, `/healthz` and `/readyz` unless disabled.

@@ -9,6 +9,7 @@
 //! rule for which instance that means.
 
 pub mod failover;
+pub mod start;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, RwLock};

@@ -24,6 +24,7 @@ pub mod safety;
 pub mod sentinel;
 pub mod serve;
 pub mod source;
+pub mod start;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};

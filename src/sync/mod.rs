@@ -15,6 +15,7 @@
 pub mod error;
 pub mod job;
 pub mod offer;
+pub mod plane;
 pub mod policy;
 pub mod receive;
 pub mod serve;

@@ -1,0 +1,240 @@
+//! Starting one KV instance: its snapshot directory, catalog and watcher,
+//! its primary's backlog guard, its stream (with the feed its server reads
+//! and the Sentinel majority it may follow) and its KV's tasks, all on the
+//! instance's own stop signal.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use tracing::info;
+
+use super::{failover, Instance, Instances};
+use crate::config::{Config, HandoffMode, InstanceConfig};
+use crate::kv::backlog::BacklogGuard;
+use crate::metrics::Metrics;
+use crate::rpc::dial::Dialer;
+use crate::store::catalog::Catalog;
+use crate::store::watch::DirWatcher;
+use crate::stream::pull::Reseed;
+use crate::stream::start::StreamDeps;
+use crate::stream::{sentinel, SharedLog};
+use crate::sys::ratelimit::RateLimiter;
+use crate::transport::probe::LocalRdma;
+
+/// Why an instance could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The snapshot directory cannot be created.
+    #[error("cannot create snapshot_dir {path}: {source}")]
+    SnapshotDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// Its stream feed cannot start.
+    #[error(transparent)]
+    StreamFeed(#[from] crate::stream::feed::FeedError),
+    /// Its stream log cannot be opened.
+    #[error("{0}")]
+    StreamLog(#[from] crate::stream::log::LogError),
+}
+
+/// What every instance of an agent shares.
+pub struct Parts {
+    pub metrics: Arc<Metrics>,
+    /// The agent's bandwidth limit (the backlog guard's reads count).
+    pub rate: Arc<RateLimiter>,
+    /// The agent's shutdown: each instance stops on a child of it.
+    pub shutdown: tokio_util::sync::CancellationToken,
+    /// How an instance's stream and failovers reach peer agents.
+    pub dialer: Dialer,
+    /// `[stream] reseed`: the sync an instance (by name) starts of a
+    /// snapshot an upstream names.
+    pub reseed: Arc<dyn Fn(&str) -> Reseed + Send + Sync>,
+    /// The agent's instances, as a Sentinel's failover looks its own up.
+    pub instances: Arc<Instances>,
+    /// This agent's RDMA, for streams followed through a ring.
+    pub local_rdma: Arc<LocalRdma>,
+}
+
+/// Makes instance `ic`'s parts and starts its tasks: its snapshot
+/// directory (created, and swept of temp files that cannot be resumed), its
+/// catalog and watcher, its primary's backlog guard, and its KV's seeding
+/// recovery, health poll and consistency check.
+pub async fn start(
+    agent: &Config,
+    ic: &InstanceConfig,
+    parts: &Parts,
+) -> Result<Arc<Instance>, StartError> {
+    let config = agent.for_instance(ic);
+    let (name, dir, redis) = (ic.name.as_str(), &config.snapshot_dir, &config.redis);
+    std::fs::create_dir_all(dir).map_err(|source| StartError::SnapshotDir {
+        path: dir.clone(),
+        source,
+    })?;
+    let swept = crate::store::journal::sweep(dir, config.data.resume_ttl, true);
+    if swept > 0 {
+        info!(
+            instance = name,
+            count = swept,
+            "removed temp files of an earlier run that cannot be resumed"
+        );
+    }
+    let metrics = &parts.metrics;
+    metrics.add_instance(name);
+    let catalog = Catalog::new(metrics.clone(), name);
+    let backlog = match redis.primary_addr.is_empty() {
+        true => None,
+        false => Some(
+            BacklogGuard::start(
+                (name, redis.clone()),
+                dir,
+                metrics.clone(),
+                parts.rate.clone(),
+            )
+            .await,
+        ),
+    };
+    let stop = parts.shutdown.child_token();
+    let mut instance = Instance::new(config.clone(), catalog.clone(), backlog, stop.clone());
+    if config.stream.enabled() {
+        let deps = StreamDeps {
+            metrics: metrics.clone(),
+            dialer: parts.dialer.clone(),
+            local_rdma: parts.local_rdma.clone(),
+            reseed: config.stream.reseed.then(|| (parts.reseed)(name)),
+        };
+        let started = crate::stream::start::start(name, &config, &catalog, deps).await?;
+        let stream = started.log;
+        instance.upstreams = Some(started.upstreams.clone());
+        instance.spawn(crate::stream::source::run(
+            started.writers,
+            started.upstreams,
+            stream.clone(),
+            stop.clone(),
+        ));
+        if !config.stream.sentinels.is_empty() {
+            follow_sentinels(name, &config, &instance, parts, &stream);
+        }
+        if config.handoff.mode == HandoffMode::RedisStream {
+            let (listener, feed) =
+                crate::stream::feed::bind(&redis.seed_listen, &config.stream.dir).await?;
+            instance.spawn(crate::kv::seed::repoint(
+                redis.clone(),
+                feed.addr,
+                feed.secret.clone(),
+                stop.clone(),
+            ));
+            instance.spawn(crate::stream::feed::run(
+                listener,
+                feed.clone(),
+                redis.server_addr.clone(),
+                stream.clone(),
+                stop.clone(),
+            ));
+            instance.feed = Some(feed);
+        }
+        instance.stream = Some(stream);
+    }
+    instance.spawn(crate::store::journal::sweep_every(
+        dir.clone(),
+        config.data.resume_ttl,
+        stop.clone(),
+    ));
+    let mode = config.handoff.mode;
+    if mode == HandoffMode::RedisReplicate {
+        instance.spawn(crate::kv::seed::recover(
+            redis.clone(),
+            dir.clone(),
+            stop.clone(),
+        ));
+    }
+    if let Some(addr) = redis.local_server(mode) {
+        if !redis.health_interval.is_zero() {
+            instance.spawn(crate::kv::health::watch(
+                (name.to_string(), addr.to_string()),
+                redis.password.clone(),
+                redis.health_interval,
+                metrics.clone(),
+                stop.clone(),
+            ));
+        }
+    }
+    if mode.is_redis() && !redis.consistency_interval.is_zero() && !redis.primary.is_empty() {
+        instance.spawn(crate::kv::check::every(
+            name.to_string(),
+            (redis.primary.clone(), redis.server_addr.clone()),
+            redis.password.clone(),
+            (redis.consistency_interval, redis.consistency_sample),
+            metrics.clone(),
+            stop.clone(),
+        ));
+    }
+    instance.spawn(
+        DirWatcher::new(
+            dir.clone(),
+            (config.snapshot_format, config.data.piece_size.as_u64()),
+            catalog,
+            metrics.clone(),
+            config.watch.clone(),
+        )
+        .run(stop),
+    );
+    Ok(Arc::new(instance))
+}
+
+/// Follows the primary a majority of instance `name`'s Sentinels name:
+/// the watch of their word (its verdict in status and the dissent
+/// counter), and its take as `kvsync stream follow` would.
+fn follow_sentinels(
+    name: &str,
+    config: &Config,
+    instance: &Instance,
+    parts: &Parts,
+    stream: &SharedLog,
+) {
+    let sentinels = sentinel::Sentinels {
+        addrs: config.stream.sentinels.clone(),
+        master_name: config.stream.master_name.clone(),
+        password: config.stream.sentinel_password.clone(),
+    };
+    let (primary, named) = tokio::sync::watch::channel(None);
+    let (reported, dissent) = (
+        stream.clone(),
+        parts
+            .metrics
+            .stream_sentinel_dissent
+            .with_label_values(&[name]),
+    );
+    let report = move |v: &sentinel::Verdict| {
+        if !v.dissent.is_empty() {
+            dissent.inc();
+        }
+        reported.set_sentinels(v.to_string());
+    };
+    instance.spawn(sentinel::watch(
+        sentinels,
+        primary,
+        report,
+        instance.stop.clone(),
+    ));
+    let (instances, name) = (parts.instances.clone(), name.to_string());
+    let ask = failover::peer_asker(parts.dialer.clone(), instance, None);
+    let follow = move |addr: String| {
+        let (instances, name, ask) = (instances.clone(), name.clone(), ask.clone());
+        async move {
+            let i = instances.resolve(&name).map_err(|e| e.to_string())?;
+            let followed = failover::follow_primary(&i, &addr, &[], ask)
+                .await
+                .map_err(|e| e.to_string())?;
+            let said = match followed.local_server {
+                Some(local) => format!("{}; {local}", followed.source),
+                None => followed.source.to_string(),
+            };
+            Ok::<_, String>(match followed.re_attach_pending {
+                true => sentinel::Taken::Pending(said),
+                false => sentinel::Taken::Done(said),
+            })
+        }
+    };
+    instance.spawn(sentinel::apply(named, follow, instance.stop.clone()));
+}
