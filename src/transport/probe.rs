@@ -172,7 +172,7 @@ pub fn probe(t: &TransportConfig) -> Probe {
             }
         }
         (_, RdmaProvider::Verbs) => match list_devices() {
-            Err(reason) => Found::none(&reason),
+            Err(reason) => Found::none(&reason.to_string()),
             Ok(devices) => decide(devices, &ifaces, &t.interface, resolve),
         },
     };
@@ -319,13 +319,27 @@ fn decide(
     found
 }
 
+/// Why the host's RDMA devices cannot be listed.
+#[derive(Debug, thiserror::Error)]
+enum NoDevices {
+    #[cfg(not(feature = "rdma"))]
+    #[error("no RDMA: kvsync was built without the `rdma` feature")]
+    NotBuilt,
+    #[cfg(feature = "rdma")]
+    #[error("no RDMA: the kernel has no RDMA support (ibv_get_device_list: ENOSYS)")]
+    NoKernelSupport,
+    #[cfg(feature = "rdma")]
+    #[error("no RDMA: ibv_get_device_list failed: {0}")]
+    Listing(std::io::Error),
+}
+
 #[cfg(not(feature = "rdma"))]
-fn list_devices() -> Result<Vec<DeviceInfo>, String> {
-    Err("no RDMA: kvsync was built without the `rdma` feature".into())
+fn list_devices() -> Result<Vec<DeviceInfo>, NoDevices> {
+    Err(NoDevices::NotBuilt)
 }
 
 #[cfg(feature = "rdma")]
-fn list_devices() -> Result<Vec<DeviceInfo>, String> {
+fn list_devices() -> Result<Vec<DeviceInfo>, NoDevices> {
     use rdma_sys::*;
     use std::ffi::CStr;
 
@@ -337,9 +351,9 @@ fn list_devices() -> Result<Vec<DeviceInfo>, String> {
         if list.is_null() {
             let err = std::io::Error::last_os_error();
             return Err(if err.raw_os_error() == Some(libc::ENOSYS) {
-                "no RDMA: the kernel has no RDMA support (ibv_get_device_list: ENOSYS)".into()
+                NoDevices::NoKernelSupport
             } else {
-                format!("no RDMA: ibv_get_device_list failed: {err}")
+                NoDevices::Listing(err)
             });
         }
         let mut devices = Vec::new();

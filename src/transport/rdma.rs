@@ -63,6 +63,48 @@ pub enum RdmaError {
     Cancelled,
 }
 
+/// A completion as a driver reads it, once a failed one has ended the
+/// session ([`completed`]).
+pub enum Completed {
+    /// A message arrived.
+    Recv(Vec<u8>),
+    /// A signalled write with this work request id finished.
+    Write(u64),
+    /// A Send finished.
+    Send,
+}
+
+/// Reads completion `c`: a work request that completed in error is the
+/// end of the session.
+pub fn completed(c: Completion) -> Result<Completed, RdmaError> {
+    match c {
+        Completion {
+            kind,
+            wr_id,
+            status: Err(status),
+            ..
+        } => Err(RdmaError::Completion {
+            kind,
+            wr_id,
+            status,
+        }),
+        Completion {
+            kind: WorkKind::Recv,
+            data,
+            ..
+        } => Ok(Completed::Recv(data)),
+        Completion {
+            kind: WorkKind::Write,
+            wr_id,
+            ..
+        } => Ok(Completed::Write(wr_id)),
+        Completion {
+            kind: WorkKind::Send,
+            ..
+        } => Ok(Completed::Send),
+    }
+}
+
 impl RdmaError {
     /// Label for `kvsync_transport_fallback_total{reason}`.
     pub fn fallback_reason(&self) -> &'static str {
@@ -175,34 +217,10 @@ impl<F: Fabric> Link<F> {
                 }
                 continue;
             };
-            match c {
-                Completion {
-                    kind,
-                    wr_id,
-                    status: Err(status),
-                    ..
-                } => {
-                    self.connected = false;
-                    return Err(RdmaError::Completion {
-                        kind,
-                        wr_id,
-                        status,
-                    });
-                }
-                Completion {
-                    kind: WorkKind::Recv,
-                    data,
-                    ..
-                } => return Ok(Some(Input::Received(Token::decode(&data)?))),
-                Completion {
-                    kind: WorkKind::Write,
-                    wr_id,
-                    ..
-                } => return Ok(Some(Input::WriteCompleted { id: wr_id })),
-                Completion {
-                    kind: WorkKind::Send,
-                    ..
-                } => self.sends_pending -= 1,
+            match completed(c).inspect_err(|_| self.connected = false)? {
+                Completed::Recv(data) => return Ok(Some(Input::Received(Token::decode(&data)?))),
+                Completed::Write(id) => return Ok(Some(Input::WriteCompleted { id })),
+                Completed::Send => self.sends_pending -= 1,
             }
         }
     }

@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
-use super::fabric::{Completion, Fabric, FabricError, MemoryRegion, WorkKind};
-use super::rdma::RdmaError;
+use super::fabric::{Fabric, FabricError, MemoryRegion};
+use super::rdma::{completed, Completed, RdmaError};
 use crate::blk3::ring::{Header, RingError, RingReceiver, RingSender, CREDITS, PRODUCER_LEN};
 use crate::blk3::stream::{Next, STREAM_KEY_LEN};
 use crate::blk3::token::{Kind, REPLID_LEN, SESSION_TOKEN_LEN};
@@ -174,33 +174,13 @@ impl<F: Fabric> Qp<F> {
             let Some(c) = self.qp.poll(wait)? else {
                 return Ok(None);
             };
-            match c {
-                Completion {
-                    kind,
-                    wr_id,
-                    status: Err(status),
-                    ..
-                } => {
-                    return Err(RdmaError::Completion {
-                        kind,
-                        wr_id,
-                        status,
-                    }
-                    .into())
-                }
-                Completion {
-                    kind: WorkKind::Recv,
-                    data,
-                    ..
-                } => {
+            match completed(c)? {
+                Completed::Recv(data) => {
                     self.post_recv()?;
                     return Ok(Some(Token::decode(&data)?));
                 }
-                Completion {
-                    kind: WorkKind::Send,
-                    ..
-                } => self.sends = self.sends.saturating_sub(1),
-                Completion { .. } => {}
+                Completed::Send => self.sends = self.sends.saturating_sub(1),
+                Completed::Write(_) => {}
             }
         }
     }
