@@ -20,7 +20,7 @@ use crate::snapshot::Format;
 use crate::store::catalog::CatalogEntry;
 use crate::stream::feed::FeedHandle;
 use crate::stream::hand::{self, HandError};
-use crate::stream::source::ChainError;
+use crate::stream::source::{ChainError, Source};
 use crate::stream::{Downstream, SharedLog};
 use crate::sync::serve::{DataEndpoints, SessionTable};
 use crate::sync::{Pull, SyncManager};
@@ -119,8 +119,8 @@ impl OrchestratorService {
                     )
                 });
                 pb::StreamStatus {
-                    source: s.source(),
-                    state: s.state(),
+                    source: s.source().to_string(),
+                    state: s.state().to_string(),
                     replid,
                     first_offset: first,
                     end_offset: end,
@@ -140,9 +140,9 @@ impl OrchestratorService {
                             offset,
                         })
                         .collect(),
-                    ack: match s.source().starts_with("primary ") {
-                        true => i.config.stream.ack.name().to_string(),
-                        false => String::new(),
+                    ack: match s.source() {
+                        Source::Primary(_) => i.config.stream.ack.name().to_string(),
+                        Source::Agents(_) => String::new(),
                     },
                     lagging: s.lagging().iter().map(ToString::to_string).collect(),
                     acked_offset: s.upstream_acked(),

@@ -42,7 +42,7 @@ use tracing::{info, warn};
 
 use super::log::{LogError, Record};
 use super::policy::{self, Backoff, LogStep, Promotion, Psync};
-use super::SharedLog;
+use super::{SharedLog, WriterState};
 use crate::config::StreamAck;
 use crate::kv::resp;
 use crate::metrics::Metrics;
@@ -172,7 +172,9 @@ pub async fn run(follow: Follow, log: SharedLog, stop: CancellationToken) {
                     .inc();
             }
             warn!(instance = %follow.instance, error = %e, "following the primary into the stream log stopped; it reconnects");
-            log.set_state(format!("reconnecting: {e}"));
+            log.set_state(WriterState::Reconnecting {
+                reason: e.to_string(),
+            });
         }
         let pause = backoff.failed(log.position() != before);
         tokio::select! {
@@ -286,7 +288,7 @@ async fn session(follow: &Follow, log: &SharedLog) -> Result<(), FollowError> {
         }
         Psync::Refused => return Err(refused()),
     };
-    log.set_state("following");
+    log.set_state(WriterState::FollowingPrimary);
     stream_into(follow, (read, write), log, later).await
 }
 

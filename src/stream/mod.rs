@@ -62,10 +62,10 @@ pub struct Stream {
     log: Mutex<Log>,
     /// Bumped after every write: readers wait on it for more stream.
     changed: watch::Sender<u64>,
-    /// Where the stream comes from: `primary <addr>` or `agent <addr>`.
-    source: Mutex<String>,
-    /// The writer's state, for status (`following`, or why not).
-    state: Mutex<String>,
+    /// Where the stream comes from.
+    source: Mutex<source::Source>,
+    /// The writer's state, for status (following, or why not).
+    state: Mutex<WriterState>,
     /// What each downstream acknowledged; bumped on every change.
     acks: Mutex<BTreeMap<Downstream, u64>>,
     /// The replica agents whose credit window stayed full past
@@ -104,6 +104,64 @@ struct Gauges {
     lagging: prometheus::IntGauge,
 }
 
+/// What a stream's writer is doing (status shows it as text).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WriterState {
+    /// No session has started yet.
+    Starting,
+    /// Following its primary.
+    FollowingPrimary,
+    /// Following an upstream agent.
+    FollowingAgent { upstream: String, over: Over },
+    /// A session ended (`reason`); the writer asks again.
+    Reconnecting { reason: String },
+    /// An RDMA ring session failed (`reason`); the stream goes on over TCP.
+    RingFailed { reason: String },
+    /// A damaged record was cut off at `offset`; the log is fetched again
+    /// from there.
+    Refetching { offset: u64, reason: String },
+    /// The log started over at an upstream's snapshot, which is synced
+    /// from it.
+    Reseeding { upstream: String, seq: u64 },
+}
+
+/// How a replica agent's session with its upstream runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Over {
+    Tcp,
+    /// Over TCP until the RDMA ring is tried again.
+    TcpFallback,
+    Ring,
+}
+
+impl std::fmt::Display for WriterState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WriterState::Starting => write!(f, "starting"),
+            WriterState::FollowingPrimary => write!(f, "following"),
+            WriterState::FollowingAgent { upstream, over } => match over {
+                Over::Tcp => write!(f, "following agent {upstream}"),
+                Over::TcpFallback => write!(
+                    f,
+                    "following agent {upstream} over TCP until the RDMA ring is tried again"
+                ),
+                Over::Ring => write!(f, "following agent {upstream} through an RDMA ring"),
+            },
+            WriterState::Reconnecting { reason } => write!(f, "reconnecting: {reason}"),
+            WriterState::RingFailed { reason } => write!(
+                f,
+                "reconnecting over TCP after the RDMA ring failed: {reason}"
+            ),
+            WriterState::Refetching { offset, reason } => {
+                write!(f, "refetching from offset {offset}: {reason}")
+            }
+            WriterState::Reseeding { upstream, seq } => {
+                write!(f, "re-seeding from {upstream}'s snapshot of seq {seq}")
+            }
+        }
+    }
+}
+
 /// A stream log shared by its writer and its readers.
 pub type SharedLog = Arc<Stream>;
 
@@ -133,7 +191,7 @@ impl Traffic {
 
 impl Stream {
     /// The stream of `log`, from `source`, with `instance`'s metrics.
-    pub fn new(log: Log, source: String, metrics: &Metrics, instance: &str) -> SharedLog {
+    pub fn new(log: Log, source: source::Source, metrics: &Metrics, instance: &str) -> SharedLog {
         let name = [instance];
         let gauges = Gauges {
             damaged: metrics.stream_checksum_failures.with_label_values(&name),
@@ -146,7 +204,7 @@ impl Stream {
             log: Mutex::new(log),
             changed: watch::Sender::new(0),
             source: Mutex::new(source),
-            state: Mutex::new("starting".into()),
+            state: Mutex::new(WriterState::Starting),
             acks: Mutex::default(),
             lagging: Mutex::default(),
             acks_changed: watch::Sender::new(0),
@@ -231,19 +289,19 @@ impl Stream {
     }
 
     /// Where the stream comes from now ([`source::Source`]'s text).
-    pub fn source(&self) -> String {
+    pub fn source(&self) -> source::Source {
         self.source.lock().expect("source lock").clone()
     }
 
-    pub fn set_source(&self, source: String) {
+    pub fn set_source(&self, source: source::Source) {
         *self.source.lock().expect("source lock") = source;
     }
 
-    pub fn set_state(&self, state: impl Into<String>) {
-        *self.state.lock().expect("stream state lock") = state.into();
+    pub fn set_state(&self, state: WriterState) {
+        *self.state.lock().expect("stream state lock") = state;
     }
 
-    pub fn state(&self) -> String {
+    pub fn state(&self) -> WriterState {
         self.state.lock().expect("stream state lock").clone()
     }
 

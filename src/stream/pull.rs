@@ -34,7 +34,7 @@ use tracing::{info, warn};
 use super::log::{LogError, Record};
 use super::policy::{self, Ended, NotHeld, Pick, Then, UpstreamPolicy, PASS_OVER};
 use super::source::{Source, Upstreams};
-use super::{SharedLog, Traffic};
+use super::{Over, SharedLog, Traffic, WriterState};
 use crate::blk3::stream::{Receiver, StreamError, MAX_FRAME, STREAM_KEY_LEN};
 use crate::blk3::token::REPLID_LEN;
 use crate::blk3::token::{Kind, SESSION_TOKEN_LEN};
@@ -238,7 +238,9 @@ pub async fn run(pull: Arc<Pull>, stream: SharedLog, stop: CancellationToken) {
         let why = e.ended();
         if why != Ended::RingFailed {
             warn!(instance = %pull.instance, %upstream, error = %e, "following the upstream agent's stream stopped; it asks again");
-            stream.set_state(format!("reconnecting: {e}"));
+            stream.set_state(WriterState::Reconnecting {
+                reason: e.to_string(),
+            });
         }
         if let PullError::TooOld {
             replid,
@@ -284,9 +286,9 @@ pub async fn run(pull: Arc<Pull>, stream: SharedLog, stop: CancellationToken) {
                 let retry = pull.ring.as_ref().map_or(Duration::ZERO, |r| r.retry);
                 let reason = e.ring_failure().unwrap_or_default();
                 warn!(instance = %pull.instance, %upstream, error = %e, reason, "the RDMA ring failed: the stream goes on over TCP from what the log holds, and tries the ring again in {retry:?}");
-                stream.set_state(format!(
-                    "reconnecting over TCP after the RDMA ring failed: {e}"
-                ));
+                stream.set_state(WriterState::RingFailed {
+                    reason: e.to_string(),
+                });
             }
             Then::Next | Then::Reseed { .. } => {}
             Then::Pause(wait) => {
@@ -327,10 +329,10 @@ async fn reseed(
 ) -> Result<(), LogError> {
     blocking(stream, move |s| s.write(|l| l.restart(&replid, m))).await?;
     warn!(instance = %pull.instance, %upstream, seq = id.seq, "re-seeding: the log starts over at the upstream's snapshot, which is synced from it");
-    stream.set_state(format!(
-        "re-seeding from {upstream}'s snapshot of seq {}",
-        id.seq
-    ));
+    stream.set_state(WriterState::Reseeding {
+        upstream: upstream.to_string(),
+        seq: id.seq,
+    });
     sync(upstream, id.clone());
     Ok(())
 }
@@ -557,9 +559,12 @@ async fn session(
     );
     let received = Traffic::of(m, &pull.instance, "replica");
     info!(instance = %pull.instance, %upstream, replid = %offer.replid, offset = offer.offset, tls = offer.tls, "following the upstream agent's stream");
-    stream.set_state(match fell_back {
-        true => format!("following agent {upstream} over TCP until the RDMA ring is tried again"),
-        false => format!("following agent {upstream}"),
+    stream.set_state(WriterState::FollowingAgent {
+        upstream: upstream.to_string(),
+        over: match fell_back {
+            true => Over::TcpFallback,
+            false => Over::Tcp,
+        },
     });
     let mut rx = Receiver::new(offer.key, offer.offset, offer.window);
     let mut heard = Instant::now();
@@ -691,7 +696,10 @@ async fn ring_session(
         .with_label_values(&[&pull.instance, "replica"]);
     let (log, state) = (
         stream.clone(),
-        format!("following agent {upstream} through an RDMA ring"),
+        WriterState::FollowingAgent {
+            upstream: upstream.to_string(),
+            over: Over::Ring,
+        },
     );
     let runtime = tokio::runtime::Handle::current();
     let mut acks = stream.watch_acks();

@@ -12,7 +12,7 @@
 use tracing::error;
 
 use super::log::{self, Log, LogError, ReadPlan};
-use super::{SharedLog, Stream};
+use super::{SharedLog, Stream, WriterState};
 use crate::blk3::stream::Next;
 use crate::blk3::token::REPLID_LEN;
 
@@ -87,7 +87,10 @@ impl Stream {
         if let Err(e @ LogError::Corrupt { offset, .. }) = &records {
             self.gauges.damaged.inc();
             error!(error = %e, "a damaged record in the stream log: the log is cut back to offset {offset} and fetched again from upstream");
-            self.set_state(format!("refetching from offset {offset}: {e}"));
+            self.set_state(WriterState::Refetching {
+                offset: *offset,
+                reason: e.to_string(),
+            });
             if let Err(cut) = self.write(|l| l.cut(*offset)) {
                 error!(error = %cut, "the stream log cannot be cut back to its damage");
             }
@@ -128,7 +131,12 @@ mod tests {
             .unwrap();
         log.switch(B).unwrap();
         log.append(&Record::new(110, b"abcde".to_vec())).unwrap();
-        Stream::new(log, "test".into(), &Metrics::new(), "reader-test")
+        Stream::new(
+            log,
+            super::super::source::Source::Primary("test".into()),
+            &Metrics::new(),
+            "reader-test",
+        )
     }
 
     #[test]

@@ -194,7 +194,7 @@ pub async fn run(
     let mut source = upstreams.watch();
     loop {
         let now = source.borrow_and_update().clone();
-        stream.set_source(now.to_string());
+        stream.set_source(now.clone());
         let task = stop.child_token();
         let writer = async {
             match &now {
@@ -237,7 +237,7 @@ pub async fn run(
                 match (&now, &*source.borrow()) {
                     // A new chain is the puller's to follow.
                     (Source::Agents(_), next @ Source::Agents(_)) => {
-                        stream.set_source(next.to_string());
+                        stream.set_source(next.clone());
                         continue;
                     }
                     (was, next) if was == next => continue,

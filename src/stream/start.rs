@@ -68,7 +68,7 @@ pub async fn start(
         upstream => Source::Agents(vec![upstream.to_string()]),
     };
     let upstreams = Upstreams::open(&config.stream.dir, configured);
-    let log = Stream::new(log, upstreams.source().to_string(), &deps.metrics, name);
+    let log = Stream::new(log, upstreams.source(), &deps.metrics, name);
     let pull = Pull {
         instance: name.to_string(),
         upstreams: upstreams.clone(),
