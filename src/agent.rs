@@ -36,7 +36,7 @@ use crate::sync::serve::{DataEndpoints, DataPlane, SessionTable};
 use crate::sync::{plane, SyncManager};
 use crate::sys::ratelimit::RateLimiter;
 use crate::transport::faults;
-use crate::transport::probe::{self, Probe};
+use crate::transport::probe;
 
 /// Why the agent could not start.
 #[derive(Debug, thiserror::Error)]
@@ -125,16 +125,7 @@ impl RunningAgent {
         let (grpc_listener, grpc_addr) = bind("grpc.listen", &config.grpc.listen).await?;
         let (data_listener, data_addr) = bind("data.tcp_listen", &config.data.tcp_listen).await?;
         let metrics = Metrics::new();
-        let grpc_connections = {
-            let unproved = metrics.grpc_unproved.clone();
-            conn_limit::Counter::reporting(
-                conn_limit::Limits {
-                    total: config.grpc.max_connections,
-                    per_peer: config.grpc.max_connections_per_peer,
-                },
-                move |n| unproved.set(n as i64),
-            )
-        };
+        let grpc_connections = grpc_connections(&config, &metrics);
         let shutdown = CancellationToken::new();
         let cache = SnapshotCache::new(
             config.cache.memory_budget.as_u64(),
@@ -147,23 +138,14 @@ impl RunningAgent {
         let sessions = Arc::new(SessionTable::new((&config.sync).into()));
         let draining = CancellationToken::new();
         let probe = probe::probe_agent(&config);
-        let plane = DataPlane {
-            sessions: sessions.clone(),
-            metrics: metrics.clone(),
-            bulk: Probe::bulk_params(&config.transport, probe.soft),
-            shutdown: shutdown.clone(),
-            rate: Arc::new(RateLimiter::new(config.sync.rate_limit.as_u64())),
-            peer_timeout: config.data.peer_timeout,
-            min_rate: (&config.data).into(),
-            hello_timeout: config.data.hello_timeout,
-            tls: prepared.data_tls.clone(),
-            kernel_tls: config.data.kernel_tls,
-            streams: Arc::default(),
-            pending: crate::rpc::conn_limit::Limits {
-                total: config.data.max_pending_connections,
-                per_peer: config.data.max_pending_per_peer,
-            },
-        };
+        let plane = DataPlane::new(
+            &config,
+            sessions.clone(),
+            metrics.clone(),
+            shutdown.clone(),
+            prepared.data_tls.clone(),
+            probe.soft,
+        );
         let data = plane::start(
             &config,
             probe,
@@ -549,6 +531,19 @@ fn reseeder(
     })
 }
 
+/// The gRPC listener's connection counter, reporting connections not yet
+/// proved in `kvsync_grpc_connections_unproved`.
+fn grpc_connections(config: &Config, metrics: &Metrics) -> Arc<conn_limit::Counter> {
+    let unproved = metrics.grpc_unproved.clone();
+    conn_limit::Counter::reporting(
+        conn_limit::Limits {
+            total: config.grpc.max_connections,
+            per_peer: config.grpc.max_connections_per_peer,
+        },
+        move |n| unproved.set(n as i64),
+    )
+}
+
 /// Binds a TCP listener for the setting `what`.
 async fn bind(what: &'static str, addr: &str) -> Result<(TcpListener, SocketAddr), AgentError> {
     let err = |source| AgentError::Bind {
@@ -663,7 +658,27 @@ async fn start_grpc(
             peer_auth,
         ));
     let stop = shutdown.clone();
-    let handshake = limits.handshake_timeout;
+    let incoming = counted(listener, counter, limits.handshake_timeout, metrics);
+    tasks.spawn(async move {
+        if let Err(e) = router
+            .serve_with_incoming_shutdown(incoming, stop.cancelled())
+            .await
+        {
+            warn!(error = %e, "grpc server stopped");
+        }
+    });
+    Ok(health)
+}
+
+/// The gRPC listener's connections, counted: one over a limit is closed
+/// at once (dropped), unless an unproved one can make room, and every one
+/// must prove itself within `handshake`; refusals are counted by reason.
+fn counted(
+    listener: TcpListener,
+    counter: Arc<conn_limit::Counter>,
+    handshake: Duration,
+    metrics: Arc<Metrics>,
+) -> impl futures::Stream<Item = std::io::Result<conn_limit::Counted<tokio::net::TcpStream>>> {
     let closed: Arc<dyn Fn(conn_limit::Closed) + Send + Sync> = {
         let metrics = metrics.clone();
         Arc::new(move |why| {
@@ -674,38 +689,27 @@ async fn start_grpc(
             metrics.grpc_refused.with_label_values(&[reason]).inc();
         })
     };
-    tasks.spawn(async move {
-        // A connection over a limit is closed at once (dropped), unless an
-        // unproved one can make room; every one must prove itself in time.
-        let incoming = futures::StreamExt::filter_map(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            move |accepted| {
-                let admitted = accepted.and_then(|s| {
-                    let addr = s.peer_addr()?;
-                    Ok(counter.admit_evicting(addr).map(|slot| {
-                        conn_limit::Counted::new(s, slot).proving_within(handshake, closed.clone())
-                    }))
-                });
-                std::future::ready(match admitted {
-                    Ok(Ok(conn)) => Some(Ok(conn)),
-                    Ok(Err(over)) => {
-                        let reason = match over {
-                            conn_limit::Over::Total => "total",
-                            conn_limit::Over::PerPeer => "per_peer",
-                        };
-                        metrics.grpc_refused.with_label_values(&[reason]).inc();
-                        None
-                    }
-                    Err(e) => Some(Err(e)),
-                })
-            },
-        );
-        if let Err(e) = router
-            .serve_with_incoming_shutdown(incoming, stop.cancelled())
-            .await
-        {
-            warn!(error = %e, "grpc server stopped");
-        }
-    });
-    Ok(health)
+    futures::StreamExt::filter_map(
+        tokio_stream::wrappers::TcpListenerStream::new(listener),
+        move |accepted| {
+            let admitted = accepted.and_then(|s| {
+                let addr = s.peer_addr()?;
+                Ok(counter.admit_evicting(addr).map(|slot| {
+                    conn_limit::Counted::new(s, slot).proving_within(handshake, closed.clone())
+                }))
+            });
+            std::future::ready(match admitted {
+                Ok(Ok(conn)) => Some(Ok(conn)),
+                Ok(Err(over)) => {
+                    let reason = match over {
+                        conn_limit::Over::Total => "total",
+                        conn_limit::Over::PerPeer => "per_peer",
+                    };
+                    metrics.grpc_refused.with_label_values(&[reason]).inc();
+                    None
+                }
+                Err(e) => Some(Err(e)),
+            })
+        },
+    )
 }

@@ -248,6 +248,71 @@ impl Config {
         self.data.tls != DataTls::Required || self.transport.rdma_unencrypted_ok
     }
 
+    /// `[data]`: timeouts, connection limits, TLS (and RDMA beside it),
+    /// pieces and streams, and a floor the agent's own rate limit allows.
+    pub(super) fn check_data(&self, p: &mut Problems) {
+        if self.data.peer_timeout < Duration::from_secs(1) {
+            p.bad("data.peer_timeout", "must be at least 1s".into());
+        }
+        if self.data.min_rate_window < Duration::from_secs(1) {
+            p.bad("data.min_rate_window", "must be at least 1s".into());
+        }
+        if self.data.tls == DataTls::Required && !self.tls.enabled() {
+            p.bad(
+                "data.tls",
+                "\"required\" needs [tls] cert_file, key_file and ca_file".into(),
+            );
+        }
+        if self.data.tls == DataTls::Required
+            && self.transport.mode == TransportMode::Rdma
+            && !self.transport.rdma_unencrypted_ok
+        {
+            p.bad(
+                "transport.mode",
+                "\"rdma\" with [data] tls = \"required\": RDMA has no TLS; use \"auto\" or \"tcp\", or set [transport] rdma_unencrypted_ok = true on a trusted fabric".into(),
+            );
+        }
+        if self.data.hello_timeout.is_zero() {
+            p.bad("data.hello_timeout", "must be greater than zero".into());
+        }
+        if self.data.max_pending_connections == 0 {
+            p.bad("data.max_pending_connections", "must be at least 1".into());
+        }
+        if self.data.max_pending_per_peer == 0
+            || self.data.max_pending_per_peer > self.data.max_pending_connections
+        {
+            p.bad(
+                "data.max_pending_per_peer",
+                "must be between 1 and data.max_pending_connections".into(),
+            );
+        }
+        if let Err(why) = crate::snapshot::manifest::check_piece_size(self.data.piece_size.as_u64())
+        {
+            p.bad("data.piece_size", why.to_string());
+        }
+        if self.data.piece_retries > crate::blk3::MAX_PIECE_SENDS - 1 {
+            p.bad(
+                "data.piece_retries",
+                format!("must be at most {}", crate::blk3::MAX_PIECE_SENDS - 1),
+            );
+        }
+        if let TcpStreams::Fixed(n) = self.data.tcp_streams {
+            if !(1..=MAX_TCP_STREAMS).contains(&n) {
+                p.bad(
+                    "data.tcp_streams",
+                    format!("must be \"auto\" or between 1 and {MAX_TCP_STREAMS}"),
+                );
+            }
+        }
+        let limit = self.sync.rate_limit.as_u64();
+        if limit > 0 && self.data.min_rate.as_u64() > limit {
+            p.bad(
+                "data.min_rate",
+                format!("{} is above sync.rate_limit ({}): this agent's own sends would fail it; lower it", self.data.min_rate, self.sync.rate_limit),
+            );
+        }
+    }
+
     /// `[transport]`: the RDMA bulk parameters.
     pub(super) fn check_transport(&self, p: &mut Problems) {
         let t = &self.transport;

@@ -91,6 +91,27 @@ impl Default for GrpcConfig {
 }
 
 impl Config {
+    /// `[grpc]`: its connection limits and timeouts.
+    pub(super) fn check_grpc(&self, p: &mut Problems) {
+        if self.grpc.max_connections_per_peer == 0
+            || self.grpc.max_connections_per_peer > self.grpc.max_connections
+        {
+            p.bad(
+                "grpc.max_connections_per_peer",
+                "must be between 1 and grpc.max_connections".into(),
+            );
+        }
+        if self.grpc.handshake_timeout.is_zero() {
+            p.bad("grpc.handshake_timeout", "must be greater than zero".into());
+        }
+        if self.grpc.max_streams_per_connection == 0 {
+            p.bad(
+                "grpc.max_streams_per_connection",
+                "must be at least 1".into(),
+            );
+        }
+    }
+
     /// `[tls]`: complete and readable, or off and then only on loopback
     /// (unless `grpc.plaintext` says otherwise).
     pub(super) fn check_tls(&self, p: &mut Problems) {

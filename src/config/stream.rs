@@ -214,37 +214,7 @@ impl Config {
                 format!("must be servers' host:port, got {bad:?}"),
             );
         }
-        if let Some(bad) = st.sentinels.iter().find(|a| !is_host_port(a)) {
-            p.bad(
-                "stream.sentinels",
-                format!("must be Sentinels' host:port, got {bad:?}"),
-            );
-        }
-        let one = |a: &String| a.parse::<HostPort>().ok().map(|a| a.same_host_key());
-        if let Some(twice) = st.sentinels.iter().enumerate().find_map(|(n, a)| {
-            let key = one(a)?;
-            st.sentinels[..n]
-                .iter()
-                .any(|b| one(b).as_ref() == Some(&key))
-                .then_some(a)
-        }) {
-            p.bad(
-                "stream.sentinels",
-                format!("lists the Sentinel at {twice:?} twice (under one name or another): each Sentinel is one vote of the majority the agent acts on"),
-            );
-        }
-        if !st.sentinels.is_empty() && st.peers.is_empty() {
-            p.bad(
-                "stream.peers",
-                "must name the agents of the instance's other servers when stream.sentinels is set: after a failover the log follows the one among them that follows the new primary".into(),
-            );
-        }
-        if st.sentinels.is_empty() != st.master_name.is_empty() {
-            p.bad(
-                "stream.master_name",
-                "and stream.sentinels go together: the Sentinels to ask and the name they monitor the primary under".into(),
-            );
-        }
+        self.check_sentinels(p);
         if !st.upstream.is_empty() && st.ack != StreamAck::Log {
             p.bad(
                 "stream.ack",
@@ -277,6 +247,44 @@ impl Config {
                     "must hold at least one segment ({}), got {}",
                     st.segment_size, st.retain
                 ),
+            );
+        }
+    }
+
+    /// `[stream] sentinels`: each a host:port listed once (each is one vote
+    /// of the majority the agent acts on), with the name they monitor the
+    /// primary under and the peers a failover picks among.
+    fn check_sentinels(&self, p: &mut Problems) {
+        let st = &self.stream;
+        if let Some(bad) = st.sentinels.iter().find(|a| !is_host_port(a)) {
+            p.bad(
+                "stream.sentinels",
+                format!("must be Sentinels' host:port, got {bad:?}"),
+            );
+        }
+        let one = |a: &String| a.parse::<HostPort>().ok().map(|a| a.same_host_key());
+        if let Some(twice) = st.sentinels.iter().enumerate().find_map(|(n, a)| {
+            let key = one(a)?;
+            st.sentinels[..n]
+                .iter()
+                .any(|b| one(b).as_ref() == Some(&key))
+                .then_some(a)
+        }) {
+            p.bad(
+                "stream.sentinels",
+                format!("lists the Sentinel at {twice:?} twice (under one name or another): each Sentinel is one vote of the majority the agent acts on"),
+            );
+        }
+        if !st.sentinels.is_empty() && st.peers.is_empty() {
+            p.bad(
+                "stream.peers",
+                "must name the agents of the instance's other servers when stream.sentinels is set: after a failover the log follows the one among them that follows the new primary".into(),
+            );
+        }
+        if st.sentinels.is_empty() != st.master_name.is_empty() {
+            p.bad(
+                "stream.master_name",
+                "and stream.sentinels go together: the Sentinels to ask and the name they monitor the primary under".into(),
             );
         }
     }

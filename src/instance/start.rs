@@ -97,44 +97,70 @@ pub async fn start(
     let stop = parts.shutdown.child_token();
     let mut instance = Instance::new(config.clone(), catalog.clone(), backlog, stop.clone());
     if config.stream.enabled() {
-        let deps = StreamDeps {
-            metrics: metrics.clone(),
-            dialer: parts.dialer.clone(),
-            local_rdma: parts.local_rdma.clone(),
-            reseed: config.stream.reseed.then(|| (parts.reseed)(name)),
-        };
-        let started = crate::stream::start::start(name, &config, &catalog, deps).await?;
-        let stream = started.log;
-        instance.upstreams = Some(started.upstreams.clone());
-        instance.spawn(crate::stream::source::run(
-            started.writers,
-            started.upstreams,
+        start_stream(&mut instance, parts).await?;
+    }
+    start_tasks(&instance, metrics);
+    Ok(Arc::new(instance))
+}
+
+/// Starts `instance`'s stream: its log and the writer that follows its
+/// source, the Sentinel majority it may follow, and the feed its server
+/// reads when the handoff is `redis-stream`.
+async fn start_stream(instance: &mut Instance, parts: &Parts) -> Result<(), StartError> {
+    let (config, catalog, stop) = (
+        instance.config.clone(),
+        instance.catalog.clone(),
+        instance.stop.clone(),
+    );
+    let (name, redis) = (instance.name.clone(), &config.redis);
+    let name = name.as_str();
+    let deps = StreamDeps {
+        metrics: parts.metrics.clone(),
+        dialer: parts.dialer.clone(),
+        local_rdma: parts.local_rdma.clone(),
+        reseed: config.stream.reseed.then(|| (parts.reseed)(name)),
+    };
+    let started = crate::stream::start::start(name, &config, &catalog, deps).await?;
+    let stream = started.log;
+    instance.upstreams = Some(started.upstreams.clone());
+    instance.spawn(crate::stream::source::run(
+        started.writers,
+        started.upstreams,
+        stream.clone(),
+        stop.clone(),
+    ));
+    if !config.stream.sentinels.is_empty() {
+        follow_sentinels(name, &config, instance, parts, &stream);
+    }
+    if config.handoff.mode == HandoffMode::RedisStream {
+        let (listener, feed) =
+            crate::stream::feed::bind(&redis.seed_listen, &config.stream.dir).await?;
+        instance.spawn(crate::kv::seed::repoint(
+            redis.clone(),
+            feed.addr,
+            feed.secret.clone(),
+            stop.clone(),
+        ));
+        instance.spawn(crate::stream::feed::run(
+            listener,
+            feed.clone(),
+            redis.server_addr.clone(),
             stream.clone(),
             stop.clone(),
         ));
-        if !config.stream.sentinels.is_empty() {
-            follow_sentinels(name, &config, &instance, parts, &stream);
-        }
-        if config.handoff.mode == HandoffMode::RedisStream {
-            let (listener, feed) =
-                crate::stream::feed::bind(&redis.seed_listen, &config.stream.dir).await?;
-            instance.spawn(crate::kv::seed::repoint(
-                redis.clone(),
-                feed.addr,
-                feed.secret.clone(),
-                stop.clone(),
-            ));
-            instance.spawn(crate::stream::feed::run(
-                listener,
-                feed.clone(),
-                redis.server_addr.clone(),
-                stream.clone(),
-                stop.clone(),
-            ));
-            instance.feed = Some(feed);
-        }
-        instance.stream = Some(stream);
+        instance.feed = Some(feed);
     }
+    instance.stream = Some(stream);
+    Ok(())
+}
+
+/// Starts `instance`'s snapshot and KV tasks: the sweep of old temp
+/// files, the seeding recovery (`redis-replicate`), the local server's
+/// health poll, the consistency check and the snapshot directory's
+/// watcher.
+fn start_tasks(instance: &Instance, metrics: &Arc<Metrics>) {
+    let (config, stop) = (&instance.config, instance.stop.clone());
+    let (name, dir, redis) = (instance.name.as_str(), &config.snapshot_dir, &config.redis);
     instance.spawn(crate::store::journal::sweep_every(
         dir.clone(),
         config.data.resume_ttl,
@@ -173,13 +199,12 @@ pub async fn start(
         DirWatcher::new(
             dir.clone(),
             (config.snapshot_format, config.data.piece_size.as_u64()),
-            catalog,
+            instance.catalog.clone(),
             metrics.clone(),
             config.watch.clone(),
         )
         .run(stop),
     );
-    Ok(Arc::new(instance))
 }
 
 /// Follows the primary a majority of instance `name`'s Sentinels name:

@@ -25,7 +25,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncWriteExt, BufReader};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -276,20 +277,53 @@ async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<()
         (true, Some(id), Some(offset)) if offset > 0 => Some((id.clone(), offset - 1)),
         _ => None,
     };
+    let (replid, mut at) = answer(&mut write, psync, asked, feed, stream).await?;
+    let mut acks = read_acks(read, stream);
+    let mut changed = stream.watch();
+    loop {
+        loop {
+            match stream.next(at, &replid, &|held| held.min(CHUNK)).await? {
+                Next::Wait => break,
+                Next::Epoch(_) => return Err(ConnError::Epoch(at)),
+                // One write for what was read, however many records it holds.
+                Next::Bytes(run) => {
+                    write.write_all(&run).await?;
+                    at += run.len() as u64;
+                }
+            }
+        }
+        tokio::select! {
+            r = changed.changed() => if r.is_err() { return Ok(()) },
+            _ = &mut acks.0 => return Err(ConnError::Closed),
+        }
+    }
+}
+
+/// Answers the server's `PSYNC` (or `SYNC`), `asked` its id and the
+/// offset it holds: `+CONTINUE` where the log continues it, else the
+/// snapshot that continues into the log (`+FULLRESYNC` and its RDB), else
+/// an error. Returns the id and offset the stream goes on from.
+async fn answer(
+    write: &mut OwnedWriteHalf,
+    psync: bool,
+    asked: Option<(String, u64)>,
+    feed: &FeedHandle,
+    stream: &SharedLog,
+) -> Result<(String, u64), ConnError> {
     let continued = asked.as_ref().and_then(|(id, at)| {
         stream.view(|log| {
             log.continues(id, *at).ok()?;
             Some((log.replid_at(*at)?.to_string(), *at))
         })
     });
-    let (replid, mut at) = match continued {
+    match continued {
         Some((id, at)) => {
             write
                 .write_all(format!("+CONTINUE {id}\r\n").as_bytes())
                 .await?;
             info!(offset = at, replid = %id, "the stream feed continues its server from the log");
             feed.served.send_modify(|s| s.continued += 1);
-            (id, at)
+            Ok((id, at))
         }
         None => {
             let usable = feed
@@ -310,18 +344,22 @@ async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<()
                     .await?;
             }
             feed.served.send_modify(|s| s.full += 1);
-            let len = rdb.send(&mut write).await?;
+            let len = rdb.send(write).await?;
             info!(
                 bytes = len,
                 seq = m,
                 "the stream feed sent its server the RDB; the stream follows"
             );
-            (id, m)
+            Ok((id, m))
         }
-    };
-    // The server's acknowledgements, read on their own task.
+    }
+}
+
+/// Reads the server's acknowledgements (`REPLCONF ACK`) into the stream,
+/// on a task of their own that ends with the connection.
+fn read_acks(read: BufReader<OwnedReadHalf>, stream: &SharedLog) -> Reader {
     let acked = stream.clone();
-    let mut acks = Reader(tokio::spawn(async move {
+    Reader(tokio::spawn(async move {
         let mut read = read;
         while let Ok(cmd) = seed::read_command(&mut read).await {
             if cmd.len() == 3
@@ -333,23 +371,5 @@ async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<()
                 }
             }
         }
-    }));
-    let mut changed = stream.watch();
-    loop {
-        loop {
-            match stream.next(at, &replid, &|held| held.min(CHUNK)).await? {
-                Next::Wait => break,
-                Next::Epoch(_) => return Err(ConnError::Epoch(at)),
-                // One write for what was read, however many records it holds.
-                Next::Bytes(run) => {
-                    write.write_all(&run).await?;
-                    at += run.len() as u64;
-                }
-            }
-        }
-        tokio::select! {
-            r = changed.changed() => if r.is_err() { return Ok(()) },
-            _ = &mut acks.0 => return Err(ConnError::Closed),
-        }
-    }
+    }))
 }

@@ -507,6 +507,42 @@ async fn blocking<T: Send + 'static, E: Send + 'static>(
     tokio::task::spawn_blocking(f).await.expect("log task")
 }
 
+/// Logs one read from the primary, `bytes` past `end`: up to a promoted
+/// primary's `switch` point under the old id, then the switch to its new
+/// id and the rest. Returns the log's new end.
+async fn log_read(
+    log: &SharedLog,
+    mut bytes: Vec<u8>,
+    end: u64,
+    switch: &mut Option<(String, u64)>,
+) -> Result<u64, LogError> {
+    let split = policy::before_switch(end, bytes.len(), switch.as_ref());
+    let (old, new): (Vec<u8>, _) = match split {
+        Some(before) => (bytes.drain(..before).collect(), switch.take()),
+        None => (std::mem::take(&mut bytes), None),
+    };
+    let first = Record::new(end, old);
+    let rest = Record::new(first.end(), bytes);
+    let end = rest.end();
+    let writer = log.clone();
+    blocking(move || {
+        writer.write(|l| {
+            if !first.bytes.is_empty() {
+                l.append(&first)?;
+            }
+            if let Some((id, _)) = &new {
+                l.switch(id)?;
+            }
+            if !rest.bytes.is_empty() {
+                l.append(&rest)?;
+            }
+            Ok::<(), LogError>(())
+        })
+    })
+    .await?;
+    Ok(end)
+}
+
 /// The stream: every read becomes a record, appended at the log's end;
 /// the log's end is acknowledged, and each second the log is flushed (as
 /// `everysec` asks) and trimmed to its retention. `switch`: a promoted
@@ -545,34 +581,9 @@ async fn stream_into(
                     return Err(io_err(std::io::ErrorKind::UnexpectedEof.into()));
                 }
                 heard = Instant::now();
-                let mut bytes = std::mem::replace(&mut buf, Vec::with_capacity(READ_CHUNK));
+                let bytes = std::mem::replace(&mut buf, Vec::with_capacity(READ_CHUNK));
                 let asked = asks_for_ack(&mut tail, &bytes);
-                // Before the promotion point, under the old id; then the new.
-                let split = policy::before_switch(end, bytes.len(), switch.as_ref());
-                let (old, new): (Vec<u8>, _) = match split {
-                    Some(before) => (bytes.drain(..before).collect(), switch.take()),
-                    None => (std::mem::take(&mut bytes), None),
-                };
-                let first = Record::new(end, old);
-                end = first.end();
-                let rest = Record::new(end, bytes);
-                end = rest.end();
-                let writer = log.clone();
-                blocking(move || {
-                    writer.write(|l| {
-                        if !first.bytes.is_empty() {
-                            l.append(&first)?;
-                        }
-                        if let Some((id, _)) = &new {
-                            l.switch(id)?;
-                        }
-                        if !rest.bytes.is_empty() {
-                            l.append(&rest)?;
-                        }
-                        Ok::<(), LogError>(())
-                    })
-                })
-                .await?;
+                end = log_read(log, bytes, end, &mut switch).await?;
                 lag.logged(end, Instant::now());
                 follow.ack == StreamAck::Log && asked
             }
@@ -588,15 +599,8 @@ async fn stream_into(
                 if heard.elapsed() > PRIMARY_TIMEOUT {
                     return Err(FollowError::Silent(addr.to_string()));
                 }
-                let log = log.clone();
-                let floor = log.floor(&(follow.offered)());
-                blocking(move || {
-                    log.write(|l| {
-                        l.still_ends_at(end)?;
-                        l.tick(floor)
-                    })
-                })
-                .await?;
+                let (log, floor) = (log.clone(), log.floor(&(follow.offered)()));
+                blocking(move || log.write(|l| l.still_ends_at(end).and_then(|()| l.tick(floor)))).await?;
                 true
             }
         };

@@ -15,10 +15,10 @@ use tracing::info;
 use super::feed::FeedHandle;
 #[cfg(doc)]
 use super::log::Log;
-use super::proof::{prove_asking, AskError, PeerReport, Unproved};
+use super::proof::{prove_asking, AskError, PeerReport, Proof, Unproved};
 use super::{Downstream, SharedLog};
 use crate::config::{Config, HostPort, RedisConfig};
-use crate::kv::redis::{connect, info, infos, server_err, RedisError};
+use crate::kv::redis::{connect, info, infos, server_err, Info, RedisError};
 use crate::kv::seed::{self, config_set, following, replicaof, restore_role};
 
 /// Why a hand over was refused or failed; the server is where it was.
@@ -99,44 +99,8 @@ where
             master: master_of(&was),
         });
     }
-    let (id, offset) = (
-        was.get("master_replid").unwrap_or_default().to_string(),
-        was.num("master_repl_offset"),
-    );
     let before = infos(primary, password, &["server", "replication", "stats"]).await?;
-    if before.get("run_id") == was.get("run_id") {
-        return Err(HandError::NotTheServer {
-            primary: primary.into(),
-            problem: "is the server being released itself".into(),
-        });
-    }
-    if let Some(expected) = proof.run_id() {
-        let found = before.get("run_id").unwrap_or_default();
-        if found != expected {
-            return Err(HandError::NotTheServer {
-                primary: primary.into(),
-                problem: format!("reports run_id {found}, not the {expected} of {proof}"),
-            });
-        }
-    }
-    let shares = before.get("master_replid") == Some(id.as_str())
-        || (before.get("master_replid2") == Some(id.as_str())
-            && offset <= before.num("second_repl_offset"));
-    if !shares {
-        return Err(HandError::History {
-            primary: primary.into(),
-            primary_id: before.get("master_replid").unwrap_or_default().into(),
-            server_id: id,
-        });
-    }
-    let first = before.num("repl_backlog_first_byte_offset");
-    if before.get("repl_backlog_active") != Some("1") || offset + 1 < first {
-        return Err(HandError::Backlog {
-            primary: primary.into(),
-            first,
-            offset,
-        });
-    }
+    let offset = may_release(primary, &was, &before, &proof)?;
     let target = feed.target();
     let own = match seed::own_auth(&target)? {
         Some(own) => own,
@@ -182,6 +146,52 @@ where
             Err(e)
         }
     }
+}
+
+/// Decides, before anything changes, whether the fed server (`was`, its
+/// `INFO`) may follow `primary` (`before`, its `INFO`; `proof`, what proved
+/// its address) with a partial resync: the primary is not the server
+/// itself, is the server the proof names, shares the server's history and
+/// still holds its offset in its backlog. Returns the server's offset.
+fn may_release(primary: &str, was: &Info, before: &Info, proof: &Proof) -> Result<u64, HandError> {
+    let (id, offset) = (
+        was.get("master_replid").unwrap_or_default().to_string(),
+        was.num("master_repl_offset"),
+    );
+    if before.get("run_id") == was.get("run_id") {
+        return Err(HandError::NotTheServer {
+            primary: primary.into(),
+            problem: "is the server being released itself".into(),
+        });
+    }
+    if let Some(expected) = proof.run_id() {
+        let found = before.get("run_id").unwrap_or_default();
+        if found != expected {
+            return Err(HandError::NotTheServer {
+                primary: primary.into(),
+                problem: format!("reports run_id {found}, not the {expected} of {proof}"),
+            });
+        }
+    }
+    let shares = before.get("master_replid") == Some(id.as_str())
+        || (before.get("master_replid2") == Some(id.as_str())
+            && offset <= before.num("second_repl_offset"));
+    if !shares {
+        return Err(HandError::History {
+            primary: primary.into(),
+            primary_id: before.get("master_replid").unwrap_or_default().into(),
+            server_id: id,
+        });
+    }
+    let first = before.num("repl_backlog_first_byte_offset");
+    if before.get("repl_backlog_active") != Some("1") || offset + 1 < first {
+        return Err(HandError::Backlog {
+            primary: primary.into(),
+            first,
+            offset,
+        });
+    }
+    Ok(offset)
 }
 
 /// Takes a replica of the stream's primary back onto the feed: the log
@@ -275,5 +285,81 @@ fn master_of(repl: &crate::kv::redis::Info) -> String {
     match (repl.get("master_host"), repl.get("master_port")) {
         (Some(h), Some(p)) => format!("{h}:{p}"),
         _ => "no master".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SERVER: &str = "run_id:s\nmaster_replid:aaa\nmaster_repl_offset:100\n";
+    const PRIMARY: &str =
+        "run_id:p\nmaster_replid:aaa\nrepl_backlog_active:1\nrepl_backlog_first_byte_offset:50\n";
+
+    fn check(primary: &str, proof: &Proof) -> Result<u64, HandError> {
+        may_release(
+            "10.0.0.1:6379",
+            &Info::parse(SERVER),
+            &Info::parse(primary),
+            proof,
+        )
+    }
+
+    #[test]
+    fn a_primary_on_the_servers_history_that_holds_its_offset_takes_it() {
+        assert_eq!(
+            check(PRIMARY, &Proof::Config("redis.primary")).unwrap(),
+            100
+        );
+        let peer = Proof::Peer {
+            peer: "b:7000".into(),
+            run_id: "p".into(),
+        };
+        assert_eq!(check(PRIMARY, &peer).unwrap(), 100);
+        // A promoted primary: the server's id is its second, up to where
+        // its own history began.
+        let promoted = "run_id:p\nmaster_replid:bbb\nmaster_replid2:aaa\nsecond_repl_offset:101\nrepl_backlog_active:1\nrepl_backlog_first_byte_offset:1\n";
+        assert_eq!(
+            check(promoted, &Proof::Config("redis.primary")).unwrap(),
+            100
+        );
+    }
+
+    #[test]
+    fn every_reason_to_refuse_is_found_before_anything_changes() {
+        let config = Proof::Config("redis.primary");
+        let itself = PRIMARY.replace("run_id:p", "run_id:s");
+        assert!(matches!(
+            check(&itself, &config),
+            Err(HandError::NotTheServer { .. })
+        ));
+        let liar = Proof::Peer {
+            peer: "b:7000".into(),
+            run_id: "q".into(),
+        };
+        assert!(matches!(
+            check(PRIMARY, &liar),
+            Err(HandError::NotTheServer { .. })
+        ));
+        let other = PRIMARY.replace("master_replid:aaa", "master_replid:ccc");
+        assert!(matches!(
+            check(&other, &config),
+            Err(HandError::History { .. })
+        ));
+        let left_early = "run_id:p\nmaster_replid:bbb\nmaster_replid2:aaa\nsecond_repl_offset:90\nrepl_backlog_active:1\nrepl_backlog_first_byte_offset:1\n";
+        assert!(matches!(
+            check(left_early, &config),
+            Err(HandError::History { .. })
+        ));
+        let trimmed = PRIMARY.replace("first_byte_offset:50", "first_byte_offset:102");
+        assert!(matches!(
+            check(&trimmed, &config),
+            Err(HandError::Backlog { .. })
+        ));
+        let no_backlog = PRIMARY.replace("repl_backlog_active:1", "repl_backlog_active:0");
+        assert!(matches!(
+            check(&no_backlog, &config),
+            Err(HandError::Backlog { .. })
+        ));
     }
 }

@@ -234,72 +234,92 @@ pub async fn run(pull: Arc<Pull>, stream: SharedLog, stop: CancellationToken) {
             _ = tokio::time::sleep(PASS_OVER), if !nearest => continue,
         };
         let Err(e) = result else { return };
-        count(&pull, &e);
-        let why = e.ended();
-        if why != Ended::RingFailed {
-            warn!(instance = %pull.instance, %upstream, error = %e, "following the upstream agent's stream stopped; it asks again");
-            stream.set_state(WriterState::Reconnecting {
-                reason: e.to_string(),
-            });
-        }
-        if let PullError::TooOld {
-            replid,
-            offset,
-            diverged_at: Some(at),
-            ..
-        } = &e
-        {
-            diverged(&pull, &stream, (replid, *offset, *at), &upstream);
-        }
         let progressed = stream.position() != before;
-        // With [stream] reseed: how to sync the snapshot the upstream named.
-        let snapshot = match (&pull.reseed, &e) {
-            (
-                Some(sync),
-                PullError::TooOld {
-                    continues: Some((id, ..)),
-                    ..
-                },
-            ) => Some((sync, id)),
-            _ => None,
-        };
-        let now = std::time::Instant::now();
-        let mut then = policy.ended(
+        let then = ended(
+            &pull,
+            &stream,
+            &mut policy,
             &upstream,
             &upstreams,
-            &why,
+            e,
             progressed,
-            snapshot.is_some(),
-            now,
-        );
-        if let (Then::Reseed { replid, m }, Some((sync, id))) = (&then, snapshot) {
-            match reseed(&pull, &stream, &upstream, (sync, id), (replid.clone(), *m)).await {
-                Ok(()) => continue,
-                Err(le) => {
-                    warn!(instance = %pull.instance, error = %le, "the log cannot start over for a re-seeding");
-                    then = policy.ended(&upstream, &upstreams, &why, progressed, false, now);
-                }
+        )
+        .await;
+        if let Then::Pause(wait) = then {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(wait) => {}
             }
-        }
-        match then {
-            Then::OverTcp => {
-                let retry = pull.ring.as_ref().map_or(Duration::ZERO, |r| r.retry);
-                let reason = e.ring_failure().unwrap_or_default();
-                warn!(instance = %pull.instance, %upstream, error = %e, reason, "the RDMA ring failed: the stream goes on over TCP from what the log holds, and tries the ring again in {retry:?}");
-                stream.set_state(WriterState::RingFailed {
-                    reason: e.to_string(),
-                });
-            }
-            Then::Next | Then::Reseed { .. } => {}
-            Then::Pause(wait) => {
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = tokio::time::sleep(wait) => {}
-                }
-                policy.paused();
-            }
+            policy.paused();
         }
     }
+}
+
+/// After the session with `upstream` (of `upstreams`) ended with `e`:
+/// counts and reports it, asks the policy what next, and acts on all but
+/// a pause (re-seeding, or the fall back to TCP after a ring failed),
+/// which it returns.
+async fn ended(
+    pull: &Pull,
+    stream: &SharedLog,
+    policy: &mut UpstreamPolicy,
+    upstream: &str,
+    upstreams: &[String],
+    e: PullError,
+    progressed: bool,
+) -> Then {
+    count(pull, &e);
+    let why = e.ended();
+    if why != Ended::RingFailed {
+        warn!(instance = %pull.instance, %upstream, error = %e, "following the upstream agent's stream stopped; it asks again");
+        stream.set_state(WriterState::Reconnecting {
+            reason: e.to_string(),
+        });
+    }
+    if let PullError::TooOld {
+        replid,
+        offset,
+        diverged_at: Some(at),
+        ..
+    } = &e
+    {
+        diverged(pull, stream, (replid, *offset, *at), upstream);
+    }
+    // With [stream] reseed: how to sync the snapshot the upstream named.
+    let snapshot = match (&pull.reseed, &e) {
+        (
+            Some(sync),
+            PullError::TooOld {
+                continues: Some((id, ..)),
+                ..
+            },
+        ) => Some((sync, id)),
+        _ => None,
+    };
+    let now = std::time::Instant::now();
+    let mut then = policy.ended(
+        upstream,
+        upstreams,
+        &why,
+        progressed,
+        snapshot.is_some(),
+        now,
+    );
+    if let (Then::Reseed { replid, m }, Some((sync, id))) = (&then, snapshot) {
+        if let Err(le) = reseed(pull, stream, upstream, (sync, id), (replid.clone(), *m)).await {
+            warn!(instance = %pull.instance, error = %le, "the log cannot start over for a re-seeding");
+            then = policy.ended(upstream, upstreams, &why, progressed, false, now);
+        }
+    }
+    if then == Then::OverTcp {
+        let retry = pull.ring.as_ref().map_or(Duration::ZERO, |r| r.retry);
+        let reason = e.ring_failure().unwrap_or_default();
+        warn!(instance = %pull.instance, %upstream, error = %e, reason, "the RDMA ring failed: the stream goes on over TCP from what the log holds, and tries the ring again in {retry:?}");
+        stream.set_state(WriterState::RingFailed {
+            reason: e.to_string(),
+        });
+    }
+    then
 }
 
 /// Counts a failed session in the metrics: a reconnect, and why.
@@ -315,6 +335,24 @@ fn count(pull: &Pull, e: &PullError) {
     }
     if let Some(reason) = e.ring_failure() {
         m.stream_fallback.with_label_values(&[i, reason]).inc();
+    }
+}
+
+/// How to dial the upstream's ring `endpoint` with this agent's RDMA.
+fn ring_spec(pull: &Pull, ring: &RingAsk, endpoint: SocketAddr) -> DialSpec {
+    let probe = ring.rdma.probe();
+    let local = probe.local_addr;
+    DialSpec {
+        endpoint: SocketAddr::new(
+            crate::transport::select::map_peer(endpoint.ip(), local.unwrap_or(endpoint.ip())),
+            endpoint.port(),
+        ),
+        rdma: Some(ring.provider),
+        peer_timeout: pull.peer_timeout,
+        min_rate: Default::default(),
+        local,
+        soft: probe.soft,
+        tls: None,
     }
 }
 
@@ -532,6 +570,27 @@ async fn session(
     if let (Some(ring), Some(endpoint)) = (ring, offer.rdma_endpoint) {
         return ring_session(pull, ring, upstream, stream, offer, endpoint).await;
     }
+    let link = dial_tcp(pull, upstream, &offer).await?;
+    start_log(stream, &offer).await?;
+    let _running = Running::start(
+        pull.metrics
+            .stream_sessions
+            .with_label_values(&[&pull.instance, "replica"]),
+    );
+    info!(instance = %pull.instance, %upstream, replid = %offer.replid, offset = offer.offset, tls = offer.tls, "following the upstream agent's stream");
+    stream.set_state(WriterState::FollowingAgent {
+        upstream: upstream.to_string(),
+        over: match fell_back {
+            true => Over::TcpFallback,
+            false => Over::Tcp,
+        },
+    });
+    receive(pull, stream, link, &offer).await
+}
+
+/// Dials the upstream's data endpoint for the stream session `offer`
+/// opened (under TLS when the offer asks for it).
+async fn dial_tcp(pull: &Pull, upstream: &str, offer: &Offer) -> Result<StreamLink, PullError> {
     let tls = match (offer.tls, &pull.dialer.data_tls) {
         (false, _) => None,
         (true, Some(config)) => Some(StreamTls {
@@ -544,28 +603,27 @@ async fn session(
             ))
         }
     };
-    let mut link = StreamLink::dial(
+    let link = StreamLink::dial(
         offer.endpoint,
         tls.as_ref(),
         &offer.token,
         pull.peer_timeout,
     )
     .await?;
-    start_log(stream, &offer).await?;
-    let m = &pull.metrics;
-    let _running = Running::start(
-        m.stream_sessions
-            .with_label_values(&[&pull.instance, "replica"]),
-    );
-    let received = Traffic::of(m, &pull.instance, "replica");
-    info!(instance = %pull.instance, %upstream, replid = %offer.replid, offset = offer.offset, tls = offer.tls, "following the upstream agent's stream");
-    stream.set_state(WriterState::FollowingAgent {
-        upstream: upstream.to_string(),
-        over: match fell_back {
-            true => Over::TcpFallback,
-            false => Over::Tcp,
-        },
-    });
+    Ok(link)
+}
+
+/// Takes the stream session's frames into the log over `link` until it
+/// ends: each checked frame appended and acknowledged, what the servers
+/// below applied passed on, an upstream silent for [`UPSTREAM_TIMEOUT`]
+/// left.
+async fn receive(
+    pull: &Pull,
+    stream: &SharedLog,
+    mut link: StreamLink,
+    offer: &Offer,
+) -> Result<(), PullError> {
+    let received = Traffic::of(&pull.metrics, &pull.instance, "replica");
     let mut rx = Receiver::new(offer.key, offer.offset, offer.window);
     let mut heard = Instant::now();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -651,20 +709,7 @@ async fn ring_session(
     offer: Offer,
     endpoint: SocketAddr,
 ) -> Result<(), PullError> {
-    let probe = ring.rdma.probe();
-    let local = probe.local_addr;
-    let spec = DialSpec {
-        endpoint: SocketAddr::new(
-            crate::transport::select::map_peer(endpoint.ip(), local.unwrap_or(endpoint.ip())),
-            endpoint.port(),
-        ),
-        rdma: Some(ring.provider),
-        peer_timeout: pull.peer_timeout,
-        min_rate: Default::default(),
-        local,
-        soft: probe.soft,
-        tls: None,
-    };
+    let spec = ring_spec(pull, ring, endpoint);
     start_log(stream, &offer).await?;
     let m = &pull.metrics;
     let _running = Running::start(

@@ -287,18 +287,7 @@ pub async fn watch(
         // Subscribed first, then asked: no switch falls in between.
         let addr = &s.addrs[next % s.addrs.len()];
         next += 1;
-        let subscribed = async {
-            let client = crate::kv::redis::client(addr, &s.password)?;
-            let mut sub = client
-                .get_async_pubsub()
-                .await
-                .map_err(|e| server_err(addr, e))?;
-            sub.subscribe("+switch-master")
-                .await
-                .map_err(|e| server_err(addr, e))?;
-            Ok::<_, crate::kv::redis::RedisError>(sub)
-        };
-        let mut sub = match tokio::time::timeout(ASK, subscribed).await {
+        let mut sub = match tokio::time::timeout(ASK, subscribe(addr, &s.password)).await {
             Ok(Ok(sub)) => sub,
             Ok(Err(e)) => {
                 warn!(sentinel = %addr, error = %e, "cannot subscribe to the Sentinel");
@@ -325,12 +314,7 @@ pub async fn watch(
                     Some(m) => {
                         // A message only makes the agent ask them all.
                         let text: String = m.get_payload().unwrap_or_default();
-                        // Only news: a switch to another primary than the
-                        // one followed (a flood of the same one asks nothing).
-                        let news = switched_to(&text).is_some_and(|to| {
-                            primary.borrow().as_ref().is_none_or(|now| now.addr != to)
-                        });
-                        if is_switch_of(&text, &s.master_name) && news && asked.elapsed() >= MESSAGE_GAP {
+                        if is_news(&text, &s.master_name, primary.borrow().as_ref()) && asked.elapsed() >= MESSAGE_GAP {
                             info!(sentinel = %addr, switch = %text, "a Sentinel announced a switch of the primary: asking them all");
                             due = take(ask_all(&s).await);
                             asked = Instant::now();
@@ -349,6 +333,30 @@ pub async fn watch(
         }
         pause(&stop, RESUBSCRIBE).await;
     }
+}
+
+/// Subscribes to the Sentinel at `addr`'s `+switch-master` messages.
+async fn subscribe(
+    addr: &str,
+    password: &str,
+) -> Result<redis::aio::PubSub, crate::kv::redis::RedisError> {
+    let client = crate::kv::redis::client(addr, password)?;
+    let mut sub = client
+        .get_async_pubsub()
+        .await
+        .map_err(|e| server_err(addr, e))?;
+    sub.subscribe("+switch-master")
+        .await
+        .map_err(|e| server_err(addr, e))?;
+    Ok(sub)
+}
+
+/// Whether a Sentinel's message `text` is news: a switch of `master`'s
+/// primary to another than the one `followed` (a flood of the same one
+/// asks nothing).
+fn is_news(text: &str, master: &str, followed: Option<&Known>) -> bool {
+    is_switch_of(text, master)
+        && switched_to(text).is_some_and(|to| followed.is_none_or(|now| now.addr != to))
 }
 
 async fn pause(stop: &CancellationToken, d: Duration) {

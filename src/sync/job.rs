@@ -736,71 +736,16 @@ async fn transfer(
 ) -> Result<Received, JobError> {
     let kind = offer.transport;
     let manifest = Arc::new(fetch_manifest(ctx, peer, offer).await?);
-    let (origin, name) = (offer.origin().to_string(), offer.name.clone());
-    let announced = manifest.clone();
-    // Only a snapshot asked for by its digest (a fan-out's) is passed on
-    // while it arrives: its manifest is the origin's, checked above, so
-    // another replica can get from this relay the origin's bytes or none.
-    let relays = ctx
-        .want
-        .is_some_and(|w| w.digest.is_some())
-        .then(|| ctx.relays.clone());
-    let (dir, id, retries) = (
-        ctx.config.snapshot_dir.clone(),
-        ctx.id.clone(),
-        ctx.config.data.piece_retries,
-    );
-    let progress = progress_reporter(ctx, offer.snapshot.size);
-    let check = Receiver::check_label(&manifest);
-    let mut receiver = ctx
-        .or_cancel(tokio::task::spawn_blocking(move || {
-            let mut receiver = Receiver::open(&dir, &id, &origin, manifest, retries, progress)?;
-            if let Some(relays) = relays {
-                receiver.relay_in(&relays, (&origin, &name)).map_err(|e| {
-                    JobError::Panicked(format!("offer the snapshot as a relay: {e}"))
-                })?;
-            }
-            Ok::<_, JobError>(receiver)
-        }))
-        .await?
-        .map_err(|e| JobError::Panicked(panic_text(e)))??;
+    let mut receiver = open_receiver(ctx, offer, manifest.clone()).await?;
     let resumed = receiver.resumed_bytes();
-    ctx.progress.send_modify(|p| {
-        p.resumed_bytes = resumed;
-        p.check = check;
-    });
-    let spec = dial_spec(ctx, offer, kind)?;
-    // What the source granted, and never more than this agent asked for;
-    // `auto` dials one and decides on the rest after its first second.
-    let count = ctx.config.data.tcp_streams;
-    let streams = super::streams::granted(kind, offer.tcp_streams, count.most());
-    let auto = count.is_auto() && streams > 1;
-    let label = link_label(offer, &spec, if auto { 1 } else { streams });
-    ctx.progress.send_modify(|p| p.detail = label.clone());
-    let endpoint = spec.endpoint;
-    let (first, spec) = ctx
-        .or_cancel(tokio::task::spawn_blocking(move || {
-            let first = (0..if auto { 1 } else { streams })
-                .map(|_| DataLink::dial(&spec))
-                .collect::<Result<Vec<_>, _>>();
-            (first, spec)
-        }))
-        .await?
-        .map_err(|e| JobError::Panicked(panic_text(e)))?;
-    let mut links = first.map_err(|source| JobError::DataConnect { endpoint, source })?;
-    let cancel = super::streams::Cancel::default();
-    links.iter().for_each(|link| cancel.add(link));
-    let round_trip = links[0].handshake().unwrap_or_default();
-    let grow = auto.then(|| super::streams::Grow {
-        round_trip,
-        spec,
-        most: streams,
-    });
+    ctx.progress.send_modify(|p| p.resumed_bytes = resumed);
+    let dialed = dial_links(ctx, offer).await?;
 
     ctx.phase(pb::Phase::Transferring);
-    let seeding = start_early(ctx, &receiver, announced)?;
+    let seeding = start_early(ctx, &receiver, manifest)?;
     let bulk_started = Instant::now();
     let (token, total) = (offer.token, offer.snapshot.size);
+    let (mut links, grow, cancel) = (dialed.links, dialed.grow, dialed.cancel);
     let canceller = cancel.clone();
     let mut run = tokio::task::spawn_blocking(move || {
         if links.len() == 1 && grow.is_none() {
@@ -821,33 +766,15 @@ async fn transfer(
         }
     };
     let (result, memory, receiver, ran) = joined.map_err(|e| JobError::Panicked(panic_text(e)))?;
-    if auto {
+    let label = &dialed.label;
+    if let Some((streams, round_trip)) = dialed.auto {
         let detail = format!(
             "{label}; tcp_streams = auto: {ran} of {streams} streams for a {} ms round trip",
             round_trip.as_millis()
         );
         ctx.progress.send_modify(|p| p.detail = detail);
     }
-    let instance = ctx.instance.as_str();
-    ctx.metrics
-        .bulk_duration
-        .with_label_values(&[instance])
-        .observe(bulk_started.elapsed().as_secs_f64());
-    ctx.metrics
-        .fullsync_bytes
-        .with_label_values(&[instance, "replica", kind.as_str()])
-        .inc_by(receiver.written());
-    ctx.metrics
-        .resumed_bytes
-        .with_label_values(&[instance])
-        .inc_by(resumed);
-    let refetched = receiver.refetched();
-    ctx.metrics
-        .piece_refetch
-        .with_label_values(&[instance, kind.as_str()])
-        .inc_by(refetched as u64);
-    ctx.progress
-        .send_modify(|p| p.pieces_refetched += refetched);
+    count_transfer(ctx, kind, &receiver, resumed, bulk_started);
     if let Some(memory) = memory {
         ctx.progress
             .send_modify(|p| p.detail = format!("{label}; receive memory: {memory}"));
@@ -863,6 +790,124 @@ async fn transfer(
         }
     }
     received
+}
+
+/// Opens the staging file for `offer`'s snapshot (resuming what an
+/// earlier attempt left), and offers it on as a relay while it arrives
+/// when it was asked for by its digest (a fan-out's).
+async fn open_receiver(
+    ctx: &JobContext,
+    offer: &Offer,
+    manifest: Arc<Manifest>,
+) -> Result<Receiver, JobError> {
+    let (origin, name) = (offer.origin().to_string(), offer.name.clone());
+    // Only a snapshot asked for by its digest is passed on while it
+    // arrives: its manifest is the origin's, checked when it was fetched,
+    // so another replica can get from this relay the origin's bytes or none.
+    let relays = ctx
+        .want
+        .is_some_and(|w| w.digest.is_some())
+        .then(|| ctx.relays.clone());
+    let (dir, id, retries) = (
+        ctx.config.snapshot_dir.clone(),
+        ctx.id.clone(),
+        ctx.config.data.piece_retries,
+    );
+    let progress = progress_reporter(ctx, offer.snapshot.size);
+    let check = Receiver::check_label(&manifest);
+    ctx.progress.send_modify(|p| p.check = check);
+    ctx.or_cancel(tokio::task::spawn_blocking(move || {
+        let mut receiver = Receiver::open(&dir, &id, &origin, manifest, retries, progress)?;
+        if let Some(relays) = relays {
+            receiver
+                .relay_in(&relays, (&origin, &name))
+                .map_err(|e| JobError::Panicked(format!("offer the snapshot as a relay: {e}")))?;
+        }
+        Ok::<_, JobError>(receiver)
+    }))
+    .await?
+    .map_err(|e| JobError::Panicked(panic_text(e)))?
+}
+
+/// A session's data connections, dialled.
+struct Dialed {
+    links: Vec<DataLink>,
+    /// Stops them all.
+    cancel: super::streams::Cancel,
+    /// With `tcp_streams = "auto"`: how to dial more.
+    grow: Option<super::streams::Grow>,
+    /// With `tcp_streams = "auto"`: the most streams granted and the first
+    /// connection's round trip.
+    auto: Option<(u32, Duration)>,
+    /// The status detail that names the link.
+    label: String,
+}
+
+/// Dials the data connections `offer` grants: what the source granted and
+/// never more than this agent asked for; `auto` dials one and decides on
+/// the rest after its first second.
+async fn dial_links(ctx: &JobContext, offer: &Offer) -> Result<Dialed, JobError> {
+    let kind = offer.transport;
+    let spec = dial_spec(ctx, offer, kind)?;
+    let count = ctx.config.data.tcp_streams;
+    let streams = super::streams::granted(kind, offer.tcp_streams, count.most());
+    let auto = count.is_auto() && streams > 1;
+    let label = link_label(offer, &spec, if auto { 1 } else { streams });
+    ctx.progress.send_modify(|p| p.detail = label.clone());
+    let endpoint = spec.endpoint;
+    let (first, spec) = ctx
+        .or_cancel(tokio::task::spawn_blocking(move || {
+            let first = (0..if auto { 1 } else { streams })
+                .map(|_| DataLink::dial(&spec))
+                .collect::<Result<Vec<_>, _>>();
+            (first, spec)
+        }))
+        .await?
+        .map_err(|e| JobError::Panicked(panic_text(e)))?;
+    let links = first.map_err(|source| JobError::DataConnect { endpoint, source })?;
+    let cancel = super::streams::Cancel::default();
+    links.iter().for_each(|link| cancel.add(link));
+    let round_trip = links[0].handshake().unwrap_or_default();
+    Ok(Dialed {
+        links,
+        cancel,
+        grow: auto.then(|| super::streams::Grow {
+            round_trip,
+            spec,
+            most: streams,
+        }),
+        auto: auto.then_some((streams, round_trip)),
+        label,
+    })
+}
+
+/// Counts a finished transfer in the metrics and the status: its bulk
+/// time (since `bulk_started`), the bytes written and `resumed`, and the
+/// pieces fetched again.
+fn count_transfer(
+    ctx: &JobContext,
+    kind: TransportKind,
+    receiver: &Receiver,
+    resumed: u64,
+    bulk_started: Instant,
+) {
+    let instance = ctx.instance.as_str();
+    let m = &ctx.metrics;
+    m.bulk_duration
+        .with_label_values(&[instance])
+        .observe(bulk_started.elapsed().as_secs_f64());
+    m.fullsync_bytes
+        .with_label_values(&[instance, "replica", kind.as_str()])
+        .inc_by(receiver.written());
+    m.resumed_bytes
+        .with_label_values(&[instance])
+        .inc_by(resumed);
+    let refetched = receiver.refetched();
+    m.piece_refetch
+        .with_label_values(&[instance, kind.as_str()])
+        .inc_by(refetched as u64);
+    ctx.progress
+        .send_modify(|p| p.pieces_refetched += refetched);
 }
 
 /// Starts seeding the local server from the pieces `receiver` verifies,

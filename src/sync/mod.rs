@@ -128,13 +128,10 @@ impl SyncManager {
         })
     }
 
-    /// Starts a pull into `instance`, or returns the sync already running
-    /// into it from the same source. Returns (id, created).
-    pub fn start(
-        self: &Arc<Self>,
-        instance: &Arc<crate::instance::Instance>,
-        pull: Pull,
-    ) -> Result<(String, bool), SyncError> {
+    /// Checks what `pull` names: its source and upstreams allowed, at most
+    /// [`MAX_UPSTREAM`] of them, and a plain instance name. Returns the
+    /// source and the upstreams.
+    fn check_pull<'a>(&self, pull: &'a Pull) -> Result<(&'a str, Vec<String>), SyncError> {
         let source = self.check_source(&pull.source)?;
         let upstream = pull
             .upstream
@@ -154,6 +151,17 @@ impl SyncManager {
                 pull.source_instance
             )));
         }
+        Ok((source, upstream))
+    }
+
+    /// Starts a pull into `instance`, or returns the sync already running
+    /// into it from the same source. Returns (id, created).
+    pub fn start(
+        self: &Arc<Self>,
+        instance: &Arc<crate::instance::Instance>,
+        pull: Pull,
+    ) -> Result<(String, bool), SyncError> {
+        let (source, upstream) = self.check_pull(&pull)?;
         let mut jobs = self.jobs.lock().expect("jobs lock");
         // Per instance, one sync per source, and one per snapshot asked for
         // by digest (from whichever source): never two receiving the same

@@ -26,9 +26,10 @@ use crate::kv::backlog::Lease;
 use crate::kv::redis::RedisError;
 use crate::snapshot::{Format, SnapshotId, SnapshotInfo};
 use crate::store::cache::{CacheError, RelayFeed, SnapshotCache};
-use crate::store::catalog::CatalogEntry;
+use crate::store::catalog::{Catalog, CatalogEntry};
 use crate::store::relay::RelaySource;
 use crate::store::served::{Served, SnapshotFile};
+use crate::stream::log::Log;
 use crate::stream::serve::{new_key, StreamOffers, StreamSession, WINDOW};
 use crate::transport::TransportKind;
 
@@ -295,35 +296,7 @@ impl Offers {
         if self.draining.is_cancelled() {
             return Err(OfferError::Draining);
         }
-        let start = stream.view(|log| {
-            let start = match ask.replid.as_str() {
-                "" => log
-                    .first()
-                    .and_then(|first| Some((log.replid_at(first)?.to_string(), first))),
-                id => log
-                    .continues(id, ask.offset)
-                    .ok()
-                    .map(|()| (id.to_string(), ask.offset)),
-            };
-            start.ok_or_else(|| {
-                Box::new(StreamAnswer::TooOld {
-                    held: log.describe(),
-                    current: log.position(),
-                    diverged_at: log.superseded_at(&ask.replid).filter(|&at| ask.offset > at),
-                    snapshot: instance
-                        .catalog
-                        .list()
-                        .into_iter()
-                        .filter(|e| {
-                            e.info
-                                .repl_id
-                                .as_ref()
-                                .is_some_and(|id| log.covers(id, e.info.seq).is_ok())
-                        })
-                        .max_by_key(|e| e.info.seq),
-                })
-            })
-        });
+        let start = stream.view(|log| stream_start(log, ask, &instance.catalog));
         let (replid, offset) = match start {
             Ok(start) => start,
             Err(too_old) => {
@@ -381,6 +354,44 @@ impl Offers {
             window: WINDOW,
         }))
     }
+}
+
+/// Where a stream session asked for by `ask` starts in `log`: where the
+/// log continues the replica's id and offset (or, for a replica with an
+/// empty log, where this log starts), else the `TooOld` answer with what
+/// the log holds and the newest of `catalog`'s snapshots that continues
+/// into it.
+fn stream_start(
+    log: &Log,
+    ask: &StreamAsk,
+    catalog: &Catalog,
+) -> Result<(String, u64), Box<StreamAnswer>> {
+    let start = match ask.replid.as_str() {
+        "" => log
+            .first()
+            .and_then(|first| Some((log.replid_at(first)?.to_string(), first))),
+        id => log
+            .continues(id, ask.offset)
+            .ok()
+            .map(|()| (id.to_string(), ask.offset)),
+    };
+    start.ok_or_else(|| {
+        Box::new(StreamAnswer::TooOld {
+            held: log.describe(),
+            current: log.position(),
+            diverged_at: log.superseded_at(&ask.replid).filter(|&at| ask.offset > at),
+            snapshot: catalog
+                .list()
+                .into_iter()
+                .filter(|e| {
+                    e.info
+                        .repl_id
+                        .as_ref()
+                        .is_some_and(|id| log.covers(id, e.info.seq).is_ok())
+                })
+                .max_by_key(|e| e.info.seq),
+        })
+    })
 }
 
 /// For an RDB, when the instance's primary is configured: the backlog

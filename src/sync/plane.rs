@@ -2,7 +2,7 @@
 //! listener, the RDMA listener on the chosen interface when the probe says
 //! RDMA is usable (falling back to TCP, said in the probe, when it cannot
 //! bind), the offers' expiry, and what the data plane then offers
-//! ([`DataEndpoints`]).
+//! ([`DataEndpoints`]); the [`DataPlane`] a configuration sets up.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -11,8 +11,13 @@ use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tracing::{info, warn};
 
-use super::serve::{self, DataEndpoints, DataPlane};
+use tokio_util::sync::CancellationToken;
+
+use super::serve::{self, DataEndpoints, DataPlane, SessionTable};
 use crate::config::{Config, RdmaProvider};
+use crate::metrics::Metrics;
+use crate::rpc::conn_limit;
+use crate::sys::ratelimit::RateLimiter;
 use crate::transport::ktls;
 use crate::transport::probe::{LocalRdma, Probe};
 
@@ -72,6 +77,38 @@ pub async fn start(
             "off".into()
         },
     })
+}
+
+impl DataPlane {
+    /// The data plane `config` sets up around the agent's `sessions`,
+    /// `metrics` and `shutdown`: its limits, the TCP listener's `tls`, and
+    /// RDMA bulk parameters for the probed device (`soft`).
+    pub fn new(
+        config: &Config,
+        sessions: Arc<SessionTable>,
+        metrics: Arc<Metrics>,
+        shutdown: CancellationToken,
+        tls: Option<Arc<rustls::ServerConfig>>,
+        soft: bool,
+    ) -> DataPlane {
+        DataPlane {
+            sessions,
+            metrics,
+            bulk: Probe::bulk_params(&config.transport, soft),
+            shutdown,
+            rate: Arc::new(RateLimiter::new(config.sync.rate_limit.as_u64())),
+            peer_timeout: config.data.peer_timeout,
+            min_rate: (&config.data).into(),
+            hello_timeout: config.data.hello_timeout,
+            tls,
+            kernel_tls: config.data.kernel_tls,
+            streams: Arc::default(),
+            pending: conn_limit::Limits {
+                total: config.data.max_pending_connections,
+                per_peer: config.data.max_pending_per_peer,
+            },
+        }
+    }
 }
 
 /// A bound RDMA listener, not yet serving.

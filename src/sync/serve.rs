@@ -26,7 +26,7 @@ use crate::metrics::{unix_now, Metrics, Running};
 use crate::rpc::conn_limit;
 use crate::store::catalog::CatalogEntry;
 use crate::store::served::Served;
-use crate::stream::serve::StreamOffers;
+use crate::stream::serve::{Serving, StreamOffers, StreamSession};
 use crate::sys::ratelimit::RateLimiter;
 use crate::transport::pace::MinRate;
 use crate::transport::probe::LocalRdma;
@@ -488,15 +488,8 @@ const SESSION_OVER: &str = "the session's other streams have all ended";
 /// hands a proved one to a blocking thread.
 async fn prove_and_serve(conn: Accepted, peer: String, slot: conn_limit::Slot, plane: DataPlane) {
     let kind = conn.kind();
-    let refused = |reason: &str, why: &dyn std::fmt::Display| {
-        plane
-            .metrics
-            .data_refused
-            .with_label_values(&[reason])
-            .inc();
-        plane.metrics.data_auth_failures.inc();
-        warn!(%peer, transport = %kind, "data connection refused: {why}");
-    };
+    let refused =
+        |reason: &str, why: &dyn std::fmt::Display| count_refusal(&plane, &peer, kind, reason, why);
     let proved =
         match tokio::time::timeout(plane.hello_timeout, conn.prove(plane.tls.as_ref())).await {
             Err(_) => {
@@ -510,55 +503,7 @@ async fn prove_and_serve(conn: Accepted, peer: String, slot: conn_limit::Slot, p
             Ok(Ok(proved)) => proved,
         };
     if let Some((session, serving)) = plane.streams.take(proved.proof()) {
-        // The session runs on the transport and TLS settings it was
-        // offered with, and on no other.
-        if session.tls != proved.encrypted() || session.rdma != (kind == TransportKind::Rdma) {
-            refused(
-                "bad_hello",
-                &"this stream session was offered with other transport or TLS settings than the connection uses",
-            );
-            let _ = tokio::time::timeout(
-                plane.hello_timeout,
-                proved
-                    .refuse("open the data connection as the offer said (rdma_endpoint, data_tls)"),
-            )
-            .await;
-            return;
-        }
-        drop(slot);
-        if session.rdma {
-            let ring = crate::stream::serve::RingPlane {
-                metrics: plane.metrics.clone(),
-                shutdown: plane.shutdown.clone(),
-                silent: crate::stream::pull::UPSTREAM_TIMEOUT,
-                runtime: tokio::runtime::Handle::current(),
-            };
-            tokio::task::spawn_blocking(move || {
-                match proved.open(plane.peer_timeout, plane.min_rate, false) {
-                    Ok(link) => {
-                        crate::stream::serve::serve_ring(link, session, serving, peer, ring)
-                    }
-                    Err(e) => warn!(%peer, "stream connection failed to open: {e}"),
-                }
-            });
-            return;
-        }
-        match proved.into_stream(plane.peer_timeout) {
-            Ok(Ok(link)) => {
-                crate::stream::serve::serve(
-                    link,
-                    session,
-                    serving,
-                    peer,
-                    plane.shutdown.clone(),
-                    plane.metrics.clone(),
-                )
-                .await
-            }
-            Ok(Err(e)) => warn!(%peer, "stream connection failed to open: {e}"),
-            Err(_) => warn!(%peer, "stream connection refused: stream sessions run over TCP"),
-        }
-        return;
+        return serve_stream(proved, kind, session, serving, peer, slot, plane).await;
     }
     let session = match plane.sessions.take(proved.proof(), kind) {
         Ok(session) => session,
@@ -592,6 +537,85 @@ async fn prove_and_serve(conn: Accepted, peer: String, slot: conn_limit::Slot, p
     }
     drop(slot);
     tokio::task::spawn_blocking(move || serve_proved(proved, session, &peer, &plane));
+}
+
+/// Counts a data connection refused for `reason` and says `why`.
+fn count_refusal(
+    plane: &DataPlane,
+    peer: &str,
+    kind: TransportKind,
+    reason: &str,
+    why: &dyn std::fmt::Display,
+) {
+    plane
+        .metrics
+        .data_refused
+        .with_label_values(&[reason])
+        .inc();
+    plane.metrics.data_auth_failures.inc();
+    warn!(%peer, transport = %kind, "data connection refused: {why}");
+}
+
+/// Serves a connection that proved a stream session: on the transport and
+/// TLS settings the session was offered with, and on no other; a ring on
+/// a blocking thread, TCP on the runtime (a long, mostly idle session).
+async fn serve_stream(
+    proved: Proved,
+    kind: TransportKind,
+    session: StreamSession,
+    serving: Serving,
+    peer: String,
+    slot: conn_limit::Slot,
+    plane: DataPlane,
+) {
+    // The session runs on the transport and TLS settings it was
+    // offered with, and on no other.
+    if session.tls != proved.encrypted() || session.rdma != (kind == TransportKind::Rdma) {
+        count_refusal(
+            &plane,
+            &peer,
+            kind,
+            "bad_hello",
+            &"this stream session was offered with other transport or TLS settings than the connection uses",
+        );
+        let _ = tokio::time::timeout(
+            plane.hello_timeout,
+            proved.refuse("open the data connection as the offer said (rdma_endpoint, data_tls)"),
+        )
+        .await;
+        return;
+    }
+    drop(slot);
+    if session.rdma {
+        let ring = crate::stream::serve::RingPlane {
+            metrics: plane.metrics.clone(),
+            shutdown: plane.shutdown.clone(),
+            silent: crate::stream::pull::UPSTREAM_TIMEOUT,
+            runtime: tokio::runtime::Handle::current(),
+        };
+        tokio::task::spawn_blocking(move || {
+            match proved.open(plane.peer_timeout, plane.min_rate, false) {
+                Ok(link) => crate::stream::serve::serve_ring(link, session, serving, peer, ring),
+                Err(e) => warn!(%peer, "stream connection failed to open: {e}"),
+            }
+        });
+        return;
+    }
+    match proved.into_stream(plane.peer_timeout) {
+        Ok(Ok(link)) => {
+            crate::stream::serve::serve(
+                link,
+                session,
+                serving,
+                peer,
+                plane.shutdown.clone(),
+                plane.metrics.clone(),
+            )
+            .await
+        }
+        Ok(Err(e)) => warn!(%peer, "stream connection failed to open: {e}"),
+        Err(_) => warn!(%peer, "stream connection refused: stream sessions run over TCP"),
+    }
 }
 
 /// On a blocking thread: sets the proved connection up (socket, emulated
