@@ -45,7 +45,7 @@ use crate::rpc::dial::{Dialer, CONNECT_TIMEOUT};
 use crate::rpc::pb;
 use crate::transport::faults;
 use crate::transport::probe::LocalRdma;
-use crate::transport::ring::{LogFailure, RingReplica, RingRunError, RingSink};
+use crate::transport::ring::{RingReplica, RingRunError, RingSink};
 use crate::transport::session::{DataLink, DialError, DialSpec};
 use crate::transport::stream::{StreamLink, StreamLinkError, StreamTls};
 
@@ -146,7 +146,7 @@ pub enum PullError {
     #[error("the upstream sent nothing for {UPSTREAM_TIMEOUT:?}")]
     Silent,
     #[error("the RDMA ring: {0}")]
-    Ring(#[from] RingRunError),
+    Ring(#[from] RingRunError<RingLogError>),
     #[error("cannot reach the upstream's RDMA endpoint: {0}")]
     RingDial(#[from] DialError),
 }
@@ -773,12 +773,19 @@ async fn ring_session(
         None => Err(PullError::BadOffer("its RDMA endpoint is not RDMA".into())),
         Some(Ok(())) => Ok(()),
         // The ring's log errors are the log's own.
-        Some(Err(RingRunError::Log(e))) => Err(match e.downcast::<LogError>() {
-            Ok(le) => PullError::Log(*le),
-            Err(e) => RingRunError::Log(e).into(),
-        }),
+        Some(Err(RingRunError::Log(RingLogError::Log(e)))) => Err(PullError::Log(e)),
         Some(Err(e)) => Err(e.into()),
     }
+}
+
+/// Why the log did not take what a ring session brought.
+#[derive(Debug, thiserror::Error)]
+pub enum RingLogError {
+    #[error(transparent)]
+    Log(#[from] LogError),
+    /// The session was dropped: a next one may already write the log.
+    #[error("the session was stopped")]
+    Stopped,
 }
 
 /// The log as a ring session writes it.
@@ -792,9 +799,11 @@ struct LogSink {
 }
 
 impl RingSink for LogSink {
-    fn append(&mut self, offset: u64, bytes: Vec<u8>) -> Result<(), LogFailure> {
+    type Error = RingLogError;
+
+    fn append(&mut self, offset: u64, bytes: Vec<u8>) -> Result<(), RingLogError> {
         if self.stop.is_cancelled() {
-            return Err("the session was stopped".into());
+            return Err(RingLogError::Stopped);
         }
         let n = bytes.len();
         let rec = Record::new(offset, bytes);
@@ -803,7 +812,7 @@ impl RingSink for LogSink {
         Ok(())
     }
 
-    fn epoch(&mut self, offset: u64, replid: &[u8; REPLID_LEN]) -> Result<(), LogFailure> {
+    fn epoch(&mut self, offset: u64, replid: &[u8; REPLID_LEN]) -> Result<(), RingLogError> {
         let id = String::from_utf8_lossy(replid).into_owned();
         info!(instance = %self.instance, offset, replid = %id, "the stream continues under a new replication id");
         Ok(self.stream.write(|l| l.switch(&id))?)
@@ -817,7 +826,7 @@ impl RingSink for LogSink {
         applied
     }
 
-    fn tick(&mut self, at: u64) -> Result<(), LogFailure> {
+    fn tick(&mut self, at: u64) -> Result<(), RingLogError> {
         let floor = self.stream.floor(&(self.offered)());
         Ok(self.stream.write(|log| {
             log.still_ends_at(at)?;

@@ -29,7 +29,7 @@ use crate::blk3::token::{Kind, REPLID_LEN, SESSION_TOKEN_LEN};
 use crate::blk3::Token;
 use crate::metrics::{Metrics, Running};
 use crate::transport::faults;
-use crate::transport::ring::{HeaderLie, LogFailure, RingFeed, RingRunError, RingSource};
+use crate::transport::ring::{HeaderLie, RingFeed, RingRunError, RingSource};
 use crate::transport::session::SourceLink;
 use crate::transport::stream::{StreamLink, StreamLinkError};
 
@@ -289,12 +289,14 @@ struct LogFeed<'a> {
 }
 
 impl RingFeed for LogFeed<'_> {
+    type Error = LogError;
+
     fn next(
         &mut self,
         at: u64,
         replid: &[u8; REPLID_LEN],
         due: &dyn Fn(u64) -> u64,
-    ) -> Result<Next, LogFailure> {
+    ) -> Result<Next, LogError> {
         let next = self
             .stream
             .next_blocking(at, &String::from_utf8_lossy(replid), due)?;

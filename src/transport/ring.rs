@@ -36,12 +36,10 @@ const LINGER: Duration = Duration::from_secs(1);
 /// How often the replica answers a held poll and does its housekeeping.
 pub const TICK: Duration = Duration::from_secs(1);
 
-/// An error of the stream's log, below or above this layer.
-pub type LogFailure = Box<dyn std::error::Error + Send + Sync>;
-
-/// Why a ring session ended.
+/// Why a ring session ended; `L` is the stream log's error (the log is
+/// the layer above's: a [`RingFeed`]'s or [`RingSink`]'s).
 #[derive(Debug, thiserror::Error)]
-pub enum RingRunError {
+pub enum RingRunError<L> {
     /// Below the protocol: a fabric call, a completion, a bad token, the
     /// session cancelled (as for snapshots).
     #[error(transparent)]
@@ -53,24 +51,24 @@ pub enum RingRunError {
     #[error("the peer sent {0}, which a ring session does not take")]
     Unexpected(Kind),
     #[error("the stream's log: {0}")]
-    Log(LogFailure),
+    Log(L),
     #[error("the peer sent nothing for {0:?}")]
     Silent(Duration),
 }
 
-impl From<FabricError> for RingRunError {
-    fn from(e: FabricError) -> RingRunError {
+impl<L> From<FabricError> for RingRunError<L> {
+    fn from(e: FabricError) -> RingRunError<L> {
         RingRunError::Link(e.into())
     }
 }
 
-impl From<TokenError> for RingRunError {
-    fn from(e: TokenError) -> RingRunError {
+impl<L> From<TokenError> for RingRunError<L> {
+    fn from(e: TokenError) -> RingRunError<L> {
         RingRunError::Link(e.into())
     }
 }
 
-impl RingRunError {
+impl<L> RingRunError<L> {
     /// Why the stream went back to TCP
     /// (`kvsync_stream_fallback_total{reason}`).
     pub fn reason(&self) -> &'static str {
@@ -91,6 +89,8 @@ impl RingRunError {
 
 /// Where a ring source reads the stream from.
 pub trait RingFeed {
+    /// The log's error.
+    type Error;
     /// What follows `at` for a replica whose stream has replication id
     /// `replid` there: of the bytes the stream holds past `at`, `due(held)`
     /// may go now (none: [`Next::Wait`]).
@@ -99,7 +99,7 @@ pub trait RingFeed {
         at: u64,
         replid: &[u8; REPLID_LEN],
         due: &dyn Fn(u64) -> u64,
-    ) -> Result<Next, LogFailure>;
+    ) -> Result<Next, Self::Error>;
     /// The replica's servers applied the stream up to `offset`.
     fn applied(&mut self, offset: u64);
     /// Where the session's window stands after each round (at least every
@@ -110,15 +110,17 @@ pub trait RingFeed {
 
 /// Where a ring replica writes the stream.
 pub trait RingSink {
+    /// The log's error.
+    type Error;
     /// The checked bytes of the stream from `offset`, to log before
     /// they are acknowledged.
-    fn append(&mut self, offset: u64, bytes: Vec<u8>) -> Result<(), LogFailure>;
+    fn append(&mut self, offset: u64, bytes: Vec<u8>) -> Result<(), Self::Error>;
     /// The stream continues under replication id `replid` from `offset`.
-    fn epoch(&mut self, offset: u64, replid: &[u8; REPLID_LEN]) -> Result<(), LogFailure>;
+    fn epoch(&mut self, offset: u64, replid: &[u8; REPLID_LEN]) -> Result<(), Self::Error>;
     /// What the servers fed from the log applied (`None`: none reports).
     fn applied(&mut self) -> Option<u64>;
     /// Housekeeping every [`TICK`], with the stream standing at `at`.
-    fn tick(&mut self, at: u64) -> Result<(), LogFailure>;
+    fn tick(&mut self, at: u64) -> Result<(), Self::Error>;
 }
 
 /// A fault for tests: the source lies in the ring's header.
@@ -151,12 +153,12 @@ impl<F: Fabric> Qp<F> {
         }
     }
 
-    fn post_recv(&mut self) -> Result<(), RingRunError> {
+    fn post_recv(&mut self) -> Result<(), RdmaError> {
         self.next_id += 1;
         Ok(self.qp.post_recv(RECV_TAG | self.next_id)?)
     }
 
-    fn send(&mut self, t: &Token) -> Result<(), RingRunError> {
+    fn send(&mut self, t: &Token) -> Result<(), RdmaError> {
         self.next_id += 1;
         self.qp.post_send(SEND_TAG | self.next_id, &t.encode())?;
         self.sends += 1;
@@ -166,10 +168,10 @@ impl<F: Fabric> Qp<F> {
     /// The next received token, within `wait` (`None`: none came, or a
     /// waker woke the wait). A receive is posted again before its token
     /// is handed on; a completed Send is counted off.
-    fn next(&mut self, wait: Duration) -> Result<Option<Token>, RingRunError> {
+    fn next(&mut self, wait: Duration) -> Result<Option<Token>, RdmaError> {
         loop {
             if self.cancel.is_cancelled() {
-                return Err(RdmaError::Cancelled.into());
+                return Err(RdmaError::Cancelled);
             }
             let Some(c) = self.qp.poll(wait)? else {
                 return Ok(None);
@@ -187,7 +189,7 @@ impl<F: Fabric> Qp<F> {
 
     /// Ends the session: tells the peer why (when it failed and the QP
     /// still works), waits briefly for that to be delivered, disconnects.
-    fn close(mut self, result: &Result<(), RingRunError>) {
+    fn close<L: std::fmt::Display>(mut self, result: &Result<(), RingRunError<L>>) {
         if let Err(e) = result {
             let deliverable = !matches!(
                 e,
@@ -222,11 +224,11 @@ pub struct RingSource {
 /// Serves a ring session on an accepted queue pair (its private data
 /// proved), until it fails or is cancelled; returns where the stream
 /// stood.
-pub fn run_source<F: Fabric>(
+pub fn run_source<F: Fabric, L: std::fmt::Display>(
     qp: F,
     s: RingSource,
-    feed: &mut dyn RingFeed,
-) -> (u64, Result<(), RingRunError>) {
+    feed: &mut dyn RingFeed<Error = L>,
+) -> (u64, Result<(), RingRunError<L>>) {
     let mut qp = Qp::new(qp, s.spin, &s.cancel);
     let mut at = s.from;
     let result = match serve(&mut qp, &s, feed, &mut at) {
@@ -237,12 +239,12 @@ pub fn run_source<F: Fabric>(
     (at, result)
 }
 
-fn serve<F: Fabric>(
+fn serve<F: Fabric, L>(
     qp: &mut Qp<F>,
     s: &RingSource,
-    feed: &mut dyn RingFeed,
+    feed: &mut dyn RingFeed<Error = L>,
     at: &mut u64,
-) -> Result<(), RingRunError> {
+) -> Result<(), RingRunError<L>> {
     for _ in 0..CREDITS {
         qp.post_recv()?;
     }
@@ -369,11 +371,11 @@ pub struct RingReplica {
 
 /// Follows the stream through a ring on a dialled queue pair until the
 /// session fails or is cancelled (`Ok`).
-pub fn run_replica<F: Fabric>(
+pub fn run_replica<F: Fabric, L: std::fmt::Display>(
     qp: F,
     r: RingReplica,
-    sink: &mut dyn RingSink,
-) -> Result<(), RingRunError> {
+    sink: &mut dyn RingSink<Error = L>,
+) -> Result<(), RingRunError<L>> {
     let mut qp = Qp::new(qp, r.spin, &r.cancel);
     let mut ring = None;
     let result = match follow(&mut qp, &r, sink, &mut ring) {
@@ -386,12 +388,12 @@ pub fn run_replica<F: Fabric>(
     result
 }
 
-fn follow<F: Fabric>(
+fn follow<F: Fabric, L>(
     qp: &mut Qp<F>,
     r: &RingReplica,
-    sink: &mut dyn RingSink,
+    sink: &mut dyn RingSink<Error = L>,
     ring: &mut Option<AlignedBuf>,
-) -> Result<(), RingRunError> {
+) -> Result<(), RingRunError<L>> {
     let mut rx = RingReceiver::new(r.key, r.from, r.window, r.size)?;
     let mem =
         ring.insert(AlignedBuf::new(rx.ring_len() as usize).map_err(|e| alloc("the ring", e))?);
@@ -479,11 +481,11 @@ unsafe fn read_ring(base: *const u8, offset: u64, out: &mut [u8]) {
 }
 
 /// Waits for the next token, which must come within `wait`.
-fn expect<F: Fabric>(
+fn expect<F: Fabric, L>(
     qp: &mut Qp<F>,
     wait: Duration,
     what: &'static str,
-) -> Result<Token, RingRunError> {
+) -> Result<Token, RingRunError<L>> {
     let deadline = Instant::now() + wait;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -501,7 +503,7 @@ fn expect<F: Fabric>(
     }
 }
 
-fn alloc(what: &'static str, source: std::io::Error) -> RingRunError {
+fn alloc<L>(what: &'static str, source: std::io::Error) -> RingRunError<L> {
     FabricError::Call { call: what, source }.into()
 }
 

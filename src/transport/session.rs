@@ -452,18 +452,18 @@ impl SourceLink {
     /// TCP, which a ring session cannot run on); `waker` is handed the
     /// queue pair's waker before the session starts. Returns where the
     /// stream stood.
-    pub fn serve_ring(
+    pub fn serve_ring<L: std::fmt::Display>(
         self,
         s: ring::RingSource,
-        feed: &mut dyn ring::RingFeed,
+        feed: &mut dyn ring::RingFeed<Error = L>,
         waker: impl FnOnce(ring::Waker),
-    ) -> Option<(u64, Result<(), ring::RingRunError>)> {
-        fn run<F: Fabric>(
+    ) -> Option<(u64, Result<(), ring::RingRunError<L>>)> {
+        fn run<F: Fabric, L: std::fmt::Display>(
             mut qp: F,
             s: ring::RingSource,
-            feed: &mut dyn ring::RingFeed,
+            feed: &mut dyn ring::RingFeed<Error = L>,
             waker: impl FnOnce(ring::Waker),
-        ) -> (u64, Result<(), ring::RingRunError>) {
+        ) -> (u64, Result<(), ring::RingRunError<L>>) {
             match qp.waker() {
                 Ok(w) => waker(w),
                 Err(e) => return (s.from, Err(e.into())),
@@ -482,18 +482,18 @@ impl SourceLink {
 impl DataLink {
     /// Follows a stream session through an RDMA ring (`None`: this link
     /// is TCP); `waker` is handed the queue pair's waker first.
-    pub fn run_ring(
+    pub fn run_ring<L: std::fmt::Display>(
         self,
         r: ring::RingReplica,
-        sink: &mut dyn ring::RingSink,
+        sink: &mut dyn ring::RingSink<Error = L>,
         waker: impl FnOnce(ring::Waker),
-    ) -> Option<Result<(), ring::RingRunError>> {
-        fn run<F: Fabric>(
+    ) -> Option<Result<(), ring::RingRunError<L>>> {
+        fn run<F: Fabric, L: std::fmt::Display>(
             mut qp: F,
             r: ring::RingReplica,
-            sink: &mut dyn ring::RingSink,
+            sink: &mut dyn ring::RingSink<Error = L>,
             waker: impl FnOnce(ring::Waker),
-        ) -> Result<(), ring::RingRunError> {
+        ) -> Result<(), ring::RingRunError<L>> {
             waker(qp.waker()?);
             ring::run_replica(qp, r, sink)
         }

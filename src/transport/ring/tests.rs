@@ -31,12 +31,14 @@ struct Shared {
 struct Feed(Arc<Mutex<Shared>>);
 
 impl RingFeed for Feed {
+    type Error = std::convert::Infallible;
+
     fn next(
         &mut self,
         at: u64,
         replid: &[u8; REPLID_LEN],
         due: &dyn Fn(u64) -> u64,
-    ) -> Result<Next, LogFailure> {
+    ) -> Result<Next, std::convert::Infallible> {
         let s = self.0.lock().unwrap();
         if s.change_at == Some(at) && *replid == OLD {
             return Ok(Next::Epoch(NEW));
@@ -68,7 +70,9 @@ struct Sink {
 }
 
 impl RingSink for Sink {
-    fn append(&mut self, offset: u64, bytes: Vec<u8>) -> Result<(), LogFailure> {
+    type Error = std::convert::Infallible;
+
+    fn append(&mut self, offset: u64, bytes: Vec<u8>) -> Result<(), std::convert::Infallible> {
         assert_eq!(offset, self.bytes.len() as u64, "logged in order");
         self.bytes.extend_from_slice(&bytes);
         if let Some((at, cancel)) = &self.stop_at {
@@ -79,7 +83,11 @@ impl RingSink for Sink {
         Ok(())
     }
 
-    fn epoch(&mut self, offset: u64, replid: &[u8; REPLID_LEN]) -> Result<(), LogFailure> {
+    fn epoch(
+        &mut self,
+        offset: u64,
+        replid: &[u8; REPLID_LEN],
+    ) -> Result<(), std::convert::Infallible> {
         self.epochs.push((offset, *replid));
         Ok(())
     }
@@ -88,7 +96,7 @@ impl RingSink for Sink {
         Some(self.bytes.len() as u64)
     }
 
-    fn tick(&mut self, _at: u64) -> Result<(), LogFailure> {
+    fn tick(&mut self, _at: u64) -> Result<(), std::convert::Infallible> {
         Ok(())
     }
 }
@@ -99,7 +107,7 @@ fn stream(len: usize) -> Vec<u8> {
         .collect()
 }
 
-type SourceEnd = JoinHandle<(u64, Result<(), RingRunError>)>;
+type SourceEnd = JoinHandle<(u64, Result<(), RingRunError<std::convert::Infallible>>)>;
 
 /// A source on a thread, serving `shared` from `from`; its waker.
 fn source(
@@ -148,7 +156,11 @@ fn replica_left(end: SourceEnd) -> u64 {
     at
 }
 
-fn replica(addr: std::net::SocketAddr, sink: &mut Sink, from: u64) -> Result<(), RingRunError> {
+fn replica(
+    addr: std::net::SocketAddr,
+    sink: &mut Sink,
+    from: u64,
+) -> Result<(), RingRunError<std::convert::Infallible>> {
     let qp = EmuQp::dial(addr, T, EmuFaults::default()).unwrap();
     let cancel = sink
         .stop_at
