@@ -298,6 +298,10 @@ async fn the_peer_token_goes_only_to_a_source_something_proves() {
         "{}",
         p.error
     );
+    // This agent's own policy refused: said as such, not as a source that
+    // could not be reached, and not tried again (it would refuse again).
+    assert!(!p.error.contains("unreachable"), "{}", p.error);
+    assert_eq!(p.attempts, 1, "{p:?}");
     assert!(
         matches!(fake.accept(), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
         "the replica connected to a source nothing proves"

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use crate::blk3::Blk3Error;
 use crate::kv::handoff::HandoffError;
+use crate::rpc::dial::ConnectError;
 use crate::store::install::InstallError;
 use crate::store::room::RoomError;
 use crate::transport::session::{DialError, LinkError};
@@ -24,6 +25,10 @@ pub enum JobError {
         source_addr: String,
         message: String,
     },
+    /// This agent's own settings refuse to dial the source (its token
+    /// policy, the address, TLS): another attempt would refuse again.
+    #[error(transparent)]
+    WillNotDial(ConnectError),
     /// The source refused to offer a session.
     #[error("source refused the sync ({code:?}): {message}")]
     Refused { code: tonic::Code, message: String },

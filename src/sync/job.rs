@@ -22,7 +22,7 @@ use crate::kv::handoff::{self, HandoffRecord};
 use crate::kv::payload::Arriving;
 use crate::kv::seed::Early;
 use crate::metrics::{unix_now, Metrics, Running};
-use crate::rpc::dial::CONNECT_TIMEOUT;
+use crate::rpc::dial::{ConnectError, CONNECT_TIMEOUT};
 use crate::rpc::{pb, AgentChannel, Dialer};
 use crate::snapshot::manifest::{Manifest, MAX_REPL_ID};
 use crate::snapshot::{SnapshotId, SnapshotInfo};
@@ -218,9 +218,12 @@ async fn attempt(ctx: &JobContext) -> Result<(), JobError> {
     let channel = ctx
         .or_cancel(ctx.dialer.connect(&ctx.source, CONNECT_TIMEOUT))
         .await?
-        .map_err(|e| JobError::Unreachable {
-            source_addr: ctx.source.clone(),
-            message: e.to_string(),
+        .map_err(|e| match e {
+            ConnectError::Failed(message) => JobError::Unreachable {
+                source_addr: ctx.source.clone(),
+                message,
+            },
+            refused => JobError::WillNotDial(refused),
         })?;
     let mut peer = pb::peer_client::PeerClient::new(channel);
     let mut early = None;
