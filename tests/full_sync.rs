@@ -329,6 +329,26 @@ async fn source_unreachable_or_without_snapshot() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::NotFound);
+    // A file there that is not a valid snapshot is named, with why.
+    std::fs::write(
+        empty_source.dir.join("broken.kvr1"),
+        b"KVR1 but nothing else",
+    )
+    .unwrap();
+    wait_for("the broken file rejected", DEADLINE, || {
+        (empty_source.metric("kvsync_snapshots_rejected_total{reason=\"not_a_snapshot\"}") > 0.0)
+            .then_some(())
+    });
+    let err = peer
+        .open_full_sync(pb::OpenFullSyncRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound);
+    assert!(
+        err.message().contains("broken.kvr1 is not offered"),
+        "{}",
+        err.message()
+    );
 
     // Bad arguments and unknown syncs map to their codes.
     let err = c

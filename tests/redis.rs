@@ -98,6 +98,26 @@ fn rdbs_saved_by_the_real_server_carry_the_replication_position(server: Server) 
         "{}",
         source.proc.log()
     );
+    // The operator sees why, where they look: `kvsync snapshots` names the
+    // rejected file with its reason (on stderr: what it prints on stdout,
+    // which scripts read, stays the offered snapshots), and a sync from
+    // the agent says so.
+    let grpc = source.grpc();
+    for json in [None, Some("--json")] {
+        let args: Vec<&str> = ["snapshots", "--agent", &grpc]
+            .into_iter()
+            .chain(json)
+            .collect();
+        let (ok, out, err) = cli(&args);
+        assert!(ok, "{err}");
+        assert!(!out.contains("dump.rdb"), "{out}");
+        assert!(
+            err.contains("rejected")
+                && err.contains("dump.rdb")
+                && err.contains("no replication position"),
+            "{err}"
+        );
+    }
     drop(source);
 
     primary.make_backlog(root.path());

@@ -568,14 +568,19 @@ fn hex(bytes: &[u8]) -> String {
 /// `kvsync snapshots`.
 pub async fn snapshots(args: StatusArgs) -> anyhow::Result<ExitCode> {
     let mut c = client(&args.agent).await?;
-    let list = c
+    let listed = c
         .list_snapshots(pb::ListSnapshotsRequest {
             instance: args.instance.wire(),
         })
         .await
         .map_err(|s| status_err("list snapshots", s))?
-        .into_inner()
-        .snapshots;
+        .into_inner();
+    // Rejected files go to stderr: stdout stays the offered snapshots,
+    // which scripts read.
+    for r in &listed.rejected {
+        eprintln!("rejected  {}: {}", r.path, r.reason);
+    }
+    let list = listed.snapshots;
     if args.json {
         println!(
             "{}",

@@ -380,7 +380,19 @@ impl pb::orchestrator_server::Orchestrator for OrchestratorService {
             .iter()
             .map(|e| entry_to_pb(&instance.name, e))
             .collect();
-        Ok(Response::new(pb::ListSnapshotsResponse { snapshots }))
+        let rejected = instance
+            .catalog
+            .rejected()
+            .into_iter()
+            .map(|(path, reason)| pb::RejectedSnapshot {
+                path: path.display().to_string(),
+                reason,
+            })
+            .collect();
+        Ok(Response::new(pb::ListSnapshotsResponse {
+            snapshots,
+            rejected,
+        }))
     }
 
     async fn release_stream(

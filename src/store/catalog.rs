@@ -64,9 +64,17 @@ pub fn system_time_ns(t: SystemTime) -> i128 {
     }
 }
 
-/// Thread-safe set of offered snapshots.
+/// The most rejected files a catalog names (the rest are counted and
+/// logged only).
+const MAX_REJECTED: usize = 64;
+
+/// Thread-safe set of offered snapshots, and of the files the watcher
+/// rejected (with why).
 pub struct Catalog {
     entries: RwLock<BTreeMap<PathBuf, Arc<CatalogEntry>>>,
+    /// Files found not to be valid snapshots, each with the reason (at
+    /// most [`MAX_REJECTED`]; a file offered or gone leaves the list).
+    rejected: RwLock<BTreeMap<PathBuf, String>>,
     generation: watch::Sender<u64>,
     metrics: Arc<Metrics>,
     /// The instance whose snapshots these are (its `kv_instance` label).
@@ -77,6 +85,7 @@ impl Catalog {
     pub fn new(metrics: Arc<Metrics>, instance: &str) -> Arc<Catalog> {
         Arc::new(Catalog {
             entries: RwLock::default(),
+            rejected: RwLock::default(),
             generation: watch::channel(0).0,
             metrics,
             instance: instance.to_string(),
@@ -90,6 +99,7 @@ impl Catalog {
 
     /// Adds or replaces the entry for `entry.path`.
     pub fn upsert(&self, entry: CatalogEntry) {
+        self.unreject(&entry.path);
         let changed = {
             let mut map = self.entries.write().expect("catalog lock");
             let old = map.insert(entry.path.clone(), Arc::new(entry.clone()));
@@ -100,8 +110,33 @@ impl Catalog {
         }
     }
 
-    /// Removes the entry for `path`; returns whether one existed.
+    /// Withdraws `path`, found not to be a valid snapshot for `reason`,
+    /// and keeps the reason for [`Catalog::rejected`].
+    pub fn reject(&self, path: &Path, reason: String) {
+        self.remove(path);
+        let mut rejected = self.rejected.write().expect("catalog lock");
+        if rejected.len() < MAX_REJECTED || rejected.contains_key(path) {
+            rejected.insert(path.to_path_buf(), reason);
+        }
+    }
+
+    /// The files found not to be valid snapshots, with why, by path.
+    pub fn rejected(&self) -> Vec<(PathBuf, String)> {
+        let rejected = self.rejected.read().expect("catalog lock");
+        rejected
+            .iter()
+            .map(|(p, r)| (p.clone(), r.clone()))
+            .collect()
+    }
+
+    fn unreject(&self, path: &Path) {
+        self.rejected.write().expect("catalog lock").remove(path);
+    }
+
+    /// Removes the entry for `path` (offered or rejected); returns whether
+    /// an offered one existed.
     pub fn remove(&self, path: &Path) -> bool {
+        self.unreject(path);
         let removed = self
             .entries
             .write()
@@ -116,6 +151,10 @@ impl Catalog {
 
     /// Removes every entry under `dir` (the directory went away).
     pub fn remove_under(&self, dir: &Path) {
+        self.rejected
+            .write()
+            .expect("catalog lock")
+            .retain(|p, _| !p.starts_with(dir));
         let removed = {
             let mut map = self.entries.write().expect("catalog lock");
             let before = map.len();
@@ -179,5 +218,31 @@ impl Catalog {
                 .set(bytes);
         }
         self.generation.send_modify(|g| *g += 1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rejected_file_is_named_until_it_is_offered_or_gone() {
+        let c = Catalog::new(Metrics::new(), "default");
+        let (a, b) = (Path::new("/s/a.rdb"), Path::new("/s/b.rdb"));
+        c.reject(a, "no replication position".into());
+        c.reject(b, "not a snapshot".into());
+        assert_eq!(c.rejected().len(), 2);
+        assert!(c.list().is_empty());
+        c.remove(b);
+        assert_eq!(
+            c.rejected(),
+            [(a.to_path_buf(), "no replication position".to_string())]
+        );
+        for n in 0..2 * MAX_REJECTED {
+            c.reject(&PathBuf::from(format!("/t/{n}")), "bad".into());
+        }
+        assert_eq!(c.rejected().len(), MAX_REJECTED, "bounded");
+        c.remove_under(Path::new("/t"));
+        assert_eq!(c.rejected().len(), 1);
     }
 }

@@ -468,8 +468,15 @@ fn choose(instance: &Instance, want: Option<&SnapshotId>) -> Result<Chosen, Offe
                 "this agent does not have {format} snapshot {id}, or no longer: it was superseded"
             )),
             None => OfferError::NoSnapshot(format!(
-                "no valid {format} snapshot in {} yet; save one on the primary first",
-                instance.config.snapshot_dir.display()
+                "no valid {format} snapshot in {} yet{}",
+                instance.config.snapshot_dir.display(),
+                match instance.catalog.rejected().pop() {
+                    Some((path, reason)) => format!(
+                        " ({} is not offered: {reason})",
+                        path.file_name().unwrap_or_default().to_string_lossy()
+                    ),
+                    None => "; save one on the primary first".into(),
+                }
             )),
         })?;
         let name = entry
