@@ -12,7 +12,7 @@ use crate::blk3::plan::MAX_CHUNK_MB;
 
 /// Data plane settings.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(default)]
 pub struct DataConfig {
     /// Address of the TCP data listener (`host:port`).
     pub tcp_listen: String,
@@ -153,7 +153,7 @@ impl std::fmt::Display for TransportMode {
 
 /// Transport and BLK3 bulk-phase tuning.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(default)]
 pub struct TransportConfig {
     pub mode: TransportMode,
     /// RDMA Write chunk size in MiB (1..=32).

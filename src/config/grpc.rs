@@ -13,7 +13,7 @@ use crate::sys::pem::{read_pem, PemKind};
 /// TLS of the control plane (gRPC), for the server and for every connection
 /// this agent makes to other agents. On when the three files are set.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(default)]
 pub struct TlsConfig {
     /// This agent's certificate chain (PEM): served, and presented to peers
     /// that require client certificates.
@@ -39,7 +39,7 @@ impl TlsConfig {
 
 /// Control-plane authentication.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(default)]
 pub struct AuthConfig {
     /// File of accepted bearer tokens (one per line; the first is presented
     /// to peers). Every Orchestrator and Peer RPC must carry one. Empty
@@ -57,7 +57,7 @@ pub struct AuthConfig {
 
 /// Control plane (gRPC) settings.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(default)]
 pub struct GrpcConfig {
     /// Address the gRPC server binds (`host:port`; port 0 picks a free port).
     pub listen: String,

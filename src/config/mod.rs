@@ -1,6 +1,7 @@
 //! Agent configuration: the TOML schema, its defaults, and `validate()`.
 //!
-//! Owns parsing (serde, `deny_unknown_fields`, human sizes and durations) and
+//! Owns parsing (serde, every unknown key at once: [`keys`], human sizes
+//! and durations) and
 //! the semantic checks that report every bad setting at once, each with its
 //! key. It does not open sockets or directories; callers do that with the
 //! values found here. CLI flags override the file in `cli`.
@@ -24,6 +25,7 @@ use crate::snapshot::Format;
 mod addr;
 mod data;
 mod grpc;
+mod keys;
 mod redis;
 mod stream;
 
@@ -38,7 +40,7 @@ pub use stream::{Fsync, StreamAck, StreamConfig};
 
 /// The whole agent configuration (one TOML file).
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(default)]
 pub struct Config {
     /// Name of this agent in logs, status and handoff records.
     pub node_id: String,
@@ -73,7 +75,7 @@ pub const DEFAULT_INSTANCE: &str = "default";
 /// The settings that belong to one KV instance: its snapshot directory and
 /// format, how a received snapshot reaches it, and its Redis/Valkey server.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(default)]
 pub struct InstanceConfig {
     /// How requests, status and metrics (`kv_instance`) name it: a plain
     /// name, as node ids are.
@@ -110,7 +112,7 @@ const INSTANCE_KEYS: [&str; 5] = [
 
 /// Fan-outs this agent runs as their origin.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(default)]
 pub struct FanoutConfig {
     /// The replicas' agents a fan-out may call, with the caller's token:
     /// gRPC addresses (`host:port`) or names a certificate proves, as for
@@ -120,7 +122,7 @@ pub struct FanoutConfig {
 
 /// Prometheus endpoint.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(default)]
 pub struct MetricsConfig {
     /// Address serving `/metrics` (empty string disables the endpoint).
     pub listen: String,
@@ -128,7 +130,7 @@ pub struct MetricsConfig {
 
 /// Shared snapshot cache (source side).
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(default)]
 pub struct CacheConfig {
     /// Most memory all loaded snapshot buffers may take together.
     pub memory_budget: ByteSize,
@@ -143,7 +145,7 @@ pub struct CacheConfig {
 
 /// Snapshot directory watcher.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(default)]
 pub struct WatchConfig {
     /// A file must be quiet this long before it is validated.
     #[serde(with = "humantime_serde")]
@@ -155,7 +157,7 @@ pub struct WatchConfig {
 
 /// Replica-side sync jobs.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(default)]
 pub struct SyncConfig {
     /// Completed syncs kept in status.
     pub keep_recent: usize,
@@ -337,7 +339,11 @@ impl Config {
                 ));
             }
         }
-        toml::from_str(text).map_err(|e| e.to_string())
+        let (config, unknown) = keys::parse(text)?;
+        match unknown.is_empty() {
+            true => Ok(config),
+            false => Err(keys::report(text, &unknown)),
+        }
     }
 
     /// The instances this agent serves: the `[[instance]]` tables, or the

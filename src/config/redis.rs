@@ -15,7 +15,7 @@ use crate::snapshot::Format;
 /// Redis/Valkey: the local primary (source role, pre-flight check) and the
 /// local server a `redis` handoff seeds (replica role).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(default)]
 pub struct RedisConfig {
     /// Source: the local primary (`host:port`) whose backlog must still hold
     /// M+1 before a snapshot is offered; empty skips the check.
@@ -165,7 +165,7 @@ impl HandoffMode {
 
 /// Handoff settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(default)]
 pub struct HandoffConfig {
     pub mode: HandoffMode,
     /// `command` mode: the KV's admin address (`host:port`).

@@ -13,7 +13,7 @@ use super::{normal_path, Config, HostPort, Problems};
 
 /// The replication stream's log (`[stream]`, or `[instance.stream]`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(default)]
 pub struct StreamConfig {
     /// The log's directory; empty (the default) leaves the stream off. On
     /// the primary's host (`[redis] primary_addr` set) the agent follows

@@ -140,6 +140,18 @@ fn unknown_keys_are_rejected() {
 }
 
 #[test]
+fn every_unknown_key_is_reported_at_once_in_line_order() {
+    let text = "nodeid = \"x\"\n[grpc]\nlisen = 3\n[[instance]]\nname = \"a\"\n[instance.stream]\nupstrem = \"h:1\"\n";
+    let err = Config::parse(text).unwrap_err();
+    let at = |k: &str| err.find(k).unwrap_or_else(|| panic!("{k} missing: {err}"));
+    assert!(at("line 1: `nodeid`") < at("line 3: `grpc.lisen`"), "{err}");
+    assert!(
+        at("line 3: `grpc.lisen`") < at("line 7: `instance.0.stream.upstrem`"),
+        "{err}"
+    );
+}
+
+#[test]
 fn human_sizes_and_durations() {
     let c = Config::parse(
         "[cache]\nmemory_budget = \"256MiB\"\nacquire_timeout = \"2m 30s\"\n[watch]\ndebounce = \"250ms\"",
