@@ -58,8 +58,9 @@ pub struct Parts {
 
 /// Makes instance `ic`'s parts and starts its tasks: its snapshot
 /// directory (created, and swept of temp files that cannot be resumed), its
-/// catalog and watcher, its primary's backlog guard, and its KV's seeding
-/// recovery, health poll and consistency check.
+/// catalog and watcher, its primary's backlog guard, its stream (with
+/// `[stream] dir`) and its KV's seeding recovery, health poll and
+/// consistency check.
 pub async fn start(
     agent: &Config,
     ic: &InstanceConfig,

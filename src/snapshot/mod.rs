@@ -256,6 +256,17 @@ pub enum SnapshotError {
 }
 
 impl SnapshotError {
+    /// What is wrong with the file, without its path.
+    pub fn what(&self) -> String {
+        match self {
+            SnapshotError::Io { source, .. } => source.to_string(),
+            SnapshotError::Corrupt { corruption, .. } => corruption.to_string(),
+            SnapshotError::UnknownFormat { .. } => {
+                "not a snapshot kvsync knows (neither KVR1 nor RDB)".into()
+            }
+        }
+    }
+
     /// Short label for metrics.
     pub fn reason(&self) -> &'static str {
         match self {

@@ -317,7 +317,7 @@ impl DirWatcher {
                     .snapshots_rejected
                     .with_label_values(&[self.catalog.instance(), e.reason()])
                     .inc();
-                self.catalog.reject(&path, e.to_string());
+                self.catalog.reject(&path, e.what());
             }
         }
     }

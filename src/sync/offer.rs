@@ -471,10 +471,11 @@ fn choose(instance: &Instance, want: Option<&SnapshotId>) -> Result<Chosen, Offe
                 "no valid {format} snapshot in {} yet{}",
                 instance.config.snapshot_dir.display(),
                 match instance.catalog.rejected().pop() {
-                    Some((path, reason)) => format!(
+                    Some((path, reason)) => crate::peer_text::escape_controls(&format!(
                         " ({} is not offered: {reason})",
                         path.file_name().unwrap_or_default().to_string_lossy()
-                    ),
+                    ))
+                    .into_owned(),
                     None => "; save one on the primary first".into(),
                 }
             )),

@@ -239,7 +239,10 @@ pub fn after_failure(
     sync: &SyncConfig,
     jitter: f64,
 ) -> Next {
-    if blames_source(err) && upstream_left {
+    // A source this agent will not dial (its own policy) is passed over
+    // too: the next may be one it will.
+    let passed_over = blames_source(err) || matches!(err, JobError::WillNotDial(_));
+    if passed_over && upstream_left {
         return Next::NextSource;
     }
     let retry =

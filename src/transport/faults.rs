@@ -48,18 +48,17 @@ const NONE: Faults = Faults {
 #[cfg(feature = "faults")]
 static ACTIVE: AtomicPtr<Faults> = AtomicPtr::new(std::ptr::null_mut());
 
-/// Reads `KVSYNC_FAULTS` and makes it what [`active`] answers (the agent,
-/// at its start).
+/// Reads `KVSYNC_FAULTS` and, when it is set, makes it what [`active`]
+/// answers (the agent, at its start); returns what is active.
 pub fn load() -> Result<&'static Faults, FaultsError> {
     let spec = std::env::var("KVSYNC_FAULTS").ok();
     let faults = Faults::read(spec.as_deref())?;
     #[cfg(feature = "faults")]
-    return Ok(install(faults));
-    #[cfg(not(feature = "faults"))]
-    {
-        drop(faults);
-        Ok(&NONE)
+    if spec.is_some() {
+        return Ok(install(faults));
     }
+    drop(faults);
+    Ok(active())
 }
 
 /// Makes `faults` what [`active`] answers from now on, in this whole

@@ -284,10 +284,16 @@ fn local_and_operator_failures_end_the_job_even_with_upstreams() {
         local_failure(),
         JobError::Cancelled,
         JobError::Room(RoomError::TooLarge { size: 2, max: 1 }),
-        JobError::WillNotDial(crate::rpc::dial::ConnectError::Unproved("src:7000".into())),
     ] {
         assert_eq!(next(&err, 1, 0, true), Next::GiveUp, "{err}");
     }
+}
+
+#[test]
+fn a_source_this_agent_will_not_dial_is_passed_over_never_retried() {
+    let err = JobError::WillNotDial(crate::rpc::dial::ConnectError::Unproved("src:7000".into()));
+    assert_eq!(next(&err, 1, 0, true), Next::NextSource);
+    assert_eq!(next(&err, 1, 0, false), Next::GiveUp);
 }
 
 #[test]
