@@ -37,8 +37,9 @@ pub(super) fn report(text: &str, unknown: &[String]) -> String {
 }
 
 /// The line (from 1) where `path` is set: its key under its table's
-/// header (or the header, for a whole table), the n-th `[[x]]` of an array of tables counting from 0. `None`
-/// when the file writes it another way (an inline table, a dotted key).
+/// header (or the header, for a whole table), the n-th `[[x]]` of an array
+/// of tables counting from 0. `None` when the file writes it another way
+/// (an inline table, a dotted key).
 fn line_of(text: &str, path: &str) -> Option<usize> {
     let mut table: Vec<String> = Vec::new();
     let mut arrays: HashMap<String, usize> = HashMap::new();
