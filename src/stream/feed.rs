@@ -357,10 +357,9 @@ async fn answer(
 
 /// Reads the server's acknowledgements (`REPLCONF ACK`) into the stream,
 /// on a task of their own that ends with the connection.
-fn read_acks(read: BufReader<OwnedReadHalf>, stream: &SharedLog) -> Reader {
+fn read_acks(mut read: BufReader<OwnedReadHalf>, stream: &SharedLog) -> Reader {
     let acked = stream.clone();
     Reader(tokio::spawn(async move {
-        let mut read = read;
         while let Ok(cmd) = seed::read_command(&mut read).await {
             if cmd.len() == 3
                 && cmd[0].eq_ignore_ascii_case("REPLCONF")

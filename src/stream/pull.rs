@@ -624,6 +624,8 @@ async fn receive(
     offer: &Offer,
 ) -> Result<(), PullError> {
     let received = Traffic::of(&pull.metrics, &pull.instance, "replica");
+    // The fault: acknowledge only on the once-a-second tick.
+    let ack_on_tick = faults::active().stream_ack_on_tick;
     let mut rx = Receiver::new(offer.key, offer.offset, offer.window);
     let mut heard = Instant::now();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -643,7 +645,7 @@ async fn receive(
                     })
                 })
                 .await?;
-                if faults::active().stream_ack_on_tick {
+                if ack_on_tick {
                     link.send(&rx.ack()).await?;
                 }
                 continue;
@@ -662,7 +664,7 @@ async fn receive(
                 let rec = Record::new(offset, bytes);
                 blocking(stream, move |s| s.write(|l| l.append(&rec))).await?;
                 received.frame(len as usize);
-                if !faults::active().stream_ack_on_tick {
+                if !ack_on_tick {
                     link.send(&rx.ack()).await?;
                 }
                 report_applied(&mut link, &mut rx, stream).await?;
