@@ -38,9 +38,10 @@ pub struct StreamConfig {
     /// When the upstream agent no longer holds the log's offset (or, after
     /// a failover, the log went past the promotion point), start the log
     /// over at the snapshot the upstream names and sync that snapshot from
-    /// it (re-seeding a `redis-stream` server), instead of only reporting
-    /// it. The old primary's agent uses it once a failover moved it onto
-    /// another agent.
+    /// it (re-seeding a `redis-stream` server), once no other upstream of
+    /// the chain holds the offset. Off, the writer's state says it needs a
+    /// snapshot, and a sync of one starts the log over. The old primary's
+    /// agent uses it once a failover moved it onto another agent.
     pub reseed: bool,
     /// An agent that follows `upstream`: the RDMA ring it registers for the
     /// stream (a power of two, 1 MiB to 1 GiB; 0 keeps the stream on TCP).
@@ -97,7 +98,7 @@ impl Default for StreamConfig {
             segment_size: ByteSize::mib(64),
             fsync: Fsync::Everysec,
             ack: StreamAck::Log,
-            reseed: false,
+            reseed: true,
             rdma_ring: ByteSize::mib(16),
             rdma_retry: Duration::from_secs(30),
             stall_timeout: Duration::from_secs(10),

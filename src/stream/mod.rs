@@ -123,6 +123,11 @@ pub enum WriterState {
     /// The log started over at an upstream's snapshot, which is synced
     /// from it.
     Reseeding { upstream: String, seq: u64 },
+    /// The upstreams no longer hold the log's offset (`reason` names the
+    /// snapshot that continues into theirs) and it is not re-seeded on its
+    /// own (`[stream] reseed = false`, or starting over failed): stuck
+    /// until a sync of a snapshot starts the log over.
+    NeedsSnapshot { reason: String },
 }
 
 /// How a replica agent's session with its upstream runs.
@@ -158,6 +163,7 @@ impl std::fmt::Display for WriterState {
             WriterState::Reseeding { upstream, seq } => {
                 write!(f, "re-seeding from {upstream}'s snapshot of seq {seq}")
             }
+            WriterState::NeedsSnapshot { reason } => write!(f, "needs a snapshot: {reason}"),
         }
     }
 }
@@ -295,6 +301,43 @@ impl Stream {
 
     pub fn set_source(&self, source: source::Source) {
         *self.source.lock().expect("source lock") = source;
+    }
+
+    /// Starts the log over at a full resync's (`replid`, `m`), dropping
+    /// what it held, and sets the writer's `state`.
+    pub fn start_over(
+        &self,
+        replid: &str,
+        m: u64,
+        state: WriterState,
+    ) -> Result<(), log::LogError> {
+        self.write(|l| l.restart(replid, m))?;
+        self.set_state(state);
+        Ok(())
+    }
+
+    /// A sync from `upstream` installs the snapshot of `seq` (`replid`,
+    /// `m`) for the server fed from this log: when the writer is stuck
+    /// ([`WriterState::NeedsSnapshot`]) and the log does not hold the
+    /// snapshot's M (nor can it reach it: its upstreams no longer serve
+    /// what follows its end), the log starts over at it, as a re-seeding would (the
+    /// sync, an operator's or an orchestrator's, is the consent), so that
+    /// the feed seeds the server from it and the stream goes on after it.
+    /// Returns whether it did.
+    pub fn start_over_for_sync(
+        &self,
+        upstream: &str,
+        seq: u64,
+        (replid, m): (&str, u64),
+    ) -> Result<bool, log::LogError> {
+        if !matches!(self.state(), WriterState::NeedsSnapshot { .. })
+            || self.view(|l| l.covers(replid, m).is_ok())
+        {
+            return Ok(false);
+        }
+        let upstream = upstream.to_string();
+        self.start_over(replid, m, WriterState::Reseeding { upstream, seq })?;
+        Ok(true)
     }
 
     pub fn set_state(&self, state: WriterState) {

@@ -290,6 +290,15 @@ impl UpstreamPolicy {
             self.tcp_until = Some(now + self.ring_retry);
             return Then::OverTcp;
         }
+        let pause = self.pause.failed(progressed);
+        if *why != Ended::LogFailed {
+            self.passed.insert(upstream.to_string(), now + PASS_OVER);
+            if self.pick(chain, now).is_some() {
+                return Then::Next;
+            }
+        }
+        // Re-seeding is the last resort: only once no other upstream of
+        // the chain is left to ask (one of them may still hold the offset).
         if let (
             true,
             Ended::TooOld {
@@ -298,17 +307,11 @@ impl UpstreamPolicy {
             },
         ) = (can_reseed, why)
         {
+            self.passed.clear();
             return Then::Reseed {
                 replid: replid.clone(),
                 m: *m,
             };
-        }
-        let pause = self.pause.failed(progressed);
-        if *why != Ended::LogFailed {
-            self.passed.insert(upstream.to_string(), now + PASS_OVER);
-            if self.pick(chain, now).is_some() {
-                return Then::Next;
-            }
         }
         match why {
             Ended::TooOld {
@@ -450,6 +453,17 @@ mod tests {
             "a:1",
             "a re-seeding passes nothing over"
         );
+        // Another upstream of the chain may still hold the offset: it is
+        // asked first, and the re-seeding waits for the last one.
+        let two = super::tests::chain(&["a:1", "b:1"]);
+        let mut v = UpstreamPolicy::new(RETRY);
+        assert_eq!(v.ended("a:1", &two, &named, false, true, now), Then::Next);
+        assert_eq!(v.pick(&two, now).unwrap().upstream, "b:1");
+        assert!(matches!(
+            v.ended("b:1", &two, &named, false, true, now),
+            Then::Reseed { .. }
+        ));
+        assert_eq!(v.pick(&two, now).unwrap().upstream, "a:1");
         // Without [stream] reseed, or once starting over failed.
         assert_eq!(
             u.ended("a:1", &chain, &named, false, false, now),

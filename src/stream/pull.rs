@@ -246,9 +246,13 @@ pub async fn run(pull: Arc<Pull>, stream: SharedLog, stop: CancellationToken) {
         )
         .await;
         if let Then::Pause(wait) = then {
+            // A sync that starts the log over ends the pause.
+            let mut log = stream.watch();
+            log.borrow_and_update();
             tokio::select! {
                 _ = stop.cancelled() => return,
                 _ = tokio::time::sleep(wait) => {}
+                _ = log.changed() => {}
             }
             policy.paused();
         }
@@ -285,15 +289,23 @@ async fn ended(
     {
         diverged(pull, stream, (replid, *offset, *at), upstream);
     }
-    // With [stream] reseed: how to sync the snapshot the upstream named.
+    // With [stream] reseed: how to sync the snapshot the upstream named,
+    // unless this log already holds it (the upstream's word contradicts
+    // what it refused: nothing is started over on it).
     let snapshot = match (&pull.reseed, &e) {
         (
             Some(sync),
             PullError::TooOld {
-                continues: Some((id, ..)),
+                continues: Some((id, replid, m)),
                 ..
             },
-        ) => Some((sync, id)),
+        ) => match stream.view(|l| l.covers(replid, *m).is_ok()) {
+            false => Some((sync, id)),
+            true => {
+                warn!(instance = %pull.instance, %upstream, %replid, m, "the upstream says this log is too old, yet names a snapshot the log holds: not re-seeding on its word");
+                None
+            }
+        },
         _ => None,
     };
     let now = std::time::Instant::now();
@@ -310,6 +322,11 @@ async fn ended(
             warn!(instance = %pull.instance, error = %le, "the log cannot start over for a re-seeding");
             then = policy.ended(upstream, upstreams, &why, progressed, false, now);
         }
+    }
+    if matches!(e, PullError::TooOld { .. }) && !matches!(then, Then::Reseed { .. }) {
+        stream.set_state(WriterState::NeedsSnapshot {
+            reason: e.to_string(),
+        });
     }
     if then == Then::OverTcp {
         let retry = pull.ring.as_ref().map_or(Duration::ZERO, |r| r.retry);
@@ -365,12 +382,12 @@ async fn reseed(
     (sync, id): (&Reseed, &pb::SnapshotId),
     (replid, m): (String, u64),
 ) -> Result<(), LogError> {
-    blocking(stream, move |s| s.write(|l| l.restart(&replid, m))).await?;
-    warn!(instance = %pull.instance, %upstream, seq = id.seq, "re-seeding: the log starts over at the upstream's snapshot, which is synced from it");
-    stream.set_state(WriterState::Reseeding {
+    let state = WriterState::Reseeding {
         upstream: upstream.to_string(),
         seq: id.seq,
-    });
+    };
+    blocking(stream, move |s| s.start_over(&replid, m, state)).await?;
+    warn!(instance = %pull.instance, %upstream, seq = id.seq, "re-seeding: the log starts over at the upstream's snapshot, which is synced from it");
     sync(upstream, id.clone());
     Ok(())
 }

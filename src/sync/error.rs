@@ -69,6 +69,10 @@ pub enum JobError {
         installed: PathBuf,
         source: HandoffError,
     },
+    /// The stream log could not start over at the snapshot for its
+    /// server's re-seeding.
+    #[error("the stream log cannot start over at the snapshot: {0}")]
+    StartOver(Arc<crate::stream::log::LogError>),
     /// Cancelled by an operator or shutdown.
     #[error("cancelled")]
     Cancelled,

@@ -70,6 +70,8 @@ pub struct JobContext {
     pub relays: Arc<RelayTable>,
     /// The instance's stream feed (`redis-stream`).
     pub feed: Option<crate::stream::feed::FeedHandle>,
+    /// The log that feed serves.
+    pub stream: Option<crate::stream::SharedLog>,
 }
 
 impl JobContext {
@@ -745,6 +747,7 @@ async fn transfer(
     let dialed = dial_links(ctx, offer).await?;
 
     ctx.phase(pb::Phase::Transferring);
+    start_over_stranded(ctx, &manifest.info).await?;
     let seeding = start_early(ctx, &receiver, manifest)?;
     let bulk_started = Instant::now();
     let (token, total) = (offer.token, offer.snapshot.size);
@@ -911,6 +914,29 @@ fn count_transfer(
         .inc_by(refetched as u64);
     ctx.progress
         .send_modify(|p| p.pieces_refetched += refetched);
+}
+
+/// For a server fed from a stream log that no longer continues its
+/// upstreams (the log's writer needs a snapshot): the log starts over at
+/// this snapshot ([`crate::stream::Stream::start_over_for_sync`]), so that
+/// the feed seeds the server from it and the stream goes on after it.
+async fn start_over_stranded(ctx: &JobContext, info: &SnapshotInfo) -> Result<(), JobError> {
+    let (Some(stream), Some(replid), true) =
+        (ctx.stream.clone(), info.repl_id.clone(), ctx.feed.is_some())
+    else {
+        return Ok(());
+    };
+    let (source, seq) = (ctx.source.clone(), info.seq);
+    let started = tokio::task::spawn_blocking(move || {
+        stream.start_over_for_sync(&source, seq, (&replid, seq))
+    })
+    .await
+    .map_err(|e| JobError::Panicked(e.to_string()))?
+    .map_err(|e| JobError::StartOver(Arc::new(e)))?;
+    if started {
+        warn!(seq, "the stream log no longer continued its upstreams: it starts over at this snapshot, which re-seeds the server");
+    }
+    Ok(())
 }
 
 /// Starts seeding the local server from the pieces `receiver` verifies,

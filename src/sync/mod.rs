@@ -217,6 +217,7 @@ impl SyncManager {
             source_instance: pull.source_instance,
             relays: instance.relays.clone(),
             feed: instance.feed.clone(),
+            stream: instance.stream.clone(),
             config: instance.config.clone(),
             metrics: self.metrics.clone(),
             rdma: self.rdma.clone(),
