@@ -183,8 +183,14 @@ impl RunningAgent {
             config.fanout.allowed_replicas.clone(),
             shutdown.clone(),
         );
-        let metrics_addr =
-            start_metrics(&config, &metrics, &draining, &shutdown, &mut tasks).await?;
+        let metrics_addr = start_metrics(
+            &config,
+            (&metrics, &instances),
+            &draining,
+            &shutdown,
+            &mut tasks,
+        )
+        .await?;
         let services = Services {
             orchestrator: OrchestratorService {
                 node_id: config.node_id.clone(),
@@ -559,7 +565,7 @@ async fn bind(what: &'static str, addr: &str) -> Result<(TcpListener, SocketAddr
 /// Starts `/metrics`, `/healthz` and `/readyz` unless disabled.
 async fn start_metrics(
     config: &Config,
-    metrics: &Arc<Metrics>,
+    (metrics, instances): (&Arc<Metrics>, &Arc<Instances>),
     draining: &CancellationToken,
     shutdown: &CancellationToken,
     tasks: &mut JoinSet<()>,
@@ -576,13 +582,38 @@ async fn start_metrics(
             source,
         })?;
     let (m, draining, stop) = (metrics.clone(), draining.clone(), shutdown.clone());
+    let ready = readiness(instances.clone());
     tasks.spawn(async move {
         let stopped = async move { stop.cancelled().await };
-        if let Err(e) = metrics::serve(listener, m, draining, stopped).await {
+        if let Err(e) = metrics::serve(listener, m, (draining, ready), stopped).await {
             warn!(error = %e, "metrics endpoint stopped");
         }
     });
     Ok(Some(local))
+}
+
+/// `/readyz`: ready when every instance's health is ok (its stream
+/// follows, its fed server is on its feed), with each one's verdict.
+fn readiness(instances: Arc<Instances>) -> metrics::Ready {
+    Arc::new(move || {
+        let all: Vec<_> = instances
+            .all()
+            .iter()
+            .map(|i| (i.name.clone(), i.health()))
+            .collect();
+        let ready = all
+            .iter()
+            .all(|(_, h)| h.verdict == crate::stream::keep::Verdict::Ok);
+        let body = serde_json::json!({
+            "ready": ready,
+            "instances": all.iter().map(|(name, h)| serde_json::json!({
+                "instance": name,
+                "health": h.verdict.as_str(),
+                "reason": h.reason,
+            })).collect::<Vec<_>>(),
+        });
+        (ready, body)
+    })
 }
 
 /// The gRPC services an agent hosts, and who may call them.

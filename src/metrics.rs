@@ -15,6 +15,9 @@ use prometheus::{
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
+/// The `verdict` labels of `kvsync_instance_health`.
+pub const HEALTH_VERDICTS: [&str; 3] = ["ok", "degraded", "stuck"];
+
 /// Histogram buckets for whole syncs and bulk phases: 10 ms up to one hour.
 const DURATION_BUCKETS: &[f64] = &[
     0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0,
@@ -153,6 +156,8 @@ pub struct Metrics {
     pub stream_ring_sessions: IntCounterVec,
     pub stream_fallback: IntCounterVec,
     pub stream_lagging: IntGaugeVec,
+    pub stream_server_repointed: IntCounterVec,
+    pub instance_health: IntGaugeVec,
 }
 
 /// The `reason` labels `kvsync_stream_fallback_total` can carry (what
@@ -441,6 +446,20 @@ impl Metrics {
                 ),
                 &["kv_instance"]
             )),
+            stream_server_repointed: reg!(IntCounterVec::new(
+                Opts::new(
+                    "kvsync_stream_server_repointed_total",
+                    "Times a redis-stream server that came back a master after a restart (data the log continues) was pointed back at its feed"
+                ),
+                &["kv_instance"]
+            )),
+            instance_health: reg!(IntGaugeVec::new(
+                Opts::new(
+                    "kvsync_instance_health",
+                    "1 for the instance's health verdict now (verdict ok, degraded or stuck; kvsync status says why), 0 for the others"
+                ),
+                &["kv_instance", "verdict"]
+            )),
             stream_credit_stalls: reg!(IntCounterVec::new(
                 Opts::new(
                     "kvsync_stream_credit_stalls_total",
@@ -520,7 +539,7 @@ impl Metrics {
             kv_link_up: reg!(IntGaugeVec::new(
                 Opts::new(
                     "kvsync_kv_link_up",
-                    "1 when the local KV server answers and, if it is a replica, its link to its primary is up"
+                    "1 when the local KV server answers in the role it should have and, where that is a replica, its link to its primary is up (a fed or seeded replica that is a master is 0)"
                 ),
                 &["kv_instance", "server"]
             )),
@@ -644,6 +663,7 @@ impl Metrics {
         }
         self.stream_credit_stalls.with_label_values(&[name]);
         self.stream_lagging.with_label_values(&[name]);
+        self.stream_server_repointed.with_label_values(&[name]);
     }
 
     /// Removes instance `name`'s series (those of its KV's health poll go
@@ -722,6 +742,10 @@ impl Metrics {
         }
         let _ = self.stream_credit_stalls.remove_label_values(&[name]);
         let _ = self.stream_lagging.remove_label_values(&[name]);
+        let _ = self.stream_server_repointed.remove_label_values(&[name]);
+        for verdict in HEALTH_VERDICTS {
+            let _ = self.instance_health.remove_label_values(&[name, verdict]);
+        }
         let _ = self.stream_log_bytes.remove_label_values(&[name]);
         let _ = self.stream_log_span.remove_label_values(&[name]);
         let _ = self.stream_log_retain.remove_label_values(&[name]);
@@ -760,14 +784,17 @@ pub fn unix_now() -> f64 {
         .unwrap_or(0.0)
 }
 
+/// Whether the agent is ready, and a JSON body that says what is not.
+pub type Ready = Arc<dyn Fn() -> (bool, serde_json::Value) + Send + Sync>;
+
 /// Serves `/metrics`, and the HTTP probes for orchestrators that cannot
 /// speak gRPC over TLS: `/healthz` (200 while the agent runs) and `/readyz`
-/// (200, or 503 once `draining` is cancelled). Runs until `shutdown`
-/// resolves.
+/// (200 when `ready` says so, else 503, and 503 once `draining` is
+/// cancelled; a JSON body either way). Runs until `shutdown` resolves.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     metrics: Arc<Metrics>,
-    draining: tokio_util::sync::CancellationToken,
+    (draining, ready): (tokio_util::sync::CancellationToken, Ready),
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     use axum::{
@@ -792,13 +819,23 @@ pub async fn serve(
         .route(
             "/readyz",
             get(move || {
-                let draining = draining.is_cancelled();
+                let (ok, body) = match draining.is_cancelled() {
+                    true => (
+                        false,
+                        serde_json::json!({ "ready": false, "draining": true }),
+                    ),
+                    false => ready(),
+                };
                 async move {
-                    if draining {
-                        (StatusCode::SERVICE_UNAVAILABLE, "draining\n")
-                    } else {
-                        (StatusCode::OK, "ready\n")
-                    }
+                    let code = match ok {
+                        true => StatusCode::OK,
+                        false => StatusCode::SERVICE_UNAVAILABLE,
+                    };
+                    (
+                        code,
+                        [(header::CONTENT_TYPE, "application/json")],
+                        format!("{body}\n"),
+                    )
                 }
             }),
         );

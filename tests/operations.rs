@@ -180,7 +180,11 @@ async fn sigterm_mid_transfer_drains_then_cancels_cleanly() {
     // cannot end under them; the test still waits it out, to see the cancel.
     let mut replica = config_node(root.path(), "replica", "drain_timeout = \"8s\"", &[], &[]);
     let metrics = replica.proc.addr("metrics");
-    assert_eq!(http_status(&metrics, "/readyz"), (200, "ready\n".into()));
+    let (code, body) = http_status(&metrics, "/readyz");
+    assert_eq!(code, 200, "{body}");
+    let body: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(body["ready"], true, "{body}");
+    assert_eq!(body["instances"][0]["health"], "ok", "{body}");
     sync_in_flight(&replica, &source).await;
     replica.proc.signal(libc::SIGTERM);
     // While draining, new syncs are refused as unavailable.

@@ -4,11 +4,17 @@
 //! down longer than the primary's backlog, so its log starts after the
 //! replica's offset) is re-seeded from the upstream's snapshot, and with
 //! `[stream] reseed = false` says it needs a snapshot until `kvsync sync`
-//! of one starts its log over and completes the hand-off.
+//! of one starts its log over and completes the hand-off; a fed server
+//! restarted from its own config (a writable master from then on) is
+//! pointed back at its feed and continues with a partial resync, while one
+//! promoted on purpose (`REPLICAOF NO ONE`) is left alone and named. Each
+//! state turns the instance's health and `/readyz` red until it is left.
 
 mod common;
 
 use std::path::Path;
+
+use serde_json::Value;
 
 use common::kv::*;
 use common::node::*;
@@ -84,15 +90,16 @@ fn a_stranded_replica_without_reseed_says_it_needs_a_snapshot_until_a_sync_re_se
 ) {
     let root = tempfile::tempdir().unwrap();
     let (primary, source, rs, replica) = stranded(server, root.path(), "reseed = false\n");
-    let state = wait_for(
-        "the replica agent to say it needs a snapshot",
+    // (Once the source offers the snapshot its full resync made.)
+    wait_for(
+        "the replica agent to say it needs the source's snapshot",
         DEADLINE,
         || {
             let s = stream_status(&replica).state;
-            s.starts_with("needs a snapshot").then_some(s)
+            (s.starts_with("needs a snapshot") && s.contains("continues into its log"))
+                .then_some(())
         },
     );
-    assert!(state.contains("continues into its log"), "{state}");
     assert_eq!(
         rs.cmd::<i64>(&["EXISTS", "after:99"]),
         0,
@@ -112,9 +119,112 @@ fn a_stranded_replica_without_reseed_says_it_needs_a_snapshot_until_a_sync_re_se
         "{:?}",
         stream_status(&replica)
     );
+    wait_health(&replica, "ok");
     fed_by_its_agent(&rs, &primary);
 }
 
 on_both_servers!(
     a_stranded_replica_without_reseed_says_it_needs_a_snapshot_until_a_sync_re_seeds_it
+);
+
+/// Waits until `agent`'s only instance has the health `verdict`, in its
+/// status and in `/readyz` (200 only when ok); returns `/readyz`'s body.
+fn wait_health(agent: &Node, verdict: &str) -> Value {
+    let metrics = agent.proc.addr("metrics");
+    wait_for(
+        &format!("the instance's health to be {verdict}"),
+        DEADLINE,
+        || {
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            let status = rt.block_on(agent.status());
+            let (code, body) = http_status(&metrics, "/readyz");
+            let body: Value = serde_json::from_str(&body).expect("a JSON body");
+            let said = body["instances"][0]["health"].as_str() == Some(verdict);
+            (status.instances[0].health == verdict && said && (code == 200) == (verdict == "ok"))
+                .then_some(body)
+        },
+    )
+}
+
+fn a_fed_server_restarted_from_its_own_config_is_back_on_its_feed_by_a_partial_resync(
+    server: Server,
+) {
+    let root = tempfile::tempdir().unwrap();
+    let primary = Redis::start(server, &root.path().join("p"), &[]);
+    let source = following_source(root.path(), &primary, &[]);
+    let (rs, replica) = seeded_through_two_agents(root.path(), server, &primary, &source);
+    wait_health(&replica, "ok");
+    let series =
+        |v: &str| format!("kvsync_instance_health{{kv_instance=\"default\",verdict=\"{v}\"}}");
+    let exported = |v: &str| {
+        wait_for(
+            &format!("kvsync_instance_health to say {v}"),
+            DEADLINE,
+            || (replica.metric(&series(v)) == 1.0).then_some(()),
+        )
+    };
+    exported("ok");
+
+    // Shut down with a save and started again from its own config: a
+    // writable master, under a new replication id.
+    let (dir, port, run_id) = (
+        rs.dir.clone(),
+        rs.port,
+        rs.info("server").get("run_id").unwrap().to_string(),
+    );
+    let _ = rs.try_cmd::<()>(&["SHUTDOWN", "SAVE"]);
+    drop(rs);
+    primary.fill("while-down", 200, "v");
+    let rs = Redis::standalone_replica_on(server, &dir, port);
+    assert_ne!(rs.info("server").get("run_id").unwrap(), run_id);
+    converged(&rs, &primary, "the restarted server to be fed again");
+    let repl = rs.info("replication");
+    assert_eq!(repl.get("role"), Some("slave"));
+    fed_by_its_agent(&rs, &primary);
+    let log = replica.proc.log();
+    assert!(log.contains("came back a master (restarted)"), "{log}");
+    assert_eq!(
+        log.matches("sent its server the RDB").count(),
+        1,
+        "only the seeding: {log}"
+    );
+    assert!(
+        log.matches("continues its server from the log").count() >= 1,
+        "{log}"
+    );
+    let repointed = "kvsync_stream_server_repointed_total{kv_instance=\"default\"}";
+    wait_for("the move to be counted", DEADLINE, || {
+        (replica.metric(repointed) == 1.0).then_some(())
+    });
+    wait_health(&replica, "ok");
+
+    // Promoted on purpose (the same process): left a master, and named.
+    let () = rs.cmd(&["REPLICAOF", "NO", "ONE"]);
+    let body = wait_health(&replica, "stuck");
+    assert!(
+        body["instances"][0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("promoted while running"),
+        "{body}"
+    );
+    exported("stuck");
+    // Its link, read for the role it should have: down.
+    let link = format!(
+        "kvsync_kv_link_up{{kv_instance=\"default\",server=\"{}\"}}",
+        rs.addr()
+    );
+    wait_for("kvsync_kv_link_up to say 0", DEADLINE, || {
+        (replica.metric(&link) == 0.0).then_some(())
+    });
+    assert_eq!(
+        rs.info("replication").get("role"),
+        Some("master"),
+        "left alone"
+    );
+    assert_eq!(replica.metric(repointed), 1.0);
+}
+
+on_both_servers!(
+    a_fed_server_restarted_from_its_own_config_is_back_on_its_feed_by_a_partial_resync
 );

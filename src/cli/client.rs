@@ -388,6 +388,8 @@ pub async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
                 "relay_bytes": i.relay_bytes,
                 "relaying": i.relaying.iter().map(relay_json).collect::<Vec<_>>(),
                 "warnings": i.warnings,
+                "health": i.health,
+                "health_reason": i.health_reason,
                 "stream": i.stream.as_ref().map(stream_json),
             })).collect::<Vec<_>>(),
         });
@@ -416,6 +418,7 @@ fn print_instance(i: &pb::InstanceStatus) {
         "\ninstance {}: {} snapshots in {}, handoff {}",
         i.name, i.format, i.snapshot_dir, i.handoff
     );
+    println!("  health: {} ({})", i.health, i.health_reason);
     for r in &i.relaying {
         let id = r.snapshot.clone().unwrap_or_default();
         println!(

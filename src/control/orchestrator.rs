@@ -92,7 +92,10 @@ impl OrchestratorService {
 
     /// What one instance holds and does now.
     fn instance_status(&self, i: &Instance) -> pb::InstanceStatus {
+        let health = i.health();
         pb::InstanceStatus {
+            health: health.verdict.as_str().into(),
+            health_reason: health.reason,
             name: i.name.clone(),
             snapshot_dir: i.config.snapshot_dir.display().to_string(),
             format: i.config.snapshot_format.as_str().into(),

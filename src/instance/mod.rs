@@ -21,6 +21,7 @@ use crate::config::{Config, InstanceConfig};
 use crate::kv::backlog::BacklogGuard;
 use crate::store::catalog::Catalog;
 use crate::store::relay::RelayTable;
+use crate::stream::keep::{Health, Verdict};
 use crate::stream::SharedLog;
 
 /// One KV instance and its parts.
@@ -82,12 +83,67 @@ impl Instance {
         self.tasks.lock().expect("tasks lock").push(handle);
     }
 
+    /// The instance's health ([`health_of`] its stream).
+    pub fn health(&self) -> Health {
+        health_of(self.stream.as_ref())
+    }
+
     /// Stops the instance's tasks and waits for them to end.
     pub async fn end(&self) {
         self.stop.cancel();
         let tasks = std::mem::take(&mut *self.tasks.lock().expect("tasks lock"));
         for task in tasks {
             let _ = task.await;
+        }
+    }
+}
+
+/// The health of an instance with `stream`: the worst of its writer's and
+/// its fed server's, with their reasons (ok without a stream: a snapshot
+/// instance has nothing it keeps in sync).
+pub fn health_of(stream: Option<&SharedLog>) -> Health {
+    let Some(s) = stream else {
+        return Health::ok("no stream to keep in sync");
+    };
+    let parts = [
+        Some(("stream", s.writer_health())),
+        s.server_health().map(|h| ("server", h)),
+    ];
+    let parts: Vec<_> = parts.into_iter().flatten().collect();
+    let verdict = parts
+        .iter()
+        .map(|(_, h)| h.verdict)
+        .max()
+        .unwrap_or(Verdict::Ok);
+    let reason = parts
+        .iter()
+        .filter(|(_, h)| h.verdict == verdict)
+        .map(|(what, h)| format!("{what}: {}", h.reason))
+        .collect::<Vec<_>>()
+        .join("; ");
+    Health { verdict, reason }
+}
+
+/// Keeps `kvsync_instance_health` of instance `name` current (every
+/// second) until `stop`.
+pub async fn export_health(
+    name: String,
+    stream: Option<SharedLog>,
+    metrics: Arc<crate::metrics::Metrics>,
+    stop: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let now = health_of(stream.as_ref()).verdict;
+        for v in Verdict::ALL {
+            metrics
+                .instance_health
+                .with_label_values(&[&name, v.as_str()])
+                .set((v == now) as i64);
         }
     }
 }

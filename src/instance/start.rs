@@ -149,6 +149,14 @@ async fn start_stream(instance: &mut Instance, parts: &Parts) -> Result<(), Star
             stream.clone(),
             stop.clone(),
         ));
+        instance.spawn(crate::stream::keep::run(
+            name.to_string(),
+            redis.clone(),
+            (feed.clone(), stream.clone(), config.stream.dir.clone()),
+            config.handoff.timeout,
+            parts.metrics.clone(),
+            stop.clone(),
+        ));
         instance.feed = Some(feed);
     }
     instance.stream = Some(stream);
@@ -167,6 +175,12 @@ fn start_tasks(instance: &Instance, metrics: &Arc<Metrics>) {
         config.data.resume_ttl,
         stop.clone(),
     ));
+    instance.spawn(super::export_health(
+        name.to_string(),
+        instance.stream.clone(),
+        metrics.clone(),
+        stop.clone(),
+    ));
     let mode = config.handoff.mode;
     if mode == HandoffMode::RedisReplicate {
         instance.spawn(crate::kv::seed::recover(
@@ -178,7 +192,11 @@ fn start_tasks(instance: &Instance, metrics: &Arc<Metrics>) {
     if let Some(addr) = redis.local_server(mode) {
         if !redis.health_interval.is_zero() {
             instance.spawn(crate::kv::health::watch(
-                (name.to_string(), addr.to_string()),
+                (
+                    name.to_string(),
+                    addr.to_string(),
+                    redis.primary_addr.is_empty(),
+                ),
                 redis.password.clone(),
                 redis.health_interval,
                 metrics.clone(),

@@ -26,7 +26,9 @@ use crate::metrics::Metrics;
 pub struct Health {
     /// The server is a replica (else a primary).
     pub replica: bool,
-    /// A replica's link to its primary is up (always true on a primary).
+    /// In the role it should have, and linked: a replica's link to its
+    /// primary is up (a server that should be a replica and is a master is
+    /// down); a primary's always is.
     pub link_up: bool,
     /// `master_repl_offset` on a primary, `slave_repl_offset` on a replica.
     pub offset: u64,
@@ -38,8 +40,10 @@ pub struct Health {
     pub partial_syncs: u64,
 }
 
-/// Reads `INFO replication` and `INFO stats` (merged).
-pub fn read(info: &Info) -> Health {
+/// Reads `INFO replication` and `INFO stats` (merged) of a server that
+/// should be a replica (`expect_replica`: the one a handoff seeds) or not
+/// (a primary the agent follows).
+pub fn read(info: &Info, expect_replica: bool) -> Health {
     let replica = matches!(info.get("role"), Some("slave" | "replica"));
     let offset = if replica {
         info.num("slave_repl_offset")
@@ -60,7 +64,10 @@ pub fn read(info: &Info) -> Health {
         .collect();
     Health {
         replica,
-        link_up: !replica || info.get("master_link_status") == Some("up"),
+        link_up: match replica {
+            true => info.get("master_link_status") == Some("up"),
+            false => !expect_replica,
+        },
         offset,
         lags,
         full_syncs: info.num("sync_full"),
@@ -80,11 +87,12 @@ fn advance(counter: &IntCounter, last: &mut Option<u64>, now: u64) {
     *last = Some(now);
 }
 
-/// Polls instance `instance`'s server at `addr` every `every` until
-/// `shutdown`, then removes its gauges (a removed instance's last state
-/// must not stay on dashboards).
+/// Polls instance `instance`'s server at `addr` (`expect_replica`: the one
+/// a handoff seeds, see [`read`]) every `every` until `shutdown`, then
+/// removes its gauges (a removed instance's last state must not stay on
+/// dashboards).
 pub async fn watch(
-    (instance, addr): (String, String),
+    (instance, addr, expect_replica): (String, String, bool),
     password: String,
     every: Duration,
     metrics: Arc<Metrics>,
@@ -112,7 +120,7 @@ pub async fn watch(
         }
         let polled = crate::kv::redis::infos(&addr, &password, &["replication", "stats"]).await;
         let health = match polled {
-            Ok(info) => read(&info),
+            Ok(info) => read(&info, expect_replica),
             Err(e) => {
                 if !down {
                     warn!(error = %e, "the local KV server does not answer its health poll");
@@ -170,7 +178,7 @@ mod tests {
              master_repl_offset:1000\r\n# Stats\r\nsync_full:3\r\nsync_partial_ok:7\r\n",
         );
         assert_eq!(
-            read(&primary),
+            read(&primary, false),
             Health {
                 replica: false,
                 link_up: true,
@@ -183,9 +191,13 @@ mod tests {
         let replica = Info::parse(
             "role:slave\r\nmaster_link_status:down\r\nslave_repl_offset:42\r\nmaster_repl_offset:50\r\n",
         );
-        let h = read(&replica);
+        let h = read(&replica, true);
         assert!(h.replica && !h.link_up && h.lags.is_empty());
         assert_eq!(h.offset, 42);
+        // A seeded or fed server that is a master: its link is down.
+        let master = Info::parse("role:master\r\nmaster_repl_offset:50\r\n");
+        assert!(!read(&master, true).link_up);
+        assert!(read(&master, false).link_up);
     }
 
     #[test]

@@ -60,14 +60,23 @@ pub struct FeedHandle {
     pub server_auth: PathBuf,
     /// How the feed answered its server's sync requests so far.
     served: Arc<watch::Sender<Served>>,
+    /// A restarted server's new replication id, and the history it holds
+    /// under it ([`FeedHandle::expect_restarted`]).
+    restarted: Arc<Mutex<Option<Restarted>>>,
 }
 
-/// How many of the server's sync requests the feed continued from the log
-/// and how many it answered with a full resync.
+/// A restarted server's new replication id, and the history (id, offset)
+/// it holds under it.
+type Restarted = (String, (String, u64));
+
+/// How many of the server's sync requests the feed continued from the log,
+/// answered with a full resync, and refused.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Served {
     pub continued: u64,
     pub full: u64,
+    /// Refused: a restarted server that took writes.
+    pub refused: u64,
 }
 
 /// An RDB a full resync serves, its replication id and M.
@@ -113,6 +122,34 @@ impl FeedHandle {
             addr: self.addr,
             secret: self.secret.clone(),
             server_auth: self.server_auth.clone(),
+        }
+    }
+
+    /// The server came back from a restart a master under the new id
+    /// `own`, holding `held` (the log's id and the offset it reached, as
+    /// its `master_replid2` says, checked by [`super::keep`] and
+    /// [`super::hand::onto_feed`]): its next `PSYNC <own> <offset+1>` is
+    /// continued as `held`, once; the same id at any other offset (it took
+    /// writes meanwhile) is refused, never answered with a full resync.
+    pub fn expect_restarted(&self, own: String, held: (String, u64)) {
+        *self.restarted.lock().expect("feed restarted lock") = Some((own, held));
+    }
+
+    /// What `asked` (the server's id and offset) stands for: the history
+    /// a restarted server holds under its new id (`Err` when it asks under
+    /// that id from anywhere else).
+    fn translate(&self, asked: (String, u64)) -> Result<(String, u64), (String, u64)> {
+        let mut restarted = self.restarted.lock().expect("feed restarted lock");
+        match &*restarted {
+            Some((own, held)) if *own == asked.0 => match asked.1 == held.1 {
+                true => Ok(restarted.take().expect("matched").1),
+                // Kept: every ask under that id is refused until the next.
+                false => {
+                    self.served.send_modify(|s| s.refused += 1);
+                    Err(asked)
+                }
+            },
+            _ => Ok(asked),
         }
     }
 
@@ -182,6 +219,7 @@ pub async fn bind(listen: &str, dir: &Path) -> Result<(TcpListener, FeedHandle),
             seed: Arc::default(),
             server_auth,
             served: Arc::new(watch::Sender::new(Served::default())),
+            restarted: Arc::default(),
         },
     ))
 }
@@ -246,6 +284,8 @@ enum ConnError {
     Log(#[from] LogError),
     #[error("the server asked for {0}, which neither the log nor a snapshot continues")]
     Uncovered(String),
+    #[error("the server asked for {0}, under the id it came back from a restart with, past what it held: it took writes, and is not fed")]
+    TookWrites(String),
     #[error("the log's replication id changes at offset {0}: the server asks again")]
     Epoch(u64),
     #[error("the server closed the connection")]
@@ -276,6 +316,15 @@ async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<()
     ) {
         (true, Some(id), Some(offset)) if offset > 0 => Some((id.clone(), offset - 1)),
         _ => None,
+    };
+    let asked = match asked.map(|a| feed.translate(a)).transpose() {
+        Ok(asked) => asked,
+        Err((id, at)) => {
+            let _ = write
+                .write_all(b"-ERR kvsync: this server took writes since it came back a master; it is not fed\r\n")
+                .await;
+            return Err(ConnError::TookWrites(format!("{id} at {}", at + 1)));
+        }
     };
     let (replid, mut at) = answer(&mut write, psync, asked, feed, stream).await?;
     let mut acks = read_acks(read, stream);

@@ -60,6 +60,8 @@ pub enum HandError {
     },
     #[error("the feed answered the server with a full resync, not a continuation")]
     FullResync,
+    #[error("the server {server} took writes since it came back a master (or is no longer one): pointing it at the feed would drop them; nothing was changed")]
+    TookWrites { server: String },
     #[error(transparent)]
     Redis(#[from] RedisError),
 }
@@ -204,7 +206,6 @@ pub async fn attach(
     stream: &SharedLog,
 ) -> Result<String, HandError> {
     let (server, password) = (&cfg.server_addr, &cfg.password);
-    let mut con = connect(server, password).await?;
     let was = info(server, password, "replication").await?;
     if follows(&was, feed) {
         return Err(HandError::AlreadyFed {
@@ -216,10 +217,42 @@ pub async fn attach(
             server: server.clone(),
         });
     }
-    let (id, offset) = (
-        was.get("master_replid").unwrap_or_default().to_string(),
-        was.num("master_repl_offset"),
-    );
+    onto_feed(cfg, timeout, feed, stream, false).await
+}
+
+/// Points the server at the feed, which must continue it: the log holds
+/// its replication id at its offset ([`Log::continues`]), checked on the
+/// server's state now. `restarted`: the server is a master that came back
+/// from a restart, so the history it holds is its `master_replid2` (a
+/// server restarted as a master takes a new id), and only while it has
+/// taken no write since (its offset is where that history ended); the
+/// feed is told to continue its new id at exactly that offset
+/// ([`FeedHandle::expect_restarted`]). A move the feed answers with
+/// anything but a continuation puts the server back where it was (its
+/// `masterauth`, and its master or none).
+pub async fn onto_feed(
+    cfg: &RedisConfig,
+    timeout: Duration,
+    feed: &FeedHandle,
+    stream: &SharedLog,
+    restarted: bool,
+) -> Result<String, HandError> {
+    let (server, password) = (&cfg.server_addr, &cfg.password);
+    let mut con = connect(server, password).await?;
+    let was = info(server, password, "replication").await?;
+    let offset = was.num("master_repl_offset");
+    let own = was.get("master_replid").unwrap_or_default().to_string();
+    let id = match restarted {
+        false => own.clone(),
+        true => {
+            if was.get("role") != Some("master") || was.num("second_repl_offset") != offset + 1 {
+                return Err(HandError::TookWrites {
+                    server: server.clone(),
+                });
+            }
+            was.get("master_replid2").unwrap_or_default().to_string()
+        }
+    };
     if let Some(held) = stream.view(|log| log.continues(&id, offset).err().map(|_| log.describe()))
     {
         return Err(HandError::NotHeld {
@@ -227,6 +260,9 @@ pub async fn attach(
             offset,
             held,
         });
+    }
+    if restarted {
+        feed.expect_restarted(own, (id.clone(), offset));
     }
     let target = feed.target();
     let (master, own) = seed::take_auth(&mut con, server, &was, &target).await?;
@@ -241,14 +277,19 @@ pub async fn attach(
             feed.addr.port(),
         )
         .await?;
-        let now = following(
+        let follows = following(
             cfg,
             timeout,
             "the server to follow the stream feed",
             feed.addr.port(),
             offset,
-        )
-        .await?;
+        );
+        let mut watched = served.clone();
+        let refused = watched.wait_for(|s| s.refused > before.refused);
+        let now = tokio::select! {
+            now = follows => now?,
+            _ = refused => return Err(HandError::TookWrites { server: server.clone() }),
+        };
         if served.borrow().full > before.full {
             return Err(HandError::FullResync);
         }

@@ -15,6 +15,7 @@
 pub mod feed;
 pub mod follow;
 pub mod hand;
+pub mod keep;
 pub mod log;
 pub mod policy;
 pub mod proof;
@@ -87,6 +88,8 @@ pub struct Stream {
     diverged: Mutex<String>,
     /// With `[stream] sentinels`: their last verdict ([`sentinel::Verdict`]).
     sentinels: Mutex<String>,
+    /// A `redis-stream` server's health ([`keep`]; none: not kept).
+    server: Mutex<Option<keep::Health>>,
     /// A reader needs a snapshot that continues into the log, and none
     /// does ([`follow::snapshots_on_demand`] takes one).
     snapshot_wanted: tokio::sync::Notify,
@@ -219,6 +222,7 @@ impl Stream {
             write_safety: Mutex::default(),
             diverged: Mutex::default(),
             sentinels: Mutex::default(),
+            server: Mutex::default(),
             snapshot_wanted: tokio::sync::Notify::new(),
             gauges,
         });
@@ -338,6 +342,29 @@ impl Stream {
         let upstream = upstream.to_string();
         self.start_over(replid, m, WriterState::Reseeding { upstream, seq })?;
         Ok(true)
+    }
+
+    pub fn set_server_health(&self, health: keep::Health) {
+        *self.server.lock().expect("server health lock") = Some(health);
+    }
+
+    /// The fed server's health, when [`keep`] keeps one.
+    pub fn server_health(&self) -> Option<keep::Health> {
+        self.server.lock().expect("server health lock").clone()
+    }
+
+    /// How the log's writer is, by its state: stuck when it needs a
+    /// snapshot, degraded until it follows.
+    pub fn writer_health(&self) -> keep::Health {
+        let state = self.state();
+        let text = state.to_string();
+        match state {
+            WriterState::FollowingPrimary | WriterState::FollowingAgent { .. } => {
+                keep::Health::ok(text)
+            }
+            WriterState::NeedsSnapshot { .. } => keep::Health::stuck(text),
+            _ => keep::Health::degraded(text),
+        }
     }
 
     pub fn set_state(&self, state: WriterState) {

@@ -216,8 +216,12 @@ pub enum Then {
     /// Again at once, over TCP until the ring is tried again.
     OverTcp,
     /// Start the log over at this replication id and M and sync the
-    /// upstream's snapshot (`[stream] reseed`).
-    Reseed { replid: String, m: u64 },
+    /// snapshot `upstream` named (`[stream] reseed`).
+    Reseed {
+        upstream: String,
+        replid: String,
+        m: u64,
+    },
     /// The next upstream of the chain at once.
     Next,
     /// Pause this long, then begin again with the nearest
@@ -243,6 +247,10 @@ pub struct UpstreamPolicy {
     passed: HashMap<String, Instant>,
     tcp_until: Option<Instant>,
     ring_retry: Duration,
+    /// The upstream of this round that said "too old" and named a
+    /// snapshot (its replication id and M): re-seeded from once no other
+    /// upstream is left to ask.
+    too_old: Option<(String, String, u64)>,
 }
 
 impl UpstreamPolicy {
@@ -253,6 +261,7 @@ impl UpstreamPolicy {
             passed: HashMap::new(),
             tcp_until: None,
             ring_retry,
+            too_old: None,
         }
     }
 
@@ -290,6 +299,19 @@ impl UpstreamPolicy {
             self.tcp_until = Some(now + self.ring_retry);
             return Then::OverTcp;
         }
+        if progressed || !can_reseed {
+            self.too_old = None;
+        }
+        if let (
+            true,
+            Ended::TooOld {
+                continues: Some((replid, m)),
+                ..
+            },
+        ) = (can_reseed, why)
+        {
+            self.too_old = Some((upstream.to_string(), replid.clone(), *m));
+        }
         let pause = self.pause.failed(progressed);
         if *why != Ended::LogFailed {
             self.passed.insert(upstream.to_string(), now + PASS_OVER);
@@ -299,18 +321,12 @@ impl UpstreamPolicy {
         }
         // Re-seeding is the last resort: only once no other upstream of
         // the chain is left to ask (one of them may still hold the offset).
-        if let (
-            true,
-            Ended::TooOld {
-                continues: Some((replid, m)),
-                ..
-            },
-        ) = (can_reseed, why)
-        {
+        if let Some((upstream, replid, m)) = self.too_old.take() {
             self.passed.clear();
             return Then::Reseed {
-                replid: replid.clone(),
-                m: *m,
+                upstream,
+                replid,
+                m,
             };
         }
         match why {
@@ -444,6 +460,7 @@ mod tests {
         assert_eq!(
             u.ended("a:1", &chain, &named, false, true, now),
             Then::Reseed {
+                upstream: "a:1".into(),
                 replid: "r".repeat(40),
                 m: 900
             }
@@ -454,16 +471,27 @@ mod tests {
             "a re-seeding passes nothing over"
         );
         // Another upstream of the chain may still hold the offset: it is
-        // asked first, and the re-seeding waits for the last one.
+        // asked first, and the re-seeding waits until none is left, from
+        // the one that named the snapshot (whatever the last one said).
         let two = super::tests::chain(&["a:1", "b:1"]);
         let mut v = UpstreamPolicy::new(RETRY);
         assert_eq!(v.ended("a:1", &two, &named, false, true, now), Then::Next);
         assert_eq!(v.pick(&two, now).unwrap().upstream, "b:1");
-        assert!(matches!(
-            v.ended("b:1", &two, &named, false, true, now),
-            Then::Reseed { .. }
-        ));
+        assert_eq!(
+            v.ended("b:1", &two, &Ended::Failed, false, true, now),
+            Then::Reseed {
+                upstream: "a:1".into(),
+                replid: "r".repeat(40),
+                m: 900
+            }
+        );
         assert_eq!(v.pick(&two, now).unwrap().upstream, "a:1");
+        // One that serves (the log moved) forgets it.
+        assert_eq!(v.ended("a:1", &two, &named, false, true, now), Then::Next);
+        assert!(matches!(
+            v.ended("b:1", &two, &Ended::Failed, true, true, now),
+            Then::Pause(_)
+        ));
         // Without [stream] reseed, or once starting over failed.
         assert_eq!(
             u.ended("a:1", &chain, &named, false, false, now),

@@ -23,6 +23,7 @@
 //! gap; a session on any but the nearest ends after [`PASS_OVER`], so a
 //! relay that is back gets its children back.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -196,6 +197,7 @@ impl PullError {
 pub async fn run(pull: Arc<Pull>, stream: SharedLog, stop: CancellationToken) {
     let mut policy = UpstreamPolicy::new(pull.ring.as_ref().map_or(Duration::ZERO, |r| r.retry));
     let mut chain = pull.upstreams.watch();
+    let mut named = HashMap::new();
     loop {
         let upstreams = match &*chain.borrow_and_update() {
             Source::Agents(chain) => chain.clone(),
@@ -238,7 +240,7 @@ pub async fn run(pull: Arc<Pull>, stream: SharedLog, stop: CancellationToken) {
         let then = ended(
             &pull,
             &stream,
-            &mut policy,
+            (&mut policy, &mut named),
             &upstream,
             &upstreams,
             e,
@@ -262,11 +264,12 @@ pub async fn run(pull: Arc<Pull>, stream: SharedLog, stop: CancellationToken) {
 /// After the session with `upstream` (of `upstreams`) ended with `e`:
 /// counts and reports it, asks the policy what next, and acts on all but
 /// a pause (re-seeding, or the fall back to TCP after a ring failed),
-/// which it returns.
+/// which it returns. `named`: the snapshot each upstream last named when
+/// it said "too old".
 async fn ended(
     pull: &Pull,
     stream: &SharedLog,
-    policy: &mut UpstreamPolicy,
+    (policy, named): (&mut UpstreamPolicy, &mut HashMap<String, pb::SnapshotId>),
     upstream: &str,
     upstreams: &[String],
     e: PullError,
@@ -289,37 +292,48 @@ async fn ended(
     {
         diverged(pull, stream, (replid, *offset, *at), upstream);
     }
-    // With [stream] reseed: how to sync the snapshot the upstream named,
+    // The snapshot the upstream named, kept for a re-seeding from it,
     // unless this log already holds it (the upstream's word contradicts
     // what it refused: nothing is started over on it).
-    let snapshot = match (&pull.reseed, &e) {
-        (
-            Some(sync),
-            PullError::TooOld {
-                continues: Some((id, replid, m)),
-                ..
-            },
-        ) => match stream.view(|l| l.covers(replid, *m).is_ok()) {
-            false => Some((sync, id)),
-            true => {
-                warn!(instance = %pull.instance, %upstream, %replid, m, "the upstream says this log is too old, yet names a snapshot the log holds: not re-seeding on its word");
-                None
-            }
+    let mut why = why;
+    if let (
+        PullError::TooOld {
+            continues: Some((id, replid, m)),
+            ..
         },
-        _ => None,
-    };
+        Ended::TooOld { continues, .. },
+    ) = (&e, &mut why)
+    {
+        if stream.view(|l| l.covers(replid, *m).is_ok()) {
+            warn!(instance = %pull.instance, %upstream, %replid, m, "the upstream says this log is too old, yet names a snapshot the log holds: not re-seeding on its word");
+            *continues = None;
+        } else {
+            named.insert(upstream.to_string(), id.clone());
+        }
+    }
     let now = std::time::Instant::now();
-    let mut then = policy.ended(
-        upstream,
-        upstreams,
-        &why,
-        progressed,
-        snapshot.is_some(),
-        now,
-    );
-    if let (Then::Reseed { replid, m }, Some((sync, id))) = (&then, snapshot) {
-        if let Err(le) = reseed(pull, stream, upstream, (sync, id), (replid.clone(), *m)).await {
-            warn!(instance = %pull.instance, error = %le, "the log cannot start over for a re-seeding");
+    let can_reseed = pull.reseed.is_some();
+    let mut then = policy.ended(upstream, upstreams, &why, progressed, can_reseed, now);
+    if let Then::Reseed {
+        upstream: from,
+        replid,
+        m,
+    } = &then
+    {
+        // (The policy re-seeds only from an upstream that named one.)
+        let started = match (&pull.reseed, named.get(from)) {
+            (Some(sync), Some(id)) => {
+                match reseed(pull, stream, from, (sync, id), (replid.clone(), *m)).await {
+                    Ok(()) => true,
+                    Err(le) => {
+                        warn!(instance = %pull.instance, error = %le, "the log cannot start over for a re-seeding");
+                        false
+                    }
+                }
+            }
+            _ => false,
+        };
+        if !started {
             then = policy.ended(upstream, upstreams, &why, progressed, false, now);
         }
     }

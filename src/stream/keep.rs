@@ -1,0 +1,383 @@
+//! Keeping a `redis-stream` server on its feed, and saying how it is.
+//! Every `[redis] health_interval` the agent reads the server's `INFO`
+//! (the address is the instance's configured `server_addr`, the password
+//! its configured one) and [`decide`]s, as plain code, what that means:
+//! fed (its `run_id` is remembered in the log's directory, so an agent
+//! restart still knows it), released or pointed elsewhere, the stream's
+//! primary now, or a master. A master is pointed back at its feed only
+//! when all of these prove it is the same data restarted, not a promotion:
+//! its `run_id` differs from the one last seen fed (a new process; a
+//! `REPLICAOF NO ONE` keeps the `run_id`), it is not the stream's source
+//! (the primary a failover made it and the agent follows), it has taken
+//! no write since (a server restarted as a master shifts its id, as a
+//! promotion does: its offset is still where its old id ended), and the
+//! log continues that old id at that offset. The move itself is
+//! [`super::hand::onto_feed`]'s, which checks again before it acts, has
+//! the feed continue the server's new id at exactly that offset (and
+//! refuse it anywhere else, never a full resync), and puts the server
+//! back if the feed would not continue it. Everything
+//! else is reported, never acted on: the verdict is the instance's
+//! server health in status, `kvsync_instance_health` and `/readyz`.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::feed::FeedHandle;
+use super::source::Source;
+use super::SharedLog;
+use crate::config::RedisConfig;
+use crate::kv::redis::Info;
+use crate::metrics::Metrics;
+
+/// Where the `run_id` of the server last seen following the feed is kept,
+/// in the stream log's directory.
+pub const RUN_ID_FILE: &str = ".kvsync-feed-server-run-id";
+
+/// How an instance is, worst last.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Verdict {
+    Ok,
+    /// Working, not synced: starting, reconnecting, re-seeding, released.
+    Degraded,
+    /// Will not get better on its own: an operator must act.
+    Stuck,
+}
+
+impl Verdict {
+    pub const ALL: [Verdict; 3] = [Verdict::Ok, Verdict::Degraded, Verdict::Stuck];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Verdict::Ok => "ok",
+            Verdict::Degraded => "degraded",
+            Verdict::Stuck => "stuck",
+        }
+    }
+}
+
+/// A verdict and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Health {
+    pub verdict: Verdict,
+    pub reason: String,
+}
+
+impl Health {
+    pub fn ok(reason: impl Into<String>) -> Health {
+        Health {
+            verdict: Verdict::Ok,
+            reason: reason.into(),
+        }
+    }
+    pub fn degraded(reason: impl Into<String>) -> Health {
+        Health {
+            verdict: Verdict::Degraded,
+            reason: reason.into(),
+        }
+    }
+    pub fn stuck(reason: impl Into<String>) -> Health {
+        Health {
+            verdict: Verdict::Stuck,
+            reason: reason.into(),
+        }
+    }
+}
+
+/// What one read of the server's `INFO replication` and `server` says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Seen {
+    pub replica: bool,
+    /// Its master's address, as the server reports it.
+    pub master: Option<(String, u16)>,
+    pub link_up: bool,
+    pub run_id: String,
+    pub replid: String,
+    pub offset: u64,
+    /// Its previous replication id, and the offset it ended at (+1): a
+    /// server restarted as a master keeps the history it held here.
+    pub replid2: String,
+    pub second_offset: u64,
+}
+
+impl Seen {
+    pub fn read(info: &Info) -> Seen {
+        let master = match (info.get("master_host"), info.get("master_port")) {
+            (Some(h), Some(p)) => p.parse().ok().map(|p| (h.to_string(), p)),
+            _ => None,
+        };
+        Seen {
+            replica: matches!(info.get("role"), Some("slave" | "replica")),
+            master,
+            link_up: info.get("master_link_status") == Some("up"),
+            run_id: info.get("run_id").unwrap_or_default().to_string(),
+            replid: info.get("master_replid").unwrap_or_default().to_string(),
+            offset: info.num("master_repl_offset"),
+            replid2: info.get("master_replid2").unwrap_or_default().to_string(),
+            second_offset: info.num("second_repl_offset"),
+        }
+    }
+
+    /// The history a master holds that a feed could continue: its
+    /// previous id at its offset, while it has taken no write under the
+    /// new one (a restart, or a promotion, shifts the id).
+    pub fn held_before(&self) -> Option<(&str, u64)> {
+        (!self.replica && self.second_offset == self.offset + 1)
+            .then_some((self.replid2.as_str(), self.offset))
+    }
+
+    /// It follows `feed`.
+    fn follows(&self, feed: SocketAddr) -> bool {
+        self.replica
+            && self.master.as_ref().is_some_and(|(h, p)| {
+                *p == feed.port() && h.parse::<IpAddr>().ok() == Some(feed.ip())
+            })
+    }
+}
+
+/// What the agent knows beside the server's word.
+#[derive(Debug, Clone, Copy)]
+pub struct Known<'a> {
+    pub feed: SocketAddr,
+    /// The `run_id` last seen following the feed (none: never).
+    pub fed_run_id: Option<&'a str>,
+    /// The stream's source is this server (a failover made it the primary).
+    pub is_source: bool,
+    /// The log continues the history the server holds
+    /// ([`Seen::held_before`]).
+    pub continued: bool,
+}
+
+/// What to do about the server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// It follows the feed: remember its `run_id`.
+    Fed(Health),
+    /// A restart of a fed server came back a master whose data the log
+    /// continues: point it back at the feed.
+    Repoint,
+    /// Leave it and say so.
+    Report(Health),
+}
+
+/// Decides on the server `seen`, given what the agent `known`s.
+pub fn decide(seen: &Seen, known: Known) -> Decision {
+    if seen.follows(known.feed) {
+        return Decision::Fed(match seen.link_up {
+            true => Health::ok("follows its feed"),
+            false => Health::degraded("follows its feed, its link is down"),
+        });
+    }
+    if seen.replica {
+        let (h, p) = seen.master.clone().unwrap_or_default();
+        return Decision::Report(Health::degraded(format!(
+            "follows {h}:{p}, not this agent's feed (released, or pointed elsewhere): kvsync stream attach takes it back"
+        )));
+    }
+    if known.is_source {
+        return Decision::Report(Health::ok("the stream's primary: the log follows it"));
+    }
+    let restarted = known.fed_run_id.is_some_and(|r| r != seen.run_id);
+    match (known.fed_run_id, restarted, known.continued) {
+        (Some(_), true, true) => Decision::Repoint,
+        (Some(_), false, _) => Decision::Report(Health::stuck(
+            "a writable master since it was promoted while running (REPLICAOF NO ONE by someone else): left alone, and no longer fed; attach it again (kvsync stream attach after REPLICAOF of the primary) or fail over to it",
+        )),
+        (Some(_), true, false) => Decision::Report(Health::stuck(format!(
+            "restarted as a writable master at offset {}, with data the stream log does not continue (or writes taken since): re-seed it with kvsync sync",
+            seen.offset
+        ))),
+        // Never seen fed (a server not seeded yet): nothing proves a
+        // restart, so nothing is moved.
+        (None, ..) => Decision::Report(Health::degraded(
+            "a master this agent never saw on its feed: seed it with kvsync sync",
+        )),
+    }
+}
+
+/// The remembered `run_id` (none: never fed, or unreadable).
+fn fed_run_id(path: &Path) -> Option<String> {
+    let b = crate::sys::fs::read_regular(path, 128).ok()?;
+    let s = String::from_utf8(b).ok()?;
+    (!s.is_empty() && s.bytes().all(|b| b.is_ascii_hexdigit())).then_some(s)
+}
+
+/// Keeps instance `instance`'s server on `feed` (see the module's doc)
+/// until `stop`, reporting its health on `stream`.
+pub async fn run(
+    instance: String,
+    cfg: RedisConfig,
+    (feed, stream, dir): (FeedHandle, SharedLog, PathBuf),
+    timeout: Duration,
+    metrics: Arc<Metrics>,
+    stop: CancellationToken,
+) {
+    let path = dir.join(RUN_ID_FILE);
+    let mut fed = fed_run_id(&path);
+    let server = cfg.server_addr.clone();
+    let repointed = metrics
+        .stream_server_repointed
+        .with_label_values(&[&instance]);
+    let mut tick = tokio::time::interval(cfg.health_interval.max(Duration::from_millis(100)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let seen = match crate::kv::redis::infos(&server, &cfg.password, &["replication", "server"])
+            .await
+        {
+            Ok(info) => Seen::read(&info),
+            Err(e) => {
+                stream.set_server_health(Health::degraded(format!("does not answer: {e}")));
+                continue;
+            }
+        };
+        let known = Known {
+            feed: feed.addr,
+            fed_run_id: fed.as_deref(),
+            is_source: matches!(stream.source(), Source::Primary(p) if p == server),
+            continued: seen
+                .held_before()
+                .is_some_and(|(id, at)| stream.view(|l| l.continues(id, at).is_ok())),
+        };
+        let health = match decide(&seen, known) {
+            Decision::Fed(health) => {
+                if fed.as_deref() != Some(seen.run_id.as_str()) {
+                    remember(&path, &seen.run_id).await;
+                    fed = Some(seen.run_id.clone());
+                }
+                health
+            }
+            Decision::Report(health) => health,
+            Decision::Repoint => {
+                warn!(%instance, server, replid = %seen.replid, offset = seen.offset, "the fed server came back a master (restarted) with data the log continues: pointing it back at its feed");
+                match super::hand::onto_feed(&cfg, timeout, &feed, &stream, true).await {
+                    Ok(done) => {
+                        // On its feed now: a promotion of this process
+                        // from here on is one to leave alone.
+                        remember(&path, &seen.run_id).await;
+                        fed = Some(seen.run_id.clone());
+                        repointed.inc();
+                        info!(%instance, "{done}");
+                        Health::ok(done)
+                    }
+                    Err(e) => Health::stuck(format!(
+                        "came back a master and could not be pointed back at its feed: {e}"
+                    )),
+                }
+            }
+        };
+        stream.set_server_health(health);
+    }
+}
+
+/// Remembers `run_id` as the fed server's.
+async fn remember(path: &Path, run_id: &str) {
+    let (path, id) = (path.to_path_buf(), run_id.to_string());
+    let written = tokio::task::spawn_blocking(move || {
+        crate::sys::fs::write_atomic(&path, id.as_bytes(), (".kvsync-run-id-", ".tmp"), 0o600)
+    })
+    .await
+    .expect("run id task");
+    if let Err(e) = written {
+        warn!(error = %e, "cannot remember the fed server's run_id: a restart of it may not be pointed back");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FEED: &str = "127.0.0.1:7000";
+
+    fn seen(replica: bool, master: Option<(&str, u16)>, run_id: &str) -> Seen {
+        Seen {
+            replica,
+            master: master.map(|(h, p)| (h.to_string(), p)),
+            link_up: true,
+            run_id: run_id.into(),
+            replid: "r".repeat(40),
+            offset: 100,
+            replid2: "q".repeat(40),
+            second_offset: 101,
+        }
+    }
+
+    #[test]
+    fn a_master_holds_its_old_history_only_while_it_took_no_write() {
+        let mut s = seen(false, None, "a");
+        assert_eq!(s.held_before(), Some(("q".repeat(40).as_str(), 100)));
+        s.offset = 150;
+        assert_eq!(s.held_before(), None, "it took writes");
+        s.replica = true;
+        s.offset = 100;
+        assert_eq!(s.held_before(), None, "a replica");
+    }
+
+    fn known(fed: Option<&str>, is_source: bool, continued: bool) -> Known<'_> {
+        Known {
+            feed: FEED.parse().unwrap(),
+            fed_run_id: fed,
+            is_source,
+            continued,
+        }
+    }
+
+    #[test]
+    fn the_verdicts_are_the_metrics_labels() {
+        assert_eq!(
+            Verdict::ALL.map(Verdict::as_str),
+            crate::metrics::HEALTH_VERDICTS
+        );
+    }
+
+    #[test]
+    fn a_server_on_its_feed_is_fed_and_its_link_decides_ok() {
+        let mut s = seen(true, Some(("127.0.0.1", 7000)), "a");
+        assert!(
+            matches!(decide(&s, known(None, false, true)), Decision::Fed(h) if h.verdict == Verdict::Ok)
+        );
+        s.link_up = false;
+        assert!(
+            matches!(decide(&s, known(None, false, true)), Decision::Fed(h) if h.verdict == Verdict::Degraded)
+        );
+    }
+
+    #[test]
+    fn only_a_restarted_master_the_log_continues_is_pointed_back() {
+        let master = seen(false, None, "new");
+        assert_eq!(
+            decide(&master, known(Some("old"), false, true)),
+            Decision::Repoint
+        );
+        // Never seen fed: nothing proves a restart.
+        let never = decide(&master, known(None, false, true));
+        assert!(matches!(never, Decision::Report(h) if h.verdict == Verdict::Degraded));
+        // The same process: promoted on purpose, left alone, said stuck.
+        let same = decide(&master, known(Some("new"), false, true));
+        assert!(matches!(same, Decision::Report(h) if h.verdict == Verdict::Stuck));
+        // Data the log does not continue: a re-seeding, never a move.
+        let other = decide(&master, known(Some("old"), false, false));
+        assert!(
+            matches!(other, Decision::Report(h) if h.verdict == Verdict::Stuck && h.reason.contains("kvsync sync"))
+        );
+        // The stream's primary now (a failover): never touched.
+        let primary = decide(&master, known(Some("old"), true, true));
+        assert!(matches!(primary, Decision::Report(h) if h.verdict == Verdict::Ok));
+    }
+
+    #[test]
+    fn a_replica_of_another_master_is_reported_never_moved() {
+        let s = seen(true, Some(("10.0.0.9", 6379)), "a");
+        let d = decide(&s, known(Some("a"), false, true));
+        assert!(
+            matches!(d, Decision::Report(h) if h.verdict == Verdict::Degraded && h.reason.contains("10.0.0.9:6379"))
+        );
+    }
+}
