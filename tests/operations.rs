@@ -107,6 +107,122 @@ fn systemd_unit_verifies_and_has_what_rdma_and_draining_need() {
     );
 }
 
+/// `setpriv` as `user` (its own group only): runs `args`, says whether
+/// it succeeded.
+fn as_user(user: &str, group: &str, args: &[&str]) -> bool {
+    std::process::Command::new("setpriv")
+        .args(["--reuid", user, "--regid", group, "--clear-groups", "--"])
+        .args(args)
+        .status()
+        .unwrap()
+        .success()
+}
+
+#[test]
+fn the_install_script_leaves_a_config_only_the_agents_group_reads_and_dirs_its_user_writes() {
+    // Installed into a temporary root for Debian's `redis` system user
+    // (the suite's servers bring it), as root would install it.
+    if !nix_is_root() {
+        return skip("install.sh", "needs root, as the install does");
+    }
+    let root = tempfile::tempdir().unwrap();
+    install_into(root.path());
+    let r = root.path();
+    let config = r.join("etc/kvsync/kvsync.toml");
+    let config = config.to_str().unwrap();
+    assert!(
+        as_user("redis", "redis", &["cat", config]),
+        "the agent reads its config"
+    );
+    assert!(
+        !as_user("nobody", "nogroup", &["cat", config]),
+        "no one else does"
+    );
+    for dir in ["var/lib/kvstore/snapshots", "var/lib/kvsync/stream"] {
+        let probe = r.join(dir).join("probe");
+        assert!(
+            as_user("redis", "redis", &["touch", probe.to_str().unwrap()]),
+            "the agent writes {dir}"
+        );
+    }
+    let unit = std::fs::read_to_string(r.join("etc/systemd/system/kvsync.service")).unwrap();
+    assert_eq!(unit, include_str!("../deploy/kvsync.service"));
+    // The example config is one the agent accepts.
+    let out = std::process::Command::new(kvsync_bin())
+        .args(["check-config", config])
+        .output()
+        .unwrap();
+    let said =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}");
+    // Run again: the config an operator edited stays.
+    std::fs::write(config, "# edited\n").unwrap();
+    install_into(root.path());
+    assert_eq!(std::fs::read_to_string(config).unwrap(), "# edited\n");
+}
+
+/// Runs `deploy/install.sh` into `root` for Debian's `redis` user.
+fn install_into(root: &Path) {
+    let out = std::process::Command::new("sh")
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/install.sh"))
+        .env("DESTDIR", root)
+        .env("KVSYNC_USER", "redis")
+        .env("KVSYNC_BIN", kvsync_bin())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "install.sh: {stderr}");
+}
+
+fn nix_is_root() -> bool {
+    // SAFETY: geteuid(2) has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+#[test]
+fn the_daemonset_runs_the_image_the_dockerfile_builds_as_its_user_on_a_dir_it_owns() {
+    let docker = include_str!("../Dockerfile");
+    let k8s = include_str!("../deploy/kubernetes/daemonset.yaml");
+    let tag = docker
+        .lines()
+        .find_map(|l| {
+            l.trim_start_matches('#')
+                .trim()
+                .strip_prefix("docker build -t ")
+        })
+        .and_then(|l| l.split_whitespace().next())
+        .expect("the Dockerfile says how to build it");
+    assert!(docker.contains("USER 10001:10001"), "a non-root image");
+    assert_eq!(
+        k8s.matches(&format!("image: {tag}")).count(),
+        2,
+        "the agent and its init container run the image the Dockerfile builds"
+    );
+    assert!(k8s.contains("runAsUser: 10001") && k8s.contains("runAsGroup: 10001"));
+    assert!(
+        k8s.contains("[\"/bin/chown\", \"10001:10001\", \"/var/lib/kvstore/snapshots\"]"),
+        "the hostPath is handed to the agent's user"
+    );
+    assert!(k8s.contains("hostPath: {path: /var/lib/kvstore/snapshots"));
+    // The runtime stage installs the libraries the binary links.
+    let ldd = std::process::Command::new("ldd")
+        .arg(kvsync_bin())
+        .output()
+        .unwrap();
+    let linked = String::from_utf8_lossy(&ldd.stdout);
+    for (lib, package) in [
+        ("libibverbs.so.1", "libibverbs1"),
+        ("librdmacm.so.1", "librdmacm1"),
+    ] {
+        if linked.contains(lib) {
+            assert!(
+                docker.contains(package),
+                "the image lacks {package} for {lib}"
+            );
+        }
+    }
+}
+
 fn agent_config(root: &Path, name: &str, sync: &str) -> String {
     agent_config_with(root, name, "mode = \"tcp\"", sync)
 }

@@ -7,7 +7,10 @@
 //! of one starts its log over and completes the hand-off; a fed server
 //! restarted from its own config (a writable master from then on) is
 //! pointed back at its feed and continues with a partial resync, while one
-//! promoted on purpose (`REPLICAOF NO ONE`) is left alone and named. Each
+//! promoted on purpose (`REPLICAOF NO ONE`) is left alone and named, and a
+//! sync into it refused before it changes anything; a stream that cannot
+//! write its snapshot directory refuses to start (each failed save of the
+//! primary's RDB was a full sync of the primary). Each
 //! state turns the instance's health and `/readyz` red until it is left.
 
 mod common;
@@ -223,8 +226,67 @@ fn a_fed_server_restarted_from_its_own_config_is_back_on_its_feed_by_a_partial_r
         "left alone"
     );
     assert_eq!(replica.metric(repointed), 1.0);
+    // A sync into it is refused before anything changes: it keeps its
+    // writes (before the check, the seeding made it a replica of the feed).
+    let () = rs.cmd(&["SET", "taken-as-master", "1"]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let p = rt.block_on(sync_from(&replica, &source.grpc()));
+    assert_eq!(p.phase, kvsync::rpc::pb::Phase::Failed as i32, "{p:?}");
+    assert!(
+        p.error.contains("refused, nothing was changed"),
+        "{}",
+        p.error
+    );
+    assert_eq!(rs.info("replication").get("role"), Some("master"));
+    assert_eq!(rs.cmd::<i64>(&["EXISTS", "taken-as-master"]), 1);
 }
 
 on_both_servers!(
     a_fed_server_restarted_from_its_own_config_is_back_on_its_feed_by_a_partial_resync
 );
+
+#[test]
+fn a_stream_with_a_snapshot_dir_it_cannot_write_refuses_to_start_and_leaves_the_primary_alone() {
+    let root = tempfile::tempdir().unwrap();
+    let primary = Redis::start(Server::Redis, &root.path().join("p"), &[]);
+    let snaps = root.path().join("ro-snaps");
+    let Some(_fs) = SmallFs::mount(&snaps, "1m") else {
+        return;
+    };
+    let remounted = std::process::Command::new("mount")
+        .args(["-o", "remount,ro"])
+        .arg(&snaps)
+        .status()
+        .unwrap();
+    assert!(remounted.success());
+    let path = root.path().join("src.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "snapshot_dir = \"{}\"\nsnapshot_format = \"redis-rdb\"\n[grpc]\nlisten = \"127.0.0.1:0\"\n[data]\ntcp_listen = \"127.0.0.1:0\"\nrdma_port = 0\n[metrics]\nlisten = \"\"\n{}",
+            snaps.display(),
+            follower_config(&primary, &root.path().join("src-log"))
+        ),
+    )
+    .unwrap();
+    let mut child = std::process::Command::new(kvsync_bin())
+        .args(["agent", "--config", path.to_str().unwrap()])
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let status = wait_for("the agent to exit", DEADLINE, || child.try_wait().unwrap());
+    let out = child.wait_with_output().unwrap();
+    let log =
+        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    assert!(!status.success(), "{log}");
+    assert!(
+        log.contains("a stream that follows a primary saves the primary's RDB there"),
+        "{log}"
+    );
+    assert_eq!(
+        primary.info("stats").num("sync_full"),
+        0,
+        "no fork of the primary"
+    );
+}

@@ -30,6 +30,10 @@ pub enum StartError {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// The snapshot directory a stream that follows a primary writes its
+    /// RDBs to is not writable.
+    #[error("{0}: a stream that follows a primary saves the primary's RDB there (give the agent's user write access, or set snapshot_dir to a directory it owns)")]
+    NotWritable(crate::store::install::InstallError),
     /// Its stream feed cannot start.
     #[error(transparent)]
     StreamFeed(#[from] crate::stream::feed::FeedError),
@@ -72,6 +76,11 @@ pub async fn start(
         path: dir.clone(),
         source,
     })?;
+    // A stream that follows a primary saves its full resyncs' RDBs there:
+    // refused now, not with a fork of the primary per failed write.
+    if config.stream.enabled() && !redis.primary_addr.is_empty() {
+        crate::store::install::check_writable(dir).map_err(StartError::NotWritable)?;
+    }
     let swept = crate::store::journal::sweep(dir, config.data.resume_ttl, true);
     if swept > 0 {
         info!(

@@ -346,6 +346,19 @@ pub fn remember_installed(dir: &Path, name: &str) -> Result<(), InstallError> {
     )
 }
 
+/// Checks that a sync could install into `dir` (a temp file can be made).
+pub fn check_writable(dir: &Path) -> Result<(), InstallError> {
+    tempfile::Builder::new()
+        .prefix(TEMP_PREFIX)
+        .suffix(TEMP_SUFFIX)
+        .tempfile_in(dir)
+        .map(drop)
+        .map_err(|source| InstallError::NotWritable {
+            dir: dir.to_owned(),
+            source,
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -317,7 +317,9 @@ async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<()
         (true, Some(id), Some(offset)) if offset > 0 => Some((id.clone(), offset - 1)),
         _ => None,
     };
-    let asked = match asked.map(|a| feed.translate(a)).transpose() {
+    let translated = asked.clone().map(|a| feed.translate(a)).transpose();
+    let restarted = matches!((&translated, &asked), (Ok(Some(t)), Some(a)) if t != a);
+    let asked = match translated {
         Ok(asked) => asked,
         Err((id, at)) => {
             let _ = write
@@ -326,7 +328,7 @@ async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<()
             return Err(ConnError::TookWrites(format!("{id} at {}", at + 1)));
         }
     };
-    let (replid, mut at) = answer(&mut write, psync, asked, feed, stream).await?;
+    let (replid, mut at) = answer(&mut write, (psync, restarted), asked, feed, stream).await?;
     let mut acks = read_acks(read, stream);
     let mut changed = stream.watch();
     loop {
@@ -351,10 +353,12 @@ async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<()
 /// Answers the server's `PSYNC` (or `SYNC`), `asked` its id and the
 /// offset it holds: `+CONTINUE` where the log continues it, else the
 /// snapshot that continues into the log (`+FULLRESYNC` and its RDB), else
-/// an error. Returns the id and offset the stream goes on from.
+/// an error. A `restarted` server (its ask translated) gets a continuation
+/// or an error, never a full resync. Returns the id and offset the stream
+/// goes on from.
 async fn answer(
     write: &mut OwnedWriteHalf,
-    psync: bool,
+    (psync, restarted): (bool, bool),
     asked: Option<(String, u64)>,
     feed: &FeedHandle,
     stream: &SharedLog,
@@ -373,6 +377,14 @@ async fn answer(
             info!(offset = at, replid = %id, "the stream feed continues its server from the log");
             feed.served.send_modify(|s| s.continued += 1);
             Ok((id, at))
+        }
+        None if restarted => {
+            let _ = write
+                .write_all(b"-ERR kvsync: the stream log no longer continues this server; it is not fed\r\n")
+                .await;
+            Err(ConnError::Uncovered(format!(
+                "{asked:?}, as a restarted server"
+            )))
         }
         None => {
             let usable = feed

@@ -7,8 +7,9 @@
 //! primary now, or a master. A master is pointed back at its feed only
 //! when all of these prove it is the same data restarted, not a promotion:
 //! its `run_id` differs from the one last seen fed (a new process; a
-//! `REPLICAOF NO ONE` keeps the `run_id`), it is not the stream's source
-//! (the primary a failover made it and the agent follows), it has taken
+//! `REPLICAOF NO ONE` keeps the `run_id`) and the process is younger than
+//! the time since this run last saw it fed, the log does not follow a
+//! primary (the server may be it, under another name), it has taken
 //! no write since (a server restarted as a master shifts its id, as a
 //! promotion does: its offset is still where its old id ended), and the
 //! log continues that old id at that offset. The move itself is
@@ -17,7 +18,8 @@
 //! refuse it anywhere else, never a full resync), and puts the server
 //! back if the feed would not continue it. Everything
 //! else is reported, never acted on: the verdict is the instance's
-//! server health in status, `kvsync_instance_health` and `/readyz`.
+//! server health in status, `kvsync_instance_health` and `/readyz`. A
+//! master that left the feed is also never seeded over ([`may_seed`]).
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -145,8 +147,13 @@ pub struct Known<'a> {
     pub feed: SocketAddr,
     /// The `run_id` last seen following the feed (none: never).
     pub fed_run_id: Option<&'a str>,
-    /// The stream's source is this server (a failover made it the primary).
+    /// The log follows a primary (this server may be it, under whatever
+    /// name the others know it by): no master is ever moved then.
     pub is_source: bool,
+    /// This run of the agent saw the server on its feed, and the server
+    /// has run for less time than has passed since (a new process: a
+    /// promotion while the agent was away proves nothing).
+    pub restarted_since_fed: bool,
     /// The log continues the history the server holds
     /// ([`Seen::held_before`]).
     pub continued: bool,
@@ -162,6 +169,10 @@ pub enum Decision {
     Repoint,
     /// Leave it and say so.
     Report(Health),
+    /// A master that left the feed (promoted, or restarted with writes or
+    /// data the log does not continue): left alone, and no seeding or
+    /// re-seeding may replace what it holds.
+    Left(Health),
 }
 
 /// Decides on the server `seen`, given what the agent `known`s.
@@ -179,23 +190,53 @@ pub fn decide(seen: &Seen, known: Known) -> Decision {
         )));
     }
     if known.is_source {
-        return Decision::Report(Health::ok("the stream's primary: the log follows it"));
+        return Decision::Report(Health::ok(
+            "a master while the log follows a primary (the stream's primary after a failover): never moved",
+        ));
     }
+    const LEFT: &str = "left alone (a seeding into it is refused too): fail over to it, or make it a replica yourself, which discards what it holds";
     let restarted = known.fed_run_id.is_some_and(|r| r != seen.run_id);
     match (known.fed_run_id, restarted, known.continued) {
-        (Some(_), true, true) => Decision::Repoint,
-        (Some(_), false, _) => Decision::Report(Health::stuck(
-            "a writable master since it was promoted while running (REPLICAOF NO ONE by someone else): left alone, and no longer fed; attach it again (kvsync stream attach after REPLICAOF of the primary) or fail over to it",
-        )),
-        (Some(_), true, false) => Decision::Report(Health::stuck(format!(
-            "restarted as a writable master at offset {}, with data the stream log does not continue (or writes taken since): re-seed it with kvsync sync",
-            seen.offset
+        (Some(_), true, true) if known.restarted_since_fed => Decision::Repoint,
+        (Some(_), true, true) => Decision::Left(Health::stuck(format!(
+            "a writable master under a new process, which this run of the agent did not see restart from its feed (it may have been promoted meanwhile): {LEFT}"
         ))),
+        (Some(_), false, _) => Decision::Left(Health::stuck(format!(
+            "a writable master since it was promoted while running (REPLICAOF NO ONE by someone else): {LEFT}"
+        ))),
+        (Some(_), true, false) => Decision::Left(Health::stuck(match seen.held_before() {
+            None => format!(
+                "restarted as a writable master and took {} bytes of writes since: {LEFT}",
+                seen.offset.saturating_sub(seen.second_offset.saturating_sub(1))
+            ),
+            Some(_) => format!(
+                "restarted as a writable master with data the stream log does not continue: {LEFT}"
+            ),
+        })),
         // Never seen fed (a server not seeded yet): nothing proves a
         // restart, so nothing is moved.
         (None, ..) => Decision::Report(Health::degraded(
             "a master this agent never saw on its feed: seed it with kvsync sync",
         )),
+    }
+}
+
+/// Whether a seeding may replace the data of the server `cfg` names, fed
+/// from the log in `dir`: not when it is a master this agent once had on
+/// its feed (it left it: promoted, or restarted with writes or data the
+/// log does not continue, and holds what no one else may have). A server
+/// never fed (a new one) may be seeded. Returns why not.
+pub async fn may_seed(cfg: &RedisConfig, dir: &Path) -> Result<(), String> {
+    let info = crate::kv::redis::info(&cfg.server_addr, &cfg.password, "replication")
+        .await
+        .map_err(|e| format!("cannot read the local server's role before seeding it: {e}"))?;
+    let master = !Seen::read(&info).replica;
+    match (master, fed_run_id(&dir.join(RUN_ID_FILE))) {
+        (true, Some(_)) => Err(format!(
+            "the local server {} is a writable master since it left this agent's feed (promoted, or restarted with writes): a seeding would replace what it holds; fail over to it, or make it a replica yourself first, which discards that",
+            cfg.server_addr
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -218,6 +259,8 @@ pub async fn run(
 ) {
     let path = dir.join(RUN_ID_FILE);
     let mut fed = fed_run_id(&path);
+    // When this run last saw the server on its feed.
+    let mut fed_at: Option<std::time::Instant> = None;
     let server = cfg.server_addr.clone();
     let repointed = metrics
         .stream_server_repointed
@@ -229,10 +272,12 @@ pub async fn run(
             _ = stop.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let seen = match crate::kv::redis::infos(&server, &cfg.password, &["replication", "server"])
-            .await
-        {
-            Ok(info) => Seen::read(&info),
+        let polled = crate::kv::redis::infos(&server, &cfg.password, &["replication", "server"]);
+        let (seen, uptime) = match polled.await {
+            Ok(info) => (
+                Seen::read(&info),
+                Duration::from_secs(info.num("uptime_in_seconds")),
+            ),
             Err(e) => {
                 stream.set_server_health(Health::degraded(format!("does not answer: {e}")));
                 continue;
@@ -241,21 +286,28 @@ pub async fn run(
         let known = Known {
             feed: feed.addr,
             fed_run_id: fed.as_deref(),
-            is_source: matches!(stream.source(), Source::Primary(p) if p == server),
+            is_source: matches!(stream.source(), Source::Primary(_)),
+            restarted_since_fed: fed_at.is_some_and(|at| uptime < at.elapsed()),
             continued: seen
                 .held_before()
                 .is_some_and(|(id, at)| stream.view(|l| l.continues(id, at).is_ok())),
         };
-        let health = match decide(&seen, known) {
+        let decision = decide(&seen, known);
+        stream.set_server_left(matches!(decision, Decision::Left(_)));
+        let health = match decision {
             Decision::Fed(health) => {
+                fed_at = Some(std::time::Instant::now());
                 if fed.as_deref() != Some(seen.run_id.as_str()) {
                     remember(&path, &seen.run_id).await;
                     fed = Some(seen.run_id.clone());
                 }
                 health
             }
-            Decision::Report(health) => health,
+            Decision::Report(health) | Decision::Left(health) => health,
             Decision::Repoint => {
+                stream.set_server_health(Health::degraded(
+                    "came back a master from a restart: being pointed back at its feed",
+                ));
                 warn!(%instance, server, replid = %seen.replid, offset = seen.offset, "the fed server came back a master (restarted) with data the log continues: pointing it back at its feed");
                 match super::hand::onto_feed(&cfg, timeout, &feed, &stream, true).await {
                     Ok(done) => {
@@ -263,6 +315,7 @@ pub async fn run(
                         // from here on is one to leave alone.
                         remember(&path, &seen.run_id).await;
                         fed = Some(seen.run_id.clone());
+                        fed_at = Some(std::time::Instant::now());
                         repointed.inc();
                         info!(%instance, "{done}");
                         Health::ok(done)
@@ -325,6 +378,7 @@ mod tests {
             feed: FEED.parse().unwrap(),
             fed_run_id: fed,
             is_source,
+            restarted_since_fed: true,
             continued,
         }
     }
@@ -359,13 +413,20 @@ mod tests {
         // Never seen fed: nothing proves a restart.
         let never = decide(&master, known(None, false, true));
         assert!(matches!(never, Decision::Report(h) if h.verdict == Verdict::Degraded));
+        // A new process this run did not see start after it was fed (the
+        // agent was away: it may have been promoted meanwhile).
+        let away = Known {
+            restarted_since_fed: false,
+            ..known(Some("old"), false, true)
+        };
+        assert!(matches!(decide(&master, away), Decision::Left(h) if h.verdict == Verdict::Stuck));
         // The same process: promoted on purpose, left alone, said stuck.
         let same = decide(&master, known(Some("new"), false, true));
-        assert!(matches!(same, Decision::Report(h) if h.verdict == Verdict::Stuck));
+        assert!(matches!(same, Decision::Left(h) if h.verdict == Verdict::Stuck));
         // Data the log does not continue: a re-seeding, never a move.
         let other = decide(&master, known(Some("old"), false, false));
         assert!(
-            matches!(other, Decision::Report(h) if h.verdict == Verdict::Stuck && h.reason.contains("kvsync sync"))
+            matches!(other, Decision::Left(h) if h.verdict == Verdict::Stuck && h.reason.contains("left alone"))
         );
         // The stream's primary now (a failover): never touched.
         let primary = decide(&master, known(Some("old"), true, true));

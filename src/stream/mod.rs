@@ -90,6 +90,9 @@ pub struct Stream {
     sentinels: Mutex<String>,
     /// A `redis-stream` server's health ([`keep`]; none: not kept).
     server: Mutex<Option<keep::Health>>,
+    /// That server left the feed as a master ([`keep::Decision::Left`]):
+    /// no re-seeding may replace what it holds.
+    server_left: std::sync::atomic::AtomicBool,
     /// A reader needs a snapshot that continues into the log, and none
     /// does ([`follow::snapshots_on_demand`] takes one).
     snapshot_wanted: tokio::sync::Notify,
@@ -223,6 +226,7 @@ impl Stream {
             diverged: Mutex::default(),
             sentinels: Mutex::default(),
             server: Mutex::default(),
+            server_left: Default::default(),
             snapshot_wanted: tokio::sync::Notify::new(),
             gauges,
         });
@@ -346,6 +350,15 @@ impl Stream {
 
     pub fn set_server_health(&self, health: keep::Health) {
         *self.server.lock().expect("server health lock") = Some(health);
+    }
+
+    pub fn set_server_left(&self, left: bool) {
+        self.server_left.store(left, Ordering::Relaxed);
+    }
+
+    /// The fed server left the feed as a master ([`keep::Decision::Left`]).
+    pub fn server_left(&self) -> bool {
+        self.server_left.load(Ordering::Relaxed)
     }
 
     /// The fed server's health, when [`keep`] keeps one.

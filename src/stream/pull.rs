@@ -293,18 +293,20 @@ async fn ended(
         diverged(pull, stream, (replid, *offset, *at), upstream);
     }
     // The snapshot the upstream named, kept for a re-seeding from it,
-    // unless this log already holds it (the upstream's word contradicts
-    // what it refused: nothing is started over on it).
+    // unless this log already holds it and the upstream names no failover
+    // this log went past (its word contradicts what it refused: nothing is
+    // started over on it).
     let mut why = why;
     if let (
         PullError::TooOld {
             continues: Some((id, replid, m)),
+            diverged_at,
             ..
         },
         Ended::TooOld { continues, .. },
     ) = (&e, &mut why)
     {
-        if stream.view(|l| l.covers(replid, *m).is_ok()) {
+        if diverged_at.is_none() && stream.view(|l| l.covers(replid, *m).is_ok()) {
             warn!(instance = %pull.instance, %upstream, %replid, m, "the upstream says this log is too old, yet names a snapshot the log holds: not re-seeding on its word");
             *continues = None;
         } else {
@@ -312,7 +314,9 @@ async fn ended(
         }
     }
     let now = std::time::Instant::now();
-    let can_reseed = pull.reseed.is_some();
+    // Never over a server that left the feed as a master (the sync's own
+    // check refuses it too, before anything changes).
+    let can_reseed = pull.reseed.is_some() && !stream.server_left();
     let mut then = policy.ended(upstream, upstreams, &why, progressed, can_reseed, now);
     if let Then::Reseed {
         upstream: from,

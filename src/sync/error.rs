@@ -69,6 +69,10 @@ pub enum JobError {
         installed: PathBuf,
         source: HandoffError,
     },
+    /// The local server holds data a seeding would replace and nothing
+    /// proves it may ([`crate::stream::keep::may_seed`]).
+    #[error("refused, nothing was changed: {0}")]
+    ServerHeld(String),
     /// The stream log could not start over at the snapshot for its
     /// server's re-seeding.
     #[error("the stream log cannot start over at the snapshot: {0}")]

@@ -8,7 +8,7 @@
 //! a typed [`JobError`] in the sync's status.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -86,19 +86,6 @@ impl JobContext {
             _ = self.cancel.cancelled() => Err(JobError::Cancelled),
         }
     }
-}
-
-/// Checks that a sync could install into `dir` (a temp file can be made).
-pub fn check_writable(dir: &Path) -> Result<(), InstallError> {
-    tempfile::Builder::new()
-        .prefix(install::TEMP_PREFIX)
-        .suffix(install::TEMP_SUFFIX)
-        .tempfile_in(dir)
-        .map(drop)
-        .map_err(|source| InstallError::NotWritable {
-            dir: dir.to_owned(),
-            source,
-        })
 }
 
 /// Runs the job to its end and returns the final progress record.
@@ -215,7 +202,7 @@ async fn with_retries(ctx: &mut JobContext) -> Result<(), JobError> {
 
 /// One attempt: negotiate, move the bytes, verify, install, hand off.
 async fn attempt(ctx: &JobContext) -> Result<(), JobError> {
-    check_writable(&ctx.config.snapshot_dir).map_err(JobError::NotWritable)?;
+    install::check_writable(&ctx.config.snapshot_dir).map_err(JobError::NotWritable)?;
     let plan = transport_plan(ctx)?;
     let channel = ctx
         .or_cancel(ctx.dialer.connect(&ctx.source, CONNECT_TIMEOUT))
@@ -916,9 +903,10 @@ fn count_transfer(
         .send_modify(|p| p.pieces_refetched += refetched);
 }
 
-/// For a server fed from a stream log that no longer continues its
-/// upstreams (the log's writer needs a snapshot): the log starts over at
-/// this snapshot ([`crate::stream::Stream::start_over_for_sync`]), so that
+/// For a server fed from a stream log: refused when the server left the
+/// feed as a master ([`crate::stream::keep::may_seed`]); when the log no
+/// longer continues its upstreams (its writer needs a snapshot), the log
+/// starts over at this snapshot ([`crate::stream::Stream::start_over_for_sync`]), so that
 /// the feed seeds the server from it and the stream goes on after it.
 async fn start_over_stranded(ctx: &JobContext, info: &SnapshotInfo) -> Result<(), JobError> {
     let (Some(stream), Some(replid), true) =
@@ -926,6 +914,11 @@ async fn start_over_stranded(ctx: &JobContext, info: &SnapshotInfo) -> Result<()
     else {
         return Ok(());
     };
+    // Checked before anything changes: a server that left the feed keeps
+    // what it holds.
+    crate::stream::keep::may_seed(&ctx.config.redis, &ctx.config.stream.dir)
+        .await
+        .map_err(JobError::ServerHeld)?;
     let (source, seq) = (ctx.source.clone(), info.seq);
     let started = tokio::task::spawn_blocking(move || {
         stream.start_over_for_sync(&source, seq, (&replid, seq))

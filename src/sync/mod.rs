@@ -180,7 +180,7 @@ impl SyncManager {
             )));
         }
         // Refuse before anything moves when we could not install the result.
-        job::check_writable(&instance.config.snapshot_dir)
+        crate::store::install::check_writable(&instance.config.snapshot_dir)
             .map_err(|e| SyncError::CannotStart(e.to_string()))?;
         let id = new_id();
         let initial = pb::SyncProgress {
