@@ -1,6 +1,6 @@
 #!/bin/sh
-# Installs the kvsync agent as a systemd service, as README's "systemd"
-# section says: the binary, the unit, a config only root writes and the
+# Installs the kvsync agent as a systemd service, as docs/OPERATIONS.md
+# says: the binary, the unit, a config only root writes and the
 # agent's group reads, and the directories the example config names,
 # owned by the agent's user. Run from the source tree after
 # `cargo build --release`:

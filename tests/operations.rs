@@ -223,6 +223,55 @@ fn the_daemonset_runs_the_image_the_dockerfile_builds_as_its_user_on_a_dir_it_ow
     }
 }
 
+/// The indented blocks of `doc` that are configuration files (those that
+/// begin with a `# /etc/kvsync/kvsync.toml` comment).
+fn config_blocks(doc: &str) -> Vec<String> {
+    let mut blocks = Vec::new();
+    let mut current: Option<String> = None;
+    for line in doc.lines().chain([""]) {
+        match (line.strip_prefix("    "), current.as_mut()) {
+            (Some(l), Some(block)) => {
+                block.push_str(l);
+                block.push('\n');
+            }
+            (Some(l), None) if l.starts_with("# /etc/kvsync/kvsync.toml") => {
+                current = Some(format!("{l}\n"));
+            }
+            (None, Some(_)) if line.is_empty() => blocks.extend(current.take()),
+            _ => {}
+        }
+    }
+    blocks
+}
+
+#[test]
+fn the_quick_start_configurations_are_valid_but_for_the_certificates_they_name() {
+    for (doc, text) in [
+        ("README.md", include_str!("../README.md")),
+        ("docs/STREAM.md", include_str!("../docs/STREAM.md")),
+    ] {
+        let blocks = config_blocks(text);
+        assert_eq!(
+            blocks.len(),
+            2,
+            "{doc}: a primary's and a replica's configuration"
+        );
+        for block in blocks {
+            let problems = kvsync::config::Config::parse(&block)
+                .unwrap_or_else(|e| panic!("{doc}: {e}\n{block}"))
+                .validate()
+                .err()
+                .unwrap_or_default();
+            assert!(
+                problems
+                    .iter()
+                    .all(|p| p.key.starts_with("tls.") && p.message.contains("cannot read")),
+                "{doc}: {problems:?}\n{block}"
+            );
+        }
+    }
+}
+
 fn agent_config(root: &Path, name: &str, sync: &str) -> String {
     agent_config_with(root, name, "mode = \"tcp\"", sync)
 }

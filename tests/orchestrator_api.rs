@@ -1,6 +1,6 @@
 //! The API as orchestrator authors meet it: reflection in both versions
 //! clients speak (v1 and v1alpha) lists the services; every `grpcurl` line
-//! of the README names a method reflection knows, with fields of its
+//! of the orchestrator guide (docs/SYNC.md) names a method reflection knows, with fields of its
 //! request; and the example client (`examples/orchestrator.rs`) runs its
 //! sequences against real agents.
 
@@ -84,10 +84,11 @@ async fn reflect_v1alpha(node: &Node) -> Vec<String> {
     }
 }
 
-/// The README's `grpcurl` lines: (method path, JSON body).
+/// The `grpcurl` lines of the guide for orchestrator authors
+/// (docs/SYNC.md): (method path, JSON body).
 fn readme_grpcurl() -> Vec<(String, serde_json::Value)> {
     let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/SYNC.md")).unwrap();
     readme
         .lines()
         .map(str::trim)

@@ -135,21 +135,21 @@ impl FeedHandle {
         *self.restarted.lock().expect("feed restarted lock") = Some((own, held));
     }
 
-    /// What `asked` (the server's id and offset) stands for: the history
-    /// a restarted server holds under its new id (`Err` when it asks under
-    /// that id from anywhere else).
-    fn translate(&self, asked: (String, u64)) -> Result<(String, u64), (String, u64)> {
+    /// For an ask (the server's id and offset) under a restarted server's
+    /// new id: the history it holds, at exactly its offset (once), or
+    /// `Err` anywhere else; `Ok(None)` for any other ask.
+    fn translate(&self, (id, at): &(String, u64)) -> Result<Option<(String, u64)>, ()> {
         let mut restarted = self.restarted.lock().expect("feed restarted lock");
         match &*restarted {
-            Some((own, held)) if *own == asked.0 => match asked.1 == held.1 {
-                true => Ok(restarted.take().expect("matched").1),
-                // Kept: every ask under that id is refused until the next.
-                false => {
-                    self.served.send_modify(|s| s.refused += 1);
-                    Err(asked)
-                }
-            },
-            _ => Ok(asked),
+            Some((own, (_, held))) if own == id && held == at => {
+                Ok(restarted.take().map(|(_, history)| history))
+            }
+            // Kept: every ask under that id is refused until the next.
+            Some((own, _)) if own == id => {
+                self.served.send_modify(|s| s.refused += 1);
+                Err(())
+            }
+            _ => Ok(None),
         }
     }
 
@@ -317,17 +317,17 @@ async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<()
         (true, Some(id), Some(offset)) if offset > 0 => Some((id.clone(), offset - 1)),
         _ => None,
     };
-    let translated = asked.clone().map(|a| feed.translate(a)).transpose();
-    let restarted = matches!((&translated, &asked), (Ok(Some(t)), Some(a)) if t != a);
-    let asked = match translated {
-        Ok(asked) => asked,
-        Err((id, at)) => {
+    let held = match asked.as_ref().map(|a| feed.translate(a)).transpose() {
+        Ok(held) => held.flatten(),
+        Err(()) => {
             let _ = write
                 .write_all(b"-ERR kvsync: this server took writes since it came back a master; it is not fed\r\n")
                 .await;
-            return Err(ConnError::TookWrites(format!("{id} at {}", at + 1)));
+            return Err(ConnError::TookWrites(format!("{asked:?}")));
         }
     };
+    let restarted = held.is_some();
+    let asked = held.or(asked);
     let (replid, mut at) = answer(&mut write, (psync, restarted), asked, feed, stream).await?;
     let mut acks = read_acks(read, stream);
     let mut changed = stream.watch();
