@@ -63,16 +63,7 @@ fn systemd_unit_verifies_and_has_what_rdma_and_draining_need() {
         .take_while(|l| l.starts_with("    "))
         .map(|l| format!("{}\n", &l[4..]))
         .collect();
-    let problems = kvsync::config::Config::parse(&embedded)
-        .unwrap()
-        .validate()
-        .unwrap_err();
-    assert!(
-        problems
-            .iter()
-            .all(|p| p.key.starts_with("tls.") && p.message.contains("cannot read")),
-        "{problems:?}"
-    );
+    valid_but_for_certificates("the DaemonSet's ConfigMap", &embedded);
     let Ok(out) = std::process::Command::new("systemd-analyze")
         .arg("--version")
         .output()
@@ -223,6 +214,22 @@ fn the_daemonset_runs_the_image_the_dockerfile_builds_as_its_user_on_a_dir_it_ow
     }
 }
 
+/// `config` (from `what`) is valid but for the TLS files it names, which
+/// are not on this host.
+fn valid_but_for_certificates(what: &str, config: &str) {
+    let problems = kvsync::config::Config::parse(config)
+        .unwrap_or_else(|e| panic!("{what}: {e}\n{config}"))
+        .validate()
+        .err()
+        .unwrap_or_default();
+    assert!(
+        problems
+            .iter()
+            .all(|p| p.key.starts_with("tls.") && p.message.contains("cannot read")),
+        "{what}: {problems:?}\n{config}"
+    );
+}
+
 /// The indented blocks of `doc` that are configuration files (those that
 /// begin with a `# /etc/kvsync/kvsync.toml` comment).
 fn config_blocks(doc: &str) -> Vec<String> {
@@ -257,17 +264,7 @@ fn the_quick_start_configurations_are_valid_but_for_the_certificates_they_name()
             "{doc}: a primary's and a replica's configuration"
         );
         for block in blocks {
-            let problems = kvsync::config::Config::parse(&block)
-                .unwrap_or_else(|e| panic!("{doc}: {e}\n{block}"))
-                .validate()
-                .err()
-                .unwrap_or_default();
-            assert!(
-                problems
-                    .iter()
-                    .all(|p| p.key.starts_with("tls.") && p.message.contains("cannot read")),
-                "{doc}: {problems:?}\n{block}"
-            );
+            valid_but_for_certificates(doc, &block);
         }
     }
 }
