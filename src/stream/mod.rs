@@ -328,10 +328,10 @@ impl Stream {
     /// `m`) for the server fed from this log: when the writer is stuck
     /// ([`WriterState::NeedsSnapshot`]) and the log does not hold the
     /// snapshot's M (nor can it reach it: its upstreams no longer serve
-    /// what follows its end), the log starts over at it, as a re-seeding would (the
-    /// sync, an operator's or an orchestrator's, is the consent), so that
-    /// the feed seeds the server from it and the stream goes on after it.
-    /// Returns whether it did.
+    /// what follows its end), the log starts over at it, as a re-seeding
+    /// would (the sync, an operator's or an orchestrator's, is the
+    /// consent), so that the feed seeds the server from it and the stream
+    /// goes on after it. Returns whether it did.
     pub fn start_over_for_sync(
         &self,
         upstream: &str,
