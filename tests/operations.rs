@@ -230,27 +230,6 @@ fn valid_but_for_certificates(what: &str, config: &str) {
     );
 }
 
-/// The indented blocks of `doc` that are configuration files (those that
-/// begin with a `# /etc/kvsync/kvsync.toml` comment).
-fn config_blocks(doc: &str) -> Vec<String> {
-    let mut blocks = Vec::new();
-    let mut current: Option<String> = None;
-    for line in doc.lines().chain([""]) {
-        match (line.strip_prefix("    "), current.as_mut()) {
-            (Some(l), Some(block)) => {
-                block.push_str(l);
-                block.push('\n');
-            }
-            (Some(l), None) if l.starts_with("# /etc/kvsync/kvsync.toml") => {
-                current = Some(format!("{l}\n"));
-            }
-            (None, Some(_)) if line.is_empty() => blocks.extend(current.take()),
-            _ => {}
-        }
-    }
-    blocks
-}
-
 #[test]
 fn the_quick_start_configurations_are_valid_but_for_the_certificates_they_name() {
     for (doc, text) in [

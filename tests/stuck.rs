@@ -290,3 +290,59 @@ fn a_stream_with_a_snapshot_dir_it_cannot_write_refuses_to_start_and_leaves_the_
         "no fork of the primary"
     );
 }
+
+/// A seeding asked right after the agents start, before the primary's
+/// agent has started its log: the offer waits for the log to reach the
+/// snapshot instead of refusing it ("the log holds nothing"). Here the
+/// primary is down when its agent starts (its RDB, saved at shutdown with
+/// its replication position, offered meanwhile) and comes back once the
+/// offer waits: its agent continues from the RDB's position, and the
+/// seeding goes on, in one attempt.
+fn a_seeding_asked_before_the_sources_log_started_waits_for_it(server: Server) {
+    let root = tempfile::tempdir().unwrap();
+    let root = root.path();
+    let primary = Redis::start(server, &root.join("p"), &[]);
+    primary.make_backlog(root);
+    primary.fill("before", 1000, "v");
+    let config = follower_config(&primary, &root.join("src-log"));
+    let (dir, port) = (primary.dir.clone(), primary.port);
+    let _ = primary.try_cmd::<()>(&["SHUTDOWN", "SAVE"]);
+    drop(primary);
+    let snaps = root.join("src-snaps");
+    std::fs::create_dir_all(&snaps).unwrap();
+    std::fs::copy(dir.join("dump.rdb"), snaps.join("dump.rdb")).unwrap();
+    let seq = kvsync::snapshot::verify_file(&snaps.join("dump.rdb"), None)
+        .unwrap()
+        .seq;
+    let source = agent(root, "src", &snaps, &config, &[]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(source.offered(seq));
+    let rs = Redis::standalone_replica(server, &root.join("rs"));
+    let replica = agent(
+        root,
+        "rep",
+        &root.join("rep-snaps"),
+        &feeding_puller_config(&root.join("rep-log"), &source, &rs),
+        &[],
+    );
+    let id = rt.block_on(start_sync(&replica, &source));
+    wait_for("the offer to wait for the log", DEADLINE, || {
+        source
+            .proc
+            .log()
+            .contains("waiting for the stream log to reach the snapshot")
+            .then_some(())
+    });
+    let primary = Redis::start_on(server, &dir, &[], None, port);
+    let done = rt.block_on(wait_done(&replica, &id));
+    assert_eq!(
+        done.phase,
+        kvsync::rpc::pb::Phase::Succeeded as i32,
+        "{done:?}"
+    );
+    assert_eq!(done.attempts, 1, "{done:?}");
+    converged(&rs, &primary, "the seeded server to follow the primary");
+    assert_eq!(primary.info("stats").num("sync_full"), 0, "no fork");
+}
+
+on_both_servers!(a_seeding_asked_before_the_sources_log_started_waits_for_it);

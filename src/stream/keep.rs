@@ -287,7 +287,7 @@ pub async fn run(
             feed: feed.addr,
             fed_run_id: fed.as_deref(),
             is_source: matches!(stream.source(), Source::Primary(_)),
-            restarted_since_fed: fed_at.is_some_and(|at| uptime < at.elapsed()),
+            restarted_since_fed: fed_at.is_some_and(|at| started_within(uptime, at.elapsed())),
             continued: seen
                 .held_before()
                 .is_some_and(|(id, at)| stream.view(|l| l.continues(id, at).is_ok())),
@@ -328,6 +328,15 @@ pub async fn run(
         };
         stream.set_server_health(health);
     }
+}
+
+/// Whether a server reporting `uptime` (its `uptime_in_seconds`) started
+/// within the last `ago`. The report is whole seconds of the server's
+/// clock (its start's second subtracted from now's), up to a second more
+/// than the time it has run: a server started 0.1 s after it was last seen
+/// fed (another process then), asked 4.9 s later, reports 5.
+fn started_within(uptime: Duration, ago: Duration) -> bool {
+    uptime < ago + Duration::from_secs(1)
 }
 
 /// Remembers `run_id` as the fed server's.
@@ -381,6 +390,24 @@ mod tests {
             restarted_since_fed: true,
             continued,
         }
+    }
+
+    #[test]
+    fn a_restart_is_read_through_the_rounding_of_its_uptime() {
+        // Seen fed at 25.45 s, restarted at 25.55 s, asked at 30.45 s.
+        assert!(started_within(
+            Duration::from_secs(5),
+            Duration::from_millis(5000)
+        ));
+        assert!(started_within(
+            Duration::from_secs(4),
+            Duration::from_millis(5000)
+        ));
+        // Running since well before it was last seen fed.
+        assert!(!started_within(
+            Duration::from_secs(7),
+            Duration::from_millis(5000)
+        ));
     }
 
     #[test]

@@ -397,6 +397,10 @@ fn stream_start(
 /// For an RDB, when the instance's primary is configured: the backlog
 /// guard's lease for session `id` (refused with what to do when the backlog
 /// cannot hold M+1 through the seeding), and the slack it has now.
+/// How long an offer to a replica fed from the stream log waits for the
+/// log to reach the snapshot it offers.
+const LOG_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
 async fn lease_backlog(
     instance: &Instance,
     id: &str,
@@ -405,19 +409,41 @@ async fn lease_backlog(
 ) -> Result<(Option<Lease>, u64), OfferError> {
     // A replica fed from a stream log takes the stream after M from this
     // agent's log, whose retention keeps every offered snapshot continuous:
-    // what the primary's backlog still holds does not matter to it. A
-    // snapshot saved a little ahead of the log under its current id (by a
-    // server fed faster than this log) is continued once the log has it.
+    // what the primary's backlog still holds does not matter to it. A log
+    // that has not started yet (the agent just started) or stands under
+    // the snapshot's id short of it (saved by a server fed faster than
+    // this log) is waited for, up to LOG_WAIT.
     if let (true, Some(stream)) = (from_stream_log, &instance.stream) {
         let replid = info.repl_id.as_deref().unwrap_or_default();
-        return stream.view(|log| match log.continues(replid, info.seq) {
-            Ok(()) => Ok((None, 0)),
-            Err(_) => Err(OfferError::Unsupported(format!(
-                "this agent's stream log does not continue the snapshot of seq {} (it holds {}): a replica fed from a stream log needs a snapshot the log continues",
-                info.seq,
-                log.describe()
-            ))),
-        });
+        let deadline = tokio::time::Instant::now() + LOG_WAIT;
+        let mut changed = stream.watch();
+        let mut waited = false;
+        loop {
+            let (continued, may_reach, held) = stream.view(|log| {
+                let may_reach = match log.position() {
+                    None => true,
+                    Some((id, end)) => id == replid && end < info.seq,
+                };
+                (log.continues(replid, info.seq), may_reach, log.describe())
+            });
+            match continued {
+                Ok(()) => return Ok((None, 0)),
+                Err(_) if may_reach && tokio::time::Instant::now() < deadline => {
+                    if !waited {
+                        info!(seq = info.seq, held, "waiting for the stream log to reach the snapshot before offering it");
+                        waited = true;
+                    }
+                    let _ = tokio::time::timeout_at(deadline, changed.changed()).await;
+                }
+                Err(_) => {
+                    return Err(OfferError::Unsupported(format!(
+                        "this agent's stream log does not continue the snapshot of seq {} (it holds {held}{}): a replica fed from a stream log needs a snapshot the log continues",
+                        info.seq,
+                        if may_reach { ", after waiting for it" } else { "" },
+                    )))
+                }
+            }
+        }
     }
     let Some(guard) = instance
         .backlog

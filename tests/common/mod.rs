@@ -509,3 +509,24 @@ pub fn cli_env(args: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// The indented blocks of `doc` that are configuration files (those that
+/// begin with a `# /etc/kvsync/kvsync.toml` comment).
+pub fn config_blocks(doc: &str) -> Vec<String> {
+    let mut blocks = Vec::new();
+    let mut current: Option<String> = None;
+    for line in doc.lines().chain([""]) {
+        match (line.strip_prefix("    "), current.as_mut()) {
+            (Some(l), Some(block)) => {
+                block.push_str(l);
+                block.push('\n');
+            }
+            (Some(l), None) if l.starts_with("# /etc/kvsync/kvsync.toml") => {
+                current = Some(format!("{l}\n"));
+            }
+            (None, Some(_)) if line.is_empty() => blocks.extend(current.take()),
+            _ => {}
+        }
+    }
+    blocks
+}
