@@ -60,6 +60,12 @@ pub struct StreamConfig {
     /// the log keeps the stream, the primary is never slowed.
     #[serde(with = "humantime_serde")]
     pub stall_timeout: Duration,
+    /// A `redis-stream` server more than this many bytes behind the log,
+    /// or still short of where the log stood `ready_lag` ago, makes its
+    /// instance `degraded` (not ready in `/readyz`) until it catches up.
+    pub ready_behind: ByteSize,
+    #[serde(with = "humantime_serde")]
+    pub ready_lag: Duration,
     /// The longest a ring session spins on its completion queue before it
     /// blocks on the completion channel (verbs spin 20 µs, 200 µs on soft
     /// devices; a lower value trades latency for CPU, 0 always blocks).
@@ -102,6 +108,8 @@ impl Default for StreamConfig {
             rdma_ring: ByteSize::mib(16),
             rdma_retry: Duration::from_secs(30),
             stall_timeout: Duration::from_secs(10),
+            ready_behind: ByteSize::mib(64),
+            ready_lag: Duration::from_secs(30),
             rdma_spin: Duration::from_micros(200),
             peers: Vec::new(),
             servers: Vec::new(),

@@ -163,6 +163,7 @@ async fn start_stream(instance: &mut Instance, parts: &Parts) -> Result<(), Star
             redis.clone(),
             (feed.clone(), stream.clone(), config.stream.dir.clone()),
             config.handoff.timeout,
+            (config.stream.ready_behind.as_u64(), config.stream.ready_lag),
             parts.metrics.clone(),
             stop.clone(),
         ));

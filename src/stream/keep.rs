@@ -157,6 +157,50 @@ pub struct Known<'a> {
     /// The log continues the history the server holds
     /// ([`Seen::held_before`]).
     pub continued: bool,
+    /// How far a fed server is behind the log ([`Lag`]).
+    pub behind: Behind,
+}
+
+/// How far a fed server is behind its log, and how far it may be while its
+/// instance counts as synced (`[stream] ready_behind`, `ready_lag`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Behind {
+    pub bytes: u64,
+    /// How long ago the log stood where the server stands now, at most
+    /// (zero: it holds all the log held at the last look).
+    pub age: Duration,
+    pub max_bytes: u64,
+    pub max_age: Duration,
+}
+
+/// The log's ends over time, to tell how long a fed server has been short
+/// of them: each look marks where the log ends; marks the server has
+/// reached are dropped, and the oldest left is its lag.
+#[derive(Debug, Default)]
+pub struct Lag(std::collections::VecDeque<(std::time::Instant, u64)>);
+
+impl Lag {
+    /// Marks the log's `end` at `now`, drops what the server at `at` has
+    /// reached, and returns how long ago the log stood beyond the server.
+    pub fn look(&mut self, now: std::time::Instant, end: u64, at: u64) -> Duration {
+        if self.0.back().is_some_and(|&(_, e)| e > end) {
+            // The log started over (at a snapshot): its old ends mean nothing.
+            self.0.clear();
+        }
+        if self.0.back().is_none_or(|&(_, e)| e < end) {
+            self.0.push_back((now, end));
+        }
+        while self.0.front().is_some_and(|&(_, e)| e <= at) {
+            self.0.pop_front();
+        }
+        // A bounded record: the oldest marks are what the lag reads.
+        if self.0.len() > 4096 {
+            self.0.remove(1);
+        }
+        self.0
+            .front()
+            .map_or(Duration::ZERO, |&(t, _)| now.saturating_duration_since(t))
+    }
 }
 
 /// What to do about the server.
@@ -178,9 +222,21 @@ pub enum Decision {
 /// Decides on the server `seen`, given what the agent `known`s.
 pub fn decide(seen: &Seen, known: Known) -> Decision {
     if seen.follows(known.feed) {
-        return Decision::Fed(match seen.link_up {
-            true => Health::ok("follows its feed"),
-            false => Health::degraded("follows its feed, its link is down"),
+        let b = known.behind;
+        return Decision::Fed(if !seen.link_up {
+            Health::degraded("follows its feed, its link is down")
+        } else if b.bytes > b.max_bytes {
+            Health::degraded(format!(
+                "follows its feed, {} bytes behind the log (ready within {})",
+                b.bytes, b.max_bytes
+            ))
+        } else if b.age > b.max_age {
+            Health::degraded(format!(
+                "follows its feed, short of where the log stood {:.0?} ago (ready within {:?})",
+                b.age, b.max_age
+            ))
+        } else {
+            Health::ok("follows its feed")
         });
     }
     if seen.replica {
@@ -248,12 +304,14 @@ fn fed_run_id(path: &Path) -> Option<String> {
 }
 
 /// Keeps instance `instance`'s server on `feed` (see the module's doc)
-/// until `stop`, reporting its health on `stream`.
+/// until `stop`, reporting its health on `stream`: `ready` bounds the
+/// bytes and the time it may be behind the log while it counts as synced.
 pub async fn run(
     instance: String,
     cfg: RedisConfig,
     (feed, stream, dir): (FeedHandle, SharedLog, PathBuf),
     timeout: Duration,
+    ready: (u64, Duration),
     metrics: Arc<Metrics>,
     stop: CancellationToken,
 ) {
@@ -265,6 +323,7 @@ pub async fn run(
     let repointed = metrics
         .stream_server_repointed
         .with_label_values(&[&instance]);
+    let mut lag = Lag::default();
     let mut tick = tokio::time::interval(cfg.health_interval.max(Duration::from_millis(100)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -291,6 +350,15 @@ pub async fn run(
             continued: seen
                 .held_before()
                 .is_some_and(|(id, at)| stream.view(|l| l.continues(id, at).is_ok())),
+            behind: {
+                let end = stream.position().map_or(0, |(_, end)| end);
+                Behind {
+                    bytes: end.saturating_sub(seen.offset),
+                    age: lag.look(std::time::Instant::now(), end, seen.offset),
+                    max_bytes: ready.0,
+                    max_age: ready.1,
+                }
+            },
         };
         let decision = decide(&seen, known);
         stream.set_server_left(matches!(decision, Decision::Left(_)));
@@ -389,7 +457,68 @@ mod tests {
             is_source,
             restarted_since_fed: true,
             continued,
+            behind: Behind::default(),
         }
+    }
+
+    #[test]
+    fn a_fed_server_is_ok_only_within_the_bounds_of_bytes_and_time_behind() {
+        let s = seen(true, Some(("127.0.0.1", 7000)), "a");
+        let bounds = Behind {
+            max_bytes: 1000,
+            max_age: Duration::from_secs(30),
+            ..Behind::default()
+        };
+        let verdict = |behind| match decide(
+            &s,
+            Known {
+                behind,
+                ..known(None, false, true)
+            },
+        ) {
+            Decision::Fed(h) => h,
+            d => panic!("{d:?}"),
+        };
+        assert_eq!(
+            verdict(Behind {
+                bytes: 1000,
+                ..bounds
+            })
+            .verdict,
+            Verdict::Ok
+        );
+        let h = verdict(Behind {
+            bytes: 1001,
+            ..bounds
+        });
+        assert_eq!(h.verdict, Verdict::Degraded);
+        assert!(h.reason.contains("1001 bytes behind"), "{}", h.reason);
+        let h = verdict(Behind {
+            age: Duration::from_secs(31),
+            ..bounds
+        });
+        assert_eq!(h.verdict, Verdict::Degraded);
+        assert!(
+            h.reason.contains("short of where the log stood"),
+            "{}",
+            h.reason
+        );
+    }
+
+    #[test]
+    fn the_lag_is_the_age_of_the_oldest_log_end_the_server_has_not_reached() {
+        let t0 = std::time::Instant::now();
+        let at = |s| t0 + Duration::from_secs(s);
+        let mut lag = Lag::default();
+        assert_eq!(lag.look(at(0), 100, 100), Duration::ZERO, "it holds all");
+        assert_eq!(lag.look(at(5), 200, 150), Duration::ZERO, "just marked");
+        assert_eq!(lag.look(at(10), 300, 150), Duration::from_secs(5));
+        assert_eq!(
+            lag.look(at(15), 300, 250),
+            Duration::from_secs(5),
+            "past 200, short of 300"
+        );
+        assert_eq!(lag.look(at(20), 300, 300), Duration::ZERO);
     }
 
     #[test]
