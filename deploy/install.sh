@@ -30,7 +30,8 @@ fi
 # The example config's snapshot_dir, and the state directory the unit
 # gives the agent (its stream log and backlog record live there).
 install -d -m 750 -o "$user" -g "$user" \
-    "$root/var/lib/kvstore/snapshots" "$root/var/lib/kvsync" "$root/var/lib/kvsync/stream"
+    "$root/var/lib/kvstore/snapshots" "$root/var/lib/kvsync" \
+    "$root/var/lib/kvsync/snapshots" "$root/var/lib/kvsync/stream"
 if [ -z "$root" ]; then
     systemctl daemon-reload
     echo "installed: edit /etc/kvsync/kvsync.toml, then systemctl enable --now kvsync"

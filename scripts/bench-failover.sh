@@ -70,7 +70,7 @@ median() { printf '%s\n' "$@" | sort -n | awk '{a[NR]=$1} END {print a[int((NR+1
 agent() { # NAME GRPC_PORT CONFIG: started, once ready
     local name=$1
     mkdir -p "$work/$name-snaps"
-    printf 'node_id = "%s"\nsnapshot_dir = "%s"\nsnapshot_format = "redis-rdb"\n[grpc]\nlisten = "127.0.0.1:%s"\n[data]\ntcp_listen = "127.0.0.1:0"\nrdma_port = 0\n[metrics]\nlisten = "127.0.0.1:0"\n%s\n' \
+    printf 'node_id = "%s"\ncreate_dirs = true\nsnapshot_dir = "%s"\nsnapshot_format = "redis-rdb"\n[grpc]\nlisten = "127.0.0.1:%s"\n[data]\ntcp_listen = "127.0.0.1:0"\nrdma_port = 0\n[metrics]\nlisten = "127.0.0.1:0"\n%s\n' \
         "$name" "$work/$name-snaps" "$2" "$3" >"$work/$name.toml"
     KVSYNC_LOG=info "$bin" agent --config "$work/$name.toml" >"$work/$name.out" 2>"$work/$name.log" &
     echo $! >>"$work/pids"

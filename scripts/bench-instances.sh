@@ -28,7 +28,7 @@ for i in $(seq "$n"); do
 done
 
 agent_head() {
-    printf 'node_id = "%s"\n[grpc]\nlisten = "127.0.0.1:0"\n[data]\ntcp_listen = "127.0.0.1:0"\nrdma_port = 0\n[metrics]\nlisten = ""\n[transport]\nmode = "tcp"\n[sync]\nmax_incoming_syncs = %s\nmax_outgoing_syncs = %s\n' "$1" "$n" "$n"
+    printf 'node_id = "%s"\ncreate_dirs = true\n[grpc]\nlisten = "127.0.0.1:0"\n[data]\ntcp_listen = "127.0.0.1:0"\nrdma_port = 0\n[metrics]\nlisten = ""\n[transport]\nmode = "tcp"\n[sync]\nmax_incoming_syncs = %s\nmax_outgoing_syncs = %s\n' "$1" "$n" "$n"
 }
 instance() { # NAME DIR
     printf '\n[[instance]]\nname = "%s"\nsnapshot_dir = "%s"\n' "$1" "$2"

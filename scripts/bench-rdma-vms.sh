@@ -44,6 +44,7 @@ agent() { # NAME GRPC_LISTEN
     mkdir -p "/tmp/kv/$1"
     cat > "/tmp/kv/$1.toml" <<EOT
 node_id = "$1"
+create_dirs = true
 snapshot_dir = "/tmp/kv/$1"
 [grpc]
 listen = "$2"

@@ -61,6 +61,7 @@ agent() {
     mkdir -p "$work/$name"
     cat > "$work/$name.toml" <<EOF
 node_id = "$name"
+create_dirs = true
 snapshot_dir = "$work/$name"
 [grpc]
 listen = "$ip:0"

@@ -59,6 +59,7 @@ agent() {
     mkdir -p "/tmp/kv/$1"
     cat > "/tmp/kv/$1.toml" <<EOT
 node_id = "$1"
+create_dirs = true
 snapshot_dir = "/tmp/kv/$1"
 snapshot_format = "redis-rdb"
 [grpc]

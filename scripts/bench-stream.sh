@@ -127,7 +127,7 @@ following() {
 # primary_agent NAME PRIMARY_PORT [ACK]: the agent following that primary,
 # acknowledging what ACK says (default "replicas").
 primary_agent() {
-    mkdir -p "$work/$1-snaps"
+    mkdir -p "$work/$1-snaps" "$work/$1-log"
     agent "$1" "node_id = \"$1\"
 snapshot_dir = \"$work/$1-snaps\"
 snapshot_format = \"redis-rdb\"
@@ -140,7 +140,7 @@ ack = \"${3:-replicas}\""
 }
 # feeding_agent NAME UPSTREAM SERVER_PORT: a replica agent feeding that server.
 feeding_agent() {
-    mkdir -p "$work/$1-snaps"
+    mkdir -p "$work/$1-snaps" "$work/$1-log"
     agent "$1" "node_id = \"$1\"
 snapshot_dir = \"$work/$1-snaps\"
 snapshot_format = \"redis-rdb\"

@@ -31,6 +31,7 @@ agent() { # NAME TLS_TABLE [DATA_KEY]
     mkdir -p "/tmp/kv/$1"
     cat > "/tmp/kv/$1.toml" <<EOT
 node_id = "$1"
+create_dirs = true
 snapshot_dir = "/tmp/kv/$1"
 [grpc]
 listen = "127.0.0.1:0"

@@ -154,6 +154,7 @@ rdma_port = 0
 listen = ""'
 src_up=$(now)
 src=$(agent source "node_id = \"source\"
+create_dirs = true
 snapshot_dir = \"$work/primary\"
 snapshot_format = \"redis-rdb\"
 $common
@@ -174,6 +175,7 @@ server_addr = \"127.0.0.1:$A\"
 primary = \"127.0.0.1:$P\""
 fi
 dst=$(agent replica "node_id = \"replica\"
+create_dirs = true
 snapshot_dir = \"$work/replica-agent\"
 snapshot_format = \"redis-rdb\"
 $common
@@ -255,6 +257,7 @@ server c $C --repl-diskless-load swapdb --replicaof 127.0.0.1 $P
 wait_link $C
 mkdir -p "$work/replica2-agent"
 dst2=$(agent replica2 "node_id = \"replica2\"
+create_dirs = true
 snapshot_dir = \"$work/replica2-agent\"
 snapshot_format = \"redis-rdb\"
 $common

@@ -129,7 +129,11 @@ fn the_install_script_leaves_a_config_only_the_agents_group_reads_and_dirs_its_u
         !as_user("nobody", "nogroup", &["cat", config]),
         "no one else does"
     );
-    for dir in ["var/lib/kvstore/snapshots", "var/lib/kvsync/stream"] {
+    for dir in [
+        "var/lib/kvstore/snapshots",
+        "var/lib/kvsync/snapshots",
+        "var/lib/kvsync/stream",
+    ] {
         let probe = r.join(dir).join("probe");
         assert!(
             as_user("redis", "redis", &["touch", probe.to_str().unwrap()]),
@@ -263,7 +267,7 @@ fn agent_config_with(root: &Path, name: &str, transport: &str, sync: &str) -> St
     std::fs::write(
         &path,
         format!(
-            "node_id = \"{name}\"\nsnapshot_dir = \"{}\"\n[grpc]\nlisten = \"127.0.0.1:0\"\n[data]\ntcp_listen = \"127.0.0.1:0\"\nrdma_port = 0\n[metrics]\nlisten = \"127.0.0.1:0\"\n[transport]\n{transport}\n[sync]\n{sync}\n",
+            "node_id = \"{name}\"\ncreate_dirs = true\nsnapshot_dir = \"{}\"\n[grpc]\nlisten = \"127.0.0.1:0\"\n[data]\ntcp_listen = \"127.0.0.1:0\"\nrdma_port = 0\n[metrics]\nlisten = \"127.0.0.1:0\"\n[transport]\n{transport}\n[sync]\n{sync}\n",
             dir.display()
         ),
     )
@@ -406,6 +410,97 @@ async fn sigterm_lets_a_running_transfer_finish_within_the_drain_timeout() {
         kvsync::kv::handoff::read_replmeta_seq(&replica.dir.join("s.kvr1.replmeta")),
         Some(12)
     );
+}
+
+/// What a restarted agent's status says of the syncs before it: the
+/// finished ones, kept in the instance's snapshot directory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sync_history_is_kept_across_a_restart() {
+    let root = tempfile::tempdir().unwrap();
+    let source = Node::start(root.path(), "source", "", &[]);
+    put_snapshot(&source.dir, "s.kvr1", 1 << 20, 5);
+    source.offered(5).await;
+    let mut replica = Node::start(root.path(), "replica", "", &[]);
+    let done = sync_ok(&replica, &source).await;
+    let recent = |s: &kvsync::rpc::pb::AgentStatus| {
+        s.instances[0]
+            .recent
+            .iter()
+            .map(|p| (p.sync_id.clone(), p.phase))
+            .collect::<Vec<_>>()
+    };
+    let before = recent(&replica.status().await);
+    assert_eq!(before.first().map(|r| &r.0), Some(&done.sync_id));
+    // The write follows the sync's end: wait for the file.
+    wait_for("the history to be kept", DEADLINE, || {
+        replica
+            .dir
+            .join(kvsync::sync::history::FILE)
+            .exists()
+            .then_some(())
+    });
+    replica.proc.signal(libc::SIGTERM);
+    assert_eq!(replica.proc.wait_exit(), Some(0));
+    drop(replica);
+    let replica = Node::start(root.path(), "replica", "", &[]);
+    assert_eq!(recent(&replica.status().await), before);
+}
+
+/// A mistyped directory is refused at start, not created empty, unless
+/// `create_dirs = true` asks for it.
+#[test]
+fn a_missing_directory_is_refused_unless_create_dirs_says_to_create_it() {
+    let root = tempfile::tempdir().unwrap();
+    let start = |config: &str| {
+        let path = root.path().join("agent.toml");
+        std::fs::write(
+            &path,
+            format!("{config}[grpc]\nlisten = \"127.0.0.1:0\"\n[data]\ntcp_listen = \"127.0.0.1:0\"\nrdma_port = 0\n[metrics]\nlisten = \"\"\n"),
+        )
+        .unwrap();
+        let mut child = std::process::Command::new(kvsync_bin())
+            .args(["agent", "--config", path.to_str().unwrap()])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut ready = String::new();
+        use std::io::BufRead;
+        std::io::BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut ready)
+            .unwrap();
+        let _ = child.kill();
+        let out = child.wait_with_output().unwrap();
+        (ready, String::from_utf8_lossy(&out.stderr).to_string())
+    };
+    let snaps = root.path().join("snapshts");
+    let (ready, log) = start(&format!("snapshot_dir = \"{}\"\n", snaps.display()));
+    assert!(ready.is_empty(), "{ready}");
+    assert!(
+        log.contains(&format!("snapshot_dir {} does not exist", snaps.display())),
+        "{log}"
+    );
+    assert!(!snaps.exists(), "nothing created");
+    std::fs::create_dir(&snaps).unwrap();
+    let log_dir = root.path().join("strem");
+    let stream = format!(
+        "snapshot_dir = \"{}\"\n[stream]\ndir = \"{}\"\nupstream = \"127.0.0.1:1\"\n",
+        snaps.display(),
+        log_dir.display()
+    );
+    let (ready, log) = start(&stream);
+    assert!(ready.is_empty(), "{ready}");
+    assert!(
+        log.contains(&format!(
+            "[stream] dir {} does not exist",
+            log_dir.display()
+        )),
+        "{log}"
+    );
+    assert!(!log_dir.exists(), "nothing created");
+    let (ready, log) = start(&format!("create_dirs = true\n{stream}"));
+    assert!(ready.contains("kvsync agent ready"), "{ready}{log}");
+    assert!(log_dir.is_dir());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -465,7 +465,10 @@ fn refused_config(config: &str) -> String {
     let dir = root.path().join("snap");
     std::fs::write(
         &file,
-        format!("snapshot_dir = \"{}\"\n{config}", dir.display()),
+        format!(
+            "create_dirs = true\nsnapshot_dir = \"{}\"\n{config}",
+            dir.display()
+        ),
     )
     .unwrap();
     let out = std::process::Command::new(kvsync_bin())

@@ -44,6 +44,7 @@ start_agent() {
     mkdir -p $dir
     cat > /tmp/kv/$name.toml <<EOT
 node_id = "$name"
+create_dirs = true
 snapshot_dir = "$dir"
 ${PRE:-}
 [grpc]
@@ -549,6 +550,7 @@ agent() {
     mkdir -p $dir
     cat > /tmp/kv/$1.toml <<EOT
 node_id = "$1"
+create_dirs = true
 snapshot_dir = "$dir"
 ${PRE:-}
 [grpc]

@@ -230,15 +230,51 @@ fn a_fed_server_restarted_from_its_own_config_is_back_on_its_feed_by_a_partial_r
     // writes (before the check, the seeding made it a replica of the feed).
     let () = rs.cmd(&["SET", "taken-as-master", "1"]);
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let p = rt.block_on(sync_from(&replica, &source.grpc()));
-    assert_eq!(p.phase, kvsync::rpc::pb::Phase::Failed as i32, "{p:?}");
-    assert!(
-        p.error.contains("refused, nothing was changed"),
-        "{}",
-        p.error
+    let refused = |rs: &Redis| {
+        let p = rt.block_on(sync_from(&replica, &source.grpc()));
+        assert_eq!(p.phase, kvsync::rpc::pb::Phase::Failed as i32, "{p:?}");
+        assert!(
+            p.error.contains("refused, nothing was changed"),
+            "{}",
+            p.error
+        );
+        assert_eq!(rs.info("replication").get("role"), Some("master"));
+        assert_eq!(rs.cmd::<i64>(&["EXISTS", "taken-as-master"]), 1);
+    };
+    refused(&rs);
+    // The same with the agent's record of the fed server damaged (a bad
+    // disk): a record that cannot be read is never "never fed".
+    let record = root
+        .path()
+        .join("rep-log")
+        .join(kvsync::stream::keep::RUN_ID_FILE);
+    assert!(record.exists());
+    std::fs::write(&record, b"\xff\xfe damaged").unwrap();
+    refused(&rs);
+
+    // Promoted on purpose, then crashed: restarted on the RDB of its fed
+    // days (the feed's id, at an offset the log continues), it is still
+    // the server someone chose, not a restart from the feed: left alone
+    // (before the fix, the keeper pointed it back at its feed).
+    let (dir, port) = (rs.dir.clone(), rs.port);
+    drop(rs);
+    let rs = Redis::standalone_replica_on(server, &dir, port);
+    let repl = rs.info("replication");
+    assert_eq!(
+        repl.num("second_repl_offset"),
+        repl.num("master_repl_offset") + 1,
+        "it holds its fed days' history"
     );
+    wait_for("the keeper to look at the new process", DEADLINE, || {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let s = rt.block_on(replica.status());
+        s.instances[0]
+            .health_reason
+            .contains("did not see restart from its feed")
+            .then_some(())
+    });
     assert_eq!(rs.info("replication").get("role"), Some("master"));
-    assert_eq!(rs.cmd::<i64>(&["EXISTS", "taken-as-master"]), 1);
+    assert_eq!(replica.metric(repointed), 1.0);
 }
 
 on_both_servers!(
@@ -263,7 +299,7 @@ fn a_stream_with_a_snapshot_dir_it_cannot_write_refuses_to_start_and_leaves_the_
     std::fs::write(
         &path,
         format!(
-            "snapshot_dir = \"{}\"\nsnapshot_format = \"redis-rdb\"\n[grpc]\nlisten = \"127.0.0.1:0\"\n[data]\ntcp_listen = \"127.0.0.1:0\"\nrdma_port = 0\n[metrics]\nlisten = \"\"\n{}",
+            "create_dirs = true\nsnapshot_dir = \"{}\"\nsnapshot_format = \"redis-rdb\"\n[grpc]\nlisten = \"127.0.0.1:0\"\n[data]\ntcp_listen = \"127.0.0.1:0\"\nrdma_port = 0\n[metrics]\nlisten = \"\"\n{}",
             snaps.display(),
             follower_config(&primary, &root.path().join("src-log"))
         ),
@@ -333,6 +369,43 @@ fn a_seeding_asked_before_the_sources_log_started_waits_for_it(server: Server) {
             .contains("waiting for the stream log to reach the snapshot")
             .then_some(())
     });
+    // Waiting offers hold no session slot: with as many more asks waiting
+    // or refused as the source has slots (16, each ask from another name),
+    // a replica's next ask is still answered, not refused as busy (before,
+    // each waiting ask held a slot for up to 30 s).
+    let ask = |name: String, from_stream_log: bool| {
+        let grpc = source.grpc();
+        async move {
+            kvsync::rpc::pb::peer_client::PeerClient::connect(format!("http://{grpc}"))
+                .await
+                .unwrap()
+                .open_full_sync(kvsync::rpc::pb::OpenFullSyncRequest {
+                    replica_node_id: name,
+                    format: "redis-rdb".into(),
+                    from_stream_log,
+                    ..Default::default()
+                })
+                .await
+        }
+    };
+    let asks: Vec<_> = (0..16)
+        .map(|i| rt.spawn(ask(format!("asker-{i}"), true)))
+        .collect();
+    wait_for("the asks to wait, or be refused", DEADLINE, || {
+        let waiting = source
+            .proc
+            .log()
+            .matches("waiting for the stream log to reach the snapshot")
+            .count();
+        let answered = asks.iter().filter(|a| a.is_finished()).count();
+        (waiting + answered > 16).then_some(())
+    });
+    let next = rt.block_on(ask("next".into(), false));
+    let message = next
+        .err()
+        .map(|e| e.message().to_string())
+        .unwrap_or_default();
+    assert!(!message.contains("already serves"), "{message}");
     let primary = Redis::start_on(server, &dir, &[], None, port);
     let done = rt.block_on(wait_done(&replica, &id));
     assert_eq!(

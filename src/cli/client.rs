@@ -686,6 +686,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
         let mut c = Config {
             node_id: name.to_string(),
             snapshot_dir: root.path().join(name),
+            create_dirs: true,
             ..Default::default()
         };
         c.grpc.listen = "127.0.0.1:0".into();

@@ -49,6 +49,10 @@ pub struct Config {
     pub snapshot_dir: PathBuf,
     /// Format of the snapshots in `snapshot_dir`.
     pub snapshot_format: Format,
+    /// Create a missing `snapshot_dir` or `[stream] dir` (with its
+    /// parents) at start. Off, a missing one is refused: a mistyped path
+    /// stops the agent instead of becoming a new, empty directory.
+    pub create_dirs: bool,
     pub grpc: GrpcConfig,
     pub data: DataConfig,
     pub transport: TransportConfig,
@@ -204,6 +208,7 @@ impl Default for Config {
             node_id: default_node_id(),
             snapshot_dir: PathBuf::from("/var/lib/kvstore/snapshots"),
             snapshot_format: Format::Kvr1,
+            create_dirs: false,
             grpc: GrpcConfig::default(),
             data: DataConfig::default(),
             transport: TransportConfig::default(),

@@ -24,9 +24,13 @@ use crate::transport::probe::LocalRdma;
 /// Why an instance could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
-    /// The snapshot directory cannot be created.
-    #[error("cannot create snapshot_dir {path}: {source}")]
-    SnapshotDir {
+    /// A directory it needs is missing and `create_dirs` is off.
+    #[error("{key} {} does not exist: a mistyped path? Create it (deploy/install.sh creates the default ones), or set create_dirs = true to have the agent create it", .path.display())]
+    MissingDir { key: &'static str, path: PathBuf },
+    /// A directory it needs cannot be created.
+    #[error("cannot create {key} {}: {source}", .path.display())]
+    Dir {
+        key: &'static str,
         path: PathBuf,
         source: std::io::Error,
     },
@@ -60,8 +64,35 @@ pub struct Parts {
     pub local_rdma: Arc<LocalRdma>,
 }
 
+/// Checks that directory `path` (setting `key`) exists, creating it when
+/// `create` says so.
+fn ensure_dir(
+    key: &'static str,
+    path: &std::path::Path,
+    create: bool,
+    instance: &str,
+) -> Result<(), StartError> {
+    if path.is_dir() {
+        return Ok(());
+    }
+    if !create {
+        return Err(StartError::MissingDir {
+            key,
+            path: path.to_path_buf(),
+        });
+    }
+    std::fs::create_dir_all(path).map_err(|source| StartError::Dir {
+        key,
+        path: path.to_path_buf(),
+        source,
+    })?;
+    info!(instance, key, path = %path.display(), "created the missing directory (create_dirs)");
+    Ok(())
+}
+
 /// Makes instance `ic`'s parts and starts its tasks: its snapshot
-/// directory (created, and swept of temp files that cannot be resumed), its
+/// directory (refused when missing unless `create_dirs`, and swept of temp
+/// files that cannot be resumed), its
 /// catalog and watcher, its primary's backlog guard, its stream (with
 /// `[stream] dir`) and its KV's seeding recovery, health poll and
 /// consistency check.
@@ -72,10 +103,12 @@ pub async fn start(
 ) -> Result<Arc<Instance>, StartError> {
     let config = agent.for_instance(ic);
     let (name, dir, redis) = (ic.name.as_str(), &config.snapshot_dir, &config.redis);
-    std::fs::create_dir_all(dir).map_err(|source| StartError::SnapshotDir {
-        path: dir.clone(),
-        source,
-    })?;
+    let stream_dir = config.stream.enabled().then_some(&config.stream.dir);
+    for (key, path) in [("snapshot_dir", Some(dir)), ("[stream] dir", stream_dir)] {
+        if let Some(path) = path {
+            ensure_dir(key, path, agent.create_dirs, name)?;
+        }
+    }
     // A stream that follows a primary saves its full resyncs' RDBs there:
     // refused now, not with a fork of the primary per failed write.
     if config.stream.enabled() && !redis.primary_addr.is_empty() {

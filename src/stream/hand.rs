@@ -62,6 +62,8 @@ pub enum HandError {
     FullResync,
     #[error("the server {server} took writes since it came back a master (or is no longer one): pointing it at the feed would drop them; nothing was changed")]
     TookWrites { server: String },
+    #[error("the server {server} changed since it was looked at ({what}): nothing was changed; it is looked at again")]
+    Changed { server: String, what: &'static str },
     #[error(transparent)]
     Redis(#[from] RedisError),
 }
@@ -217,16 +219,17 @@ pub async fn attach(
             server: server.clone(),
         });
     }
-    onto_feed(cfg, timeout, feed, stream, false).await
+    onto_feed(cfg, timeout, feed, stream, None).await
 }
 
 /// Points the server at the feed, which must continue it: the log holds
 /// its replication id at its offset ([`Log::continues`]), checked on the
 /// server's state now. `restarted`: the server is a master that came back
-/// from a restart, so the history it holds is its `master_replid2` (a
-/// server restarted as a master takes a new id), and only while it has
-/// taken no write since (its offset is where that history ended); the
-/// feed is told to continue its new id at exactly that offset
+/// from a restart, the process with this `run_id` (checked again, as is
+/// that the log follows no primary), so the history it holds is its
+/// `master_replid2` (a server restarted as a master takes a new id), and
+/// only while it has taken no write since (its offset is where that
+/// history ended); the feed is told to continue its new id at exactly that offset
 /// ([`FeedHandle::expect_restarted`]). A move the feed answers with
 /// anything but a continuation puts the server back where it was (its
 /// `masterauth`, and its master or none).
@@ -235,16 +238,26 @@ pub async fn onto_feed(
     timeout: Duration,
     feed: &FeedHandle,
     stream: &SharedLog,
-    restarted: bool,
+    restarted: Option<&str>,
 ) -> Result<String, HandError> {
     let (server, password) = (&cfg.server_addr, &cfg.password);
     let mut con = connect(server, password).await?;
-    let was = info(server, password, "replication").await?;
+    let was = infos(server, password, &["server", "replication"]).await?;
     let offset = was.num("master_repl_offset");
     let own = was.get("master_replid").unwrap_or_default().to_string();
     let id = match restarted {
-        false => own.clone(),
-        true => {
+        None => own.clone(),
+        Some(run_id) => {
+            let changed = |what| HandError::Changed {
+                server: server.clone(),
+                what,
+            };
+            if was.get("run_id") != Some(run_id) {
+                return Err(changed("another process"));
+            }
+            if matches!(stream.source(), super::source::Source::Primary(_)) {
+                return Err(changed("the stream log follows a primary now"));
+            }
             if was.get("role") != Some("master") || was.num("second_repl_offset") != offset + 1 {
                 return Err(HandError::TookWrites {
                     server: server.clone(),
@@ -261,7 +274,7 @@ pub async fn onto_feed(
             held,
         });
     }
-    if restarted {
+    if restarted.is_some() {
         feed.expect_restarted(own, (id.clone(), offset));
     }
     let target = feed.target();

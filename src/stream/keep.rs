@@ -8,7 +8,9 @@
 //! when all of these prove it is the same data restarted, not a promotion:
 //! its `run_id` differs from the one last seen fed (a new process; a
 //! `REPLICAOF NO ONE` keeps the `run_id`) and the process is younger than
-//! the time since this run last saw it fed, the log does not follow a
+//! the time since this run last saw it fed (and not since off its feed:
+//! a process once seen promoted or pointed elsewhere proves nothing by a
+//! later restart), the log does not follow a
 //! primary (the server may be it, under another name), it has taken
 //! no write since (a server restarted as a master shifts its id, as a
 //! promotion does: its offset is still where its old id ended), and the
@@ -280,15 +282,20 @@ pub fn decide(seen: &Seen, known: Known) -> Decision {
 /// Whether a seeding may replace the data of the server `cfg` names, fed
 /// from the log in `dir`: not when it is a master this agent once had on
 /// its feed (it left it: promoted, or restarted with writes or data the
-/// log does not continue, and holds what no one else may have). A server
-/// never fed (a new one) may be seeded. Returns why not.
+/// log does not continue, and holds what no one else may have), or whose
+/// record of that is damaged. A server never fed (a new one: no record)
+/// may be seeded. Returns why not.
 pub async fn may_seed(cfg: &RedisConfig, dir: &Path) -> Result<(), String> {
     let info = crate::kv::redis::info(&cfg.server_addr, &cfg.password, "replication")
         .await
         .map_err(|e| format!("cannot read the local server's role before seeding it: {e}"))?;
     let master = !Seen::read(&info).replica;
-    match (master, fed_run_id(&dir.join(RUN_ID_FILE))) {
-        (true, Some(_)) => Err(format!(
+    let path = dir.join(RUN_ID_FILE);
+    // A record that is there but unreadable (a bad disk) may be one of a
+    // server that was fed: never read as "never fed".
+    let fed = fed_run_id(&path).is_some() || path.symlink_metadata().is_ok();
+    match (master, fed) {
+        (true, true) => Err(format!(
             "the local server {} is a writable master since it left this agent's feed (promoted, or restarted with writes): a seeding would replace what it holds; fail over to it, or make it a replica yourself first, which discards that",
             cfg.server_addr
         )),
@@ -361,10 +368,11 @@ pub async fn run(
             },
         };
         let decision = decide(&seen, known);
+        let same_process = fed.as_deref() == Some(seen.run_id.as_str());
+        fed_at = seen_fed(fed_at, &decision, same_process, std::time::Instant::now());
         stream.set_server_left(matches!(decision, Decision::Left(_)));
         let health = match decision {
             Decision::Fed(health) => {
-                fed_at = Some(std::time::Instant::now());
                 if fed.as_deref() != Some(seen.run_id.as_str()) {
                     remember(&path, &seen.run_id).await;
                     fed = Some(seen.run_id.clone());
@@ -377,7 +385,9 @@ pub async fn run(
                     "came back a master from a restart: being pointed back at its feed",
                 ));
                 warn!(%instance, server, replid = %seen.replid, offset = seen.offset, "the fed server came back a master (restarted) with data the log continues: pointing it back at its feed");
-                match super::hand::onto_feed(&cfg, timeout, &feed, &stream, true).await {
+                match super::hand::onto_feed(&cfg, timeout, &feed, &stream, Some(&seen.run_id))
+                    .await
+                {
                     Ok(done) => {
                         // On its feed now: a promotion of this process
                         // from here on is one to leave alone.
@@ -388,6 +398,9 @@ pub async fn run(
                         info!(%instance, "{done}");
                         Health::ok(done)
                     }
+                    Err(e @ super::hand::HandError::Changed { .. }) => {
+                        Health::degraded(e.to_string())
+                    }
                     Err(e) => Health::stuck(format!(
                         "came back a master and could not be pointed back at its feed: {e}"
                     )),
@@ -395,6 +408,24 @@ pub async fn run(
             }
         };
         stream.set_server_health(health);
+    }
+}
+
+/// When this run last saw the server on its feed, after a look that
+/// `decided`: now, for a fed one; forgotten once the process last seen fed
+/// (`same_process`) is seen off its feed, promoted or pointed elsewhere
+/// while running, so that a later restart of it (a crash that loads an
+/// RDB of its fed days) is never read as a restart from the feed.
+fn seen_fed(
+    prev: Option<std::time::Instant>,
+    decided: &Decision,
+    same_process: bool,
+    now: std::time::Instant,
+) -> Option<std::time::Instant> {
+    match decided {
+        Decision::Fed(_) => Some(now),
+        _ if same_process => None,
+        _ => prev,
     }
 }
 
@@ -519,6 +550,24 @@ mod tests {
             "past 200, short of 300"
         );
         assert_eq!(lag.look(at(20), 300, 300), Duration::ZERO);
+    }
+
+    #[test]
+    fn a_process_seen_off_its_feed_is_no_longer_one_seen_fed() {
+        let (then, now) = (
+            std::time::Instant::now(),
+            std::time::Instant::now() + Duration::from_secs(1),
+        );
+        let fed = Decision::Fed(Health::ok("follows its feed"));
+        let left = Decision::Left(Health::stuck("promoted"));
+        assert_eq!(seen_fed(None, &fed, true, now), Some(now));
+        // Promoted (or pointed elsewhere) while running: forgotten.
+        assert_eq!(seen_fed(Some(then), &left, true, now), None);
+        // A new process (a restart being looked at): kept, to prove it.
+        assert_eq!(
+            seen_fed(Some(then), &Decision::Repoint, false, now),
+            Some(then)
+        );
     }
 
     #[test]

@@ -11,6 +11,7 @@
 //! answer.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -31,6 +32,7 @@ use crate::store::relay::RelaySource;
 use crate::store::served::{Served, SnapshotFile};
 use crate::stream::log::Log;
 use crate::stream::serve::{new_key, StreamOffers, StreamSession, WINDOW};
+use crate::stream::WriterState;
 use crate::transport::TransportKind;
 
 /// What a replica asks a source for.
@@ -199,6 +201,9 @@ impl Offers {
         let tls = data_tls(config, ask.data_tls)?;
         let transport = choose_transport(&self.data, ask)?;
         let tls = tls && transport == TransportKind::Tcp;
+        if ask.from_stream_log {
+            self.wait_for_log(&instance, ask.snapshot.as_ref()).await;
+        }
         if self.draining.is_cancelled() {
             return Err(OfferError::Draining);
         }
@@ -394,13 +399,96 @@ fn stream_start(
     })
 }
 
+/// How long an offer to a replica fed from the stream log waits for the
+/// log to reach the snapshot it would offer.
+const LOG_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Offers that wait for the stream log at once, in this agent: more go on
+/// to the offer's check at once.
+const MAX_LOG_WAITERS: usize = 8;
+
+/// Offers waiting for the stream log now.
+static LOG_WAITERS: AtomicUsize = AtomicUsize::new(0);
+
+/// A place among the [`MAX_LOG_WAITERS`], left on drop.
+struct LogWaiter;
+
+impl LogWaiter {
+    fn enter() -> Option<LogWaiter> {
+        let before = LOG_WAITERS.fetch_add(1, Ordering::Relaxed);
+        if before >= MAX_LOG_WAITERS {
+            LOG_WAITERS.fetch_sub(1, Ordering::Relaxed);
+            return None;
+        }
+        Some(LogWaiter)
+    }
+}
+
+impl Drop for LogWaiter {
+    fn drop(&mut self) {
+        LOG_WAITERS.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Offers {
+    /// For a replica fed from the stream log: waits, before it holds any
+    /// session slot, until the instance's log continues the snapshot an
+    /// offer would choose, while the log may still reach it: it holds
+    /// nothing yet (its agent just started, or its primary is not up
+    /// yet) or stands short of the snapshot under its id (saved by a
+    /// server fed faster than the log). At most [`LOG_WAIT`], at most
+    /// [`MAX_LOG_WAITERS`] offers at once, never once draining; the
+    /// offer's own check ([`lease_backlog`]) decides after it.
+    async fn wait_for_log(&self, instance: &Instance, want: Option<&SnapshotId>) {
+        let Some(stream) = &instance.stream else {
+            return;
+        };
+        let Ok(chosen) = choose(instance, want) else {
+            return;
+        };
+        let info = &chosen.entry.info;
+        let replid = info.repl_id.as_deref().unwrap_or_default();
+        let Some(_waiter) = LogWaiter::enter() else {
+            return;
+        };
+        let deadline = tokio::time::Instant::now() + LOG_WAIT;
+        let mut changed = stream.watch();
+        let mut told = false;
+        loop {
+            let (reachable, held) = stream.view(|log| {
+                let reachable = log.continues(replid, info.seq).is_err()
+                    && match log.position() {
+                        None => true,
+                        Some((id, end)) => id == replid && end < info.seq,
+                    };
+                (reachable, log.describe())
+            });
+            let needs_snapshot = matches!(stream.state(), WriterState::NeedsSnapshot { .. });
+            if !reachable || needs_snapshot {
+                return;
+            }
+            if !told {
+                info!(
+                    seq = info.seq,
+                    held, "waiting for the stream log to reach the snapshot before offering it"
+                );
+                told = true;
+            }
+            tokio::select! {
+                _ = self.draining.cancelled() => return,
+                woke = tokio::time::timeout_at(deadline, changed.changed()) => {
+                    if woke.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// For an RDB, when the instance's primary is configured: the backlog
 /// guard's lease for session `id` (refused with what to do when the backlog
 /// cannot hold M+1 through the seeding), and the slack it has now.
-/// How long an offer to a replica fed from the stream log waits for the
-/// log to reach the snapshot it offers.
-const LOG_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
-
 async fn lease_backlog(
     instance: &Instance,
     id: &str,
@@ -409,41 +497,19 @@ async fn lease_backlog(
 ) -> Result<(Option<Lease>, u64), OfferError> {
     // A replica fed from a stream log takes the stream after M from this
     // agent's log, whose retention keeps every offered snapshot continuous:
-    // what the primary's backlog still holds does not matter to it. A log
-    // that has not started yet (the agent just started) or stands under
-    // the snapshot's id short of it (saved by a server fed faster than
-    // this log) is waited for, up to LOG_WAIT.
+    // what the primary's backlog still holds does not matter to it (a log
+    // that may still reach the snapshot was waited for, in
+    // `Offers::wait_for_log`).
     if let (true, Some(stream)) = (from_stream_log, &instance.stream) {
         let replid = info.repl_id.as_deref().unwrap_or_default();
-        let deadline = tokio::time::Instant::now() + LOG_WAIT;
-        let mut changed = stream.watch();
-        let mut waited = false;
-        loop {
-            let (continued, may_reach, held) = stream.view(|log| {
-                let may_reach = match log.position() {
-                    None => true,
-                    Some((id, end)) => id == replid && end < info.seq,
-                };
-                (log.continues(replid, info.seq), may_reach, log.describe())
-            });
-            match continued {
-                Ok(()) => return Ok((None, 0)),
-                Err(_) if may_reach && tokio::time::Instant::now() < deadline => {
-                    if !waited {
-                        info!(seq = info.seq, held, "waiting for the stream log to reach the snapshot before offering it");
-                        waited = true;
-                    }
-                    let _ = tokio::time::timeout_at(deadline, changed.changed()).await;
-                }
-                Err(_) => {
-                    return Err(OfferError::Unsupported(format!(
-                        "this agent's stream log does not continue the snapshot of seq {} (it holds {held}{}): a replica fed from a stream log needs a snapshot the log continues",
-                        info.seq,
-                        if may_reach { ", after waiting for it" } else { "" },
-                    )))
-                }
-            }
-        }
+        return stream.view(|log| match log.continues(replid, info.seq) {
+            Ok(()) => Ok((None, 0)),
+            Err(_) => Err(OfferError::Unsupported(format!(
+                "this agent's stream log does not continue the snapshot of seq {} (it holds {}): a replica fed from a stream log needs a snapshot the log continues",
+                info.seq,
+                log.describe()
+            ))),
+        });
     }
     let Some(guard) = instance
         .backlog

@@ -418,7 +418,7 @@ fn start_agent(
     std::fs::write(
         &path,
         format!(
-            "node_id = \"{name}\"\nsnapshot_dir = \"{}\"\nsnapshot_format = \"redis-rdb\"\n[grpc]\nlisten = \"{ip}:{grpc_port}\"\n{plaintext}[data]\ntcp_listen = \"{ip}:0\"\nrdma_port = 0\n{data}[metrics]\nlisten = \"{ip}:0\"\n[watch]\ndebounce = \"20ms\"\n[sync]\nretries = 0\n{auth}{config}",
+            "node_id = \"{name}\"\ncreate_dirs = true\nsnapshot_dir = \"{}\"\nsnapshot_format = \"redis-rdb\"\n[grpc]\nlisten = \"{ip}:{grpc_port}\"\n{plaintext}[data]\ntcp_listen = \"{ip}:0\"\nrdma_port = 0\n{data}[metrics]\nlisten = \"{ip}:0\"\n[watch]\ndebounce = \"20ms\"\n[sync]\nretries = 0\n{auth}{config}",
             snapshot_dir.display()
         ),
     )
