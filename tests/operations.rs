@@ -412,40 +412,6 @@ async fn sigterm_lets_a_running_transfer_finish_within_the_drain_timeout() {
     );
 }
 
-/// What a restarted agent's status says of the syncs before it: the
-/// finished ones, kept in the instance's snapshot directory.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_sync_history_is_kept_across_a_restart() {
-    let root = tempfile::tempdir().unwrap();
-    let source = Node::start(root.path(), "source", "", &[]);
-    put_snapshot(&source.dir, "s.kvr1", 1 << 20, 5);
-    source.offered(5).await;
-    let mut replica = Node::start(root.path(), "replica", "", &[]);
-    let done = sync_ok(&replica, &source).await;
-    let recent = |s: &kvsync::rpc::pb::AgentStatus| {
-        s.instances[0]
-            .recent
-            .iter()
-            .map(|p| (p.sync_id.clone(), p.phase))
-            .collect::<Vec<_>>()
-    };
-    let before = recent(&replica.status().await);
-    assert_eq!(before.first().map(|r| &r.0), Some(&done.sync_id));
-    // The write follows the sync's end: wait for the file.
-    wait_for("the history to be kept", DEADLINE, || {
-        replica
-            .dir
-            .join(kvsync::sync::history::FILE)
-            .exists()
-            .then_some(())
-    });
-    replica.proc.signal(libc::SIGTERM);
-    assert_eq!(replica.proc.wait_exit(), Some(0));
-    drop(replica);
-    let replica = Node::start(root.path(), "replica", "", &[]);
-    assert_eq!(recent(&replica.status().await), before);
-}
-
 /// A mistyped directory is refused at start, not created empty, unless
 /// `create_dirs = true` asks for it.
 #[test]

@@ -4,7 +4,7 @@
 //! [`crate::instance`] it serves: starting one (or returning the running one for
 //! the same instance and source), their progress as a
 //! watchable [`pb::SyncProgress`], cancellation, and the list of recent
-//! finished syncs (kept across restarts by [`history`]). The job itself is driven by [`job`] and decided by
+//! finished syncs. The job itself is driven by [`job`] and decided by
 //! [`policy`], its receiving end is [`receive`] (run on several TCP
 //! streams at once by [`streams`]), why it failed is [`error`]. The source
 //! role: [`offer`] turns a replica's request into an offered session,
@@ -13,7 +13,6 @@
 //! [`crate::store::relay`]).
 
 pub mod error;
-pub mod history;
 pub mod job;
 pub mod offer;
 pub mod plane;
@@ -85,8 +84,6 @@ pub struct SyncManager {
     /// Syncs running at once (reloaded on SIGHUP).
     max_incoming: AtomicUsize,
     jobs: Mutex<Jobs>,
-    /// Serialises the writes of the kept history.
-    history: Mutex<()>,
     shutdown: CancellationToken,
     /// Cancelled when the agent starts draining: no new syncs.
     draining: CancellationToken,
@@ -107,20 +104,6 @@ pub struct Pull {
     pub source_instance: String,
 }
 
-/// The recent syncs every instance of `config` kept, newest first, at
-/// most `[sync] keep_recent`.
-fn kept_history(config: &Config) -> VecDeque<pb::SyncProgress> {
-    let keep = config.sync.keep_recent.max(1);
-    let mut all: Vec<_> = config
-        .instances()
-        .iter()
-        .flat_map(|i| history::load(&i.snapshot_dir, keep))
-        .collect();
-    all.sort_by_key(|p| std::cmp::Reverse(p.started_unix_ms));
-    all.truncate(keep);
-    all.into()
-}
-
 /// Most upstream sources of one sync (a fan-out tree's depth).
 const MAX_UPSTREAM: usize = 16;
 
@@ -137,13 +120,9 @@ impl SyncManager {
             metrics,
             rdma,
             max_incoming: AtomicUsize::new(config.sync.max_incoming_syncs),
-            jobs: Mutex::new(Jobs {
-                running: HashMap::new(),
-                recent: kept_history(&config),
-            }),
             config,
             dialer,
-            history: Mutex::new(()),
+            jobs: Mutex::default(),
             shutdown,
             draining,
         })
@@ -247,15 +226,10 @@ impl SyncManager {
             cancel,
         };
         let me = self.clone();
-        let (name, dir) = (instance.name.clone(), instance.config.snapshot_dir.clone());
         tokio::spawn(async move {
             let id = ctx.id.clone();
             let last = job::run(ctx).await;
             me.finish(&id, last);
-            let kept = tokio::task::spawn_blocking(move || me.keep_history(&name, &dir)).await;
-            if let Ok(Err(e)) = kept {
-                tracing::warn!(error = %e, "cannot keep the sync history: status forgets it at a restart");
-            }
         });
         Ok((id, true))
     }
@@ -301,13 +275,6 @@ impl SyncManager {
             .find(|p| p.sync_id == id)
             .map(|p| watch::channel(p.clone()).1)
             .ok_or_else(|| SyncError::NoSuchSync(id.to_string()))
-    }
-
-    /// Writes `instance`'s recent syncs, as they stand now, to its
-    /// history in `dir`.
-    fn keep_history(&self, instance: &str, dir: &std::path::Path) -> std::io::Result<()> {
-        let _one_writer = self.history.lock().unwrap_or_else(|e| e.into_inner());
-        history::save(dir, &self.recent(instance))
     }
 
     /// Changes how many syncs may run at once (running ones continue).
