@@ -1622,7 +1622,7 @@ fn multi_instance_agent(root: &Path, name: &str, instances: &str) -> Node {
     std::fs::write(
         &path,
         format!(
-            "node_id = \"{name}\"\n[grpc]\nlisten = \"127.0.0.1:0\"\n[data]\ntcp_listen = \"127.0.0.1:0\"\nrdma_port = 0\n[metrics]\nlisten = \"127.0.0.1:0\"\n[watch]\ndebounce = \"20ms\"\n[sync]\nretries = 0\n[transport]\nmode = \"auto\"\nrdma_provider = \"emulated\"\n{instances}"
+            "node_id = \"{name}\"\ncreate_dirs = true\n[grpc]\nlisten = \"127.0.0.1:0\"\n[data]\ntcp_listen = \"127.0.0.1:0\"\nrdma_port = 0\n[metrics]\nlisten = \"127.0.0.1:0\"\n[watch]\ndebounce = \"20ms\"\n[sync]\nretries = 0\n[transport]\nmode = \"auto\"\nrdma_provider = \"emulated\"\n{instances}"
         ),
     )
     .unwrap();
