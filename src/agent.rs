@@ -456,11 +456,14 @@ impl RunningAgent {
 }
 
 /// Reads and checks what must be right before anything binds: fault
-/// injection, tokens and TLS files.
+/// injection, the agent's state directory, tokens and TLS files.
 fn prepare(config: &Config) -> Result<Prepared, AgentError> {
     let faults = faults::load()?;
     if faults.any() {
         warn!(?faults, "FAULT INJECTION ACTIVE (KVSYNC_FAULTS): this agent corrupts or stalls transfers on purpose");
+    }
+    if let Some(dir) = &config.state_dir {
+        instance::start::ensure_dir("state_dir", dir, config.create_dirs)?;
     }
     let tokens = Tokens::load(config.auth.token_file.as_deref()).map_err(AgentError::Tokens)?;
     let peer_tokens = match &config.auth.peer_token_file {

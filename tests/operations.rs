@@ -131,6 +131,7 @@ fn the_install_script_leaves_a_config_only_the_agents_group_reads_and_dirs_its_u
     );
     for dir in [
         "var/lib/kvstore/snapshots",
+        "var/lib/kvsync",
         "var/lib/kvsync/snapshots",
         "var/lib/kvsync/stream",
     ] {
@@ -412,6 +413,49 @@ async fn sigterm_lets_a_running_transfer_finish_within_the_drain_timeout() {
     );
 }
 
+/// What a restarted agent's status says of the syncs before it: the
+/// finished ones, kept in its `state_dir` (the harness gives every agent
+/// one), none of it in the KV's directory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sync_history_is_kept_across_a_restart_in_the_agents_state_dir() {
+    let root = tempfile::tempdir().unwrap();
+    let source = Node::start(root.path(), "source", "", &[]);
+    put_snapshot(&source.dir, "s.kvr1", 1 << 20, 5);
+    source.offered(5).await;
+    let mut replica = Node::start(root.path(), "replica", "", &[]);
+    let done = sync_ok(&replica, &source).await;
+    let recent = |s: &kvsync::rpc::pb::AgentStatus| {
+        s.instances[0]
+            .recent
+            .iter()
+            .map(|p| (p.sync_id.clone(), p.phase))
+            .collect::<Vec<_>>()
+    };
+    let before = recent(&replica.status().await);
+    assert_eq!(before.first().map(|r| &r.0), Some(&done.sync_id));
+    // The write follows the sync's end: wait for the file.
+    let kept = root
+        .path()
+        .join("replica-state")
+        .join(kvsync::sync::history::FILE);
+    wait_for("the history to be kept", DEADLINE, || {
+        kept.exists().then_some(())
+    });
+    let in_kv_dir: Vec<_> = std::fs::read_dir(&replica.dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        !in_kv_dir.iter().any(|n| n.contains("history")),
+        "none of it in the KV's directory: {in_kv_dir:?}"
+    );
+    replica.proc.signal(libc::SIGTERM);
+    assert_eq!(replica.proc.wait_exit(), Some(0));
+    drop(replica);
+    let replica = Node::start(root.path(), "replica", "", &[]);
+    assert_eq!(recent(&replica.status().await), before);
+}
+
 /// A mistyped directory is refused at start, not created empty, unless
 /// `create_dirs = true` asks for it.
 #[test]
@@ -448,6 +492,18 @@ fn a_missing_directory_is_refused_unless_create_dirs_says_to_create_it() {
     );
     assert!(!snaps.exists(), "nothing created");
     std::fs::create_dir(&snaps).unwrap();
+    let state = root.path().join("stat");
+    let (ready, log) = start(&format!(
+        "snapshot_dir = \"{}\"\nstate_dir = \"{}\"\n",
+        snaps.display(),
+        state.display()
+    ));
+    assert!(ready.is_empty(), "{ready}");
+    assert!(
+        log.contains(&format!("state_dir {} does not exist", state.display())),
+        "{log}"
+    );
+    assert!(!state.exists(), "nothing created");
     let log_dir = root.path().join("strem");
     let stream = format!(
         "snapshot_dir = \"{}\"\n[stream]\ndir = \"{}\"\nupstream = \"127.0.0.1:1\"\n",
@@ -464,9 +520,12 @@ fn a_missing_directory_is_refused_unless_create_dirs_says_to_create_it() {
         "{log}"
     );
     assert!(!log_dir.exists(), "nothing created");
-    let (ready, log) = start(&format!("create_dirs = true\n{stream}"));
+    let (ready, log) = start(&format!(
+        "create_dirs = true\nstate_dir = \"{}\"\n{stream}",
+        state.display()
+    ));
     assert!(ready.contains("kvsync agent ready"), "{ready}{log}");
-    assert!(log_dir.is_dir());
+    assert!(log_dir.is_dir() && state.is_dir());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

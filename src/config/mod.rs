@@ -49,10 +49,14 @@ pub struct Config {
     pub snapshot_dir: PathBuf,
     /// Format of the snapshots in `snapshot_dir`.
     pub snapshot_format: Format,
-    /// Create a missing `snapshot_dir` or `[stream] dir` (with its
+    /// Create a missing `snapshot_dir`, `[stream] dir` or `state_dir` (with its
     /// parents) at start. Off, a missing one is refused: a mistyped path
     /// stops the agent instead of becoming a new, empty directory.
     pub create_dirs: bool,
+    /// The agent's own directory (none of a KV's): the finished syncs
+    /// `status` lists are kept there across restarts. Unset, they are kept
+    /// in memory only.
+    pub state_dir: Option<PathBuf>,
     pub grpc: GrpcConfig,
     pub data: DataConfig,
     pub transport: TransportConfig,
@@ -209,6 +213,7 @@ impl Default for Config {
             snapshot_dir: PathBuf::from("/var/lib/kvstore/snapshots"),
             snapshot_format: Format::Kvr1,
             create_dirs: false,
+            state_dir: None,
             grpc: GrpcConfig::default(),
             data: DataConfig::default(),
             transport: TransportConfig::default(),
@@ -498,6 +503,27 @@ impl Config {
         for (what, of) in checks {
             for message in shared(what, of) {
                 p.bad("instance", message);
+            }
+        }
+        if let Some(state) = &self.state_dir {
+            let state_path = normal_path(state);
+            let used = instances.iter().find(|i| {
+                normal_path(&i.snapshot_dir) == state_path
+                    || (i.stream.enabled() && normal_path(&i.stream.dir) == state_path)
+            });
+            if !state.is_absolute() {
+                p.bad(
+                    "state_dir",
+                    format!("must be an absolute path, got {state:?}"),
+                );
+            } else if let Some(i) = used {
+                p.bad(
+                    "state_dir",
+                    format!(
+                        "{state_path} is instance {:?}'s snapshot_dir or stream log dir; give the agent a directory of its own",
+                        i.name
+                    ),
+                );
             }
         }
     }

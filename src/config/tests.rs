@@ -118,6 +118,22 @@ fn instances_may_not_share_a_name_a_redis_server_or_a_seed_port() {
 }
 
 #[test]
+fn the_state_dir_is_the_agents_own_absolute_directory() {
+    let problems = |text: &str| Config::parse(text).unwrap().validate().unwrap_err();
+    let p = problems("snapshot_dir = \"/kv\"\nstate_dir = \"/kv/\"\n");
+    assert_eq!(p[0].key, "state_dir", "{p:?}");
+    assert!(p[0].message.contains("\"default\"'s snapshot_dir"), "{p:?}");
+    let p = problems(
+        "snapshot_dir = \"/kv\"\nstate_dir = \"/var/lib/kvsync/stream\"\n[stream]\ndir = \"/var/lib/kvsync/stream\"\nupstream = \"10.0.0.1:35101\"\n",
+    );
+    assert!(p[0].message.contains("stream log dir"), "{p:?}");
+    let p = problems("state_dir = \"kvsync\"\n");
+    assert!(p[0].message.contains("absolute"), "{p:?}");
+    let c = Config::parse("snapshot_dir = \"/kv\"\nstate_dir = \"/var/lib/kvsync\"\n").unwrap();
+    c.validate().unwrap();
+}
+
+#[test]
 fn the_reference_configs_instance_example_parses_and_validates() {
     let text = include_str!("../../deploy/kvsync.toml");
     let example: String = text[text.find("# [[instance]]").expect("the example")..]

@@ -65,12 +65,11 @@ pub struct Parts {
 }
 
 /// Checks that directory `path` (setting `key`) exists, creating it when
-/// `create` says so.
-fn ensure_dir(
+/// `create` (`create_dirs`) says so.
+pub fn ensure_dir(
     key: &'static str,
     path: &std::path::Path,
     create: bool,
-    instance: &str,
 ) -> Result<(), StartError> {
     if path.is_dir() {
         return Ok(());
@@ -86,7 +85,7 @@ fn ensure_dir(
         path: path.to_path_buf(),
         source,
     })?;
-    info!(instance, key, path = %path.display(), "created the missing directory (create_dirs)");
+    info!(key, path = %path.display(), "created the missing directory (create_dirs)");
     Ok(())
 }
 
@@ -106,7 +105,7 @@ pub async fn start(
     let stream_dir = config.stream.enabled().then_some(&config.stream.dir);
     for (key, path) in [("snapshot_dir", Some(dir)), ("[stream] dir", stream_dir)] {
         if let Some(path) = path {
-            ensure_dir(key, path, agent.create_dirs, name)?;
+            ensure_dir(key, path, agent.create_dirs)?;
         }
     }
     // A stream that follows a primary saves its full resyncs' RDBs there:

@@ -4,7 +4,7 @@
 //! [`crate::instance`] it serves: starting one (or returning the running one for
 //! the same instance and source), their progress as a
 //! watchable [`pb::SyncProgress`], cancellation, and the list of recent
-//! finished syncs. The job itself is driven by [`job`] and decided by
+//! finished syncs (kept across restarts by [`history`]). The job itself is driven by [`job`] and decided by
 //! [`policy`], its receiving end is [`receive`] (run on several TCP
 //! streams at once by [`streams`]), why it failed is [`error`]. The source
 //! role: [`offer`] turns a replica's request into an offered session,
@@ -13,6 +13,7 @@
 //! [`crate::store::relay`]).
 
 pub mod error;
+pub mod history;
 pub mod job;
 pub mod offer;
 pub mod plane;
@@ -84,6 +85,8 @@ pub struct SyncManager {
     /// Syncs running at once (reloaded on SIGHUP).
     max_incoming: AtomicUsize,
     jobs: Mutex<Jobs>,
+    /// Serialises the writes of the history kept in `state_dir`.
+    history: Mutex<()>,
     shutdown: CancellationToken,
     /// Cancelled when the agent starts draining: no new syncs.
     draining: CancellationToken,
@@ -120,9 +123,16 @@ impl SyncManager {
             metrics,
             rdma,
             max_incoming: AtomicUsize::new(config.sync.max_incoming_syncs),
+            jobs: Mutex::new(Jobs {
+                running: HashMap::new(),
+                recent: match &config.state_dir {
+                    Some(dir) => history::load(dir, config.sync.keep_recent.max(1)).into(),
+                    None => VecDeque::new(),
+                },
+            }),
             config,
             dialer,
-            jobs: Mutex::default(),
+            history: Mutex::new(()),
             shutdown,
             draining,
         })
@@ -230,6 +240,12 @@ impl SyncManager {
             let id = ctx.id.clone();
             let last = job::run(ctx).await;
             me.finish(&id, last);
+            if me.config.state_dir.is_some() {
+                let kept = tokio::task::spawn_blocking(move || me.keep_history()).await;
+                if let Ok(Err(e)) = kept {
+                    tracing::warn!(error = %e, "cannot keep the sync history: status forgets it at a restart");
+                }
+            }
         });
         Ok((id, true))
     }
@@ -275,6 +291,17 @@ impl SyncManager {
             .find(|p| p.sync_id == id)
             .map(|p| watch::channel(p.clone()).1)
             .ok_or_else(|| SyncError::NoSuchSync(id.to_string()))
+    }
+
+    /// Writes the recent syncs, as they stand now, to the history in
+    /// `state_dir` (when there is one).
+    fn keep_history(&self) -> std::io::Result<()> {
+        let Some(dir) = &self.config.state_dir else {
+            return Ok(());
+        };
+        let _one_writer = self.history.lock().unwrap_or_else(|e| e.into_inner());
+        let recent: Vec<_> = self.jobs.lock().expect("jobs lock").recent.clone().into();
+        history::save(dir, &recent)
     }
 
     /// Changes how many syncs may run at once (running ones continue).

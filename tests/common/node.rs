@@ -91,8 +91,9 @@ impl Node {
         std::fs::write(
             &config,
             format!(
-                "node_id = \"{name}\"\ncreate_dirs = true\nsnapshot_dir = \"{}\"\n[grpc]\nlisten = \"{ip}:0\"\n{plaintext}[data]\ntcp_listen = \"{ip}:0\"\nrdma_port = 0\npeer_timeout = \"5s\"\n{data_extra}[metrics]\nlisten = \"{ip}:0\"\n[watch]\ndebounce = \"20ms\"\n{auth}[transport]\n{transport}\n{extra}",
-                dir.display()
+                "node_id = \"{name}\"\ncreate_dirs = true\nsnapshot_dir = \"{}\"\nstate_dir = \"{}\"\n[grpc]\nlisten = \"{ip}:0\"\n{plaintext}[data]\ntcp_listen = \"{ip}:0\"\nrdma_port = 0\npeer_timeout = \"5s\"\n{data_extra}[metrics]\nlisten = \"{ip}:0\"\n[watch]\ndebounce = \"20ms\"\n{auth}[transport]\n{transport}\n{extra}",
+                dir.display(),
+                root.join(format!("{name}-state")).display()
             ),
         )
         .unwrap();
