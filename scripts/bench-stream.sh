@@ -28,6 +28,8 @@
 # Knobs: KEEP=1 (keep the servers' and agents' files) RATE=1048576 LAT_SECS=10 BENCH_N=1000000 PART_SECS=60
 #        SERVER=redis|valkey PARTS="1 2 3 4 5" (which measurements)
 #        CATCHUP_MB=200 AWAY=20 (part 3)
+#        PERF=DIR (part 1: `perf record -g` of both agents during each kvsync
+#        run, into DIR/src-RUN.data and DIR/rep-RUN.data)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/servers.sh
@@ -191,7 +193,16 @@ for run in $(seq "$runs"); do
         p=${primary_of[$setup]}
         "$examples/redis_writer" "127.0.0.1:$p" "$rate" 100 >/dev/null &
         writer=$!
+        profiled=()
+        if [ -n "${PERF:-}" ] && [ "$setup" = kvsync ]; then
+            mkdir -p "$PERF"
+            for a in src rep; do
+                perf record -q -F 999 -g -o "$PERF/$a-$run.data" -p "$(cat "$work/$a.pid")" 2>/dev/null &
+                profiled+=($!)
+            done
+        fi
         line=$("$examples/wait_latency" "127.0.0.1:$p" "$lat_secs")
+        for pp in "${profiled[@]}"; do kill -INT "$pp"; wait "$pp" 2>/dev/null || true; done
         kill "$writer"; wait "$writer" 2>/dev/null || true
         echo "latency run $run $setup: $line" >&2
         p50[$setup]+="$(echo "$line" | sed -E 's/.*p50_ms=([0-9.]+).*/\1/') "

@@ -143,6 +143,7 @@ pub struct Metrics {
     pub stream_lag: HistogramVec,
     pub stream_behind_bytes: IntGaugeVec,
     pub stream_checksum_failures: IntCounterVec,
+    pub stream_read_bytes: IntCounterVec,
     pub stream_write_errors: IntCounterVec,
     pub stream_diverged: IntCounterVec,
     pub stream_snapshots_taken: IntCounterVec,
@@ -368,6 +369,13 @@ impl Metrics {
                     "Records of the stream log found damaged on reading (disk, memory): never served, cut off and fetched again from upstream"
                 ),
                 &["kv_instance"]
+            )),
+            stream_read_bytes: reg!(IntCounterVec::new(
+                Opts::new(
+                    "kvsync_stream_read_bytes_total",
+                    "Stream log bytes its readers (sessions, the feed) got, by where from: memory (the log's newest bytes) or file (a reader further behind)"
+                ),
+                &["kv_instance", "from"]
             )),
             stream_diverged: reg!(IntCounterVec::new(
                 Opts::new(
@@ -654,6 +662,9 @@ impl Metrics {
             self.stream_fallback.with_label_values(&[name, reason]);
         }
         self.stream_checksum_failures.with_label_values(&[name]);
+        for from in ["memory", "file"] {
+            self.stream_read_bytes.with_label_values(&[name, from]);
+        }
         self.stream_write_errors.with_label_values(&[name]);
         self.stream_diverged.with_label_values(&[name]);
         self.stream_snapshots_taken.with_label_values(&[name]);
@@ -733,6 +744,9 @@ impl Metrics {
         let _ = self.stream_lag.remove_label_values(&[name]);
         let _ = self.stream_behind_bytes.remove_label_values(&[name]);
         let _ = self.stream_checksum_failures.remove_label_values(&[name]);
+        for from in ["memory", "file"] {
+            let _ = self.stream_read_bytes.remove_label_values(&[name, from]);
+        }
         let _ = self.stream_write_errors.remove_label_values(&[name]);
         let _ = self.stream_diverged.remove_label_values(&[name]);
         let _ = self.stream_sentinel_dissent.remove_label_values(&[name]);

@@ -642,7 +642,13 @@ fn a_record_damaged_on_disk_is_never_served_and_is_fetched_again_from_the_primar
     let root = tempfile::tempdir().unwrap();
     let primary = Redis::start(server, &root.path().join("p"), &[]);
     let src_log = root.path().join("src-log");
-    let source = following_source(root.path(), &primary, &[]);
+    // Every reader reads the files (none of the log's newest bytes are
+    // kept in memory), as one further behind than those does.
+    let config = format!(
+        "{}memory_tail = \"0\"\n",
+        follower_config(&primary, &src_log)
+    );
+    let source = source_with(root.path(), &config, &[]);
     primary.fill("k", 1000, "value-of-the-stream");
     let end = wait_logged(&source, &primary, "the source agent to log the stream");
     // One flipped bit in the bytes of the log's first record, on disk.
@@ -708,6 +714,58 @@ fn a_record_damaged_on_disk_is_never_served_and_is_fetched_again_from_the_primar
 }
 
 on_both_servers!(a_record_damaged_on_disk_is_never_served_and_is_fetched_again_from_the_primary);
+
+/// The live stream is served from the log's newest bytes in memory: a
+/// replica agent that keeps up never makes its source read a file. One
+/// that starts behind a restarted source (whose memory holds nothing of
+/// what it logged before) is served from the files, the same bytes.
+#[test]
+fn the_live_stream_is_served_from_memory_and_a_reader_behind_it_from_the_files() {
+    let root = tempfile::tempdir().unwrap();
+    let primary = Redis::start(Server::Redis, &root.path().join("p"), &[]);
+    let src_log = root.path().join("src-log");
+    let config = follower_config(&primary, &src_log);
+    let mut source = source_with(root.path(), &config, &[]);
+    let replica_of = |source: &Node, name: &str| {
+        let log = root.path().join(format!("{name}-log"));
+        let snaps = root.path().join(format!("{name}-snaps"));
+        (
+            agent(root.path(), name, &snaps, &puller_config(source, &log), &[]),
+            log,
+        )
+    };
+    let (replica, _) = replica_of(&source, "rep");
+    primary.fill("k", 1000, "value-of-the-stream");
+    wait_logged(&replica, &primary, "the replica agent to hold the stream");
+    let read = |agent: &Node, from: &str| {
+        agent.metric(&format!(
+            "kvsync_stream_read_bytes_total{{from=\"{from}\",kv_instance=\"default\"}}"
+        ))
+    };
+    assert!(read(&source, "memory") > 0.0);
+    assert_eq!(
+        read(&source, "file"),
+        0.0,
+        "no file read for the live stream"
+    );
+    drop(replica);
+    source.proc.signal(libc::SIGTERM);
+    assert_eq!(source.proc.wait_exit(), Some(0));
+    drop(source);
+    let source = source_with(root.path(), &config, &[]);
+    let (late, late_log) = replica_of(&source, "late");
+    let end = wait_logged(&late, &primary, "the late replica agent to hold the stream");
+    assert!(
+        read(&source, "file") > 0.0,
+        "what it logged before is read from the files"
+    );
+    drop(late);
+    drop(source);
+    let (first, src) = log_bytes(&src_log);
+    let (late_first, late) = log_bytes(&late_log);
+    assert_eq!((late_first, first + src.len() as u64), (first, end));
+    assert!(late == src, "the same bytes");
+}
 
 fn a_full_log_disk_stops_logging_with_an_error_and_leaves_the_primary_alone(server: Server) {
     let root = tempfile::tempdir().unwrap();

@@ -32,6 +32,10 @@ pub struct StreamConfig {
     pub retain_age: Duration,
     /// The size a segment file is closed at.
     pub segment_size: ByteSize,
+    /// The log's newest bytes kept in memory (up to twice this), from which
+    /// readers at or near its end are served without a file read; 0 reads
+    /// every byte from the files.
+    pub memory_tail: ByteSize,
     pub fsync: Fsync,
     /// What the agent that follows a primary acknowledges to it.
     pub ack: StreamAck,
@@ -102,6 +106,7 @@ impl Default for StreamConfig {
             retain: ByteSize::gib(1),
             retain_age: Duration::from_secs(24 * 3600),
             segment_size: ByteSize::mib(64),
+            memory_tail: ByteSize::mib(8),
             fsync: Fsync::Everysec,
             ack: StreamAck::Log,
             reseed: true,
@@ -247,6 +252,12 @@ impl Config {
                     "must be 0 or a power of two from 1 MiB to 1 GiB, got {}",
                     st.rdma_ring
                 ),
+            );
+        }
+        if st.memory_tail > ByteSize::gib(1) {
+            p.bad(
+                "stream.memory_tail",
+                format!("must be at most 1 GiB, got {}", st.memory_tail),
             );
         }
         if st.retain < st.segment_size {

@@ -40,7 +40,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::log::{LogError, Record};
+use super::log::LogError;
 use super::policy::{self, Backoff, LogStep, Promotion, Psync};
 use super::{SharedLog, WriterState};
 use crate::config::StreamAck;
@@ -521,26 +521,25 @@ async fn log_read(
         Some(before) => (bytes.drain(..before).collect(), switch.take()),
         None => (std::mem::take(&mut bytes), None),
     };
-    let first = Record::new(end, old);
-    let rest = Record::new(first.end(), bytes);
-    let end = rest.end();
+    let middle = end + old.len() as u64;
+    let new_end = middle + bytes.len() as u64;
     let writer = log.clone();
     blocking(move || {
         writer.write(|l| {
-            if !first.bytes.is_empty() {
-                l.append(&first)?;
+            if !old.is_empty() {
+                l.append(end, &old)?;
             }
             if let Some((id, _)) = &new {
                 l.switch(id)?;
             }
-            if !rest.bytes.is_empty() {
-                l.append(&rest)?;
+            if !bytes.is_empty() {
+                l.append(middle, &bytes)?;
             }
             Ok::<(), LogError>(())
         })
     })
     .await?;
-    Ok(end)
+    Ok(new_end)
 }
 
 /// The stream: every read becomes a record, appended at the log's end;

@@ -103,6 +103,10 @@ pub struct Stream {
 struct Gauges {
     /// Records found damaged on reading (`kvsync_stream_checksum_failures_total`).
     damaged: prometheus::IntCounter,
+    /// Bytes readers got from the log's newest bytes in memory, and from
+    /// its files (`kvsync_stream_read_bytes_total`).
+    read_from_memory: prometheus::IntCounter,
+    read_from_file: prometheus::IntCounter,
     log_bytes: prometheus::IntGauge,
     span: prometheus::IntGauge,
     behind: prometheus::IntGauge,
@@ -207,6 +211,12 @@ impl Stream {
         let name = [instance];
         let gauges = Gauges {
             damaged: metrics.stream_checksum_failures.with_label_values(&name),
+            read_from_memory: metrics
+                .stream_read_bytes
+                .with_label_values(&[instance, "memory"]),
+            read_from_file: metrics
+                .stream_read_bytes
+                .with_label_values(&[instance, "file"]),
             log_bytes: metrics.stream_log_bytes.with_label_values(&name),
             span: metrics.stream_log_span.with_label_values(&name),
             behind: metrics.stream_behind_bytes.with_label_values(&name),

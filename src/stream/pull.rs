@@ -32,7 +32,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::log::{LogError, Record};
+use super::log::LogError;
 use super::policy::{self, Ended, NotHeld, Pick, Then, UpstreamPolicy, PASS_OVER};
 use super::source::{Source, Upstreams};
 use super::{Over, SharedLog, Traffic, WriterState};
@@ -696,8 +696,7 @@ async fn receive(
                 rx.header(offset, len)?;
                 let bytes = link.read_bytes(len as usize).await?;
                 rx.accept(offset, &bytes, &mac)?;
-                let rec = Record::new(offset, bytes);
-                blocking(stream, move |s| s.write(|l| l.append(&rec))).await?;
+                blocking(stream, move |s| s.write(|l| l.append(offset, &bytes))).await?;
                 received.frame(len as usize);
                 if !ack_on_tick {
                     link.send(&rx.ack()).await?;
@@ -842,10 +841,8 @@ impl RingSink for LogSink {
         if self.stop.is_cancelled() {
             return Err(RingLogError::Stopped);
         }
-        let n = bytes.len();
-        let rec = Record::new(offset, bytes);
-        self.stream.write(|l| l.append(&rec))?;
-        self.received.frame(n);
+        self.stream.write(|l| l.append(offset, &bytes))?;
+        self.received.frame(bytes.len());
         Ok(())
     }
 

@@ -4,10 +4,13 @@
 //! what follows ([`Stream::next`]): the log must still continue that id
 //! there (a log started over by a full resync no longer does), then comes
 //! an id change where the log's history has one, or the bytes the log
-//! holds from there, as many as the reader says may go. The bytes are read
-//! off the log's lock and each record is checked against its hash; a
-//! damaged one is never returned: the log is cut back to it, so its writer
-//! fetches the stream again from there, and the reader gets the error.
+//! holds from there, as many as the reader says may go. A reader at or near
+//! the log's end gets them from the newest bytes the log keeps in memory
+//! (checked as they were appended), with no file read and no thread
+//! hand-off; one further behind reads the file off the log's lock, each
+//! record checked against its hash; a damaged one is never returned: the
+//! log is cut back to it, so its writer fetches the stream again from
+//! there, and the reader gets the error.
 
 use tracing::error;
 
@@ -20,6 +23,9 @@ use crate::blk3::token::REPLID_LEN;
 enum Plan {
     Wait,
     Epoch([u8; REPLID_LEN]),
+    /// Bytes copied out of the log's newest ones in memory.
+    Tail(Vec<u8>),
+    /// Bytes to read from the file, off the lock.
     Read(ReadPlan, usize),
 }
 
@@ -36,6 +42,7 @@ impl Stream {
         match self.plan(at, replid, due)? {
             Plan::Wait => Ok(Next::Wait),
             Plan::Epoch(id) => Ok(Next::Epoch(id)),
+            Plan::Tail(run) => Ok(Next::Bytes(run)),
             Plan::Read(plan, n) => {
                 let stream = self.clone();
                 tokio::task::spawn_blocking(move || stream.read(&plan, at, n))
@@ -55,6 +62,7 @@ impl Stream {
         match self.plan(at, replid, due)? {
             Plan::Wait => Ok(Next::Wait),
             Plan::Epoch(id) => Ok(Next::Epoch(id)),
+            Plan::Tail(run) => Ok(Next::Bytes(run)),
             Plan::Read(plan, n) => self.read(&plan, at, n),
         }
     }
@@ -77,7 +85,13 @@ impl Stream {
         }
         match due(held_past(&log, at)) as usize {
             0 => Ok(Plan::Wait),
-            n => Ok(Plan::Read(log.plan(at)?, n)),
+            n => match log.read_tail(at, n) {
+                Some(run) => {
+                    self.gauges.read_from_memory.inc_by(run.len() as u64);
+                    Ok(Plan::Tail(run))
+                }
+                None => Ok(Plan::Read(log.plan(at)?, n)),
+            },
         }
     }
 
@@ -97,6 +111,7 @@ impl Stream {
         }
         let mut run = log::contiguous(&records?, at);
         run.truncate(n);
+        self.gauges.read_from_file.inc_by(run.len() as u64);
         Ok(match run.is_empty() {
             true => Next::Wait,
             false => Next::Bytes(run),
@@ -114,7 +129,7 @@ mod tests {
     use super::*;
     use crate::config::StreamConfig;
     use crate::metrics::Metrics;
-    use crate::stream::log::{Log, Record};
+    use crate::stream::log::Log;
 
     const A: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
     const B: &str = "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb";
@@ -127,10 +142,9 @@ mod tests {
         })
         .unwrap();
         log.restart(A, 100).unwrap();
-        log.append(&Record::new(100, b"0123456789".to_vec()))
-            .unwrap();
+        log.append(100, b"0123456789").unwrap();
         log.switch(B).unwrap();
-        log.append(&Record::new(110, b"abcde".to_vec())).unwrap();
+        log.append(110, b"abcde").unwrap();
         Stream::new(
             log,
             super::super::source::Source::Primary("test".into()),

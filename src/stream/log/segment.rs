@@ -86,17 +86,18 @@ impl Segment {
         Ok((seg, file))
     }
 
-    /// Takes note of `rec`, written at the file's end as `len` bytes.
-    pub(super) fn appended(&mut self, rec: &Record, len: usize) {
+    /// Takes note of the record of `offset..end`, written at the file's
+    /// end as `len` bytes.
+    pub(super) fn appended(&mut self, offset: u64, end: u64, len: usize) {
         if self
             .index
             .last()
             .is_none_or(|&(_, pos)| self.bytes - pos >= INDEX_EVERY)
         {
-            self.index.push((rec.offset, self.bytes));
+            self.index.push((offset, self.bytes));
         }
         self.bytes += len as u64;
-        self.end = rec.end();
+        self.end = end;
         self.modified = SystemTime::now();
     }
 
