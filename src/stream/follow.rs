@@ -523,20 +523,17 @@ async fn log_read(
     };
     let middle = end + old.len() as u64;
     let new_end = middle + bytes.len() as u64;
-    let writer = log.clone();
-    blocking(move || {
-        writer.write(|l| {
-            if !old.is_empty() {
-                l.append(end, &old)?;
-            }
-            if let Some((id, _)) = &new {
-                l.switch(id)?;
-            }
-            if !bytes.is_empty() {
-                l.append(middle, &bytes)?;
-            }
-            Ok::<(), LogError>(())
-        })
+    log.append(move |l| {
+        if !old.is_empty() {
+            l.append(end, &old)?;
+        }
+        if let Some((id, _)) = &new {
+            l.switch(id)?;
+        }
+        if !bytes.is_empty() {
+            l.append(middle, &bytes)?;
+        }
+        Ok::<(), LogError>(())
     })
     .await?;
     Ok(new_end)
@@ -599,7 +596,7 @@ async fn stream_into(
                     return Err(FollowError::Silent(addr.to_string()));
                 }
                 let (log, floor) = (log.clone(), log.floor(&(follow.offered)()));
-                blocking(move || log.write(|l| l.still_ends_at(end).and_then(|()| l.tick(floor)))).await?;
+                blocking(move || log.tick(end, floor)).await?;
                 true
             }
         };

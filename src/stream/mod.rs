@@ -33,7 +33,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::watch;
 
-use self::log::Log;
+use self::log::{Log, LogError};
 use crate::metrics::Metrics;
 
 /// A server or agent fed from a log, whose acknowledgements the log's
@@ -281,6 +281,41 @@ impl Stream {
         self.changed.send_modify(|n| *n += 1);
         self.export();
         out
+    }
+
+    /// [`Stream::write`] from the runtime: on the caller's thread when it
+    /// appends to the page cache only (`fsync = "everysec"`: the flush is
+    /// the writer's once-a-second tick, on the blocking pool), so the live
+    /// stream takes no thread hand-off; on the blocking pool when each
+    /// append waits for the disk (`"always"`).
+    pub async fn append<T: Send + 'static>(
+        self: &SharedLog,
+        f: impl FnOnce(&mut Log) -> T + Send + 'static,
+    ) -> T {
+        if !self.lock().flushes_each_append() {
+            return self.write(f);
+        }
+        let stream = self.clone();
+        tokio::task::spawn_blocking(move || stream.write(f))
+            .await
+            .expect("log append task")
+    }
+
+    /// The writer's once-a-second care, on a thread that may block: the
+    /// log must still end at `end` (a reader may have cut it back), it is
+    /// trimmed to its retention above `floor`, and what was appended since
+    /// the last flush is flushed (`everysec`), off the log's lock so that
+    /// appends and readers go on meanwhile.
+    pub fn tick(&self, end: u64, floor: u64) -> Result<(), LogError> {
+        let due = self.write(|l| {
+            l.still_ends_at(end)?;
+            l.tick(floor)
+        })?;
+        if let Some((file, at, path)) = due {
+            file.sync_data().map_err(|source| LogError::Io { path, source })?;
+            self.lock().flushed(at);
+        }
+        Ok(())
     }
 
     /// Wakes after the next write.

@@ -673,13 +673,7 @@ async fn receive(
                     return Err(PullError::Silent);
                 }
                 let (floor, end) = (stream.floor(&(pull.offered)()), rx.next());
-                blocking(stream, move |s| {
-                    s.write(|log| {
-                        log.still_ends_at(end)?;
-                        log.tick(floor)
-                    })
-                })
-                .await?;
+                blocking(stream, move |s| s.tick(end, floor)).await?;
                 if ack_on_tick {
                     link.send(&rx.ack()).await?;
                 }
@@ -696,7 +690,7 @@ async fn receive(
                 rx.header(offset, len)?;
                 let bytes = link.read_bytes(len as usize).await?;
                 rx.accept(offset, &bytes, &mac)?;
-                blocking(stream, move |s| s.write(|l| l.append(offset, &bytes))).await?;
+                stream.append(move |l| l.append(offset, &bytes)).await?;
                 received.frame(len as usize);
                 if !ack_on_tick {
                     link.send(&rx.ack()).await?;
@@ -862,10 +856,7 @@ impl RingSink for LogSink {
 
     fn tick(&mut self, at: u64) -> Result<(), RingLogError> {
         let floor = self.stream.floor(&(self.offered)());
-        Ok(self.stream.write(|log| {
-            log.still_ends_at(at)?;
-            log.tick(floor)
-        })?)
+        Ok(self.stream.tick(at, floor)?)
     }
 }
 

@@ -41,7 +41,7 @@ pub mod tail;
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::SystemTime;
 
 use tracing::warn;
 
@@ -107,7 +107,6 @@ pub struct Log {
     history: History,
     file: Option<File>,
     synced: u64,
-    last_sync: Instant,
     /// The newest bytes, for readers at or near the end.
     tail: tail::Tail,
 }
@@ -159,7 +158,6 @@ impl Log {
             history,
             file,
             synced,
-            last_sync: Instant::now(),
             tail,
         })
     }
@@ -323,25 +321,39 @@ impl Log {
         self.tail.push(offset, bytes);
         match self.cfg.fsync {
             Fsync::Always => self.sync(),
-            Fsync::Everysec => self.sync_due(),
+            // The writer's once-a-second tick flushes ([`Log::tick`]).
+            Fsync::Everysec => Ok(()),
         }
     }
 
-    /// Flushes under `everysec` once a second has passed since the last.
-    fn sync_due(&mut self) -> Result<(), LogError> {
-        let (_, end) = self.position().ok_or(LogError::Empty)?;
-        if self.synced < end && self.last_sync.elapsed() >= Duration::from_secs(1) {
-            self.sync()?;
-        }
-        Ok(())
+    /// Whether an append flushes to the disk (`fsync = "always"`), and so
+    /// may wait on it; under `everysec` it only writes to the page cache.
+    pub fn flushes_each_append(&self) -> bool {
+        self.cfg.fsync == Fsync::Always
     }
 
-    /// The writer's once-a-second care: a due flush, and trimming to the
-    /// retention above `floor` ([`Log::trim`]).
-    pub fn tick(&mut self, floor: u64) -> Result<(), LogError> {
-        self.sync_due()?;
+    /// The writer's once-a-second care under the lock: trims to the
+    /// retention above `floor` ([`Log::trim`]) and, when records were
+    /// appended since the last flush, returns a handle of the newest
+    /// segment and the end to flush them to, which the caller flushes off
+    /// the lock and then notes ([`Log::flushed`]).
+    pub fn tick(&mut self, floor: u64) -> Result<Option<(File, u64, PathBuf)>, LogError> {
         self.trim(floor)?;
-        Ok(())
+        let (Some(file), Some(seg)) = (&self.file, self.segments.last()) else {
+            return Ok(None);
+        };
+        if self.synced >= seg.end {
+            return Ok(None);
+        }
+        let handle = file.try_clone().map_err(io(&seg.path))?;
+        Ok(Some((handle, seg.end, seg.path.clone())))
+    }
+
+    /// Notes that the log is on the disk up to `end` (a flush off the
+    /// lock; a cut meanwhile keeps the lower end).
+    pub fn flushed(&mut self, end: u64) {
+        let now = self.position().map_or(0, |(_, e)| e);
+        self.synced = self.synced.max(end.min(now));
     }
 
     /// Flushes the newest segment to the disk.
@@ -350,7 +362,6 @@ impl Log {
             file.sync_data().map_err(io(&seg.path))?;
             self.synced = seg.end;
         }
-        self.last_sync = Instant::now();
         Ok(())
     }
 
