@@ -507,10 +507,10 @@ impl Config {
         }
         if let Some(state) = &self.state_dir {
             let state_path = normal_path(state);
-            let used = instances.iter().find(|i| {
-                normal_path(&i.snapshot_dir) == state_path
-                    || (i.stream.enabled() && normal_path(&i.stream.dir) == state_path)
-            });
+            let within = |dir: &Path| Path::new(&state_path).starts_with(normal_path(dir));
+            let used = instances
+                .iter()
+                .find(|i| within(&i.snapshot_dir) || (i.stream.enabled() && within(&i.stream.dir)));
             if !state.is_absolute() {
                 p.bad(
                     "state_dir",
@@ -520,7 +520,7 @@ impl Config {
                 p.bad(
                     "state_dir",
                     format!(
-                        "{state_path} is instance {:?}'s snapshot_dir or stream log dir; give the agent a directory of its own",
+                        "{state_path} is in instance {:?}'s snapshot_dir or stream log dir; give the agent a directory of its own",
                         i.name
                     ),
                 );

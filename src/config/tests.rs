@@ -123,6 +123,8 @@ fn the_state_dir_is_the_agents_own_absolute_directory() {
     let p = problems("snapshot_dir = \"/kv\"\nstate_dir = \"/kv/\"\n");
     assert_eq!(p[0].key, "state_dir", "{p:?}");
     assert!(p[0].message.contains("\"default\"'s snapshot_dir"), "{p:?}");
+    let p = problems("snapshot_dir = \"/kv\"\nstate_dir = \"/kv/state\"\n");
+    assert_eq!(p[0].key, "state_dir", "inside it: {p:?}");
     let p = problems(
         "snapshot_dir = \"/kv\"\nstate_dir = \"/var/lib/kvsync/stream\"\n[stream]\ndir = \"/var/lib/kvsync/stream\"\nupstream = \"10.0.0.1:35101\"\n",
     );

@@ -40,7 +40,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::log::LogError;
+use super::log::{Log, LogError};
 use super::policy::{self, Backoff, LogStep, Promotion, Psync};
 use super::{SharedLog, WriterState};
 use crate::config::StreamAck;
@@ -523,19 +523,22 @@ async fn log_read(
     };
     let middle = end + old.len() as u64;
     let new_end = middle + bytes.len() as u64;
-    log.append(move |l| {
-        if !old.is_empty() {
-            l.append(end, &old)?;
-        }
+    let switches = new.is_some();
+    let write = move |l: &mut Log| {
+        l.append(end, &old)?;
         if let Some((id, _)) = &new {
             l.switch(id)?;
         }
-        if !bytes.is_empty() {
-            l.append(middle, &bytes)?;
+        l.append(middle, &bytes)
+    };
+    match switches {
+        // A new id makes a segment and writes the history: off the runtime.
+        true => {
+            let log = log.clone();
+            blocking(move || log.write(write)).await?
         }
-        Ok::<(), LogError>(())
-    })
-    .await?;
+        false => log.append(write).await?,
+    }
     Ok(new_end)
 }
 

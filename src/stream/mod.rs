@@ -283,16 +283,18 @@ impl Stream {
         out
     }
 
-    /// [`Stream::write`] from the runtime: on the caller's thread when it
-    /// appends to the page cache only (`fsync = "everysec"`: the flush is
-    /// the writer's once-a-second tick, on the blocking pool), so the live
-    /// stream takes no thread hand-off; on the blocking pool when each
-    /// append waits for the disk (`"always"`).
+    /// An append (`f`, which appends and nothing else that waits for the
+    /// disk) from the runtime: on the caller's thread when it writes to
+    /// the page cache only (`fsync = "everysec"`: the flush is the
+    /// writer's once-a-second tick, on the blocking pool), so the live
+    /// stream takes no thread hand-off; on the blocking pool when it waits
+    /// for the disk ([`Log::append_waits_for_disk`]: `"always"`, or a
+    /// segment to close and make).
     pub async fn append<T: Send + 'static>(
         self: &SharedLog,
         f: impl FnOnce(&mut Log) -> T + Send + 'static,
     ) -> T {
-        if !self.lock().flushes_each_append() {
+        if !self.lock().append_waits_for_disk() {
             return self.write(f);
         }
         let stream = self.clone();
@@ -312,7 +314,8 @@ impl Stream {
             l.tick(floor)
         })?;
         if let Some((file, at, path)) = due {
-            file.sync_data().map_err(|source| LogError::Io { path, source })?;
+            file.sync_data()
+                .map_err(|source| LogError::Io { path, source })?;
             self.lock().flushed(at);
         }
         Ok(())

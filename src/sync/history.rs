@@ -42,7 +42,7 @@ pub fn load(dir: &Path, keep: usize) -> Vec<pb::SyncProgress> {
     out
 }
 
-/// Keeps `recent` (newest first) as the history in `dir`: as many as fit
+/// Keeps `recent` (newest first) as the history in `dir`: those that fit
 /// in what [`load`] reads, the text a peer sent with its controls escaped
 /// (`kvsync status` prints it to a terminal).
 pub fn save(dir: &Path, recent: &[pb::SyncProgress]) -> std::io::Result<()> {
@@ -53,7 +53,8 @@ pub fn save(dir: &Path, recent: &[pb::SyncProgress]) -> std::io::Result<()> {
             *text = crate::peer_text::escape_controls(text).into_owned();
         }
         if (bytes.len() + p.encoded_len() + 10) as u64 > MAX_BYTES {
-            break;
+            // One that does not fit is left out, not the older ones.
+            continue;
         }
         p.encode_length_delimited(&mut bytes)
             .expect("a Vec grows as needed");

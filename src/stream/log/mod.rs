@@ -299,12 +299,16 @@ impl Log {
         if offset != end {
             return Err(LogError::Gap { offset, end });
         }
-        if self
-            .segments
-            .last()
-            .is_some_and(|s| s.bytes >= self.cfg.segment_size.as_u64())
-        {
+        if bytes.is_empty() {
+            // Nothing to log: a record that moved no offset would let a
+            // segment fill without its end moving.
+            return Ok(());
+        }
+        if self.rollover_due() {
             let replid = self.segments.last().expect("checked").replid.clone();
+            // The segment it closes is flushed first: `synced` then holds
+            // for every segment but the newest.
+            self.sync()?;
             self.file = None;
             self.open_segment(&replid, end)?;
         }
@@ -326,10 +330,19 @@ impl Log {
         }
     }
 
-    /// Whether an append flushes to the disk (`fsync = "always"`), and so
-    /// may wait on it; under `everysec` it only writes to the page cache.
-    pub fn flushes_each_append(&self) -> bool {
-        self.cfg.fsync == Fsync::Always
+    /// Whether the next append may wait for the disk: each one flushes
+    /// (`fsync = "always"`), or the newest segment is full, so the append
+    /// flushes it and makes the next. Otherwise an append only writes to
+    /// the page cache.
+    pub fn append_waits_for_disk(&self) -> bool {
+        self.cfg.fsync == Fsync::Always || self.rollover_due()
+    }
+
+    /// Whether the newest segment is full: the next record starts another.
+    fn rollover_due(&self) -> bool {
+        self.segments
+            .last()
+            .is_some_and(|s| s.bytes >= self.cfg.segment_size.as_u64())
     }
 
     /// The writer's once-a-second care under the lock: trims to the
@@ -554,6 +567,40 @@ mod tests {
             Err(LogError::TooLarge(_))
         ));
         assert_eq!(log.position().unwrap().1, 10);
+    }
+
+    /// Attack: an upstream's empty frames made records that did not move
+    /// the log's end; once they filled a segment the next one was to start
+    /// at the same offset, its file already existed, and no append at all
+    /// succeeded from then on (a restart kept it so).
+    #[test]
+    fn empty_appends_change_nothing_and_cannot_jam_the_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = Log::open(cfg(dir.path())).unwrap();
+        log.restart(ID_A, 0).unwrap();
+        fill(&mut log, 1, 10);
+        for _ in 0..200 {
+            log.append(10, &[]).unwrap();
+        }
+        assert_eq!(log.segments.len(), 1, "no record, no segment");
+        log.append(10, b"after").unwrap();
+        assert_eq!(log.position().unwrap().1, 15);
+        assert_eq!(read_all(&log, 10), b"after");
+    }
+
+    #[test]
+    fn a_rollover_flushes_the_segment_it_closes() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = Log::open(StreamConfig {
+            fsync: Fsync::Everysec,
+            ..cfg(dir.path())
+        })
+        .unwrap();
+        log.restart(ID_A, 0).unwrap();
+        fill(&mut log, 30, 300);
+        assert!(log.segments.len() > 2);
+        let closed = log.segments[log.segments.len() - 2].end;
+        assert!(log.synced() >= closed, "{} < {closed}", log.synced());
     }
 
     #[test]
