@@ -31,8 +31,8 @@ enum Plan {
 
 impl Stream {
     /// What follows `at` for a reader under `replid`: of the bytes the log
-    /// holds past `at`, `due(held)` go (none: [`Next::Wait`]). Reads on
-    /// the blocking pool.
+    /// holds past `at`, `due(held)` go (none: [`Next::Wait`]). From the
+    /// log's memory at once, or from its files on the blocking pool.
     pub async fn next(
         self: &SharedLog,
         at: u64,
