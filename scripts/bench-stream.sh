@@ -18,7 +18,8 @@
 #   3. Catch-up: the replica side stopped (the direct replica server; the
 #      replica agent) for AWAY seconds while the primary takes CATCHUP_MB
 #      of SETs of 1000-byte values, then resumed: the time until the
-#      replica server holds the primary's offset.
+#      replica server holds the primary's offset; and each agent's CPU
+#      seconds per GB of stream meanwhile.
 #   4. Egress with 8 replica servers: the bytes the primary sent to its
 #      replicas, and the bytes the primary's host sent on (the primary plus
 #      its agent), per byte of stream: direct (8 replicas of the primary)
@@ -273,11 +274,15 @@ rcli "$PD" config set client-output-buffer-limit "replica 0 0 0" >/dev/null
 declare -A stopped_pid=([direct]=$(cat "$work/direct-r/redis.pid") [kvsync]=$(cat "$work/rep.pid"))
 declare -A back rate_mb
 for setup in direct kvsync; do back[$setup]=""; rate_mb[$setup]=""; done
+cpu_src="" cpu_rep=""
+ticks() { awk '{print $14 + $15}' "/proc/$(cat "$work/$1.pid")/stat"; }  # AGENT: its user + system CPU ticks
+per_gb() { awk -v t="$1" -v hz="$(getconf CLK_TCK)" -v o="$2" 'BEGIN {printf "%.2f", t / hz / (o / 1e9)}'; }
 for run in $(seq "$runs"); do
     for setup in direct kvsync; do
         p=${primary_of[$setup]} r=${replica_of[$setup]}
         caught_up "$p" "$r"
         o0=$(offset "$p")
+        src0=$(ticks src) rep0=$(ticks rep)
         kill -STOP "${stopped_pid[$setup]}"
         t_stop=$(now)
         $benchmark -p "$p" -t set -P 16 -n "$((catchup_mb * 1000))" -r 1000000 -d 1000 -q >/dev/null 2>&1
@@ -290,6 +295,12 @@ for run in $(seq "$runs"); do
         secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN {printf "%.2f", b - a}')
         mb=$(awk -v o="$(( $(offset "$p") - o0 ))" -v s="$secs" 'BEGIN {printf "%.0f", o / 1e6 / (s > 0.01 ? s : 0.01)}')
         echo "catch-up run $run $setup: $(( ($(offset "$p") - o0) / 1000000 )) MB away ${away} s, caught up in $secs s ($mb MB/s)" >&2
+        if [ "$setup" = kvsync ]; then
+            moved=$(( $(offset "$p") - o0 ))
+            cpu_src+="$(per_gb $(( $(ticks src) - src0 )) "$moved") "
+            cpu_rep+="$(per_gb $(( $(ticks rep) - rep0 )) "$moved") "
+            echo "catch-up run $run: CPU s per GB of stream, primary's agent $(per_gb $(( $(ticks src) - src0 )) "$moved"), replica agent $(per_gb $(( $(ticks rep) - rep0 )) "$moved")" >&2
+        fi
         back[$setup]+="$secs "
         rate_mb[$setup]+="$mb "
     done
@@ -303,6 +314,8 @@ for setup in direct kvsync; do
 done
 echo ""
 echo "kvsync / direct: $(awk -v a="$(m "${back[kvsync]}")" -v b="$(m "${back[direct]}")" 'BEGIN {printf "%.1f", a / (b > 0.01 ? b : 0.01)}')."
+echo ""
+echo "CPU seconds per GB of stream (logging it while the replica side was away, then the catch-up): the primary's agent $(m "$cpu_src"), the replica agent $(m "$cpu_rep")."
 echo ""
 
 fi
