@@ -703,13 +703,7 @@ fn a_record_damaged_on_disk_is_never_served_and_is_fetched_again_from_the_primar
     );
     drop(replica);
     drop(source);
-    let (first, src) = log_bytes(&src_log);
-    let (rep_first, rep) = log_bytes(&rep_log);
-    assert_eq!((rep_first, first + src.len() as u64), (first, end2));
-    assert!(
-        rep == src,
-        "the replica's log is the refetched stream, byte for byte"
-    );
+    let rep = same_log(&src_log, &rep_log, end2);
     assert!(String::from_utf8_lossy(&rep).contains("k:999"));
 }
 
@@ -761,10 +755,17 @@ fn the_live_stream_is_served_from_memory_and_a_reader_behind_it_from_the_files()
     );
     drop(late);
     drop(source);
-    let (first, src) = log_bytes(&src_log);
-    let (late_first, late) = log_bytes(&late_log);
-    assert_eq!((late_first, first + src.len() as u64), (first, end));
-    assert!(late == src, "the same bytes");
+    same_log(&src_log, &late_log, end);
+}
+
+/// Asserts that the log in `copy` holds the log in `dir` byte for byte,
+/// from where it starts to `end`; returns its bytes.
+fn same_log(dir: &Path, copy: &Path, end: u64) -> Vec<u8> {
+    let (first, src) = log_bytes(dir);
+    let (copy_first, bytes) = log_bytes(copy);
+    assert_eq!((copy_first, first + src.len() as u64), (first, end));
+    assert!(bytes == src, "the copy's log is the stream, byte for byte");
+    bytes
 }
 
 fn a_full_log_disk_stops_logging_with_an_error_and_leaves_the_primary_alone(server: Server) {

@@ -247,11 +247,12 @@ impl Stream {
     /// Sets the log's gauges: its size and span, and how far its slowest
     /// downstream is behind its end.
     fn export(&self) {
-        let (bytes, first, end) = {
-            let log = self.lock();
-            let end = log.position().map_or(0, |(_, end)| end);
-            (log.bytes(), log.first().unwrap_or(end), end)
-        };
+        let figures = log_figures(&self.lock());
+        self.set_gauges(figures);
+    }
+
+    /// Sets the gauges from the log's `(bytes, first, end)`.
+    fn set_gauges(&self, (bytes, first, end): (u64, u64, u64)) {
         let g = &self.gauges;
         g.log_bytes.set(bytes as i64);
         g.span.set(end.saturating_sub(first) as i64);
@@ -277,10 +278,19 @@ impl Stream {
 
     /// Changes the log and wakes its readers.
     pub fn write<T>(&self, f: impl FnOnce(&mut Log) -> T) -> T {
-        let out = f(&mut self.lock());
-        self.changed.send_modify(|n| *n += 1);
-        self.export();
+        let mut log = self.lock();
+        let out = f(&mut log);
+        self.wrote(log);
         out
+    }
+
+    /// After a change under `log`'s lock: its figures read there, the lock
+    /// released, then the gauges set and the readers woken.
+    fn wrote(&self, log: MutexGuard<'_, Log>) {
+        let figures = log_figures(&log);
+        drop(log);
+        self.set_gauges(figures);
+        self.changed.send_modify(|n| *n += 1);
     }
 
     /// An append (`f`, which appends and nothing else that waits for the
@@ -294,9 +304,15 @@ impl Stream {
         self: &SharedLog,
         f: impl FnOnce(&mut Log) -> T + Send + 'static,
     ) -> T {
-        if !self.lock().append_waits_for_disk() {
-            return self.write(f);
-        }
+        let f = {
+            let mut log = self.lock();
+            if !log.append_waits_for_disk() {
+                let out = f(&mut log);
+                self.wrote(log);
+                return out;
+            }
+            f
+        };
         let stream = self.clone();
         tokio::task::spawn_blocking(move || stream.write(f))
             .await
@@ -561,4 +577,10 @@ impl Stream {
     fn lock_acks(&self) -> MutexGuard<'_, BTreeMap<Downstream, u64>> {
         self.acks.lock().expect("stream acks lock")
     }
+}
+
+/// A log's size, first offset and end, for its gauges.
+fn log_figures(log: &Log) -> (u64, u64, u64) {
+    let end = log.position().map_or(0, |(_, end)| end);
+    (log.bytes(), log.first().unwrap_or(end), end)
 }

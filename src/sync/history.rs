@@ -100,6 +100,15 @@ mod tests {
     }
 
     #[test]
+    fn one_entry_too_large_to_keep_is_left_out_not_the_older_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut huge = sync("b");
+        huge.error = "x".repeat(MAX_BYTES as usize);
+        save(dir.path(), &[huge, sync("a")]).unwrap();
+        assert_eq!(load(dir.path(), 32), vec![sync("a")]);
+    }
+
+    #[test]
     fn a_damaged_history_keeps_what_precedes_the_damage() {
         let dir = tempfile::tempdir().unwrap();
         save(dir.path(), &[sync("b"), sync("a")]).unwrap();

@@ -16,7 +16,9 @@ pub struct Record {
 }
 
 impl Record {
-    /// A record of bytes as they arrive from the primary: hashed here.
+    /// A record of `bytes`, hashed here (the log hashes what it appends
+    /// itself, [`encode`]).
+    #[cfg(test)]
     pub fn new(offset: u64, bytes: Vec<u8>) -> Record {
         let hash = Record::digest(offset, &bytes);
         Record {
@@ -45,6 +47,7 @@ impl Record {
     }
 
     /// The record as it is stored.
+    #[cfg(test)]
     pub fn encode(&self, out: &mut Vec<u8>) {
         put(self.offset, &self.bytes, &self.hash, out);
     }
