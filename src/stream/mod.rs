@@ -376,16 +376,20 @@ impl Stream {
     }
 
     /// Starts the log over at a full resync's (`replid`, `m`), dropping
-    /// what it held, and sets the writer's `state`.
+    /// what it held, and sets the writer's `state`, both under the log's
+    /// lock: a writer that sees the new start (a pull that reconnects from
+    /// it) sets its own state after this one, never before.
     pub fn start_over(
         &self,
         replid: &str,
         m: u64,
         state: WriterState,
     ) -> Result<(), log::LogError> {
-        self.write(|l| l.restart(replid, m))?;
-        self.set_state(state);
-        Ok(())
+        self.write(|l| {
+            l.restart(replid, m)?;
+            self.set_state(state);
+            Ok(())
+        })
     }
 
     /// A sync from `upstream` installs the snapshot of `seq` (`replid`,
