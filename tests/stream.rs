@@ -637,6 +637,82 @@ fn a_replica_agent_killed_for_longer_than_the_primarys_backlog_continues_its_ser
 
 on_both_servers!(a_replica_agent_killed_for_longer_than_the_primarys_backlog_continues_its_server);
 
+/// A crash (of the host, not only the agent) loses what the page cache
+/// held of the log: the agent comes back with a log that ends before the
+/// offset its server already applied. The server asks for that offset;
+/// the feed continues it once the log has fetched up to it from upstream,
+/// and serves nothing before: no full sync, nothing applied twice.
+fn a_fed_server_ahead_of_its_agents_log_after_a_crash_continues_once_the_log_reaches_it(
+    server: Server,
+) {
+    let root = tempfile::tempdir().unwrap();
+    let primary = Redis::start(server, &root.path().join("p"), &[]);
+    let source = following_source(root.path(), &primary, &[]);
+    let (rs, mut replica) = seeded_through_two_agents(root.path(), server, &primary, &source);
+    primary.fill("before-crash", 2000, &"v".repeat(100));
+    converged(&rs, &primary, "the fed server to converge before the crash");
+    let applied = rs.info("replication").num("master_repl_offset");
+    let process_id = rs.info("server").num("process_id");
+    let full = primary.info("stats").num("sync_full");
+
+    // The crash: the agent killed, and its newest segment loses its last
+    // 64 KiB (cut mid-record, as a lost page cache leaves it).
+    replica.proc.signal(libc::SIGKILL);
+    replica.proc.wait_exit();
+    let rep_log = root.path().join("rep-log");
+    let newest = std::fs::read_dir(&rep_log)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "kvslog"))
+        .max()
+        .expect("a segment");
+    let len = std::fs::metadata(&newest).unwrap().len();
+    assert!(len > 200 << 10, "{len} bytes in the newest segment");
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&newest)
+        .unwrap();
+    file.set_len(len - (64 << 10)).unwrap();
+    drop(file);
+    primary.fill("after-crash", 300, "w");
+
+    let replica = agent(
+        root.path(),
+        "rep",
+        &root.path().join("rep-snaps"),
+        &feeding_puller_config(&rep_log, &source, &rs),
+        &[],
+    );
+    converged(&rs, &primary, "the server to continue after the crash");
+    let log = replica.proc.log();
+    let cut_at: u64 = log
+        .split("it is cut there")
+        .next()
+        .and_then(|before| before.rsplit("at offset ").next())
+        .and_then(|n| n.trim().trim_end_matches(';').parse().ok())
+        .unwrap_or_else(|| panic!("the torn tail is cut: {log}"));
+    assert!(
+        cut_at < applied,
+        "the log ({cut_at}) restarts behind its server ({applied})"
+    );
+    let value: String = rs.cmd(&["GET", "before-crash:1999"]);
+    assert_eq!(value, "v".repeat(100));
+    let value: String = rs.cmd(&["GET", "after-crash:299"]);
+    assert_eq!(value, "w");
+    assert_eq!(rs.info("server").num("process_id"), process_id);
+    assert_eq!(primary.info("stats").num("sync_full"), full);
+    assert!(log.contains("continues its server from the log"), "{log}");
+    assert!(!log.contains("sent its server the RDB"), "{log}");
+    wait_logged(&replica, &primary, "the replica agent's log to catch up");
+    drop(replica);
+    drop(source);
+    same_logs(root.path());
+}
+
+on_both_servers!(
+    a_fed_server_ahead_of_its_agents_log_after_a_crash_continues_once_the_log_reaches_it
+);
+
 fn a_record_damaged_on_disk_is_never_served_and_is_fetched_again_from_the_primary(server: Server) {
     use std::os::unix::fs::FileExt;
     let root = tempfile::tempdir().unwrap();
