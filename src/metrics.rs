@@ -143,6 +143,7 @@ pub struct Metrics {
     pub stream_lag: HistogramVec,
     pub stream_behind_bytes: IntGaugeVec,
     pub stream_checksum_failures: IntCounterVec,
+    pub stream_set_aside: IntGaugeVec,
     pub stream_read_bytes: IntCounterVec,
     pub stream_write_errors: IntCounterVec,
     pub stream_diverged: IntCounterVec,
@@ -367,6 +368,13 @@ impl Metrics {
                 Opts::new(
                     "kvsync_stream_checksum_failures_total",
                     "Records of the stream log found damaged on reading (disk, memory): never served, cut off and fetched again from upstream"
+                ),
+                &["kv_instance"]
+            )),
+            stream_set_aside: reg!(IntGaugeVec::new(
+                Opts::new(
+                    "kvsync_stream_files_set_aside",
+                    "Damaged files of the stream log (a segment, its history) set aside in its directory when the agent opened it; the log went on without them (status names them)"
                 ),
                 &["kv_instance"]
             )),

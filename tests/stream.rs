@@ -28,7 +28,7 @@
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use common::kv::*;
 use common::netns::{block_on, Hosts, IPS};
@@ -844,6 +844,61 @@ fn same_log(dir: &Path, copy: &Path, end: u64) -> Vec<u8> {
     bytes
 }
 
+/// Attack (review): one flipped bit in the oldest segment kept the agent
+/// down (exit 1, every instance with it) until files were deleted by hand.
+/// It starts, sets the segment aside, says so, and serves the rest.
+#[test]
+fn a_damaged_old_segment_is_set_aside_on_restart_and_the_rest_served() {
+    let root = tempfile::tempdir().unwrap();
+    let primary = Redis::start(Server::Redis, &root.path().join("p"), &[]);
+    let src_log = root.path().join("src-log");
+    let config = format!(
+        "{}segment_size = \"1MiB\"\n",
+        follower_config(&primary, &src_log)
+    );
+    let mut source = source_with(root.path(), &config, &[]);
+    primary.fill("k", 3500, &"v".repeat(1000));
+    wait_logged(&source, &primary, "the source agent to log 3.5 MB");
+    source.proc.signal(libc::SIGKILL);
+    source.proc.wait_exit();
+    let mut segments: Vec<PathBuf> = std::fs::read_dir(&src_log)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "kvslog"))
+        .collect();
+    segments.sort();
+    assert!(segments.len() >= 3, "{segments:?}");
+    // The offset field of the oldest segment's first record header.
+    let mut b = std::fs::read(&segments[0]).unwrap();
+    b[72 + 3] ^= 1;
+    std::fs::write(&segments[0], b).unwrap();
+
+    let source = source_with(root.path(), &config, &[]);
+    let st = stream_status(&source);
+    assert_eq!(st.set_aside.len(), 1, "{st:?}");
+    assert!(
+        st.set_aside[0].contains("00000000000000000000.kvslog."),
+        "{st:?}"
+    );
+    let second: u64 = segments[1]
+        .file_stem()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(st.first_offset, second, "{st:?}");
+    assert_eq!(
+        source.metric("kvsync_stream_files_set_aside{kv_instance=\"default\"}"),
+        1.0
+    );
+    // The rest is served: a replica agent follows from the log's start.
+    primary.fill("after", 100, "w");
+    let replica = pulling_agent(root.path(), &source);
+    wait_logged(&replica, &primary, "the replica agent to follow the rest");
+    assert_eq!(stream_status(&replica).first_offset, second);
+}
+
 fn a_full_log_disk_stops_logging_with_an_error_and_leaves_the_primary_alone(server: Server) {
     let root = tempfile::tempdir().unwrap();
     let Some(fs) = SmallFs::mount(&root.path().join("logfs"), "2m") else {
@@ -1208,13 +1263,7 @@ fn a_replica_agent_stopped_past_the_stall_timeout_is_marked_lagging_the_primary_
     let config =
         follower_config(&primary, &root.path().join("src-log")) + "stall_timeout = \"1s\"\n";
     let source = source_with(root.path(), &config, &[]);
-    let replica = agent(
-        root.path(),
-        "rep",
-        &root.path().join("rep-snaps"),
-        &puller_config(&source, &root.path().join("rep-log")),
-        &[],
-    );
+    let replica = pulling_agent(root.path(), &source);
     wait_following(&replica);
     primary.fill("first", 100, "v");
     wait_logged(&replica, &primary, "the replica agent to follow");

@@ -475,6 +475,9 @@ fn print_instance(i: &pb::InstanceStatus) {
         for name in &st.lagging {
             println!("    lagging: {name} has left its whole credit window unacknowledged past [stream] stall_timeout; the log keeps the stream for it");
         }
+        for path in &st.set_aside {
+            println!("    WARNING: a damaged file of the log was set aside: {path} (check the disk, then remove it)");
+        }
         if st.damaged > 0 {
             println!(
                 "    {} damaged record(s) found on reading: cut off and fetched again",
@@ -551,6 +554,7 @@ fn stream_json(st: &pb::StreamStatus) -> serde_json::Value {
         "sentinels": st.sentinels,
         "integrity": st.integrity,
         "behind_seconds": st.behind_seconds,
+        "set_aside": st.set_aside,
     })
 }
 

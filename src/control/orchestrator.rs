@@ -165,6 +165,12 @@ impl OrchestratorService {
                     sentinels: s.sentinels(),
                     integrity: crate::stream::serve::integrity(i.config.tls.enabled()).into(),
                     behind_seconds: s.behind().as_secs_f64(),
+                    set_aside: s.view(|l| {
+                        l.set_aside()
+                            .iter()
+                            .map(|p| p.display().to_string())
+                            .collect()
+                    }),
                 }
             }),
         }

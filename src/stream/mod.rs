@@ -222,6 +222,11 @@ impl Stream {
             behind: metrics.stream_behind_bytes.with_label_values(&name),
             lagging: metrics.stream_lagging.with_label_values(&name),
         };
+        let set_aside = log.set_aside().len() as i64;
+        metrics
+            .stream_set_aside
+            .with_label_values(&name)
+            .set(set_aside);
         let stream = Arc::new(Stream {
             log: Mutex::new(log),
             changed: watch::Sender::new(0),

@@ -62,6 +62,12 @@ pub fn puller_config(upstream: &Node, log_dir: &Path) -> String {
     )
 }
 
+/// The replica agent `rep` following `source`'s log into `root/rep-log`.
+pub fn pulling_agent(root: &Path, source: &Node) -> Node {
+    let config = puller_config(source, &root.join("rep-log"));
+    agent(root, "rep", &root.join("rep-snaps"), &config, &[])
+}
+
 /// The config of a replica agent following `source`'s log into
 /// `log_dir` and feeding `rs` from it (`redis-stream`).
 pub fn feeding_puller_config(log_dir: &Path, source: &Node, rs: &Redis) -> String {

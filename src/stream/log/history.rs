@@ -43,6 +43,25 @@ impl History {
         }
     }
 
+    /// The history made again from the log's segments (their id and
+    /// start, oldest first), saved in `dir`: each segment holds one id.
+    pub(super) fn made_again<'a>(
+        dir: &Path,
+        segments: impl Iterator<Item = (&'a str, u64)>,
+    ) -> Result<History, LogError> {
+        let mut history = History::default();
+        for (replid, start) in segments {
+            if history.0.last().is_none_or(|e| e.replid != replid) {
+                history.0.push(Epoch {
+                    replid: replid.to_string(),
+                    start,
+                });
+            }
+        }
+        history.save(dir)?;
+        Ok(history)
+    }
+
     fn save(&self, dir: &Path) -> Result<(), LogError> {
         let path = dir.join(HISTORY);
         let json = serde_json::to_vec(&self.0).expect("plain data");

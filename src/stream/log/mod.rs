@@ -109,27 +109,71 @@ pub struct Log {
     synced: u64,
     /// The newest bytes, for readers at or near the end.
     tail: tail::Tail,
+    set_aside: Vec<PathBuf>,
+}
+
+/// How a damaged file set aside in the log's directory ends.
+const SET_ASIDE: &str = ".damaged";
+
+/// Renames the damaged file `path` to `<name>.<unix seconds>.damaged`,
+/// where the log no longer reads it, and says so.
+fn put_aside(path: &Path, why: &str) -> Result<PathBuf, LogError> {
+    let secs = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
+    let aside = path.with_file_name(format!("{name}.{secs}{SET_ASIDE}"));
+    std::fs::rename(path, &aside).map_err(io(path))?;
+    if let Some(dir) = path.parent() {
+        crate::sys::fs::sync_dir(dir).map_err(io(dir))?;
+    }
+    warn!(file = %path.display(), set_aside = %aside.display(), "a damaged file of the stream log ({why}) is set aside: the log goes on without it (what it held is fetched from upstream when needed); look at it and remove it");
+    Ok(aside)
 }
 
 impl Log {
-    /// Opens (or creates) the log in `cfg.dir`, cutting a torn tail.
+    /// Opens (or creates) the log in `cfg.dir`, cutting a torn tail. A
+    /// damaged file (a segment whose header or record headers do not
+    /// hold, an unreadable history) is set aside, never fails the open:
+    /// the log keeps the newest segments that still continue each other,
+    /// and the history is made again from their headers.
     pub fn open(cfg: StreamConfig) -> Result<Log, LogError> {
         let dir = cfg.dir.clone();
         std::fs::create_dir_all(&dir).map_err(io(&dir))?;
-        let history = History::load(&dir)?;
         let mut paths: Vec<(u64, PathBuf)> = Vec::new();
+        let mut set_aside = Vec::new();
         for e in std::fs::read_dir(&dir).map_err(io(&dir))? {
             let p = e.map_err(io(&dir))?.path();
             let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
             if let Some(start) = name.strip_suffix(SUFFIX).and_then(|s| s.parse().ok()) {
                 paths.push((start, p));
+            } else if name.ends_with(SET_ASIDE) {
+                set_aside.push(p);
             }
         }
+        set_aside.sort();
+        let history = match History::load(&dir) {
+            Ok(history) => Some(history),
+            Err(LogError::Corrupt { path, why, .. }) => {
+                set_aside.push(put_aside(&path, &why)?);
+                None
+            }
+            Err(e) => return Err(e),
+        };
         paths.sort();
         let mut segments: Vec<Segment> = Vec::new();
         let last = paths.len().saturating_sub(1);
+        let mut newest_aside = false;
         for (i, (_, path)) in paths.into_iter().enumerate() {
-            let seg = scan(&path, i == last)?;
+            let seg = match scan(&path, i == last) {
+                Ok(seg) => seg,
+                Err(LogError::Corrupt { why, .. }) => {
+                    set_aside.push(put_aside(&path, &why)?);
+                    newest_aside = i == last;
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
             if let Some(prev) = segments.last() {
                 if prev.end != seg.start {
                     warn!(
@@ -143,6 +187,20 @@ impl Log {
                 }
             }
             segments.push(seg);
+        }
+        if newest_aside {
+            // The one before is the newest now: checked as the newest is.
+            if let Some(seg) = segments.pop() {
+                segments.push(scan(&seg.path, true)?);
+            }
+        }
+        let ids = segments.iter().map(|s| (s.replid.as_str(), s.start));
+        let mut history = match history {
+            Some(history) => history,
+            None => History::made_again(&dir, ids)?,
+        };
+        if let Some(seg) = segments.last() {
+            history.cut(&dir, seg.end)?;
         }
         let file = match segments.last() {
             Some(s) => {
@@ -159,7 +217,14 @@ impl Log {
             file,
             synced,
             tail,
+            set_aside,
         })
+    }
+
+    /// The damaged files set aside in the log's directory, found or set
+    /// aside on open, kept for the operator to look at and remove.
+    pub fn set_aside(&self) -> &[PathBuf] {
+        &self.set_aside
     }
 
     /// The replication id of the newest record and the log's end offset,
@@ -498,6 +563,12 @@ mod tests {
         log
     }
 
+    /// Each segment's start offset and file.
+    fn segment_starts(log: &Log) -> Vec<(u64, PathBuf)> {
+        let starts = log.segments.iter().map(|s| (s.start, s.path.clone()));
+        starts.collect()
+    }
+
     /// Appends `n` records of `len` bytes from the log's end.
     fn fill(log: &mut Log, n: usize, len: usize) -> Vec<u8> {
         let mut all = Vec::new();
@@ -637,6 +708,87 @@ mod tests {
             err.to_string().contains("fetched again from upstream"),
             "{err}"
         );
+    }
+
+    /// Attack (review): one flipped bit in an older segment's record
+    /// header failed `Log::open`, and the agent with it, until someone
+    /// deleted files by hand.
+    #[test]
+    fn a_damaged_older_segment_is_set_aside_at_open_and_the_newer_ones_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = Log::open(cfg(dir.path())).unwrap();
+        log.restart(ID_A, 0).unwrap();
+        let all = fill(&mut log, 50, 300);
+        let starts = segment_starts(&log);
+        assert!(starts.len() > 3);
+        drop(log);
+        // The offset field of the oldest segment's second record header.
+        let oldest = &starts[0].1;
+        let mut b = std::fs::read(oldest).unwrap();
+        b[HEADER_LEN + RECORD_HEADER + 300 + 3] ^= 1;
+        std::fs::write(oldest, b).unwrap();
+        let log = Log::open(cfg(dir.path())).unwrap();
+        let kept = starts[1].0;
+        assert_eq!(log.first(), Some(kept));
+        assert_eq!(read_all(&log, kept), all[kept as usize..]);
+        let aside = log.set_aside().to_vec();
+        assert_eq!(aside.len(), 1, "{aside:?}");
+        assert!(aside[0].exists() && !oldest.exists(), "{aside:?}");
+        drop(log);
+        // Reopened, it says so still (until the operator removes the file).
+        let log = Log::open(cfg(dir.path())).unwrap();
+        assert_eq!(log.set_aside(), aside);
+        assert_eq!(log.first(), Some(kept));
+    }
+
+    /// A damaged header of the newest segment, or of one in the middle:
+    /// that segment is set aside, the older ones (which no longer reach
+    /// the rest) go, and the log continues from the end it still holds.
+    #[test]
+    fn a_damaged_segment_header_is_set_aside_and_the_log_ends_before_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = Log::open(cfg(dir.path())).unwrap();
+        log.restart(ID_A, 0).unwrap();
+        let all = fill(&mut log, 50, 300);
+        let starts = segment_starts(&log);
+        let n = starts.len();
+        assert!(n > 3);
+        drop(log);
+        let flip = |path: &Path, at: usize| {
+            let mut b = std::fs::read(path).unwrap();
+            b[at] ^= 0x10;
+            std::fs::write(path, b).unwrap();
+        };
+        flip(&starts[n - 1].1, 20);
+        let mut log = Log::open(cfg(dir.path())).unwrap();
+        let end = starts[n - 1].0;
+        assert_eq!(log.position(), Some((ID_A.to_string(), end)));
+        assert_eq!(read_all(&log, 0), all[..end as usize]);
+        log.append(end, &all[end as usize..]).unwrap();
+        drop(log);
+        flip(&starts[1].1, 20);
+        let log = Log::open(cfg(dir.path())).unwrap();
+        assert_eq!(log.first(), Some(starts[2].0));
+        assert!(!starts[0].1.exists(), "no longer reaches the rest");
+        assert_eq!(log.set_aside().len(), 2);
+        assert_eq!(read_all(&log, starts[2].0), all[starts[2].0 as usize..]);
+    }
+
+    /// An unreadable `history.json` is set aside and the history made
+    /// again from the segments' headers, which each name their id.
+    #[test]
+    fn an_unreadable_history_is_set_aside_and_made_again_from_the_segments() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = two_ids(dir.path());
+        let epochs = log.history().to_vec();
+        drop(log);
+        std::fs::write(dir.path().join("history.json"), b"{not json").unwrap();
+        let log = Log::open(cfg(dir.path())).unwrap();
+        assert_eq!(log.history(), epochs);
+        assert_eq!(log.set_aside().len(), 1);
+        drop(log);
+        let log = Log::open(cfg(dir.path())).unwrap();
+        assert_eq!(log.history(), epochs, "saved again");
     }
 
     #[test]
