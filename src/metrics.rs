@@ -345,7 +345,7 @@ impl Metrics {
             stream_refused: reg!(IntCounterVec::new(
                 Opts::new(
                     "kvsync_stream_refused_total",
-                    "Stream sessions ended or refused, by reason: a peer that broke the stream's rules, or an offset the log does not hold (too_old)"
+                    "Stream sessions ended or refused, by reason: a peer that broke the stream's rules, an offset the log does not hold (too_old), a replica that took nothing for [stream] stall_end (no_progress), a limit on sessions (busy: all of them; busy_host: one host's)"
                 ),
                 &["kv_instance", "reason"]
             )),

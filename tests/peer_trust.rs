@@ -860,17 +860,6 @@ impl pb::peer_server::Peer for FloodingSource {
     }
 }
 
-/// The most memory the process `pid` has held (VmHWM), in bytes.
-fn peak_rss(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kib: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap();
-    kib << 10
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_manifest_that_never_ends_is_cut_off_at_what_the_offer_can_weigh() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -844,6 +844,85 @@ fn same_log(dir: &Path, copy: &Path, end: u64) -> Vec<u8> {
     bytes
 }
 
+/// The attack client: `n` stream sessions asked for from `from` (a
+/// loopback address of its own), each proved on the data plane and then
+/// never read. Returns the links held and how many asks were refused.
+async fn idle_sessions(
+    source: &Node,
+    from: std::net::IpAddr,
+    n: usize,
+) -> (Vec<kvsync::transport::stream::StreamLink>, usize) {
+    let channel = tonic::transport::Channel::from_shared(format!("http://{}", source.grpc()))
+        .unwrap()
+        .local_address(Some(from))
+        .connect()
+        .await
+        .unwrap();
+    let mut client = kvsync::rpc::pb::peer_client::PeerClient::new(channel);
+    let (mut held, mut refused) = (Vec::new(), 0);
+    for i in 0..n {
+        let ask = kvsync::rpc::pb::OpenStreamRequest {
+            replica_node_id: format!("greedy-{i}"),
+            ..Default::default()
+        };
+        let offer = match client.open_stream(ask).await {
+            Ok(offer) => offer.into_inner(),
+            Err(_) => {
+                refused += 1;
+                continue;
+            }
+        };
+        let token = offer.session_token.as_slice().try_into().unwrap();
+        let endpoint = offer.data_endpoint.parse().unwrap();
+        let link = kvsync::transport::stream::StreamLink::dial(
+            endpoint,
+            None,
+            token,
+            std::time::Duration::from_secs(600),
+        )
+        .await
+        .unwrap();
+        held.push(link);
+    }
+    (held, refused)
+}
+
+/// Attack (review): one peer token took every stream session (256) and
+/// ~2 GB of the source (each idle session pinned its window), and a real
+/// replica got RESOURCE_EXHAUSTED while they were held. Sessions are
+/// bounded per host, buffer at most a frame each, and one that takes
+/// nothing while the log holds more is ended.
+#[test]
+fn idle_stream_sessions_from_one_peer_neither_starve_a_real_replica_nor_the_sources_memory() {
+    let root = tempfile::tempdir().unwrap();
+    let primary = Redis::start(Server::Redis, &root.path().join("p"), &[]);
+    let config = follower_config(&primary, &root.path().join("src-log"))
+        + "stall_timeout = \"1s\"\nstall_end = \"4s\"\n";
+    let source = source_with(root.path(), &config, &[]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let greedy = std::net::IpAddr::from([127, 0, 0, 2]);
+    let (held, refused) = rt.block_on(idle_sessions(&source, greedy, 300));
+    assert!(refused > 0, "the greedy host is refused past its cap");
+    let before = peak_rss(source.proc.child.id());
+    primary.fill("k", 40_000, &"v".repeat(1000));
+    let replica = pulling_agent(root.path(), &source);
+    wait_logged(&replica, &primary, "the real replica to be served");
+    let grew = peak_rss(source.proc.child.id()).saturating_sub(before);
+    assert!(
+        grew < 128 << 20,
+        "{} idle sessions grew the source by {grew} bytes",
+        held.len()
+    );
+    // The idle sessions are ended: only the real replica is served.
+    wait_for("the idle sessions to be ended", DEADLINE, || {
+        (stream_status(&source).serving == 1).then_some(())
+    });
+    let ended = source
+        .metric("kvsync_stream_refused_total{kv_instance=\"default\",reason=\"no_progress\"}");
+    assert!(ended >= 1.0, "{ended}");
+    drop(held);
+}
+
 /// Attack (review): one flipped bit in the oldest segment kept the agent
 /// down (exit 1, every instance with it) until files were deleted by hand.
 /// It starts, sets the segment aside, says so, and serves the rest.

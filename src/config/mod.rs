@@ -36,7 +36,7 @@ pub use data::{
 };
 pub use grpc::{AuthConfig, GrpcConfig, TlsConfig};
 pub use redis::{HandoffConfig, HandoffMode, RedisConfig};
-pub use stream::{Fsync, StreamAck, StreamConfig};
+pub use stream::{Fsync, StreamAck, StreamConfig, MAX_STREAM_SESSIONS};
 
 /// The whole agent configuration (one TOML file).
 #[derive(Debug, Clone, Serialize, Deserialize)]

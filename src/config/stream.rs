@@ -11,6 +11,10 @@ use serde::{Deserialize, Serialize};
 use super::addr::is_host_port;
 use super::{normal_path, Config, HostPort, Problems};
 
+/// Stream sessions an agent offers or serves at once, at most (every
+/// instance, every host together).
+pub const MAX_STREAM_SESSIONS: usize = 256;
+
 /// The replication stream's log (`[stream]`, or `[instance.stream]`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -64,6 +68,15 @@ pub struct StreamConfig {
     /// the log keeps the stream, the primary is never slowed.
     #[serde(with = "humantime_serde")]
     pub stall_timeout: Duration,
+    /// A session stalled this long (its window full or its socket
+    /// taking nothing while the log holds more) is ended: a replica that
+    /// takes the stream again asks for a new one from its log's end, one
+    /// that never does holds nothing of the source's.
+    #[serde(with = "humantime_serde")]
+    pub stall_end: Duration,
+    /// Stream sessions offered or served at once to the agents of one
+    /// host (by the address they ask from), every instance together.
+    pub max_sessions_per_host: usize,
     /// A `redis-stream` server more than this many bytes behind the log,
     /// or still short of where the log stood `ready_lag` ago, makes its
     /// instance `degraded` (not ready in `/readyz`) until it catches up.
@@ -113,6 +126,8 @@ impl Default for StreamConfig {
             rdma_ring: ByteSize::mib(16),
             rdma_retry: Duration::from_secs(30),
             stall_timeout: Duration::from_secs(10),
+            stall_end: Duration::from_secs(60),
+            max_sessions_per_host: 32,
             ready_behind: ByteSize::mib(64),
             ready_lag: Duration::from_secs(30),
             rdma_spin: Duration::from_micros(200),
@@ -252,6 +267,22 @@ impl Config {
                     "must be 0 or a power of two from 1 MiB to 1 GiB, got {}",
                     st.rdma_ring
                 ),
+            );
+        }
+        if st.stall_end <= st.stall_timeout {
+            p.bad(
+                "stream.stall_end",
+                format!(
+                    "must be longer than stall_timeout ({:?}), got {:?}",
+                    st.stall_timeout, st.stall_end
+                ),
+            );
+        }
+        let most = MAX_STREAM_SESSIONS;
+        if !(1..=most).contains(&st.max_sessions_per_host) {
+            p.bad(
+                "stream.max_sessions_per_host",
+                format!("must be 1 to {most}, got {}", st.max_sessions_per_host),
             );
         }
         if st.memory_tail > ByteSize::gib(1) {

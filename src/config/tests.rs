@@ -251,6 +251,23 @@ fn problem_keys(c: &Config) -> Vec<String> {
 }
 
 #[test]
+fn stream_sessions_end_after_their_stall_and_are_capped_per_host_within_the_whole() {
+    let mut c = valid();
+    c.stream.dir = "/var/lib/kvsync/stream".into();
+    c.redis.primary_addr = "127.0.0.1:6379".into();
+    c.validate().unwrap();
+    c.stream.stall_end = c.stream.stall_timeout;
+    c.stream.max_sessions_per_host = 0;
+    assert_eq!(
+        problem_keys(&c),
+        ["stream.stall_end", "stream.max_sessions_per_host"]
+    );
+    c.stream.stall_end = std::time::Duration::from_secs(30);
+    c.stream.max_sessions_per_host = crate::config::MAX_STREAM_SESSIONS + 1;
+    assert_eq!(problem_keys(&c), ["stream.max_sessions_per_host"]);
+}
+
+#[test]
 fn a_stream_log_needs_one_source_and_a_directory_of_its_own() {
     let mut c = valid();
     c.stream.dir = c.snapshot_dir.clone();

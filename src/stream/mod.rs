@@ -112,6 +112,10 @@ struct Gauges {
     behind: prometheus::IntGauge,
     /// Downstreams marked lagging (`kvsync_stream_lagging_downstreams`).
     lagging: prometheus::IntGauge,
+    /// Sessions refused at a limit (`kvsync_stream_refused_total`,
+    /// `busy` and `busy_host`).
+    busy: prometheus::IntCounter,
+    busy_host: prometheus::IntCounter,
 }
 
 /// What a stream's writer is doing (status shows it as text).
@@ -221,6 +225,12 @@ impl Stream {
             span: metrics.stream_log_span.with_label_values(&name),
             behind: metrics.stream_behind_bytes.with_label_values(&name),
             lagging: metrics.stream_lagging.with_label_values(&name),
+            busy: metrics
+                .stream_refused
+                .with_label_values(&[instance, "busy"]),
+            busy_host: metrics
+                .stream_refused
+                .with_label_values(&[instance, "busy_host"]),
         };
         let set_aside = log.set_aside().len() as i64;
         metrics
@@ -548,6 +558,14 @@ impl Stream {
             .lock()
             .expect("behind lock")
             .map_or(std::time::Duration::ZERO, |t| t.elapsed())
+    }
+
+    /// A session was refused at a limit.
+    pub fn refused(&self, busy: &serve::Busy) {
+        match busy {
+            serve::Busy::Full => self.gauges.busy.inc(),
+            serve::Busy::Host(_) => self.gauges.busy_host.inc(),
+        }
     }
 
     /// Records found damaged on reading since the agent started.

@@ -14,9 +14,10 @@
 //! `sync::offer`'s.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rand::RngCore;
 use tokio_util::sync::CancellationToken;
@@ -24,7 +25,7 @@ use tracing::{info, warn};
 
 use super::log::LogError;
 use super::{Downstream, SharedLog, Traffic};
-use crate::blk3::stream::{Next, Sender, StreamError, STREAM_KEY_LEN};
+use crate::blk3::stream::{Next, Sender, StreamError, MAX_FRAME, STREAM_KEY_LEN};
 use crate::blk3::token::{Kind, REPLID_LEN, SESSION_TOKEN_LEN};
 use crate::blk3::Token;
 use crate::metrics::{Metrics, Running};
@@ -35,14 +36,21 @@ use crate::transport::stream::{StreamLink, StreamLinkError};
 
 /// Bytes a source sends beyond the replica's last acknowledgement.
 pub const WINDOW: u64 = 4 << 20;
+/// The most a session reads of the log at once, before it sends it: a
+/// frame, so a replica that stops reading pins a frame, not its window.
+const READ_AT_ONCE: u64 = MAX_FRAME as u64;
+/// How long an ended session waits to tell the replica why.
+const TELL_WAIT: Duration = Duration::from_secs(2);
 /// Stream sessions offered or served at once, at most (every instance).
-pub const MAX_SESSIONS: usize = 256;
+pub use crate::config::MAX_STREAM_SESSIONS as MAX_SESSIONS;
 
 /// A stream session agreed by `OpenStream`.
 pub struct StreamSession {
     pub id: String,
     pub instance: String,
     pub replica: String,
+    /// The address the replica asked from (as the control plane saw it).
+    pub host: Option<IpAddr>,
     pub stream: SharedLog,
     pub key: [u8; STREAM_KEY_LEN],
     /// The replica's replication id at `from`, where the session starts.
@@ -52,41 +60,130 @@ pub struct StreamSession {
     pub tls: bool,
     /// Over an RDMA ring.
     pub rdma: bool,
-    /// `[stream] stall_timeout`.
-    pub stall_timeout: std::time::Duration,
+    /// `[stream] stall_timeout` and `stall_end`.
+    pub stall_timeout: Duration,
+    pub stall_end: Duration,
+    /// `[stream] max_sessions_per_host`.
+    pub max_per_host: usize,
     /// `[stream] rdma_spin`, for a session over a ring.
-    pub spin: std::time::Duration,
+    pub spin: Duration,
     pub expires: Instant,
 }
 
-/// Stream sessions offered (by token) and served, within [`MAX_SESSIONS`].
+/// Stream sessions offered (by token) and served: within [`MAX_SESSIONS`]
+/// in all and `[stream] max_sessions_per_host` per host; one of each
+/// (replica, instance) served, the newest.
 #[derive(Default)]
-pub struct StreamOffers {
-    offers: Mutex<HashMap<[u8; SESSION_TOKEN_LEN], StreamSession>>,
-    serving: Arc<AtomicUsize>,
+pub struct StreamOffers(Arc<Mutex<Sessions>>);
+
+#[derive(Default)]
+struct Sessions {
+    offers: HashMap<[u8; SESSION_TOKEN_LEN], StreamSession>,
+    /// The sessions served, by a serial: who asked, and what ends each.
+    serving: HashMap<u64, (Who, CancellationToken)>,
+    next: u64,
 }
 
-/// [`MAX_SESSIONS`] are offered or served.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Busy;
+/// Who a session is for: the host that asked ([`host_key`]), and the
+/// replica agent and instance it named. Only the same host may replace a
+/// replica's session: a name is the asker's word, its address is not.
+#[derive(Clone, PartialEq, Eq)]
+struct Who {
+    host: Option<IpAddr>,
+    replica: String,
+    instance: String,
+}
 
-/// A served session's place among [`MAX_SESSIONS`], held until dropped.
-pub struct Serving(Arc<AtomicUsize>);
+impl Who {
+    fn of(s: &StreamSession) -> Who {
+        Who {
+            host: s.host.map(host_key),
+            replica: s.replica.clone(),
+            instance: s.instance.clone(),
+        }
+    }
+}
+
+/// The host an address counts for: an IPv4 address itself (also when
+/// mapped into IPv6), an IPv6 address's /64 (one host holds a whole /64
+/// to choose from).
+fn host_key(ip: IpAddr) -> IpAddr {
+    match ip.to_canonical() {
+        IpAddr::V6(v6) => {
+            let net = u128::from(v6) & !((1u128 << 64) - 1);
+            IpAddr::V6(net.into())
+        }
+        v4 => v4,
+    }
+}
+
+/// Why a session was not offered: the limit it met.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Busy {
+    #[error("this source already offers or serves {MAX_SESSIONS} stream sessions; retry in a few seconds")]
+    Full,
+    #[error("this source already offers or serves {0} stream sessions to agents of this host ([stream] max_sessions_per_host)")]
+    Host(usize),
+}
+
+/// A served session's place among the sessions, held until dropped, and
+/// what ends it: the agent's shutdown, or a newer session of the same
+/// replica and instance.
+pub struct Serving {
+    sessions: Arc<Mutex<Sessions>>,
+    serial: u64,
+    end: CancellationToken,
+}
+
+impl Serving {
+    /// Cancelled when the session is to end.
+    pub fn end(&self) -> &CancellationToken {
+        &self.end
+    }
+
+    /// Ends the sessions served before this one to the same replica,
+    /// instance and host (it asked again: they are gone or going); called
+    /// once this one runs on the transport it was offered for.
+    fn replace_older(&self) {
+        let sessions = self.sessions.lock().expect("stream sessions lock");
+        let Some((who, _)) = sessions.serving.get(&self.serial) else {
+            return;
+        };
+        for (serial, (old, end)) in &sessions.serving {
+            if *serial < self.serial && old == who {
+                end.cancel();
+            }
+        }
+    }
+}
 
 impl Drop for Serving {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
+        let mut sessions = self.sessions.lock().expect("stream sessions lock");
+        sessions.serving.remove(&self.serial);
     }
 }
 
 impl StreamOffers {
-    /// Stores `session` under a fresh random token.
+    /// Stores `session` under a fresh random token, in place of any
+    /// offer not yet taken to the same replica and instance.
     pub fn insert(&self, session: StreamSession) -> Result<[u8; SESSION_TOKEN_LEN], Busy> {
-        let mut offers = self.offers.lock().expect("stream offers lock");
-        let now = Instant::now();
-        offers.retain(|_, s| s.expires > now);
-        if offers.len() + self.serving.load(Ordering::SeqCst) >= MAX_SESSIONS {
-            return Err(Busy);
+        let mut sessions = self.0.lock().expect("stream sessions lock");
+        let (now, who) = (Instant::now(), Who::of(&session));
+        let Sessions {
+            offers, serving, ..
+        } = &mut *sessions;
+        offers.retain(|_, s| s.expires > now && Who::of(s) != who);
+        if offers.len() + serving.len() >= MAX_SESSIONS {
+            return Err(Busy::Full);
+        }
+        let from_host = offers
+            .values()
+            .filter(|s| Who::of(s).host == who.host)
+            .count()
+            + serving.values().filter(|(w, _)| w.host == who.host).count();
+        if from_host >= session.max_per_host {
+            return Err(Busy::Host(session.max_per_host));
         }
         let mut token = [0u8; SESSION_TOKEN_LEN];
         rand::rng().fill_bytes(&mut token);
@@ -94,22 +191,34 @@ impl StreamOffers {
         Ok(token)
     }
 
-    /// Takes the unexpired session of `token`, once.
-    pub fn take(&self, token: &[u8]) -> Option<(StreamSession, Serving)> {
+    /// Takes the unexpired session of `token`, once, ended by `shutdown`
+    /// or by a newer one of the same replica ([`Serving::replace_older`]).
+    pub fn take(
+        &self,
+        token: &[u8],
+        shutdown: &CancellationToken,
+    ) -> Option<(StreamSession, Serving)> {
         let token: &[u8; SESSION_TOKEN_LEN] = token.get(..SESSION_TOKEN_LEN)?.try_into().ok()?;
-        let session = self
+        let mut sessions = self.0.lock().expect("stream sessions lock");
+        let session = sessions
             .offers
-            .lock()
-            .expect("stream offers lock")
             .remove(token)
             .filter(|s| s.expires > Instant::now())?;
-        self.serving.fetch_add(1, Ordering::SeqCst);
-        Some((session, Serving(self.serving.clone())))
+        let who = Who::of(&session);
+        let (serial, end) = (sessions.next, shutdown.child_token());
+        sessions.next += 1;
+        sessions.serving.insert(serial, (who, end.clone()));
+        let serving = Serving {
+            sessions: self.0.clone(),
+            serial,
+            end,
+        };
+        Some((session, serving))
     }
 
     /// Drops every offer (shutdown).
     pub fn clear(&self) {
-        self.offers.lock().expect("stream offers lock").clear();
+        self.0.lock().expect("stream sessions lock").offers.clear();
     }
 }
 
@@ -133,6 +242,10 @@ pub enum ServeError {
     Replica(String),
     #[error("the replica sent {0}, which a stream session does not take")]
     Unexpected(Kind),
+    #[error("the replica took nothing of the stream for {0:?} ([stream] stall_end) while the log held more: the session is ended, and a new one continues from its log's end")]
+    NoProgress(Duration),
+    #[error("{ENDED}")]
+    Ended,
 }
 
 impl ServeError {
@@ -142,21 +255,22 @@ impl ServeError {
         match self {
             ServeError::Stream(e) => Some(e.label()),
             ServeError::Log(LogError::NotHeld { .. }) => Some("too_old"),
+            ServeError::NoProgress(_) => Some("no_progress"),
             _ => None,
         }
     }
 }
 
-/// Serves a proved stream session until it ends or `shutdown`.
+/// Serves a proved stream session until it ends or `serving` is ended.
 pub async fn serve(
     mut link: StreamLink,
     session: StreamSession,
-    _serving: Serving,
+    serving: Serving,
     peer: String,
-    shutdown: CancellationToken,
     metrics: Arc<Metrics>,
 ) {
     let s = &session;
+    serving.replace_older();
     let _running = Running::start(
         metrics
             .stream_sessions
@@ -169,10 +283,12 @@ pub async fn serve(
         session: s.id.clone(),
     };
     let mut stall = Stall::new(s, &downstream, &metrics);
-    let result = send_stream(&mut link, s, &downstream, &shutdown, (&sent, &mut stall)).await;
+    let end = serving.end();
+    let result = send_stream(&mut link, s, &downstream, end, (&sent, &mut stall)).await;
     s.stream.forget(&downstream);
     match result {
-        Ok(at) => info!(session = %s.id, at, "stream session ended: the agent stops"),
+        Ok(at) => info!(session = %s.id, at, "{ENDED}"),
+        Err(ServeError::Ended) => info!(session = %s.id, "{ENDED}"),
         Err(e) => {
             if let Some(reason) = e.refusal() {
                 metrics
@@ -181,25 +297,35 @@ pub async fn serve(
                     .inc();
             }
             warn!(session = %s.id, instance = %s.instance, error = %e, "stream session ended");
-            if !matches!(e, ServeError::Link(_) | ServeError::Replica(_)) {
-                link.fail(&e.to_string()).await;
+            // Told why, unless it broke the link or reads nothing (a
+            // replica that takes nothing could hold a wait for the telling).
+            if !matches!(
+                e,
+                ServeError::Link(_) | ServeError::Replica(_) | ServeError::NoProgress(_)
+            ) {
+                let _ = tokio::time::timeout(TELL_WAIT, link.fail(&e.to_string())).await;
             }
         }
     }
 }
 
+/// Why a session ends without an error: the agent stops, or the replica
+/// asked for a new session.
+const ENDED: &str = "stream session ended: the agent stops, or a newer session of the same replica and instance replaced it";
+
 /// Serves a proved stream session over an RDMA ring on this blocking
-/// thread, until it ends or `shutdown`: the same log, window, MACs and id
+/// thread, until it ends or `serving` is ended: the same log, window, MACs and id
 /// changes as over TCP, through `transport::ring`. The session is woken
 /// whenever the log grows.
 pub fn serve_ring(
     link: SourceLink,
     session: StreamSession,
-    _serving: Serving,
+    serving: Serving,
     peer: String,
     plane: RingPlane,
 ) {
     let s = &session;
+    serving.replace_older();
     let metrics = &plane.metrics;
     let _running = Running::start(
         metrics
@@ -223,6 +349,8 @@ pub fn serve_ring(
         downstream: &downstream,
         sent: Traffic::of(metrics, &s.instance, "source"),
         stall: Stall::new(s, &downstream, metrics),
+        end: serving.end(),
+        stalled: None,
     };
     let source = RingSource {
         key: s.key,
@@ -230,7 +358,7 @@ pub fn serve_ring(
         replid,
         window: WINDOW,
         silent: plane.silent,
-        cancel: plane.shutdown.clone(),
+        cancel: serving.end().clone(),
         lie: first_ring_lie(),
         spin: s.spin,
     };
@@ -249,7 +377,17 @@ pub fn serve_ring(
     s.stream.forget(&downstream);
     match served {
         None => warn!(session = %s.id, "a ring session's connection is not RDMA"),
-        Some((at, Ok(()))) => info!(session = %s.id, at, "ring session ended: the agent stops"),
+        Some((at, Ok(()))) => match feed.stalled {
+            Some(e) => {
+                let reason = e.refusal().unwrap_or("no_progress");
+                metrics
+                    .stream_refused
+                    .with_label_values(&[&s.instance, reason])
+                    .inc();
+                warn!(session = %s.id, instance = %s.instance, at, error = %e, "ring session ended");
+            }
+            None => info!(session = %s.id, at, "{ENDED}"),
+        },
         Some((at, Err(e))) => {
             if let RingRunError::Ring(r) = &e {
                 metrics
@@ -265,7 +403,6 @@ pub fn serve_ring(
 /// What a ring session needs of the agent besides its session.
 pub struct RingPlane {
     pub metrics: Arc<Metrics>,
-    pub shutdown: CancellationToken,
     /// How long the replica may leave the source unanswered.
     pub silent: std::time::Duration,
     /// Where the log's wake-ups run.
@@ -286,6 +423,9 @@ struct LogFeed<'a> {
     downstream: &'a Downstream,
     sent: Traffic,
     stall: Stall<'a>,
+    /// Cancelled to end the session: it made no progress.
+    end: &'a CancellationToken,
+    stalled: Option<ServeError>,
 }
 
 impl RingFeed for LogFeed<'_> {
@@ -311,7 +451,10 @@ impl RingFeed for LogFeed<'_> {
     }
 
     fn window(&mut self, due: &dyn Fn(u64) -> u64, sent: u64) {
-        self.stall.update(due, sent);
+        if let Err(e) = self.stall.update(due, sent) {
+            self.stalled = Some(e);
+            self.end.cancel();
+        }
     }
 }
 
@@ -325,7 +468,9 @@ impl RingFeed for LogFeed<'_> {
 struct Stall<'a> {
     stream: &'a SharedLog,
     downstream: &'a Downstream,
-    timeout: std::time::Duration,
+    timeout: Duration,
+    /// `[stream] stall_end`: a stall this long ends the session.
+    end: Duration,
     stalls: prometheus::IntCounter,
     since: Option<Instant>,
 }
@@ -336,6 +481,7 @@ impl<'a> Stall<'a> {
             stream: &s.stream,
             downstream,
             timeout: s.stall_timeout,
+            end: s.stall_end,
             stalls: metrics
                 .stream_credit_stalls
                 .with_label_values(&[&s.instance]),
@@ -344,25 +490,44 @@ impl<'a> Stall<'a> {
     }
 
     /// Where the window stands (the stream sent up to `sent`, `due(held)`
-    /// of what the log holds past it may go); while a stall has not yet
-    /// lasted the timeout, when to look again.
-    fn update(&mut self, due: &dyn Fn(u64) -> u64, sent: u64) -> Option<Instant> {
+    /// of what the log holds past it may go); during a stall, when to
+    /// look again; a stall of `[stream] stall_end` is an error.
+    fn update(
+        &mut self,
+        due: &dyn Fn(u64) -> u64,
+        sent: u64,
+    ) -> Result<Option<Instant>, ServeError> {
         let held = self.stream.held_past(sent);
         self.mark(held > 0 && due(held) == 0)
     }
 
+    /// A frame went out without blocking for the timeout: the replica
+    /// takes the stream (a stall, and lagging, end).
+    fn flowing(&mut self) {
+        if self.since.is_some() {
+            let _ = self.mark(false);
+        }
+    }
+
     /// A send the replica has left blocked for the whole timeout (its
     /// socket full: it stopped reading, or reads too slowly), which stalls
-    /// the session as a full window does, before the window is used up.
-    fn blocked(&mut self) {
+    /// the session as a full window does, before the window is used up;
+    /// how much longer the send may wait.
+    fn blocked(&mut self) -> Result<Duration, ServeError> {
         if self.since.is_none() {
             self.stalls.inc();
         }
-        self.since = Some(Instant::now() - self.timeout);
-        self.mark(true);
+        // From the first block on: a replica that lets a frame through
+        // now and then does not start the clock again.
+        let blocked_at = Instant::now() - self.timeout;
+        let since = *self.since.get_or_insert(blocked_at);
+        self.since = Some(since.min(blocked_at));
+        self.mark(true)?;
+        let end = self.since.map_or(Instant::now(), |s| s + self.end);
+        Ok(end.saturating_duration_since(Instant::now()))
     }
 
-    fn mark(&mut self, full: bool) -> Option<Instant> {
+    fn mark(&mut self, full: bool) -> Result<Option<Instant>, ServeError> {
         match (full, self.since) {
             (true, None) => {
                 self.stalls.inc();
@@ -377,43 +542,59 @@ impl<'a> Stall<'a> {
             }
             _ => {}
         }
-        let deadline = self.since? + self.timeout;
-        if Instant::now() < deadline {
-            return Some(deadline);
+        let Some(since) = self.since else {
+            return Ok(None);
+        };
+        let (lagging, end, now) = (since + self.timeout, since + self.end, Instant::now());
+        if now >= end {
+            return Err(ServeError::NoProgress(self.end));
+        }
+        if now < lagging {
+            return Ok(Some(lagging));
         }
         if !self.stream.is_lagging(self.downstream) {
             warn!(downstream = %self.downstream, stalled_for = ?self.timeout, "the downstream has left the stream unacknowledged (its credit window full, or its socket): marked lagging; the log keeps the stream for it");
             self.stream.set_lagging(self.downstream, true);
         }
-        None
+        Ok(Some(end))
     }
 }
 
 /// Sends one frame; a send still blocked after `[stream] stall_timeout`
-/// marks the replica lagging ([`Stall::blocked`]) and goes on waiting.
+/// marks the replica lagging ([`Stall::blocked`]) and goes on waiting, up
+/// to `[stream] stall_end`.
 async fn send_frame(
     link: &mut StreamLink,
     (frame, bytes): (&Token, &[u8]),
-    stall: &mut Stall<'_>,
+    (stall, end): (&mut Stall<'_>, &CancellationToken),
 ) -> Result<(), ServeError> {
     let timeout = stall.timeout;
     let send = link.send_with(frame, bytes);
     tokio::pin!(send);
     tokio::select! {
-        r = &mut send => return Ok(r?),
+        r = &mut send => {
+            r?;
+            stall.flowing();
+            return Ok(());
+        }
+        _ = end.cancelled() => return Err(ServeError::Ended),
         _ = tokio::time::sleep(timeout) => {}
     }
-    stall.blocked();
-    Ok(send.await?)
+    let more = stall.blocked()?;
+    tokio::select! {
+        r = send => Ok(r?),
+        _ = end.cancelled() => Err(ServeError::Ended),
+        _ = tokio::time::sleep(more) => Err(ServeError::NoProgress(stall.end)),
+    }
 }
 
 /// Sends the stream from the session's offset until the session ends;
-/// returns where it stood at shutdown.
+/// returns where it stood when `end` ended it.
 async fn send_stream(
     link: &mut StreamLink,
     s: &StreamSession,
     downstream: &Downstream,
-    shutdown: &CancellationToken,
+    end: &CancellationToken,
     (sent, stall): (&Traffic, &mut Stall<'_>),
 ) -> Result<u64, ServeError> {
     let corrupt_at = faults::active().stream_corrupt_at;
@@ -424,7 +605,7 @@ async fn send_stream(
         loop {
             match s
                 .stream
-                .next(tx.sent(), &replid, &|held| tx.due(held))
+                .next(tx.sent(), &replid, &|held| tx.due(held).min(READ_AT_ONCE))
                 .await?
             {
                 Next::Wait => break,
@@ -439,15 +620,15 @@ async fn send_stream(
                     // and an acknowledgement per megabyte, not per record.
                     let mut bytes = &run[..];
                     while let Some((frame, n)) = tx.frame(bytes) {
-                        let end = tx.sent();
-                        match corrupt_at.filter(|at| (end - n as u64..end).contains(at)) {
+                        let to = tx.sent();
+                        match corrupt_at.filter(|at| (to - n as u64..to).contains(at)) {
                             // The fault: a bit flipped past the MAC.
                             Some(at) => {
                                 let mut changed = bytes[..n].to_vec();
-                                changed[(at - (end - n as u64)) as usize] ^= 0x20;
-                                send_frame(link, (&frame, &changed), stall).await?;
+                                changed[(at - (to - n as u64)) as usize] ^= 0x20;
+                                send_frame(link, (&frame, &changed), (stall, end)).await?;
                             }
-                            None => send_frame(link, (&frame, &bytes[..n]), stall).await?,
+                            None => send_frame(link, (&frame, &bytes[..n]), (stall, end)).await?,
                         }
                         sent.frame(n);
                         bytes = &bytes[n..];
@@ -456,9 +637,9 @@ async fn send_stream(
                 }
             }
         }
-        let look_again = stall.update(&|held| tx.due(held), tx.sent());
+        let look_again = stall.update(&|held| tx.due(held), tx.sent())?;
         tokio::select! {
-            _ = shutdown.cancelled() => return Ok(tx.sent()),
+            _ = end.cancelled() => return Ok(tx.sent()),
             _ = tokio::time::sleep_until(look_again.unwrap_or_else(Instant::now).into()), if look_again.is_some() => {}
             // The writer is gone with its instance: nothing more comes.
             r = changed.changed() => if r.is_err() { return Ok(tx.sent()) },
@@ -479,5 +660,90 @@ pub fn integrity(tls: bool) -> &'static str {
     match tls {
         true => "frames and acknowledgements under a per-session MAC whose key only the TLS control plane carried",
         false => "frames and acknowledgements under a per-session MAC whose key crossed the control plane in plain text ([tls] is off): whoever can read that path can forge them; set [tls] where the path is not yours",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::StreamConfig;
+    use crate::stream::log::Log;
+    use crate::stream::{source::Source, Stream};
+
+    fn session(stream: &SharedLog, replica: &str, host: [u8; 4]) -> StreamSession {
+        StreamSession {
+            id: replica.into(),
+            instance: "default".into(),
+            replica: replica.into(),
+            host: Some(IpAddr::from(host)),
+            stream: stream.clone(),
+            key: [0; STREAM_KEY_LEN],
+            replid: String::new(),
+            from: 0,
+            tls: false,
+            rdma: false,
+            stall_timeout: Duration::from_secs(1),
+            stall_end: Duration::from_secs(2),
+            max_per_host: 2,
+            spin: Duration::ZERO,
+            expires: Instant::now() + Duration::from_secs(60),
+        }
+    }
+
+    #[test]
+    fn sessions_are_capped_per_host_and_a_replicas_newer_session_ends_its_older() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = Log::open(StreamConfig {
+            dir: dir.path().to_path_buf(),
+            ..StreamConfig::default()
+        })
+        .unwrap();
+        let stream = Stream::new(log, Source::Primary("p".into()), &Metrics::new(), "t");
+        let (offers, shutdown) = (StreamOffers::default(), CancellationToken::new());
+        let a = offers.insert(session(&stream, "a", [10, 0, 0, 1])).unwrap();
+        let b = offers.insert(session(&stream, "b", [10, 0, 0, 1])).unwrap();
+        assert_eq!(
+            offers.insert(session(&stream, "c", [10, 0, 0, 1])),
+            Err(Busy::Host(2)),
+            "a third from the same host"
+        );
+        offers.insert(session(&stream, "c", [10, 0, 0, 2])).unwrap();
+        let (_, served_a) = offers.take(&a, &shutdown).unwrap();
+        assert!(offers.take(&a, &shutdown).is_none(), "once");
+        // `b` asks again: its untaken offer is replaced.
+        let b2 = offers.insert(session(&stream, "b", [10, 0, 0, 1])).unwrap();
+        assert!(offers.take(&b, &shutdown).is_none());
+        // `a` asks again while its session runs: taking the new one ends it.
+        drop(offers.take(&b2, &shutdown).unwrap());
+        assert_eq!(
+            offers
+                .insert(session(&stream, "a", [10, 0, 0, 1]))
+                .map(|_| ()),
+            Ok(()),
+            "b's session ended: room for a's new offer beside a's session"
+        );
+        let a2 = offers.insert(session(&stream, "a", [10, 0, 0, 1])).unwrap();
+        // The same name from another host replaces nothing: a name is the
+        // asker's word.
+        let a_elsewhere = offers.insert(session(&stream, "a", [10, 0, 0, 3])).unwrap();
+        let (_, served_elsewhere) = offers.take(&a_elsewhere, &shutdown).unwrap();
+        served_elsewhere.replace_older();
+        assert!(!served_a.end().is_cancelled());
+        let (_, served_a2) = offers.take(&a2, &shutdown).unwrap();
+        assert!(!served_a.end().is_cancelled(), "not before it runs");
+        served_a2.replace_older();
+        assert!(served_a.end().is_cancelled(), "the older session of a ends");
+        assert!(!served_a2.end().is_cancelled() && !served_elsewhere.end().is_cancelled());
+        shutdown.cancel();
+        assert!(served_a2.end().is_cancelled(), "and every one at shutdown");
+    }
+
+    #[test]
+    fn a_host_is_its_ipv4_address_mapped_or_not_or_its_ipv6_64() {
+        let key = |a: &str| host_key(a.parse().unwrap());
+        assert_eq!(key("::ffff:10.1.2.3"), key("10.1.2.3"));
+        assert_ne!(key("10.1.2.3"), key("10.1.2.4"));
+        assert_eq!(key("2001:db8:1:2::1"), key("2001:db8:1:2:ffff::9"));
+        assert_ne!(key("2001:db8:1:2::1"), key("2001:db8:1:3::1"));
     }
 }

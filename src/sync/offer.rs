@@ -329,6 +329,7 @@ impl Offers {
                 id: id.clone(),
                 instance: instance.name.clone(),
                 replica,
+                host: remote.map(|r| r.ip()),
                 stream: stream.clone(),
                 key,
                 replid: replid.clone(),
@@ -336,14 +337,14 @@ impl Offers {
                 tls,
                 rdma: rdma_endpoint.is_some(),
                 stall_timeout: config.stream.stall_timeout,
+                stall_end: config.stream.stall_end,
+                max_per_host: config.stream.max_sessions_per_host,
                 spin: config.stream.rdma_spin,
                 expires: Instant::now() + config.sync.session_token_ttl,
             })
-            .map_err(|_| {
-                OfferError::Busy(format!(
-                    "this source already serves {} stream sessions; retry in a few seconds",
-                    crate::stream::serve::MAX_SESSIONS
-                ))
+            .map_err(|busy| {
+                stream.refused(&busy);
+                OfferError::Busy(busy.to_string())
             })?;
         let endpoint = advertised(self.data.tcp, local);
         info!(session = %id, instance = %instance.name, replica = %ask.replica_node, remote = ?remote, %replid, offset, tls, rdma = ?rdma_endpoint, "offered the replication stream");

@@ -502,7 +502,7 @@ async fn prove_and_serve(conn: Accepted, peer: String, slot: conn_limit::Slot, p
             Ok(Err(e)) => return refused("bad_hello", &e),
             Ok(Ok(proved)) => proved,
         };
-    if let Some((session, serving)) = plane.streams.take(proved.proof()) {
+    if let Some((session, serving)) = plane.streams.take(proved.proof(), &plane.shutdown) {
         return serve_stream(proved, kind, session, serving, peer, slot, plane).await;
     }
     let session = match plane.sessions.take(proved.proof(), kind) {
@@ -589,7 +589,6 @@ async fn serve_stream(
     if session.rdma {
         let ring = crate::stream::serve::RingPlane {
             metrics: plane.metrics.clone(),
-            shutdown: plane.shutdown.clone(),
             silent: crate::stream::pull::UPSTREAM_TIMEOUT,
             runtime: tokio::runtime::Handle::current(),
         };
@@ -603,15 +602,7 @@ async fn serve_stream(
     }
     match proved.into_stream(plane.peer_timeout) {
         Ok(Ok(link)) => {
-            crate::stream::serve::serve(
-                link,
-                session,
-                serving,
-                peer,
-                plane.shutdown.clone(),
-                plane.metrics.clone(),
-            )
-            .await
+            crate::stream::serve::serve(link, session, serving, peer, plane.metrics.clone()).await
         }
         Ok(Err(e)) => warn!(%peer, "stream connection failed to open: {e}"),
         Err(_) => warn!(%peer, "stream connection refused: stream sessions run over TCP"),

@@ -530,3 +530,14 @@ pub fn config_blocks(doc: &str) -> Vec<String> {
     }
     blocks
 }
+
+/// The most memory the process `pid` has held (VmHWM), in bytes.
+pub fn peak_rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kib << 10
+}
