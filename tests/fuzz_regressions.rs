@@ -50,4 +50,23 @@ fn seeds_are_the_valid_inputs_they_claim_to_be() {
     );
     let j = kvsync::store::journal::Journal::decode(&kept("seeds", "journal")[0]).unwrap();
     assert_eq!(j.verified, [true, false, true]);
+    // The stream seeds: frames a session takes, and a log that opens.
+    let session = kept("seeds", "stream_session").remove(0);
+    let (first, _) = kvsync::blk3::token::Token::decode_frame(&session)
+        .unwrap()
+        .unwrap();
+    assert!(matches!(
+        first,
+        kvsync::blk3::token::Token::Strm {
+            offset: 1000,
+            len: 5,
+            ..
+        }
+    ));
+    let log = &kept("seeds", "log_files")[0];
+    let split = usize::from(u16::from_le_bytes([log[0], log[1]]));
+    assert!(log[2..2 + split].starts_with(b"KVSLOG01"));
+    assert!(serde_json::from_slice::<serde_json::Value>(&log[2 + split..]).is_ok());
+    let getack = &kept("seeds", "getack")[0];
+    assert!(String::from_utf8_lossy(getack).contains("GETACK"));
 }

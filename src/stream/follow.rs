@@ -51,7 +51,7 @@ use crate::store::room::{Room, RoomError};
 /// The end of a `REPLCONF GETACK *` in the stream: the primary asks its
 /// replicas where they stand (as `WAIT` does), and a replica answers at
 /// once. The primary writes the command in capitals.
-const GETACK: &[u8] = b"\r\n$6\r\nGETACK\r\n";
+pub(crate) const GETACK: &[u8] = b"\r\n$6\r\nGETACK\r\n";
 /// A primary that sends nothing (not even its pings) for this long is
 /// taken as gone, as a replica's `repl-timeout` does.
 pub const PRIMARY_TIMEOUT: Duration = Duration::from_secs(60);
@@ -621,7 +621,7 @@ async fn stream_into(
 /// the answer (`WAIT`), so it goes out at once rather than on the
 /// once-a-second tick. A value that happens to hold the same bytes costs
 /// one early acknowledgement, nothing more.
-fn asks_for_ack(tail: &mut Vec<u8>, bytes: &[u8]) -> bool {
+pub(crate) fn asks_for_ack(tail: &mut Vec<u8>, bytes: &[u8]) -> bool {
     const KEEP: usize = GETACK.len() - 1;
     tail.extend_from_slice(&bytes[..bytes.len().min(KEEP)]);
     let asked = memchr::memmem::find(tail, GETACK).is_some()
