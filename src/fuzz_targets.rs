@@ -192,7 +192,10 @@ pub fn ring_spans(data: &[u8]) {
         match token {
             Token::Strm { offset, len, mac } => {
                 let header = match raw[0] & 1 {
-                    1 => Header::read(&Header::producer(size, offset + u64::from(len))),
+                    1 => Header::read(&Header::producer(
+                        size,
+                        offset.saturating_add(u64::from(len)),
+                    )),
                     _ => Header::read(raw),
                 };
                 let Ok(writes) = rx.on_span(offset, len, &header) else {
