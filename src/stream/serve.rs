@@ -72,7 +72,7 @@ pub struct StreamSession {
 
 /// Stream sessions offered (by token) and served: within [`MAX_SESSIONS`]
 /// in all and `[stream] max_sessions_per_host` per host; one of each
-/// (replica, instance) served, the newest.
+/// (replica, instance, host) served, the newest.
 #[derive(Default)]
 pub struct StreamOffers(Arc<Mutex<Sessions>>);
 
@@ -127,8 +127,8 @@ pub enum Busy {
 }
 
 /// A served session's place among the sessions, held until dropped, and
-/// what ends it: the agent's shutdown, or a newer session of the same
-/// replica and instance.
+/// what ends it: the agent's shutdown, a newer session of the same
+/// replica, instance and host, or (over a ring) its stall.
 pub struct Serving {
     sessions: Arc<Mutex<Sessions>>,
     serial: u64,
@@ -166,7 +166,7 @@ impl Drop for Serving {
 
 impl StreamOffers {
     /// Stores `session` under a fresh random token, in place of any
-    /// offer not yet taken to the same replica and instance.
+    /// offer not yet taken to the same replica, instance and host.
     pub fn insert(&self, session: StreamSession) -> Result<[u8; SESSION_TOKEN_LEN], Busy> {
         let mut sessions = self.0.lock().expect("stream sessions lock");
         let (now, who) = (Instant::now(), Who::of(&session));
@@ -311,7 +311,7 @@ pub async fn serve(
 
 /// Why a session ends without an error: the agent stops, or the replica
 /// asked for a new session.
-const ENDED: &str = "stream session ended: the agent stops, or a newer session of the same replica and instance replaced it";
+const ENDED: &str = "stream session ended: the agent stops, or a newer session of the same replica, instance and host replaced it";
 
 /// Serves a proved stream session over an RDMA ring on this blocking
 /// thread, until it ends or `serving` is ended: the same log, window, MACs and id
