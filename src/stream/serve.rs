@@ -49,7 +49,8 @@ pub struct StreamSession {
     pub id: String,
     pub instance: String,
     pub replica: String,
-    /// The address the replica asked from (as the control plane saw it).
+    /// The address the replica asked from (as the control plane saw it;
+    /// kept as the host it counts for once offered).
     pub host: Option<IpAddr>,
     pub stream: SharedLog,
     pub key: [u8; STREAM_KEY_LEN],
@@ -95,12 +96,19 @@ struct Who {
 }
 
 impl Who {
+    /// Of a session whose `host` is already a [`host_key`] (as
+    /// [`StreamOffers::insert`] keeps it).
     fn of(s: &StreamSession) -> Who {
         Who {
-            host: s.host.map(host_key),
+            host: s.host,
             replica: s.replica.clone(),
             instance: s.instance.clone(),
         }
+    }
+
+    fn is(&self, s: &StreamSession) -> bool {
+        (self.host, self.replica.as_str(), self.instance.as_str())
+            == (s.host, s.replica.as_str(), s.instance.as_str())
     }
 }
 
@@ -167,20 +175,18 @@ impl Drop for Serving {
 impl StreamOffers {
     /// Stores `session` under a fresh random token, in place of any
     /// offer not yet taken to the same replica, instance and host.
-    pub fn insert(&self, session: StreamSession) -> Result<[u8; SESSION_TOKEN_LEN], Busy> {
+    pub fn insert(&self, mut session: StreamSession) -> Result<[u8; SESSION_TOKEN_LEN], Busy> {
+        session.host = session.host.map(host_key);
         let mut sessions = self.0.lock().expect("stream sessions lock");
         let (now, who) = (Instant::now(), Who::of(&session));
         let Sessions {
             offers, serving, ..
         } = &mut *sessions;
-        offers.retain(|_, s| s.expires > now && Who::of(s) != who);
+        offers.retain(|_, s| s.expires > now && !who.is(s));
         if offers.len() + serving.len() >= MAX_SESSIONS {
             return Err(Busy::Full);
         }
-        let from_host = offers
-            .values()
-            .filter(|s| Who::of(s).host == who.host)
-            .count()
+        let from_host = offers.values().filter(|s| s.host == who.host).count()
             + serving.values().filter(|(w, _)| w.host == who.host).count();
         if from_host >= session.max_per_host {
             return Err(Busy::Host(session.max_per_host));
