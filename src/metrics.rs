@@ -143,6 +143,7 @@ pub struct Metrics {
     pub stream_lag: HistogramVec,
     pub stream_behind_bytes: IntGaugeVec,
     pub stream_checksum_failures: IntCounterVec,
+    pub stream_refetched: IntCounterVec,
     pub stream_set_aside: IntGaugeVec,
     pub stream_read_bytes: IntCounterVec,
     pub stream_write_errors: IntCounterVec,
@@ -367,9 +368,16 @@ impl Metrics {
             stream_checksum_failures: reg!(IntCounterVec::new(
                 Opts::new(
                     "kvsync_stream_checksum_failures_total",
-                    "Records of the stream log found damaged on reading (disk, memory): never served, cut off and fetched again from upstream"
+                    "Records of the stream log found damaged on reading (disk, memory): never served, fetched again from upstream"
                 ),
                 &["kv_instance"]
+            )),
+            stream_refetched: reg!(IntCounterVec::new(
+                Opts::new(
+                    "kvsync_stream_refetched_total",
+                    "Damaged records of the stream log dealt with: mended (fetched again from upstream alone and written back in place) or cut (nothing upstream held the record: the log was cut back to it and fetched again from there)"
+                ),
+                &["kv_instance", "result"]
             )),
             stream_set_aside: reg!(IntGaugeVec::new(
                 Opts::new(
@@ -670,6 +678,9 @@ impl Metrics {
             self.stream_fallback.with_label_values(&[name, reason]);
         }
         self.stream_checksum_failures.with_label_values(&[name]);
+        for result in ["mended", "cut"] {
+            self.stream_refetched.with_label_values(&[name, result]);
+        }
         for from in ["memory", "file"] {
             self.stream_read_bytes.with_label_values(&[name, from]);
         }

@@ -21,8 +21,9 @@
 //! replica agent too old for its upstream is re-seeded from the snapshot
 //! it names (`reseed`); a replica that acknowledges slowly stalls the source's credit and loses
 //! nothing; the primary's write safety is reported degraded while no
-//! replica acknowledges; a record damaged on disk is never served and is fetched
-//! again from the primary; a full log disk stops logging with an error,
+//! replica acknowledges; a record damaged on disk in an old segment is
+//! never served and is fetched again alone (from the primary's backlog,
+//! or from the upstream agent's log), the rest of the log kept; a full log disk stops logging with an error,
 //! never an acknowledgement of what was not written, and logging continues
 //! once there is space.
 
@@ -713,36 +714,84 @@ on_both_servers!(
     a_fed_server_ahead_of_its_agents_log_after_a_crash_continues_once_the_log_reaches_it
 );
 
-fn a_record_damaged_on_disk_is_never_served_and_is_fetched_again_from_the_primary(server: Server) {
-    use std::os::unix::fs::FileExt;
-    let root = tempfile::tempdir().unwrap();
-    let primary = Redis::start(server, &root.path().join("p"), &[]);
-    let src_log = root.path().join("src-log");
-    // Every reader reads the files (none of the log's newest bytes are
-    // kept in memory), as one further behind than those does.
-    let config = format!(
-        "{}memory_tail = \"0\"\n",
-        follower_config(&primary, &src_log)
-    );
-    let source = source_with(root.path(), &config, &[]);
-    primary.fill("k", 1000, "value-of-the-stream");
-    let end = wait_logged(&source, &primary, "the source agent to log the stream");
-    // One flipped bit in the bytes of the log's first record, on disk.
-    let segment = std::fs::read_dir(&src_log)
+/// The log's segment files in `dir`, oldest first, each with its length
+/// and inode (a file made again has another).
+fn segments(dir: &Path) -> Vec<(PathBuf, u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let mut all: Vec<_> = std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().path())
-        .find(|p| p.extension().is_some_and(|x| x == "kvslog"))
-        .unwrap();
+        .filter(|p| p.extension().is_some_and(|x| x == "kvslog"))
+        .map(|p| {
+            let meta = std::fs::metadata(&p).unwrap();
+            (p, meta.len(), meta.ino())
+        })
+        .collect();
+    all.sort();
+    all
+}
+
+/// Flips one bit in the bytes of the first record of the oldest segment
+/// in `dir`; returns that segment and the byte's position and value.
+fn damage_oldest_record(dir: &Path) -> (PathBuf, u64, u8) {
+    use std::os::unix::fs::FileExt;
+    let (segment, ..) = segments(dir).remove(0);
     let file = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open(&segment)
         .unwrap();
+    // Past the segment's header (72 bytes) and the record's (44).
     let at = 72 + 44 + 3;
     let mut byte = [0u8];
     file.read_exact_at(&mut byte, at).unwrap();
     file.write_all_at(&[byte[0] ^ 0x04], at).unwrap();
-    drop(file);
+    (segment, at, byte[0])
+}
+
+/// The byte at `at` of `path`.
+fn byte_at(path: &Path, at: u64) -> u8 {
+    use std::os::unix::fs::FileExt;
+    let mut byte = [0u8];
+    std::fs::File::open(path)
+        .unwrap()
+        .read_exact_at(&mut byte, at)
+        .unwrap();
+    byte[0]
+}
+
+/// The config lines that make an agent's log several small segments,
+/// read from the files by every reader (none of the newest bytes kept in
+/// memory), as a reader further behind reads them.
+const SMALL_SEGMENTS_FROM_FILES: &str = "memory_tail = \"0\"\nsegment_size = \"1MiB\"\n";
+
+const DAMAGED: &str = "kvsync_stream_checksum_failures_total{kv_instance=\"default\"}";
+const MENDED: &str = "kvsync_stream_refetched_total{kv_instance=\"default\",result=\"mended\"}";
+
+/// A record damaged on disk in the oldest of several segments is never
+/// served: the source fetches that record alone again from its primary's
+/// backlog (a partial resync, no fork) and writes it back in place; the
+/// later segments stay as they were.
+fn a_record_damaged_in_an_old_segment_is_fetched_again_alone_and_the_rest_kept(server: Server) {
+    let root = tempfile::tempdir().unwrap();
+    let primary = Redis::start(
+        server,
+        &root.path().join("p"),
+        &["--repl-backlog-size", "64mb"],
+    );
+    let src_log = root.path().join("src-log");
+    let config = format!(
+        "{}{SMALL_SEGMENTS_FROM_FILES}",
+        follower_config(&primary, &src_log)
+    );
+    let source = source_with(root.path(), &config, &[]);
+    primary.fill("k", 4000, &"v".repeat(1000));
+    let end = wait_logged(&source, &primary, "the source agent to log the stream");
+    let before = segments(&src_log);
+    assert!(before.len() >= 3, "several segments: {before:?}");
+    let (damaged_segment, at, byte) = damage_oldest_record(&src_log);
+    let stats = primary.info("stats");
+    let (full, partial) = (stats.num("sync_full"), stats.num("sync_partial_ok"));
     // A replica agent with an empty log starts where the source's log
     // does, so the source reads the damaged record to serve it.
     let rep_log = root.path().join("rep-log");
@@ -753,37 +802,101 @@ fn a_record_damaged_on_disk_is_never_served_and_is_fetched_again_from_the_primar
         &puller_config(&source, &rep_log),
         &[],
     );
-    let damaged = "kvsync_stream_checksum_failures_total{kv_instance=\"default\"}";
     wait_for("the source to find the damage", DEADLINE, || {
-        (source.metric(damaged) >= 1.0).then_some(())
+        (source.metric(DAMAGED) >= 1.0).then_some(())
     });
-    // The source cut its log there and fetched the rest again from its
-    // primary's backlog (a partial resync, no fork); the replica gets it.
-    primary.fill("after", 100, "v");
-    let end2 = wait_logged(
-        &replica,
-        &primary,
-        "the replica agent to hold the whole stream",
+    assert_eq!(
+        wait_logged(
+            &replica,
+            &primary,
+            "the replica agent to hold the whole stream"
+        ),
+        end
     );
-    assert!(end2 > end);
     let stats = primary.info("stats");
-    assert_eq!(stats.num("sync_full"), 1, "no second full resync");
-    assert!(stats.num("sync_partial_ok") >= 1, "the refetch continued");
-    assert!(stream_status(&source).damaged >= 1);
-    assert!(
-        source
-            .proc
-            .log()
-            .contains("a damaged record in the stream log"),
-        "the operator is told"
+    assert_eq!(stats.num("sync_full"), full, "no second full resync");
+    assert_eq!(
+        stats.num("sync_partial_ok"),
+        partial + 1,
+        "the record came from the backlog"
     );
+    assert_eq!(segments(&src_log), before, "every segment kept as it was");
+    assert_eq!(
+        byte_at(&damaged_segment, at),
+        byte,
+        "the damaged byte mended"
+    );
+    assert_eq!(source.metric(MENDED), 1.0);
+    let log = source.proc.log();
+    assert!(log.contains("a damaged record in the stream log"), "{log}");
+    assert!(log.contains("is mended"), "{log}");
     drop(replica);
     drop(source);
-    let rep = same_log(&src_log, &rep_log, end2);
-    assert!(String::from_utf8_lossy(&rep).contains("k:999"));
+    let rep = same_log(&src_log, &rep_log, end);
+    assert!(String::from_utf8_lossy(&rep).contains("k:3999"));
 }
 
-on_both_servers!(a_record_damaged_on_disk_is_never_served_and_is_fetched_again_from_the_primary);
+on_both_servers!(a_record_damaged_in_an_old_segment_is_fetched_again_alone_and_the_rest_kept);
+
+/// A replica agent's log damaged in an old segment is mended from its
+/// upstream agent's log (its primary's backlog no longer holds the range):
+/// the relay serves a leaf agent every byte, and keeps its segments.
+#[test]
+fn a_record_damaged_in_a_relays_log_is_fetched_again_from_its_upstream_agent() {
+    let root = tempfile::tempdir().unwrap();
+    let primary = Redis::start(
+        Server::Redis,
+        &root.path().join("p"),
+        &["--repl-backlog-size", "1mb"],
+    );
+    let source = following_source(root.path(), &primary, &[]);
+    let relay_log = root.path().join("relay-log");
+    let relay = agent(
+        root.path(),
+        "relay",
+        &root.path().join("relay-snaps"),
+        &format!(
+            "{}{SMALL_SEGMENTS_FROM_FILES}",
+            puller_config(&source, &relay_log)
+        ),
+        &[],
+    );
+    primary.fill("k", 4000, &"v".repeat(1000));
+    let end = wait_logged(&relay, &primary, "the relay to log the stream");
+    let before = segments(&relay_log);
+    assert!(before.len() >= 3, "several segments: {before:?}");
+    let (damaged_segment, at, byte) = damage_oldest_record(&relay_log);
+    let full = primary.info("stats").num("sync_full");
+    let leaf_log = root.path().join("leaf-log");
+    let leaf = agent(
+        root.path(),
+        "leaf",
+        &root.path().join("leaf-snaps"),
+        &puller_config(&relay, &leaf_log),
+        &[],
+    );
+    wait_for("the relay to find the damage", DEADLINE, || {
+        (relay.metric(DAMAGED) >= 1.0).then_some(())
+    });
+    assert_eq!(
+        wait_logged(&leaf, &primary, "the leaf agent to hold the whole stream"),
+        end
+    );
+    assert_eq!(primary.info("stats").num("sync_full"), full);
+    assert_eq!(segments(&relay_log), before, "every segment kept as it was");
+    assert_eq!(
+        byte_at(&damaged_segment, at),
+        byte,
+        "the damaged byte mended"
+    );
+    assert_eq!(relay.metric(MENDED), 1.0);
+    drop(leaf);
+    drop(relay);
+    drop(source);
+    let src_log = root.path().join("src-log");
+    same_log(&src_log, &relay_log, end);
+    same_log(&src_log, &leaf_log, end);
+}
 
 /// The live stream is served from the log's newest bytes in memory: a
 /// replica agent that keeps up never makes its source read a file. One

@@ -478,9 +478,12 @@ fn print_instance(i: &pb::InstanceStatus) {
         for path in &st.set_aside {
             println!("    WARNING: a damaged file of the log was set aside: {path} (check the disk, then remove it)");
         }
+        for range in &st.mending {
+            println!("    mending: a damaged record ({range}) is fetched again from upstream; readers wait before it");
+        }
         if st.damaged > 0 {
             println!(
-                "    {} damaged record(s) found on reading: cut off and fetched again",
+                "    {} damaged record(s) found on reading: never served, fetched again",
                 st.damaged
             );
         }
@@ -555,6 +558,7 @@ fn stream_json(st: &pb::StreamStatus) -> serde_json::Value {
         "integrity": st.integrity,
         "behind_seconds": st.behind_seconds,
         "set_aside": st.set_aside,
+        "mending": st.mending,
     })
 }
 

@@ -171,6 +171,12 @@ impl OrchestratorService {
                             .map(|p| p.display().to_string())
                             .collect()
                     }),
+                    mending: s.view(|l| {
+                        l.damaged()
+                            .iter()
+                            .map(|d| format!("offsets {}..{}", d.offset, d.end()))
+                            .collect()
+                    }),
                 }
             }),
         }

@@ -145,6 +145,12 @@ pub enum FollowError {
     },
     #[error(transparent)]
     Log(#[from] LogError),
+    #[error("the primary's INFO: {0}")]
+    Info(#[from] crate::kv::redis::RedisError),
+    /// A range the primary's backlog does not hold (or may not by the
+    /// time it is asked): not asked, never a full resync.
+    #[error("the primary {addr} does not hold the range: {why}")]
+    NotInBacklog { addr: String, why: String },
 }
 
 /// Follows the primary until `stop`, reconnecting after every failure
@@ -348,6 +354,41 @@ async fn promotion(follow: &Follow, log: &SharedLog) -> Result<Option<Promotion>
     warn!(instance = %follow.instance, lost, at, kept, "{what}");
     log.set_diverged(what);
     Ok(Some(promoted))
+}
+
+/// The `len` bytes of the stream after `offset` of `replid` once more,
+/// from the primary's backlog, to mend a damaged record of the log: asked
+/// only when the primary's `INFO` says its backlog holds them with room
+/// to spare ([`policy::backlog_holds`]), as `PSYNC <replid> <offset+1>` on
+/// a link of its own, read for those bytes and closed. Any answer but a
+/// continuation closes the link before anything more is read.
+pub async fn fetch_again(
+    follow: &Follow,
+    replid: &str,
+    offset: u64,
+    len: u64,
+) -> Result<Vec<u8>, FollowError> {
+    let addr = follow.primary.clone();
+    let info = crate::kv::redis::info(&addr, &follow.password, "replication").await?;
+    policy::backlog_holds(&info, replid, offset, len).map_err(|why| FollowError::NotInBacklog {
+        addr: addr.clone(),
+        why,
+    })?;
+    let mut link = Link::open(follow).await?;
+    let asked = (offset + 1).to_string();
+    let answer = link.ask("PSYNC", &["PSYNC", replid, &asked]).await?;
+    if !answer.starts_with("+CONTINUE") {
+        return Err(FollowError::NotInBacklog {
+            addr,
+            why: format!("it answered {answer:?}"),
+        });
+    }
+    let mut bytes = vec![0u8; len as usize];
+    tokio::time::timeout(PRIMARY_TIMEOUT, link.read.read_exact(&mut bytes))
+        .await
+        .map_err(|_| FollowError::Silent(addr.clone()))?
+        .map_err(|source| FollowError::Io { addr, source })?;
+    Ok(bytes)
 }
 
 /// Takes a snapshot of the primary's history now, on a link of its own,

@@ -9,14 +9,15 @@
 //! Sentinel ([`sentinel`]). The agent that follows a primary
 //! also watches its write safety ([`safety`]). [`Stream`] is one instance's
 //! log as its writer and its readers share it, with what the servers fed
-//! from it acknowledged ([`Downstream`]) and a reader's check that sends a
-//! damaged record back to its writer to fetch again.
+//! from it acknowledged ([`Downstream`]) and a reader's check that stops
+//! readers before a damaged record while [`mend`] fetches it again.
 
 pub mod feed;
 pub mod follow;
 pub mod hand;
 pub mod keep;
 pub mod log;
+pub mod mend;
 pub mod policy;
 pub mod proof;
 pub mod pull;
@@ -96,6 +97,8 @@ pub struct Stream {
     /// A reader needs a snapshot that continues into the log, and none
     /// does ([`follow::snapshots_on_demand`] takes one).
     snapshot_wanted: tokio::sync::Notify,
+    /// A reader found a damaged record ([`mend`] fetches it again).
+    damage_found: tokio::sync::Notify,
     gauges: Gauges,
 }
 
@@ -103,6 +106,9 @@ pub struct Stream {
 struct Gauges {
     /// Records found damaged on reading (`kvsync_stream_checksum_failures_total`).
     damaged: prometheus::IntCounter,
+    /// Damaged records mended, and cut (`kvsync_stream_refetched_total`).
+    mended: prometheus::IntCounter,
+    cut: prometheus::IntCounter,
     /// Bytes readers got from the log's newest bytes in memory, and from
     /// its files (`kvsync_stream_read_bytes_total`).
     read_from_memory: prometheus::IntCounter,
@@ -215,6 +221,12 @@ impl Stream {
         let name = [instance];
         let gauges = Gauges {
             damaged: metrics.stream_checksum_failures.with_label_values(&name),
+            mended: metrics
+                .stream_refetched
+                .with_label_values(&[instance, "mended"]),
+            cut: metrics
+                .stream_refetched
+                .with_label_values(&[instance, "cut"]),
             read_from_memory: metrics
                 .stream_read_bytes
                 .with_label_values(&[instance, "memory"]),
@@ -253,6 +265,7 @@ impl Stream {
             server: Mutex::default(),
             server_left: Default::default(),
             snapshot_wanted: tokio::sync::Notify::new(),
+            damage_found: tokio::sync::Notify::new(),
             gauges,
         });
         stream.export();
@@ -374,6 +387,12 @@ impl Stream {
     /// and none does.
     pub fn want_snapshot(&self) {
         self.snapshot_wanted.notify_one();
+    }
+
+    /// Wakes when a reader has found a damaged record (one found before
+    /// the wait wakes it at once).
+    pub async fn damage_found(&self) {
+        self.damage_found.notified().await
     }
 
     /// Wakes when a reader needs a snapshot ([`Stream::want_snapshot`]).

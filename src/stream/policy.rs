@@ -25,6 +25,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use crate::config::StreamAck;
+use crate::kv::redis::Info;
 
 /// How long a failed upstream is passed over for the next of the chain,
 /// and how long a session on any but the nearest lasts before the nearest
@@ -137,6 +138,50 @@ pub fn psync(
         }
         _ => Psync::Refused,
     }
+}
+
+/// How many more bytes the primary must be able to take before the start
+/// of a range falls out of its backlog for a fetch to ask for it again
+/// ([`backlog_holds`], at most a quarter of the backlog): the stream
+/// moves on while the question is on its way.
+pub const BACKLOG_MARGIN: u64 = 4 << 20;
+
+/// Whether the primary, by its `INFO replication`, answers `PSYNC <replid>
+/// <offset+1>` with a continuation that carries the `len` bytes after
+/// `offset`, with room to spare: the check that keeps fetching a damaged
+/// record again from the primary from ever costing it a full resync (a
+/// fork). `Err` says why not. As Redis and Valkey decide: the id is the
+/// primary's, or its previous one up to where it took over
+/// (`second_repl_offset`); the backlog holds the offset asked, far enough
+/// from being dropped; the primary has gone past the range.
+pub fn backlog_holds(info: &Info, replid: &str, offset: u64, len: u64) -> Result<(), String> {
+    let asked = offset + 1;
+    let current = info.get("master_replid") == Some(replid);
+    let previous =
+        info.get("master_replid2") == Some(replid) && asked <= info.num("second_repl_offset");
+    if !current && !previous {
+        return Err(format!("its history is no longer {replid}'s"));
+    }
+    if info.get("repl_backlog_active") != Some("1") {
+        return Err("it has no backlog".into());
+    }
+    let (first, histlen, size) = (
+        info.num("repl_backlog_first_byte_offset"),
+        info.num("repl_backlog_histlen"),
+        info.num("repl_backlog_size"),
+    );
+    // Bytes the primary can still take before `asked` is dropped: those
+    // before it in the backlog, and the room the backlog has left.
+    let margin = BACKLOG_MARGIN.min(size / 4);
+    let room = asked.saturating_sub(first) + size.saturating_sub(histlen);
+    if asked < first || room < margin || offset + len > first + histlen {
+        return Err(format!(
+            "its backlog holds offsets {first}..{} ({room} bytes from dropping the first asked, fewer than {margin}), not {offset}..{}",
+            first + histlen,
+            offset + len
+        ));
+    }
+    Ok(())
 }
 
 /// Of a read of `len` bytes from the stream at `end`, how many go before
@@ -349,6 +394,46 @@ impl UpstreamPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_range_is_asked_of_the_primary_only_well_inside_its_backlog_and_history() {
+        let (a, b) = ("a".repeat(40), "b".repeat(40));
+        let info = |first: u64, histlen: u64, size: u64| {
+            Info::parse(&format!(
+                "master_replid:{b}\r\nmaster_replid2:{a}\r\nsecond_repl_offset:50000001\r\nrepl_backlog_active:1\r\nrepl_backlog_size:{size}\r\nrepl_backlog_first_byte_offset:{first}\r\nrepl_backlog_histlen:{histlen}\r\n"
+            ))
+        };
+        let big = info(10_000_001, 64 << 20, 64 << 20);
+        assert_eq!(backlog_holds(&big, &b, 60_000_000, 1000), Ok(()));
+        assert_eq!(
+            backlog_holds(&big, &a, 30_000_000, 1000),
+            Ok(()),
+            "the previous id, before the promotion"
+        );
+        assert!(backlog_holds(&big, &a, 50_000_001, 10).is_err(), "after it");
+        assert!(backlog_holds(&big, &"c".repeat(40), 30_000_000, 10).is_err());
+        assert!(
+            backlog_holds(&big, &b, 10_000_000 + (1 << 20), 10).is_err(),
+            "too near the backlog's start: it may move past it"
+        );
+        let end = 10_000_001 + (64 << 20);
+        assert!(backlog_holds(&big, &b, end - 100, 100).is_ok());
+        assert!(
+            backlog_holds(&big, &b, end - 100, 101).is_err(),
+            "not there yet"
+        );
+        let small = info(1, 1 << 20, 1 << 20);
+        assert_eq!(backlog_holds(&small, &b, 300_000, 100), Ok(()));
+        assert!(backlog_holds(&small, &b, 100, 100).is_err());
+        let filling = info(1, 4 << 20, 64 << 20);
+        assert_eq!(
+            backlog_holds(&filling, &b, 0, 100),
+            Ok(()),
+            "a backlog not yet full drops nothing for a while"
+        );
+        let none = Info::parse(&format!("master_replid:{b}\r\nrepl_backlog_active:0\r\n"));
+        assert!(backlog_holds(&none, &b, 1, 1).is_err());
+    }
 
     fn chain(names: &[&str]) -> Vec<String> {
         names.iter().map(|s| s.to_string()).collect()

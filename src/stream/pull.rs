@@ -452,9 +452,10 @@ struct Offer {
     window: u64,
 }
 
-/// Asks `upstream` to continue from `at` (the log's position).
+/// Asks `upstream` to continue from `at` (the log's position), for the
+/// replica node `who`.
 async fn ask(
-    pull: &Pull,
+    (pull, who): (&Pull, &str),
     (upstream, stream): (&str, &SharedLog),
     at: Option<&(String, u64)>,
     ring: Option<&RingAsk>,
@@ -471,7 +472,7 @@ async fn ask(
     let (replid, offset) = at.cloned().unwrap_or_default();
     let o = pb::peer_client::PeerClient::new(channel)
         .open_stream(pb::OpenStreamRequest {
-            replica_node_id: pull.node_id.clone(),
+            replica_node_id: who.to_string(),
             instance: pull.upstream_instance.clone(),
             replid: replid.clone(),
             offset,
@@ -601,7 +602,7 @@ async fn session(
     fell_back: bool,
 ) -> Result<(), PullError> {
     let at = start_point(pull, stream);
-    let offer = ask(pull, (upstream, stream), at.as_ref(), ring).await?;
+    let offer = ask((pull, &pull.node_id), (upstream, stream), at.as_ref(), ring).await?;
     if let (Some(ring), Some(endpoint)) = (ring, offer.rdma_endpoint) {
         return ring_session(pull, ring, upstream, stream, offer, endpoint).await;
     }
@@ -715,6 +716,64 @@ async fn receive(
             other => return Err(PullError::Unexpected(other.kind())),
         }
     }
+}
+
+/// The `len` bytes of the stream after `offset` of `replid` once more,
+/// from an upstream agent's log, to mend a damaged record of the log: a
+/// stream session of its own over TCP (asked as `<node id>.mend`, so that
+/// it takes the place of no session of the log's), read for those bytes,
+/// each frame checked under its MAC, and closed. Each upstream of the
+/// chain is asked in turn; the error is the last one's.
+pub async fn fetch_again(
+    pull: &Pull,
+    stream: &SharedLog,
+    (replid, offset): (&str, u64),
+    len: u64,
+) -> Result<Vec<u8>, PullError> {
+    let chain = match pull.upstreams.source() {
+        Source::Agents(chain) => chain,
+        Source::Primary(_) => Vec::new(),
+    };
+    let mut last = PullError::Unreachable {
+        upstream: String::new(),
+        message: "the stream's source names no upstream agent".into(),
+    };
+    let who = format!("{}.mend", pull.node_id);
+    for upstream in &chain {
+        let at = (replid.to_string(), offset);
+        let fetched = async {
+            let offer = ask((pull, &who), (upstream, stream), Some(&at), None).await?;
+            let mut link = dial_tcp(pull, upstream, &offer).await?;
+            let mut rx = Receiver::new(offer.key, offer.offset, offer.window);
+            let mut bytes = Vec::with_capacity(len as usize);
+            while (bytes.len() as u64) < len {
+                let token = tokio::time::timeout(UPSTREAM_TIMEOUT, link.next_token())
+                    .await
+                    .map_err(|_| PullError::Silent)??;
+                match token {
+                    Token::Strm { offset, len, mac } => {
+                        rx.header(offset, len)?;
+                        let frame = link.read_bytes(len as usize).await?;
+                        rx.accept(offset, &frame, &mac)?;
+                        bytes.extend_from_slice(&frame);
+                    }
+                    Token::Rdfl { reason } => {
+                        return Err(PullError::Upstream(
+                            crate::peer_text::escape_controls(&reason).into_owned(),
+                        ))
+                    }
+                    other => return Err(PullError::Unexpected(other.kind())),
+                }
+            }
+            bytes.truncate(len as usize);
+            Ok(bytes)
+        };
+        match fetched.await {
+            Ok(bytes) => return Ok(bytes),
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
 }
 
 /// A log that holds nothing starts where the offer does.

@@ -8,11 +8,13 @@
 //! the log's end gets them from the newest bytes the log keeps in memory
 //! (checked as they were appended), with no file read and no thread
 //! hand-off; one further behind reads the file off the log's lock, each
-//! record checked against its hash; a damaged one is never returned: the
-//! log is cut back to it, so its writer fetches the stream again from
-//! there, and the reader gets the error.
+//! record checked against its hash. A damaged one is never returned:
+//! readers stop before it while it is fetched again from upstream alone
+//! ([`super::mend`]); when not even its length can be read, the log is cut
+//! back to it, so its writer fetches the stream again from there, and the
+//! reader gets the error.
 
-use tracing::error;
+use tracing::{error, warn};
 
 use super::log::{self, Log, LogError, ReadPlan};
 use super::{SharedLog, Stream, WriterState};
@@ -95,19 +97,24 @@ impl Stream {
         }
     }
 
-    /// The bytes of `plan` from `at`, at most `n`, each record checked.
+    /// The bytes of `plan` from `at`, at most `n`, each record checked;
+    /// at a damaged record, those before it come on the next call.
     fn read(&self, plan: &ReadPlan, at: u64, n: usize) -> Result<Next, LogError> {
         let records = log::read(plan, n);
         if let Err(e @ LogError::Corrupt { offset, .. }) = &records {
             self.gauges.damaged.inc();
-            error!(error = %e, "a damaged record in the stream log: the log is cut back to offset {offset} and fetched again from upstream");
-            self.set_state(WriterState::Refetching {
-                offset: *offset,
-                reason: e.to_string(),
-            });
-            if let Err(cut) = self.write(|l| l.cut(*offset)) {
-                error!(error = %cut, "the stream log cannot be cut back to its damage");
+            match self.write(|l| l.mark_damaged(*offset)) {
+                Ok(true) => {
+                    warn!(error = %e, "a damaged record in the stream log: readers stop before offset {offset} while that record alone is fetched again from upstream");
+                    self.damage_found.notify_one();
+                    return Ok(Next::Wait);
+                }
+                Ok(false) => {}
+                Err(why) => {
+                    error!(error = %why, "the damaged record cannot be looked at: the log is cut back to it");
+                }
             }
+            self.cut_at_damage(*offset, e.to_string());
         }
         let mut run = log::contiguous(&records?, at);
         run.truncate(n);
@@ -117,11 +124,28 @@ impl Stream {
             false => Next::Bytes(run),
         })
     }
+
+    /// Cuts the log back to the damaged record at `offset` (`why`), so
+    /// its writer fetches the stream again from there: what the damage
+    /// costs when the record cannot be mended alone.
+    pub fn cut_at_damage(&self, offset: u64, why: String) {
+        error!(error = %why, "a damaged record in the stream log: the log is cut back to offset {offset} and fetched again from upstream (a full resync when nothing upstream holds it)");
+        self.gauges.cut.inc();
+        self.set_state(WriterState::Refetching {
+            offset,
+            reason: why,
+        });
+        if let Err(cut) = self.write(|l| l.cut(offset)) {
+            error!(error = %cut, "the stream log cannot be cut back to its damage");
+        }
+    }
 }
 
-/// Bytes `log` holds past `at`.
+/// Bytes a reader at `at` can read from `log`: to its end, or to the
+/// next damaged record.
 fn held_past(log: &Log, at: u64) -> u64 {
-    log.position().map_or(0, |(_, end)| end.saturating_sub(at))
+    let end = log.position().map_or(0, |(_, end)| end);
+    end.saturating_sub(at).min(log.readable_from(at))
 }
 
 #[cfg(test)]

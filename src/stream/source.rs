@@ -16,6 +16,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::info;
 
 use super::follow::Follow;
+use super::mend::Upstream;
 use super::pull::Pull;
 use super::{Downstream, SharedLog};
 
@@ -182,7 +183,7 @@ pub struct Writers {
 
 /// Follows the source of `upstreams` into `stream` until `stop`: a
 /// primary with [`super::follow::run`] (and its write safety watched), agents with
-/// [`super::pull::run`]; when the source changes kind, or names another
+/// [`super::pull::run`], either with [`super::mend::run`] beside it; when the source changes kind, or names another
 /// primary, the writer in progress is stopped and the other started from
 /// the log's end.
 pub async fn run(
@@ -221,11 +222,20 @@ pub async fn run(
                             stream.clone(),
                             task.clone()
                         ),
+                        super::mend::run(
+                            Upstream::Primary(follow.clone()),
+                            stream.clone(),
+                            task.clone()
+                        ),
                         super::follow::run(follow, stream.clone(), task.clone()),
                     );
                 }
                 Source::Agents(_) => {
-                    super::pull::run(writers.pull.clone(), stream.clone(), task.clone()).await
+                    let mend = Upstream::Agents(writers.pull.clone());
+                    tokio::select! {
+                        () = super::pull::run(writers.pull.clone(), stream.clone(), task.clone()) => {}
+                        () = super::mend::run(mend, stream.clone(), task.clone()) => {}
+                    }
                 }
             }
         };

@@ -20,8 +20,11 @@
 //! segment has exactly one.
 //!
 //! The log's rules, which its methods keep: a record is appended only
-//! where the log ends ([`Log::append`]); a cut removes the damaged record,
-//! everything after it and the ids that began after it ([`Log::cut`]);
+//! where the log ends ([`Log::append`]); a damaged record is marked and
+//! readers stop before it until its bytes, fetched again, match its hash
+//! and are written back in place ([`Log::mark_damaged`], [`Log::mend`]);
+//! a cut removes a damaged record, everything after it and the ids that
+//! began after it ([`Log::cut`]);
 //! retention removes only whole old segments, never the newest and never
 //! what an offered snapshot still needs ([`Log::trim`]); what is
 //! acknowledged is what was written ([`Log::synced`] under `always`).
@@ -34,6 +37,7 @@
 //! reads as "no longer retained").
 
 pub mod history;
+pub mod mend;
 pub mod record;
 pub mod segment;
 pub mod tail;
@@ -47,6 +51,7 @@ use tracing::warn;
 
 pub use self::history::Epoch;
 use self::history::History;
+pub use self::mend::Damaged;
 pub use self::record::{contiguous, Record, MAX_RECORD, RECORD_HEADER};
 use self::segment::{cut_point, scan, Segment, REPLID_LEN, SUFFIX};
 pub use self::segment::{read, ReadPlan};
@@ -110,6 +115,9 @@ pub struct Log {
     /// The newest bytes, for readers at or near the end.
     tail: tail::Tail,
     set_aside: Vec<PathBuf>,
+    /// Records found damaged at run time, oldest first: readers stop
+    /// before each until it is mended ([`Log::mend`]) or cut.
+    damaged: Vec<Damaged>,
 }
 
 /// How a damaged file set aside in the log's directory ends.
@@ -218,6 +226,7 @@ impl Log {
             synced,
             tail,
             set_aside,
+            damaged: Vec::new(),
         })
     }
 
@@ -275,6 +284,7 @@ impl Log {
             std::fs::remove_file(&s.path).map_err(io(&s.path))?;
         }
         self.history.clear();
+        self.damaged.clear();
         self.tail.reset(offset);
         self.open_segment(replid, offset)?;
         self.synced = offset;
@@ -338,8 +348,59 @@ impl Log {
         self.file = Some(file);
         self.synced = self.synced.min(at);
         self.tail.cut(at);
+        self.damaged.retain(|d| d.end() <= at);
         self.history.cut(&self.cfg.dir, at)?;
         warn!(log = %self.cfg.dir.display(), "the stream log is cut back to offset {at} (it ended at {end}): what follows is fetched again");
+        Ok(())
+    }
+
+    /// Takes note that the record at `offset`, which a reader found
+    /// damaged, is to be fetched again: readers stop before it until it
+    /// is mended ([`Log::mend`]). Returns whether it could be: `false`
+    /// when no whole record header starts at `offset` (the damage hides
+    /// the record's length), which only a cut ([`Log::cut`]) mends.
+    pub fn mark_damaged(&mut self, offset: u64) -> Result<bool, LogError> {
+        if self.damaged.iter().any(|d| d.offset == offset) {
+            return Ok(true);
+        }
+        let Some(seg) = self
+            .segments
+            .iter()
+            .find(|s| s.start <= offset && offset < s.end)
+        else {
+            return Ok(false);
+        };
+        let Some(d) = Damaged::find(seg, offset)? else {
+            return Ok(false);
+        };
+        self.damaged.push(d);
+        self.damaged.sort_by_key(|d| d.offset);
+        Ok(true)
+    }
+
+    /// The damaged records awaiting their bytes again, oldest first.
+    pub fn damaged(&self) -> &[Damaged] {
+        &self.damaged
+    }
+
+    /// How many bytes from `at` a reader may read before the next
+    /// damaged record (none: `u64::MAX`; 0: `at` is in one).
+    pub fn readable_from(&self, at: u64) -> u64 {
+        self.damaged
+            .iter()
+            .find(|d| d.end() > at)
+            .map_or(u64::MAX, |d| d.offset.saturating_sub(at))
+    }
+
+    /// Writes `bytes`, the damaged record at `offset` fetched again from
+    /// upstream, back in its place once they match its hash; readers go
+    /// on past it.
+    pub fn mend(&mut self, offset: u64, bytes: &[u8]) -> Result<(), LogError> {
+        let Some(i) = self.damaged.iter().position(|d| d.offset == offset) else {
+            return Ok(());
+        };
+        self.damaged[i].mend(bytes)?;
+        self.damaged.remove(i);
         Ok(())
     }
 
@@ -529,6 +590,8 @@ impl Log {
             self.segments.remove(0);
             removed += 1;
         }
+        let first = self.first().unwrap_or(0);
+        self.damaged.retain(|d| d.offset >= first);
         Ok(removed)
     }
 }
@@ -708,6 +771,58 @@ mod tests {
             err.to_string().contains("fetched again from upstream"),
             "{err}"
         );
+    }
+
+    /// Attack (review): a damaged record cut the log back to it, every
+    /// intact segment after it with it.
+    #[test]
+    fn a_damaged_record_is_mended_in_place_and_the_records_after_it_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = Log::open(cfg(dir.path())).unwrap();
+        log.restart(ID_A, 0).unwrap();
+        let all = fill(&mut log, 30, 300);
+        let before = segment_starts(&log);
+        let oldest = log.segments[0].path.clone();
+        let mut b = std::fs::read(&oldest).unwrap();
+        let at = HEADER_LEN + RECORD_HEADER + 300 + RECORD_HEADER + 17;
+        b[at] ^= 1;
+        std::fs::write(&oldest, &b).unwrap();
+        let err = read(&log.plan(0).unwrap(), 1000).unwrap_err();
+        assert!(matches!(err, LogError::Corrupt { offset: 300, .. }));
+        assert!(log.mark_damaged(300).unwrap());
+        assert!(log.mark_damaged(300).unwrap(), "marked once");
+        assert_eq!(log.damaged().len(), 1);
+        assert_eq!((log.damaged()[0].offset, log.damaged()[0].len), (300, 300));
+        assert_eq!(log.readable_from(0), 300, "readers stop before it");
+        assert_eq!(log.readable_from(450), 0);
+        assert_eq!(log.readable_from(600), u64::MAX, "and go on after it");
+        assert_eq!(read_all(&log, 600), all[600..]);
+        // Bytes that do not match its hash are never written back.
+        let mut wrong = all[300..600].to_vec();
+        wrong[5] ^= 1;
+        assert!(matches!(
+            log.mend(300, &wrong),
+            Err(LogError::Corrupt { offset: 300, .. })
+        ));
+        assert!(log.mend(300, &all[300..599]).is_err(), "nor too few");
+        assert_eq!(std::fs::read(&oldest).unwrap(), b, "the file as it was");
+        log.mend(300, &all[300..600]).unwrap();
+        assert!(log.damaged().is_empty());
+        assert_eq!(read_all(&log, 0), all, "the log whole again");
+        assert_eq!(segment_starts(&log), before, "every segment kept");
+        // A record whose header is damaged cannot be marked: its length
+        // is not known (the log is cut back to it instead).
+        let whole = std::fs::read(&oldest).unwrap();
+        let mut b = whole.clone();
+        b[HEADER_LEN + RECORD_HEADER + 300 + 2] ^= 1;
+        std::fs::write(&oldest, &b).unwrap();
+        assert!(!log.mark_damaged(300).unwrap());
+        assert!(log.damaged().is_empty());
+        // A cut at a damaged record forgets it.
+        std::fs::write(&oldest, &whole).unwrap();
+        assert!(log.mark_damaged(900).unwrap());
+        log.cut(900).unwrap();
+        assert!(log.damaged().is_empty());
     }
 
     /// Attack (review): one flipped bit in an older segment's record

@@ -38,7 +38,7 @@ impl Record {
 
     /// Whether the bytes are the ones the hash was made of.
     pub fn verify(&self) -> bool {
-        Record::digest(self.offset, &self.bytes) == self.hash
+        hashes_to(self.offset, &self.bytes, &self.hash)
     }
 
     /// The offset after its last byte.
@@ -58,6 +58,11 @@ impl Record {
         let len = u32::from_be_bytes(h[8..12].try_into().expect("4 bytes")) as usize;
         (offset, len, h[12..44].try_into().expect("32 bytes"))
     }
+}
+
+/// Whether `bytes` at `offset` are the ones a record's `hash` was made of.
+pub fn hashes_to(offset: u64, bytes: &[u8], hash: &[u8; 32]) -> bool {
+    Record::digest(offset, bytes) == *hash
 }
 
 /// The stream's `bytes` at `offset` as one stored record, hashed here,
