@@ -840,7 +840,9 @@ on_both_servers!(a_record_damaged_in_an_old_segment_is_fetched_again_alone_and_t
 
 /// A replica agent's log damaged in an old segment is mended from its
 /// upstream agent's log (its primary's backlog no longer holds the range):
-/// the relay serves a leaf agent every byte, and keeps its segments.
+/// the relay serves a leaf agent every byte, and keeps its segments. The
+/// mend's session is the relay's second at its source, which allows one
+/// per host (attack: that cap refused the mend, and the log was cut).
 #[test]
 fn a_record_damaged_in_a_relays_log_is_fetched_again_from_its_upstream_agent() {
     let root = tempfile::tempdir().unwrap();
@@ -849,7 +851,11 @@ fn a_record_damaged_in_a_relays_log_is_fetched_again_from_its_upstream_agent() {
         &root.path().join("p"),
         &["--repl-backlog-size", "1mb"],
     );
-    let source = following_source(root.path(), &primary, &[]);
+    let config = format!(
+        "{}max_sessions_per_host = 1\n",
+        follower_config(&primary, &root.path().join("src-log"))
+    );
+    let source = source_with(root.path(), &config, &[]);
     let relay_log = root.path().join("relay-log");
     let relay = agent(
         root.path(),

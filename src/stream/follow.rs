@@ -44,6 +44,7 @@ use super::log::{Log, LogError};
 use super::policy::{self, Backoff, LogStep, Promotion, Psync};
 use super::{SharedLog, WriterState};
 use crate::config::StreamAck;
+use crate::kv::redis::Info;
 use crate::kv::resp;
 use crate::metrics::Metrics;
 use crate::store::room::{Room, RoomError};
@@ -59,6 +60,8 @@ pub const PRIMARY_TIMEOUT: Duration = Duration::from_secs(60);
 const READ_CHUNK: usize = 256 << 10;
 /// Longest reply line accepted from the primary.
 const MAX_LINE: usize = 512;
+/// Longest `INFO replication` accepted from the primary.
+const MAX_INFO: usize = 64 << 10;
 
 /// What the follower needs to know of its instance.
 #[derive(Clone)]
@@ -145,8 +148,6 @@ pub enum FollowError {
     },
     #[error(transparent)]
     Log(#[from] LogError),
-    #[error("the primary's INFO: {0}")]
-    Info(#[from] crate::kv::redis::RedisError),
     /// A range the primary's backlog does not hold (or may not by the
     /// time it is asked): not asked, never a full resync.
     #[error("the primary {addr} does not hold the range: {why}")]
@@ -229,6 +230,35 @@ impl Link {
         link.ask("REPLCONF capa", &["REPLCONF", "capa", "psync2"])
             .await?;
         Ok(link)
+    }
+
+    /// The primary's `INFO replication`, on this link.
+    async fn info(&mut self) -> Result<Info, FollowError> {
+        let addr = self.addr.clone();
+        let io_err = |source| FollowError::Io {
+            addr: addr.clone(),
+            source,
+        };
+        self.write
+            .write_all(&resp::command(&["INFO", "replication"]))
+            .await
+            .map_err(io_err)?;
+        let head = reply(&mut self.read, &self.addr).await?;
+        let len = head
+            .strip_prefix('$')
+            .and_then(|n| n.parse::<usize>().ok())
+            .filter(|&n| n <= MAX_INFO)
+            .ok_or_else(|| FollowError::Refused {
+                addr: self.addr.clone(),
+                asked: "INFO replication",
+                answer: head.clone(),
+            })?;
+        let mut text = vec![0u8; len + 2];
+        tokio::time::timeout(PRIMARY_TIMEOUT, self.read.read_exact(&mut text))
+            .await
+            .map_err(|_| FollowError::Silent(self.addr.clone()))?
+            .map_err(io_err)?;
+        Ok(Info::parse(&String::from_utf8_lossy(&text[..len])))
     }
 
     /// Sends the command `args` and reads its status reply (`+…`).
@@ -357,11 +387,15 @@ async fn promotion(follow: &Follow, log: &SharedLog) -> Result<Option<Promotion>
 }
 
 /// The `len` bytes of the stream after `offset` of `replid` once more,
-/// from the primary's backlog, to mend a damaged record of the log: asked
-/// only when the primary's `INFO` says its backlog holds them with room
-/// to spare ([`policy::backlog_holds`]), as `PSYNC <replid> <offset+1>` on
-/// a link of its own, read for those bytes and closed. Any answer but a
-/// continuation closes the link before anything more is read.
+/// from the primary's backlog, to mend a damaged record of the log: on a
+/// link of its own, the primary's `INFO replication` read right before
+/// `PSYNC <replid> <offset+1>`, which is asked only when the backlog holds
+/// those bytes with room to spare ([`policy::backlog_holds`]); read for
+/// those bytes and closed. Any answer but a continuation closes the link
+/// before anything more is read; the link says it takes an RDB as a
+/// stream (`capa eof`), so that a primary that syncs replicas without a
+/// disk (Redis 7 and Valkey by default) starts no fork for a replica gone
+/// before its `repl-diskless-sync-delay`.
 pub async fn fetch_again(
     follow: &Follow,
     replid: &str,
@@ -369,12 +403,14 @@ pub async fn fetch_again(
     len: u64,
 ) -> Result<Vec<u8>, FollowError> {
     let addr = follow.primary.clone();
-    let info = crate::kv::redis::info(&addr, &follow.password, "replication").await?;
+    let mut link = Link::open(follow).await?;
+    link.ask("REPLCONF capa", &["REPLCONF", "capa", "eof"])
+        .await?;
+    let info = link.info().await?;
     policy::backlog_holds(&info, replid, offset, len).map_err(|why| FollowError::NotInBacklog {
         addr: addr.clone(),
         why,
     })?;
-    let mut link = Link::open(follow).await?;
     let asked = (offset + 1).to_string();
     let answer = link.ask("PSYNC", &["PSYNC", replid, &asked]).await?;
     if !answer.starts_with("+CONTINUE") {

@@ -26,6 +26,8 @@ use super::{SharedLog, Stream};
 
 /// Tries to fetch a record again before the log is cut back to it.
 pub const TRIES: u32 = 5;
+/// The longest one try may take, from asking to the record written back.
+pub const FETCH_DEADLINE: Duration = Duration::from_secs(60);
 
 /// Whom the log's writer follows, and so where a damaged record is
 /// fetched again.
@@ -45,18 +47,18 @@ pub enum MendError {
     /// written back.
     #[error(transparent)]
     Log(#[from] LogError),
+    #[error("no answer from upstream within {FETCH_DEADLINE:?}")]
+    TimedOut,
 }
 
 impl MendError {
     /// Nothing upstream holds the range: trying again cannot mend it.
     fn not_held(&self) -> bool {
-        matches!(
-            self,
-            MendError::Primary(FollowError::NotInBacklog { .. })
-                | MendError::Agent(
-                    PullError::TooOld { .. } | PullError::Stale { .. } | PullError::Behind { .. }
-                )
-        )
+        match self {
+            MendError::Primary(e) => matches!(e, FollowError::NotInBacklog { .. }),
+            MendError::Agent(e) => e.not_held(),
+            MendError::Log(_) | MendError::TimedOut => false,
+        }
     }
 }
 
@@ -79,10 +81,11 @@ fn step(result: &Result<(), MendError>, tries: u32) -> Step {
 
 impl Stream {
     /// Writes `bytes`, the damaged record at `offset` fetched again, back
-    /// in place (on a thread that may block).
+    /// in place (on a thread that may block), and counts it.
     fn mend(&self, offset: u64, bytes: &[u8]) -> Result<(), LogError> {
-        self.write(|l| l.mend(offset, bytes))?;
-        self.gauges.mended.inc();
+        if self.write(|l| l.mend(offset, bytes))? {
+            self.gauges.mended.inc();
+        }
         Ok(())
     }
 }
@@ -105,7 +108,10 @@ pub async fn run(upstream: Upstream, stream: SharedLog, stop: CancellationToken)
         let (offset, len) = (damaged.offset, damaged.len);
         let result = tokio::select! {
             _ = stop.cancelled() => return,
-            r = mend_one(&upstream, &stream, &replid, (offset, len)) => r,
+            r = tokio::time::timeout(
+                FETCH_DEADLINE,
+                mend_one(&upstream, &stream, &replid, (offset, len)),
+            ) => r.unwrap_or(Err(MendError::TimedOut)),
         };
         tries += 1;
         match step(&result, tries) {

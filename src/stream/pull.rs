@@ -153,6 +153,15 @@ pub enum PullError {
 }
 
 impl PullError {
+    /// The upstream does not hold the offset asked for (too old, on
+    /// another history, or behind): asking it again will not change that.
+    pub fn not_held(&self) -> bool {
+        matches!(
+            self,
+            PullError::TooOld { .. } | PullError::Stale { .. } | PullError::Behind { .. }
+        )
+    }
+
     /// The `kvsync_stream_refused_total` reason, when the session ended
     /// for one.
     fn refusal(&self) -> Option<&'static str> {
@@ -723,7 +732,7 @@ async fn receive(
 /// stream session of its own over TCP (asked as `<node id>.mend`, so that
 /// it takes the place of no session of the log's), read for those bytes,
 /// each frame checked under its MAC, and closed. Each upstream of the
-/// chain is asked in turn; the error is the last one's.
+/// chain is asked in turn; the error is one that may pass, if any.
 pub async fn fetch_again(
     pull: &Pull,
     stream: &SharedLog,
@@ -734,11 +743,10 @@ pub async fn fetch_again(
         Source::Agents(chain) => chain,
         Source::Primary(_) => Vec::new(),
     };
-    let mut last = PullError::Unreachable {
-        upstream: String::new(),
-        message: "the stream's source names no upstream agent".into(),
-    };
-    let who = format!("{}.mend", pull.node_id);
+    // "Not held" only when every upstream says so: one that failed for
+    // now may still give the record.
+    let (mut failed, mut not_held) = (None, None);
+    let who = format!("{}{}", pull.node_id, super::serve::MEND);
     for upstream in &chain {
         let at = (replid.to_string(), offset);
         let fetched = async {
@@ -770,10 +778,14 @@ pub async fn fetch_again(
         };
         match fetched.await {
             Ok(bytes) => return Ok(bytes),
-            Err(e) => last = e,
+            Err(e) if e.not_held() => not_held = Some(e),
+            Err(e) => failed = Some(e),
         }
     }
-    Err(last)
+    Err(failed.or(not_held).unwrap_or(PullError::Unreachable {
+        upstream: String::new(),
+        message: "the stream's source names no upstream agent".into(),
+    }))
 }
 
 /// A log that holds nothing starts where the offer does.

@@ -73,7 +73,10 @@ pub struct StreamSession {
 
 /// Stream sessions offered (by token) and served: within [`MAX_SESSIONS`]
 /// in all and `[stream] max_sessions_per_host` per host; one of each
-/// (replica, instance, host) served, the newest.
+/// (replica, instance, host) served, the newest. A replica's session that
+/// fetches a damaged record of its log again (named `<replica>`[`MEND`])
+/// may go one past the host's cap, while that replica's own session from
+/// the same host is offered or served.
 #[derive(Default)]
 pub struct StreamOffers(Arc<Mutex<Sessions>>);
 
@@ -112,6 +115,10 @@ impl Who {
     }
 }
 
+/// What a replica agent adds to its name for the session that fetches a
+/// damaged record of its log again ([`super::mend`]).
+pub const MEND: &str = ".mend";
+
 /// The host an address counts for: an IPv4 address itself (also when
 /// mapped into IPv6), an IPv6 address's /64 (one host holds a whole /64
 /// to choose from).
@@ -132,6 +139,25 @@ pub enum Busy {
     Full,
     #[error("this source already offers or serves {0} stream sessions to agents of this host ([stream] max_sessions_per_host)")]
     Host(usize),
+}
+
+/// Whether `who` is a replica's session to mend its log ([`MEND`]) while
+/// that replica's own session from the same host is offered or served,
+/// and no other such session of it is served.
+fn mends_one_held(
+    who: &Who,
+    offers: &HashMap<[u8; SESSION_TOKEN_LEN], StreamSession>,
+    serving: &HashMap<u64, (Who, CancellationToken)>,
+) -> bool {
+    let Some(replica) = who.replica.strip_suffix(MEND) else {
+        return false;
+    };
+    let own = Who {
+        replica: replica.to_string(),
+        ..who.clone()
+    };
+    let held = offers.values().any(|s| own.is(s)) || serving.values().any(|(w, _)| *w == own);
+    held && !serving.values().any(|(w, _)| w == who)
 }
 
 /// A served session's place among the sessions, held until dropped, and
@@ -188,7 +214,7 @@ impl StreamOffers {
         }
         let from_host = offers.values().filter(|s| s.host == who.host).count()
             + serving.values().filter(|(w, _)| w.host == who.host).count();
-        if from_host >= session.max_per_host {
+        if from_host >= session.max_per_host && !mends_one_held(&who, offers, serving) {
             return Err(Busy::Host(session.max_per_host));
         }
         let mut token = [0u8; SESSION_TOKEN_LEN];
@@ -742,6 +768,49 @@ mod tests {
         assert!(!served_a2.end().is_cancelled() && !served_elsewhere.end().is_cancelled());
         shutdown.cancel();
         assert!(served_a2.end().is_cancelled(), "and every one at shutdown");
+    }
+
+    /// Attack (review): the session that mends a replica's log was refused
+    /// at its host's cap, which the replica's own session filled, and the
+    /// damaged record's log was cut.
+    #[test]
+    fn a_replicas_mend_goes_one_past_its_hosts_cap_and_no_further() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = Log::open(StreamConfig {
+            dir: dir.path().to_path_buf(),
+            ..StreamConfig::default()
+        })
+        .unwrap();
+        let stream = Stream::new(log, Source::Primary("p".into()), &Metrics::new(), "t");
+        let (offers, shutdown) = (StreamOffers::default(), CancellationToken::new());
+        let host = [10, 0, 0, 1];
+        let a = offers.insert(session(&stream, "a", host)).unwrap();
+        let _b = offers.insert(session(&stream, "b", host)).unwrap();
+        let (_, _served_a) = offers.take(&a, &shutdown).unwrap();
+        let mend = offers.insert(session(&stream, "a.mend", host)).unwrap();
+        assert_eq!(
+            offers.insert(session(&stream, "c.mend", host)),
+            Err(Busy::Host(2)),
+            "no session of c to mend for"
+        );
+        assert_eq!(
+            offers
+                .insert(session(&stream, "a.mend", [10, 0, 0, 2]))
+                .map(|_| ()),
+            Ok(()),
+            "another host has its own cap"
+        );
+        let (_, _mending) = offers.take(&mend, &shutdown).unwrap();
+        assert_eq!(
+            offers.insert(session(&stream, "a.mend", host)),
+            Err(Busy::Host(2)),
+            "one mend of a at a time past the cap"
+        );
+        assert_eq!(
+            offers.insert(session(&stream, "c", host)),
+            Err(Busy::Host(2)),
+            "the cap holds for the rest"
+        );
     }
 
     #[test]

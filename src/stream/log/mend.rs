@@ -8,7 +8,7 @@ use std::fs::OpenOptions;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 
-use super::record::{hashes_to, Record, RECORD_HEADER};
+use super::record::{hashes_to, Record, MAX_RECORD, RECORD_HEADER};
 use super::segment::{cut_point, Segment};
 use super::{io, LogError};
 use crate::sys::fs::open_regular;
@@ -41,7 +41,7 @@ impl Damaged {
             return Ok(None);
         }
         let (o, len, hash) = Record::parse_header(&h);
-        if o != offset || offset + len as u64 > seg.end {
+        if o != offset || len > MAX_RECORD || offset + len as u64 > seg.end {
             return Ok(None);
         }
         Ok(Some(Damaged {

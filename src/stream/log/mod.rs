@@ -394,14 +394,15 @@ impl Log {
 
     /// Writes `bytes`, the damaged record at `offset` fetched again from
     /// upstream, back in its place once they match its hash; readers go
-    /// on past it.
-    pub fn mend(&mut self, offset: u64, bytes: &[u8]) -> Result<(), LogError> {
+    /// on past it. Returns whether it did: `false` when the record is no
+    /// longer one to mend (a cut, a trim or a restart took it).
+    pub fn mend(&mut self, offset: u64, bytes: &[u8]) -> Result<bool, LogError> {
         let Some(i) = self.damaged.iter().position(|d| d.offset == offset) else {
-            return Ok(());
+            return Ok(false);
         };
         self.damaged[i].mend(bytes)?;
         self.damaged.remove(i);
-        Ok(())
+        Ok(true)
     }
 
     /// The writer's check that the log still ends where it wrote last
@@ -806,7 +807,8 @@ mod tests {
         ));
         assert!(log.mend(300, &all[300..599]).is_err(), "nor too few");
         assert_eq!(std::fs::read(&oldest).unwrap(), b, "the file as it was");
-        log.mend(300, &all[300..600]).unwrap();
+        assert!(log.mend(300, &all[300..600]).unwrap());
+        assert!(!log.mend(300, &all[300..600]).unwrap(), "once");
         assert!(log.damaged().is_empty());
         assert_eq!(read_all(&log, 0), all, "the log whole again");
         assert_eq!(segment_starts(&log), before, "every segment kept");
@@ -822,6 +824,29 @@ mod tests {
         std::fs::write(&oldest, &whole).unwrap();
         assert!(log.mark_damaged(900).unwrap());
         log.cut(900).unwrap();
+        assert!(log.damaged().is_empty());
+    }
+
+    /// Attack (review): a flipped bit in a record header's length marked a
+    /// "record" far longer than any, which readers then waited before and
+    /// the mend fetched, many MiB a try.
+    #[test]
+    fn a_record_header_longer_than_any_record_is_not_one_to_mend() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = Log::open(StreamConfig {
+            segment_size: bytesize::ByteSize::mib(64),
+            fsync: Fsync::Everysec,
+            ..cfg(dir.path())
+        })
+        .unwrap();
+        log.restart(ID_A, 0).unwrap();
+        fill(&mut log, 4000, 300);
+        let path = log.segments[0].path.clone();
+        let mut b = std::fs::read(&path).unwrap();
+        // The second record's length, 300, with bit 20 set.
+        b[HEADER_LEN + RECORD_HEADER + 300 + 8 + 1] ^= 0x10;
+        std::fs::write(&path, &b).unwrap();
+        assert!(!log.mark_damaged(300).unwrap());
         assert!(log.damaged().is_empty());
     }
 
