@@ -1,0 +1,415 @@
+//! The chaos run, on real `redis-server` and `valkey-server` processes and
+//! agent processes: one primary and its agent (`ack = "replicas"`), three
+//! replica agents in two tiers (one following the primary's agent, two
+//! following it), each feeding its own server (`redis-stream`), a writer
+//! of mixed commands (`SET`, `INCR`, `LPUSH`, `HSET`, `EXPIRE`, `DEL`) that
+//! records which of its marker writes `WAIT 1` acknowledged, and a seeded
+//! random schedule of faults for a while: an agent killed (`SIGKILL`) and
+//! started again where it was, an agent frozen (`SIGSTOP`, its links gone
+//! silent) and thawed, and a record of a relay's log damaged on disk just
+//! ahead of a reader killed meanwhile. After the faults stop and the stream is
+//! quiet: every server's whole keyspace equals the primary's (`DUMP` of
+//! every key), every acknowledged marker is on every server, the primary
+//! made no full resync past the first, each damaged record was mended,
+//! and the agents' memory and descriptors stay bounded. It prints the seed
+//! and what it injected; `CHAOS_SEED` replays a schedule.
+//!
+//! The suite runs a short fixed schedule (`CHAOS_SECONDS`, 30 by default);
+//! `scripts/chaos.sh` runs the same test for as long as asked.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::kv::*;
+use common::node::*;
+use common::stream::*;
+use common::*;
+
+/// A small seeded generator (SplitMix64): a schedule is its seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// One agent of the run: where it listens, so that it starts again at
+/// the same address and its downstreams find it.
+struct Agent {
+    name: &'static str,
+    config: String,
+    port: u16,
+    log_dir: PathBuf,
+    node: Node,
+}
+
+impl Agent {
+    fn start(root: &Path, name: &'static str, config: String, port: u16) -> Agent {
+        let node = start_at(root, name, &config, port);
+        Agent {
+            name,
+            config,
+            port,
+            log_dir: root.join(format!("{name}-log")),
+            node,
+        }
+    }
+
+    fn kill_and_restart(&mut self, root: &Path) {
+        self.node.proc.signal(libc::SIGKILL);
+        self.node.proc.wait_exit();
+        self.node = start_at(root, self.name, &self.config, self.port);
+    }
+
+    fn pid(&self) -> u32 {
+        self.node.proc.child.id()
+    }
+}
+
+fn start_at(root: &Path, name: &str, config: &str, port: u16) -> Node {
+    let snaps = root.join(format!("{name}-snaps"));
+    agent_at(root, name, &snaps, config, "127.0.0.1", port)
+}
+
+/// The `[stream]` lines every agent of the run has: every reader reads
+/// the log's files (so damage on disk is met), and a stalled downstream
+/// is ended soon.
+const STREAM: &str = "memory_tail = \"0\"\nsegment_size = \"1MiB\"\n";
+
+/// The writer: mixed commands on a small keyspace, and every round a
+/// marker `SET ack:<n>` followed by `WAIT 1`; the markers acknowledged.
+fn writer(
+    mut con: redis::Connection,
+    seed: u64,
+    stop: Arc<AtomicBool>,
+    acked: Arc<Mutex<Vec<u64>>>,
+) {
+    let mut rng = Rng(seed ^ 0x5752_4954_4552);
+    let mut n = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        let mut p = redis::pipe();
+        for _ in 0..20 {
+            let k = rng.below(500);
+            match rng.below(6) {
+                0 => p.cmd("SET").arg(format!("s:{k}")).arg(rng.next()),
+                1 => p.cmd("INCR").arg(format!("c:{k}")),
+                2 => p
+                    .cmd("LPUSH")
+                    .arg(format!("l:{k}"))
+                    .arg(rng.next())
+                    .ignore()
+                    .cmd("LTRIM")
+                    .arg(format!("l:{k}"))
+                    .arg(0)
+                    .arg(20),
+                3 => p
+                    .cmd("HSET")
+                    .arg(format!("h:{k}"))
+                    .arg(rng.below(10))
+                    .arg(rng.next()),
+                4 => p.cmd("EXPIRE").arg(format!("s:{k}")).arg(1 + rng.below(5)),
+                _ => p.cmd("DEL").arg(format!("c:{k}")),
+            }
+            .ignore();
+        }
+        n += 1;
+        p.cmd("SET").arg(format!("ack:{n}")).arg(n).ignore();
+        p.query::<()>(&mut con).unwrap();
+        let counted: i64 = redis::cmd("WAIT").arg(1).arg(200).query(&mut con).unwrap();
+        if counted >= 1 {
+            acked.lock().unwrap().push(n);
+        }
+    }
+}
+
+/// The whole records of `dir`'s log: each one's segment, the position of
+/// its bytes there, its offset and length.
+fn records(dir: &Path) -> Vec<(PathBuf, usize, u64, usize)> {
+    let mut segments: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "kvslog"))
+        .collect();
+    segments.sort();
+    let mut out = Vec::new();
+    for path in segments {
+        let bytes = std::fs::read(&path).unwrap();
+        // The segment's header (72 bytes), then records: offset u64, len
+        // u32, hash (32 bytes), bytes.
+        let mut pos = 72;
+        while pos + 44 <= bytes.len() {
+            let at = u64::from_be_bytes(bytes[pos..pos + 8].try_into().unwrap());
+            let len = u32::from_be_bytes(bytes[pos + 8..pos + 12].try_into().unwrap()) as usize;
+            if pos + 44 + len > bytes.len() {
+                break;
+            }
+            out.push((path.clone(), pos + 44, at, len));
+            pos += 44 + len;
+        }
+    }
+    out
+}
+
+/// The first record of `dir`'s log that starts past `offset`, one bit of
+/// its bytes flipped on disk: its offset (`None`: the log holds none).
+fn damage_after(dir: &Path, offset: u64) -> Option<u64> {
+    use std::os::unix::fs::FileExt;
+    let (path, pos, at, _) = records(dir)
+        .into_iter()
+        .find(|&(_, _, at, len)| at > offset && len > 0)?;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .unwrap();
+    let mut byte = [0u8];
+    file.read_exact_at(&mut byte, pos as u64).unwrap();
+    file.write_all_at(&[byte[0] ^ 0x20], pos as u64).unwrap();
+    Some(at)
+}
+
+/// Where `dir`'s log ends: the end of its last whole record.
+fn log_end(dir: &Path) -> u64 {
+    records(dir)
+        .last()
+        .map_or(0, |&(_, _, at, len)| at + len as u64)
+}
+
+/// Every key of `server` with its `DUMP`, sorted.
+fn keyspace(server: &Redis) -> Vec<(String, Vec<u8>)> {
+    let mut con = server.con();
+    let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut con).unwrap();
+    let mut all = Vec::with_capacity(keys.len());
+    for chunk in keys.chunks(1000) {
+        let mut p = redis::pipe();
+        for k in chunk {
+            p.cmd("DUMP").arg(k);
+        }
+        let dumps: Vec<Option<Vec<u8>>> = p.query(&mut con).unwrap();
+        let present = chunk
+            .iter()
+            .zip(dumps)
+            .filter_map(|(k, d)| Some((k.clone(), d?)));
+        all.extend(present);
+    }
+    all.sort();
+    all
+}
+
+/// The first offset of `dir`'s log and the stream it holds, every record
+/// checked against its hash.
+fn log_stream(dir: &Path) -> (u64, Vec<u8>) {
+    use kvsync::stream::log::{read, Log};
+    let log = Log::open(kvsync::config::StreamConfig {
+        dir: dir.to_path_buf(),
+        ..Default::default()
+    })
+    .unwrap();
+    let (first, (_, end)) = (log.first().unwrap(), log.position().unwrap());
+    let (mut at, mut out) = (first, Vec::new());
+    while at < end {
+        for r in read(&log.plan(at).unwrap(), 1 << 20).unwrap() {
+            out.extend_from_slice(&r.bytes[(at - r.offset) as usize..]);
+            at = r.end();
+        }
+    }
+    (first, out)
+}
+
+fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+#[derive(Default, Debug)]
+struct Injected {
+    killed: usize,
+    frozen: usize,
+    damaged: usize,
+}
+
+fn chaos_run(server: Server) {
+    let seed = env_u64("CHAOS_SEED", 20261207);
+    let seconds = env_u64("CHAOS_SECONDS", 30);
+    eprintln!("chaos: {server:?}, seed {seed}, {seconds} s of faults");
+    let mut rng = Rng(seed);
+    let root = tempfile::tempdir().unwrap();
+    let root = root.path();
+    let primary = Redis::start(server, &root.join("p"), &["--repl-backlog-size", "1mb"]);
+    primary.fill("before", 500, "v");
+
+    // The primary's agent, then the three replica agents and their servers.
+    let ports: Vec<u16> = (0..4).map(|_| free_port()).collect();
+    let src_config = format!(
+        "{}ack = \"replicas\"\n{STREAM}",
+        follower_config(&primary, &root.join("src-log"))
+    );
+    let mut agents = vec![Agent::start(root, "src", src_config, ports[0])];
+    wait_following(&agents[0].node);
+    let mut servers = Vec::new();
+    for (i, (name, upstream)) in [("a", 0), ("b", 1), ("c", 1)].into_iter().enumerate() {
+        let rs = Redis::standalone_replica(server, &root.join(format!("{name}-server")));
+        let config = feeding_puller_config(
+            &root.join(format!("{name}-log")),
+            &agents[upstream].node,
+            &rs,
+        )
+        .replacen("[handoff]", &format!("{STREAM}[handoff]"), 1);
+        let a = Agent::start(root, name, config, ports[i + 1]);
+        wait_following(&a.node);
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let p = rt.block_on(sync_from(&a.node, &agents[0].node.grpc()));
+        assert_eq!(p.phase, kvsync::rpc::pb::Phase::Succeeded as i32, "{p:?}");
+        converged(&rs, &primary, "the fed server to converge after seeding");
+        agents.push(a);
+        servers.push(rs);
+    }
+    let full_before = primary.info("stats").num("sync_full");
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let acked = Arc::new(Mutex::new(Vec::new()));
+    let writing = {
+        let (con, stop, acked) = (primary.con(), stop.clone(), acked.clone());
+        std::thread::spawn(move || writer(con, seed, stop, acked))
+    };
+
+    let mut injected = Injected::default();
+    let end = Instant::now() + Duration::from_secs(seconds);
+    while Instant::now() < end {
+        // The gap before the next fault: 0.5 to 3 s of writes.
+        std::thread::sleep(Duration::from_millis(500 + rng.below(2500)));
+        match rng.below(3) {
+            0 => {
+                let i = rng.below(agents.len() as u64) as usize;
+                eprintln!("chaos: kill -9 {} and start it again", agents[i].name);
+                agents[i].kill_and_restart(root);
+                injected.killed += 1;
+            }
+            1 => {
+                let i = rng.below(agents.len() as u64) as usize;
+                let pause = Duration::from_millis(500 + rng.below(3000));
+                eprintln!("chaos: freeze {} for {pause:?}", agents[i].name);
+                agents[i].node.proc.signal(libc::SIGSTOP);
+                std::thread::sleep(pause);
+                agents[i].node.proc.signal(libc::SIGCONT);
+                injected.frozen += 1;
+            }
+            _ => {
+                // A record of the relay's log damaged just ahead of one of
+                // its readers, killed meanwhile: started again, it asks
+                // the relay for the stream from its log's end, through the
+                // damaged record.
+                let relay_log = agents[1].log_dir.clone();
+                let reader = &mut agents[2 + rng.below(2) as usize];
+                reader.node.proc.signal(libc::SIGKILL);
+                reader.node.proc.wait_exit();
+                let damaged = damage_after(&relay_log, log_end(&reader.log_dir));
+                eprintln!(
+                    "chaos: damage the relay's record at {damaged:?}, ahead of {} (killed and started again)",
+                    reader.name
+                );
+                reader.node = start_at(root, reader.name, &reader.config, reader.port);
+                injected.damaged += usize::from(damaged.is_some());
+            }
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    writing.join().unwrap();
+
+    // Quiet: every server holds the primary's keyspace, byte for byte.
+    let deadline = DEADLINE * 4;
+    for (rs, name) in servers.iter().zip(["a", "b", "c"]) {
+        let what = format!("server {name} to hold the primary's keyspace");
+        wait_for(&what, deadline, || {
+            let end = primary.info("replication").num("master_repl_offset");
+            (rs.info("replication").num("master_repl_offset") == end
+                && keyspace(rs) == keyspace(&primary))
+            .then_some(())
+        });
+    }
+    let acked = acked.lock().unwrap().clone();
+    for (rs, name) in servers.iter().zip(["a", "b", "c"]) {
+        let mut con = rs.con();
+        for chunk in acked.chunks(1000) {
+            let mut p = redis::pipe();
+            for n in chunk {
+                p.cmd("GET").arg(format!("ack:{n}"));
+            }
+            let got: Vec<Option<u64>> = p.query(&mut con).unwrap();
+            for (n, v) in chunk.iter().zip(got) {
+                assert_eq!(v, Some(*n), "acknowledged marker {n} missing on {name}");
+            }
+        }
+    }
+    let full = primary.info("stats").num("sync_full") - full_before;
+    let mended: f64 = agents
+        .iter()
+        .map(|a| {
+            a.node
+                .metric("kvsync_stream_refetched_total{kv_instance=\"default\",result=\"mended\"}")
+        })
+        .sum();
+    let cut: f64 = agents
+        .iter()
+        .map(|a| {
+            a.node
+                .metric("kvsync_stream_refetched_total{kv_instance=\"default\",result=\"cut\"}")
+        })
+        .sum();
+    let (mut rss, mut fds) = (0, 0);
+    for a in &agents {
+        rss = rss.max(peak_rss(a.pid()));
+        fds = fds.max(open_fds(a.pid()));
+    }
+    eprintln!(
+        "chaos summary: {server:?} seed {seed}, {seconds} s; faults: {} kill -9, {} frozen, {} records damaged; \
+         full resyncs of the primary: {full}; damaged records mended {mended}, cut {cut}; keyspaces equal on 3 servers \
+         ({} keys); {} acknowledged markers kept on every server; agents' peak RSS {} MiB, fds {fds}",
+        injected.killed,
+        injected.frozen,
+        injected.damaged,
+        keyspace(&primary).len(),
+        acked.len(),
+        rss >> 20,
+    );
+    // Every agent's log, each record checked against its hash as it is
+    // read, is the primary's agent's, byte for byte: no damage is left.
+    let dirs: Vec<PathBuf> = agents.iter().map(|a| a.log_dir.clone()).collect();
+    drop(agents);
+    let src = log_stream(&dirs[0]);
+    for dir in &dirs[1..] {
+        assert!(
+            log_stream(dir) == src,
+            "{} is the source's log",
+            dir.display()
+        );
+    }
+    assert_eq!(full, 0, "no fault here costs the primary a full resync");
+    assert_eq!(cut, 0.0, "every damaged record is mended from upstream");
+    assert!(!acked.is_empty(), "the writer was acknowledged");
+    assert!(rss < 512 << 20, "an agent's peak RSS: {rss}");
+    assert!(fds < 512, "an agent's descriptors: {fds}");
+}
+
+on_both_servers!(chaos_run);
