@@ -216,26 +216,6 @@ fn keyspace(server: &Redis) -> Vec<(String, Vec<u8>)> {
     all
 }
 
-/// The first offset of `dir`'s log and the stream it holds, every record
-/// checked against its hash.
-fn log_stream(dir: &Path) -> (u64, Vec<u8>) {
-    use kvsync::stream::log::{read, Log};
-    let log = Log::open(kvsync::config::StreamConfig {
-        dir: dir.to_path_buf(),
-        ..Default::default()
-    })
-    .unwrap();
-    let (first, (_, end)) = (log.first().unwrap(), log.position().unwrap());
-    let (mut at, mut out) = (first, Vec::new());
-    while at < end {
-        for r in read(&log.plan(at).unwrap(), 1 << 20).unwrap() {
-            out.extend_from_slice(&r.bytes[(at - r.offset) as usize..]);
-            at = r.end();
-        }
-    }
-    (first, out)
-}
-
 fn open_fds(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd"))
         .map(|d| d.count())
@@ -397,10 +377,10 @@ fn chaos_run(server: Server) {
     // read, is the primary's agent's, byte for byte: no damage is left.
     let dirs: Vec<PathBuf> = agents.iter().map(|a| a.log_dir.clone()).collect();
     drop(agents);
-    let src = log_stream(&dirs[0]);
+    let src = log_bytes(&dirs[0]);
     for dir in &dirs[1..] {
         assert!(
-            log_stream(dir) == src,
+            log_bytes(dir) == src,
             "{} is the source's log",
             dir.display()
         );

@@ -36,7 +36,7 @@ use common::netns::{block_on, Hosts, IPS};
 use common::node::*;
 use common::stream::*;
 use common::*;
-use kvsync::stream::log::{read, Log};
+use kvsync::stream::log::Log;
 
 /// The offset the primary holds for its one replica (the agent's ack).
 fn replica_offset(primary: &Redis) -> Option<u64> {
@@ -45,24 +45,6 @@ fn replica_offset(primary: &Redis) -> Option<u64> {
     line.split(',')
         .find_map(|kv| kv.strip_prefix("offset="))
         .and_then(|o| o.parse().ok())
-}
-
-/// The whole stream the log holds, from its first offset.
-fn log_bytes(dir: &Path) -> (u64, Vec<u8>) {
-    let log = Log::open(kvsync::config::StreamConfig {
-        dir: dir.to_path_buf(),
-        ..Default::default()
-    })
-    .unwrap();
-    let (first, (_, end)) = (log.first().unwrap(), log.position().unwrap());
-    let (mut at, mut out) = (first, Vec::new());
-    while at < end {
-        for r in read(&log.plan(at).unwrap(), 1 << 20).unwrap() {
-            out.extend_from_slice(&r.bytes[(at - r.offset) as usize..]);
-            at = r.end();
-        }
-    }
-    (first, out)
 }
 
 fn the_primarys_agent_follows_it_into_the_log_and_continues_after_a_restart(server: Server) {

@@ -722,15 +722,20 @@ mod tests {
         }
     }
 
-    #[test]
-    fn sessions_are_capped_per_host_and_a_replicas_newer_session_ends_its_older() {
-        let dir = tempfile::tempdir().unwrap();
+    /// The stream of an empty log in `dir`.
+    fn empty_stream(dir: &std::path::Path) -> SharedLog {
         let log = Log::open(StreamConfig {
-            dir: dir.path().to_path_buf(),
+            dir: dir.to_path_buf(),
             ..StreamConfig::default()
         })
         .unwrap();
-        let stream = Stream::new(log, Source::Primary("p".into()), &Metrics::new(), "t");
+        Stream::new(log, Source::Primary("p".into()), &Metrics::new(), "t")
+    }
+
+    #[test]
+    fn sessions_are_capped_per_host_and_a_replicas_newer_session_ends_its_older() {
+        let dir = tempfile::tempdir().unwrap();
+        let stream = empty_stream(dir.path());
         let (offers, shutdown) = (StreamOffers::default(), CancellationToken::new());
         let a = offers.insert(session(&stream, "a", [10, 0, 0, 1])).unwrap();
         let b = offers.insert(session(&stream, "b", [10, 0, 0, 1])).unwrap();
@@ -776,12 +781,7 @@ mod tests {
     #[test]
     fn a_replicas_mend_goes_one_past_its_hosts_cap_and_no_further() {
         let dir = tempfile::tempdir().unwrap();
-        let log = Log::open(StreamConfig {
-            dir: dir.path().to_path_buf(),
-            ..StreamConfig::default()
-        })
-        .unwrap();
-        let stream = Stream::new(log, Source::Primary("p".into()), &Metrics::new(), "t");
+        let stream = empty_stream(dir.path());
         let (offers, shutdown) = (StreamOffers::default(), CancellationToken::new());
         let host = [10, 0, 0, 1];
         let a = offers.insert(session(&stream, "a", host)).unwrap();

@@ -226,3 +226,23 @@ pub fn same_sample(rs: &Redis, primary: &Redis, written: usize) {
         assert_eq!(dump(rs), dump(primary), "{key}");
     }
 }
+
+/// The first offset of the log in `dir` and the whole stream it holds,
+/// every record checked against its hash as it is read.
+pub fn log_bytes(dir: &Path) -> (u64, Vec<u8>) {
+    use kvsync::stream::log::{read, Log};
+    let log = Log::open(kvsync::config::StreamConfig {
+        dir: dir.to_path_buf(),
+        ..Default::default()
+    })
+    .unwrap();
+    let (first, (_, end)) = (log.first().unwrap(), log.position().unwrap());
+    let (mut at, mut out) = (first, Vec::new());
+    while at < end {
+        for r in read(&log.plan(at).unwrap(), 1 << 20).unwrap() {
+            out.extend_from_slice(&r.bytes[(at - r.offset) as usize..]);
+            at = r.end();
+        }
+    }
+    (first, out)
+}
