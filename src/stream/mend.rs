@@ -28,6 +28,8 @@ use super::{SharedLog, Stream};
 pub const TRIES: u32 = 5;
 /// The longest one try may take, from asking to the record written back.
 pub const FETCH_DEADLINE: Duration = Duration::from_secs(60);
+/// The pause after a cut back to a damaged record failed.
+const AFTER_FAILED_CUT: Duration = Duration::from_secs(5);
 
 /// Whom the log's writer follows, and so where a damaged record is
 /// fetched again.
@@ -49,6 +51,9 @@ pub enum MendError {
     Log(#[from] LogError),
     #[error("no answer from upstream within {FETCH_DEADLINE:?}")]
     TimedOut,
+    /// The log's history names no replication id at the record.
+    #[error("the log's history holds no replication id at the record")]
+    NoHistory,
 }
 
 impl MendError {
@@ -57,6 +62,7 @@ impl MendError {
         match self {
             MendError::Primary(e) => matches!(e, FollowError::NotInBacklog { .. }),
             MendError::Agent(e) => e.not_held(),
+            MendError::NoHistory => true,
             MendError::Log(_) | MendError::TimedOut => false,
         }
     }
@@ -97,7 +103,7 @@ pub async fn run(upstream: Upstream, stream: SharedLog, stop: CancellationToken)
     loop {
         let next = stream.view(|l| {
             let d = l.damaged().first()?.clone();
-            Some((l.replid_at(d.offset)?.to_string(), d))
+            Some((l.replid_at(d.offset).map(str::to_string), d))
         });
         let Some((replid, damaged)) = next else {
             tokio::select! {
@@ -106,12 +112,15 @@ pub async fn run(upstream: Upstream, stream: SharedLog, stop: CancellationToken)
             }
         };
         let (offset, len) = (damaged.offset, damaged.len);
-        let result = tokio::select! {
-            _ = stop.cancelled() => return,
-            r = tokio::time::timeout(
-                FETCH_DEADLINE,
-                mend_one(&upstream, &stream, &replid, (offset, len)),
-            ) => r.unwrap_or(Err(MendError::TimedOut)),
+        let result = match replid {
+            Some(replid) => tokio::select! {
+                _ = stop.cancelled() => return,
+                r = tokio::time::timeout(
+                    FETCH_DEADLINE,
+                    mend_one(&upstream, &stream, &replid, (offset, len)),
+                ) => r.unwrap_or(Err(MendError::TimedOut)),
+            },
+            None => Err(MendError::NoHistory),
         };
         tries += 1;
         match step(&result, tries) {
@@ -134,6 +143,14 @@ pub async fn run(upstream: Upstream, stream: SharedLog, stop: CancellationToken)
                     offset,
                     format!("nothing upstream gives the damaged record of offsets {offset}..{} again ({e})", offset + len),
                 );
+                // A cut that failed (the disk) leaves the record to mend:
+                // it is looked at again after a pause, never at once.
+                if stream.view(|l| l.damaged().iter().any(|d| d.offset == offset)) {
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = tokio::time::sleep(AFTER_FAILED_CUT) => {}
+                    }
+                }
             }
         }
     }
