@@ -186,6 +186,10 @@ pub const STREAM_FALLBACKS: &[&str] = &[
     "no_credit",
 ];
 
+/// The `result` labels of `kvsync_stream_refetched_total`: how a damaged
+/// record of the stream log was dealt with.
+pub const STREAM_REFETCHED: &[&str] = &["mended", "cut"];
+
 /// The `reason` labels of `kvsync_stream_refused_total`: a session ended
 /// because its peer broke the stream's rules (a frame that fails its MAC,
 /// does not continue the stream, or exceeds the credit window; an
@@ -678,7 +682,7 @@ impl Metrics {
             self.stream_fallback.with_label_values(&[name, reason]);
         }
         self.stream_checksum_failures.with_label_values(&[name]);
-        for result in ["mended", "cut"] {
+        for result in STREAM_REFETCHED {
             self.stream_refetched.with_label_values(&[name, result]);
         }
         for from in ["memory", "file"] {
@@ -763,6 +767,10 @@ impl Metrics {
         let _ = self.stream_lag.remove_label_values(&[name]);
         let _ = self.stream_behind_bytes.remove_label_values(&[name]);
         let _ = self.stream_checksum_failures.remove_label_values(&[name]);
+        for result in STREAM_REFETCHED {
+            let _ = self.stream_refetched.remove_label_values(&[name, result]);
+        }
+        let _ = self.stream_set_aside.remove_label_values(&[name]);
         for from in ["memory", "file"] {
             let _ = self.stream_read_bytes.remove_label_values(&[name, from]);
         }
