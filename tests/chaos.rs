@@ -92,8 +92,8 @@ fn start_at(root: &Path, name: &str, config: &str, port: u16) -> Node {
 }
 
 /// The `[stream]` lines every agent of the run has: every reader reads
-/// the log's files (so damage on disk is met), and a stalled downstream
-/// is ended soon.
+/// the log's files (so damage on disk is met), in segments of 1 MiB (so
+/// the run rolls many).
 const STREAM: &str = "memory_tail = \"0\"\nsegment_size = \"1MiB\"\n";
 
 /// The writer: mixed commands on a small keyspace, and every round a
