@@ -24,27 +24,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use rand::{Rng, SeedableRng};
+
 use common::kv::*;
 use common::node::*;
 use common::stream::*;
 use common::*;
-
-/// A small seeded generator (SplitMix64): a schedule is its seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
 
 fn env_u64(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -104,19 +89,19 @@ fn writer(
     stop: Arc<AtomicBool>,
     acked: Arc<Mutex<Vec<u64>>>,
 ) {
-    let mut rng = Rng(seed ^ 0x5752_4954_4552);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5752_4954_4552);
     let mut n = 0u64;
     while !stop.load(Ordering::Relaxed) {
         let mut p = redis::pipe();
         for _ in 0..20 {
-            let k = rng.below(500);
-            match rng.below(6) {
-                0 => p.cmd("SET").arg(format!("s:{k}")).arg(rng.next()),
+            let k = rng.random_range(0..500);
+            match rng.random_range(0..6) {
+                0 => p.cmd("SET").arg(format!("s:{k}")).arg(rng.random::<u64>()),
                 1 => p.cmd("INCR").arg(format!("c:{k}")),
                 2 => p
                     .cmd("LPUSH")
                     .arg(format!("l:{k}"))
-                    .arg(rng.next())
+                    .arg(rng.random::<u64>())
                     .ignore()
                     .cmd("LTRIM")
                     .arg(format!("l:{k}"))
@@ -125,9 +110,12 @@ fn writer(
                 3 => p
                     .cmd("HSET")
                     .arg(format!("h:{k}"))
-                    .arg(rng.below(10))
-                    .arg(rng.next()),
-                4 => p.cmd("EXPIRE").arg(format!("s:{k}")).arg(1 + rng.below(5)),
+                    .arg(rng.random_range(0..10))
+                    .arg(rng.random::<u64>()),
+                4 => p
+                    .cmd("EXPIRE")
+                    .arg(format!("s:{k}"))
+                    .arg(1 + rng.random_range(0..5)),
                 _ => p.cmd("DEL").arg(format!("c:{k}")),
             }
             .ignore();
@@ -226,6 +214,9 @@ fn open_fds(pid: u32) -> usize {
 struct Injected {
     killed: usize,
     frozen: usize,
+    /// Damage faults, and the records they damaged (none when the
+    /// reader's log already held all the relay's).
+    tried: usize,
     damaged: usize,
 }
 
@@ -233,7 +224,8 @@ fn chaos_run(server: Server) {
     let seed = env_u64("CHAOS_SEED", 20261207);
     let seconds = env_u64("CHAOS_SECONDS", 30);
     eprintln!("chaos: {server:?}, seed {seed}, {seconds} s of faults");
-    let mut rng = Rng(seed);
+    // A schedule is its seed.
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let root = tempfile::tempdir().unwrap();
     let root = root.path();
     let primary = Redis::start(server, &root.join("p"), &["--repl-backlog-size", "1mb"]);
@@ -278,17 +270,19 @@ fn chaos_run(server: Server) {
     let end = Instant::now() + Duration::from_secs(seconds);
     while Instant::now() < end {
         // The gap before the next fault: 0.5 to 3 s of writes.
-        std::thread::sleep(Duration::from_millis(500 + rng.below(2500)));
-        match rng.below(3) {
+        std::thread::sleep(Duration::from_millis(500 + rng.random_range(0..2500)));
+        // Each kind once first, so that even a short run has them all.
+        let n = injected.killed + injected.frozen + injected.tried;
+        match if n < 3 { n } else { rng.random_range(0..3) } {
             0 => {
-                let i = rng.below(agents.len() as u64) as usize;
+                let i = rng.random_range(0..agents.len());
                 eprintln!("chaos: kill -9 {} and start it again", agents[i].name);
                 agents[i].kill_and_restart(root);
                 injected.killed += 1;
             }
             1 => {
-                let i = rng.below(agents.len() as u64) as usize;
-                let pause = Duration::from_millis(500 + rng.below(3000));
+                let i = rng.random_range(0..agents.len());
+                let pause = Duration::from_millis(500 + rng.random_range(0..3000));
                 eprintln!("chaos: freeze {} for {pause:?}", agents[i].name);
                 agents[i].node.proc.signal(libc::SIGSTOP);
                 std::thread::sleep(pause);
@@ -301,7 +295,7 @@ fn chaos_run(server: Server) {
                 // the relay for the stream from its log's end, through the
                 // damaged record.
                 let relay_log = agents[1].log_dir.clone();
-                let reader = &mut agents[2 + rng.below(2) as usize];
+                let reader = &mut agents[2 + rng.random_range(0..2usize)];
                 reader.node.proc.signal(libc::SIGKILL);
                 reader.node.proc.wait_exit();
                 let damaged = damage_after(&relay_log, log_end(&reader.log_dir));
@@ -310,6 +304,7 @@ fn chaos_run(server: Server) {
                     reader.name
                 );
                 reader.node = start_at(root, reader.name, &reader.config, reader.port);
+                injected.tried += 1;
                 injected.damaged += usize::from(damaged.is_some());
             }
         }
