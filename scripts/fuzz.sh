@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Fuzzes kvsync's decoders (BLK3 tokens and MRINFO, TCP framing, KVR1,
 # RDB head/aux fields/LZF/CRC, piece manifests, resume journals; the
-# stream's sessions over TCP and rings, the GETACK scanner, and a log
-# directory's segment and history files) with cargo-fuzz for a bounded
-# time each.
+# stream's sessions over TCP and rings, the GETACK scanner, a primary's
+# replies to the stream's follower, and a log directory's segment,
+# history and upstreams files) with cargo-fuzz for a bounded time each.
 #
 #   scripts/fuzz.sh                 # every target, FUZZ_SECONDS (60) each
 #   FUZZ_SECONDS=600 scripts/fuzz.sh rdb

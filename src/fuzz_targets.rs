@@ -25,6 +25,8 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("ring_spans", ring_spans),
     ("getack", getack),
     ("log_files", log_files),
+    ("primary_replies", primary_replies),
+    ("upstreams_file", upstreams_file),
 ];
 
 /// One BLK3 token (an RDMA receive, MRINFO among them): a token that
@@ -291,4 +293,76 @@ pub fn log_files(data: &[u8]) {
         Err(e) => panic!("a log directory of damaged files fails to open: {e}"),
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// What a primary tells the stream's follower, as the follower reads it:
+/// the input is the offset and length a fetch asks for (8 bytes each), a
+/// split (2 bytes), lines read as `resp::read_line` reads them (each taken
+/// as the answer to `PSYNC`), and an `INFO replication` text. An answer
+/// moves the log only as its words say; `INFO` is read for a promotion
+/// and a backlog without overflow, and a fetch is asked only for a range
+/// that the backlog, as described, holds.
+pub fn primary_replies(data: &[u8]) {
+    use crate::stream::policy::{self, LogStep, Promotion, Psync};
+    let Some((head, rest)) = data.split_first_chunk::<18>() else {
+        return;
+    };
+    let offset = u64::from_le_bytes(head[..8].try_into().expect("8 bytes"));
+    let len = u64::from_le_bytes(head[8..16].try_into().expect("8 bytes"));
+    let split = usize::from(u16::from_le_bytes([head[16], head[17]])).min(rest.len());
+    let (lines, text) = rest.split_at(split);
+    let info = crate::kv::redis::Info::parse(&String::from_utf8_lossy(text));
+    let promoted = Promotion::from_info(&info);
+    let asked = (offset & 1 == 1).then(|| ("id".to_string(), offset));
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("a runtime");
+    let mut read = tokio::io::BufReader::new(lines);
+    while let Ok(line) = runtime.block_on(crate::kv::resp::read_line(&mut read, 256)) {
+        assert!(line.len() <= 256, "a line over its bound");
+        let first = line.split_whitespace().next();
+        match policy::psync(&line, asked.clone(), promoted.as_ref(), offset & 2 == 2) {
+            Psync::FullResync { .. } => assert_eq!(first, Some("+FULLRESYNC")),
+            Psync::Continue { now, later } => {
+                assert_eq!(first, Some("+CONTINUE"));
+                let (id, start) = asked.clone().expect("a continuation of what was asked");
+                if let LogStep::Restart(at_id, at) = now {
+                    assert_eq!((at_id, at), (id, start), "an empty log starts where asked");
+                }
+                if let Some((_, at)) = later {
+                    assert!(at > start, "a later switch lies past the start");
+                }
+            }
+            Psync::Refused => {}
+        }
+    }
+    if policy::backlog_holds(&info, "id", offset, len).is_ok() {
+        let first = u128::from(info.num("repl_backlog_first_byte_offset"));
+        let end = first + u128::from(info.num("repl_backlog_histlen"));
+        assert!(u128::from(offset) + 1 >= first, "asked before the backlog");
+        assert!(
+            u128::from(offset) + u128::from(len) <= end,
+            "asked past the backlog"
+        );
+    }
+}
+
+/// A log directory's `upstreams.json` as the agent finds it at start: the
+/// source it opens with is the configured one, or one kept in the file
+/// in the shape a change of source gives it.
+pub fn upstreams_file(data: &[u8]) {
+    use crate::stream::source::{Source, Upstreams, SOURCE_FILE};
+    let dir = tempfile::tempdir().expect("fuzz dir");
+    std::fs::write(dir.path().join(SOURCE_FILE), data).expect("upstreams file");
+    let configured = Source::Agents(vec!["origin:1".to_string()]);
+    let source = Upstreams::open(dir.path(), configured.clone()).source();
+    if source != configured {
+        match source {
+            Source::Primary(addr) => assert!(!addr.is_empty(), "an empty primary kept"),
+            Source::Agents(chain) => {
+                assert!((1..=crate::stream::source::MAX_CHAIN).contains(&chain.len()));
+                assert!(chain.iter().all(|u| crate::rpc::dial::is_agent_addr(u)));
+            }
+        }
+    }
 }

@@ -346,21 +346,8 @@ async fn promotion(follow: &Follow, log: &SharedLog) -> Result<Option<Promotion>
             return Ok(None);
         }
     };
-    let second: Option<u64> = info
-        .get("second_repl_offset")
-        .and_then(|o| o.parse::<u64>().ok())
-        .filter(|&o| o > 0);
-    let (Some(previous), Some(replid), Some(second)) = (
-        info.get("master_replid2"),
-        info.get("master_replid"),
-        second,
-    ) else {
+    let Some(promoted) = Promotion::from_info(&info) else {
         return Ok(None);
-    };
-    let promoted = Promotion {
-        previous: previous.to_string(),
-        replid: replid.to_string(),
-        at: second - 1,
     };
     let Some((id, end)) = log.position() else {
         return Ok(Some(promoted));

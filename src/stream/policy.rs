@@ -74,6 +74,23 @@ pub struct Promotion {
     pub at: u64,
 }
 
+impl Promotion {
+    /// The promotion a primary's `INFO replication` describes, if any:
+    /// a previous id (`master_replid2`) that held up to
+    /// `second_repl_offset` - 1.
+    pub fn from_info(info: &Info) -> Option<Promotion> {
+        let second = info
+            .get("second_repl_offset")
+            .and_then(|o| o.parse::<u64>().ok())
+            .filter(|&o| o > 0)?;
+        Some(Promotion {
+            previous: info.get("master_replid2")?.to_string(),
+            replid: info.get("master_replid")?.to_string(),
+            at: second - 1,
+        })
+    }
+}
+
 /// What the primary's answer to `PSYNC` makes of the log.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Psync {
@@ -155,7 +172,9 @@ pub const BACKLOG_MARGIN: u64 = 4 << 20;
 /// (`second_repl_offset`); the backlog holds the offset asked, far enough
 /// from being dropped; the primary has gone past the range.
 pub fn backlog_holds(info: &Info, replid: &str, offset: u64, len: u64) -> Result<(), String> {
-    let asked = offset + 1;
+    let (Some(asked), Some(last)) = (offset.checked_add(1), offset.checked_add(len)) else {
+        return Err(format!("{offset}+{len} is no range of offsets"));
+    };
     let current = info.get("master_replid") == Some(replid);
     let previous =
         info.get("master_replid2") == Some(replid) && asked <= info.num("second_repl_offset");
@@ -173,12 +192,13 @@ pub fn backlog_holds(info: &Info, replid: &str, offset: u64, len: u64) -> Result
     // Bytes the primary can still take before `asked` is dropped: those
     // before it in the backlog, and the room the backlog has left.
     let margin = BACKLOG_MARGIN.min(size / 4);
-    let room = asked.saturating_sub(first) + size.saturating_sub(histlen);
-    if asked < first || room < margin || offset + len > first + histlen {
+    let room = asked
+        .saturating_sub(first)
+        .saturating_add(size.saturating_sub(histlen));
+    let end = first.saturating_add(histlen);
+    if asked < first || room < margin || last > end {
         return Err(format!(
-            "its backlog holds offsets {first}..{} ({room} bytes from dropping the first asked, fewer than {margin}), not {offset}..{}",
-            first + histlen,
-            offset + len
+            "its backlog holds offsets {first}..{end} ({room} bytes from dropping the first asked, fewer than {margin}), not {offset}..{last}"
         ));
     }
     Ok(())

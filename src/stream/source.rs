@@ -91,7 +91,8 @@ impl Upstreams {
                 (false, _) => Some(Source::Primary(k.primary)),
                 (true, false) => Some(Source::Agents(k.chain)),
                 (true, true) => None,
-            });
+            })
+            .filter(well_formed);
         Arc::new(Upstreams {
             configured: key,
             file,
@@ -159,6 +160,18 @@ impl Upstreams {
     /// The source, to wait for its changes.
     pub fn watch(&self) -> watch::Receiver<Source> {
         self.source.subscribe()
+    }
+}
+
+/// Whether a kept source has the shape [`Upstreams::set`] gives one: a
+/// file that does not (damaged, or written by hand) is not followed.
+fn well_formed(source: &Source) -> bool {
+    match source {
+        Source::Primary(addr) => !addr.is_empty(),
+        Source::Agents(chain) => {
+            (1..=MAX_CHAIN).contains(&chain.len())
+                && chain.iter().all(|u| crate::rpc::dial::is_agent_addr(u))
+        }
     }
 }
 
@@ -323,5 +336,18 @@ mod tests {
             primary,
             "kept under another configured source: not this one's"
         );
+        // A file in a shape no change of source gives (damaged, or
+        // written by hand) is not followed: the configured source is.
+        for bad in [
+            r#"{"configured":"origin:1","chain":["not an address"]}"#,
+            r#"{"configured":"origin:1","chain":["a:1","b:1","c:1","d:1","e:1","f:1","g:1","h:1","i:1","j:1","k:1","l:1","m:1","n:1","o:1","p:1","q:1"]}"#,
+        ] {
+            std::fs::write(dir.path().join(SOURCE_FILE), bad).unwrap();
+            assert_eq!(
+                Upstreams::open(dir.path(), origin()).source(),
+                origin(),
+                "{bad}"
+            );
+        }
     }
 }
