@@ -6,11 +6,15 @@
 //! records which of its marker writes `WAIT 1` acknowledged, and a seeded
 //! random schedule of faults for a while: an agent killed (`SIGKILL`) and
 //! started again where it was, an agent frozen (`SIGSTOP`, its links gone
-//! silent) and thawed, and a record of a relay's log damaged on disk just
-//! ahead of a reader killed meanwhile. After the faults stop and the stream is
+//! silent) and thawed, a record of a relay's log damaged on disk just
+//! ahead of a reader killed meanwhile, an agent's log disk (a tmpfs of its
+//! own) full for a while, and a replica server killed and started again
+//! from its own configuration (its data saved every 2 s, a replica of its
+//! agent's feed). After the faults stop and the stream is
 //! quiet: every server's whole keyspace equals the primary's (`DUMP` of
 //! every key), every acknowledged marker is on every server, the primary
-//! made no full resync past the first, each damaged record was mended,
+//! made no full resync past the first and no server one past its seeding,
+//! each damaged record was mended,
 //! and the agents' memory and descriptors stay bounded. It prints the seed
 //! and what it injected; `CHAOS_SEED` replays a schedule.
 //!
@@ -45,19 +49,54 @@ struct Agent {
     config: String,
     port: u16,
     log_dir: PathBuf,
+    /// The disk its log is on.
+    disk: SmallFs,
     node: Node,
 }
 
+/// The room each agent's log disk has, but while a fault fills it.
+const LOG_DISK: u64 = 4 << 30;
+
+/// `name`'s log disk, mounted, and its log's directory there (`None`:
+/// this process may not mount one).
+fn log_disk(root: &Path, name: &str) -> Option<(SmallFs, PathBuf)> {
+    let disk = SmallFs::mount(&root.join(format!("{name}-disk")), &format!("{LOG_DISK}"))?;
+    let dir = disk.0.join("log");
+    Some((disk, dir))
+}
+
 impl Agent {
-    fn start(root: &Path, name: &'static str, config: String, port: u16) -> Agent {
+    fn start(
+        root: &Path,
+        name: &'static str,
+        config: String,
+        port: u16,
+        (disk, log_dir): (SmallFs, PathBuf),
+    ) -> Agent {
         let node = start_at(root, name, &config, port);
         Agent {
             name,
             config,
             port,
-            log_dir: root.join(format!("{name}-log")),
+            log_dir,
+            disk,
             node,
         }
+    }
+
+    /// Fills its log disk (64 KiB of room left) until the agent fails
+    /// a write to its log.
+    fn fill_disk(&self) {
+        let errors = "kvsync_stream_log_write_errors_total{kv_instance=\"default\"}";
+        let before = self.node.metric(errors);
+        // The log grows meanwhile: a size below what the disk holds by
+        // then is refused, and tried again.
+        wait_for("the log disk to be filled", DEADLINE, || {
+            self.disk.resize(self.disk.used_bytes() + (64 << 10)).ok()
+        });
+        wait_for("a write to the full log disk to fail", DEADLINE, || {
+            (self.node.metric(errors) > before).then_some(())
+        });
     }
 
     fn kill_and_restart(&mut self, root: &Path) {
@@ -71,10 +110,51 @@ impl Agent {
     }
 }
 
+/// A fed server as its operator's configuration starts it: its data
+/// saved every 2 s of changes, and once seeded (`feed`: the port and
+/// password of its agent's feed) a replica of that feed.
+fn fed_server(server: Server, dir: &Path, port: u16, feed: Option<&(u16, String)>) -> Redis {
+    let pidfile = dir.join("redis.pid");
+    let mut args = vec![
+        "--pidfile".to_string(),
+        pidfile.display().to_string(),
+        "--save".to_string(),
+        "2 1".to_string(),
+    ];
+    if let Some((port, secret)) = feed {
+        args.extend(
+            [
+                "--replicaof",
+                "127.0.0.1",
+                &port.to_string(),
+                "--masterauth",
+                secret,
+            ]
+            .map(String::from),
+        );
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    Redis::start_on(server, dir, &args, None, port)
+}
+
+/// How many full syncs `rs` took from its master, by its log.
+fn full_syncs(rs: &Redis) -> usize {
+    std::fs::read_to_string(rs.dir.join("redis.log"))
+        .unwrap_or_default()
+        .matches("REPLICA sync: Finished with success")
+        .count()
+}
+
 fn start_at(root: &Path, name: &str, config: &str, port: u16) -> Node {
     let snaps = root.join(format!("{name}-snaps"));
     agent_at(root, name, &snaps, config, "127.0.0.1", port)
 }
+
+/// The replica agents, each with its server.
+const NAMES: [&str; 3] = ["a", "b", "c"];
+
+/// The kinds of fault the schedule draws from.
+const KINDS: usize = 5;
 
 /// The `[stream]` lines every agent of the run has: every reader reads
 /// the log's files (so damage on disk is met), in segments of 1 MiB (so
@@ -218,6 +298,14 @@ struct Injected {
     /// reader's log already held all the relay's).
     tried: usize,
     damaged: usize,
+    filled: usize,
+    servers_killed: usize,
+}
+
+impl Injected {
+    fn total(&self) -> usize {
+        self.killed + self.frozen + self.tried + self.filled + self.servers_killed
+    }
 }
 
 fn chaos_run(server: Server) {
@@ -233,27 +321,41 @@ fn chaos_run(server: Server) {
 
     // The primary's agent, then the three replica agents and their servers.
     let ports: Vec<u16> = (0..4).map(|_| free_port()).collect();
+    let Some(disk) = log_disk(root, "src") else {
+        return;
+    };
     let src_config = format!(
         "{}ack = \"replicas\"\n{STREAM}",
-        follower_config(&primary, &root.join("src-log"))
+        follower_config(&primary, &disk.1)
     );
-    let mut agents = vec![Agent::start(root, "src", src_config, ports[0])];
+    let mut agents = vec![Agent::start(root, "src", src_config, ports[0], disk)];
     wait_following(&agents[0].node);
-    let mut servers = Vec::new();
-    for (i, (name, upstream)) in [("a", 0), ("b", 1), ("c", 1)].into_iter().enumerate() {
-        let rs = Redis::standalone_replica(server, &root.join(format!("{name}-server")));
-        let config = feeding_puller_config(
-            &root.join(format!("{name}-log")),
-            &agents[upstream].node,
-            &rs,
-        )
-        .replacen("[handoff]", &format!("{STREAM}[handoff]"), 1);
-        let a = Agent::start(root, name, config, ports[i + 1]);
+    let (mut servers, mut feeds) = (Vec::new(), Vec::new());
+    for (i, (name, upstream)) in NAMES.into_iter().zip([0, 1, 1]).enumerate() {
+        let dir = root.join(format!("{name}-server"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let rs = fed_server(server, &dir, free_port(), None);
+        let disk = log_disk(root, name).unwrap();
+        // The feed at a port of its own, where the server's configuration
+        // names it.
+        let feed_port = free_port();
+        let config = format!(
+            "{}seed_listen = \"127.0.0.1:{feed_port}\"\n",
+            feeding_puller_config(&disk.1, &agents[upstream].node, &rs).replacen(
+                "[handoff]",
+                &format!("{STREAM}[handoff]"),
+                1
+            )
+        );
+        let a = Agent::start(root, name, config, ports[i + 1], disk);
         wait_following(&a.node);
         let rt = tokio::runtime::Runtime::new().unwrap();
         let p = rt.block_on(sync_from(&a.node, &agents[0].node.grpc()));
         assert_eq!(p.phase, kvsync::rpc::pb::Phase::Succeeded as i32, "{p:?}");
         converged(&rs, &primary, "the fed server to converge after seeding");
+        let secret =
+            std::fs::read_to_string(a.log_dir.join(kvsync::stream::feed::SECRET_FILE)).unwrap();
+        feeds.push((feed_port, secret.trim().to_string()));
         agents.push(a);
         servers.push(rs);
     }
@@ -272,8 +374,12 @@ fn chaos_run(server: Server) {
         // The gap before the next fault: 0.5 to 3 s of writes.
         std::thread::sleep(Duration::from_millis(500 + rng.random_range(0..2500)));
         // Each kind once first, so that even a short run has them all.
-        let n = injected.killed + injected.frozen + injected.tried;
-        match if n < 3 { n } else { rng.random_range(0..3) } {
+        let n = injected.total();
+        match if n < KINDS {
+            n
+        } else {
+            rng.random_range(0..KINDS)
+        } {
             0 => {
                 let i = rng.random_range(0..agents.len());
                 eprintln!("chaos: kill -9 {} and start it again", agents[i].name);
@@ -289,7 +395,7 @@ fn chaos_run(server: Server) {
                 agents[i].node.proc.signal(libc::SIGCONT);
                 injected.frozen += 1;
             }
-            _ => {
+            2 => {
                 // A record of the relay's log damaged just ahead of one of
                 // its readers, killed meanwhile: started again, it asks
                 // the relay for the stream from its log's end, through the
@@ -307,6 +413,26 @@ fn chaos_run(server: Server) {
                 injected.tried += 1;
                 injected.damaged += usize::from(damaged.is_some());
             }
+            3 => {
+                let i = rng.random_range(0..agents.len());
+                let pause = Duration::from_millis(500 + rng.random_range(0..3000));
+                eprintln!("chaos: fill {}'s log disk for {pause:?}", agents[i].name);
+                agents[i].fill_disk();
+                std::thread::sleep(pause);
+                agents[i].disk.resize(LOG_DISK).unwrap();
+                injected.filled += 1;
+            }
+            _ => {
+                let i = rng.random_range(0..servers.len());
+                eprintln!(
+                    "chaos: kill -9 server {} and start it again from its configuration",
+                    NAMES[i]
+                );
+                let (dir, port) = (servers[i].dir.clone(), servers[i].port);
+                drop(servers.remove(i));
+                servers.insert(i, fed_server(server, &dir, port, Some(&feeds[i])));
+                injected.servers_killed += 1;
+            }
         }
     }
     stop.store(true, Ordering::Relaxed);
@@ -314,17 +440,20 @@ fn chaos_run(server: Server) {
 
     // Quiet: every server holds the primary's keyspace, byte for byte.
     let deadline = DEADLINE * 4;
-    for (rs, name) in servers.iter().zip(["a", "b", "c"]) {
+    // Where each converged: its agent's log, and the logs upstream of it,
+    // hold the stream at least that far.
+    let mut converged_at = Vec::new();
+    for (rs, name) in servers.iter().zip(NAMES) {
         let what = format!("server {name} to hold the primary's keyspace");
-        wait_for(&what, deadline, || {
+        converged_at.push(wait_for(&what, deadline, || {
             let end = primary.info("replication").num("master_repl_offset");
             (rs.info("replication").num("master_repl_offset") == end
                 && keyspace(rs) == keyspace(&primary))
-            .then_some(())
-        });
+            .then_some(end)
+        }));
     }
     let acked = acked.lock().unwrap().clone();
-    for (rs, name) in servers.iter().zip(["a", "b", "c"]) {
+    for (rs, name) in servers.iter().zip(NAMES) {
         let mut con = rs.con();
         for chunk in acked.chunks(1000) {
             let mut p = redis::pipe();
@@ -338,6 +467,7 @@ fn chaos_run(server: Server) {
         }
     }
     let full = primary.info("stats").num("sync_full") - full_before;
+    let servers_full: Vec<usize> = servers.iter().map(full_syncs).collect();
     let mended: f64 = agents
         .iter()
         .map(|a| {
@@ -358,25 +488,28 @@ fn chaos_run(server: Server) {
         fds = fds.max(open_fds(a.pid()));
     }
     eprintln!(
-        "chaos summary: {server:?} seed {seed}, {seconds} s; faults: {} kill -9, {} frozen, {} records damaged; \
-         full resyncs of the primary: {full}; damaged records mended {mended}, cut {cut}; keyspaces equal on 3 servers \
+        "chaos summary: {server:?} seed {seed}, {seconds} s; faults: {} agents killed, {} frozen, {} records damaged, \
+         {} log disks full, {} servers killed; full resyncs of the primary: {full}; full syncs of each server (the seeding \
+         included): {servers_full:?}; damaged records mended {mended}, cut {cut}; keyspaces equal on 3 servers \
          ({} keys); {} acknowledged markers kept on every server; agents' peak RSS {} MiB, fds {fds}",
         injected.killed,
         injected.frozen,
         injected.damaged,
+        injected.filled,
+        injected.servers_killed,
         keyspace(&primary).len(),
         acked.len(),
         rss >> 20,
     );
     // Every agent's log, each record checked against its hash as it is
     // read, is the primary's agent's, byte for byte, at least as far as
-    // the servers converged (the primary's pings may have gone on past
-    // it into some logs): no damage is left.
-    let converged_at = primary.info("replication").num("master_repl_offset");
+    // its server converged (the primary's pings may have gone on past it
+    // into some logs): no damage is left.
     let dirs: Vec<PathBuf> = agents.iter().map(|a| a.log_dir.clone()).collect();
-    drop(agents);
+    // The agents stopped, their disks still mounted.
+    let _disks: Vec<SmallFs> = agents.into_iter().map(|a| a.disk).collect();
     let (first, src) = log_bytes(&dirs[0]);
-    for dir in &dirs[1..] {
+    for (dir, converged_at) in dirs[1..].iter().zip(converged_at) {
         let (at, bytes) = log_bytes(dir);
         let n = bytes.len().min(src.len());
         let what = dir.display();
@@ -389,6 +522,11 @@ fn chaos_run(server: Server) {
         assert_eq!(differs, None, "{what} differs from the source's log");
     }
     assert_eq!(full, 0, "no fault here costs the primary a full resync");
+    assert_eq!(
+        servers_full,
+        [1, 1, 1],
+        "no fault here costs a server a full sync past its seeding"
+    );
     assert_eq!(cut, 0.0, "every damaged record is mended from upstream");
     assert!(!acked.is_empty(), "the writer was acknowledged");
     assert!(rss < 512 << 20, "an agent's peak RSS: {rss}");

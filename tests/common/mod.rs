@@ -472,6 +472,24 @@ impl SmallFs {
         }
     }
 
+    /// Gives the filesystem `bytes` of room in all (rounded up to a page,
+    /// never below what it holds): a disk that fills, or frees up.
+    pub fn resize(&self, bytes: u64) -> Result<(), String> {
+        let size = format!("remount,size={}k", bytes.div_ceil(4096) * 4);
+        let out = std::process::Command::new("mount")
+            .args(["-o", &size])
+            .arg(&self.0)
+            .output()
+            .map_err(|e| e.to_string())?;
+        match out.status.success() {
+            true => Ok(()),
+            false => Err(format!(
+                "mount -o {size}: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            )),
+        }
+    }
+
     pub fn used_bytes(&self) -> u64 {
         // SAFETY: statvfs is plain old data; zero is a valid value.
         let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
