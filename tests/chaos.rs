@@ -8,9 +8,11 @@
 //! started again where it was, an agent frozen (`SIGSTOP`, its links gone
 //! silent) and thawed, a record of a relay's log damaged on disk just
 //! ahead of a reader killed meanwhile, an agent's log disk (a tmpfs of its
-//! own) full for a while, and a replica server killed and started again
+//! own) full for a while, a replica server killed and started again
 //! from its own configuration (its data saved every 2 s, a replica of its
-//! agent's feed). After the faults stop and the stream is
+//! agent's feed), and a host's link cut (each agent with its server on a
+//! host of its own, a network namespace) for up to twice the agents'
+//! `peer_timeout`. After the faults stop and the stream is
 //! quiet: every server's whole keyspace equals the primary's (`DUMP` of
 //! every key), every acknowledged marker is on every server, the primary
 //! made no full resync past the first and no server one past its seeding,
@@ -31,6 +33,7 @@ use std::time::{Duration, Instant};
 use rand::{Rng, SeedableRng};
 
 use common::kv::*;
+use common::netns::{block_on, Hosts};
 use common::node::*;
 use common::stream::*;
 use common::*;
@@ -42,16 +45,19 @@ fn env_u64(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
-/// One agent of the run: where it listens, so that it starts again at
-/// the same address and its downstreams find it.
+/// One agent of the run: where it listens (its host and port), so that
+/// it starts again at the same address and its downstreams find it.
 struct Agent {
     name: &'static str,
+    host: usize,
     config: String,
     port: u16,
     log_dir: PathBuf,
     /// The disk its log is on.
     disk: SmallFs,
     node: Node,
+    /// Its damaged records mended and cut, by its runs before this one.
+    refetched_before: [f64; 2],
 }
 
 /// The room each agent's log disk has, but while a fault fills it.
@@ -67,42 +73,61 @@ fn log_disk(root: &Path, name: &str) -> Option<(SmallFs, PathBuf)> {
 
 impl Agent {
     fn start(
-        root: &Path,
-        name: &'static str,
+        (root, hosts): (&Path, &Hosts),
+        (name, host): (&'static str, usize),
         config: String,
         port: u16,
         (disk, log_dir): (SmallFs, PathBuf),
     ) -> Agent {
-        let node = start_at(root, name, &config, port);
+        let node = start_at((root, hosts), (name, host), &config, port);
+        hosts.run_in(host, || wait_following(&node));
         Agent {
             name,
+            host,
             config,
             port,
             log_dir,
             disk,
             node,
+            refetched_before: [0.0; 2],
         }
     }
 
     /// Fills its log disk (64 KiB of room left) until the agent fails
     /// a write to its log.
-    fn fill_disk(&self) {
+    fn fill_disk(&self, hosts: &Hosts) {
         let errors = "kvsync_stream_log_write_errors_total{kv_instance=\"default\"}";
-        let before = self.node.metric(errors);
+        let metric = || hosts.run_in(self.host, || self.node.metric(errors));
+        let before = metric();
         // The log grows meanwhile: a size below what the disk holds by
         // then is refused, and tried again.
         wait_for("the log disk to be filled", DEADLINE, || {
             self.disk.resize(self.disk.used_bytes() + (64 << 10)).ok()
         });
         wait_for("a write to the full log disk to fail", DEADLINE, || {
-            (self.node.metric(errors) > before).then_some(())
+            (metric() > before).then_some(())
         });
     }
 
-    fn kill_and_restart(&mut self, root: &Path) {
+    fn kill(&mut self, hosts: &Hosts) {
+        self.refetched_before = self.refetched(hosts);
         self.node.proc.signal(libc::SIGKILL);
         self.node.proc.wait_exit();
-        self.node = start_at(root, self.name, &self.config, self.port);
+    }
+
+    fn restart(&mut self, (root, hosts): (&Path, &Hosts)) {
+        let at = (self.name, self.host);
+        self.node = start_at((root, hosts), at, &self.config, self.port);
+    }
+
+    /// Its damaged records mended and cut, over all its runs.
+    fn refetched(&self, hosts: &Hosts) -> [f64; 2] {
+        ["mended", "cut"].map(|result| {
+            let series = format!(
+                "kvsync_stream_refetched_total{{kv_instance=\"default\",result=\"{result}\"}}"
+            );
+            hosts.run_in(self.host, || self.node.metric(&series))
+        })
     }
 
     fn pid(&self) -> u32 {
@@ -145,16 +170,27 @@ fn full_syncs(rs: &Redis) -> usize {
         .count()
 }
 
-fn start_at(root: &Path, name: &str, config: &str, port: u16) -> Node {
+fn start_at(
+    (root, hosts): (&Path, &Hosts),
+    (name, host): (&str, usize),
+    config: &str,
+    port: u16,
+) -> Node {
     let snaps = root.join(format!("{name}-snaps"));
-    agent_at(root, name, &snaps, config, "127.0.0.1", port)
+    hosts.run_in(host, || {
+        agent_at(root, name, &snaps, config, &hosts.ip(host), port)
+    })
 }
+
+/// What every agent's configuration adds: a peer whose link is cut is
+/// given up after 5 s, as in the link-cut test.
+const DATA: &str = "[data]\npeer_timeout = \"5s\"\n";
 
 /// The replica agents, each with its server.
 const NAMES: [&str; 3] = ["a", "b", "c"];
 
 /// The kinds of fault the schedule draws from.
-const KINDS: usize = 5;
+const KINDS: usize = 6;
 
 /// The `[stream]` lines every agent of the run has: every reader reads
 /// the log's files (so damage on disk is met), in segments of 1 MiB (so
@@ -300,11 +336,12 @@ struct Injected {
     damaged: usize,
     filled: usize,
     servers_killed: usize,
+    cut: usize,
 }
 
 impl Injected {
     fn total(&self) -> usize {
-        self.killed + self.frozen + self.tried + self.filled + self.servers_killed
+        self.killed + self.frozen + self.tried + self.filled + self.servers_killed + self.cut
     }
 }
 
@@ -314,10 +351,22 @@ fn chaos_run(server: Server) {
     eprintln!("chaos: {server:?}, seed {seed}, {seconds} s of faults");
     // A schedule is its seed.
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    // Host 0: the primary and its agent; hosts 1 to 3: a replica agent
+    // and its server each.
+    let Some(hosts) = Hosts::create_n("chaos run", 4) else {
+        return;
+    };
+    let hosts = &hosts;
     let root = tempfile::tempdir().unwrap();
     let root = root.path();
-    let primary = Redis::start(server, &root.join("p"), &["--repl-backlog-size", "1mb"]);
-    primary.fill("before", 500, "v");
+    let primary = hosts.run_in(0, || {
+        let p = Redis::start(server, &root.join("p"), &["--repl-backlog-size", "1mb"]);
+        p.fill("before", 500, "v");
+        p
+    });
+    let offset = |rs: &Redis, host: usize| {
+        hosts.run_in(host, || rs.info("replication").num("master_repl_offset"))
+    };
 
     // The primary's agent, then the three replica agents and their servers.
     let ports: Vec<u16> = (0..4).map(|_| free_port()).collect();
@@ -325,46 +374,55 @@ fn chaos_run(server: Server) {
         return;
     };
     let src_config = format!(
-        "{}ack = \"replicas\"\n{STREAM}",
+        "{}ack = \"replicas\"\n{STREAM}{DATA}",
         follower_config(&primary, &disk.1)
     );
-    let mut agents = vec![Agent::start(root, "src", src_config, ports[0], disk)];
-    wait_following(&agents[0].node);
+    let mut agents = vec![Agent::start(
+        (root, hosts),
+        ("src", 0),
+        src_config,
+        ports[0],
+        disk,
+    )];
     let (mut servers, mut feeds) = (Vec::new(), Vec::new());
     for (i, (name, upstream)) in NAMES.into_iter().zip([0, 1, 1]).enumerate() {
+        let host = i + 1;
         let dir = root.join(format!("{name}-server"));
         std::fs::create_dir_all(&dir).unwrap();
-        let rs = fed_server(server, &dir, free_port(), None);
+        let rs = hosts.run_in(host, || fed_server(server, &dir, free_port(), None));
         let disk = log_disk(root, name).unwrap();
         // The feed at a port of its own, where the server's configuration
         // names it.
         let feed_port = free_port();
         let config = format!(
-            "{}seed_listen = \"127.0.0.1:{feed_port}\"\n",
+            "{}seed_listen = \"127.0.0.1:{feed_port}\"\n{DATA}",
             feeding_puller_config(&disk.1, &agents[upstream].node, &rs).replacen(
                 "[handoff]",
                 &format!("{STREAM}[handoff]"),
                 1
             )
         );
-        let a = Agent::start(root, name, config, ports[i + 1], disk);
-        wait_following(&a.node);
-        let rt = tokio::runtime::Runtime::new().unwrap();
-        let p = rt.block_on(sync_from(&a.node, &agents[0].node.grpc()));
+        let a = Agent::start((root, hosts), (name, host), config, ports[host], disk);
+        let source = agents[0].node.grpc();
+        let p = hosts.run_in(host, || block_on(sync_from(&a.node, &source)));
         assert_eq!(p.phase, kvsync::rpc::pb::Phase::Succeeded as i32, "{p:?}");
-        converged(&rs, &primary, "the fed server to converge after seeding");
+        wait_for("the fed server to converge after seeding", DEADLINE, || {
+            (offset(&rs, host) == offset(&primary, 0)).then_some(())
+        });
         let secret =
             std::fs::read_to_string(a.log_dir.join(kvsync::stream::feed::SECRET_FILE)).unwrap();
         feeds.push((feed_port, secret.trim().to_string()));
         agents.push(a);
         servers.push(rs);
     }
-    let full_before = primary.info("stats").num("sync_full");
+    let syncs_full = || hosts.run_in(0, || primary.info("stats").num("sync_full"));
+    let full_before = syncs_full();
 
     let stop = Arc::new(AtomicBool::new(false));
     let acked = Arc::new(Mutex::new(Vec::new()));
     let writing = {
-        let (con, stop, acked) = (primary.con(), stop.clone(), acked.clone());
+        let con = hosts.run_in(0, || primary.con());
+        let (stop, acked) = (stop.clone(), acked.clone());
         std::thread::spawn(move || writer(con, seed, stop, acked))
     };
 
@@ -383,7 +441,8 @@ fn chaos_run(server: Server) {
             0 => {
                 let i = rng.random_range(0..agents.len());
                 eprintln!("chaos: kill -9 {} and start it again", agents[i].name);
-                agents[i].kill_and_restart(root);
+                agents[i].kill(hosts);
+                agents[i].restart((root, hosts));
                 injected.killed += 1;
             }
             1 => {
@@ -402,14 +461,13 @@ fn chaos_run(server: Server) {
                 // damaged record.
                 let relay_log = agents[1].log_dir.clone();
                 let reader = &mut agents[2 + rng.random_range(0..2usize)];
-                reader.node.proc.signal(libc::SIGKILL);
-                reader.node.proc.wait_exit();
+                reader.kill(hosts);
                 let damaged = damage_after(&relay_log, log_end(&reader.log_dir));
                 eprintln!(
                     "chaos: damage the relay's record at {damaged:?}, ahead of {} (killed and started again)",
                     reader.name
                 );
-                reader.node = start_at(root, reader.name, &reader.config, reader.port);
+                reader.restart((root, hosts));
                 injected.tried += 1;
                 injected.damaged += usize::from(damaged.is_some());
             }
@@ -417,12 +475,12 @@ fn chaos_run(server: Server) {
                 let i = rng.random_range(0..agents.len());
                 let pause = Duration::from_millis(500 + rng.random_range(0..3000));
                 eprintln!("chaos: fill {}'s log disk for {pause:?}", agents[i].name);
-                agents[i].fill_disk();
+                agents[i].fill_disk(hosts);
                 std::thread::sleep(pause);
                 agents[i].disk.resize(LOG_DISK).unwrap();
                 injected.filled += 1;
             }
-            _ => {
+            4 => {
                 let i = rng.random_range(0..servers.len());
                 eprintln!(
                     "chaos: kill -9 server {} and start it again from its configuration",
@@ -430,8 +488,20 @@ fn chaos_run(server: Server) {
                 );
                 let (dir, port) = (servers[i].dir.clone(), servers[i].port);
                 drop(servers.remove(i));
-                servers.insert(i, fed_server(server, &dir, port, Some(&feeds[i])));
+                let rs = hosts.run_in(i + 1, || fed_server(server, &dir, port, Some(&feeds[i])));
+                servers.insert(i, rs);
                 injected.servers_killed += 1;
+            }
+            _ => {
+                // Longer than `peer_timeout` at times: sessions are given
+                // up and asked for again once the link is back.
+                let host = rng.random_range(0..4);
+                let pause = Duration::from_millis(500 + rng.random_range(0..9500));
+                eprintln!("chaos: cut {}'s link for {pause:?}", agents[host].name);
+                hosts.set_link(host, false);
+                std::thread::sleep(pause);
+                hosts.set_link(host, true);
+                injected.cut += 1;
             }
         }
     }
@@ -443,18 +513,18 @@ fn chaos_run(server: Server) {
     // Where each converged: its agent's log, and the logs upstream of it,
     // hold the stream at least that far.
     let mut converged_at = Vec::new();
-    for (rs, name) in servers.iter().zip(NAMES) {
+    let primary_keys = || hosts.run_in(0, || keyspace(&primary));
+    for (i, (rs, name)) in servers.iter().zip(NAMES).enumerate() {
         let what = format!("server {name} to hold the primary's keyspace");
         converged_at.push(wait_for(&what, deadline, || {
-            let end = primary.info("replication").num("master_repl_offset");
-            (rs.info("replication").num("master_repl_offset") == end
-                && keyspace(rs) == keyspace(&primary))
-            .then_some(end)
+            let end = offset(&primary, 0);
+            (offset(rs, i + 1) == end && hosts.run_in(i + 1, || keyspace(rs)) == primary_keys())
+                .then_some(end)
         }));
     }
     let acked = acked.lock().unwrap().clone();
-    for (rs, name) in servers.iter().zip(NAMES) {
-        let mut con = rs.con();
+    for (i, (rs, name)) in servers.iter().zip(NAMES).enumerate() {
+        let mut con = hosts.run_in(i + 1, || rs.con());
         for chunk in acked.chunks(1000) {
             let mut p = redis::pipe();
             for n in chunk {
@@ -466,22 +536,13 @@ fn chaos_run(server: Server) {
             }
         }
     }
-    let full = primary.info("stats").num("sync_full") - full_before;
+    let full = syncs_full() - full_before;
     let servers_full: Vec<usize> = servers.iter().map(full_syncs).collect();
-    let mended: f64 = agents
-        .iter()
-        .map(|a| {
-            a.node
-                .metric("kvsync_stream_refetched_total{kv_instance=\"default\",result=\"mended\"}")
-        })
-        .sum();
-    let cut: f64 = agents
-        .iter()
-        .map(|a| {
-            a.node
-                .metric("kvsync_stream_refetched_total{kv_instance=\"default\",result=\"cut\"}")
-        })
-        .sum();
+    let (mended, cut) = agents.iter().fold((0.0, 0.0), |(m, c), a| {
+        let [now_m, now_c] = a.refetched(hosts);
+        let [was_m, was_c] = a.refetched_before;
+        (m + now_m + was_m, c + now_c + was_c)
+    });
     let (mut rss, mut fds) = (0, 0);
     for a in &agents {
         rss = rss.max(peak_rss(a.pid()));
@@ -489,7 +550,7 @@ fn chaos_run(server: Server) {
     }
     eprintln!(
         "chaos summary: {server:?} seed {seed}, {seconds} s; faults: {} agents killed, {} frozen, {} records damaged, \
-         {} log disks full, {} servers killed; full resyncs of the primary: {full}; full syncs of each server (the seeding \
+         {} log disks full, {} servers killed, {} links cut; full resyncs of the primary: {full}; full syncs of each server (the seeding \
          included): {servers_full:?}; damaged records mended {mended}, cut {cut}; keyspaces equal on 3 servers \
          ({} keys); {} acknowledged markers kept on every server; agents' peak RSS {} MiB, fds {fds}",
         injected.killed,
@@ -497,7 +558,8 @@ fn chaos_run(server: Server) {
         injected.damaged,
         injected.filled,
         injected.servers_killed,
-        keyspace(&primary).len(),
+        injected.cut,
+        primary_keys().len(),
         acked.len(),
         rss >> 20,
     );
