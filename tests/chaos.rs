@@ -110,7 +110,10 @@ impl Agent {
     }
 
     fn kill(&mut self, hosts: &Hosts) {
-        self.refetched_before = self.refetched(hosts);
+        let now = self.refetched(hosts);
+        for (before, now) in self.refetched_before.iter_mut().zip(now) {
+            *before += now;
+        }
         self.node.proc.signal(libc::SIGKILL);
         self.node.proc.wait_exit();
     }
@@ -120,7 +123,7 @@ impl Agent {
         self.node = start_at((root, hosts), at, &self.config, self.port);
     }
 
-    /// Its damaged records mended and cut, over all its runs.
+    /// Its damaged records mended and cut, by this run of it.
     fn refetched(&self, hosts: &Hosts) -> [f64; 2] {
         ["mended", "cut"].map(|result| {
             let series = format!(
