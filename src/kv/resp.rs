@@ -31,13 +31,16 @@ pub async fn read_line<R: AsyncBufRead + Unpin>(
     if n == 0 {
         return Err(std::io::ErrorKind::UnexpectedEof.into());
     }
-    if !line.ends_with(b"\n") {
+    let body = line
+        .strip_suffix(b"\n")
+        .map(|l| l.strip_suffix(b"\r").unwrap_or(l));
+    let Some(body) = body.filter(|b| b.len() <= max) else {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
             format!("a line longer than {max} bytes"),
         ));
-    }
-    String::from_utf8(line)
+    };
+    std::str::from_utf8(body)
         .map(|l| l.trim_end().to_string())
         .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, "a non-UTF-8 line"))
 }
@@ -59,6 +62,15 @@ mod tests {
             read_line(&mut r, 4).await.unwrap_err().kind(),
             std::io::ErrorKind::InvalidData
         );
+        // One byte over the bound, with a bare LF: refused as well.
+        let mut r = tokio::io::BufReader::new(&b"12345\n"[..]);
+        assert_eq!(
+            read_line(&mut r, 4).await.unwrap_err().kind(),
+            std::io::ErrorKind::InvalidData
+        );
+        let mut r = tokio::io::BufReader::new(&b"1234\n1234\r\n"[..]);
+        assert_eq!(read_line(&mut r, 4).await.unwrap(), "1234");
+        assert_eq!(read_line(&mut r, 4).await.unwrap(), "1234");
         let mut r = tokio::io::BufReader::new(&b""[..]);
         assert_eq!(
             read_line(&mut r, 4).await.unwrap_err().kind(),
