@@ -21,7 +21,9 @@ targets=${*:-$(cargo +nightly fuzz list --fuzz-dir fuzz)}
 
 # fuzz/seeds/<target> holds valid inputs for the fuzzer to mutate (the first
 # byte of a kvr1 or rdb input picks the update size); new finds go to
-# fuzz/corpus/<target> (not committed).
+# fuzz/corpus/<target>, which is kept in the repository once minimised
+# (cargo +nightly fuzz cmin --fuzz-dir fuzz <target> fuzz/corpus/<target>),
+# so the next run starts where the last one ended.
 status=0
 for t in $targets; do
     mkdir -p "fuzz/corpus/$t" "fuzz/regressions/$t" "fuzz/seeds/$t"
