@@ -5,9 +5,9 @@
 # seeded random schedule of faults (agents killed and started again,
 # frozen and thawed, a relay's record damaged on disk ahead of a reader,
 # a log disk full, a replica server killed and started again from its own
-# configuration, a host's link cut) for CHAOS_SECONDS on each server. It ends with the
-# keyspaces compared,
-# the acknowledged writes looked for on every server, the logs checked,
+# configuration, a host's link cut) for CHAOS_SECONDS on each server. It
+# ends with the keyspaces compared, the acknowledged writes looked for on
+# every server, the logs checked,
 # and a summary line per server (seed, faults by kind, full resyncs,
 # keys, markers, agents' peak RSS and fds).
 #

@@ -189,6 +189,11 @@ fn start_at(
 /// given up after 5 s, as in the link-cut test.
 const DATA: &str = "[data]\npeer_timeout = \"5s\"\n";
 
+/// How long a fault lasts: 0.5 s to `max_ms`.
+fn pause(rng: &mut impl Rng, max_ms: u64) -> Duration {
+    Duration::from_millis(500 + rng.random_range(0..max_ms - 500))
+}
+
 /// The replica agents, each with its server.
 const NAMES: [&str; 3] = ["a", "b", "c"];
 
@@ -450,7 +455,7 @@ fn chaos_run(server: Server) {
             }
             1 => {
                 let i = rng.random_range(0..agents.len());
-                let pause = Duration::from_millis(500 + rng.random_range(0..3000));
+                let pause = pause(&mut rng, 3500);
                 eprintln!("chaos: freeze {} for {pause:?}", agents[i].name);
                 agents[i].node.proc.signal(libc::SIGSTOP);
                 std::thread::sleep(pause);
@@ -476,7 +481,7 @@ fn chaos_run(server: Server) {
             }
             3 => {
                 let i = rng.random_range(0..agents.len());
-                let pause = Duration::from_millis(500 + rng.random_range(0..3000));
+                let pause = pause(&mut rng, 3500);
                 eprintln!("chaos: fill {}'s log disk for {pause:?}", agents[i].name);
                 agents[i].fill_disk(hosts);
                 std::thread::sleep(pause);
@@ -499,7 +504,7 @@ fn chaos_run(server: Server) {
                 // Longer than `peer_timeout` at times: sessions are given
                 // up and asked for again once the link is back.
                 let host = rng.random_range(0..4);
-                let pause = Duration::from_millis(500 + rng.random_range(0..9500));
+                let pause = pause(&mut rng, 10_000);
                 eprintln!("chaos: cut {}'s link for {pause:?}", agents[host].name);
                 hosts.set_link(host, false);
                 std::thread::sleep(pause);

@@ -163,11 +163,12 @@ impl Upstreams {
     }
 }
 
-/// Whether a kept source has the shape [`Upstreams::set`] gives one: a
-/// file that does not (damaged, or written by hand) is not followed.
+/// Whether a kept source has the shape [`Upstreams::set`] gives one (a
+/// primary is kept only when non-empty): a file that does not (damaged,
+/// or written by hand) is not followed.
 fn well_formed(source: &Source) -> bool {
     match source {
-        Source::Primary(addr) => !addr.is_empty(),
+        Source::Primary(_) => true,
         Source::Agents(chain) => {
             (1..=MAX_CHAIN).contains(&chain.len())
                 && chain.iter().all(|u| crate::rpc::dial::is_agent_addr(u))

@@ -472,8 +472,8 @@ impl SmallFs {
         }
     }
 
-    /// Gives the filesystem `bytes` of room in all (rounded up to a page,
-    /// never below what it holds): a disk that fills, or frees up.
+    /// Gives the filesystem `bytes` of room in all (rounded up to a page;
+    /// less than it holds is refused): a disk that fills, or frees up.
     pub fn resize(&self, bytes: u64) -> Result<(), String> {
         let size = format!("remount,size={}k", bytes.div_ceil(4096) * 4);
         let out = std::process::Command::new("mount")
