@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The chaos run as a soak (tests/chaos.rs; the suite runs it for 30 s):
-# a primary, its agent and three replica agents in two tiers feeding their
-# servers, a writer whose WAIT-acknowledged markers are recorded, and a
-# seeded random schedule of faults (agents killed and started again,
-# frozen and thawed, a relay's record damaged on disk ahead of a reader,
-# a log disk full, a replica server killed and started again from its own
-# configuration, a host's link cut) for CHAOS_SECONDS on each server. It
+# a primary, a replica Sentinel may promote, their agents and three
+# replica agents in two tiers feeding their servers, a writer whose
+# WAIT-acknowledged markers are recorded, and a seeded random schedule of
+# faults (agents killed and started again, frozen and thawed, a relay's
+# record damaged on disk ahead of a reader, a log disk full, a replica
+# server killed and started again from its own configuration, a host's
+# link cut, a planned Sentinel failover) for CHAOS_SECONDS on each server. It
 # ends with the keyspaces compared, the acknowledged writes looked for on
 # every server, the logs checked,
 # and a summary line per server (seed, faults by kind, full resyncs,

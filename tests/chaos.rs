@@ -1,21 +1,27 @@
-//! The chaos run, on real `redis-server` and `valkey-server` processes and
-//! agent processes: one primary and its agent (`ack = "replicas"`), three
-//! replica agents in two tiers (one following the primary's agent, two
-//! following it), each feeding its own server (`redis-stream`), a writer
-//! of mixed commands (`SET`, `INCR`, `LPUSH`, `HSET`, `EXPIRE`, `DEL`) that
-//! records which of its marker writes `WAIT 1` acknowledged, and a seeded
-//! random schedule of faults for a while: an agent killed (`SIGKILL`) and
+//! The chaos run, on real `redis-server` and `valkey-server` processes,
+//! their Sentinels and agent processes: one primary P and its agent
+//! (`ack = "replicas"`), a replica Q of P that three Sentinels may promote
+//! (its agent's log follows P's agent, handoff `redis-replicate`), three
+//! replica agents in two tiers (one following P's agent, two following
+//! it), each feeding its own server (`redis-stream`), a writer of mixed
+//! commands (`SET`, `INCR`, `LPUSH`, `HSET`, `EXPIRE`, `DEL`) that asks
+//! the Sentinels where the master is and records which of its marker
+//! writes `WAIT 2` acknowledged, and a seeded random schedule of faults
+//! for a while: an agent killed (`SIGKILL`) and
 //! started again where it was, an agent frozen (`SIGSTOP`, its links gone
 //! silent) and thawed, a record of a relay's log damaged on disk just
 //! ahead of a reader killed meanwhile, an agent's log disk (a tmpfs of its
 //! own) full for a while, a replica server killed and started again
 //! from its own configuration (its data saved every 2 s, a replica of its
-//! agent's feed), and a host's link cut (each agent with its server on a
+//! agent's feed), a host's link cut (each agent with its server on a
 //! host of its own, a network namespace) for up to twice the agents'
-//! `peer_timeout`. After the faults stop and the stream is
-//! quiet: every server's whole keyspace equals the primary's (`DUMP` of
-//! every key), every acknowledged marker is on every server, the primary
-//! made no full resync past the first and no server one past its seeding,
+//! `peer_timeout`, and a planned Sentinel failover between P and Q (the
+//! master's writes paused until Q has them, `SENTINEL FAILOVER`, every
+//! agent following the promoted server's history). After the faults stop
+//! and the stream is quiet: every server's whole keyspace equals the
+//! master's (`DUMP` of every key), every acknowledged marker is on every
+//! server, neither P nor Q served a full resync past Q's first, no
+//! server took one past its seeding, no log lost a byte to a failover,
 //! each damaged record was mended,
 //! and the agents' memory and descriptors stay bounded. It prints the seed
 //! and what it injected; `CHAOS_SEED` replays a schedule.
@@ -35,6 +41,7 @@ use rand::{Rng, SeedableRng};
 use common::kv::*;
 use common::netns::{block_on, Hosts};
 use common::node::*;
+use common::sentinel::*;
 use common::stream::*;
 use common::*;
 
@@ -56,8 +63,8 @@ struct Agent {
     /// The disk its log is on.
     disk: SmallFs,
     node: Node,
-    /// Its damaged records mended and cut, by its runs before this one.
-    refetched_before: [f64; 2],
+    /// Its [`Agent::counters`] by its runs before this one.
+    counted_before: [f64; 3],
 }
 
 /// The room each agent's log disk has, but while a fault fills it.
@@ -89,7 +96,7 @@ impl Agent {
             log_dir,
             disk,
             node,
-            refetched_before: [0.0; 2],
+            counted_before: [0.0; 3],
         }
     }
 
@@ -110,8 +117,8 @@ impl Agent {
     }
 
     fn kill(&mut self, hosts: &Hosts) {
-        let now = self.refetched(hosts);
-        for (before, now) in self.refetched_before.iter_mut().zip(now) {
+        let now = self.counters(hosts);
+        for (before, now) in self.counted_before.iter_mut().zip(now) {
             *before += now;
         }
         self.node.proc.signal(libc::SIGKILL);
@@ -123,14 +130,18 @@ impl Agent {
         self.node = start_at((root, hosts), at, &self.config, self.port);
     }
 
-    /// Its damaged records mended and cut, by this run of it.
-    fn refetched(&self, hosts: &Hosts) -> [f64; 2] {
-        ["mended", "cut"].map(|result| {
-            let series = format!(
-                "kvsync_stream_refetched_total{{kv_instance=\"default\",result=\"{result}\"}}"
-            );
-            hosts.run_in(self.host, || self.node.metric(&series))
-        })
+    /// Its damaged records mended and cut, and the bytes its log dropped
+    /// as lost to a failover, by this run of it.
+    fn counters(&self, hosts: &Hosts) -> [f64; 3] {
+        let refetched = |result: &str| {
+            format!("kvsync_stream_refetched_total{{kv_instance=\"default\",result=\"{result}\"}}")
+        };
+        let series = [
+            refetched("mended"),
+            refetched("cut"),
+            "kvsync_stream_diverged_bytes_total{kv_instance=\"default\"}".to_string(),
+        ];
+        series.map(|series| hosts.run_in(self.host, || self.node.metric(&series)))
     }
 
     fn pid(&self) -> u32 {
@@ -197,25 +208,37 @@ fn pause(rng: &mut impl Rng, max_ms: u64) -> Duration {
 /// The replica agents, each with its server.
 const NAMES: [&str; 3] = ["a", "b", "c"];
 
+/// The hosts (and indices among the agents) of the two servers Sentinel
+/// may make the master, P and Q, each with its agent.
+const SIDES: [usize; 2] = [0, 4];
+
 /// The kinds of fault the schedule draws from.
-const KINDS: usize = 6;
+const KINDS: usize = 7;
 
 /// The `[stream]` lines every agent of the run has: every reader reads
 /// the log's files (so damage on disk is met), in segments of 1 MiB (so
 /// the run rolls many).
 const STREAM: &str = "memory_tail = \"0\"\nsegment_size = \"1MiB\"\n";
 
-/// The writer: mixed commands on a small keyspace, and every round a
-/// marker `SET ack:<n>` followed by `WAIT 1`; the markers acknowledged.
-fn writer(
-    mut con: redis::Connection,
-    seed: u64,
-    stop: Arc<AtomicBool>,
-    acked: Arc<Mutex<Vec<u64>>>,
-) {
+/// How many replicas `WAIT` asks for: the master's agent and the other
+/// server (P's agent, with `ack = "replicas"`, once a fed server has it).
+const WAITED: i64 = 2;
+
+/// The writer: mixed commands on a small keyspace at the master the
+/// Sentinel at `sentinel` names (asked again after any failure: a
+/// demoted master refuses writes, or Sentinel killed the connection), and
+/// every round a marker `SET ack:<n>` followed by `WAIT`; the markers
+/// acknowledged.
+fn writer(sentinel: String, seed: u64, stop: Arc<AtomicBool>, acked: Arc<Mutex<Vec<u64>>>) {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5752_4954_4552);
-    let mut n = 0u64;
+    let (mut n, mut con) = (0u64, None);
     while !stop.load(Ordering::Relaxed) {
+        let Some(c) = con.as_mut() else {
+            con = master_con(&sentinel).ok();
+            // The writer's pace while the master cannot be reached.
+            std::thread::sleep(Duration::from_millis(50));
+            continue;
+        };
         let mut p = redis::pipe();
         for _ in 0..20 {
             let k = rng.random_range(0..500);
@@ -246,11 +269,110 @@ fn writer(
         }
         n += 1;
         p.cmd("SET").arg(format!("ack:{n}")).arg(n).ignore();
-        p.query::<()>(&mut con).unwrap();
-        let counted: i64 = redis::cmd("WAIT").arg(1).arg(200).query(&mut con).unwrap();
-        if counted >= 1 {
-            acked.lock().unwrap().push(n);
+        let counted = p
+            .query::<()>(c)
+            .and_then(|()| redis::cmd("WAIT").arg(WAITED).arg(200).query::<i64>(c));
+        match counted {
+            Ok(counted) if counted >= WAITED => acked.lock().unwrap().push(n),
+            Ok(_) => {}
+            Err(_) => con = None,
         }
+    }
+}
+
+/// Where the Sentinels and the agents know side `i`'s server.
+fn side_addr(hosts: &Hosts, sides: &[Redis; 2], i: usize) -> String {
+    format!("{}:{}", hosts.ip(SIDES[i]), sides[i].port)
+}
+
+/// The sides' servers and the Sentinels that watch them.
+struct Sentineled<'a> {
+    hosts: &'a Hosts,
+    sides: [Redis; 2],
+    sentinels: Vec<Redis>,
+}
+
+impl Sentineled<'_> {
+    /// Runs `f` on the host of side `i`'s server.
+    fn on<T: Send>(&self, i: usize, f: impl FnOnce(&Redis) -> T + Send) -> T {
+        self.hosts.run_in(SIDES[i], || f(&self.sides[i]))
+    }
+
+    /// Waits until every Sentinel knows the others and side `i`'s server
+    /// as a healthy replica it could promote.
+    fn ready_to_promote(&self, i: usize) {
+        let port = self.sides[i].port;
+        wait_for(
+            "every Sentinel to know the replica as one it could promote",
+            DEADLINE * 2,
+            || {
+                self.hosts
+                    .run_in(0, || self.sentinels.iter().all(|s| sentinel_ready(s, port)))
+                    .then_some(())
+            },
+        );
+    }
+
+    /// A planned failover from side `m`, the master, to side `r`: the
+    /// master's writes paused until `r` and its agent's log hold all it
+    /// wrote, `SENTINEL FAILOVER`, and once the promoted server's agent
+    /// follows it, the other agent follows that agent, the old master
+    /// replicates from the promoted one (re-attached by its agent, or
+    /// converted by Sentinel) and every Sentinel names it, its writes are
+    /// resumed.
+    fn fail_over(&self, agents: &[Agent], (m, r): (usize, usize)) {
+        self.ready_to_promote(r);
+        // A pause holds clients' writes, not the master's pings to its
+        // replicas (every `repl-ping-replica-period`): a ping past the
+        // promotion point is history the promoted server never had, and
+        // costs the old master a full sync and the fed servers a seeding.
+        const PING: &str = "repl-ping-replica-period";
+        let was: Vec<String> = self.on(m, |s| s.cmd(&["CONFIG", "GET", PING]));
+        let period = |s: &Redis, to: &str| s.cmd::<String>(&["CONFIG", "SET", PING, to]);
+        self.on(m, |s| period(s, "3600"));
+        let paused: String = self.on(m, |s| s.cmd(&["CLIENT", "PAUSE", "120000", "WRITE"]));
+        assert_eq!(paused, "OK");
+        let at = self.on(m, |s| s.info("replication").num("master_repl_offset"));
+        let (promoted, demoted) = (&agents[SIDES[r]], &agents[SIDES[m]]);
+        wait_for(
+            "the replica and its agent's log to hold all the paused master wrote",
+            DEADLINE,
+            || {
+                self.on(r, |s| {
+                    s.info("replication").num("master_repl_offset") == at
+                        && stream_status(&promoted.node).end_offset == at
+                })
+                .then_some(())
+            },
+        );
+        self.hosts.run_in(0, || fail_over(&self.sentinels[0]));
+        let new = side_addr(self.hosts, &self.sides, r);
+        let (follows_new, follows_agent) = (
+            format!("primary {new}"),
+            format!("agent {}", promoted.node.grpc()),
+        );
+        wait_for(
+            "the agents to follow the promoted server's history",
+            DEADLINE * 2,
+            || {
+                let status =
+                    |a: &Agent| self.hosts.run_in(a.host, || stream_status(&a.node).source);
+                (status(promoted) == follows_new && status(demoted) == follows_agent).then_some(())
+            },
+        );
+        let port = self.sides[r].port;
+        self.on(m, |s| {
+            replicates_from(s, port, "the old master to replicate from the new")
+        });
+        wait_for("every Sentinel to name the new master", DEADLINE, || {
+            self.hosts
+                .run_in(0, || self.sentinels.iter().all(|s| master_of(s) == new))
+                .then_some(())
+        });
+        wait_for("the old master's writes to be resumed", DEADLINE, || {
+            self.on(m, |s| s.try_cmd::<String>(&["CLIENT", "UNPAUSE"]).ok())
+        });
+        self.on(m, |s| period(s, &was[1]));
     }
 }
 
@@ -345,11 +467,18 @@ struct Injected {
     filled: usize,
     servers_killed: usize,
     cut: usize,
+    failovers: usize,
 }
 
 impl Injected {
     fn total(&self) -> usize {
-        self.killed + self.frozen + self.tried + self.filled + self.servers_killed + self.cut
+        self.killed
+            + self.frozen
+            + self.tried
+            + self.filled
+            + self.servers_killed
+            + self.cut
+            + self.failovers
     }
 }
 
@@ -359,31 +488,61 @@ fn chaos_run(server: Server) {
     eprintln!("chaos: {server:?}, seed {seed}, {seconds} s of faults");
     // A schedule is its seed.
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    // Host 0: the primary and its agent; hosts 1 to 3: a replica agent
-    // and its server each.
-    let Some(hosts) = Hosts::create_n("chaos run", 4) else {
+    // Host 0: the primary P, its agent and the Sentinels; hosts 1 to 3: a
+    // replica agent and its server each; host 4: Q and its agent.
+    let Some(hosts) = Hosts::create_n("chaos run", 5) else {
         return;
     };
     let hosts = &hosts;
     let root = tempfile::tempdir().unwrap();
     let root = root.path();
-    let primary = hosts.run_in(0, || {
-        let p = Redis::start(server, &root.join("p"), &["--repl-backlog-size", "1mb"]);
-        p.fill("before", 500, "v");
-        p
-    });
+    let side = |name: &str, host: usize, more: &[&str]| {
+        let ip = hosts.ip(host);
+        let mut args = vec![
+            "--repl-backlog-size",
+            "1mb",
+            "--bind",
+            "127.0.0.1",
+            &ip,
+            "--protected-mode",
+            "no",
+        ];
+        args.extend(more);
+        hosts.run_in(host, || Redis::start(server, &root.join(name), &args))
+    };
+    let primary = side("p", 0, &[]);
+    hosts.run_in(0, || primary.fill("before", 500, "v"));
+    let p_addr = format!("{}:{}", hosts.ip(0), primary.port);
     let offset = |rs: &Redis, host: usize| {
         hosts.run_in(host, || rs.info("replication").num("master_repl_offset"))
     };
+    // Never down in the Sentinels' eyes for as long as a fault lasts:
+    // only the schedule fails over.
+    let sentinels: Vec<Redis> = (0..3)
+        .map(|i| {
+            hosts.run_in(0, || {
+                let dir = root.join(format!("sentinel-{i}"));
+                let watch = (hosts.ip(0), p_addr.as_str());
+                start_sentinel(server, &dir, (&watch.0, watch.1), MASTER, DEADLINE)
+            })
+        })
+        .collect();
+    let sentinel_addrs: Vec<String> = sentinels
+        .iter()
+        .map(|s| format!("{}:{}", hosts.ip(0), s.port))
+        .collect();
 
-    // The primary's agent, then the three replica agents and their servers.
-    let ports: Vec<u16> = (0..4).map(|_| free_port()).collect();
+    // P's agent, the three replica agents and their servers, then Q and
+    // its agent: P's and Q's agents name each other.
+    let ports: Vec<u16> = (0..5).map(|_| free_port()).collect();
+    let agent_addr = |host: usize| format!("{}:{}", hosts.ip(host), ports[host]);
     let Some(disk) = log_disk(root, "src") else {
         return;
     };
     let src_config = format!(
-        "{}ack = \"replicas\"\n{STREAM}{DATA}",
-        follower_config(&primary, &disk.1)
+        "{}ack = \"replicas\"\n{STREAM}{}{DATA}",
+        follower_config(&primary, &disk.1).replace(&primary.addr(), &p_addr),
+        sentinel_lines(&sentinel_addrs, &[agent_addr(SIDES[1])])
     );
     let mut agents = vec![Agent::start(
         (root, hosts),
@@ -423,23 +582,54 @@ fn chaos_run(server: Server) {
         agents.push(a);
         servers.push(rs);
     }
-    let syncs_full = || hosts.run_in(0, || primary.info("stats").num("sync_full"));
+    let q_host = SIDES[1];
+    let pport = primary.port.to_string();
+    let q = side("q", q_host, &["--replicaof", &hosts.ip(0), &pport]);
+    let disk = log_disk(root, "q").unwrap();
+    let q_config = format!(
+        "[stream]\ndir = \"{}\"\nupstream = \"{}\"\n{STREAM}{}[handoff]\nmode = \"redis-replicate\"\n[redis]\nserver_addr = \"{}:{}\"\nprimary = \"{p_addr}\"\n{DATA}",
+        disk.1.display(),
+        agent_addr(0),
+        sentinel_lines(&sentinel_addrs, &[agent_addr(0)]),
+        hosts.ip(q_host),
+        q.port,
+    );
+    agents.push(Agent::start(
+        (root, hosts),
+        ("q", q_host),
+        q_config,
+        ports[q_host],
+        disk,
+    ));
+    let cast = Sentineled {
+        hosts,
+        sides: [primary, q],
+        sentinels,
+    };
+    cast.ready_to_promote(1);
+    let syncs_full = || {
+        (0..2)
+            .map(|i| cast.on(i, |s| s.info("stats").num("sync_full")))
+            .sum::<u64>()
+    };
     let full_before = syncs_full();
+    // The side that is the master.
+    let mut master = 0;
 
     let stop = Arc::new(AtomicBool::new(false));
     let acked = Arc::new(Mutex::new(Vec::new()));
     let writing = {
-        let con = hosts.run_in(0, || primary.con());
+        let sentinel = format!("127.0.0.1:{}", cast.sentinels[0].port);
         let (stop, acked) = (stop.clone(), acked.clone());
-        std::thread::spawn(move || writer(con, seed, stop, acked))
+        hosts.spawn_in(0, move || writer(sentinel, seed, stop, acked))
     };
 
     let mut injected = Injected::default();
     let end = Instant::now() + Duration::from_secs(seconds);
-    while Instant::now() < end {
+    // Each kind once at least, so that even a short run has them all.
+    while Instant::now() < end || injected.total() < KINDS {
         // The gap before the next fault: 0.5 to 3 s of writes.
         std::thread::sleep(Duration::from_millis(500 + rng.random_range(0..2500)));
-        // Each kind once first, so that even a short run has them all.
         let n = injected.total();
         match if n < KINDS {
             n
@@ -500,10 +690,10 @@ fn chaos_run(server: Server) {
                 servers.insert(i, rs);
                 injected.servers_killed += 1;
             }
-            _ => {
+            5 => {
                 // Longer than `peer_timeout` at times: sessions are given
                 // up and asked for again once the link is back.
-                let host = rng.random_range(0..4);
+                let host = rng.random_range(0..agents.len());
                 let pause = pause(&mut rng, 10_000);
                 eprintln!("chaos: cut {}'s link for {pause:?}", agents[host].name);
                 hosts.set_link(host, false);
@@ -511,28 +701,52 @@ fn chaos_run(server: Server) {
                 hosts.set_link(host, true);
                 injected.cut += 1;
             }
+            _ => {
+                let to = 1 - master;
+                eprintln!(
+                    "chaos: fail over from {} to {} (Sentinel, planned)",
+                    agents[SIDES[master]].name, agents[SIDES[to]].name
+                );
+                cast.fail_over(&agents, (master, to));
+                master = to;
+                injected.failovers += 1;
+            }
         }
     }
     stop.store(true, Ordering::Relaxed);
     writing.join().unwrap();
 
-    // Quiet: every server holds the primary's keyspace, byte for byte.
-    let deadline = DEADLINE * 4;
-    // Where each converged: its agent's log, and the logs upstream of it,
-    // hold the stream at least that far.
-    let mut converged_at = Vec::new();
-    let primary_keys = || hosts.run_in(0, || keyspace(&primary));
-    for (i, (rs, name)) in servers.iter().zip(NAMES).enumerate() {
-        let what = format!("server {name} to hold the primary's keyspace");
-        converged_at.push(wait_for(&what, deadline, || {
-            let end = offset(&primary, 0);
-            (offset(rs, i + 1) == end && hosts.run_in(i + 1, || keyspace(rs)) == primary_keys())
+    // Quiet: every server holds the master's keyspace, byte for byte; at
+    // the end of the stream when the last converged, every log holds it.
+    let (mh, m) = (SIDES[master], &cast.sides[master]);
+    let master_keys = || hosts.run_in(mh, || keyspace(m));
+    let other = 1 - master;
+    let replicas: Vec<(&str, usize, &Redis)> = servers
+        .iter()
+        .zip(NAMES)
+        .enumerate()
+        .map(|(i, (rs, name))| (name, i + 1, rs))
+        .chain([(["P", "Q"][other], SIDES[other], &cast.sides[other])])
+        .collect();
+    let mut end = 0;
+    for &(name, host, rs) in &replicas {
+        let what = format!("server {name} to hold the master's keyspace");
+        end = wait_for(&what, DEADLINE * 4, || {
+            let end = offset(m, mh);
+            (offset(rs, host) == end && hosts.run_in(host, || keyspace(rs)) == master_keys())
                 .then_some(end)
-        }));
+        });
+    }
+    for a in &agents {
+        wait_for(
+            "every log to hold the stream the servers hold",
+            DEADLINE,
+            || (hosts.run_in(a.host, || stream_status(&a.node).end_offset) >= end).then_some(()),
+        );
     }
     let acked = acked.lock().unwrap().clone();
-    for (i, (rs, name)) in servers.iter().zip(NAMES).enumerate() {
-        let mut con = hosts.run_in(i + 1, || rs.con());
+    for &(name, host, rs) in replicas.iter().chain([&(["P", "Q"][master], mh, m)]) {
+        let mut con = hosts.run_in(host, || rs.con());
         for chunk in acked.chunks(1000) {
             let mut p = redis::pipe();
             for n in chunk {
@@ -546,10 +760,10 @@ fn chaos_run(server: Server) {
     }
     let full = syncs_full() - full_before;
     let servers_full: Vec<usize> = servers.iter().map(full_syncs).collect();
-    let (mended, cut) = agents.iter().fold((0.0, 0.0), |(m, c), a| {
-        let [now_m, now_c] = a.refetched(hosts);
-        let [was_m, was_c] = a.refetched_before;
-        (m + now_m + was_m, c + now_c + was_c)
+    let sides_full: Vec<usize> = cast.sides.iter().map(full_syncs).collect();
+    let [mended, cut, diverged] = agents.iter().fold([0.0; 3], |sum, a| {
+        let now = a.counters(hosts);
+        [0, 1, 2].map(|k| sum[k] + now[k] + a.counted_before[k])
     });
     let (mut rss, mut fds) = (0, 0);
     for a in &agents {
@@ -558,8 +772,9 @@ fn chaos_run(server: Server) {
     }
     eprintln!(
         "chaos summary: {server:?} seed {seed}, {seconds} s; faults: {} agents killed, {} frozen, {} records damaged, \
-         {} log disks full, {} servers killed, {} links cut; full resyncs of the primary: {full}; full syncs of each server (the seeding \
-         included): {servers_full:?}; damaged records mended {mended}, cut {cut}; keyspaces equal on 3 servers \
+         {} log disks full, {} servers killed, {} links cut, {} failovers; full resyncs served by P and Q: {full}; \
+         full syncs taken by P and Q: {sides_full:?}, by each fed server (the seeding included): {servers_full:?}; \
+         bytes lost to failovers: {diverged}; damaged records mended {mended}, cut {cut}; keyspaces equal on 5 servers \
          ({} keys); {} acknowledged markers kept on every server; agents' peak RSS {} MiB, fds {fds}",
         injected.killed,
         injected.frozen,
@@ -567,36 +782,40 @@ fn chaos_run(server: Server) {
         injected.filled,
         injected.servers_killed,
         injected.cut,
-        primary_keys().len(),
+        injected.failovers,
+        master_keys().len(),
         acked.len(),
         rss >> 20,
     );
     // Every agent's log, each record checked against its hash as it is
     // read, is the primary's agent's, byte for byte, at least as far as
-    // its server converged (the primary's pings may have gone on past it
+    // the servers converged (the master's pings may have gone on past it
     // into some logs): no damage is left.
     let dirs: Vec<PathBuf> = agents.iter().map(|a| a.log_dir.clone()).collect();
     // The agents stopped, their disks still mounted.
     let _disks: Vec<SmallFs> = agents.into_iter().map(|a| a.disk).collect();
     let (first, src) = log_bytes(&dirs[0]);
-    for (dir, converged_at) in dirs[1..].iter().zip(converged_at) {
+    assert!(
+        first + src.len() as u64 >= end,
+        "the source's log ends before {end}"
+    );
+    for dir in &dirs[1..] {
         let (at, bytes) = log_bytes(dir);
         let n = bytes.len().min(src.len());
         let what = dir.display();
         assert_eq!(at, first, "{what} starts where the source's log does");
-        assert!(
-            first + n as u64 >= converged_at,
-            "{what} ends before {converged_at}"
-        );
+        assert!(first + n as u64 >= end, "{what} ends before {end}");
         let differs = (0..n).find(|&i| bytes[i] != src[i]);
         assert_eq!(differs, None, "{what} differs from the source's log");
     }
-    assert_eq!(full, 0, "no fault here costs the primary a full resync");
+    assert_eq!(full, 0, "no fault here costs P or Q a full resync");
+    assert_eq!(sides_full, [0, 1], "Q's only full sync is its first");
     assert_eq!(
         servers_full,
         [1, 1, 1],
         "no fault here costs a server a full sync past its seeding"
     );
+    assert_eq!(diverged, 0.0, "a planned failover loses no byte");
     assert_eq!(cut, 0.0, "every damaged record is mended from upstream");
     assert!(!acked.is_empty(), "the writer was acknowledged");
     assert!(rss < 512 << 20, "an agent's peak RSS: {rss}");

@@ -29,11 +29,11 @@ mod common;
 
 use common::fake::{Fake, Script};
 use common::kv::*;
+use common::sentinel::{start_sentinel, MASTER};
 use common::stream::*;
 use common::*;
 
 const PASSWORD: &str = "primary-secret-0123";
-const MASTER: &str = "kvmaster";
 
 /// A primary with a password and 1000 keys, and its agent following it.
 fn primary_and_agent(
@@ -113,9 +113,9 @@ fn two_honest_sentinels_and_a_liar(
             start_sentinel(
                 server,
                 &root.join(format!("sentinel-{i}")),
-                "127.0.0.1",
-                &p.addr(),
+                ("127.0.0.1", &p.addr()),
                 MASTER,
+                std::time::Duration::from_secs(1),
             )
         })
         .collect();

@@ -25,13 +25,13 @@ mod common;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use common::kv::*;
 use common::node::*;
+use common::sentinel::*;
 use common::stream::*;
 use common::*;
-
-const MASTER: &str = "kvmaster";
 
 /// Three Sentinels watching `primary` as [`MASTER`] (quorum 2), quick to
 /// call it down (1 s).
@@ -52,34 +52,14 @@ fn sentinels(root: &Path, primary: &Redis) -> Vec<Redis> {
 /// `ip`, watching the primary at `primary` as [`MASTER`] with two others
 /// (quorum 2), quick to call it down (1 s).
 fn sentinel(server: Server, dir: &Path, ip: &str, primary: &str) -> Redis {
-    start_sentinel(server, dir, ip, primary, MASTER)
-}
-
-/// A Sentinel's field-value answer as pairs.
-fn fields(flat: &[String]) -> std::collections::HashMap<String, String> {
-    flat.chunks_exact(2)
-        .map(|kv| (kv[0].clone(), kv[1].clone()))
-        .collect()
-}
-
-/// Whether `sentinel` knows two other Sentinels and the replica on port
-/// `replica` as a healthy one it could promote.
-fn sentinel_ready(sentinel: &Redis, replica: u16) -> bool {
-    let master = fields(&sentinel.cmd::<Vec<String>>(&["SENTINEL", "MASTER", MASTER]));
-    let replicas: Vec<Vec<String>> = sentinel.cmd(&["SENTINEL", "REPLICAS", MASTER]);
-    master["num-other-sentinels"] == "2"
-        && replicas.iter().map(|r| fields(r)).any(|r| {
-            r["port"] == replica.to_string()
-                && r["flags"] == "slave"
-                && r["master-link-status"] == "ok"
-        })
+    start_sentinel(server, dir, (ip, primary), MASTER, Duration::from_secs(1))
 }
 
 /// Waits until every Sentinel knows the other two and `replica` as a
 /// healthy replica it could promote.
 fn sentinels_ready(sentinels: &[Redis], replica: &Redis) {
     wait_for(
-        "the Sentinels to know each other and A",
+        "the Sentinels to know each other and the replica",
         DEADLINE * 2,
         || {
             sentinels
@@ -90,28 +70,6 @@ fn sentinels_ready(sentinels: &[Redis], replica: &Redis) {
     );
 }
 
-/// Where `sentinel` says the master is.
-fn master_of(sentinel: &Redis) -> String {
-    let at: Vec<String> = sentinel.cmd(&["SENTINEL", "GET-MASTER-ADDR-BY-NAME", MASTER]);
-    format!("{}:{}", at[0], at[1])
-}
-
-/// `[stream]` lines of an agent that follows the Sentinels at `sentinels`
-/// (`host:port`), its peers `peers`.
-fn sentinel_lines(sentinels: &[String], peers: &[String]) -> String {
-    let list = |v: &[String]| {
-        v.iter()
-            .map(|a| format!("\"{a}\""))
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    format!(
-        "sentinels = [{}]\nmaster_name = \"{MASTER}\"\npeers = [{}]\n",
-        list(sentinels),
-        list(peers)
-    )
-}
-
 /// A writer that asks `sentinel` where the master is and sets `w:<n>`
 /// there, 20 a batch, asking again after any failure, until `stop`; the
 /// thread returns how many it set (a batch that failed is set again).
@@ -120,19 +78,11 @@ fn writer_through_sentinel(
     stop: Arc<AtomicBool>,
 ) -> std::thread::JoinHandle<usize> {
     std::thread::spawn(move || {
-        let ask = || -> redis::RedisResult<redis::Connection> {
-            let mut s = redis::Client::open(format!("redis://{sentinel}/"))?.get_connection()?;
-            let at: Vec<String> = redis::cmd("SENTINEL")
-                .arg("GET-MASTER-ADDR-BY-NAME")
-                .arg(MASTER)
-                .query(&mut s)?;
-            redis::Client::open(format!("redis://{}:{}/", at[0], at[1]))?.get_connection()
-        };
         let mut con = None;
         let mut n = 0usize;
         while !stop.load(Ordering::Relaxed) {
             let Some(c) = con.as_mut() else {
-                con = ask().ok();
+                con = master_con(&sentinel).ok();
                 // The writer's pace while the master cannot be reached.
                 std::thread::sleep(std::time::Duration::from_millis(50));
                 continue;
@@ -153,6 +103,21 @@ fn writer_through_sentinel(
         }
         n
     })
+}
+
+/// How many replicas acknowledge a write to `master` (`WAIT 2`).
+fn acked(master: &Redis) -> i64 {
+    let mut con = master.con();
+    redis::cmd("SET")
+        .arg("probe")
+        .arg("w")
+        .query::<()>(&mut con)
+        .unwrap();
+    redis::cmd("WAIT")
+        .arg(2)
+        .arg(10_000)
+        .query(&mut con)
+        .unwrap()
 }
 
 /// The replication id a server's history runs under now.
@@ -198,29 +163,6 @@ impl Cast {
             (a_follows && others).then_some(())
         });
     }
-}
-
-/// Waits until `server` replicates from `primary` with its link up.
-fn replicates_from(server: &Redis, primary: &Redis, what: &str) {
-    wait_for(what, DEADLINE * 2, || {
-        let info = try_info(server)?;
-        (info.get("role") == Some("slave")
-            && info.num("master_port") == primary.port as u64
-            && info.get("master_link_status") == Some("up"))
-        .then_some(())
-    });
-}
-
-/// `INFO replication` of `server`, or `None` when the ask failed: a
-/// Sentinel that promotes or demotes a server kills its clients
-/// (`CLIENT KILL TYPE normal`), and a wait asks again.
-fn try_info(server: &Redis) -> Option<kvsync::kv::redis::Info> {
-    let mut con = redis::Client::open(server.url())
-        .ok()?
-        .get_connection()
-        .ok()?;
-    let text: String = redis::cmd("INFO").arg("replication").query(&mut con).ok()?;
-    Some(kvsync::kv::redis::Info::parse(&text))
 }
 
 fn cast(server: Server, root: &Path, b_stream: &str) -> Cast {
@@ -297,9 +239,7 @@ fn cast(server: Server, root: &Path, b_stream: &str) -> Cast {
     }
 }
 
-fn a_sentinel_failover_moves_every_agent_to_the_promoted_server_without_a_full_sync(
-    server: Server,
-) {
+fn planned_sentinel_failovers_there_and_back_move_every_agent_without_a_full_sync(server: Server) {
     let root = tempfile::tempdir().unwrap();
     let c = cast(server, root.path(), "");
     let stop = Arc::new(AtomicBool::new(false));
@@ -316,12 +256,11 @@ fn a_sentinel_failover_moves_every_agent_to_the_promoted_server_without_a_full_s
     let paused: String = c.p.cmd(&["CLIENT", "PAUSE", "120000", "WRITE"]);
     assert_eq!(paused, "OK");
     converged(&c.a, &c.p, "A to catch up with the paused primary");
-    let done: String = c.sentinels[1].cmd(&["SENTINEL", "FAILOVER", MASTER]);
-    assert_eq!(done, "OK");
+    fail_over(&c.sentinels[1]);
 
     // Every agent follows Sentinel's word on its own.
     c.all_follow_a();
-    replicates_from(&c.p, &c.a, "P to replicate from A");
+    replicates_from(&c.p, c.a.port, "P to replicate from A");
     assert!(
         c.src.proc.log().contains(&format!(
             "the old primary localhost:{} replicates from {}",
@@ -345,18 +284,7 @@ fn a_sentinel_failover_moves_every_agent_to_the_promoted_server_without_a_full_s
             > c.a.info("replication").num("second_repl_offset") + 10_000)
             .then_some(())
     });
-    let mut con = c.a.con();
-    redis::cmd("SET")
-        .arg("probe")
-        .arg("w")
-        .query::<()>(&mut con)
-        .unwrap();
-    let acked: i64 = redis::cmd("WAIT")
-        .arg(2)
-        .arg(10_000)
-        .query(&mut con)
-        .unwrap();
-    assert_eq!(acked, 2, "P and A's agent acknowledge A's writes");
+    assert_eq!(acked(&c.a), 2, "P and A's agent acknowledge A's writes");
     stop.store(true, Ordering::Relaxed);
     let written = writer.join().unwrap();
     converged(&c.b, &c.a, "B to converge with the new primary");
@@ -380,6 +308,52 @@ fn a_sentinel_failover_moves_every_agent_to_the_promoted_server_without_a_full_s
         let st = stream_status(agent);
         assert_eq!(st.replid, new_id);
         assert_eq!(st.diverged, "", "nothing was lost");
+        assert_eq!(diverged(agent), 0.0);
+    }
+
+    // And back to P, planned the same way (A's pings held too: a pause
+    // does not hold them), once the Sentinels are done with the first
+    // failover: a paused master holds their hellos (`PUBLISH`) and every
+    // command behind them, so that it looks down to them within their
+    // `down-after-milliseconds`. Sentinel cannot convert A while it is
+    // paused either (its REPLICAOF comes in a transaction the pause
+    // holds): A's agent, whose log followed A as the primary, re-attaches
+    // it.
+    sentinels_ready(&c.sentinels, &c.p);
+    let _: String =
+        c.a.cmd(&["CONFIG", "SET", "repl-ping-replica-period", "3600"]);
+    let paused: String = c.a.cmd(&["CLIENT", "PAUSE", "120000", "WRITE"]);
+    assert_eq!(paused, "OK");
+    converged(&c.p, &c.a, "P to catch up with the paused A");
+    fail_over(&c.sentinels[2]);
+    wait_for(
+        "the agents to follow P's history again",
+        DEADLINE * 2,
+        || {
+            let p_follows = stream_status(&c.src).source == format!("primary {}", c.p.addr());
+            let others = [&c.agent_a, &c.agent_b]
+                .iter()
+                .all(|n| stream_status(n).source == format!("agent {}", c.src.grpc()));
+            (p_follows && others).then_some(())
+        },
+    );
+    replicates_from(&c.a, c.p.port, "A, still paused, to replicate from P");
+    assert!(
+        c.agent_a.proc.log().contains(&format!(
+            "the old primary {} replicates from {}",
+            c.a.addr(),
+            c.p.addr()
+        )),
+        "A's agent re-attached A"
+    );
+    let _: String = c.a.cmd(&["CLIENT", "UNPAUSE"]);
+    assert_eq!(acked(&c.p), 2, "A and P's agent acknowledge P's writes");
+    converged(&c.b, &c.p, "B to converge with P");
+    assert_eq!(full(&c.a), a_full, "A served no full sync");
+    assert_eq!(full(&c.p), p_full, "P served none either");
+    assert_eq!(full_feeds(&c.agent_b), 1, "B was not seeded again");
+    for agent in [&c.agent_a, &c.agent_b, &c.src] {
+        assert_eq!(stream_status(agent).diverged, "", "nothing was lost");
         assert_eq!(diverged(agent), 0.0);
     }
 }
@@ -415,7 +389,7 @@ fn a_primary_killed_under_writes_is_failed_over_by_sentinel_and_nothing_lost_is_
     let (p_port, p_dir) = (c.p.port, c.p.dir.clone());
     drop(c.p);
     let p = Redis::start_on(server, &p_dir, &[], None, p_port);
-    replicates_from(&p, &c.a, "Sentinel to make P a replica of A");
+    replicates_from(&p, c.a.port, "Sentinel to make P a replica of A");
     stop.store(true, Ordering::Relaxed);
     writer.join().unwrap();
     converged(&c.b, &c.a, "B to converge with A");
@@ -439,7 +413,7 @@ fn a_primary_killed_under_writes_is_failed_over_by_sentinel_and_nothing_lost_is_
 }
 
 on_both_servers!(
-    a_sentinel_failover_moves_every_agent_to_the_promoted_server_without_a_full_sync,
+    planned_sentinel_failovers_there_and_back_move_every_agent_without_a_full_sync,
     a_primary_killed_under_writes_is_failed_over_by_sentinel_and_nothing_lost_is_merged,
 );
 
@@ -545,7 +519,7 @@ fn a_partition_of_the_old_primarys_host_feeds_no_server_from_both_sides() {
         (keys(2, &b, "before:*") == 500 && keys(1, &a, "before:*") == 500).then_some(())
     });
     wait_for(
-        "the Sentinels to know each other and A",
+        "the Sentinels to know each other and the replica",
         DEADLINE * 2,
         || {
             (1..=3)
@@ -604,7 +578,7 @@ fn a_partition_of_the_old_primarys_host_feeds_no_server_from_both_sides() {
             .then_some(())
     });
     hosts.run_in(0, || {
-        replicates_from(&p, &a, "P to replicate from A");
+        replicates_from(&p, a.port, "P to replicate from A");
         wait_for("P to hold A's writes, without its side", DEADLINE, || {
             let keys = |pattern| {
                 let mut con = redis::Client::open(p.url()).ok()?.get_connection().ok()?;

@@ -6,10 +6,12 @@
 //! from the promotion point ([`crate::stream::follow`], which drops and reports
 //! what the log holds past that point). Every other agent follows the
 //! agent that does, found among its peers by what each one's log follows.
-//! The agent of the old primary also re-attaches its server as a replica
-//! of the new one, so that it takes no more writes of a history the others
-//! left (the server's own PSYNC continues it, or syncs it in full if it
-//! wrote past the promotion point: never a merge).
+//! The agent of the old primary (the server its log followed as the
+//! primary: its configured `primary_addr`, or its own server once a
+//! failover promoted it) also re-attaches that server as a replica of the
+//! new one, so that it takes no more writes of a history the others left
+//! (the server's own PSYNC continues it, or syncs it in full if it wrote
+//! past the promotion point: never a merge).
 //!
 //! Everything is decided before anything changes: the named primary must
 //! be the local server (promoted by now) or a peer's log must follow it,
@@ -153,9 +155,9 @@ where
     }
     // The old primary's agent acts on its server: only toward a proved
     // primary that is the server it was proved as.
-    let old = match redis.primary_addr.as_str() {
-        "" => None,
-        old => {
+    let old = match old_primary(c, &upstreams.source()).await {
+        None => None,
+        Some(old) => {
             let proof = proof?;
             check_new_primary(primary, &proof, theirs.as_ref())?;
             Some(old)
@@ -213,6 +215,22 @@ where
         local_server,
         re_attach_pending,
     })
+}
+
+/// The server this agent re-attaches when another is promoted, as the old
+/// primary's agent: the primary it is configured to follow (`[redis]
+/// primary_addr`), or the local server while the log follows it as the
+/// primary (a failover promoted it). `None`: the agent's server, if any,
+/// is no primary its log follows.
+async fn old_primary<'c>(c: &'c Config, source: &Source) -> Option<&'c str> {
+    if !c.redis.primary_addr.is_empty() {
+        return Some(&c.redis.primary_addr);
+    }
+    let local = c.redis.local_server(c.handoff.mode)?;
+    match source {
+        Source::Primary(followed) if same_addr(local, followed).await => Some(local),
+        _ => None,
+    }
 }
 
 /// The log follows the local server at `local`, named `primary` (under

@@ -8,6 +8,7 @@ pub mod kv;
 pub mod netns;
 pub mod node;
 pub mod pki;
+pub mod sentinel;
 pub mod stream;
 
 use std::io::{BufRead, BufReader, Read, Write};

@@ -104,13 +104,24 @@ impl Hosts {
         let path = format!("/run/netns/{}", self.names[host]);
         std::thread::scope(|s| {
             let t = s.spawn(move || {
-                let ns = std::fs::File::open(&path).unwrap();
-                // SAFETY: setns on this thread only, with an open netns fd.
-                let rc = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
-                assert_eq!(rc, 0, "setns {path}: {}", std::io::Error::last_os_error());
+                enter(&path);
                 f()
             });
             t.join().unwrap_or_else(|e| std::panic::resume_unwind(e))
+        })
+    }
+
+    /// Starts `f` on a thread of its own inside host `host`'s network
+    /// namespace, for as long as it runs.
+    pub fn spawn_in<T: Send + 'static>(
+        &self,
+        host: usize,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> std::thread::JoinHandle<T> {
+        let path = format!("/run/netns/{}", self.names[host]);
+        std::thread::spawn(move || {
+            enter(&path);
+            f()
         })
     }
 
@@ -127,6 +138,14 @@ impl Hosts {
             }
         }
     }
+}
+
+/// Moves this thread into the network namespace at `path`.
+fn enter(path: &str) {
+    let ns = std::fs::File::open(path).unwrap();
+    // SAFETY: setns on this thread only, with an open netns fd.
+    let rc = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
+    assert_eq!(rc, 0, "setns {path}: {}", std::io::Error::last_os_error());
 }
 
 impl Drop for Hosts {
