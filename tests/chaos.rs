@@ -379,26 +379,21 @@ impl Sentineled<'_> {
 /// The whole records of `dir`'s log: each one's segment, the position of
 /// its bytes there, its offset and length.
 fn records(dir: &Path) -> Vec<(PathBuf, usize, u64, usize)> {
-    let mut segments: Vec<PathBuf> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "kvslog"))
-        .collect();
-    segments.sort();
+    use kvsync::stream::log::{RECORD_HEADER, SEGMENT_HEADER};
     let mut out = Vec::new();
-    for path in segments {
+    for path in segment_files(dir) {
         let bytes = std::fs::read(&path).unwrap();
-        // The segment's header (72 bytes), then records: offset u64, len
-        // u32, hash (32 bytes), bytes.
-        let mut pos = 72;
-        while pos + 44 <= bytes.len() {
+        // The segment's header, then records: a header (offset u64, len
+        // u32, hash), then the bytes.
+        let mut pos = SEGMENT_HEADER;
+        while pos + RECORD_HEADER <= bytes.len() {
             let at = u64::from_be_bytes(bytes[pos..pos + 8].try_into().unwrap());
             let len = u32::from_be_bytes(bytes[pos + 8..pos + 12].try_into().unwrap()) as usize;
-            if pos + 44 + len > bytes.len() {
+            if pos + RECORD_HEADER + len > bytes.len() {
                 break;
             }
-            out.push((path.clone(), pos + 44, at, len));
-            pos += 44 + len;
+            out.push((path.clone(), pos + RECORD_HEADER, at, len));
+            pos += RECORD_HEADER + len;
         }
     }
     out

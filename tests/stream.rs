@@ -36,7 +36,7 @@ use common::netns::{block_on, Hosts, IPS};
 use common::node::*;
 use common::stream::*;
 use common::*;
-use kvsync::stream::log::Log;
+use kvsync::stream::log::{Log, RECORD_HEADER, SEGMENT_HEADER};
 
 /// The offset the primary holds for its one replica (the agent's ack).
 fn replica_offset(primary: &Redis) -> Option<u64> {
@@ -643,12 +643,7 @@ fn a_fed_server_ahead_of_its_agents_log_after_a_crash_continues_once_the_log_rea
     replica.proc.signal(libc::SIGKILL);
     replica.proc.wait_exit();
     let rep_log = root.path().join("rep-log");
-    let newest = std::fs::read_dir(&rep_log)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "kvslog"))
-        .max()
-        .expect("a segment");
+    let newest = segment_files(&rep_log).pop().expect("a segment");
     let len = std::fs::metadata(&newest).unwrap().len();
     assert!(len > 200 << 10, "{len} bytes in the newest segment");
     let file = std::fs::OpenOptions::new()
@@ -700,17 +695,13 @@ on_both_servers!(
 /// and inode (a file made again has another).
 fn segments(dir: &Path) -> Vec<(PathBuf, u64, u64)> {
     use std::os::unix::fs::MetadataExt;
-    let mut all: Vec<_> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "kvslog"))
+    segment_files(dir)
+        .into_iter()
         .map(|p| {
             let meta = std::fs::metadata(&p).unwrap();
             (p, meta.len(), meta.ino())
         })
-        .collect();
-    all.sort();
-    all
+        .collect()
 }
 
 /// Flips one bit in the bytes of the first record of the oldest segment
@@ -723,8 +714,8 @@ fn damage_oldest_record(dir: &Path) -> (PathBuf, u64, u8) {
         .write(true)
         .open(&segment)
         .unwrap();
-    // Past the segment's header (72 bytes) and the record's (44).
-    let at = 72 + 44 + 3;
+    // Past the segment's header and the record's.
+    let at = (SEGMENT_HEADER + RECORD_HEADER + 3) as u64;
     let mut byte = [0u8];
     file.read_exact_at(&mut byte, at).unwrap();
     file.write_all_at(&[byte[0] ^ 0x04], at).unwrap();
@@ -1041,16 +1032,11 @@ fn a_damaged_old_segment_is_set_aside_on_restart_and_the_rest_served() {
     wait_logged(&source, &primary, "the source agent to log 3.5 MB");
     source.proc.signal(libc::SIGKILL);
     source.proc.wait_exit();
-    let mut segments: Vec<PathBuf> = std::fs::read_dir(&src_log)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "kvslog"))
-        .collect();
-    segments.sort();
+    let segments = segment_files(&src_log);
     assert!(segments.len() >= 3, "{segments:?}");
     // The offset field of the oldest segment's first record header.
     let mut b = std::fs::read(&segments[0]).unwrap();
-    b[72 + 3] ^= 1;
+    b[SEGMENT_HEADER + 3] ^= 1;
     std::fs::write(&segments[0], b).unwrap();
 
     let source = source_with(root.path(), &config, &[]);

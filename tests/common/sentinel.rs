@@ -68,16 +68,23 @@ fn fields(flat: &[String]) -> HashMap<String, String> {
 /// Whether `sentinel` knows two other Sentinels, the master as up with no
 /// failover in progress (one ends once every replica it knows is
 /// re-pointed, or after its `failover-timeout`), and the replica on port
-/// `replica` as a healthy one it could promote.
+/// `replica` as one it would promote: up, its link to the master up and
+/// never down since, and heard from lately (a ping answered within 5 s,
+/// its `INFO` within 30 s; after a cut, Sentinel's link to it may take
+/// longer than the cut to come back).
 pub fn sentinel_ready(sentinel: &Redis, replica: u16) -> bool {
     let master = fields(&sentinel.cmd::<Vec<String>>(&["SENTINEL", "MASTER", MASTER]));
     let replicas: Vec<Vec<String>> = sentinel.cmd(&["SENTINEL", "REPLICAS", MASTER]);
+    let ms = |r: &HashMap<String, String>, field: &str| r[field].parse::<u64>().unwrap_or(u64::MAX);
     master["num-other-sentinels"] == "2"
         && master["flags"] == "master"
         && replicas.iter().map(|r| fields(r)).any(|r| {
             r["port"] == replica.to_string()
                 && r["flags"] == "slave"
                 && r["master-link-status"] == "ok"
+                && r["master-link-down-time"] == "0"
+                && ms(&r, "last-ok-ping-reply") < 2_000
+                && ms(&r, "info-refresh") < 20_000
         })
 }
 

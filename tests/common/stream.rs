@@ -227,6 +227,17 @@ pub fn same_sample(rs: &Redis, primary: &Redis, written: usize) {
     }
 }
 
+/// The log's segment files in `dir`, oldest first.
+pub fn segment_files(dir: &Path) -> Vec<PathBuf> {
+    let mut all: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "kvslog"))
+        .collect();
+    all.sort();
+    all
+}
+
 /// The first offset of the log in `dir` and the whole stream it holds,
 /// every record checked against its hash as it is read.
 pub fn log_bytes(dir: &Path) -> (u64, Vec<u8>) {

@@ -54,7 +54,7 @@ use self::history::History;
 pub use self::mend::Damaged;
 pub use self::record::{contiguous, Record, MAX_RECORD, RECORD_HEADER};
 use self::segment::{cut_point, scan, Segment, REPLID_LEN, SUFFIX};
-pub use self::segment::{read, ReadPlan};
+pub use self::segment::{read, ReadPlan, HEADER_LEN as SEGMENT_HEADER};
 use crate::config::{Fsync, StreamConfig};
 use crate::sys::fs::open_regular;
 

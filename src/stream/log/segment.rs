@@ -19,7 +19,7 @@ use crate::sys::fs::{open_regular, sync_dir};
 /// Segment file header: magic, start offset, replication id, header hash.
 const MAGIC: &[u8; 8] = b"KVSLOG01";
 pub(super) const REPLID_LEN: usize = 40;
-pub(super) const HEADER_LEN: usize = 8 + 8 + REPLID_LEN + 16;
+pub const HEADER_LEN: usize = 8 + 8 + REPLID_LEN + 16;
 /// An index entry at least every this many bytes of a segment.
 const INDEX_EVERY: u64 = 64 << 10;
 pub(super) const SUFFIX: &str = ".kvslog";
