@@ -6,10 +6,9 @@
 //! from the promotion point ([`crate::stream::follow`], which drops and reports
 //! what the log holds past that point). Every other agent follows the
 //! agent that does, found among its peers by what each one's log follows.
-//! The agent of the old primary (the server its log followed as the
-//! primary: its configured `primary_addr`, or its own server once a
-//! failover promoted it) also re-attaches that server as a replica of the
-//! new one, so that it takes no more writes of a history the others left
+//! The agent of the old primary (its configured `primary_addr`, or its own
+//! server while that answers as a primary: a failover promoted it) also
+//! re-attaches that server as a replica of the new one, so that it takes no more writes of a history the others left
 //! (the server's own PSYNC continues it, or syncs it in full if it wrote
 //! past the promotion point: never a merge).
 //!
@@ -155,14 +154,11 @@ where
     }
     // The old primary's agent acts on its server: only toward a proved
     // primary that is the server it was proved as.
-    let old = match old_primary(c, &upstreams.source()).await {
-        None => None,
-        Some(old) => {
-            let proof = proof?;
-            check_new_primary(primary, &proof, theirs.as_ref())?;
-            Some(old)
-        }
-    };
+    let old = old_primary(c).await;
+    if let OldPrimary::Server(_) = old {
+        let proof = proof?;
+        check_new_primary(primary, &proof, theirs.as_ref())?;
+    }
     if look_among.is_empty() {
         return Err(FailoverError::NoPeers {
             primary: primary.to_string(),
@@ -194,17 +190,27 @@ where
         upstreams.set(vec![follower], &c.sync.allowed_sources)?;
     }
     let theirs = theirs.as_ref();
+    let again =
+        "call this failover again once it is up; an agent that follows Sentinels tries every 10 s";
     let (local_server, re_attach_pending) = match (old, theirs) {
-        (Some(old), Some(theirs)) => match re_attach(old, &redis.password, &new, theirs).await {
-            Ok(None) => (None, false),
-            Ok(Some(said)) => (Some(said), false),
-            Err(e) => {
-                let said = format!(
-                    "the old primary {old} could not be re-attached ({e}): make it a replica of {new} before it takes writes again (call this failover again once it is up; an agent that follows Sentinels tries every 10 s)"
-                );
-                (Some(said), true)
+        (OldPrimary::Server(old), Some(theirs)) => {
+            match re_attach(old, &redis.password, &new, theirs).await {
+                Ok(None) => (None, false),
+                Ok(Some(said)) => (Some(said), false),
+                Err(e) => {
+                    let said = format!(
+                        "the old primary {old} could not be re-attached ({e}): make it a replica of {new} before it takes writes again ({again})"
+                    );
+                    (Some(said), true)
+                }
             }
-        },
+        }
+        (OldPrimary::Unanswered(local, e), _) => {
+            let said = format!(
+                "the local server {local} did not answer ({e}): if a failover had made it a primary, make it a replica of {new} before it takes writes again ({again})"
+            );
+            (Some(said), true)
+        }
         _ => (None, false),
     };
     if let Some(said) = &local_server {
@@ -217,19 +223,34 @@ where
     })
 }
 
-/// The server this agent re-attaches when another is promoted, as the old
-/// primary's agent: the primary it is configured to follow (`[redis]
-/// primary_addr`), or the local server while the log follows it as the
-/// primary (a failover promoted it). `None`: the agent's server, if any,
-/// is no primary its log follows.
-async fn old_primary<'c>(c: &'c Config, source: &Source) -> Option<&'c str> {
+/// Which server this agent re-attaches when another is promoted, as the
+/// old primary's agent.
+enum OldPrimary<'c> {
+    /// The primary it is configured to follow (`[redis] primary_addr`),
+    /// or the local server, which answers as a primary (a failover
+    /// promoted it, and nothing has made it a replica since). Asked of
+    /// the server, not of the log, whose source has moved on once a
+    /// re-attach is pending, and which may name the server by another of
+    /// its addresses. [`re_attach`] acts only on one whose history the
+    /// new primary continues.
+    Server(&'c str),
+    /// The local server did not answer: whether it is one is asked again.
+    Unanswered(&'c str, RedisError),
+    /// No server of this agent's is a primary.
+    Not,
+}
+
+async fn old_primary(c: &Config) -> OldPrimary<'_> {
     if !c.redis.primary_addr.is_empty() {
-        return Some(&c.redis.primary_addr);
+        return OldPrimary::Server(&c.redis.primary_addr);
     }
-    let local = c.redis.local_server(c.handoff.mode)?;
-    match source {
-        Source::Primary(followed) if same_addr(local, followed).await => Some(local),
-        _ => None,
+    let Some(local) = c.redis.local_server(c.handoff.mode) else {
+        return OldPrimary::Not;
+    };
+    match identity(local, &c.redis.password).await {
+        Ok(ours) if ours.role == "master" => OldPrimary::Server(local),
+        Ok(_) => OldPrimary::Not,
+        Err(e) => OldPrimary::Unanswered(local, e),
     }
 }
 
