@@ -313,12 +313,14 @@ impl Sentineled<'_> {
         );
     }
 
-    /// A planned failover from side `m`, the master, to side `r`: the
-    /// master's writes paused until `r` and its agent's log hold all it
-    /// wrote, `SENTINEL FAILOVER`, and once the promoted server's agent
-    /// follows it, the other agent follows that agent, the old master
-    /// replicates from the promoted one (re-attached by its agent, or
-    /// converted by Sentinel) and every Sentinel names it, its writes are
+    /// A planned failover from side `m`, the master, to side `r`, once
+    /// the Sentinels would promote `r` (asked before the pause: a paused
+    /// master holds their hellos and looks down to them): the master's
+    /// writes paused until `r` and its agent's log hold all it wrote,
+    /// `SENTINEL FAILOVER`, and once the promoted server's agent follows
+    /// it, the other agent follows that agent, the old master replicates
+    /// from the promoted one (re-attached by its agent: Sentinel cannot
+    /// convert a paused one) and every Sentinel names it, its writes are
     /// resumed.
     fn fail_over(&self, agents: &[Agent], (m, r): (usize, usize)) {
         self.ready_to_promote(r);

@@ -8,9 +8,10 @@
 //! agent that does, found among its peers by what each one's log follows.
 //! The agent of the old primary (its configured `primary_addr`, or its own
 //! server while that answers as a primary: a failover promoted it) also
-//! re-attaches that server as a replica of the new one, so that it takes no more writes of a history the others left
-//! (the server's own PSYNC continues it, or syncs it in full if it wrote
-//! past the promotion point: never a merge).
+//! re-attaches that server as a replica of the new one, so that it takes
+//! no more writes of a history the others left (the server's own PSYNC
+//! continues it, or syncs it in full if it wrote past the promotion
+//! point: never a merge).
 //!
 //! Everything is decided before anything changes: the named primary must
 //! be the local server (promoted by now) or a peer's log must follow it,
@@ -27,7 +28,7 @@
 use std::future::Future;
 
 use super::Instance;
-use crate::config::{Config, HostPort};
+use crate::config::{Config, HandoffMode, HostPort};
 use crate::kv::redis::{Info, RedisError};
 use crate::rpc::auth::ClientAuth;
 use crate::rpc::dial::Dialer;
@@ -227,12 +228,15 @@ where
 /// old primary's agent.
 enum OldPrimary<'c> {
     /// The primary it is configured to follow (`[redis] primary_addr`),
-    /// or the local server, which answers as a primary (a failover
-    /// promoted it, and nothing has made it a replica since). Asked of
-    /// the server, not of the log, whose source has moved on once a
-    /// re-attach is pending, and which may name the server by another of
-    /// its addresses. [`re_attach`] acts only on one whose history the
-    /// new primary continues.
+    /// or the local server of a handoff that makes it a replica of the
+    /// primary (`redis`, `redis-replicate`: one Sentinel may promote),
+    /// which answers as a primary (a failover promoted it, and nothing
+    /// has made it a replica since). Asked of the server, not of the log,
+    /// whose source has moved on once a re-attach is pending, and which
+    /// may name the server by another of its addresses. [`re_attach`]
+    /// acts only on one whose history the new primary continues. A server
+    /// fed from the log (`redis-stream`) is never one: a primary there is
+    /// [`crate::stream::keep`]'s to judge.
     Server(&'c str),
     /// The local server did not answer: whether it is one is asked again.
     Unanswered(&'c str, RedisError),
@@ -240,11 +244,16 @@ enum OldPrimary<'c> {
     Not,
 }
 
+/// Which [`OldPrimary`] this agent's server is, asked of the server.
 async fn old_primary(c: &Config) -> OldPrimary<'_> {
     if !c.redis.primary_addr.is_empty() {
         return OldPrimary::Server(&c.redis.primary_addr);
     }
-    let Some(local) = c.redis.local_server(c.handoff.mode) else {
+    let local = match c.handoff.mode {
+        HandoffMode::RedisStream => None,
+        mode => c.redis.local_server(mode),
+    };
+    let Some(local) = local else {
         return OldPrimary::Not;
     };
     match identity(local, &c.redis.password).await {
