@@ -12,7 +12,9 @@
 //! Sentinel where to write): A's agent follows A, P's agent and B's follow
 //! A's agent, P's agent re-attaches P as A's replica; no server takes a
 //! full sync, the writer goes on at A, `WAIT` on A counts its replicas, B
-//! converges with A. P killed under writes: Sentinel promotes A, what the
+//! converges with A; and back to P the same way, A's agent re-attaching A
+//! while it is still paused (Sentinel cannot), no full sync. P killed
+//! under writes: Sentinel promotes A, what the
 //! logs hold past the promotion point is counted as divergence (B is
 //! re-seeded only then), B converges with A, and P, restarted, is made A's
 //! replica by Sentinel. P's host cut off by a partition (network
