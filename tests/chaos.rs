@@ -519,8 +519,7 @@ fn chaos_run(server: Server) {
         .map(|i| {
             hosts.run_in(0, || {
                 let dir = root.join(format!("sentinel-{i}"));
-                let watch = (hosts.ip(0), p_addr.as_str());
-                start_sentinel(server, &dir, (&watch.0, watch.1), MASTER, DEADLINE)
+                start_sentinel(server, &dir, (&hosts.ip(0), &p_addr), MASTER, DEADLINE)
             })
         })
         .collect();
