@@ -519,7 +519,7 @@ fn chaos_run(server: Server) {
         .map(|i| {
             hosts.run_in(0, || {
                 let dir = root.join(format!("sentinel-{i}"));
-                start_sentinel(server, &dir, (&hosts.ip(0), &p_addr), MASTER, DEADLINE)
+                start_sentinel(server, &dir, (&hosts.ip(0), &p_addr), DEADLINE)
             })
         })
         .collect();

@@ -237,7 +237,6 @@ fn one_lying_sentinel_cannot_make_a_promoted_replicas_agent_re_attach_it() {
                 Server::Redis,
                 &r.join(format!("sentinel-{i}")),
                 ("127.0.0.1", &q.addr()),
-                MASTER,
                 std::time::Duration::from_secs(1),
             )
         })
@@ -279,7 +278,12 @@ fn one_lying_sentinel_cannot_make_a_promoted_replicas_agent_re_attach_it() {
     );
     // Several askings (every 250 ms while they disagree), each a chance
     // to act.
-    std::thread::sleep(std::time::Duration::from_secs(3));
+    let dissent = "kvsync_stream_sentinel_dissent_total{kv_instance=\"default\"}";
+    wait_for(
+        "Q's agent to ask the Sentinels five times",
+        DEADLINE,
+        || (agent_q.metric(dissent) >= 5.0).then_some(()),
+    );
     assert_eq!(
         fake.commands(),
         Vec::<String>::new(),
@@ -443,7 +447,7 @@ fn a_stale_majority_never_re_attaches_a_promoted_replica_to_the_history_it_left(
             .map(str::to_string)
     });
     eprintln!("Q's agent: {said}");
-    std::thread::sleep(std::time::Duration::from_secs(3));
+    // The refusal is decided before anything is sent.
     assert_eq!(role(&q).0, "master", "Q was re-attached to P: {said}");
     assert_eq!(q.cmd::<i64>(&["DBSIZE"]), keys, "Q kept its keys");
     assert!(

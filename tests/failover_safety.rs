@@ -114,7 +114,6 @@ fn two_honest_sentinels_and_a_liar(
                 server,
                 &root.join(format!("sentinel-{i}")),
                 ("127.0.0.1", &p.addr()),
-                MASTER,
                 std::time::Duration::from_secs(1),
             )
         })

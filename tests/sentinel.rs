@@ -54,7 +54,7 @@ fn sentinels(root: &Path, primary: &Redis) -> Vec<Redis> {
 /// `ip`, watching the primary at `primary` as [`MASTER`] with two others
 /// (quorum 2), quick to call it down (1 s).
 fn sentinel(server: Server, dir: &Path, ip: &str, primary: &str) -> Redis {
-    start_sentinel(server, dir, (ip, primary), MASTER, Duration::from_secs(1))
+    start_sentinel(server, dir, (ip, primary), Duration::from_secs(1))
 }
 
 /// Waits until every Sentinel knows the other two and `replica` as a

@@ -15,13 +15,12 @@ use super::*;
 pub const MASTER: &str = "kvmaster";
 
 /// A Sentinel of `server`'s family in `dir`, listening on 127.0.0.1 and
-/// `ip`, watching the primary at `primary` as `master` (quorum 2), calling
-/// it down after `down_after` without an answer.
+/// `ip`, watching the primary at `primary` as [`MASTER`] (quorum 2),
+/// calling it down after `down_after` without an answer.
 pub fn start_sentinel(
     server: Server,
     dir: &Path,
     (ip, primary): (&str, &str),
-    master: &str,
     down_after: Duration,
 ) -> Redis {
     std::fs::create_dir_all(dir).unwrap();
@@ -35,7 +34,7 @@ pub fn start_sentinel(
     std::fs::write(
         &conf,
         format!(
-            "port {port}\nbind {bind}\ndir {}\nlogfile {}\nsentinel monitor {master} {host} {primary_port} 2\nsentinel down-after-milliseconds {master} {}\nsentinel failover-timeout {master} 20000\n",
+            "port {port}\nbind {bind}\ndir {}\nlogfile {}\nsentinel monitor {MASTER} {host} {primary_port} 2\nsentinel down-after-milliseconds {MASTER} {}\nsentinel failover-timeout {MASTER} 20000\n",
             dir.display(),
             dir.join("sentinel.log").display(),
             down_after.as_millis(),
@@ -69,9 +68,10 @@ fn fields(flat: &[String]) -> HashMap<String, String> {
 /// failover in progress (one ends once every replica it knows is
 /// re-pointed, or after its `failover-timeout`), and the replica on port
 /// `replica` as one it would promote: up, its link to the master up and
-/// never down since, and heard from lately (a ping answered within 5 s,
-/// its `INFO` within 30 s; after a cut, Sentinel's link to it may take
-/// longer than the cut to come back).
+/// never down since, and heard from lately (Sentinel wants a ping
+/// answered within 5 s and its `INFO` within 30 s; asked here with a
+/// margin: after a cut, Sentinel's link to it may take longer than the
+/// cut to come back).
 pub fn sentinel_ready(sentinel: &Redis, replica: u16) -> bool {
     let master = fields(&sentinel.cmd::<Vec<String>>(&["SENTINEL", "MASTER", MASTER]));
     let replicas: Vec<Vec<String>> = sentinel.cmd(&["SENTINEL", "REPLICAS", MASTER]);
