@@ -19,7 +19,9 @@
 #      replica agent) for AWAY seconds while the primary takes CATCHUP_MB
 #      of SETs of 1000-byte values, then resumed: the time until the
 #      replica server holds the primary's offset; and each agent's CPU
-#      seconds per GB of stream meanwhile.
+#      seconds per GB of stream meanwhile. A third row, a two-tier tree: a
+#      leaf agent following the replica agent, the relay stopped, the time
+#      until the leaf's server holds the primary's offset.
 #   4. Egress with 8 replica servers: the bytes the primary sent to its
 #      replicas, and the bytes the primary's host sent on (the primary plus
 #      its agent), per byte of stream: direct (8 replicas of the primary)
@@ -29,8 +31,8 @@
 # Knobs: KEEP=1 (keep the servers' and agents' files) RATE=1048576 LAT_SECS=10 BENCH_N=1000000 PART_SECS=60
 #        SERVER=redis|valkey PARTS="1 2 3 4 5" (which measurements)
 #        CATCHUP_MB=200 AWAY=20 (part 3)
-#        PERF=DIR (part 1: `perf record -g` of both agents during each kvsync
-#        run, into DIR/src-RUN.data and DIR/rep-RUN.data)
+#        PERF=DIR (parts 1 and 2: `perf record -g` of both agents during each
+#        kvsync run, into DIR/{src,rep}-{wait,set}-RUN.data)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/servers.sh
@@ -165,6 +167,21 @@ offered() {
 median() { printf '%s\n' "$@" | sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
 m() { median ${1}; }  # the median of a space-separated list
 now() { date +%s.%N; }
+# PERF=DIR: `perf record -g` of both agents from profile_start NAME until
+# profile_stop, into DIR/src-NAME.data and DIR/rep-NAME.data.
+profiled=()
+profile_start() {
+    [ -n "${PERF:-}" ] || return 0
+    mkdir -p "$PERF"
+    for a in src rep; do
+        perf record -q -F 999 -g -o "$PERF/$a-$1.data" -p "$(cat "$work/$a.pid")" 2>/dev/null &
+        profiled+=($!)
+    done
+}
+profile_stop() {
+    for pp in "${profiled[@]}"; do kill -INT "$pp"; wait "$pp" 2>/dev/null || true; done
+    profiled=()
+}
 
 # The two setups, each primary with 100k keys first.
 take_port PD; take_port RD; take_port PK; take_port RK
@@ -194,16 +211,9 @@ for run in $(seq "$runs"); do
         p=${primary_of[$setup]}
         "$examples/redis_writer" "127.0.0.1:$p" "$rate" 100 >/dev/null &
         writer=$!
-        profiled=()
-        if [ -n "${PERF:-}" ] && [ "$setup" = kvsync ]; then
-            mkdir -p "$PERF"
-            for a in src rep; do
-                perf record -q -F 999 -g -o "$PERF/$a-$run.data" -p "$(cat "$work/$a.pid")" 2>/dev/null &
-                profiled+=($!)
-            done
-        fi
+        [ "$setup" = kvsync ] && profile_start "wait-$run"
         line=$("$examples/wait_latency" "127.0.0.1:$p" "$lat_secs")
-        for pp in "${profiled[@]}"; do kill -INT "$pp"; wait "$pp" 2>/dev/null || true; done
+        profile_stop
         kill "$writer"; wait "$writer" 2>/dev/null || true
         echo "latency run $run $setup: $line" >&2
         p50[$setup]+="$(echo "$line" | sed -E 's/.*p50_ms=([0-9.]+).*/\1/') "
@@ -231,6 +241,7 @@ for setup in direct kvsync; do rps[$setup]=""; behind[$setup]=""; catchup[$setup
 for run in $(seq "$runs"); do
     for setup in direct kvsync; do
         p=${primary_of[$setup]} r=${replica_of[$setup]}
+        [ "$setup" = kvsync ] && profile_start "set-$run"
         $benchmark -p "$p" -t set -P 16 -n "$bench_n" -r 100000 -d 100 -q >"$work/bench.out" 2>/dev/null &
         b=$!
         most=0
@@ -240,6 +251,7 @@ for run in $(seq "$runs"); do
             sleep 0.05
         done
         wait "$b"
+        profile_stop
         t0=$(now)
         caught_up "$p" "$r"
         t1=$(now)
@@ -271,16 +283,28 @@ if part 3; then
 catchup_mb=${CATCHUP_MB:-200}
 away=${AWAY:-20}
 rcli "$PD" config set client-output-buffer-limit "replica 0 0 0" >/dev/null
-declare -A stopped_pid=([direct]=$(cat "$work/direct-r/redis.pid") [kvsync]=$(cat "$work/rep.pid"))
+# The two-tier tree: a leaf agent following the replica agent (the relay)
+# and feeding a server of its own. Its row stops the relay: the relay
+# catches up from the primary's agent while the leaf catches up from it.
+take_port RL
+server kvsync-l "$RL"
+read -r LEAF _ < <(feeding_agent leaf "$REP" "$RL")
+following "$LEAF"
+cli_on sync --agent "$LEAF" --source "$REP" --wait >/dev/null
+caught_up "$PK" "$RL"
+primary_of[tree]=$PK replica_of[tree]=$RL path_name[tree]="through kvsync, two tiers (the relay stopped)"
+declare -A stopped_pid=([direct]=$(cat "$work/direct-r/redis.pid") [kvsync]=$(cat "$work/rep.pid") [tree]=$(cat "$work/rep.pid"))
 declare -A back rate_mb
-for setup in direct kvsync; do back[$setup]=""; rate_mb[$setup]=""; done
+for setup in direct kvsync tree; do back[$setup]=""; rate_mb[$setup]=""; done
 cpu_src="" cpu_rep=""
 ticks() { awk '{print $14 + $15}' "/proc/$(cat "$work/$1.pid")/stat"; }  # AGENT: its user + system CPU ticks
 per_gb() { awk -v t="$1" -v hz="$(getconf CLK_TCK)" -v o="$2" 'BEGIN {printf "%.2f", t / hz / (o / 1e9)}'; }
 for run in $(seq "$runs"); do
-    for setup in direct kvsync; do
+    for setup in direct kvsync tree; do
         p=${primary_of[$setup]} r=${replica_of[$setup]}
         caught_up "$p" "$r"
+        # The one-tier row as before the tree: the leaf out of it.
+        [ "$setup" = kvsync ] && kill -STOP "$(cat "$work/leaf.pid")"
         o0=$(offset "$p")
         src0=$(ticks src) rep0=$(ticks rep)
         kill -STOP "${stopped_pid[$setup]}"
@@ -301,6 +325,7 @@ for run in $(seq "$runs"); do
             cpu_rep+="$(per_gb $(( $(ticks rep) - rep0 )) "$moved") "
             echo "catch-up run $run: CPU s per GB of stream, primary's agent $(per_gb $(( $(ticks src) - src0 )) "$moved"), replica agent $(per_gb $(( $(ticks rep) - rep0 )) "$moved")" >&2
         fi
+        [ "$setup" = kvsync ] && kill -CONT "$(cat "$work/leaf.pid")"
         back[$setup]+="$secs "
         rate_mb[$setup]+="$mb "
     done
@@ -309,14 +334,17 @@ echo "#### Catch-up: the replica side stopped ${away} s while the primary takes 
 echo ""
 echo "| path | caught up after it resumed | MB/s |"
 echo "|---|---|---|"
-for setup in direct kvsync; do
+for setup in direct kvsync tree; do
     echo "| ${path_name[$setup]} | $(m "${back[$setup]}") s | $(m "${rate_mb[$setup]}") |"
 done
 echo ""
-echo "kvsync / direct: $(awk -v a="$(m "${back[kvsync]}")" -v b="$(m "${back[direct]}")" 'BEGIN {printf "%.1f", a / (b > 0.01 ? b : 0.01)}')."
+for setup in kvsync tree; do
+    echo "${path_name[$setup]} / direct: $(awk -v a="$(m "${back[$setup]}")" -v b="$(m "${back[direct]}")" 'BEGIN {printf "%.1f", a / (b > 0.01 ? b : 0.01)}')."
+done
 echo ""
 echo "CPU seconds per GB of stream (logging it while the replica side was away, then the catch-up): the primary's agent $(m "$cpu_src"), the replica agent $(m "$cpu_rep")."
 echo ""
+kill "$(cat "$work/leaf.pid")"
 
 fi
 
