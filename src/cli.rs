@@ -301,6 +301,9 @@ pub struct CheckReplicaArgs {
     /// Keys to compare, at most: every key when the primary holds no more, else a random sample.
     #[arg(long, default_value_t = 1000)]
     pub sample: usize,
+    /// The ACL user to authenticate as (empty: the servers' `default`).
+    #[arg(long, env = "KVSYNC_REDIS_USER", default_value = "")]
+    pub user: String,
     /// The servers' password (AUTH), if they require one.
     #[arg(
         long,
@@ -309,6 +312,9 @@ pub struct CheckReplicaArgs {
         default_value = ""
     )]
     pub password: String,
+    /// A file holding the servers' password (instead of --password).
+    #[arg(long, conflicts_with = "password")]
+    pub password_file: Option<PathBuf>,
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
@@ -598,8 +604,9 @@ fn gen_snapshot(args: GenArgs) -> anyhow::Result<ExitCode> {
 
 /// `kvsync check-replica`.
 async fn check_replica(args: CheckReplicaArgs) -> anyhow::Result<ExitCode> {
-    let report =
-        crate::kv::check::check(&args.primary, &args.replica, &args.password, args.sample).await?;
+    let file = args.password_file.clone().unwrap_or_default();
+    let auth = crate::config::ServerAuth::new(&args.user, &args.password, &file);
+    let report = crate::kv::check::check(&args.primary, &args.replica, &auth, args.sample).await?;
     let escape = |keys: &[String]| -> Vec<String> {
         keys.iter()
             .map(|k| crate::peer_text::escape_controls(k).into_owned())

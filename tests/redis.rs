@@ -253,6 +253,7 @@ fn seeds_a_replica_with_a_partial_resync(server: Server, transport: &str, expect
         dir: rdir.clone(),
         child: None,
         password: None,
+        user: None,
     };
     wait_for("the replica to catch up", DEADLINE, || {
         let p: u64 = primary.cmd(&["DBSIZE"]);

@@ -419,6 +419,62 @@ on_both_servers!(
     a_primary_killed_under_writes_is_failed_over_by_sentinel_and_nothing_lost_is_merged,
 );
 
+/// A Sentinel with its `default` user off: the agent logs in as the ACL
+/// user `kvsync`, its password (with `:`, `@` and `/` in it) kept in
+/// `sentinel_password_file`. While the file holds another password the
+/// Sentinel refuses the agent, and the agent's log says as whom it tried
+/// to log in and where the password came from; once
+/// the file holds the right one, the agent subscribes without a restart.
+/// No log holds either password.
+#[test]
+fn an_agent_logs_in_to_a_sentinel_as_an_acl_user_with_its_password_in_a_file() {
+    let root = tempfile::tempdir().unwrap();
+    let root = root.path();
+    let primary = Redis::start(Server::Redis, &root.join("p"), &[]);
+    let (wrong, right) = ("not-it", "s3nt:in@l/pw");
+    let file = root.join("sentinel.pass");
+    std::fs::write(&file, format!("{wrong}\n")).unwrap();
+    let s = start_sentinel_acl(
+        Server::Redis,
+        &root.join("sentinel"),
+        ("127.0.0.1", &primary.addr()),
+        Duration::from_secs(30),
+        &[&format!("kvsync on >{right} ~* &* +@all")],
+    );
+    let config = format!(
+        "{}{}sentinel_user = \"kvsync\"\nsentinel_password_file = \"{}\"\n",
+        follower_config(&primary, &root.join("src-log")),
+        sentinel_lines(&[s.addr()], &["127.0.0.1:1".to_string()]),
+        file.display()
+    );
+    let agent = source_with(root, &config, &[]);
+    wait_for(
+        "the Sentinel's refusal in the agent's log",
+        DEADLINE,
+        || {
+            let log = agent.proc.log();
+            let said = format!(
+            "authentication failed - AuthenticationFailed (logging in as user \"kvsync\" with the password in {})",
+            file.display()
+        );
+            (log.contains("cannot subscribe to the Sentinel") && log.contains(&said)).then_some(())
+        },
+    );
+    std::fs::write(&file, format!("{right}\n")).unwrap();
+    wait_for("the agent to subscribe to the Sentinel", DEADLINE, || {
+        agent
+            .proc
+            .log()
+            .contains("following the Sentinels' +switch-master")
+            .then_some(())
+    });
+    let log = agent.proc.log();
+    assert!(
+        !log.contains(right) && !log.contains(wrong),
+        "a password in the log: {log}"
+    );
+}
+
 /// A network partition that cuts the primary's host off (network
 /// namespaces, one host each for P and its agent, A and its agent, B and
 /// its agent, and a third Sentinel; a Sentinel on each host but P's). P

@@ -399,6 +399,93 @@ fn a_server_fed_from_the_replica_agents_log_converges_and_continues_after_a_cut(
 
 on_both_servers!(a_server_fed_from_the_replica_agents_log_converges_and_continues_after_a_cut);
 
+/// Servers with their `default` user off: both agents authenticate as the
+/// ACL user `kvsync`, whose password (with `:`, `@` and `/` in it) is
+/// kept in a file. The primary's agent follows the primary, the replica
+/// agent seeds and feeds its server, and `check-replica` compares them
+/// as that user. A rotation done file first: the cut link is refused
+/// with the server's own words in the log, and comes back by itself once
+/// the servers take the new password, without a full sync. No log holds
+/// either password.
+fn acl_users_with_passwords_in_files_carry_the_stream_through_a_rotation(server: Server) {
+    let root = tempfile::tempdir().unwrap();
+    let root = root.path();
+    let (old, new) = ("s3:cr@t/one", "n3w:p@ss/two");
+    let file = root.join("kvsync.pass");
+    std::fs::write(&file, format!("{old}\n")).unwrap();
+    let user = format!("kvsync on >{old} ~* &* +@all");
+    let primary = Redis::start_acl(server, &root.join("p"), &[], &[&user]);
+    let login = format!(
+        "user = \"kvsync\"\npassword_file = \"{}\"\n",
+        file.display()
+    );
+    let config = format!(
+        "[redis]\nprimary_addr = \"{}\"\n{login}[stream]\ndir = \"{}\"\nfsync = \"always\"\n",
+        primary.addr(),
+        root.join("src-log").display()
+    );
+    let source = source_with(root, &config, &[]);
+    let pidfile = root.join("r").join("redis.pid");
+    let rs = Redis::start_acl(
+        server,
+        &root.join("r"),
+        &["--pidfile", pidfile.to_str().unwrap()],
+        &[&user],
+    );
+    let (rs, replica) = seed_fed(root, rs, &primary, &source, ("rep", "", &login));
+    primary.fill("after", 500, "v");
+    converged(&rs, &primary, "the fed server to converge");
+    let check_replica = |when: &str| {
+        let (ok, out, err) = cli(&[
+            "check-replica",
+            "--primary",
+            &primary.addr(),
+            "--replica",
+            &rs.addr(),
+            "--user",
+            "kvsync",
+            "--password-file",
+            file.to_str().unwrap(),
+        ]);
+        assert!(ok, "check-replica as the ACL user {when}: {out}{err}");
+    };
+    check_replica("");
+
+    // The file first: the primary's agent, cut off, is refused.
+    let refused = || source.proc.log().matches("WRONGPASS").count();
+    std::fs::write(&file, format!("{new}\n")).unwrap();
+    let killed: i64 = primary.cmd(&["CLIENT", "KILL", "USER", "kvsync"]);
+    assert!(killed >= 1, "the agents' connections as kvsync");
+    wait_for("the agent's AUTH refused, in its log", DEADLINE, || {
+        (refused() > 0).then_some(())
+    });
+    // Then the servers: the agent comes back by itself.
+    for r in [&primary, &rs] {
+        let _: () = r.cmd(&["ACL", "SETUSER", "kvsync", "resetpass", &format!(">{new}")]);
+    }
+    primary.fill("rotated", 500, "v");
+    converged(
+        &rs,
+        &primary,
+        "the fed server to converge after the rotation",
+    );
+    assert_eq!(
+        primary.info("stats").num("sync_full"),
+        1,
+        "only the source agent's"
+    );
+    check_replica("with the rotated file");
+    for agent in [&source, &replica] {
+        let log = agent.proc.log();
+        assert!(
+            !log.contains(old) && !log.contains(new),
+            "a password in the log: {log}"
+        );
+    }
+}
+
+on_both_servers!(acl_users_with_passwords_in_files_carry_the_stream_through_a_rotation);
+
 /// A server seeded through its agent (`redis-stream`) loads the snapshot's
 /// verified pieces while the rest still arrives: the source stalls at
 /// 2.5 MiB of an RDB in 1 MiB pieces, and the server has received exactly

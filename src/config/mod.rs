@@ -8,8 +8,9 @@
 //!
 //! Each wing's sections and their checks live in a file of their own:
 //! `stream` (`[stream]`), `redis` (`[redis]`, `[handoff]`), `data`
-//! (`[data]`, `[transport]`), `grpc` (`[grpc]`, `[tls]`, `[auth]`) and
-//! the addresses they hold (`addr`). This file keeps the whole
+//! (`[data]`, `[transport]`), `grpc` (`[grpc]`, `[tls]`, `[auth]`), the
+//! addresses they hold (`addr`) and how kvsync logs in to the servers
+//! and Sentinels they name (`server_auth`). This file keeps the whole
 //! ([`Config`]), the instances, the smaller sections, loading and the one
 //! `validate()` that runs every check and reports every problem at once.
 
@@ -27,6 +28,7 @@ mod data;
 mod grpc;
 mod keys;
 mod redis;
+mod server_auth;
 mod stream;
 
 pub use addr::{HostPort, NotHostPort};
@@ -36,6 +38,7 @@ pub use data::{
 };
 pub use grpc::{AuthConfig, GrpcConfig, TlsConfig};
 pub use redis::{HandoffConfig, HandoffMode, RedisConfig};
+pub use server_auth::{AuthError, Credentials, ServerAuth};
 pub use stream::{Fsync, StreamAck, StreamConfig, MAX_STREAM_SESSIONS};
 
 /// The whole agent configuration (one TOML file).
@@ -538,6 +541,40 @@ impl Config {
         }
         self.check_handoff(p);
         self.check_stream(p);
+        self.check_server_auth(p);
+    }
+
+    /// `[redis]`'s and `[stream]`'s passwords: written inline or kept in a
+    /// file, not both; a file given must hold one now (it is read again at
+    /// every connection).
+    fn check_server_auth(&self, p: &mut Problems) {
+        let (r, st) = (&self.redis, &self.stream);
+        for (key, inline, file, auth) in [
+            (
+                "redis.password_file",
+                &r.password,
+                &r.password_file,
+                r.auth(),
+            ),
+            (
+                "stream.sentinel_password_file",
+                &st.sentinel_password,
+                &st.sentinel_password_file,
+                st.sentinel_auth(),
+            ),
+        ] {
+            if file.as_os_str().is_empty() {
+                continue;
+            }
+            if !inline.is_empty() {
+                p.bad(
+                    key,
+                    "and the inline password are both set: keep one (the file)".into(),
+                );
+            } else if let Err(e) = auth.credentials() {
+                p.bad(key, e.to_string());
+            }
+        }
     }
 
     /// Admission limits, the cache budget, the watcher and offer timings.
@@ -589,6 +626,23 @@ impl Config {
                 "metrics.listen {} serves /metrics, unauthenticated, on every interface: bind it to the address your Prometheus scrapes (or loopback), or keep the port behind a firewall",
                 self.metrics.listen
             ));
+        }
+        for inst in self.instances() {
+            let named = match self.instance.is_empty() {
+                true => String::new(),
+                false => format!(" (instance {:?})", inst.name),
+            };
+            for (key, inline) in [
+                ("redis.password", inst.redis.auth().is_inline()),
+                (
+                    "stream.sentinel_password",
+                    inst.stream.sentinel_auth().is_inline(),
+                ),
+            ] {
+                if inline {
+                    w.push(format!("{key}{named} is written in the configuration, which ends up wherever the file goes (config management, support bundles): keep it in {key}_file, readable by the agent alone"));
+                }
+            }
         }
         if self.grpc_exposed() && self.fanout.allowed_replicas.is_empty() {
             w.push("fanout.allowed_replicas is empty: a fan-out this agent runs as origin calls any address a caller names, with the caller's token; list the replicas' agents".into());

@@ -9,7 +9,7 @@ use bytesize::ByteSize;
 use serde::{Deserialize, Serialize};
 
 use super::addr::is_host_port;
-use super::{Config, Problems};
+use super::{Config, Problems, ServerAuth};
 use crate::snapshot::Format;
 
 /// Redis/Valkey: the local primary (source role, pre-flight check) and the
@@ -20,8 +20,16 @@ pub struct RedisConfig {
     /// Source: the local primary (`host:port`) whose backlog must still hold
     /// M+1 before a snapshot is offered; empty skips the check.
     pub primary_addr: String,
-    /// Password for the servers (`AUTH`), if they require one.
+    /// The ACL user kvsync is to the servers (`AUTH <user> <password>`;
+    /// empty: the `default` user).
+    pub user: String,
+    /// The servers' password (`AUTH`), if they require one. Prefer
+    /// `password_file`: a password written here ends up wherever the
+    /// configuration goes (`check-config` warns).
     pub password: String,
+    /// A file holding the servers' password (its line ending left out),
+    /// read at every connection: a rotated file is used from the next one.
+    pub password_file: PathBuf,
     /// Replica: the local server (`host:port`).
     pub server_addr: String,
     /// Replica: the server's `dir` and `dbfilename`.
@@ -80,6 +88,11 @@ pub struct RedisConfig {
 }
 
 impl RedisConfig {
+    /// How the agent authenticates to the instance's servers.
+    pub fn auth(&self) -> ServerAuth {
+        ServerAuth::new(&self.user, &self.password, &self.password_file)
+    }
+
     /// The local server whose replication health the agent reports: the
     /// primary it pre-flights, or the replica a `redis` handoff seeds.
     pub fn local_server(&self, handoff: HandoffMode) -> Option<&str> {
@@ -97,7 +110,9 @@ impl Default for RedisConfig {
     fn default() -> Self {
         RedisConfig {
             primary_addr: String::new(),
+            user: String::new(),
             password: String::new(),
+            password_file: PathBuf::new(),
             server_addr: "127.0.0.1:6379".into(),
             dir: PathBuf::from("/var/lib/redis"),
             dbfilename: "dump.rdb".into(),

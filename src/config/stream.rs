@@ -9,7 +9,7 @@ use bytesize::ByteSize;
 use serde::{Deserialize, Serialize};
 
 use super::addr::is_host_port;
-use super::{normal_path, Config, HostPort, Problems};
+use super::{normal_path, Config, HostPort, Problems, ServerAuth};
 
 /// Stream sessions an agent offers or serves at once, at most (every
 /// instance, every host together).
@@ -106,8 +106,13 @@ pub struct StreamConfig {
     pub sentinels: Vec<String>,
     /// The name the Sentinels monitor the primary under.
     pub master_name: String,
-    /// The Sentinels' `requirepass`, if they have one.
+    /// The ACL user kvsync is to the Sentinels (empty: `default`).
+    pub sentinel_user: String,
+    /// The Sentinels' password (`requirepass`, or the user's), if they
+    /// have one. Prefer `sentinel_password_file`.
     pub sentinel_password: String,
+    /// A file holding the Sentinels' password, read at every connection.
+    pub sentinel_password_file: PathBuf,
 }
 
 impl Default for StreamConfig {
@@ -135,7 +140,9 @@ impl Default for StreamConfig {
             servers: Vec::new(),
             sentinels: Vec::new(),
             master_name: String::new(),
+            sentinel_user: String::new(),
             sentinel_password: String::new(),
+            sentinel_password_file: PathBuf::new(),
         }
     }
 }
@@ -143,6 +150,15 @@ impl Default for StreamConfig {
 impl StreamConfig {
     pub fn enabled(&self) -> bool {
         !self.dir.as_os_str().is_empty()
+    }
+
+    /// How the agent authenticates to the Sentinels.
+    pub fn sentinel_auth(&self) -> ServerAuth {
+        ServerAuth::new(
+            &self.sentinel_user,
+            &self.sentinel_password,
+            &self.sentinel_password_file,
+        )
     }
 
     /// The instance asked of upstreams and peers for instance `name`.

@@ -495,3 +495,36 @@ fn tls_needs_three_usable_pem_files() {
     c.tls.client_auth = true;
     assert_eq!(problem_keys(&c), ["tls.client_auth"]);
 }
+
+#[test]
+fn a_password_is_kept_in_a_file_that_holds_one_and_an_inline_one_is_warned_of() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("redis.pass");
+    let mut c = valid();
+    c.redis.password_file = file.clone();
+    let problems = c.validate().unwrap_err();
+    assert!(
+        problems[0].key == "redis.password_file" && problems[0].message.contains("redis.pass"),
+        "a missing file: {problems:?}"
+    );
+    std::fs::write(&file, "s3cret\n").unwrap();
+    c.validate().unwrap();
+    assert!(c.warnings().iter().all(|w| !w.contains("password")));
+    c.redis.password = "hunter2-value".into();
+    assert_eq!(problem_keys(&c), ["redis.password_file"]);
+    c.redis.password_file = PathBuf::new();
+    c.validate().unwrap();
+    let warned = c.warnings();
+    assert!(
+        warned
+            .iter()
+            .any(|w| w.starts_with("redis.password ") && w.contains("password_file")),
+        "{warned:?}"
+    );
+    assert!(
+        warned.iter().all(|w| !w.contains("hunter2")),
+        "never the password itself"
+    );
+    c.stream.sentinel_password_file = dir.path().join("none");
+    assert_eq!(problem_keys(&c), ["stream.sentinel_password_file"]);
+}

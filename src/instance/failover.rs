@@ -28,6 +28,7 @@
 use std::future::Future;
 
 use super::Instance;
+use crate::config::ServerAuth;
 use crate::config::{Config, HandoffMode, HostPort};
 use crate::kv::redis::{Info, RedisError};
 use crate::rpc::auth::ClientAuth;
@@ -142,13 +143,13 @@ where
     let proof = prove(c, primary, &reports).await;
     // A proved address may be asked who it is; nothing else is.
     let theirs = match &proof {
-        Ok(_) => identity(primary, &redis.password).await.ok(),
+        Ok(_) => identity(primary, &redis.auth()).await.ok(),
         Err(_) => None,
     };
     // The local server under another name (a proved one, with its run_id).
     // A local server that does not answer is not the one that does.
     if let (Some(local), Some(theirs)) = (local, &theirs) {
-        let ours = identity(local, &redis.password).await;
+        let ours = identity(local, &redis.auth()).await;
         if ours.is_ok_and(|ours| ours.run_id == theirs.run_id) {
             return follow_local(i, local, primary).await;
         }
@@ -195,7 +196,7 @@ where
         "call this failover again once it is up; an agent that follows Sentinels tries every 10 s";
     let (local_server, re_attach_pending) = match (old, theirs) {
         (OldPrimary::Server(old), Some(theirs)) => {
-            match re_attach(old, &redis.password, &new, theirs).await {
+            match re_attach(old, &redis.auth(), &new, theirs).await {
                 Ok(None) => (None, false),
                 Ok(Some(said)) => (Some(said), false),
                 Err(e) => {
@@ -256,7 +257,7 @@ async fn old_primary(c: &Config) -> OldPrimary<'_> {
     let Some(local) = local else {
         return OldPrimary::Not;
     };
-    match identity(local, &c.redis.password).await {
+    match identity(local, &c.redis.auth()).await {
         Ok(ours) if ours.role == "master" => OldPrimary::Server(local),
         Ok(_) => OldPrimary::Not,
         Err(e) => OldPrimary::Unanswered(local, e),
@@ -267,7 +268,7 @@ async fn old_primary(c: &Config) -> OldPrimary<'_> {
 /// the address the others know it by, which they look for), once it is a
 /// primary.
 async fn follow_local(i: &Instance, local: &str, primary: &str) -> Result<Followed, FailoverError> {
-    let ours = identity(local, &i.config.redis.password).await?;
+    let ours = identity(local, &i.config.redis.auth()).await?;
     if ours.role != "master" {
         return Err(FailoverError::NotPromoted {
             server: primary.to_string(),
@@ -321,8 +322,8 @@ fn check_new_primary(
 }
 
 /// The `run_id`, role and replication ids of the server at `addr`.
-async fn identity(addr: &str, password: &str) -> Result<Identity, RedisError> {
-    let info = crate::kv::redis::infos(addr, password, &["server", "replication"]).await?;
+async fn identity(addr: &str, auth: &ServerAuth) -> Result<Identity, RedisError> {
+    let info = crate::kv::redis::infos(addr, auth, &["server", "replication"]).await?;
     let get = |key: &str| info.get(key).unwrap_or_default().to_string();
     Ok(Identity {
         run_id: get("run_id"),
@@ -340,11 +341,11 @@ async fn identity(addr: &str, password: &str) -> Result<Identity, RedisError> {
 /// (`Err`: it did not answer).
 async fn re_attach(
     server: &str,
-    password: &str,
+    auth: &ServerAuth,
     new: &HostPort,
     theirs: &Identity,
 ) -> Result<Option<String>, RedisError> {
-    let info = crate::kv::redis::info(server, password, "replication").await?;
+    let info = crate::kv::redis::info(server, auth, "replication").await?;
     if replicates_from(&info, new) {
         return Ok(None);
     }
@@ -355,7 +356,7 @@ async fn re_attach(
             theirs.replid, theirs.replid2
         )));
     }
-    let mut con = crate::kv::redis::connect(server, password).await?;
+    let mut con = crate::kv::redis::connect(server, auth).await?;
     crate::kv::seed::replicaof(&mut con, server, &new.host, new.port).await?;
     Ok(Some(format!(
         "the old primary {server} replicates from {new} now"
@@ -376,7 +377,7 @@ pub async fn own_report(c: &Config, source: String) -> PeerReport {
     let server = c.redis.local_server(c.handoff.mode).unwrap_or_default();
     let run_id = match server {
         "" => String::new(),
-        s => identity(s, &c.redis.password)
+        s => identity(s, &c.redis.auth())
             .await
             .map(|i| i.run_id)
             .unwrap_or_default(),

@@ -239,7 +239,7 @@ fn start_tasks(instance: &Instance, metrics: &Arc<Metrics>) {
                     addr.to_string(),
                     redis.primary_addr.is_empty(),
                 ),
-                redis.password.clone(),
+                redis.auth(),
                 redis.health_interval,
                 metrics.clone(),
                 stop.clone(),
@@ -250,7 +250,7 @@ fn start_tasks(instance: &Instance, metrics: &Arc<Metrics>) {
         instance.spawn(crate::kv::check::every(
             name.to_string(),
             (redis.primary.clone(), redis.server_addr.clone()),
-            redis.password.clone(),
+            redis.auth(),
             (redis.consistency_interval, redis.consistency_sample),
             metrics.clone(),
             stop.clone(),
@@ -281,7 +281,7 @@ fn follow_sentinels(
     let sentinels = sentinel::Sentinels {
         addrs: config.stream.sentinels.clone(),
         master_name: config.stream.master_name.clone(),
-        password: config.stream.sentinel_password.clone(),
+        auth: config.stream.sentinel_auth(),
     };
     let (primary, named) = tokio::sync::watch::channel(None);
     let (reported, dissent) = (

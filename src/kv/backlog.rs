@@ -268,14 +268,14 @@ impl BacklogGuard {
     /// Raises the backlog to `needed`, remembering the operator's value
     /// durably first.
     async fn grow(&self, state: &mut Leases, needed: u64, why: &str) -> Result<(), RedisError> {
-        let (addr, password) = (&self.cfg.primary_addr, &self.cfg.password);
+        let (addr, auth) = (&self.cfg.primary_addr, &self.cfg.auth());
         let max = self.cfg.max_backlog.as_u64();
         if needed > max {
             return Err(RedisError::Precondition(format!(
                 "{why}; that is above [redis] max_backlog ({max} bytes): raise max_backlog (the primary needs that much memory for its backlog), or seed when the primary writes less"
             )));
         }
-        let server = redis::info(addr, password, "server").await?;
+        let server = redis::info(addr, auth, "server").await?;
         if !redis::resize_keeps_history(&server) {
             return Err(RedisError::Precondition(format!(
                 "{why}; the primary runs Redis {}, which empties its backlog when repl-backlog-size changes (before 7.0), so kvsync does not grow it: raise repl-backlog-size to at least {needed} yourself and save a fresh RDB",
@@ -285,7 +285,7 @@ impl BacklogGuard {
         if state.original.is_none() {
             let original = Record {
                 server: addr.clone(),
-                repl_backlog_size: redis::backlog_size(addr, password).await?,
+                repl_backlog_size: redis::backlog_size(addr, auth).await?,
             };
             write_record(&self.record, &original).map_err(|e| {
                 RedisError::Precondition(format!(
@@ -295,7 +295,7 @@ impl BacklogGuard {
             })?;
             state.original = Some(original);
         }
-        redis::set_backlog_size(addr, password, needed).await?;
+        redis::set_backlog_size(addr, auth, needed).await?;
         self.metrics
             .kv_backlog_grown_bytes
             .with_label_values(&[&self.instance, addr])
@@ -330,7 +330,7 @@ impl BacklogGuard {
             return;
         };
         let size = original.repl_backlog_size;
-        match redis::set_backlog_size(&original.server, &self.cfg.password, size).await {
+        match redis::set_backlog_size(&original.server, &self.cfg.auth(), size).await {
             Ok(()) => {
                 info!(server = %original.server, repl_backlog_size = size, "restored the primary's repl-backlog-size");
                 self.metrics
@@ -360,14 +360,14 @@ impl BacklogGuard {
     /// it when M+1 is at risk and `grow_backlog` allows, and reports when
     /// it cannot (counted once per lease).
     async fn watch(self: Arc<Self>, session: String, snapshot: SnapshotInfo, foresight: Foresight) {
-        let (addr, password) = (&self.cfg.primary_addr, &self.cfg.password);
+        let (addr, auth) = (&self.cfg.primary_addr, &self.cfg.auth());
         let (start, expected) = (Instant::now(), foresight.seconds(snapshot.size));
         let mut last: Option<(Instant, u64)> = None;
         let mut counted = false;
         let mut ticks = tokio::time::interval(WATCH_EVERY);
         loop {
             ticks.tick().await;
-            let Ok(repl) = redis::info(addr, password, "replication").await else {
+            let Ok(repl) = redis::info(addr, auth, "replication").await else {
                 continue;
             };
             let (now, master) = (Instant::now(), repl.num("master_repl_offset"));

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use redis::aio::MultiplexedConnection;
 
+use crate::config::ServerAuth;
 use crate::kv::redis::{connect, server_err, Info, RedisError};
 
 /// Rounds a key that keeps changing is checked in.
@@ -43,11 +44,11 @@ pub struct Report {
 pub async fn check(
     primary: &str,
     replica: &str,
-    password: &str,
+    auth: &ServerAuth,
     sample: usize,
 ) -> Result<Report, RedisError> {
-    let mut p = connect(primary, password).await?;
-    let mut r = connect(replica, password).await?;
+    let mut p = connect(primary, auth).await?;
+    let mut r = connect(replica, auth).await?;
     let keys = sample_keys(&mut p, primary, sample).await?;
     let mut report = Report {
         checked: keys.len(),
@@ -241,7 +242,7 @@ async fn content(
 pub async fn every(
     instance: String,
     (primary, replica): (String, String),
-    password: String,
+    auth: ServerAuth,
     (every, sample): (Duration, usize),
     metrics: std::sync::Arc<crate::metrics::Metrics>,
     shutdown: tokio_util::sync::CancellationToken,
@@ -257,7 +258,7 @@ pub async fn every(
             _ = shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
-        match check(&primary, &replica, &password, sample).await {
+        match check(&primary, &replica, &auth, sample).await {
             Ok(report) if report.mismatches.is_empty() => {
                 tracing::debug!(
                     checked = report.checked,

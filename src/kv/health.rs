@@ -18,6 +18,7 @@ use prometheus::IntCounter;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::config::ServerAuth;
 use crate::kv::redis::Info;
 use crate::metrics::Metrics;
 
@@ -93,7 +94,7 @@ fn advance(counter: &IntCounter, last: &mut Option<u64>, now: u64) {
 /// dashboards).
 pub async fn watch(
     (instance, addr, expect_replica): (String, String, bool),
-    password: String,
+    auth: ServerAuth,
     every: Duration,
     metrics: Arc<Metrics>,
     shutdown: CancellationToken,
@@ -118,7 +119,7 @@ pub async fn watch(
             _ = shutdown.cancelled() => break,
             _ = tick.tick() => {}
         }
-        let polled = crate::kv::redis::infos(&addr, &password, &["replication", "stats"]).await;
+        let polled = crate::kv::redis::infos(&addr, &auth, &["replication", "stats"]).await;
         let health = match polled {
             Ok(info) => read(&info, expect_replica),
             Err(e) => {

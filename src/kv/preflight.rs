@@ -207,7 +207,7 @@ pub async fn run_meter(meter: Weak<WriteMeter>, cfg: RedisConfig) {
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticks.tick().await;
-        let read = info(&cfg.primary_addr, &cfg.password, "replication").await;
+        let read = info(&cfg.primary_addr, &cfg.auth(), "replication").await;
         let Some(meter) = meter.upgrade() else {
             return;
         };
@@ -245,15 +245,15 @@ pub async fn measure(
     meter: &WriteMeter,
 ) -> Result<Sizing, RedisError> {
     let repl_id = snapshot.repl_id.as_deref().unwrap_or("");
-    let (addr, password) = (&cfg.primary_addr, &cfg.password);
-    let mut repl = info(addr, password, "replication").await?;
+    let (addr, auth) = (&cfg.primary_addr, &cfg.auth());
+    let mut repl = info(addr, auth, "replication").await?;
     let mut checked = check_backlog(&repl, repl_id, snapshot.seq)?;
     let now = (Instant::now(), repl.num("master_repl_offset"));
     let since = meter.oldest().filter(|(_, o)| *o <= now.1).unwrap_or(now);
     let wait = cfg.rate_window.saturating_sub(since.0.elapsed());
     if !wait.is_zero() {
         tokio::time::sleep(wait).await;
-        repl = info(addr, password, "replication").await?;
+        repl = info(addr, auth, "replication").await?;
         checked = check_backlog(&repl, repl_id, snapshot.seq)?;
     }
     let master = repl.num("master_repl_offset");

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use tracing::warn;
 
+use crate::config::ServerAuth;
 use crate::config::{HostPort, RedisConfig};
 use crate::snapshot::SnapshotInfo;
 
@@ -80,38 +81,56 @@ pub(crate) fn server_err(addr: &str, e: impl std::fmt::Display) -> RedisError {
     }
 }
 
-/// A client of the server (or Sentinel) at `addr`, with `password` when
-/// set.
-pub(crate) fn client(addr: &str, password: &str) -> Result<redis::Client, RedisError> {
-    let url = match password {
-        "" => format!("redis://{addr}/"),
-        p => format!("redis://:{p}@{addr}/"),
-    };
-    redis::Client::open(url).map_err(|e| server_err(addr, e))
+/// A client of the server (or Sentinel) at `addr`, authenticated as
+/// `auth` says (the password file read now).
+pub(crate) fn client(addr: &str, auth: &ServerAuth) -> Result<redis::Client, RedisError> {
+    use redis::IntoConnectionInfo;
+    let info = format!("redis://{addr}/")
+        .into_connection_info()
+        .map_err(|e| server_err(addr, e))?;
+    let mut settings = info.redis_settings().clone();
+    if let Some(c) = auth.credentials().map_err(|e| server_err(addr, e))? {
+        if let Some(user) = &c.user {
+            settings = settings.set_username(user);
+        }
+        settings = settings.set_password(&c.password);
+    }
+    redis::Client::open(info.set_redis_settings(settings)).map_err(|e| server_err(addr, e))
 }
 
-/// A connection to `addr` (with `password` when set).
+/// A connection to `addr`, authenticated as `auth` says.
 pub(crate) async fn connect(
     addr: &str,
-    password: &str,
+    auth: &ServerAuth,
 ) -> Result<redis::aio::MultiplexedConnection, RedisError> {
-    let client = client(addr, password)?;
+    let client = client(addr, auth)?;
     let connect = client.get_multiplexed_async_connection();
     tokio::time::timeout(Duration::from_secs(5), connect)
         .await
         .map_err(|_| server_err(addr, "no answer within 5s"))?
-        .map_err(|e| server_err(addr, e))
+        .map_err(|e| refused(addr, auth, e))
+}
+
+/// A failed connection's error; one the server refused to log in says
+/// who kvsync tried to be, so the operator knows what to check.
+pub(crate) fn refused(addr: &str, auth: &ServerAuth, e: redis::RedisError) -> RedisError {
+    match e.kind() {
+        redis::ErrorKind::AuthenticationFailed => {
+            server_err(addr, format!("{e} (logging in as {auth})"))
+        }
+        _ => server_err(addr, e),
+    }
 }
 
 /// `INFO <section>` of the server at `addr`.
-pub async fn info(addr: &str, password: &str, section: &str) -> Result<Info, RedisError> {
-    infos(addr, password, &[section]).await
+pub async fn info(addr: &str, auth: &ServerAuth, section: &str) -> Result<Info, RedisError> {
+    infos(addr, auth, &[section]).await
 }
 
 /// `INFO` of several sections of the server at `addr`, over one
 /// connection, merged.
-pub async fn infos(addr: &str, password: &str, sections: &[&str]) -> Result<Info, RedisError> {
-    let mut con = connect(addr, password).await?;
+pub async fn infos(addr: &str, auth: &ServerAuth, sections: &[&str]) -> Result<Info, RedisError> {
+    let mut con = connect(addr, auth).await?;
     let mut text = String::new();
     for section in sections {
         let part: String = redis::cmd("INFO")
@@ -125,8 +144,8 @@ pub async fn infos(addr: &str, password: &str, sections: &[&str]) -> Result<Info
 }
 
 /// The server's `repl-backlog-size`.
-pub async fn backlog_size(addr: &str, password: &str) -> Result<u64, RedisError> {
-    let mut con = connect(addr, password).await?;
+pub async fn backlog_size(addr: &str, auth: &ServerAuth) -> Result<u64, RedisError> {
+    let mut con = connect(addr, auth).await?;
     let pair: Vec<String> = redis::cmd("CONFIG")
         .arg("GET")
         .arg("repl-backlog-size")
@@ -142,8 +161,8 @@ pub async fn backlog_size(addr: &str, password: &str) -> Result<u64, RedisError>
 }
 
 /// Sets the server's `repl-backlog-size` to `bytes`.
-pub async fn set_backlog_size(addr: &str, password: &str, bytes: u64) -> Result<(), RedisError> {
-    let mut con = connect(addr, password).await?;
+pub async fn set_backlog_size(addr: &str, auth: &ServerAuth, bytes: u64) -> Result<(), RedisError> {
+    let mut con = connect(addr, auth).await?;
     redis::cmd("CONFIG")
         .arg("SET")
         .arg("repl-backlog-size")
@@ -197,22 +216,22 @@ pub(crate) async fn confirm_partial(
     before: &Info,
     snapshot: &SnapshotInfo,
 ) -> Result<String, RedisError> {
-    let (server, password) = (cfg.server_addr.clone(), cfg.password.clone());
+    let (server, auth) = (cfg.server_addr.clone(), cfg.auth());
     let primary_port = cfg
         .primary
         .parse::<HostPort>()
         .map_or(String::new(), |a| a.port.to_string());
     until("master_link_status:up on the local server", timeout, || {
-        let (server, password, port) = (server.clone(), password.clone(), primary_port.clone());
+        let (server, auth, port) = (server.clone(), auth.clone(), primary_port.clone());
         async move {
-            let repl = info(&server, &password, "replication").await.ok()?;
+            let repl = info(&server, &auth, "replication").await.ok()?;
             (repl.get("master_link_status") == Some("up")
                 && repl.get("master_port") == Some(port.as_str()))
             .then_some(())
         }
     })
     .await?;
-    let after = info(&cfg.primary, &cfg.password, "stats").await?;
+    let after = info(&cfg.primary, &cfg.auth(), "stats").await?;
     let (full_before, full_after) = (before.num("sync_full"), after.num("sync_full"));
     let (partial_before, partial_after) =
         (before.num("sync_partial_ok"), after.num("sync_partial_ok"));

@@ -98,11 +98,11 @@ pub async fn hand_off(
     rdb: &Path,
     snapshot: &SnapshotInfo,
 ) -> Result<String, RedisError> {
-    let before = server_info(&cfg.primary, &cfg.password, "stats").await?;
+    let before = server_info(&cfg.primary, &cfg.auth(), "stats").await?;
 
     // Stop the local server (it must not overwrite the file on exit).
     if cfg.stop.is_empty() {
-        if let Ok(mut con) = connect(&cfg.server_addr, &cfg.password).await {
+        if let Ok(mut con) = connect(&cfg.server_addr, &cfg.auth()).await {
             let _: Result<(), _> = redis::cmd("SHUTDOWN")
                 .arg("NOSAVE")
                 .query_async(&mut con)

@@ -56,13 +56,13 @@ pub async fn replicate(
         .repl_id
         .as_deref()
         .ok_or_else(|| RedisError::Precondition("the RDB carries no replication id".into()))?;
-    let before = info(&cfg.primary, &cfg.password, "stats").await?;
-    let (server, password) = (&cfg.server_addr, &cfg.password);
+    let before = info(&cfg.primary, &cfg.auth(), "stats").await?;
+    let (server, auth) = (&cfg.server_addr, &cfg.auth());
     let record_path = snapshot_dir.join(RECORD);
-    let mut con = connect(server, password).await?;
+    let mut con = connect(server, auth).await?;
     // A record left by a killed agent holds the server's own values.
     put_back(&mut con, cfg, &record_path).await?;
-    let was = info(server, password, "replication").await?;
+    let was = info(server, auth, "replication").await?;
     let listener = TcpListener::bind(&cfg.seed_listen).await.map_err(|e| {
         let why = if e.kind() == std::io::ErrorKind::AddrInUse {
             "is taken by another process".to_string()
@@ -272,9 +272,9 @@ pub async fn attach(
     snapshot: &SnapshotInfo,
     accepted: Option<Accepted>,
 ) -> Result<String, RedisError> {
-    let (server, password) = (&cfg.server_addr, &cfg.password);
-    let mut con = connect(server, password).await?;
-    let was = info(server, password, "replication").await?;
+    let (server, auth) = (&cfg.server_addr, &cfg.auth());
+    let mut con = connect(server, auth).await?;
+    let was = info(server, auth, "replication").await?;
     let (master, old_auth) = take_auth(&mut con, server, &was, feed).await?;
     let (feed, secret) = (feed.addr, &feed.secret);
     let attached = async {
@@ -375,11 +375,11 @@ pub async fn repoint(
     let server = &cfg.server_addr;
     loop {
         let done = async {
-            let mut con = connect(server, &cfg.password).await?;
+            let mut con = connect(server, &cfg.auth()).await?;
             if config_get(&mut con, server, "masterauth").await? != secret {
                 return Ok(false);
             }
-            let i = info(server, &cfg.password, "replication").await?;
+            let i = info(server, &cfg.auth(), "replication").await?;
             let port = feed.port().to_string();
             if i.get("role") == Some("slave") && i.get("master_port") != Some(port.as_str()) {
                 replicaof(&mut con, server, &feed.ip().to_string(), feed.port()).await?;
@@ -461,7 +461,7 @@ async fn put_back(
         ))
     })?;
     config_set(con, server, "masterauth", &record.masterauth).await?;
-    let repl = info(server, &cfg.password, "replication").await;
+    let repl = info(server, &cfg.auth(), "replication").await;
     let still_seeded = repl.map_or(true, |i| {
         i.get("master_port") == Some(record.seed_port.to_string().as_str())
     });
@@ -488,7 +488,7 @@ pub async fn recover(
     let mut warned = false;
     while std::fs::symlink_metadata(&path).is_ok() {
         let done = async {
-            let mut con = connect(&cfg.server_addr, &cfg.password).await?;
+            let mut con = connect(&cfg.server_addr, &cfg.auth()).await?;
             put_back(&mut con, &cfg, &path).await
         };
         match done.await {
@@ -838,10 +838,10 @@ pub(crate) async fn following(
     port: u16,
     from: u64,
 ) -> Result<crate::kv::redis::Info, RedisError> {
-    let (server, password) = (&cfg.server_addr, &cfg.password);
+    let (server, auth) = (&cfg.server_addr, &cfg.auth());
     let port = port.to_string();
     until(what, timeout, || async {
-        let i = infos(server, password, &["replication", "persistence"])
+        let i = infos(server, auth, &["replication", "persistence"])
             .await
             .ok()?;
         let linked = i.get("master_link_status") == Some("up")

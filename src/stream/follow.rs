@@ -44,6 +44,7 @@ use super::log::{Log, LogError};
 use super::policy::{self, Backoff, LogStep, Promotion, Psync};
 use super::{SharedLog, WriterState};
 use crate::config::StreamAck;
+use crate::config::{AuthError, ServerAuth};
 use crate::kv::redis::Info;
 use crate::kv::resp;
 use crate::metrics::Metrics;
@@ -67,9 +68,9 @@ const MAX_INFO: usize = 64 << 10;
 #[derive(Clone)]
 pub struct Follow {
     pub instance: String,
-    /// The primary (`host:port`) and its password.
+    /// The primary (`host:port`) and how to authenticate to it.
     pub primary: String,
-    pub password: String,
+    pub auth: ServerAuth,
     /// Where an RDB of a full resync is offered.
     pub snapshot_dir: PathBuf,
     /// `[sync] max_snapshot_bytes` and `min_free_after`: an RDB the
@@ -148,6 +149,8 @@ pub enum FollowError {
     },
     #[error(transparent)]
     Log(#[from] LogError),
+    #[error(transparent)]
+    Auth(#[from] AuthError),
     /// A range the primary's backlog does not hold (or may not by the
     /// time it is asked): not asked, never a full resync.
     #[error("the primary {addr} does not hold the range: {why}")]
@@ -222,8 +225,14 @@ impl Link {
         let (read, write) = stream.into_split();
         let read = BufReader::with_capacity(READ_CHUNK, read);
         let mut link = Link { read, write, addr };
-        if !follow.password.is_empty() {
-            link.ask("AUTH", &["AUTH", &follow.password]).await?;
+        if let Some(c) = follow.auth.credentials()? {
+            let user = c.user.as_deref().into_iter();
+            let auth: Vec<&str> = ["AUTH"]
+                .into_iter()
+                .chain(user)
+                .chain([&*c.password])
+                .collect();
+            link.ask("AUTH", &auth).await?;
         }
         let port = ["REPLCONF", "listening-port", "0"];
         link.ask("REPLCONF listening-port", &port).await?;
@@ -338,8 +347,7 @@ async fn session(follow: &Follow, log: &SharedLog) -> Result<(), FollowError> {
 /// whose `INFO` cannot be read is followed as before: `PSYNC` alone then
 /// decides, and a log past the point costs a full resync.
 async fn promotion(follow: &Follow, log: &SharedLog) -> Result<Option<Promotion>, FollowError> {
-    let info = match crate::kv::redis::info(&follow.primary, &follow.password, "replication").await
-    {
+    let info = match crate::kv::redis::info(&follow.primary, &follow.auth, "replication").await {
         Ok(info) => info,
         Err(e) => {
             warn!(instance = %follow.instance, error = %e, "cannot read the primary's INFO replication: a promotion point is not looked for");

@@ -93,9 +93,9 @@ where
     };
     let proof = prove_asking(c, primary, ask).await?;
     let to: HostPort = primary.parse().map_err(|e| server_err(primary, e))?;
-    let (server, password) = (&cfg.server_addr, &cfg.password);
-    let mut con = connect(server, password).await?;
-    let was = infos(server, password, &["server", "replication"]).await?;
+    let (server, auth) = (&cfg.server_addr, &cfg.auth());
+    let mut con = connect(server, auth).await?;
+    let was = infos(server, auth, &["server", "replication"]).await?;
     if !follows(&was, feed) {
         return Err(HandError::NotFed {
             server: server.clone(),
@@ -103,18 +103,18 @@ where
             master: master_of(&was),
         });
     }
-    let before = infos(primary, password, &["server", "replication", "stats"]).await?;
+    let before = infos(primary, auth, &["server", "replication", "stats"]).await?;
     let offset = may_release(primary, &was, &before, &proof)?;
     let target = feed.target();
     let own = match seed::own_auth(&target)? {
         Some(own) => own,
-        None => cfg.password.clone(),
+        None => cfg.auth().secret().map_err(|e| server_err(server, e))?,
     };
     let moved = async {
         config_set(&mut con, server, "masterauth", &own).await?;
         replicaof(&mut con, server, &to.host, to.port).await?;
         let now = following(cfg, timeout, "the server to follow the primary", to.port, 0).await?;
-        let after = info(primary, password, "stats").await?;
+        let after = info(primary, auth, "stats").await?;
         let full = after.num("sync_full") > before.num("sync_full");
         if full || after.num("sync_partial_ok") <= before.num("sync_partial_ok") {
             return Err(HandError::Redis(RedisError::FullResync {
@@ -207,8 +207,8 @@ pub async fn attach(
     feed: &FeedHandle,
     stream: &SharedLog,
 ) -> Result<String, HandError> {
-    let (server, password) = (&cfg.server_addr, &cfg.password);
-    let was = info(server, password, "replication").await?;
+    let (server, auth) = (&cfg.server_addr, &cfg.auth());
+    let was = info(server, auth, "replication").await?;
     if follows(&was, feed) {
         return Err(HandError::AlreadyFed {
             server: server.clone(),
@@ -240,9 +240,9 @@ pub async fn onto_feed(
     stream: &SharedLog,
     restarted: Option<&str>,
 ) -> Result<String, HandError> {
-    let (server, password) = (&cfg.server_addr, &cfg.password);
-    let mut con = connect(server, password).await?;
-    let was = infos(server, password, &["server", "replication"]).await?;
+    let (server, auth) = (&cfg.server_addr, &cfg.auth());
+    let mut con = connect(server, auth).await?;
+    let was = infos(server, auth, &["server", "replication"]).await?;
     let offset = was.num("master_repl_offset");
     let own = was.get("master_replid").unwrap_or_default().to_string();
     let id = match restarted {

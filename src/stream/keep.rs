@@ -286,7 +286,7 @@ pub fn decide(seen: &Seen, known: Known) -> Decision {
 /// record of that is damaged. A server never fed (a new one: no record)
 /// may be seeded. Returns why not.
 pub async fn may_seed(cfg: &RedisConfig, dir: &Path) -> Result<(), String> {
-    let info = crate::kv::redis::info(&cfg.server_addr, &cfg.password, "replication")
+    let info = crate::kv::redis::info(&cfg.server_addr, &cfg.auth(), "replication")
         .await
         .map_err(|e| format!("cannot read the local server's role before seeding it: {e}"))?;
     let master = !Seen::read(&info).replica;
@@ -338,7 +338,8 @@ pub async fn run(
             _ = stop.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let polled = crate::kv::redis::infos(&server, &cfg.password, &["replication", "server"]);
+        let auth = cfg.auth();
+        let polled = crate::kv::redis::infos(&server, &auth, &["replication", "server"]);
         let (seen, uptime) = match polled.await {
             Ok(info) => (
                 Seen::read(&info),

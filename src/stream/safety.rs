@@ -13,6 +13,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::SharedLog;
+use crate::config::ServerAuth;
 use crate::kv::redis::{connect, info, Info, RedisError};
 use crate::metrics::Metrics;
 
@@ -82,7 +83,7 @@ fn describe(c: &Condition, for_: Duration) -> String {
 /// both when stopped.
 pub async fn write_safety(
     (instance, primary): (String, String),
-    password: String,
+    auth: ServerAuth,
     metrics: Arc<Metrics>,
     stream: SharedLog,
     stop: CancellationToken,
@@ -98,7 +99,7 @@ pub async fn write_safety(
             stream.set_write_safety(String::new());
             return;
         }
-        match read(&primary, &password).await {
+        match read(&primary, &auth).await {
             Ok(c) => {
                 let bad = matches!(c, Condition::Degraded { .. });
                 let from = match (bad, since) {
@@ -119,11 +120,11 @@ pub async fn write_safety(
     }
 }
 
-async fn read(primary: &str, password: &str) -> Result<Condition, RedisError> {
-    let mut con = connect(primary, password).await?;
+async fn read(primary: &str, auth: &ServerAuth) -> Result<Condition, RedisError> {
+    let mut con = connect(primary, auth).await?;
     let min = crate::kv::seed::config_get(&mut con, primary, "min-replicas-to-write").await?;
     let lag = crate::kv::seed::config_get(&mut con, primary, "min-replicas-max-lag").await?;
-    let repl = info(primary, password, "replication").await?;
+    let repl = info(primary, auth, "replication").await?;
     Ok(judge(
         min.parse().unwrap_or(0),
         lag.parse().unwrap_or(0),

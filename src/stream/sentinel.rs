@@ -25,6 +25,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::config::ServerAuth;
 use crate::kv::redis::server_err;
 
 /// How often the Sentinels are asked even without a message, in case a
@@ -57,7 +58,7 @@ const ASK: Duration = Duration::from_secs(5);
 pub struct Sentinels {
     pub addrs: Vec<String>,
     pub master_name: String,
-    pub password: String,
+    pub auth: ServerAuth,
 }
 
 /// The primary a Sentinel knows, under its configuration epoch.
@@ -91,11 +92,11 @@ pub async fn ask(addr: &str, s: &Sentinels) -> Result<Known, SentinelError> {
         message: e.to_string(),
     };
     let conversation = async {
-        let client = crate::kv::redis::client(addr, &s.password).map_err(|e| err(&e))?;
+        let client = crate::kv::redis::client(addr, &s.auth).map_err(|e| err(&e))?;
         let mut con = client
             .get_multiplexed_async_connection()
             .await
-            .map_err(|e| err(&e))?;
+            .map_err(|e| err(&crate::kv::redis::refused(addr, &s.auth, e)))?;
         redis::cmd("SENTINEL")
             .arg("MASTER")
             .arg(&s.master_name)
@@ -287,7 +288,7 @@ pub async fn watch(
         // Subscribed first, then asked: no switch falls in between.
         let addr = &s.addrs[next % s.addrs.len()];
         next += 1;
-        let mut sub = match tokio::time::timeout(ASK, subscribe(addr, &s.password)).await {
+        let mut sub = match tokio::time::timeout(ASK, subscribe(addr, &s.auth)).await {
             Ok(Ok(sub)) => sub,
             Ok(Err(e)) => {
                 warn!(sentinel = %addr, error = %e, "cannot subscribe to the Sentinel");
@@ -338,13 +339,13 @@ pub async fn watch(
 /// Subscribes to the Sentinel at `addr`'s `+switch-master` messages.
 async fn subscribe(
     addr: &str,
-    password: &str,
+    auth: &ServerAuth,
 ) -> Result<redis::aio::PubSub, crate::kv::redis::RedisError> {
-    let client = crate::kv::redis::client(addr, password)?;
+    let client = crate::kv::redis::client(addr, auth)?;
     let mut sub = client
         .get_async_pubsub()
         .await
-        .map_err(|e| server_err(addr, e))?;
+        .map_err(|e| crate::kv::redis::refused(addr, auth, e))?;
     sub.subscribe("+switch-master")
         .await
         .map_err(|e| server_err(addr, e))?;

@@ -226,7 +226,7 @@ pub async fn run(
                     tokio::join!(
                         super::safety::write_safety(
                             (follow.instance.clone(), addr.clone()),
-                            follow.password.clone(),
+                            follow.auth.clone(),
                             follow.metrics.clone(),
                             stream.clone(),
                             task.clone(),

@@ -92,7 +92,7 @@ pub async fn start(
     let follow = Follow {
         instance: name.to_string(),
         primary: String::new(),
-        password: config.redis.password.clone(),
+        auth: config.redis.auth(),
         snapshot_dir: config.snapshot_dir.clone(),
         max_rdb: config.sync.max_snapshot_bytes.as_u64(),
         min_free_after: config.sync.min_free_after.as_u64(),

@@ -97,6 +97,10 @@ macro_rules! on_both_servers {
     )*};
 }
 
+/// The ACL user and password the harness connects as to a server started
+/// with [`Redis::start_acl`].
+pub const HARNESS: (&str, &str) = ("harness", "harness-pw");
+
 /// A redis-server or valkey-server: a child process, or a daemonized one
 /// found by pidfile.
 pub struct Redis {
@@ -104,8 +108,11 @@ pub struct Redis {
     pub port: u16,
     pub dir: PathBuf,
     pub child: Option<Child>,
-    /// Its `--requirepass`, if it was started with one.
+    /// Its `--requirepass`, if it was started with one; or the harness
+    /// user's password ([`Redis::start_acl`]).
     pub password: Option<String>,
+    /// The ACL user the harness connects as (none: `default`).
+    pub user: Option<String>,
 }
 
 impl Redis {
@@ -164,10 +171,30 @@ impl Redis {
             password: extra
                 .windows(2)
                 .find(|w| w[0] == "--requirepass")
-                .map(|w| w[1].to_string()),
+                .map(|w| w[1].to_string())
+                .or_else(|| extra.contains(&HARNESS.0).then(|| HARNESS.1.to_string())),
+            user: extra
+                .windows(2)
+                .any(|w| w == ["--user", HARNESS.0])
+                .then(|| HARNESS.0.to_string()),
         };
         r.wait_up();
         r
+    }
+
+    /// Like [`Redis::start`], with the `default` user off: the harness
+    /// connects as its own ACL user ([`HARNESS`]) and `users` are added,
+    /// each an `ACL SETUSER` rule list (`"kvsync on >pw ~* +@all"`).
+    pub fn start_acl(server: Server, dir: &Path, extra: &[&str], users: &[&str]) -> Redis {
+        let harness = format!(">{}", HARNESS.1);
+        let mut args: Vec<&str> = extra.to_vec();
+        args.extend(["--user", HARNESS.0, "on", &harness, "~*", "&*", "+@all"]);
+        args.extend(["--user", "default", "off"]);
+        for rules in users {
+            args.push("--user");
+            args.extend(rules.split_whitespace());
+        }
+        Redis::start(server, dir, &args)
     }
 
     /// A replica's server, standalone until a handoff seeds it (its pidfile
@@ -192,12 +219,13 @@ impl Redis {
         format!("127.0.0.1:{}", self.port)
     }
 
-    /// A URL for the server, with its password.
+    /// A URL for the server, with its user and password.
     pub fn url(&self) -> String {
+        let user = self.user.as_deref().unwrap_or("");
         let auth = self
             .password
             .as_ref()
-            .map_or(String::new(), |p| format!(":{p}@"));
+            .map_or(String::new(), |p| format!("{user}:{p}@"));
         format!("redis://{auth}{}/", self.addr())
     }
 

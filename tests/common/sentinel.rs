@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
-use super::kv::{free_port, Redis, Server};
+use super::kv::{free_port, Redis, Server, HARNESS};
 use super::*;
 
 /// The master's name every test's Sentinels watch.
@@ -22,6 +22,19 @@ pub fn start_sentinel(
     dir: &Path,
     (ip, primary): (&str, &str),
     down_after: Duration,
+) -> Redis {
+    start_sentinel_acl(server, dir, (ip, primary), down_after, &[])
+}
+
+/// [`start_sentinel`] with ACL `users` (each a rule list, `"kvsync on >pw
+/// ~* +@all"`): when there are any, its `default` user is off and the
+/// harness connects as [`HARNESS`].
+pub fn start_sentinel_acl(
+    server: Server,
+    dir: &Path,
+    (ip, primary): (&str, &str),
+    down_after: Duration,
+    users: &[&str],
 ) -> Redis {
     std::fs::create_dir_all(dir).unwrap();
     let port = free_port();
@@ -41,6 +54,21 @@ pub fn start_sentinel(
         ),
     )
     .unwrap();
+    let acl = !users.is_empty();
+    if acl {
+        let mut lines = format!(
+            "user {} on >{} ~* &* +@all\nuser default off\n",
+            HARNESS.0, HARNESS.1
+        );
+        for rules in users {
+            lines += &format!("user {rules}\n");
+        }
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&conf)
+            .unwrap();
+        std::io::Write::write_all(&mut f, lines.as_bytes()).unwrap();
+    }
     let child = server
         .sentinel(&conf)
         .stdout(Stdio::null())
@@ -51,7 +79,8 @@ pub fn start_sentinel(
         port,
         dir: dir.to_owned(),
         child: Some(child),
-        password: None,
+        password: acl.then(|| HARNESS.1.to_string()),
+        user: acl.then(|| HARNESS.0.to_string()),
     };
     s.wait_up();
     s

@@ -127,18 +127,30 @@ pub fn seeded_replica_on(
     (name, server_dir, stream): (&str, &str, &str),
     port: u16,
 ) -> (Redis, Node) {
+    let rs = Redis::standalone_replica_on(server, &root.join(server_dir), port);
+    seed_fed(root, rs, primary, source, (name, stream, ""))
+}
+
+/// A replica agent `name` (`stream` added to its `[stream]` section,
+/// `redis` to its `[redis]`) following `source`'s log with
+/// `redis-stream`, and `rs` seeded through it from the source's snapshot
+/// of `primary`, once the server has everything the primary wrote.
+pub fn seed_fed(
+    root: &Path,
+    rs: Redis,
+    primary: &Redis,
+    source: &Node,
+    (name, stream, redis): (&str, &str, &str),
+) -> (Redis, Node) {
     primary.fill("before", 500, "v");
     let snapshot = wait_for("the full resync's RDB offered", DEADLINE, || {
         let rt = tokio::runtime::Runtime::new().unwrap();
         let s = rt.block_on(source.status());
         s.instances[0].latest_snapshots.first().map(|e| e.seq)
     });
-    let rs = Redis::standalone_replica_on(server, &root.join(server_dir), port);
-    let config = feeding_puller_config(&root.join(format!("{name}-log")), source, &rs).replacen(
-        "[handoff]",
-        &format!("{stream}[handoff]"),
-        1,
-    );
+    let config = feeding_puller_config(&root.join(format!("{name}-log")), source, &rs)
+        .replacen("[handoff]", &format!("{stream}[handoff]"), 1)
+        .replacen("[redis]\n", &format!("[redis]\n{redis}"), 1);
     let replica = agent(
         root,
         name,
