@@ -315,6 +315,16 @@ pub struct CheckReplicaArgs {
     /// A file holding the servers' password (instead of --password).
     #[arg(long, conflicts_with = "password")]
     pub password_file: Option<PathBuf>,
+    /// Reach both servers over TLS, their certificates chaining to this CA
+    /// (PEM).
+    #[arg(long)]
+    pub server_tls_ca: Option<PathBuf>,
+    /// The client certificate (PEM) for servers with `tls-auth-clients`.
+    #[arg(long, requires_all = ["server_tls_key", "server_tls_ca"])]
+    pub server_tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --server-tls-cert.
+    #[arg(long, requires = "server_tls_cert")]
+    pub server_tls_key: Option<PathBuf>,
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
@@ -605,7 +615,15 @@ fn gen_snapshot(args: GenArgs) -> anyhow::Result<ExitCode> {
 /// `kvsync check-replica`.
 async fn check_replica(args: CheckReplicaArgs) -> anyhow::Result<ExitCode> {
     let file = args.password_file.clone().unwrap_or_default();
-    let auth = crate::config::ServerAuth::new(&args.user, &args.password, &file);
+    let tls = args
+        .server_tls_ca
+        .clone()
+        .map(|ca| crate::config::TlsFiles {
+            ca,
+            cert: args.server_tls_cert.clone().unwrap_or_default(),
+            key: args.server_tls_key.clone().unwrap_or_default(),
+        });
+    let auth = crate::config::ServerAuth::new(&args.user, &args.password, &file).with_tls(tls);
     let report = crate::kv::check::check(&args.primary, &args.replica, &auth, args.sample).await?;
     let escape = |keys: &[String]| -> Vec<String> {
         keys.iter()

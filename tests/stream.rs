@@ -486,6 +486,106 @@ fn acl_users_with_passwords_in_files_carry_the_stream_through_a_rotation(server:
 
 on_both_servers!(acl_users_with_passwords_in_files_carry_the_stream_through_a_rotation);
 
+/// A primary the agent reaches on its TLS port, which asks for client
+/// certificates (`tls-auth-clients yes`): the primary's agent follows it
+/// (the replication link, `INFO`, the pre-flight of its offer) over TLS
+/// with its client certificate, a replica agent seeds and feeds its server
+/// from it, a cut link continues with a partial resync, and
+/// `check-replica` compares both servers on their TLS ports. An agent whose
+/// CA is another one is refused, and its log says which setting to check.
+fn a_primary_on_its_tls_port_is_followed_over_tls_and_a_wrong_ca_is_refused(server: Server) {
+    let root = tempfile::tempdir().unwrap();
+    let root = root.path();
+    let pki = common::pki::Pki::new(root, "kv");
+    let (cert, key) = pki.issue("primary", &["127.0.0.1"]);
+    let (agent_cert, agent_key) = pki.issue("agent", &["kvsync-agent"]);
+    let ca = pki.ca_file();
+    // A server with a TLS port beside the plain one the harness uses.
+    let with_tls = |dir: &str, extra: &[&str]| {
+        let port = free_port();
+        let port_s = port.to_string();
+        let mut args = vec![
+            "--tls-port",
+            &port_s,
+            "--tls-cert-file",
+            cert.to_str().unwrap(),
+            "--tls-key-file",
+            key.to_str().unwrap(),
+            "--tls-ca-cert-file",
+            ca.to_str().unwrap(),
+            "--tls-auth-clients",
+            "yes",
+        ];
+        args.extend(extra);
+        (Redis::start(server, &root.join(dir), &args), port)
+    };
+    let (primary, tls_port) = with_tls("p", &[]);
+    let config = |ca: &Path, log: &str| {
+        format!(
+            "[redis]\nprimary_addr = \"127.0.0.1:{tls_port}\"\ntls = true\ntls_ca_file = \"{}\"\ntls_cert_file = \"{}\"\ntls_key_file = \"{}\"\n[stream]\ndir = \"{}\"\nfsync = \"always\"\n",
+            ca.display(),
+            agent_cert.display(),
+            agent_key.display(),
+            root.join(log).display()
+        )
+    };
+    let source = source_with(root, &config(&ca, "src-log"), &[]);
+    let pidfile = root.join("r").join("redis.pid");
+    let (rs, rs_tls) = with_tls("r", &["--pidfile", pidfile.to_str().unwrap()]);
+    let (rs, _replica) = seed_fed(root, rs, &primary, &source, ("rep", "", ""));
+    primary.fill("after", 500, "v");
+    converged(&rs, &primary, "the fed server to converge");
+    let partial = primary.info("stats").num("sync_partial_ok");
+    let killed: i64 = primary.cmd(&["CLIENT", "KILL", "TYPE", "replica"]);
+    assert_eq!(killed, 1, "the agent's replication link");
+    primary.fill("after-cut", 500, "v");
+    converged(&rs, &primary, "the fed server to converge after the cut");
+    let stats = primary.info("stats");
+    assert_eq!(stats.num("sync_full"), 1, "only the source agent's first");
+    assert!(
+        stats.num("sync_partial_ok") > partial,
+        "the link continued: {stats:?}"
+    );
+    let (ok, out, err) = cli(&[
+        "check-replica",
+        "--primary",
+        &format!("127.0.0.1:{tls_port}"),
+        "--replica",
+        &format!("127.0.0.1:{rs_tls}"),
+        "--server-tls-ca",
+        ca.to_str().unwrap(),
+        "--server-tls-cert",
+        agent_cert.to_str().unwrap(),
+        "--server-tls-key",
+        agent_key.to_str().unwrap(),
+    ]);
+    assert!(ok, "check-replica over TLS: {out}{err}");
+
+    let other = common::pki::Pki::new(root, "other");
+    let wrong = agent(
+        root,
+        "wrong",
+        &root.join("wrong-snaps"),
+        &config(&other.ca_file(), "wrong-log"),
+        &[],
+    );
+    wait_for(
+        "the wrong CA's refusal in the agent's log",
+        DEADLINE,
+        || {
+            let log = wrong.proc.log();
+            (log.contains("TLS to the primary") && log.contains("tls_ca_file")).then_some(())
+        },
+    );
+    assert_eq!(
+        primary.info("stats").num("sync_full"),
+        1,
+        "nothing more asked of it"
+    );
+}
+
+on_both_servers!(a_primary_on_its_tls_port_is_followed_over_tls_and_a_wrong_ca_is_refused);
+
 /// A server seeded through its agent (`redis-stream`) loads the snapshot's
 /// verified pieces while the rest still arrives: the source stalls at
 /// 2.5 MiB of an RDB in 1 MiB pieces, and the server has received exactly

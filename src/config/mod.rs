@@ -38,7 +38,7 @@ pub use data::{
 };
 pub use grpc::{AuthConfig, GrpcConfig, TlsConfig};
 pub use redis::{HandoffConfig, HandoffMode, RedisConfig};
-pub use server_auth::{AuthError, Credentials, ServerAuth};
+pub use server_auth::{AuthError, Credentials, ServerAuth, TlsFiles};
 pub use stream::{Fsync, StreamAck, StreamConfig, MAX_STREAM_SESSIONS};
 
 /// The whole agent configuration (one TOML file).
@@ -549,6 +549,21 @@ impl Config {
     /// every connection).
     fn check_server_auth(&self, p: &mut Problems) {
         let (r, st) = (&self.redis, &self.stream);
+        if r.tls || st.sentinel_tls {
+            let set = |f: &PathBuf| !f.as_os_str().is_empty();
+            if !set(&r.tls_ca_file) {
+                p.bad(
+                    "redis.tls_ca_file",
+                    "must name the CA certificates the servers' certificates chain to when redis.tls or stream.sentinel_tls is on".into(),
+                );
+            }
+            if set(&r.tls_cert_file) != set(&r.tls_key_file) {
+                p.bad(
+                    "redis.tls_cert_file",
+                    "and redis.tls_key_file go together: the client certificate and its key".into(),
+                );
+            }
+        }
         for (key, inline, file, auth) in [
             (
                 "redis.password_file",
@@ -560,7 +575,7 @@ impl Config {
                 "stream.sentinel_password_file",
                 &st.sentinel_password,
                 &st.sentinel_password_file,
-                st.sentinel_auth(),
+                self.sentinel_auth(),
             ),
         ] {
             if file.as_os_str().is_empty() {
@@ -632,12 +647,10 @@ impl Config {
                 true => String::new(),
                 false => format!(" (instance {:?})", inst.name),
             };
+            let view = self.for_instance(&inst);
             for (key, inline) in [
-                ("redis.password", inst.redis.auth().is_inline()),
-                (
-                    "stream.sentinel_password",
-                    inst.stream.sentinel_auth().is_inline(),
-                ),
+                ("redis.password", view.redis.auth().is_inline()),
+                ("stream.sentinel_password", view.sentinel_auth().is_inline()),
             ] {
                 if inline {
                     w.push(format!("{key}{named} is written in the configuration, which ends up wherever the file goes (config management, support bundles): keep it in {key}_file, readable by the agent alone"));

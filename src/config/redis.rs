@@ -9,7 +9,7 @@ use bytesize::ByteSize;
 use serde::{Deserialize, Serialize};
 
 use super::addr::is_host_port;
-use super::{Config, Problems, ServerAuth};
+use super::{Config, Problems, ServerAuth, TlsFiles};
 use crate::snapshot::Format;
 
 /// Redis/Valkey: the local primary (source role, pre-flight check) and the
@@ -30,6 +30,16 @@ pub struct RedisConfig {
     /// A file holding the servers' password (its line ending left out),
     /// read at every connection: a rotated file is used from the next one.
     pub password_file: PathBuf,
+    /// Reach the servers over TLS (their `tls-port`): every connection the
+    /// agent makes to them, its replication link to the primary included.
+    pub tls: bool,
+    /// The CA certificates (PEM) the servers' certificates must chain to,
+    /// for the name or IP address the agent reaches them by.
+    pub tls_ca_file: PathBuf,
+    /// A client certificate and key (PEM), for servers with
+    /// `tls-auth-clients yes` (both or neither).
+    pub tls_cert_file: PathBuf,
+    pub tls_key_file: PathBuf,
     /// Replica: the local server (`host:port`).
     pub server_addr: String,
     /// Replica: the server's `dir` and `dbfilename`.
@@ -88,9 +98,24 @@ pub struct RedisConfig {
 }
 
 impl RedisConfig {
-    /// How the agent authenticates to the instance's servers.
+    /// How the agent reaches and logs in to the instance's servers.
     pub fn auth(&self) -> ServerAuth {
-        ServerAuth::new(&self.user, &self.password, &self.password_file)
+        ServerAuth::new(&self.user, &self.password, &self.password_file).with_tls(self.tls_files())
+    }
+
+    /// The TLS files, when `tls` is on.
+    pub fn tls_files(&self) -> Option<TlsFiles> {
+        self.tls.then(|| self.tls_file_set())
+    }
+
+    /// The TLS files as set, on or not (the Sentinels' `sentinel_tls`
+    /// uses them too).
+    pub fn tls_file_set(&self) -> TlsFiles {
+        TlsFiles {
+            ca: self.tls_ca_file.clone(),
+            cert: self.tls_cert_file.clone(),
+            key: self.tls_key_file.clone(),
+        }
     }
 
     /// The local server whose replication health the agent reports: the
@@ -113,6 +138,10 @@ impl Default for RedisConfig {
             user: String::new(),
             password: String::new(),
             password_file: PathBuf::new(),
+            tls: false,
+            tls_ca_file: PathBuf::new(),
+            tls_cert_file: PathBuf::new(),
+            tls_key_file: PathBuf::new(),
             server_addr: "127.0.0.1:6379".into(),
             dir: PathBuf::from("/var/lib/redis"),
             dbfilename: "dump.rdb".into(),

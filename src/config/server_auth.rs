@@ -1,6 +1,8 @@
-//! Who kvsync is to a Redis/Valkey server or a Sentinel: an ACL user (or
-//! the server's `default` user) and its password, written in the
-//! configuration or kept in a file. A password file is read at every
+//! How kvsync reaches a Redis/Valkey server or a Sentinel: over TLS or
+//! not (the CA the server's certificate must chain to, the client
+//! certificate a server with `tls-auth-clients` asks for), and who it is
+//! there: an ACL user (or the server's `default` user) and its password,
+//! written in the configuration or kept in a file. A password file is read at every
 //! connection, so a rotated file is used from the next connection on,
 //! without a restart or a SIGHUP (a Kubernetes Secret mounted as a volume
 //! changes that way). The password never leaves this module except as the
@@ -8,13 +10,26 @@
 
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-/// How kvsync authenticates to one kind of server (the instance's servers,
-/// or its Sentinels).
+/// How kvsync reaches and logs in to one kind of server (the instance's
+/// servers, or its Sentinels).
 #[derive(Clone, Default, PartialEq, Eq)]
 pub struct ServerAuth {
     user: String,
     password: Password,
+    tls: Option<Arc<TlsFiles>>,
+}
+
+/// A TLS connection's files: the CA certificates the server's certificate
+/// must chain to (for the address's name or IP), and the client
+/// certificate and key (both or neither) a server with `tls-auth-clients`
+/// asks for. Read at every connection, like a password file.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TlsFiles {
+    pub ca: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
 }
 
 #[derive(Clone, Default, PartialEq, Eq)]
@@ -66,7 +81,19 @@ impl ServerAuth {
         ServerAuth {
             user: user.to_string(),
             password,
+            tls: None,
         }
+    }
+
+    /// The same, over TLS with `tls` when given.
+    pub fn with_tls(self, tls: Option<TlsFiles>) -> ServerAuth {
+        let tls = tls.map(Arc::new);
+        ServerAuth { tls, ..self }
+    }
+
+    /// The TLS files, when the server is reached over TLS.
+    pub fn tls(&self) -> Option<&TlsFiles> {
+        self.tls.as_deref()
     }
 
     /// A password written in the configuration, and no user.
@@ -129,6 +156,7 @@ impl fmt::Debug for ServerAuth {
         f.debug_struct("ServerAuth")
             .field("user", &self.user)
             .field("password", &password)
+            .field("tls", &self.tls)
             .finish()
     }
 }

@@ -113,6 +113,8 @@ pub struct StreamConfig {
     pub sentinel_password: String,
     /// A file holding the Sentinels' password, read at every connection.
     pub sentinel_password_file: PathBuf,
+    /// Reach the Sentinels over TLS, with `[redis]`'s TLS files.
+    pub sentinel_tls: bool,
 }
 
 impl Default for StreamConfig {
@@ -143,6 +145,7 @@ impl Default for StreamConfig {
             sentinel_user: String::new(),
             sentinel_password: String::new(),
             sentinel_password_file: PathBuf::new(),
+            sentinel_tls: false,
         }
     }
 }
@@ -150,15 +153,6 @@ impl Default for StreamConfig {
 impl StreamConfig {
     pub fn enabled(&self) -> bool {
         !self.dir.as_os_str().is_empty()
-    }
-
-    /// How the agent authenticates to the Sentinels.
-    pub fn sentinel_auth(&self) -> ServerAuth {
-        ServerAuth::new(
-            &self.sentinel_user,
-            &self.sentinel_password,
-            &self.sentinel_password_file,
-        )
     }
 
     /// The instance asked of upstreams and peers for instance `name`.
@@ -213,6 +207,19 @@ pub enum Fsync {
 
 impl Config {
     /// `[stream]`: a log needs a primary to follow, a directory of its own.
+    /// How the agent reaches and logs in to the Sentinels (over TLS with
+    /// `[redis]`'s files when `sentinel_tls` is on).
+    pub fn sentinel_auth(&self) -> ServerAuth {
+        let st = &self.stream;
+        let tls = st.sentinel_tls.then(|| self.redis.tls_file_set());
+        ServerAuth::new(
+            &st.sentinel_user,
+            &st.sentinel_password,
+            &st.sentinel_password_file,
+        )
+        .with_tls(tls)
+    }
+
     pub(super) fn check_stream(&self, p: &mut Problems) {
         let st = &self.stream;
         if !st.enabled() {

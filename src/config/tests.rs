@@ -528,3 +528,24 @@ fn a_password_is_kept_in_a_file_that_holds_one_and_an_inline_one_is_warned_of() 
     c.stream.sentinel_password_file = dir.path().join("none");
     assert_eq!(problem_keys(&c), ["stream.sentinel_password_file"]);
 }
+
+#[test]
+fn tls_to_the_servers_needs_a_ca_and_a_client_certificate_with_its_key() {
+    let mut c = valid();
+    c.redis.tls = true;
+    assert_eq!(problem_keys(&c), ["redis.tls_ca_file"]);
+    c.redis.tls_ca_file = "/etc/kvsync/redis-ca.pem".into();
+    c.validate().unwrap();
+    c.redis.tls_cert_file = "/etc/kvsync/redis-client.pem".into();
+    assert_eq!(problem_keys(&c), ["redis.tls_cert_file"]);
+    c.redis.tls_key_file = "/etc/kvsync/redis-client.key".into();
+    c.validate().unwrap();
+    let tls = c.redis.auth();
+    assert_eq!(
+        tls.tls().unwrap().ca,
+        PathBuf::from("/etc/kvsync/redis-ca.pem")
+    );
+    c.redis.tls = false;
+    c.stream.sentinel_tls = true;
+    assert!(c.redis.auth().tls().is_none() && c.sentinel_auth().tls().is_some());
+}

@@ -281,7 +281,7 @@ fn follow_sentinels(
     let sentinels = sentinel::Sentinels {
         addrs: config.stream.sentinels.clone(),
         master_name: config.stream.master_name.clone(),
-        auth: config.stream.sentinel_auth(),
+        auth: config.sentinel_auth(),
     };
     let (primary, named) = tokio::sync::watch::channel(None);
     let (reported, dissent) = (

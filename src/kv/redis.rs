@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use tracing::warn;
 
-use crate::config::ServerAuth;
 use crate::config::{HostPort, RedisConfig};
+use crate::config::{ServerAuth, TlsFiles};
 use crate::snapshot::SnapshotInfo;
 
 /// A conversation with a server failed.
@@ -85,7 +85,11 @@ pub(crate) fn server_err(addr: &str, e: impl std::fmt::Display) -> RedisError {
 /// `auth` says (the password file read now).
 pub(crate) fn client(addr: &str, auth: &ServerAuth) -> Result<redis::Client, RedisError> {
     use redis::IntoConnectionInfo;
-    let info = format!("redis://{addr}/")
+    let scheme = match auth.tls() {
+        Some(_) => "rediss",
+        None => "redis",
+    };
+    let info = format!("{scheme}://{addr}/")
         .into_connection_info()
         .map_err(|e| server_err(addr, e))?;
     let mut settings = info.redis_settings().clone();
@@ -95,7 +99,31 @@ pub(crate) fn client(addr: &str, auth: &ServerAuth) -> Result<redis::Client, Red
         }
         settings = settings.set_password(&c.password);
     }
-    redis::Client::open(info.set_redis_settings(settings)).map_err(|e| server_err(addr, e))
+    let info = info.set_redis_settings(settings);
+    match auth.tls() {
+        None => redis::Client::open(info),
+        Some(tls) => redis::Client::build_with_tls(info, certificates(addr, tls)?),
+    }
+    .map_err(|e| server_err(addr, e))
+}
+
+/// The TLS files of a connection to `addr`, read now.
+fn certificates(addr: &str, tls: &TlsFiles) -> Result<redis::TlsCertificates, RedisError> {
+    let read = |path: &std::path::Path| {
+        std::fs::read(path)
+            .map_err(|e| server_err(addr, format!("TLS file {}: {e}", path.display())))
+    };
+    let client_tls = match tls.cert.as_os_str().is_empty() {
+        true => None,
+        false => Some(redis::ClientTlsConfig {
+            client_cert: read(&tls.cert)?,
+            client_key: read(&tls.key)?,
+        }),
+    };
+    Ok(redis::TlsCertificates {
+        client_tls,
+        root_cert: Some(read(&tls.ca)?),
+    })
 }
 
 /// A connection to `addr`, authenticated as `auth` says.

@@ -2,7 +2,9 @@
 //!
 //! Owns building tonic's server and client TLS settings for the gRPC
 //! control plane (`[tls]` for agents, the `--tls-*` options for the CLI),
-//! and the rustls settings of the TCP data plane (same files, TLS 1.3). A file without a
+//! the rustls settings of the TCP data plane (same files, TLS 1.3), and
+//! those of a replication link to a Redis/Valkey server over TLS
+//! (`[redis] tls`'s files, read at each connection). A file without a
 //! usable certificate or key is refused when the agent starts (and by
 //! `check-config`, through `pem`), not at the first handshake.
 
@@ -15,7 +17,7 @@ use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 
 use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
 
-use crate::config::TlsConfig;
+use crate::config::{TlsConfig, TlsFiles};
 use crate::sys::pem::{read_pem, PemError, PemKind};
 
 /// A client that has not finished its handshake by then is dropped.
@@ -89,6 +91,36 @@ pub fn data_client(cfg: &TlsConfig) -> Result<Option<Arc<rustls::ClientConfig>>,
         .with_no_client_auth();
     config.enable_secret_extraction = true;
     Ok(Some(Arc::new(config)))
+}
+
+/// A replication link to a Redis/Valkey server over TLS: the server's
+/// certificate must chain to `files.ca`; the client certificate and key
+/// are presented when set. TLS 1.2 and 1.3, as the servers offer.
+pub fn kv_client(files: &TlsFiles) -> Result<Arc<rustls::ClientConfig>, TlsError> {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(&read_pem(&files.ca, PemKind::Certificates)?) {
+        roots.add(cert.map_err(rustls_err)?).map_err(rustls_err)?;
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(rustls_err)?
+        .with_root_certificates(roots);
+    let config = match files.cert.as_os_str().is_empty() {
+        true => config.with_no_client_auth(),
+        false => {
+            let certs =
+                CertificateDer::pem_slice_iter(&read_pem(&files.cert, PemKind::Certificates)?)
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(rustls_err)?;
+            let key = PrivateKeyDer::from_pem_slice(&read_pem(&files.key, PemKind::PrivateKey)?)
+                .map_err(rustls_err)?;
+            config
+                .with_client_auth_cert(certs, key)
+                .map_err(rustls_err)?
+        }
+    };
+    Ok(Arc::new(config))
 }
 
 /// The agent's identity (certificate chain and key) and the CA

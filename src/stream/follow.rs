@@ -33,8 +33,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -44,7 +43,7 @@ use super::log::{Log, LogError};
 use super::policy::{self, Backoff, LogStep, Promotion, Psync};
 use super::{SharedLog, WriterState};
 use crate::config::StreamAck;
-use crate::config::{AuthError, ServerAuth};
+use crate::config::{AuthError, HostPort, ServerAuth, TlsFiles};
 use crate::kv::redis::Info;
 use crate::kv::resp;
 use crate::metrics::Metrics;
@@ -151,6 +150,8 @@ pub enum FollowError {
     Log(#[from] LogError),
     #[error(transparent)]
     Auth(#[from] AuthError),
+    #[error("TLS to the primary {addr}: {why} (check [redis] tls_ca_file, and that the server's certificate names the address the agent uses)")]
+    Tls { addr: String, why: String },
     /// A range the primary's backlog does not hold (or may not by the
     /// time it is asked): not asked, never a full resync.
     #[error("the primary {addr} does not hold the range: {why}")]
@@ -202,11 +203,16 @@ fn start_point(follow: &Follow, log: &SharedLog) -> Option<(String, u64)> {
         .or_else(|| (follow.offered)().into_iter().min_by_key(|(_, m)| *m))
 }
 
-/// A replication link to the primary: connected, authenticated and
-/// announced as a replica that understands PSYNC2.
+/// The primary's side of the link, over TCP or TLS.
+type LinkRead = BufReader<Box<dyn AsyncRead + Send + Unpin>>;
+type LinkWrite = Box<dyn AsyncWrite + Send + Unpin>;
+
+/// A replication link to the primary: connected (over TLS when `[redis]
+/// tls` is on), authenticated and announced as a replica that understands
+/// PSYNC2.
 struct Link {
-    read: BufReader<OwnedReadHalf>,
-    write: OwnedWriteHalf,
+    read: LinkRead,
+    write: LinkWrite,
     addr: String,
 }
 
@@ -222,7 +228,18 @@ impl Link {
             .map_err(|_| io_err(std::io::ErrorKind::TimedOut.into()))?
             .map_err(io_err)?;
         stream.set_nodelay(true).map_err(io_err)?;
-        let (read, write) = stream.into_split();
+        let (read, write): (Box<dyn AsyncRead + Send + Unpin>, LinkWrite) = match follow.auth.tls()
+        {
+            None => {
+                let (read, write) = stream.into_split();
+                (Box::new(read), Box::new(write))
+            }
+            Some(files) => {
+                let tls = tls_handshake(&addr, files, stream).await?;
+                let (read, write) = tokio::io::split(tls);
+                (Box::new(read), Box::new(write))
+            }
+        };
         let read = BufReader::with_capacity(READ_CHUNK, read);
         let mut link = Link { read, write, addr };
         if let Some(c) = follow.auth.credentials()? {
@@ -486,9 +503,32 @@ pub async fn snapshots_on_demand(follow: Follow, log: SharedLog, stop: Cancellat
     }
 }
 
+/// The TLS handshake with the primary at `addr` (`host:port`): its
+/// certificate must chain to the configured CA for that host's name or IP.
+async fn tls_handshake(
+    addr: &str,
+    files: &TlsFiles,
+    stream: TcpStream,
+) -> Result<tokio_rustls::client::TlsStream<TcpStream>, FollowError> {
+    let refused = |why: String| FollowError::Tls {
+        addr: addr.to_string(),
+        why,
+    };
+    let config = crate::rpc::tls::kv_client(files).map_err(|e| refused(e.to_string()))?;
+    let host: HostPort = addr.parse().map_err(|e| refused(format!("{e}")))?;
+    let name = rustls_pki_types::ServerName::try_from(host.host.trim_matches(['[', ']']))
+        .map_err(|e| refused(e.to_string()))?
+        .to_owned();
+    let connect = tokio_rustls::TlsConnector::from(config).connect(name, stream);
+    tokio::time::timeout(Duration::from_secs(5), connect)
+        .await
+        .map_err(|_| refused("no TLS handshake within 5s".into()))?
+        .map_err(|e| refused(e.to_string()))
+}
+
 /// The primary's reply line, skipping the empty lines it sends to keep
 /// the link alive while it prepares an RDB.
-async fn reply(read: &mut BufReader<OwnedReadHalf>, addr: &str) -> Result<String, FollowError> {
+async fn reply(read: &mut LinkRead, addr: &str) -> Result<String, FollowError> {
     loop {
         let line = tokio::time::timeout(PRIMARY_TIMEOUT, resp::read_line(read, MAX_LINE))
             .await
@@ -505,11 +545,7 @@ async fn reply(read: &mut BufReader<OwnedReadHalf>, addr: &str) -> Result<String
 
 /// Receives the `$<len>` RDB of a full resync into a hidden temp file of
 /// `snapshot_dir`, then offers it as `stream-<offset>.rdb`.
-async fn receive_rdb(
-    follow: &Follow,
-    read: &mut BufReader<OwnedReadHalf>,
-    offset: u64,
-) -> Result<(), FollowError> {
+async fn receive_rdb(follow: &Follow, read: &mut LinkRead, offset: u64) -> Result<(), FollowError> {
     let line = reply(read, &follow.primary).await?;
     let len: u64 = line
         .strip_prefix('$')
@@ -621,7 +657,7 @@ async fn log_read(
 /// still ahead of the log's end (the read that crosses it is split there).
 async fn stream_into(
     follow: &Follow,
-    (mut read, mut write): (BufReader<OwnedReadHalf>, OwnedWriteHalf),
+    (mut read, mut write): (LinkRead, LinkWrite),
     log: &SharedLog,
     mut switch: Option<(String, u64)>,
 ) -> Result<(), FollowError> {
