@@ -420,7 +420,7 @@ on_both_servers!(
 );
 
 /// A Sentinel with its `default` user off: the agent logs in as the ACL
-/// user `kvsync`, its password (with `:`, `@` and `/` in it) kept in
+/// user `kvsync` with the rights docs/REDIS.md gives it, its password (with `:`, `@` and `/` in it) kept in
 /// `sentinel_password_file`. While the file holds another password the
 /// Sentinel refuses the agent, and the agent's log says as whom it tried
 /// to log in and where the password came from; once
@@ -439,7 +439,7 @@ fn an_agent_logs_in_to_a_sentinel_as_an_acl_user_with_its_password_in_a_file() {
         &root.join("sentinel"),
         ("127.0.0.1", &primary.addr()),
         Duration::from_secs(30),
-        &[&format!("kvsync on >{right} ~* &* +@all")],
+        &[&documented_acl(3, right)],
     );
     let config = format!(
         "{}{}sentinel_user = \"kvsync\"\nsentinel_password_file = \"{}\"\n",
@@ -466,6 +466,13 @@ fn an_agent_logs_in_to_a_sentinel_as_an_acl_user_with_its_password_in_a_file() {
             .proc
             .log()
             .contains("following the Sentinels' +switch-master")
+            .then_some(())
+    });
+    // Its rights let it ask the Sentinel too: status names the primary.
+    wait_for("the Sentinel's primary in status", DEADLINE, || {
+        stream_status(&agent)
+            .sentinels
+            .contains(&primary.addr())
             .then_some(())
     });
     let log = agent.proc.log();

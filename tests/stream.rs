@@ -400,10 +400,11 @@ fn a_server_fed_from_the_replica_agents_log_converges_and_continues_after_a_cut(
 on_both_servers!(a_server_fed_from_the_replica_agents_log_converges_and_continues_after_a_cut);
 
 /// Servers with their `default` user off: both agents authenticate as the
-/// ACL user `kvsync`, whose password (with `:`, `@` and `/` in it) is
-/// kept in a file. The primary's agent follows the primary, the replica
-/// agent seeds and feeds its server, and `check-replica` compares them
-/// as that user. A rotation done file first: the cut link is refused
+/// ACL user `kvsync`, with exactly the rights docs/REDIS.md gives its role
+/// on each server, its password (with `:`, `@` and `/` in it) kept in a
+/// file. The primary's agent follows the primary, the replica agent seeds
+/// and feeds its server, and `check-replica` compares them as
+/// `kvsync-check`, with that page's rights too. A rotation done file first: the cut link is refused
 /// with the server's own words in the log, and comes back by itself once
 /// the servers take the new password, without a full sync. No log holds
 /// either password.
@@ -413,8 +414,10 @@ fn acl_users_with_passwords_in_files_carry_the_stream_through_a_rotation(server:
     let (old, new) = ("s3:cr@t/one", "n3w:p@ss/two");
     let file = root.join("kvsync.pass");
     std::fs::write(&file, format!("{old}\n")).unwrap();
-    let user = format!("kvsync on >{old} ~* &* +@all");
-    let primary = Redis::start_acl(server, &root.join("p"), &[], &[&user]);
+    // The rights docs/REDIS.md gives each role, and no more.
+    let (source_role, replica_role) = (documented_acl(0, old), documented_acl(1, old));
+    let check_role = documented_acl(2, old);
+    let primary = Redis::start_acl(server, &root.join("p"), &[], &[&source_role, &check_role]);
     let login = format!(
         "user = \"kvsync\"\npassword_file = \"{}\"\n",
         file.display()
@@ -430,11 +433,21 @@ fn acl_users_with_passwords_in_files_carry_the_stream_through_a_rotation(server:
         server,
         &root.join("r"),
         &["--pidfile", pidfile.to_str().unwrap()],
-        &[&user],
+        &[&replica_role, &check_role],
     );
     let (rs, replica) = seed_fed(root, rs, &primary, &source, ("rep", "", &login));
     primary.fill("after", 500, "v");
     converged(&rs, &primary, "the fed server to converge");
+    // Their rights let both agents read their server's INFO: health says up.
+    for (agent, server) in [(&source, &primary), (&replica, &rs)] {
+        let up = format!(
+            r#"kvsync_kv_up{{kv_instance="default",server="{}"}}"#,
+            server.addr()
+        );
+        wait_for("the agent's health poll of its server", DEADLINE, || {
+            (agent.metric(&up) == 1.0).then_some(())
+        });
+    }
     let check_replica = |when: &str| {
         let (ok, out, err) = cli(&[
             "check-replica",
@@ -443,11 +456,11 @@ fn acl_users_with_passwords_in_files_carry_the_stream_through_a_rotation(server:
             "--replica",
             &rs.addr(),
             "--user",
-            "kvsync",
+            "kvsync-check",
             "--password-file",
             file.to_str().unwrap(),
         ]);
-        assert!(ok, "check-replica as the ACL user {when}: {out}{err}");
+        assert!(ok, "check-replica as its ACL user {when}: {out}{err}");
     };
     check_replica("");
 
@@ -461,7 +474,9 @@ fn acl_users_with_passwords_in_files_carry_the_stream_through_a_rotation(server:
     });
     // Then the servers: the agent comes back by itself.
     for r in [&primary, &rs] {
-        let _: () = r.cmd(&["ACL", "SETUSER", "kvsync", "resetpass", &format!(">{new}")]);
+        for user in ["kvsync", "kvsync-check"] {
+            let _: () = r.cmd(&["ACL", "SETUSER", user, "resetpass", &format!(">{new}")]);
+        }
     }
     primary.fill("rotated", 500, "v");
     converged(
@@ -481,6 +496,7 @@ fn acl_users_with_passwords_in_files_carry_the_stream_through_a_rotation(server:
             !log.contains(old) && !log.contains(new),
             "a password in the log: {log}"
         );
+        assert!(!log.contains("NOPERM"), "a right the role lacks: {log}");
     }
 }
 

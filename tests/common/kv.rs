@@ -97,6 +97,19 @@ macro_rules! on_both_servers {
     )*};
 }
 
+/// The `ACL SETUSER` rules docs/REDIS.md gives for its `n`th role (in
+/// the order the page lists them), `PASSWORD` replaced by `password`.
+pub fn documented_acl(n: usize, password: &str) -> String {
+    let page =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/REDIS.md")).unwrap();
+    let line = page
+        .lines()
+        .filter_map(|l| l.strip_prefix("    ACL SETUSER "))
+        .nth(n)
+        .unwrap_or_else(|| panic!("docs/REDIS.md lists no ACL role {n}"));
+    line.replace("PASSWORD", password)
+}
+
 /// The ACL user and password the harness connects as to a server started
 /// with [`Redis::start_acl`].
 pub const HARNESS: (&str, &str) = ("harness", "harness-pw");
