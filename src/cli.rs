@@ -313,7 +313,7 @@ pub struct CheckReplicaArgs {
     )]
     pub password: String,
     /// A file holding the servers' password (instead of --password).
-    #[arg(long, conflicts_with = "password")]
+    #[arg(long)]
     pub password_file: Option<PathBuf>,
     /// Reach both servers over TLS, their certificates chaining to this CA
     /// (PEM).
@@ -614,6 +614,11 @@ fn gen_snapshot(args: GenArgs) -> anyhow::Result<ExitCode> {
 
 /// `kvsync check-replica`.
 async fn check_replica(args: CheckReplicaArgs) -> anyhow::Result<ExitCode> {
+    if args.password_file.is_some() && !args.password.is_empty() {
+        anyhow::bail!(
+            "give the password by --password-file or --password (KVSYNC_REDIS_PASSWORD), not both"
+        );
+    }
     let file = args.password_file.clone().unwrap_or_default();
     let tls = args
         .server_tls_ca

@@ -502,6 +502,43 @@ fn acl_users_with_passwords_in_files_carry_the_stream_through_a_rotation(server:
 
 on_both_servers!(acl_users_with_passwords_in_files_carry_the_stream_through_a_rotation);
 
+/// A primary that echoes the arguments of a command it refuses (`AUTH`
+/// renamed away): the agent's refused login says as whom it tried and
+/// from which file, and neither its log nor its status holds the password.
+fn a_server_that_echoes_a_refused_auth_never_gets_the_password_into_the_log(server: Server) {
+    let root = tempfile::tempdir().unwrap();
+    let root = root.path();
+    let secret = "echo-me-s3cret";
+    let file = root.join("kvsync.pass");
+    std::fs::write(&file, secret).unwrap();
+    let primary = Redis::start(server, &root.join("p"), &["--rename-command", "AUTH", ""]);
+    let config = format!(
+        "[redis]\nprimary_addr = \"{}\"\nuser = \"kvsync\"\npassword_file = \"{}\"\n[stream]\ndir = \"{}\"\n",
+        primary.addr(),
+        file.display(),
+        root.join("src-log").display()
+    );
+    let source = agent(root, "src", &root.join("src-snaps"), &config, &[]);
+    let said = format!(
+        "refused the login (user \"kvsync\" with the password in {})",
+        file.display()
+    );
+    wait_for("the refused login in the agent's log", DEADLINE, || {
+        source.proc.log().contains(&said).then_some(())
+    });
+    let log = source.proc.log();
+    assert!(
+        log.contains("<password>"),
+        "the echo, with the password cut out: {log}"
+    );
+    let status = format!("{:?}", stream_status(&source));
+    for (what, text) in [("log", &log), ("status", &status)] {
+        assert!(!text.contains(secret), "the password in the {what}: {text}");
+    }
+}
+
+on_both_servers!(a_server_that_echoes_a_refused_auth_never_gets_the_password_into_the_log);
+
 /// A primary the agent reaches on its TLS port, which asks for client
 /// certificates (`tls-auth-clients yes`): the primary's agent follows it
 /// (the replication link, `INFO`, the pre-flight of its offer) over TLS

@@ -544,54 +544,6 @@ impl Config {
         self.check_server_auth(p);
     }
 
-    /// `[redis]`'s and `[stream]`'s passwords: written inline or kept in a
-    /// file, not both; a file given must hold one now (it is read again at
-    /// every connection).
-    fn check_server_auth(&self, p: &mut Problems) {
-        let (r, st) = (&self.redis, &self.stream);
-        if r.tls || st.sentinel_tls {
-            let set = |f: &PathBuf| !f.as_os_str().is_empty();
-            if !set(&r.tls_ca_file) {
-                p.bad(
-                    "redis.tls_ca_file",
-                    "must name the CA certificates the servers' certificates chain to when redis.tls or stream.sentinel_tls is on".into(),
-                );
-            }
-            if set(&r.tls_cert_file) != set(&r.tls_key_file) {
-                p.bad(
-                    "redis.tls_cert_file",
-                    "and redis.tls_key_file go together: the client certificate and its key".into(),
-                );
-            }
-        }
-        for (key, inline, file, auth) in [
-            (
-                "redis.password_file",
-                &r.password,
-                &r.password_file,
-                r.auth(),
-            ),
-            (
-                "stream.sentinel_password_file",
-                &st.sentinel_password,
-                &st.sentinel_password_file,
-                self.sentinel_auth(),
-            ),
-        ] {
-            if file.as_os_str().is_empty() {
-                continue;
-            }
-            if !inline.is_empty() {
-                p.bad(
-                    key,
-                    "and the inline password are both set: keep one (the file)".into(),
-                );
-            } else if let Err(e) = auth.credentials() {
-                p.bad(key, e.to_string());
-            }
-        }
-    }
-
     /// Admission limits, the cache budget, the watcher and offer timings.
     fn check_limits(&self, p: &mut Problems) {
         if self.sync.max_incoming_syncs == 0 {

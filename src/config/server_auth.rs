@@ -12,6 +12,9 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use super::{Config, Problems};
+use crate::sys::pem::{read_pem, PemKind};
+
 /// How kvsync reaches and logs in to one kind of server (the instance's
 /// servers, or its Sentinels).
 #[derive(Clone, Default, PartialEq, Eq)]
@@ -161,13 +164,19 @@ impl fmt::Debug for ServerAuth {
     }
 }
 
+/// The longest password file read.
+const MAX_PASSWORD: u64 = 64 << 10;
+
 /// The password in `path`: its content without the line ending an editor
 /// or `echo` adds.
 fn read_password(path: &Path) -> Result<String, AuthError> {
-    let text = std::fs::read_to_string(path).map_err(|source| AuthError::Read {
+    let read = |source| AuthError::Read {
         path: path.to_path_buf(),
         source,
-    })?;
+    };
+    let bytes = crate::sys::fs::read_operator_file(path, MAX_PASSWORD).map_err(read)?;
+    let text =
+        String::from_utf8(bytes).map_err(|_| read(std::io::Error::other("not UTF-8 text")))?;
     let password = text.strip_suffix('\n').unwrap_or(&text);
     let password = password.strip_suffix('\r').unwrap_or(password);
     if password.is_empty() {
@@ -176,6 +185,69 @@ fn read_password(path: &Path) -> Result<String, AuthError> {
         });
     }
     Ok(password.to_string())
+}
+
+impl Config {
+    /// `[redis]`'s and `[stream]`'s passwords: written inline or kept in a
+    /// file, not both; a file given must hold one now (it is read again at
+    /// every connection).
+    pub(super) fn check_server_auth(&self, p: &mut Problems) {
+        let (r, st) = (&self.redis, &self.stream);
+        if r.tls || st.sentinel_tls {
+            let set = |f: &PathBuf| !f.as_os_str().is_empty();
+            if !set(&r.tls_ca_file) {
+                p.bad(
+                    "redis.tls_ca_file",
+                    "must name the CA certificates the servers' certificates chain to when redis.tls or stream.sentinel_tls is on".into(),
+                );
+            }
+            if set(&r.tls_cert_file) != set(&r.tls_key_file) {
+                p.bad(
+                    "redis.tls_cert_file",
+                    "and redis.tls_key_file go together: the client certificate and its key".into(),
+                );
+            }
+            for (key, file, kind) in [
+                ("redis.tls_ca_file", &r.tls_ca_file, PemKind::Certificates),
+                (
+                    "redis.tls_cert_file",
+                    &r.tls_cert_file,
+                    PemKind::Certificates,
+                ),
+                ("redis.tls_key_file", &r.tls_key_file, PemKind::PrivateKey),
+            ] {
+                if let (true, Err(e)) = (set(file), read_pem(file, kind)) {
+                    p.bad(key, e.to_string());
+                }
+            }
+        }
+        for (key, inline, file, auth) in [
+            (
+                "redis.password_file",
+                &r.password,
+                &r.password_file,
+                r.auth(),
+            ),
+            (
+                "stream.sentinel_password_file",
+                &st.sentinel_password,
+                &st.sentinel_password_file,
+                self.sentinel_auth(),
+            ),
+        ] {
+            if file.as_os_str().is_empty() {
+                continue;
+            }
+            if !inline.is_empty() {
+                p.bad(
+                    key,
+                    "and the inline password are both set: keep one (the file)".into(),
+                );
+            } else if let Err(e) = auth.credentials() {
+                p.bad(key, e.to_string());
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -215,6 +287,27 @@ mod tests {
         assert_eq!((c.user.as_deref(), c.password.as_str()), (Some("repl"), ""));
         let c = ServerAuth::password("pw").credentials().unwrap().unwrap();
         assert_eq!((c.user, c.password.as_str()), (None, "pw"));
+    }
+
+    #[test]
+    fn a_password_file_that_is_a_fifo_or_too_large_is_refused_not_waited_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: `c` is a valid NUL-terminated path that outlives the call.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let err = ServerAuth::new("", "", &fifo).credentials().unwrap_err();
+        assert!(err.to_string().contains("not a regular file"), "{err}");
+        let big = dir.path().join("big");
+        std::fs::write(&big, vec![b'x'; MAX_PASSWORD as usize + 1]).unwrap();
+        let err = ServerAuth::new("", "", &big).credentials().unwrap_err();
+        assert!(err.to_string().contains("more than"), "{err}");
+        // A link to a regular file is followed (a Kubernetes Secret's).
+        let file = dir.path().join("pass");
+        std::fs::write(&file, "pw").unwrap();
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&file, &link).unwrap();
+        assert_eq!(ServerAuth::new("", "", &link).secret().unwrap(), "pw");
     }
 
     #[test]

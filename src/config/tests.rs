@@ -531,20 +531,42 @@ fn a_password_is_kept_in_a_file_that_holds_one_and_an_inline_one_is_warned_of() 
 
 #[test]
 fn tls_to_the_servers_needs_a_ca_and_a_client_certificate_with_its_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = rcgen::CertificateParams::new(vec!["localhost".to_string()])
+        .unwrap()
+        .self_signed(&key)
+        .unwrap();
+    let (ca, crt, pem_key) = (
+        dir.path().join("ca.pem"),
+        dir.path().join("client.pem"),
+        dir.path().join("client.key"),
+    );
+    std::fs::write(&ca, cert.pem()).unwrap();
+    std::fs::write(&crt, cert.pem()).unwrap();
+    std::fs::write(&pem_key, key.serialize_pem()).unwrap();
     let mut c = valid();
     c.redis.tls = true;
     assert_eq!(problem_keys(&c), ["redis.tls_ca_file"]);
-    c.redis.tls_ca_file = "/etc/kvsync/redis-ca.pem".into();
-    c.validate().unwrap();
-    c.redis.tls_cert_file = "/etc/kvsync/redis-client.pem".into();
-    assert_eq!(problem_keys(&c), ["redis.tls_cert_file"]);
-    c.redis.tls_key_file = "/etc/kvsync/redis-client.key".into();
-    c.validate().unwrap();
-    let tls = c.redis.auth();
+    c.redis.tls_ca_file = dir.path().join("missing.pem");
     assert_eq!(
-        tls.tls().unwrap().ca,
-        PathBuf::from("/etc/kvsync/redis-ca.pem")
+        problem_keys(&c),
+        ["redis.tls_ca_file"],
+        "a CA file that is not there"
     );
+    c.redis.tls_ca_file = pem_key.clone();
+    assert_eq!(
+        problem_keys(&c),
+        ["redis.tls_ca_file"],
+        "a key given as the CA"
+    );
+    c.redis.tls_ca_file = ca.clone();
+    c.validate().unwrap();
+    c.redis.tls_cert_file = crt;
+    assert_eq!(problem_keys(&c), ["redis.tls_cert_file"]);
+    c.redis.tls_key_file = pem_key;
+    c.validate().unwrap();
+    assert_eq!(c.redis.auth().tls().unwrap().ca, ca);
     c.redis.tls = false;
     c.stream.sentinel_tls = true;
     assert!(c.redis.auth().tls().is_none() && c.sentinel_auth().tls().is_some());

@@ -14,6 +14,7 @@ use tracing::warn;
 use crate::config::{HostPort, RedisConfig};
 use crate::config::{ServerAuth, TlsFiles};
 use crate::snapshot::SnapshotInfo;
+use crate::sys::pem::{read_pem, PemKind};
 
 /// A conversation with a server failed.
 #[derive(Debug, thiserror::Error)]
@@ -74,10 +75,13 @@ impl Info {
     }
 }
 
+/// A conversation's failure; what the server said is the server's text,
+/// its control characters escaped (a reply with a line break forges no
+/// log line).
 pub(crate) fn server_err(addr: &str, e: impl std::fmt::Display) -> RedisError {
     RedisError::Server {
         addr: addr.to_string(),
-        message: e.to_string(),
+        message: crate::peer_text::escape_controls(&e.to_string()).into_owned(),
     }
 }
 
@@ -107,22 +111,21 @@ pub(crate) fn client(addr: &str, auth: &ServerAuth) -> Result<redis::Client, Red
     .map_err(|e| server_err(addr, e))
 }
 
-/// The TLS files of a connection to `addr`, read now.
+/// The TLS files of a connection to `addr`, read and checked now.
 fn certificates(addr: &str, tls: &TlsFiles) -> Result<redis::TlsCertificates, RedisError> {
-    let read = |path: &std::path::Path| {
-        std::fs::read(path)
-            .map_err(|e| server_err(addr, format!("TLS file {}: {e}", path.display())))
+    let read = |path: &std::path::Path, kind| {
+        read_pem(path, kind).map_err(|e| server_err(addr, format!("[redis] TLS: {e}")))
     };
     let client_tls = match tls.cert.as_os_str().is_empty() {
         true => None,
         false => Some(redis::ClientTlsConfig {
-            client_cert: read(&tls.cert)?,
-            client_key: read(&tls.key)?,
+            client_cert: read(&tls.cert, PemKind::Certificates)?,
+            client_key: read(&tls.key, PemKind::PrivateKey)?,
         }),
     };
     Ok(redis::TlsCertificates {
         client_tls,
-        root_cert: Some(read(&tls.ca)?),
+        root_cert: Some(read(&tls.ca, PemKind::Certificates)?),
     })
 }
 
@@ -285,6 +288,16 @@ pub(crate) async fn confirm_partial(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_server_error_with_a_line_break_stays_on_one_line() {
+        let said = server_err(
+            "127.0.0.1:1",
+            "ERR x\n2026-01-01T00:00:00Z ERROR forged \x1b[2J",
+        );
+        let said = said.to_string();
+        assert!(!said.contains('\n') && !said.contains('\x1b'), "{said}");
+    }
 
     #[test]
     fn only_servers_that_keep_the_backlog_on_a_resize_may_be_grown() {

@@ -543,11 +543,22 @@ pub(crate) async fn config_set(
         .arg(value)
         .query_async::<()>(con)
         .await
-        .map_err(|e| {
-            RedisError::Seed(format!(
-                "the local server {server} refused CONFIG SET {name}: {e} (kvsync sets a one-time masterauth for each seeding)"
-            ))
-        })
+        .map_err(|e| set_refused(server, name, value, e))
+}
+
+/// A refused `CONFIG SET name value`, in words that never hold the value
+/// (a password): a server that echoes what it refused (`CONFIG` renamed
+/// away) would put it in the log.
+fn set_refused(server: &str, name: &str, value: &str, e: impl std::fmt::Display) -> RedisError {
+    let said = e.to_string();
+    let said = match value.is_empty() {
+        true => said,
+        false => said.replace(value, "<value>"),
+    };
+    RedisError::Seed(format!(
+        "the local server {server} refused CONFIG SET {name}: {} (kvsync sets a one-time masterauth for each seeding)",
+        crate::peer_text::escape_controls(&said)
+    ))
 }
 
 /// `REPLICAOF host port` on the local server.
@@ -903,6 +914,14 @@ mod tests {
         let mut answer = String::new();
         s.read_to_string(&mut answer).await.unwrap();
         answer
+    }
+
+    #[test]
+    fn a_refused_config_set_never_repeats_the_value_nor_a_line_break() {
+        let echo = "ERR unknown command 'CONFIG', with args beginning with: 'SET' 'masterauth' 's3cr3t'\r\nforged";
+        let said = set_refused("127.0.0.1:1", "masterauth", "s3cr3t", echo).to_string();
+        assert!(!said.contains("s3cr3t") && !said.contains('\n'), "{said}");
+        assert!(said.contains("'<value>'"), "{said}");
     }
 
     /// Only a connection from the server's address that proves the

@@ -150,6 +150,12 @@ pub enum FollowError {
     Log(#[from] LogError),
     #[error(transparent)]
     Auth(#[from] AuthError),
+    #[error("the primary {addr} refused the login ({who}): {answer:?}")]
+    LoginRefused {
+        addr: String,
+        who: String,
+        answer: String,
+    },
     #[error("TLS to the primary {addr}: {why} (check [redis] tls_ca_file, and that the server's certificate names the address the agent uses)")]
     Tls { addr: String, why: String },
     /// A range the primary's backlog does not hold (or may not by the
@@ -249,7 +255,19 @@ impl Link {
                 .chain(user)
                 .chain([&*c.password])
                 .collect();
-            link.ask("AUTH", &auth).await?;
+            // A server that echoes what it refused (AUTH renamed away)
+            // would put the password in the log: it is cut out.
+            link.ask("AUTH", &auth).await.map_err(|e| match e {
+                FollowError::Refused { addr, answer, .. } => FollowError::LoginRefused {
+                    addr,
+                    answer: match c.password.is_empty() {
+                        true => answer,
+                        false => answer.replace(&*c.password, "<password>"),
+                    },
+                    who: follow.auth.to_string(),
+                },
+                e => e,
+            })?;
         }
         let port = ["REPLCONF", "listening-port", "0"];
         link.ask("REPLCONF listening-port", &port).await?;

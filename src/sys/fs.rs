@@ -4,7 +4,8 @@
 //! Owns fsync of a directory (so a rename in it survives a crash), writing
 //! a small file atomically and durably (temp file, fsync, rename, fsync of
 //! the directory), opening and reading only regular files and never
-//! through a symbolic link at the last component, and how many bytes an
+//! through a symbolic link at the last component (or, for the operator's
+//! own files, through links but still only regular ones), and how many bytes an
 //! unprivileged writer may still use. Errors are plain `io::Error`s;
 //! callers name the file and the step.
 
@@ -53,6 +54,30 @@ pub fn read_regular(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
         return Err(std::io::Error::other(format!(
             "{} holds {len} bytes, more than the {max} it may",
             path.display()
+        )));
+    }
+    let mut out = Vec::with_capacity(len as usize);
+    file.take(max).read_to_end(&mut out)?;
+    Ok(out)
+}
+
+/// The contents of `path`, a file the operator names (a password, a
+/// certificate), which may be reached through symbolic links (a
+/// Kubernetes Secret's `..data` link) but must be a regular file of at
+/// most `max` bytes: a FIFO or a device is refused, never waited on or
+/// read without end.
+pub fn read_operator_file(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)?;
+    let len = file.metadata()?.len();
+    if !file.metadata()?.is_file() {
+        return Err(std::io::Error::other("not a regular file"));
+    }
+    if len > max {
+        return Err(std::io::Error::other(format!(
+            "{len} bytes, more than the {max} it may hold"
         )));
     }
     let mut out = Vec::with_capacity(len as usize);

@@ -25,6 +25,9 @@ pub enum PemError {
     },
 }
 
+/// The largest PEM file read (a CA bundle is a few hundred KiB).
+const MAX_PEM: u64 = 4 << 20;
+
 /// What a PEM file must hold.
 #[derive(Debug, Clone, Copy)]
 pub enum PemKind {
@@ -36,7 +39,7 @@ pub enum PemKind {
 
 /// Reads a PEM file and checks that it holds what `kind` says.
 pub fn read_pem(path: &Path, kind: PemKind) -> Result<Vec<u8>, PemError> {
-    let bytes = std::fs::read(path).map_err(|source| PemError::Read {
+    let bytes = super::fs::read_operator_file(path, MAX_PEM).map_err(|source| PemError::Read {
         path: path.to_owned(),
         source,
     })?;
