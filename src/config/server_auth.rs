@@ -2,11 +2,12 @@
 //! not (the CA the server's certificate must chain to, the client
 //! certificate a server with `tls-auth-clients` asks for), and who it is
 //! there: an ACL user (or the server's `default` user) and its password,
-//! written in the configuration or kept in a file. A password file is read at every
-//! connection, so a rotated file is used from the next connection on,
-//! without a restart or a SIGHUP (a Kubernetes Secret mounted as a volume
-//! changes that way). The password never leaves this module except as the
-//! `AUTH` it is for: `Debug` shows where it comes from, never what it is.
+//! written in the configuration or kept in a file; and the configuration's
+//! checks of them. A password file is read at every connection, so a
+//! rotated file is used from the next connection on, without a restart or
+//! a SIGHUP (a Kubernetes Secret mounted as a volume changes that way).
+//! The password never leaves this module except as the `AUTH` it is for:
+//! `Debug` and `Display` show where it comes from, never what it is.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -97,11 +98,6 @@ impl ServerAuth {
     /// The TLS files, when the server is reached over TLS.
     pub fn tls(&self) -> Option<&TlsFiles> {
         self.tls.as_deref()
-    }
-
-    /// A password written in the configuration, and no user.
-    pub fn password(password: &str) -> ServerAuth {
-        ServerAuth::new("", password, Path::new(""))
     }
 
     /// What to authenticate with now, the file read here; `None` when
@@ -285,7 +281,10 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!((c.user.as_deref(), c.password.as_str()), (Some("repl"), ""));
-        let c = ServerAuth::password("pw").credentials().unwrap().unwrap();
+        let c = ServerAuth::new("", "pw", Path::new(""))
+            .credentials()
+            .unwrap()
+            .unwrap();
         assert_eq!((c.user, c.password.as_str()), (None, "pw"));
     }
 

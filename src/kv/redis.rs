@@ -11,8 +11,7 @@ use std::time::{Duration, Instant};
 
 use tracing::warn;
 
-use crate::config::{HostPort, RedisConfig};
-use crate::config::{ServerAuth, TlsFiles};
+use crate::config::{HostPort, RedisConfig, ServerAuth, TlsFiles};
 use crate::snapshot::SnapshotInfo;
 use crate::sys::pem::{read_pem, PemKind};
 
