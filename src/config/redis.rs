@@ -100,12 +100,8 @@ pub struct RedisConfig {
 impl RedisConfig {
     /// How the agent reaches and logs in to the instance's servers.
     pub fn auth(&self) -> ServerAuth {
-        ServerAuth::new(&self.user, &self.password, &self.password_file).with_tls(self.tls_files())
-    }
-
-    /// The TLS files, when `tls` is on.
-    pub fn tls_files(&self) -> Option<TlsFiles> {
-        self.tls.then(|| self.tls_file_set())
+        let tls = self.tls.then(|| self.tls_file_set());
+        ServerAuth::new(&self.user, &self.password, &self.password_file).with_tls(tls)
     }
 
     /// The TLS files as set, on or not (the Sentinels' `sentinel_tls`

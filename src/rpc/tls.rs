@@ -52,17 +52,34 @@ fn rustls_err(e: impl std::fmt::Display) -> TlsError {
     TlsError::Rustls(e.to_string())
 }
 
+/// The CA certificates in `ca` (PEM), as rustls's roots.
+fn roots(ca: &Path) -> Result<rustls::RootCertStore, TlsError> {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(&read_pem(ca, PemKind::Certificates)?) {
+        roots.add(cert.map_err(rustls_err)?).map_err(rustls_err)?;
+    }
+    Ok(roots)
+}
+
+/// A certificate chain and its private key (PEM), as rustls takes them.
+type RustlsIdentity = (Vec<CertificateDer<'static>>, PrivateKeyDer<'static>);
+
+fn identity(cert: &Path, key: &Path) -> Result<RustlsIdentity, TlsError> {
+    let certs = CertificateDer::pem_slice_iter(&read_pem(cert, PemKind::Certificates)?)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(rustls_err)?;
+    let key =
+        PrivateKeyDer::from_pem_slice(&read_pem(key, PemKind::PrivateKey)?).map_err(rustls_err)?;
+    Ok((certs, key))
+}
+
 /// The data-plane server settings (a source's TCP data listener); `None`
 /// when `[tls]` is off. The session token authenticates the replica.
 pub fn data_server(cfg: &TlsConfig) -> Result<Option<Arc<rustls::ServerConfig>>, TlsError> {
     let (Some(cert), Some(key)) = (&cfg.cert_file, &cfg.key_file) else {
         return Ok(None);
     };
-    let certs = CertificateDer::pem_slice_iter(&read_pem(cert, PemKind::Certificates)?)
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(rustls_err)?;
-    let key =
-        PrivateKeyDer::from_pem_slice(&read_pem(key, PemKind::PrivateKey)?).map_err(rustls_err)?;
+    let (certs, key) = identity(cert, key)?;
     let mut config = rustls::ServerConfig::builder_with_provider(data_provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(rustls_err)?
@@ -80,10 +97,7 @@ pub fn data_client(cfg: &TlsConfig) -> Result<Option<Arc<rustls::ClientConfig>>,
     let Some(ca) = &cfg.ca_file else {
         return Ok(None);
     };
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in CertificateDer::pem_slice_iter(&read_pem(ca, PemKind::Certificates)?) {
-        roots.add(cert.map_err(rustls_err)?).map_err(rustls_err)?;
-    }
+    let roots = roots(ca)?;
     let mut config = rustls::ClientConfig::builder_with_provider(data_provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(rustls_err)?
@@ -97,10 +111,7 @@ pub fn data_client(cfg: &TlsConfig) -> Result<Option<Arc<rustls::ClientConfig>>,
 /// certificate must chain to `files.ca`; the client certificate and key
 /// are presented when set. TLS 1.2 and 1.3, as the servers offer.
 pub fn kv_client(files: &TlsFiles) -> Result<Arc<rustls::ClientConfig>, TlsError> {
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in CertificateDer::pem_slice_iter(&read_pem(&files.ca, PemKind::Certificates)?) {
-        roots.add(cert.map_err(rustls_err)?).map_err(rustls_err)?;
-    }
+    let roots = roots(&files.ca)?;
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let config = rustls::ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
@@ -109,12 +120,7 @@ pub fn kv_client(files: &TlsFiles) -> Result<Arc<rustls::ClientConfig>, TlsError
     let config = match files.cert.as_os_str().is_empty() {
         true => config.with_no_client_auth(),
         false => {
-            let certs =
-                CertificateDer::pem_slice_iter(&read_pem(&files.cert, PemKind::Certificates)?)
-                    .collect::<Result<Vec<_>, _>>()
-                    .map_err(rustls_err)?;
-            let key = PrivateKeyDer::from_pem_slice(&read_pem(&files.key, PemKind::PrivateKey)?)
-                .map_err(rustls_err)?;
+            let (certs, key) = identity(&files.cert, &files.key)?;
             config
                 .with_client_auth_cert(certs, key)
                 .map_err(rustls_err)?

@@ -48,12 +48,21 @@ pub fn open_read(path: &Path) -> std::io::Result<File> {
 /// The contents of the regular file `path` (see [`open_regular`]), which
 /// must hold at most `max` bytes.
 pub fn read_regular(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
-    let file = open_read(path)?;
-    let len = file.metadata()?.len();
+    read_bounded(open_read(path)?, max)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))
+}
+
+/// The contents of the regular file `file`, which must hold at most `max`
+/// bytes.
+fn read_bounded(file: File, max: u64) -> std::io::Result<Vec<u8>> {
+    let meta = file.metadata()?;
+    if !meta.is_file() {
+        return Err(std::io::Error::other("not a regular file"));
+    }
+    let len = meta.len();
     if len > max {
         return Err(std::io::Error::other(format!(
-            "{} holds {len} bytes, more than the {max} it may",
-            path.display()
+            "holds {len} bytes, more than the {max} it may"
         )));
     }
     let mut out = Vec::with_capacity(len as usize);
@@ -71,18 +80,7 @@ pub fn read_operator_file(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
         .read(true)
         .custom_flags(libc::O_NONBLOCK)
         .open(path)?;
-    let len = file.metadata()?.len();
-    if !file.metadata()?.is_file() {
-        return Err(std::io::Error::other("not a regular file"));
-    }
-    if len > max {
-        return Err(std::io::Error::other(format!(
-            "{len} bytes, more than the {max} it may hold"
-        )));
-    }
-    let mut out = Vec::with_capacity(len as usize);
-    file.take(max).read_to_end(&mut out)?;
-    Ok(out)
+    read_bounded(file, max)
 }
 
 /// Whether `path` itself (not what a link names) is a regular file.
