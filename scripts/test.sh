@@ -13,6 +13,8 @@ export KVSYNC_SKIP_LOG KVSYNC_VM_LOG
 KVSYNC_SKIP_LOG=$(mktemp)
 KVSYNC_VM_LOG=$(mktemp)   # the soft-RoCE VM runs, in order, with their sections' seconds
 trap 'rm -f "$log" "$KVSYNC_SKIP_LOG" "$KVSYNC_VM_LOG"' EXIT
+# One clean build: incremental caches only cost disk here (they took ~4 GB).
+export CARGO_INCREMENTAL=0
 cargo fmt --check                         # one formatting
 cargo clippy --locked --all-targets --all-features --quiet -- -D warnings -D clippy::undocumented_unsafe_blocks
 cargo build --locked --examples --quiet   # benchmark helpers must build too
