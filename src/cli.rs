@@ -334,6 +334,11 @@ pub struct CheckReplicaArgs {
 pub struct CheckConfigArgs {
     /// Configuration file (TOML).
     pub file: PathBuf,
+    /// Also log in to every server and Sentinel the configuration names,
+    /// as the agent would, and check that each login holds the rights its
+    /// role needs (docs/REDIS.md); a missing one is named.
+    #[arg(long)]
+    pub live: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -668,7 +673,37 @@ fn check_config(args: CheckConfigArgs) -> anyhow::Result<ExitCode> {
         eprintln!("warning: {w}");
     }
     println!("{}: ok", args.file.display());
-    Ok(ExitCode::SUCCESS)
+    if !args.live {
+        return Ok(ExitCode::SUCCESS);
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let mut ok = true;
+    for ic in config.instances() {
+        let config = config.for_instance(&ic);
+        for login in crate::kv::rights::logins(&config) {
+            let found = rt.block_on(crate::kv::rights::missing(
+                &login,
+                &config.stream.master_name,
+            ));
+            let (addr, role, auth) = (&login.addr, login.role, &login.auth);
+            let verdict = match found {
+                Ok(m) if m.is_empty() => "ok".to_string(),
+                Ok(m) => format!(
+                    "missing {} (add them to the user: docs/REDIS.md)",
+                    m.join(" ")
+                ),
+                Err(e) => format!("cannot check: {e}"),
+            };
+            ok &= verdict == "ok";
+            println!("{addr} ({role}), as {auth}: {verdict}");
+        }
+    }
+    Ok(match ok {
+        true => ExitCode::SUCCESS,
+        false => ExitCode::FAILURE,
+    })
 }
 
 fn probe(args: ProbeArgs) -> anyhow::Result<ExitCode> {

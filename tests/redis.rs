@@ -905,12 +905,7 @@ fn a_backlog_too_small_for_the_writes_during_a_seeding_is_grown_then_restored(se
         writer
     });
     drop(writer);
-    let after = primary.info("stats");
-    assert_eq!(after.num("sync_full"), stats.num("sync_full"));
-    assert_eq!(
-        after.num("sync_partial_ok"),
-        stats.num("sync_partial_ok") + 1
-    );
+    one_partial_resync_since(&primary, &stats);
     // Every key written during the seeding reached the replica.
     let written: u64 = primary.cmd(&["DBSIZE"]);
     wait_for("the replica to catch up", DEADLINE, || {
@@ -963,12 +958,7 @@ fn writes_faster_during_a_seeding_than_at_the_offer_grow_the_backlog_in_time(ser
         writer
     });
     drop(writer);
-    let after = primary.info("stats");
-    assert_eq!(after.num("sync_full"), stats.num("sync_full"));
-    assert_eq!(
-        after.num("sync_partial_ok"),
-        stats.num("sync_partial_ok") + 1
-    );
+    one_partial_resync_since(&primary, &stats);
 }
 
 fn an_agent_killed_holding_a_grown_backlog_restores_it_when_it_starts_again(server: Server) {
@@ -1097,6 +1087,17 @@ async fn replicating_with(
     (source, replica, seq)
 }
 
+/// The primary served one partial resync since `stats` (its `INFO
+/// stats` then), and no full one.
+fn one_partial_resync_since(primary: &Redis, stats: &kvsync::kv::redis::Info) {
+    let after = primary.info("stats");
+    assert_eq!(after.num("sync_full"), stats.num("sync_full"));
+    assert_eq!(
+        after.num("sync_partial_ok"),
+        stats.num("sync_partial_ok") + 1
+    );
+}
+
 fn a_running_replica_is_seeded_over_the_replication_protocol_without_a_restart(server: Server) {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
@@ -1128,12 +1129,7 @@ fn a_running_replica_is_seeded_over_the_replication_protocol_without_a_restart(s
         pid,
         "never restarted"
     );
-    let after = primary.info("stats");
-    assert_eq!(after.num("sync_full"), stats.num("sync_full"));
-    assert_eq!(
-        after.num("sync_partial_ok"),
-        stats.num("sync_partial_ok") + 1
-    );
+    one_partial_resync_since(&primary, &stats);
     let repl = replica_redis.info("replication");
     assert_eq!(
         repl.get("master_port"),
@@ -1153,6 +1149,67 @@ fn a_running_replica_is_seeded_over_the_replication_protocol_without_a_restart(s
             "{key}"
         );
     }
+}
+
+/// Servers as production runs them with TLS: each has a TLS port, asks
+/// every client for a certificate and replicates over TLS, and the agents
+/// reach them only on their TLS ports. A running replica is seeded through
+/// the seed port, which answers it over TLS with the agent's certificate,
+/// and continues from its primary over TLS with a partial resync.
+fn a_server_that_replicates_over_tls_is_seeded_over_tls_and_continues_with_a_partial_resync(
+    server: Server,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let pki = common::pki::Pki::new(root, "kv");
+    let tls_server = |name: &str| {
+        let (args, port) = pki.server_tls(name);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        (Redis::start(server, &root.join(name), &args), port)
+    };
+    let (primary, primary_tls) = tls_server("primary");
+    primary.make_backlog(root);
+    primary.fill("key", 20_000, "value-of-some-length");
+    primary.bgsave();
+    let (replica_redis, replica_tls) = tls_server("replica-redis");
+    let _: () = replica_redis.cmd(&["SET", "stale", "1"]);
+    let primary_at = format!("127.0.0.1:{primary_tls}");
+    let source = agent(
+        root,
+        "source",
+        &primary.dir,
+        &format!(
+            "[transport]\n{TCP}\n[redis]\nprimary_addr = \"{primary_at}\"\n{}",
+            pki.redis_tls("source")
+        ),
+        &[],
+    );
+    let replica = agent(
+        root,
+        "replica",
+        &root.join("replica-agent"),
+        &format!(
+            "[transport]\n{TCP}\n[handoff]\nmode = \"redis-replicate\"\ntimeout = \"60s\"\n[redis]\nserver_addr = \"127.0.0.1:{replica_tls}\"\nprimary = \"{primary_at}\"\n{}",
+            pki.redis_tls("replica")
+        ),
+        &[],
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let stats = primary.info("stats");
+    rt.block_on(async {
+        offered_rdb(&source, &primary).await;
+        let p = sync_ok(&replica, &source).await;
+        assert!(p.handoff.contains("partial resync accepted"), "{p:?}");
+    });
+    one_partial_resync_since(&primary, &stats);
+    let repl = replica_redis.info("replication");
+    assert_eq!(repl.get("master_port"), Some(&*primary_tls.to_string()));
+    primary.fill("after", 100, "v");
+    let written: u64 = primary.cmd(&["DBSIZE"]);
+    wait_for("the replica to catch up over TLS", DEADLINE, || {
+        (replica_redis.cmd::<u64>(&["DBSIZE"]) == written).then_some(())
+    });
+    assert_eq!(replica_redis.cmd::<Option<String>>(&["GET", "stale"]), None);
 }
 
 /// The source stalls 2.5 MiB into an RDB of 1 MiB pieces. The running
@@ -1784,6 +1841,10 @@ fn one_agent_pair_seeds_two_redis_instances_and_a_kvr1_one_at_once(server: Serve
         );
     }
 }
+
+on_both_servers!(
+    a_server_that_replicates_over_tls_is_seeded_over_tls_and_continues_with_a_partial_resync
+);
 
 on_both_servers!(
     rdbs_saved_by_the_real_server_carry_the_replication_position,

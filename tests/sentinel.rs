@@ -480,6 +480,30 @@ fn an_agent_logs_in_to_a_sentinel_as_an_acl_user_with_its_password_in_a_file() {
         !log.contains(right) && !log.contains(wrong),
         "a password in the log: {log}"
     );
+
+    // `check-config --live` finds the Sentinel role's rights, and names
+    // the one taken away.
+    let file = root.join("agent.toml");
+    std::fs::write(&file, &config).unwrap();
+    let live = || cli(&["check-config", "--live", file.to_str().unwrap()]);
+    let (ok, out, err) = live();
+    assert!(ok, "every documented right is there: {out}{err}");
+    for (take, named, give) in [
+        ("-sentinel|master", "+sentinel|master", "+sentinel|master"),
+        ("-subscribe", "+subscribe", "+subscribe"),
+        ("resetchannels", "&+switch-master", "&+switch-master"),
+    ] {
+        let _: () = s.cmd(&["ACL", "SETUSER", "kvsync", take]);
+        let (ok, out, err) = live();
+        let _: () = s.cmd(&["ACL", "SETUSER", "kvsync", give]);
+        let line = out.lines().find(|l| l.starts_with(&s.addr()));
+        assert!(
+            !ok && line.is_some_and(|l| l.ends_with(&format!(
+                "missing {named} (add them to the user: docs/REDIS.md)"
+            ))),
+            "without {named}: {out}{err}"
+        );
+    }
 }
 
 /// A network partition that cuts the primary's host off (network

@@ -498,6 +498,72 @@ fn acl_users_with_passwords_in_files_carry_the_stream_through_a_rotation(server:
         );
         assert!(!log.contains("NOPERM"), "a right the role lacks: {log}");
     }
+
+    // `check-config --live` logs in as both roles and finds every right;
+    // without one, it names it.
+    let both_roles = root.join("both-roles.toml");
+    std::fs::write(
+        &both_roles,
+        format!(
+            "snapshot_format = \"redis-rdb\"\n[redis]\nprimary_addr = \"{}\"\nserver_addr = \"{}\"\n{login}[stream]\ndir = \"{}\"\n[handoff]\nmode = \"redis-stream\"\n",
+            primary.addr(),
+            rs.addr(),
+            root.join("check-log").display()
+        ),
+    )
+    .unwrap();
+    let live = || cli(&["check-config", "--live", both_roles.to_str().unwrap()]);
+    let (ok, out, err) = live();
+    assert!(ok, "every documented right is there: {out}{err}");
+    assert_eq!(
+        out.matches(": ok").count(),
+        3,
+        "the file and both logins: {out}"
+    );
+    for (r, right) in [
+        (&primary, "psync"),
+        (&primary, "replconf"),
+        (&primary, "info"),
+        (&primary, "config|get"),
+        (&rs, "info"),
+        (&rs, "config|get"),
+        (&rs, "config|set"),
+        (&rs, "replicaof"),
+    ] {
+        let _: () = r.cmd(&["ACL", "SETUSER", "kvsync", &format!("-{right}")]);
+        let (ok, out, err) = live();
+        let _: () = r.cmd(&["ACL", "SETUSER", "kvsync", &format!("+{right}")]);
+        let line = out
+            .lines()
+            .find(|l| l.starts_with(&r.addr()))
+            .unwrap_or_else(|| panic!("no line for {}: {out}{err}", r.addr()));
+        assert!(
+            !ok && line.ends_with(&format!(
+                "missing +{right} (add them to the user: docs/REDIS.md)"
+            )),
+            "without +{right}: {out}{err}"
+        );
+    }
+    assert_eq!(
+        primary.info("stats").num("sync_full"),
+        1,
+        "the PSYNC probe never started a sync"
+    );
+    // An agent started without one says so in its log at once.
+    let _: () = rs.cmd(&["ACL", "SETUSER", "kvsync", "-replicaof"]);
+    let late = agent(
+        root,
+        "late",
+        &root.join("late-snaps"),
+        &std::fs::read_to_string(&both_roles)
+            .unwrap()
+            .replace("snapshot_format = \"redis-rdb\"\n", ""),
+        &[],
+    );
+    wait_for("the missing right in the agent's log", DEADLINE, || {
+        let log = late.proc.log();
+        (log.contains("lacks rights its role needs") && log.contains("+replicaof")).then_some(())
+    });
 }
 
 on_both_servers!(acl_users_with_passwords_in_files_carry_the_stream_through_a_rotation);
@@ -544,32 +610,22 @@ on_both_servers!(a_server_that_echoes_a_refused_auth_never_gets_the_password_int
 /// (the replication link, `INFO`, the pre-flight of its offer) over TLS
 /// with its client certificate, a replica agent seeds and feeds its server
 /// from it, a cut link continues with a partial resync, and
-/// `check-replica` compares both servers on their TLS ports. An agent whose
-/// CA is another one is refused, and its log says which setting to check.
+/// `check-replica` compares both servers on their TLS ports. The fed
+/// server replicates over TLS (`tls-replication yes`): its agent's feed
+/// answers it over TLS with the agent's certificate, and after its link is
+/// cut too it continues from the log. An agent whose CA is another one is
+/// refused, and its log says which setting to check.
 fn a_primary_on_its_tls_port_is_followed_over_tls_and_a_wrong_ca_is_refused(server: Server) {
     let root = tempfile::tempdir().unwrap();
     let root = root.path();
     let pki = common::pki::Pki::new(root, "kv");
-    let (cert, key) = pki.issue("primary", &["127.0.0.1"]);
     let (agent_cert, agent_key) = pki.issue("agent", &["kvsync-agent"]);
     let ca = pki.ca_file();
     // A server with a TLS port beside the plain one the harness uses.
     let with_tls = |dir: &str, extra: &[&str]| {
-        let port = free_port();
-        let port_s = port.to_string();
-        let mut args = vec![
-            "--tls-port",
-            &port_s,
-            "--tls-cert-file",
-            cert.to_str().unwrap(),
-            "--tls-key-file",
-            key.to_str().unwrap(),
-            "--tls-ca-cert-file",
-            ca.to_str().unwrap(),
-            "--tls-auth-clients",
-            "yes",
-        ];
-        args.extend(extra);
+        let (mut args, port) = pki.server_tls(dir);
+        args.extend(extra.iter().map(|a| a.to_string()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
         (Redis::start(server, &root.join(dir), &args), port)
     };
     let (primary, tls_port) = with_tls("p", &[]);
@@ -585,9 +641,23 @@ fn a_primary_on_its_tls_port_is_followed_over_tls_and_a_wrong_ca_is_refused(serv
     let source = source_with(root, &config(&ca, "src-log"), &[]);
     let pidfile = root.join("r").join("redis.pid");
     let (rs, rs_tls) = with_tls("r", &["--pidfile", pidfile.to_str().unwrap()]);
-    let (rs, _replica) = seed_fed(root, rs, &primary, &source, ("rep", "", ""));
+    let served = format!(
+        "tls_cert_file = \"{}\"\ntls_key_file = \"{}\"\n",
+        agent_cert.display(),
+        agent_key.display()
+    );
+    let (rs, replica) = seed_fed(root, rs, &primary, &source, ("rep", "", &served));
     primary.fill("after", 500, "v");
     converged(&rs, &primary, "the fed server to converge");
+    let continued = |log: &str| log.matches("the stream feed continues its server").count();
+    let before = continued(&replica.proc.log());
+    let killed: i64 = rs.cmd(&["CLIENT", "KILL", "TYPE", "master"]);
+    assert_eq!(killed, 1, "the fed server's link to its agent");
+    primary.fill("after-feed-cut", 500, "v");
+    converged(&rs, &primary, "the fed server to converge after its cut");
+    wait_for("the feed to continue its server", DEADLINE, || {
+        (continued(&replica.proc.log()) > before).then_some(())
+    });
     let partial = primary.info("stats").num("sync_partial_ok");
     let killed: i64 = primary.cmd(&["CLIENT", "KILL", "TYPE", "replica"]);
     assert_eq!(killed, 1, "the agent's replication link");

@@ -189,32 +189,33 @@ impl Config {
     /// every connection).
     pub(super) fn check_server_auth(&self, p: &mut Problems) {
         let (r, st) = (&self.redis, &self.stream);
-        if r.tls || st.sentinel_tls {
-            let set = |f: &PathBuf| !f.as_os_str().is_empty();
-            if !set(&r.tls_ca_file) {
-                p.bad(
-                    "redis.tls_ca_file",
-                    "must name the CA certificates the servers' certificates chain to when redis.tls or stream.sentinel_tls is on".into(),
-                );
-            }
-            if set(&r.tls_cert_file) != set(&r.tls_key_file) {
-                p.bad(
-                    "redis.tls_cert_file",
-                    "and redis.tls_key_file go together: the client certificate and its key".into(),
-                );
-            }
-            for (key, file, kind) in [
-                ("redis.tls_ca_file", &r.tls_ca_file, PemKind::Certificates),
-                (
-                    "redis.tls_cert_file",
-                    &r.tls_cert_file,
-                    PemKind::Certificates,
-                ),
-                ("redis.tls_key_file", &r.tls_key_file, PemKind::PrivateKey),
-            ] {
-                if let (true, Err(e)) = (set(file), read_pem(file, kind)) {
-                    p.bad(key, e.to_string());
-                }
+        let set = |f: &PathBuf| !f.as_os_str().is_empty();
+        if (r.tls || st.sentinel_tls) && !set(&r.tls_ca_file) {
+            p.bad(
+                "redis.tls_ca_file",
+                "must name the CA certificates the servers' certificates chain to when redis.tls or stream.sentinel_tls is on".into(),
+            );
+        }
+        // The certificate is also what a replica server with
+        // `tls-replication yes` gets on the seed and feed ports, TLS on
+        // or not.
+        if set(&r.tls_cert_file) != set(&r.tls_key_file) {
+            p.bad(
+                "redis.tls_cert_file",
+                "and redis.tls_key_file go together: the agent's certificate for its servers and its key".into(),
+            );
+        }
+        for (key, file, kind) in [
+            ("redis.tls_ca_file", &r.tls_ca_file, PemKind::Certificates),
+            (
+                "redis.tls_cert_file",
+                &r.tls_cert_file,
+                PemKind::Certificates,
+            ),
+            ("redis.tls_key_file", &r.tls_key_file, PemKind::PrivateKey),
+        ] {
+            if let (true, Err(e)) = (set(file), read_pem(file, kind)) {
+                p.bad(key, e.to_string());
             }
         }
         for (key, inline, file, auth) in [

@@ -141,6 +141,7 @@ pub async fn start(
     if config.stream.enabled() {
         start_stream(&mut instance, parts).await?;
     }
+    instance.spawn(crate::kv::rights::warn_missing(name.to_string(), config));
     start_tasks(&instance, metrics);
     Ok(Arc::new(instance))
 }
@@ -186,7 +187,7 @@ async fn start_stream(instance: &mut Instance, parts: &Parts) -> Result<(), Star
         instance.spawn(crate::stream::feed::run(
             listener,
             feed.clone(),
-            redis.server_addr.clone(),
+            (redis.server_addr.clone(), redis.tls_file_set()),
             stream.clone(),
             stop.clone(),
         ));

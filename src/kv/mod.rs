@@ -9,7 +9,9 @@
 //! [`preflight`] checks the primary's backlog still holds M+1 and sizes
 //! what a seeding needs; [`backlog`] holds it there while seedings run.
 //! Either side: [`health`] keeps the local server's replication health as
-//! metrics; [`check`] compares a replica's keys with its primary's.
+//! metrics; [`check`] compares a replica's keys with its primary's;
+//! [`rights`] tells whether kvsync's logins hold the rights their roles
+//! need.
 
 pub mod backlog;
 pub mod check;
@@ -20,4 +22,5 @@ pub mod preflight;
 pub mod redis;
 pub mod resp;
 pub mod restart;
+pub mod rights;
 pub mod seed;

@@ -21,16 +21,16 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{info, warn};
 
-use crate::config::{HostPort, RedisConfig};
+use crate::config::{HostPort, RedisConfig, TlsFiles};
 use crate::kv::payload::{Accepted, Arriving, Payload, PayloadError, Verdict};
 use crate::kv::redis::{
     confirm_partial, connect, info, infos, server_err, until, Info, RedisError,
 };
+use crate::rpc::tls::{tcp_halves, tls_halves, KvRead, KvWrite};
 use crate::snapshot::SnapshotInfo;
 
 /// The one-time `masterauth` record, in `snapshot_dir`: the server's own
@@ -95,7 +95,13 @@ pub async fn replicate(
         config_set(&mut con, server, "masterauth", &secret).await?;
         replicaof(&mut con, server, &seed.ip().to_string(), seed.port()).await?;
         info!(%seed, seq = snapshot.seq, "serving the RDB to the local server as its master");
-        let seeded = accept_seeded(&listener, server_ip(server).await?, &secret, timeout).await?;
+        let seeded = accept_seeded(
+            &listener,
+            (server_ip(server).await?, &secret),
+            &cfg.tls_file_set(),
+            timeout,
+        )
+        .await?;
         let (sent, was_sent) = tokio::sync::oneshot::channel();
         let mut serving = tokio::spawn(serve(
             seeded,
@@ -612,10 +618,11 @@ const HANDSHAKE: Duration = Duration::from_secs(5);
 const MAX_HANDSHAKES: usize = 32;
 
 /// A connection that proved the one-time password and asked for a sync
-/// (`PSYNC`, else the old `SYNC`).
+/// (`PSYNC`, else the old `SYNC`), over TCP or TLS.
 pub struct Seeded {
-    pub read: BufReader<OwnedReadHalf>,
-    pub write: OwnedWriteHalf,
+    pub from: SocketAddr,
+    pub read: BufReader<KvRead>,
+    pub write: KvWrite,
     pub psync: bool,
     /// The sync request's words (`PSYNC <id> <offset>`).
     pub args: Vec<String>,
@@ -624,13 +631,18 @@ pub struct Seeded {
 /// The first connection from `peer` that proves `secret` (the one-time
 /// `masterauth`) and asks for a sync. Connections from elsewhere are
 /// turned away at once; each from `peer` has [`HANDSHAKE`] to prove it,
-/// concurrently, so one that never does delays nobody.
+/// concurrently, so one that never does delays nobody. A connection that
+/// opens with a TLS handshake (a server with `tls-replication yes`) is
+/// answered over TLS with `tls`'s certificate, read at that moment.
 pub async fn accept_seeded(
     listener: &TcpListener,
-    peer: std::net::IpAddr,
-    secret: &str,
+    (peer, secret): (std::net::IpAddr, &str),
+    tls: &TlsFiles,
     timeout: Duration,
 ) -> Result<Seeded, RedisError> {
+    // Why the last connection from `peer` could not start over TLS, for
+    // the operator if the server never gets through.
+    let mut no_tls: Option<String> = None;
     let accept = async {
         let mut handshakes = tokio::task::JoinSet::new();
         loop {
@@ -641,44 +653,54 @@ pub async fn accept_seeded(
                         refuse(stream, from).await;
                         continue;
                     }
-                    let secret = secret.to_string();
+                    let (secret, tls) = (secret.to_string(), tls.clone());
                     handshakes.spawn(async move {
-                        tokio::time::timeout(HANDSHAKE, handshake(stream, secret))
+                        tokio::time::timeout(HANDSHAKE, handshake(stream, from, secret, tls))
                             .await
-                            .ok()
-                            .flatten()
+                            .unwrap_or(Err(None))
                     });
                 }
                 Some(done) = handshakes.join_next() => {
                     match done {
-                        Ok(Some(seeded)) => return Ok(seeded),
-                        Ok(None) | Err(_) => continue,
+                        Ok(Ok(seeded)) => return Ok(seeded),
+                        Ok(Err(Some(why))) => no_tls = Some(why),
+                        Ok(Err(None)) | Err(_) => continue,
                     }
                 }
             }
         }
     };
-    tokio::time::timeout(timeout, accept)
-        .await
-        .map_err(|_| RedisError::Timeout {
-            what: "the local server to connect to the seed".into(),
-            after: timeout,
-        })?
+    let accepted = tokio::time::timeout(timeout, accept).await;
+    accepted.map_err(|_| RedisError::Timeout {
+        what: match no_tls {
+            None => "the local server to connect to the seed".into(),
+            Some(why) => format!("the local server to connect to the seed ({why})"),
+        },
+        after: timeout,
+    })?
 }
 
 /// A master's side of a replica's handshake, up to its `PSYNC` or `SYNC`:
-/// the connection then, once it has sent `AUTH` with `secret`; `None`
-/// (after an error reply) for anything else.
-async fn handshake(stream: TcpStream, secret: String) -> Option<Seeded> {
-    let from = stream.peer_addr().ok()?;
+/// the connection then, once it has sent `AUTH` with `secret`; an error
+/// (after an error reply) for anything else, which says why when the
+/// connection came over TLS and TLS cannot be served.
+async fn handshake(
+    stream: TcpStream,
+    from: SocketAddr,
+    secret: String,
+    tls: TlsFiles,
+) -> Result<Seeded, Option<String>> {
     // A master's link to its replica carries the stream (`redis-stream`),
     // whose small writes must not wait for the server's delayed ACK.
-    stream.set_nodelay(true).ok()?;
-    let (read, mut write) = stream.into_split();
+    stream.set_nodelay(true).map_err(|_| None)?;
+    let (read, mut write) = match opens_tls(&stream).await {
+        false => tcp_halves(stream),
+        true => tls_halves(serve_tls(stream, from, &tls).await?),
+    };
     let mut read = BufReader::new(read);
     let mut authenticated = false;
     loop {
-        let args = read_command(&mut read).await.ok()?;
+        let args = read_command(&mut read).await.map_err(|_| None)?;
         let name = args[0].to_ascii_uppercase();
         let reply: &[u8] = match name.as_str() {
             "PING" => b"+PONG\r\n",
@@ -695,7 +717,8 @@ async fn handshake(stream: TcpStream, secret: String) -> Option<Seeded> {
             }
             "REPLCONF" if authenticated => b"+OK\r\n",
             "PSYNC" | "SYNC" if authenticated => {
-                return Some(Seeded {
+                return Ok(Seeded {
+                    from,
                     read,
                     write,
                     psync: name == "PSYNC",
@@ -706,13 +729,39 @@ async fn handshake(stream: TcpStream, secret: String) -> Option<Seeded> {
                 b"-NOAUTH this kvsync seed serves only the server it set a one-time password on\r\n"
             }
         };
-        write.write_all(reply).await.ok()?;
+        write.write_all(reply).await.map_err(|_| None)?;
         if !authenticated && name != "PING" {
             warn!(%from, "refused a connection to the seed port that did not prove the one-time password");
             close_politely(read.into_inner(), write).await;
-            return None;
+            return Err(None);
         }
     }
+}
+
+/// Whether the connection's first byte opens a TLS handshake (a record
+/// of type 22), as a server with `tls-replication yes` sends; a plain
+/// server opens with a command.
+async fn opens_tls(stream: &TcpStream) -> bool {
+    let mut first = [0u8; 1];
+    matches!(stream.peek(&mut first).await, Ok(1) if first[0] == 0x16)
+}
+
+/// The server's side of a TLS handshake on the seed or feed port, with
+/// the certificate in `tls`; why not, when it cannot be (logged here).
+async fn serve_tls(
+    stream: TcpStream,
+    from: SocketAddr,
+    tls: &TlsFiles,
+) -> Result<tokio_rustls::server::TlsStream<TcpStream>, Option<String>> {
+    let refused = |why: String| {
+        warn!(%from, %why, "a server connected to the agent's replication port over TLS (its tls-replication yes) and could not be answered");
+        Some(format!("it connected over TLS and {why}"))
+    };
+    let config = crate::rpc::tls::kv_server(tls).map_err(|e| refused(e.to_string()))?;
+    tokio_rustls::TlsAcceptor::from(config)
+        .accept(stream)
+        .await
+        .map_err(|e| refused(format!("its TLS handshake failed: {e}")))
 }
 
 /// Answers every further connection with an error and closes it.
@@ -741,7 +790,7 @@ async fn refuse(mut stream: TcpStream, from: SocketAddr) {
 /// then what the client already sent is read away (for at most a second),
 /// because closing with unread input resets the connection and can lose
 /// the reply.
-async fn close_politely(mut read: OwnedReadHalf, mut write: OwnedWriteHalf) {
+async fn close_politely(mut read: impl AsyncRead + Unpin, mut write: impl AsyncWrite + Unpin) {
     let _ = write.shutdown().await;
     let drain = async {
         let mut sink = [0u8; 1024];
@@ -942,20 +991,68 @@ mod tests {
         )
         .await;
         let ip = "127.0.0.1".parse().unwrap();
-        let seeded = accept_seeded(&listener, ip, "s3cret", Duration::from_secs(10))
+        let no_tls = TlsFiles::default();
+        let seeded = accept_seeded(&listener, (ip, "s3cret"), &no_tls, Duration::from_secs(10))
             .await
             .unwrap();
         assert!(seeded.psync);
-        assert_eq!(
-            seeded.read.get_ref().peer_addr().unwrap(),
-            server.local_addr().unwrap()
-        );
+        assert_eq!(seeded.from, server.local_addr().unwrap());
         assert!(answer(stranger).await.starts_with("-ERR"));
         assert_eq!(
             answer(guess).await,
             "+PONG\r\n-WRONGPASS invalid password for this kvsync seed\r\n"
         );
         assert!(answer(bold).await.starts_with("-NOAUTH"));
+    }
+
+    /// A server with `tls-replication yes` opens with a TLS handshake: it
+    /// is answered over TLS with the configured certificate, which it
+    /// checks against its CA; without one set, the seed's timeout says
+    /// which settings to set.
+    #[tokio::test]
+    async fn a_server_that_replicates_over_tls_is_answered_over_tls() {
+        let dir = tempfile::tempdir().unwrap();
+        let made = rcgen::generate_simple_self_signed(vec!["kvsync-agent".into()]).unwrap();
+        let files = TlsFiles {
+            ca: dir.path().join("ca.pem"),
+            cert: dir.path().join("ca.pem"),
+            key: dir.path().join("key.pem"),
+        };
+        std::fs::write(&files.cert, made.cert.pem()).unwrap();
+        std::fs::write(&files.key, made.signing_key.serialize_pem()).unwrap();
+        let ip = "127.0.0.1".parse().unwrap();
+        let server = |seed: SocketAddr, files: TlsFiles| async move {
+            let stream = TcpStream::connect(seed).await.unwrap();
+            let config = crate::rpc::tls::kv_client(&files).unwrap();
+            let name = rustls_pki_types::ServerName::try_from("kvsync-agent").unwrap();
+            let connect = tokio_rustls::TlsConnector::from(config).connect(name, stream);
+            let mut tls = connect.await?;
+            tls.write_all(b"AUTH s3cret\r\nPSYNC ? -1\r\n").await?;
+            let mut ok = [0u8; 5];
+            tls.read_exact(&mut ok).await?;
+            assert_eq!(&ok, b"+OK\r\n");
+            Ok::<_, std::io::Error>(tls)
+        };
+
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let seed = listener.local_addr().unwrap();
+        let _tls = tokio::spawn(server(seed, files.clone()));
+        let seeded = accept_seeded(&listener, (ip, "s3cret"), &files, Duration::from_secs(10))
+            .await
+            .unwrap();
+        assert_eq!(seeded.args, ["PSYNC", "?", "-1"]);
+
+        let unset = TlsFiles::default();
+        let _refused = tokio::spawn(server(seed, files.clone()));
+        let e = accept_seeded(&listener, (ip, "s3cret"), &unset, Duration::from_secs(2))
+            .await
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("connected over TLS") && e.contains("tls_cert_file"),
+            "{e}"
+        );
     }
 
     #[tokio::test]

@@ -15,6 +15,8 @@ use std::time::Duration;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpStream;
 use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
 
 use crate::config::{TlsConfig, TlsFiles};
@@ -33,8 +35,11 @@ pub enum TlsError {
     #[error("TLS needs cert_file, key_file and ca_file together")]
     Incomplete,
     /// rustls refused the certificates or key.
-    #[error("data-plane TLS: {0}")]
+    #[error("TLS: {0}")]
     Rustls(String),
+    /// TLS is to be served to a server, but no certificate is set.
+    #[error("set [redis] tls_cert_file and tls_key_file to a certificate the server trusts (its tls-ca-cert-file)")]
+    NoIdentity,
 }
 
 /// The data plane's crypto: TLS 1.3 only, AES-128-GCM preferred (the
@@ -127,6 +132,43 @@ pub fn kv_client(files: &TlsFiles) -> Result<Arc<rustls::ClientConfig>, TlsError
         }
     };
     Ok(Arc::new(config))
+}
+
+/// The agent's replication ports (the seed and the stream feed) to a
+/// server that replicates over TLS (its `tls-replication yes`): the agent
+/// presents `files`' certificate and key, which the server must trust. The
+/// server is proved by its address and a one-time password, not by a
+/// client certificate. TLS 1.2 and 1.3, as the servers offer.
+pub fn kv_server(files: &TlsFiles) -> Result<Arc<rustls::ServerConfig>, TlsError> {
+    if files.cert.as_os_str().is_empty() {
+        return Err(TlsError::NoIdentity);
+    }
+    let (certs, key) = identity(&files.cert, &files.key)?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(rustls_err)?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .map_err(rustls_err)?;
+    Ok(Arc::new(config))
+}
+
+/// One direction of a connection to or from a Redis/Valkey server, over
+/// TCP or TLS.
+pub type KvRead = Box<dyn AsyncRead + Send + Unpin>;
+pub type KvWrite = Box<dyn AsyncWrite + Send + Unpin>;
+
+/// A plain TCP connection's two directions (no lock between them).
+pub fn tcp_halves(stream: TcpStream) -> (KvRead, KvWrite) {
+    let (read, write) = stream.into_split();
+    (Box::new(read), Box::new(write))
+}
+
+/// A TLS connection's two directions.
+pub fn tls_halves<S: AsyncRead + AsyncWrite + Send + 'static>(stream: S) -> (KvRead, KvWrite) {
+    let (read, write) = tokio::io::split(stream);
+    (Box::new(read), Box::new(write))
 }
 
 /// The agent's identity (certificate chain and key) and the CA

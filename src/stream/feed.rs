@@ -26,7 +26,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::io::{AsyncWriteExt, BufReader};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -37,9 +36,11 @@ use super::log::Log;
 use super::log::LogError;
 use super::{Downstream, SharedLog};
 use crate::blk3::stream::Next;
+use crate::config::TlsFiles;
 use crate::kv::payload::{Arriving, Payload, PayloadError};
 use crate::kv::redis::RedisError;
 use crate::kv::seed::{self, Seeded};
+use crate::rpc::tls::{KvRead, KvWrite};
 
 /// The feed's password file, in the stream log's directory.
 pub const SECRET_FILE: &str = ".kvsync-feed-masterauth";
@@ -224,11 +225,12 @@ pub async fn bind(listen: &str, dir: &Path) -> Result<(TcpListener, FeedHandle),
     ))
 }
 
-/// Serves the server at `server` from the log until `stop`.
+/// Serves the server at `server` from the log until `stop`, over TLS
+/// with `tls`'s certificate when the server connects with TLS.
 pub async fn run(
     listener: TcpListener,
     feed: FeedHandle,
-    server: String,
+    (server, tls): (String, TlsFiles),
     stream: SharedLog,
     stop: CancellationToken,
 ) {
@@ -250,7 +252,7 @@ pub async fn run(
         };
         let accepted = tokio::select! {
             _ = stop.cancelled() => break,
-            a = seed::accept_seeded(&listener, ip, &feed.secret, Duration::from_secs(3600)) => a,
+            a = seed::accept_seeded(&listener, (ip, &feed.secret), &tls, Duration::from_secs(3600)) => a,
         };
         match accepted {
             Ok(seeded) => {
@@ -308,6 +310,7 @@ async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<()
         mut write,
         psync,
         args,
+        ..
     } = s;
     let asked = match (
         psync,
@@ -357,7 +360,7 @@ async fn feed_one(s: Seeded, feed: &FeedHandle, stream: &SharedLog) -> Result<()
 /// or an error, never a full resync. Returns the id and offset the stream
 /// goes on from.
 async fn answer(
-    write: &mut OwnedWriteHalf,
+    write: &mut KvWrite,
     (psync, restarted): (bool, bool),
     asked: Option<(String, u64)>,
     feed: &FeedHandle,
@@ -418,7 +421,7 @@ async fn answer(
 
 /// Reads the server's acknowledgements (`REPLCONF ACK`) into the stream,
 /// on a task of their own that ends with the connection.
-fn read_acks(mut read: BufReader<OwnedReadHalf>, stream: &SharedLog) -> Reader {
+fn read_acks(mut read: BufReader<KvRead>, stream: &SharedLog) -> Reader {
     let acked = stream.clone();
     Reader(tokio::spawn(async move {
         while let Ok(cmd) = seed::read_command(&mut read).await {

@@ -33,7 +33,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -47,6 +47,7 @@ use crate::config::{AuthError, HostPort, ServerAuth, TlsFiles};
 use crate::kv::redis::Info;
 use crate::kv::resp;
 use crate::metrics::Metrics;
+use crate::rpc::tls::{tcp_halves, tls_halves, KvRead, KvWrite};
 use crate::store::room::{Room, RoomError};
 
 /// The end of a `REPLCONF GETACK *` in the stream: the primary asks its
@@ -210,8 +211,8 @@ fn start_point(follow: &Follow, log: &SharedLog) -> Option<(String, u64)> {
 }
 
 /// The primary's side of the link, over TCP or TLS.
-type LinkRead = BufReader<Box<dyn AsyncRead + Send + Unpin>>;
-type LinkWrite = Box<dyn AsyncWrite + Send + Unpin>;
+type LinkRead = BufReader<KvRead>;
+type LinkWrite = KvWrite;
 
 /// A replication link to the primary: connected (over TLS when `[redis]
 /// tls` is on), authenticated and announced as a replica that understands
@@ -234,17 +235,9 @@ impl Link {
             .map_err(|_| io_err(std::io::ErrorKind::TimedOut.into()))?
             .map_err(io_err)?;
         stream.set_nodelay(true).map_err(io_err)?;
-        let (read, write): (Box<dyn AsyncRead + Send + Unpin>, LinkWrite) = match follow.auth.tls()
-        {
-            None => {
-                let (read, write) = stream.into_split();
-                (Box::new(read), Box::new(write))
-            }
-            Some(files) => {
-                let tls = tls_handshake(&addr, files, stream).await?;
-                let (read, write) = tokio::io::split(tls);
-                (Box::new(read), Box::new(write))
-            }
+        let (read, write) = match follow.auth.tls() {
+            None => tcp_halves(stream),
+            Some(files) => tls_halves(tls_handshake(&addr, files, stream).await?),
         };
         let read = BufReader::with_capacity(READ_CHUNK, read);
         let mut link = Link { read, write, addr };

@@ -48,6 +48,45 @@ impl Pki {
         (cert_file, key_file)
     }
 
+    /// A Redis/Valkey server's arguments for a TLS port (returned too)
+    /// beside its plain one, with a certificate from this CA for
+    /// `127.0.0.1`, as production runs it: it asks every client for a
+    /// certificate (`tls-auth-clients yes`) and replicates over TLS
+    /// (`tls-replication yes`).
+    pub fn server_tls(&self, who: &str) -> (Vec<String>, u16) {
+        let (cert, key) = self.issue(who, &["127.0.0.1"]);
+        let port = super::kv::free_port();
+        let args = [
+            "--tls-port",
+            &port.to_string(),
+            "--tls-cert-file",
+            &cert.display().to_string(),
+            "--tls-key-file",
+            &key.display().to_string(),
+            "--tls-ca-cert-file",
+            &self.ca_file().display().to_string(),
+            "--tls-auth-clients",
+            "yes",
+            "--tls-replication",
+            "yes",
+        ]
+        .map(str::to_string);
+        (args.to_vec(), port)
+    }
+
+    /// `[redis]` settings that reach the servers over TLS with this CA,
+    /// and present a fresh certificate for `who` (to servers that ask for
+    /// one, and on the seed and feed ports).
+    pub fn redis_tls(&self, who: &str) -> String {
+        let (cert, key) = self.issue(who, &["kvsync-agent"]);
+        format!(
+            "tls = true\ntls_ca_file = \"{}\"\ntls_cert_file = \"{}\"\ntls_key_file = \"{}\"\n",
+            self.ca_file().display(),
+            cert.display(),
+            key.display()
+        )
+    }
+
     /// An agent's `[tls]` section with a fresh certificate for `who` on
     /// this host (`localhost`, `127.0.0.1`) and this CA.
     pub fn agent_tls(&self, who: &str) -> String {

@@ -1,0 +1,248 @@
+//! Whether kvsync's logins hold the rights their roles need on their
+//! servers and Sentinels (the `ACL SETUSER` lines of docs/REDIS.md), for
+//! `kvsync check-config --live` and the agent's start (a warning). Each
+//! right is tried with a probe that the server checks against the user's
+//! ACL before it runs it and that changes nothing when it does run: a
+//! reply of `NOPERM` names the missing right, any other reply (an error
+//! about the probe's arguments included) shows the right is there.
+
+use redis::Value;
+use tracing::{debug, warn};
+
+use crate::config::{Config, HandoffMode, ServerAuth};
+use crate::kv::redis::{connect, server_err, RedisError};
+
+/// What kvsync does with a server, and so the rights its login needs there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// The primary the agent checks before offering its snapshots
+    /// (`[redis] primary_addr`); `follows`: it also follows it into the
+    /// stream log; `grows`: `[redis] grow_backlog`.
+    Primary { follows: bool, grows: bool },
+    /// The server a replica's agent seeds, feeds or re-attaches.
+    Replica,
+    /// A Sentinel the agent asks, for the master it names.
+    Sentinel,
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Role::Primary { follows: true, .. } => "the primary this agent follows",
+            Role::Primary { .. } => "the primary this agent offers snapshots of",
+            Role::Replica => "the server this agent seeds",
+            Role::Sentinel => "a Sentinel this agent asks",
+        })
+    }
+}
+
+/// One server to check: its address, its role, how kvsync logs in there.
+#[derive(Clone, Debug)]
+pub struct Login {
+    pub addr: String,
+    pub role: Role,
+    pub auth: ServerAuth,
+}
+
+/// The logins one instance's configuration makes (its `for_instance`
+/// configuration), in the order docs/REDIS.md gives the roles.
+pub fn logins(config: &Config) -> Vec<Login> {
+    let (r, st) = (&config.redis, &config.stream);
+    let mut logins = Vec::new();
+    if !r.primary_addr.is_empty() {
+        let role = Role::Primary {
+            follows: st.enabled(),
+            grows: r.grow_backlog,
+        };
+        logins.push(Login {
+            addr: r.primary_addr.clone(),
+            role,
+            auth: r.auth(),
+        });
+    }
+    let seeds = matches!(
+        config.handoff.mode,
+        HandoffMode::Redis | HandoffMode::RedisReplicate | HandoffMode::RedisStream
+    );
+    if seeds && !r.server_addr.is_empty() {
+        logins.push(Login {
+            addr: r.server_addr.clone(),
+            role: Role::Replica,
+            auth: r.auth(),
+        });
+    }
+    for sentinel in &st.sentinels {
+        logins.push(Login {
+            addr: sentinel.clone(),
+            role: Role::Sentinel,
+            auth: config.sentinel_auth(),
+        });
+    }
+    logins
+}
+
+/// The rights `login`'s role needs that its user lacks there (as
+/// `ACL SETUSER` writes them: `+psync`, `&+switch-master`); empty when
+/// it has them all. `master` is the name the Sentinels know the primary by.
+pub async fn missing(login: &Login, master: &str) -> Result<Vec<String>, RedisError> {
+    let addr = login.addr.as_str();
+    let mut con = connect(addr, &login.auth).await?;
+    let mut missing = Vec::new();
+    let mut probe = |right: &str, denied: Option<String>| {
+        if let Some(why) = denied {
+            missing.push(match why.contains("channel") {
+                true => "&+switch-master".to_string(),
+                false => right.to_string(),
+            });
+        }
+    };
+    let one = |args: &[&str]| {
+        let mut cmd = redis::cmd(args[0]);
+        cmd.arg(&args[1..]);
+        cmd
+    };
+    let probes: Vec<(&str, Vec<&str>)> = match login.role {
+        Role::Primary { follows, grows } => {
+            let mut p = vec![
+                ("+info", vec!["INFO", "server"]),
+                ("+config|get", vec!["CONFIG", "GET", "repl-backlog-size"]),
+            ];
+            if follows {
+                p.push(("+replconf", vec!["REPLCONF", "listening-port", "0"]));
+            }
+            if grows {
+                p.push(("+config|set", vec!["CONFIG", "SET", PROBE_PARAMETER, "0"]));
+            }
+            p
+        }
+        Role::Replica => vec![
+            ("+info", vec!["INFO", "server"]),
+            ("+config|get", vec!["CONFIG", "GET", "masterauth"]),
+            ("+config|set", vec!["CONFIG", "SET", PROBE_PARAMETER, "0"]),
+            // Not a port: refused after the ACL check, before it acts.
+            (
+                "+replicaof",
+                vec!["REPLICAOF", "kvsync-probe", "not-a-port"],
+            ),
+        ],
+        Role::Sentinel => vec![("+sentinel|master", vec!["SENTINEL", "MASTER", master])],
+    };
+    for (right, args) in probes {
+        let reply = one(&args).query_async::<Value>(&mut con).await;
+        probe(right, denied(addr, reply)?);
+    }
+    match login.role {
+        Role::Primary { follows: true, .. } => probe("+psync", psync_denied(login).await?),
+        Role::Sentinel => probe("+subscribe", subscribe_denied(login).await?),
+        _ => {}
+    }
+    Ok(missing)
+}
+
+/// Checks every login of an instance's configuration once, as the agent
+/// starts, and says in its log which rights a login lacks, before the
+/// first action that needs one fails. A server not reachable yet is left
+/// to the health poll.
+pub async fn warn_missing(instance: String, config: Config) {
+    for login in logins(&config) {
+        match missing(&login, &config.stream.master_name).await {
+            Ok(m) if m.is_empty() => {}
+            Ok(m) => warn!(
+                instance,
+                server = login.addr,
+                role = %login.role,
+                login = %login.auth,
+                missing = m.join(" "),
+                "a login lacks rights its role needs (docs/REDIS.md); what needs them will fail"
+            ),
+            Err(e) => debug!(instance, error = %e, "the rights of a login could not be checked"),
+        }
+    }
+}
+
+/// A `CONFIG SET` parameter no server has: the server checks the right,
+/// then refuses the name.
+const PROBE_PARAMETER: &str = "kvsync-rights-probe";
+
+/// The server's `NOPERM` text when `reply` is one; an error when the
+/// connection failed.
+fn denied(addr: &str, reply: redis::RedisResult<Value>) -> Result<Option<String>, RedisError> {
+    match reply {
+        Ok(Value::ServerError(e)) if e.code() == "NOPERM" => {
+            Ok(Some(e.details().unwrap_or_default().to_string()))
+        }
+        Ok(_) => Ok(None),
+        Err(e) if e.code() == Some("NOPERM") => Ok(Some(e.detail().unwrap_or_default().into())),
+        Err(e) if e.is_io_error() || e.is_unrecoverable_error() => Err(server_err(addr, e)),
+        Err(_) => Ok(None),
+    }
+}
+
+/// `PSYNC` cannot be tried alone: it would start a full resync. It goes
+/// in one write right behind an `INFO`, so the server holds the `INFO`'s
+/// reply when it reaches the `PSYNC`: past the ACL check, a server
+/// refuses a sync with replies pending, and nothing starts. Any reply but
+/// that refusal or `NOPERM` ends the connection at once.
+async fn psync_denied(login: &Login) -> Result<Option<String>, RedisError> {
+    let addr = login.addr.as_str();
+    let mut con = connect(addr, &login.auth).await?;
+    let mut pipe = redis::pipe();
+    pipe.cmd("INFO").arg("server");
+    pipe.cmd("PSYNC").arg("?").arg("-1");
+    let replies: Vec<redis::RedisResult<Value>> = pipe
+        .ignore_errors()
+        .query_async(&mut con)
+        .await
+        .map_err(|e| server_err(addr, e))?;
+    match replies.into_iter().nth(1) {
+        Some(reply) => denied(addr, reply),
+        None => Err(server_err(addr, "no reply to the PSYNC probe")),
+    }
+}
+
+/// `SUBSCRIBE +switch-master` on a connection of its own, dropped after
+/// the answer: the Sentinel checks the command, then the channel.
+async fn subscribe_denied(login: &Login) -> Result<Option<String>, RedisError> {
+    let addr = login.addr.as_str();
+    let mut con = connect(addr, &login.auth).await?;
+    let reply = redis::cmd("SUBSCRIBE")
+        .arg("+switch-master")
+        .query_async::<Value>(&mut con)
+        .await;
+    denied(addr, reply)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_role_of_a_configuration_is_checked_where_it_acts() {
+        let mut config = Config::default();
+        config.redis.primary_addr = "127.0.0.1:6379".into();
+        config.redis.server_addr = "127.0.0.1:6380".into();
+        config.handoff.mode = HandoffMode::RedisReplicate;
+        config.stream.sentinels = vec!["127.0.0.1:26379".into()];
+        let roles: Vec<_> = logins(&config)
+            .into_iter()
+            .map(|l| (l.addr, l.role))
+            .collect();
+        let follows = config.stream.enabled();
+        assert_eq!(
+            roles,
+            [
+                (
+                    "127.0.0.1:6379".to_string(),
+                    Role::Primary {
+                        follows,
+                        grows: false
+                    }
+                ),
+                ("127.0.0.1:6380".to_string(), Role::Replica),
+                ("127.0.0.1:26379".to_string(), Role::Sentinel),
+            ]
+        );
+        config.handoff.mode = HandoffMode::File;
+        assert_eq!(logins(&config).len(), 2, "a file handoff seeds no server");
+    }
+}
