@@ -353,3 +353,192 @@ fn walkthrough(server: Server) {
 }
 
 on_both_servers!(walkthrough);
+
+const README: &str = include_str!("../README.md");
+
+/// README's production checklist.
+fn checklist() -> &'static str {
+    let start = README.find("## Production checklist").expect("a checklist");
+    &README[start..]
+}
+
+/// The checklist's indented block that opens with `first`, its lines
+/// without their indentation.
+fn checklist_block(first: &str) -> String {
+    let lines: Vec<&str> = checklist().lines().map(str::trim_start).collect();
+    let at = lines
+        .iter()
+        .position(|l| l.starts_with(first))
+        .unwrap_or_else(|| panic!("the checklist has no block {first:?}"));
+    lines[at..]
+        .iter()
+        .take_while(|l| !l.is_empty())
+        .map(|l| format!("{l}\n"))
+        .collect()
+}
+
+/// Runs `script` in bash with the built `kvsync` first on the PATH;
+/// returns whether it succeeded, and what it printed.
+fn shell(script: &str, env: &[(&str, &str)]) -> (bool, String) {
+    let bin = Path::new(kvsync_bin()).parent().unwrap();
+    let out = Command::new("bash")
+        .arg("-c")
+        .arg(script)
+        .envs(env.iter().copied())
+        .env(
+            "PATH",
+            format!("{}:{}", bin.display(), std::env::var("PATH").unwrap()),
+        )
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// README's quick start with its production checklist followed on top,
+/// as written: the servers on TLS ports with `tls-auth-clients` and
+/// `tls-replication`, each with the `kvsync` user of its role exactly as
+/// docs/REDIS.md gives it and `default` off; the agents with `[data] tls =
+/// "required"` and the checklist's `[redis]` lines, the password made a
+/// file by the checklist's two lines; `check-config --live` finds every
+/// right. Then the quick start's seeding: the replica server is seeded
+/// and fed over TLS, continues after its link is cut, and no log holds
+/// the password. (Paths and addresses become this host's, as in
+/// [`walkthrough`]; the password file belongs to the user running the
+/// test, there being no `kvsync` group here.)
+fn production_checklist(server: Server) {
+    let root = tempfile::tempdir().unwrap();
+    let root = root.path();
+    let password = "pr0d:p@ss/w0rd";
+    let pki = Pki::new(root, "prod");
+    let tokens = root.join("tokens");
+    std::fs::write(&tokens, "checklist-token-0123456789abcdef\n").unwrap();
+    let pass = root.join("redis.pass");
+    let (agent_cert, agent_key) = pki.issue("kvsync", &["kvsync-agent"]);
+    // Steps 2 and 3: TLS ports, replication over TLS, one user per role.
+    let tls_server = |name: &str, role: usize| {
+        let (args, port) = pki.server_tls(name);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let acl = common::kv::documented_acl(role, password);
+        let redis = Redis::start_acl(server, &root.join(name).join("redis"), &args, &[&acl]);
+        (redis, format!("127.0.0.1:{port}"))
+    };
+    let (primary, primary_tls) = tls_server("kv-primary-1", 0);
+    let (replica, replica_tls) = tls_server("kv-replica-1", 1);
+    let (grpc, data) = ([free_port(), free_port()], [free_port(), free_port()]);
+    let here = |text: &str| {
+        let mut text = text
+            .replace("/etc/kvsync/redis-tls/ca.crt", path(&pki.ca_file()))
+            .replace("/etc/kvsync/redis-tls/kvsync.crt", path(&agent_cert))
+            .replace("/etc/kvsync/redis-tls/kvsync.key", path(&agent_key))
+            .replace("/etc/kvsync/redis.pass", path(&pass))
+            .replace("/etc/kvsync/tls/ca.crt", path(&pki.ca_file()))
+            .replace("/etc/kvsync/tokens", path(&tokens))
+            .replace("10.0.0.1:6379", &primary_tls)
+            .replace("10.0.0.2:6379", &replica_tls);
+        for (i, ip) in ["10.0.0.1", "10.0.0.2"].iter().enumerate() {
+            text = text
+                .replace(&format!("{ip}:35101"), &format!("127.0.0.1:{}", grpc[i]))
+                .replace(&format!("{ip}:35102"), &format!("127.0.0.1:{}", data[i]));
+        }
+        text
+    };
+
+    // Step 4: the password in its file, by the checklist's lines.
+    let file_lines: String = checklist()
+        .lines()
+        .map(str::trim_start)
+        .filter(|l| l.starts_with("install ") || l.starts_with("printf "))
+        .map(|l| format!("{}\n", l.replace(" -o root -g kvsync", "")))
+        .collect();
+    let (ok, out) = shell(&here(&file_lines), &[("KVSYNC_REDIS_PASSWORD", password)]);
+    assert!(ok, "{file_lines}{out}");
+    assert_eq!(
+        std::fs::read_to_string(&pass).unwrap(),
+        format!("{password}\n")
+    );
+
+    // Steps 1 and 2 on the quick start's files.
+    let redis_lines = checklist_block("# add to [redis]");
+    let blocks = config_blocks(README);
+    let [primary_file, replica_file]: [String; 2] = blocks.try_into().expect("two files");
+    let mut configs = Vec::new();
+    for (name, file) in [
+        ("kv-primary-1", primary_file),
+        ("kv-replica-1", replica_file),
+    ] {
+        let (cert, key) = pki.issue(name, &["localhost", "127.0.0.1"]);
+        let var = root.join(name).join("var");
+        for d in ["snapshots", "stream"] {
+            std::fs::create_dir_all(var.join(d)).unwrap();
+        }
+        let text = here(&file)
+            .replace("[data]\n", "[data]\ntls = \"required\"\n")
+            .replace("[redis]\n", &format!("[redis]\n{}", here(&redis_lines)))
+            .replace(&format!("/etc/kvsync/tls/{name}.crt"), path(&cert))
+            .replace(&format!("/etc/kvsync/tls/{name}.key"), path(&key))
+            .replace("/var/lib/kvsync", path(&var));
+        let config = root.join(format!("{name}.toml"));
+        std::fs::write(
+            &config,
+            format!("{text}[metrics]\nlisten = \"127.0.0.1:0\"\n"),
+        )
+        .unwrap();
+        configs.push(config);
+    }
+
+    // Step 5: every login holds its role's rights.
+    let live = checklist_block("kvsync check-config --live");
+    for config in &configs {
+        let line = live.replace("/etc/kvsync/kvsync.toml", path(config));
+        let (ok, out) = shell(&line, &[]);
+        assert!(ok, "{line}{out}");
+        assert!(
+            out.lines().all(|l| l.ends_with(": ok")) && out.lines().count() == 2,
+            "{out}"
+        );
+    }
+
+    // The quick start's seeding, over TLS everywhere.
+    let start = |config: &Path| AgentProcess::start_env(&["--config", path(config)], &[], root);
+    let p_agent = start(&configs[0]);
+    let r_agent = start(&configs[1]);
+    let quick_start = README.find("## Quick start").unwrap();
+    let quick: Vec<&str> = README[quick_start..README.find("## Production checklist").unwrap()]
+        .lines()
+        .map(str::trim_start)
+        .filter(|l| l.starts_with("export ") || l.starts_with("kvsync "))
+        .collect();
+    let [export, sync, status]: [&str; 3] = quick.try_into().expect("export, sync, status");
+    primary.fill("before", 2000, "v");
+    wait_for("the primary's agent to follow it", DEADLINE, || {
+        let (_, out) = shell(&here(&format!("{export}\n{status}")), &[]);
+        out.contains("following").then_some(())
+    });
+    let (ok, out) = shell(&here(&format!("{export}\n{sync}")), &[]);
+    assert!(ok, "{sync}\n{out}");
+    wait_for("health: ok", DEADLINE, || {
+        let (_, out) = shell(&here(&format!("{export}\n{status}")), &[]);
+        out.contains("health: ok").then_some(())
+    });
+    common::stream::converged(&replica, &primary, "the replica to be seeded over TLS");
+    let killed: i64 = replica.cmd(&["CLIENT", "KILL", "TYPE", "master"]);
+    assert_eq!(killed, 1, "the replica server's TLS link to its agent");
+    primary.fill("after-cut", 2000, "v");
+    common::stream::converged(&replica, &primary, "the replica to continue after the cut");
+    assert_eq!(full_syncs(&primary), 1, "only its agent's first");
+    assert_eq!(
+        rdbs_sent(&r_agent),
+        1,
+        "the replica server's only RDB is its seeding"
+    );
+    for agent in [&p_agent, &r_agent] {
+        assert!(!agent.log().contains(password), "the password in a log");
+    }
+}
+
+on_both_servers!(production_checklist);

@@ -85,6 +85,15 @@ pub fn logins(config: &Config) -> Vec<Login> {
 /// `ACL SETUSER` writes them: `+psync`, `&+switch-master`); empty when
 /// it has them all. `master` is the name the Sentinels know the primary by.
 pub async fn missing(login: &Login, master: &str) -> Result<Vec<String>, RedisError> {
+    tokio::time::timeout(CHECK_TIMEOUT, probe_all(login, master))
+        .await
+        .map_err(|_| server_err(&login.addr, format!("no answers within {CHECK_TIMEOUT:?}")))?
+}
+
+/// A server's answers to every probe of one login must come by then.
+const CHECK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+async fn probe_all(login: &Login, master: &str) -> Result<Vec<String>, RedisError> {
     let addr = login.addr.as_str();
     let mut con = connect(addr, &login.auth).await?;
     let mut missing = Vec::new();
