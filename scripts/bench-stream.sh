@@ -33,6 +33,10 @@
 #        CATCHUP_MB=200 AWAY=20 (part 3)
 #        PERF=DIR (parts 1 and 2: `perf record -g` of both agents during each
 #        kvsync run, into DIR/{src,rep}-{wait,set}-RUN.data)
+#        SERVER_TLS=1 (every replication link over TLS: each server gets a TLS
+#        port, port+1000, with tls-auth-clients and tls-replication; the
+#        direct replica, the agents' [redis] and the fed servers use it; the
+#        load still comes in on the plain port)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/servers.sh
@@ -80,11 +84,35 @@ server() { # NAME PORT [ARGS...]: a daemonized server in $work/NAME, on `host`
     ns_of[$p]=$host
     in_host "$host" $server_bin --port "$p" --bind 127.0.0.1 --dir "$work/$name" --save "" --appendonly no \
         --repl-diskless-sync yes --repl-diskless-sync-delay 0 --enable-debug-command yes \
-        --daemonize yes --pidfile "$work/$name/redis.pid" --logfile "$work/$name/redis.log" "$@"
+        --daemonize yes --pidfile "$work/$name/redis.pid" --logfile "$work/$name/redis.log" \
+        ${server_tls[@]+"${server_tls[@]}" --tls-port "$(kv_port "$p")"} "$@"
     for _ in $(seq 200); do rcli "$p" ping >/dev/null 2>&1 && return; sleep 0.05; done
     echo "$srv $name did not start on port $p" >&2; exit 1
 }
 rcli() { local p=$1; shift; in_host "${ns_of[$p]:-}" $cli -p "$p" "$@"; }
+# SERVER_TLS=1: a CA and certificates for the servers and the agents, the
+# servers' TLS arguments, and the agents' [redis] lines.
+server_tls=() redis_tls=""
+if [ -n "${SERVER_TLS:-}" ]; then
+    tls=$work/tls
+    mkdir -p "$tls"
+    openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 2 -subj /CN=bench-ca \
+        -keyout "$tls/ca.key" -out "$tls/ca.crt" 2>/dev/null
+    for who in server agent; do
+        openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj "/CN=$who" \
+            -keyout "$tls/$who.key" -out "$tls/$who.csr" 2>/dev/null
+        openssl x509 -req -in "$tls/$who.csr" -CA "$tls/ca.crt" -CAkey "$tls/ca.key" -CAcreateserial \
+            -days 2 -extfile <(printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\n') -out "$tls/$who.crt" 2>/dev/null
+    done
+    server_tls=(--tls-cert-file "$tls/server.crt" --tls-key-file "$tls/server.key" --tls-ca-cert-file "$tls/ca.crt"
+        --tls-auth-clients yes --tls-replication yes)
+    redis_tls="tls = true
+tls_ca_file = \"$tls/ca.crt\"
+tls_cert_file = \"$tls/agent.crt\"
+tls_key_file = \"$tls/agent.key\""
+fi
+# kv_port PORT: where replication and the agents reach that server.
+kv_port() { if [ -n "${SERVER_TLS:-}" ]; then echo $(($1 + 1000)); else echo "$1"; fi; }
 field() { rcli "$1" info "$2" | tr -d '\r' | awk -F: -v k="$3" '$1 == k {print $2}'; }
 offset() { field "$1" replication master_repl_offset; }
 # caught_up PRIMARY REPLICA: until the replica server has the primary's offset.
@@ -138,7 +166,8 @@ snapshot_dir = \"$work/$1-snaps\"
 snapshot_format = \"redis-rdb\"
 $listen
 [redis]
-primary_addr = \"127.0.0.1:$2\"
+primary_addr = \"127.0.0.1:$(kv_port "$2")\"
+$redis_tls
 [stream]
 dir = \"$work/$1-log\"
 ack = \"${3:-replicas}\""
@@ -157,7 +186,8 @@ upstream = \"$2\"
 mode = \"redis-stream\"
 timeout = \"600s\"
 [redis]
-server_addr = \"127.0.0.1:$3\""
+server_addr = \"127.0.0.1:$(kv_port "$3")\"
+$redis_tls"
 }
 # offered AGENT: until the agent offers its full resync's RDB.
 offered() {
@@ -188,7 +218,7 @@ take_port PD; take_port RD; take_port PK; take_port RK
 server direct-p "$PD"
 server kvsync-p "$PK"
 for p in "$PD" "$PK"; do rcli "$p" debug populate 100000 key 100 >/dev/null; done
-server direct-r "$RD" --replicaof 127.0.0.1 "$PD"
+server direct-r "$RD" --replicaof 127.0.0.1 "$(kv_port "$PD")"
 read -r SRC SRC_METRICS < <(primary_agent src "$PK")
 following "$SRC"
 offered "$SRC"
@@ -200,7 +230,8 @@ caught_up "$PD" "$RD"
 caught_up "$PK" "$RK"
 echo "setups ready: direct $PD -> $RD; kvsync $PK -> agents -> $RK" >&2
 declare -A primary_of=([direct]=$PD [kvsync]=$PK) replica_of=([direct]=$RD [kvsync]=$RK)
-declare -A path_name=([direct]="direct $srv replication" [kvsync]="through kvsync (TCP, two agents)")
+tls_note=${SERVER_TLS:+, every replication link over TLS}
+declare -A path_name=([direct]="direct $srv replication$tls_note" [kvsync]="through kvsync (TCP, two agents$tls_note)")
 
 # 1. WAIT latency under a steady writer.
 if part 1; then
