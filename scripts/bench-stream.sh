@@ -85,34 +85,12 @@ server() { # NAME PORT [ARGS...]: a daemonized server in $work/NAME, on `host`
     in_host "$host" $server_bin --port "$p" --bind 127.0.0.1 --dir "$work/$name" --save "" --appendonly no \
         --repl-diskless-sync yes --repl-diskless-sync-delay 0 --enable-debug-command yes \
         --daemonize yes --pidfile "$work/$name/redis.pid" --logfile "$work/$name/redis.log" \
-        ${server_tls[@]+"${server_tls[@]}" --tls-port "$(kv_port "$p")"} "$@"
+        $(tls_args "$p") "$@"
     for _ in $(seq 200); do rcli "$p" ping >/dev/null 2>&1 && return; sleep 0.05; done
     echo "$srv $name did not start on port $p" >&2; exit 1
 }
 rcli() { local p=$1; shift; in_host "${ns_of[$p]:-}" $cli -p "$p" "$@"; }
-# SERVER_TLS=1: a CA and certificates for the servers and the agents, the
-# servers' TLS arguments, and the agents' [redis] lines.
-server_tls=() redis_tls=""
-if [ -n "${SERVER_TLS:-}" ]; then
-    tls=$work/tls
-    mkdir -p "$tls"
-    openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 2 -subj /CN=bench-ca \
-        -keyout "$tls/ca.key" -out "$tls/ca.crt" 2>/dev/null
-    for who in server agent; do
-        openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj "/CN=$who" \
-            -keyout "$tls/$who.key" -out "$tls/$who.csr" 2>/dev/null
-        openssl x509 -req -in "$tls/$who.csr" -CA "$tls/ca.crt" -CAkey "$tls/ca.key" -CAcreateserial \
-            -days 2 -extfile <(printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\n') -out "$tls/$who.crt" 2>/dev/null
-    done
-    server_tls=(--tls-cert-file "$tls/server.crt" --tls-key-file "$tls/server.key" --tls-ca-cert-file "$tls/ca.crt"
-        --tls-auth-clients yes --tls-replication yes)
-    redis_tls="tls = true
-tls_ca_file = \"$tls/ca.crt\"
-tls_cert_file = \"$tls/agent.crt\"
-tls_key_file = \"$tls/agent.key\""
-fi
-# kv_port PORT: where replication and the agents reach that server.
-kv_port() { if [ -n "${SERVER_TLS:-}" ]; then echo $(($1 + 1000)); else echo "$1"; fi; }
+server_tls_setup "$work/tls"
 field() { rcli "$1" info "$2" | tr -d '\r' | awk -F: -v k="$3" '$1 == k {print $2}'; }
 offset() { field "$1" replication master_repl_offset; }
 # caught_up PRIMARY REPLICA: until the replica server has the primary's offset.

@@ -38,6 +38,10 @@
 # reading, so its backlog guard knows the primary's write rate without
 # waiting. COLD_AGENT=1 times it right after the agents start instead.
 # KVSYNC_BIN=path uses that kvsync binary instead of building a release one.
+# SERVER_TLS=1 (with HANDOFF=redis-replicate) puts every replication link
+# over TLS: each server gets a TLS port (port+1000) with tls-auth-clients
+# and tls-replication, which the full syncs' replicas, the agents and the
+# seeded server use.
 # Everything it starts (servers, agents) is stopped when it exits.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -73,7 +77,12 @@ availability=${AVAILABILITY:-0}
 if [ "$availability" = 1 ]; then
     cargo build --locked --release --quiet --example redis_poller
 fi
+if [ -n "${SERVER_TLS:-}" ] && [ "$handoff" = redis ]; then
+    echo "SERVER_TLS=1 needs HANDOFF=redis-replicate (the redis handoff's start command has no TLS port)" >&2
+    exit 2
+fi
 work=$(mktemp -d "${TMPDIR:-/tmp}/kvsync-redis.XXXXXX")
+server_tls_setup "$work/tls"
 cleanup() {
     stop_servers "$work"
     # Agents start inside $(agent ...) subshells, which `jobs` cannot see:
@@ -94,7 +103,7 @@ server() { # NAME PORT [ARGS...]: a daemonized server in $work/NAME
     local name=$1 port=$2; shift 2
     mkdir -p "$work/$name"
     $server_bin --port "$port" --bind 127.0.0.1 --dir "$work/$name" --save "" --appendonly no \
-        --daemonize yes --pidfile "$work/$name/redis.pid" --logfile "$work/$name/redis.log" "$@"
+        --daemonize yes --pidfile "$work/$name/redis.pid" --logfile "$work/$name/redis.log" $(tls_args "$port") "$@"
     for _ in $(seq 200); do $cli -p "$port" ping >/dev/null 2>&1 && return; sleep 0.05; done
     echo "redis $name did not start on port $port:" >&2; tail -5 "$work/$name/redis.log" >&2; exit 1
 }
@@ -120,7 +129,7 @@ echo "== primary: $keys keys of $size bytes"
 # Diskless sync without delay: the server's own full sync starts at once
 # (fair timing).
 server primary $P --repl-backlog-size "$backlog" --repl-diskless-sync yes --repl-diskless-sync-delay 0 --enable-debug-command yes
-server helper $H --replicaof 127.0.0.1 $P   # a replica once: the backlog exists
+server helper $H --replicaof 127.0.0.1 "$(kv_port $P)"   # a replica once: the backlog exists
 wait_link $H
 $cli -p $H shutdown nosave >/dev/null 2>&1 || true
 $cli -p $P debug populate "$keys" key "$size" >/dev/null
@@ -159,7 +168,8 @@ snapshot_dir = \"$work/primary\"
 snapshot_format = \"redis-rdb\"
 $common
 [redis]
-primary_addr = \"127.0.0.1:$P\"
+primary_addr = \"127.0.0.1:$(kv_port $P)\"
+$redis_tls
 grow_backlog = true")
 mkdir -p "$work/replica-agent" "$work/a"
 if [ "$handoff" = redis ]; then
@@ -171,8 +181,9 @@ primary = \"127.0.0.1:$P\"
 start = [\"$server_bin\", \"--port\", \"$A\", \"--bind\", \"127.0.0.1\", \"--dir\", \"{dir}\", \"--dbfilename\", \"{dbfilename}\", \"--replicaof\", \"{primary_host}\", \"{primary_port}\", \"--appendonly\", \"no\", \"--save\", \"\", \"--daemonize\", \"yes\", \"--pidfile\", \"$work/a/redis.pid\", \"--logfile\", \"$work/a/redis.log\"]"
 else
     redis_section="[redis]
-server_addr = \"127.0.0.1:$A\"
-primary = \"127.0.0.1:$P\""
+server_addr = \"127.0.0.1:$(kv_port $A)\"
+primary = \"127.0.0.1:$(kv_port $P)\"
+$redis_tls"
 fi
 dst=$(agent replica "node_id = \"replica\"
 create_dirs = true
@@ -214,7 +225,7 @@ forks0=$(field $P stats total_forks)
 server b $B "${load_args[@]}"
 poll $B
 t0=$(now)
-$cli -p $B replicaof 127.0.0.1 $P >/dev/null
+$cli -p $B replicaof 127.0.0.1 "$(kv_port $P)" >/dev/null
 wait_link $B
 t1=$(now)
 down_full=$(unpoll $B)
@@ -231,7 +242,7 @@ if [ "$srv" = valkey ]; then
     D=$((base + 5))
     server d $D --dual-channel-replication-enabled yes "${load_args[@]}"
     t0=$(now)
-    $cli -p $D replicaof 127.0.0.1 $P >/dev/null
+    $cli -p $D replicaof 127.0.0.1 "$(kv_port $P)" >/dev/null
     wait_link $D
     t1=$(now)
     $cli -p $P config set dual-channel-replication-enabled no >/dev/null

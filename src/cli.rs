@@ -691,8 +691,8 @@ fn check_config(args: CheckConfigArgs) -> anyhow::Result<ExitCode> {
             let verdict = match found {
                 Ok(m) if m.is_empty() => "ok".to_string(),
                 Ok(m) => format!(
-                    "missing {} (add them to the user: docs/REDIS.md)",
-                    m.join(" ")
+                    "missing {} (docs/REDIS.md gives each role's rights)",
+                    m.join(", ")
                 ),
                 Err(e) => format!("cannot check: {e}"),
             };

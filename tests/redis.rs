@@ -1212,6 +1212,33 @@ fn a_server_that_replicates_over_tls_is_seeded_over_tls_and_continues_with_a_par
     assert_eq!(replica_redis.cmd::<Option<String>>(&["GET", "stale"]), None);
 }
 
+/// A server with `REPLICAOF` renamed away: `check-config --live` says the
+/// seeding role cannot use it, though no ACL denies it.
+fn a_renamed_command_the_role_needs_is_named_by_the_live_check(server: Server) {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let renamed = Redis::start(
+        server,
+        &root.join("r"),
+        &["--rename-command", "REPLICAOF", ""],
+    );
+    let file = root.join("replica.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "snapshot_dir = \"{}\"\nsnapshot_format = \"redis-rdb\"\n{}",
+            root.display(),
+            replicate_config(&renamed, renamed.port)
+        ),
+    )
+    .unwrap();
+    let (ok, out, err) = cli(&["check-config", "--live", file.to_str().unwrap()]);
+    assert!(
+        !ok && out.contains("missing +replicaof (the command is renamed or disabled there"),
+        "{out}{err}"
+    );
+}
+
 /// The source stalls 2.5 MiB into an RDB of 1 MiB pieces. The running
 /// server already receives the two verified pieces (it loads while the
 /// rest still moves), and nothing unverified. The sync is then cancelled:
@@ -1845,6 +1872,8 @@ fn one_agent_pair_seeds_two_redis_instances_and_a_kvr1_one_at_once(server: Serve
 on_both_servers!(
     a_server_that_replicates_over_tls_is_seeded_over_tls_and_continues_with_a_partial_resync
 );
+
+on_both_servers!(a_renamed_command_the_role_needs_is_named_by_the_live_check);
 
 on_both_servers!(
     rdbs_saved_by_the_real_server_carry_the_replication_position,

@@ -499,7 +499,7 @@ fn an_agent_logs_in_to_a_sentinel_as_an_acl_user_with_its_password_in_a_file() {
         let line = out.lines().find(|l| l.starts_with(&s.addr()));
         assert!(
             !ok && line.is_some_and(|l| l.ends_with(&format!(
-                "missing {named} (add them to the user: docs/REDIS.md)"
+                "missing {named} (docs/REDIS.md gives each role's rights)"
             ))),
             "without {named}: {out}{err}"
         );

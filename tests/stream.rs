@@ -539,7 +539,7 @@ fn acl_users_with_passwords_in_files_carry_the_stream_through_a_rotation(server:
             .unwrap_or_else(|| panic!("no line for {}: {out}{err}", r.addr()));
         assert!(
             !ok && line.ends_with(&format!(
-                "missing +{right} (add them to the user: docs/REDIS.md)"
+                "missing +{right} (docs/REDIS.md gives each role's rights)"
             )),
             "without +{right}: {out}{err}"
         );

@@ -97,13 +97,15 @@ async fn probe_all(login: &Login, master: &str) -> Result<Vec<String>, RedisErro
     let addr = login.addr.as_str();
     let mut con = connect(addr, &login.auth).await?;
     let mut missing = Vec::new();
-    let mut probe = |right: &str, denied: Option<String>| {
-        if let Some(why) = denied {
-            missing.push(match why.contains("channel") {
-                true => "&+switch-master".to_string(),
-                false => right.to_string(),
-            });
+    let mut probe = |right: &str, denied: Option<Denied>| match denied {
+        Some(Denied::Acl(why)) if why.contains("channel") => {
+            missing.push("&+switch-master".to_string())
         }
+        Some(Denied::Acl(_)) => missing.push(right.to_string()),
+        Some(Denied::NoCommand) => missing.push(format!(
+            "{right} (the command is renamed or disabled there: kvsync needs it under its own name)"
+        )),
+        None => {}
     };
     let one = |args: &[&str]| {
         let mut cmd = redis::cmd(args[0]);
@@ -173,18 +175,35 @@ pub async fn warn_missing(instance: String, config: Config) {
 /// then refuses the name.
 const PROBE_PARAMETER: &str = "kvsync-rights-probe";
 
-/// The server's `NOPERM` text when `reply` is one; an error when the
-/// connection failed.
-fn denied(addr: &str, reply: redis::RedisResult<Value>) -> Result<Option<String>, RedisError> {
-    match reply {
-        Ok(Value::ServerError(e)) if e.code() == "NOPERM" => {
-            Ok(Some(e.details().unwrap_or_default().to_string()))
+/// Why a probe's command cannot be used.
+enum Denied {
+    /// The server's `NOPERM`, with its text.
+    Acl(String),
+    /// The server knows no such command (renamed away, or disabled).
+    NoCommand,
+}
+
+/// Why `reply` shows its command cannot be used, if it does; an error
+/// when the connection failed. Any other reply, an error about the
+/// probe's arguments included, shows the command ran past the checks.
+fn denied(addr: &str, reply: redis::RedisResult<Value>) -> Result<Option<Denied>, RedisError> {
+    let (code, detail) = match &reply {
+        Ok(Value::ServerError(e)) => (e.code(), e.details().unwrap_or_default()),
+        Ok(_) => return Ok(None),
+        Err(e) if e.is_io_error() || e.is_unrecoverable_error() => return Err(server_err(addr, e)),
+        Err(e) => (e.code().unwrap_or_default(), e.detail().unwrap_or_default()),
+    };
+    let detail = detail.to_ascii_lowercase();
+    Ok(match code {
+        "NOPERM" => Some(Denied::Acl(detail)),
+        "ERR"
+            if detail.starts_with("unknown command")
+                || detail.starts_with("unknown subcommand") =>
+        {
+            Some(Denied::NoCommand)
         }
-        Ok(_) => Ok(None),
-        Err(e) if e.code() == Some("NOPERM") => Ok(Some(e.detail().unwrap_or_default().into())),
-        Err(e) if e.is_io_error() || e.is_unrecoverable_error() => Err(server_err(addr, e)),
-        Err(_) => Ok(None),
-    }
+        _ => None,
+    })
 }
 
 /// `PSYNC` cannot be tried alone: it would start a full resync. It goes
@@ -192,7 +211,7 @@ fn denied(addr: &str, reply: redis::RedisResult<Value>) -> Result<Option<String>
 /// reply when it reaches the `PSYNC`: past the ACL check, a server
 /// refuses a sync with replies pending, and nothing starts. Any reply but
 /// that refusal or `NOPERM` ends the connection at once.
-async fn psync_denied(login: &Login) -> Result<Option<String>, RedisError> {
+async fn psync_denied(login: &Login) -> Result<Option<Denied>, RedisError> {
     let addr = login.addr.as_str();
     let mut con = connect(addr, &login.auth).await?;
     let mut pipe = redis::pipe();
@@ -211,7 +230,7 @@ async fn psync_denied(login: &Login) -> Result<Option<String>, RedisError> {
 
 /// `SUBSCRIBE +switch-master` on a connection of its own, dropped after
 /// the answer: the Sentinel checks the command, then the channel.
-async fn subscribe_denied(login: &Login) -> Result<Option<String>, RedisError> {
+async fn subscribe_denied(login: &Login) -> Result<Option<Denied>, RedisError> {
     let addr = login.addr.as_str();
     let mut con = connect(addr, &login.auth).await?;
     let reply = redis::cmd("SUBSCRIBE")

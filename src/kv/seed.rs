@@ -19,6 +19,7 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
@@ -614,8 +615,23 @@ pub async fn server_ip(server: &str) -> Result<std::net::IpAddr, RedisError> {
 
 /// How long one connection has to authenticate and ask for the sync.
 const HANDSHAKE: Duration = Duration::from_secs(5);
-/// Connections authenticating at once, at most; more wait in the backlog.
+/// Connections authenticating at once, at most; a newcomer beyond that
+/// ends the one that has got least far, the oldest of those.
 const MAX_HANDSHAKES: usize = 32;
+
+/// How far a connection has got: nothing yet, a command, authenticated.
+#[derive(Default)]
+struct Progress(std::sync::atomic::AtomicU8);
+
+impl Progress {
+    fn reached(&self, stage: u8) {
+        self.0
+            .fetch_max(stage, std::sync::atomic::Ordering::Relaxed);
+    }
+    fn stage(&self) -> u8 {
+        self.0.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
 
 /// A connection that proved the one-time password and asked for a sync
 /// (`PSYNC`, else the old `SYNC`), over TCP or TLS.
@@ -631,7 +647,10 @@ pub struct Seeded {
 /// The first connection from `peer` that proves `secret` (the one-time
 /// `masterauth`) and asks for a sync. Connections from elsewhere are
 /// turned away at once; each from `peer` has [`HANDSHAKE`] to prove it,
-/// concurrently, so one that never does delays nobody. A connection that
+/// concurrently, so one that never does delays nobody; at
+/// [`MAX_HANDSHAKES`], the one that has got least far is dropped for a
+/// newcomer, so other local processes (they share the server's address)
+/// cannot keep the server out by flooding the port. A connection that
 /// opens with a TLS handshake (a server with `tls-replication yes`) is
 /// answered over TLS with `tls`'s certificate, read at that moment.
 pub async fn accept_seeded(
@@ -645,20 +664,33 @@ pub async fn accept_seeded(
     let mut no_tls: Option<String> = None;
     let accept = async {
         let mut handshakes = tokio::task::JoinSet::new();
+        // Those running, oldest first, and how far each has got.
+        let mut running: Vec<(tokio::task::AbortHandle, Arc<Progress>)> = Vec::new();
         loop {
             tokio::select! {
-                accepted = listener.accept(), if handshakes.len() < MAX_HANDSHAKES => {
+                accepted = listener.accept() => {
                     let (stream, from) = accepted.map_err(|e| RedisError::Seed(e.to_string()))?;
                     if from.ip() != peer {
                         refuse(stream, from).await;
                         continue;
                     }
+                    running.retain(|(task, _)| !task.is_finished());
+                    if running.len() >= MAX_HANDSHAKES {
+                        let least = (0..running.len())
+                            .min_by_key(|&i| running[i].1.stage())
+                            .expect("handshakes are running");
+                        running.remove(least).0.abort();
+                    }
                     let (secret, tls) = (secret.to_string(), tls.clone());
-                    handshakes.spawn(async move {
-                        tokio::time::timeout(HANDSHAKE, handshake(stream, from, secret, tls))
+                    let progress = Arc::new(Progress::default());
+                    let shown = progress.clone();
+                    let task = handshakes.spawn(async move {
+                        let shake = handshake(stream, from, secret, tls, &shown);
+                        tokio::time::timeout(HANDSHAKE, shake)
                             .await
                             .unwrap_or(Err(None))
                     });
+                    running.push((task, progress));
                 }
                 Some(done) = handshakes.join_next() => {
                     match done {
@@ -689,6 +721,7 @@ async fn handshake(
     from: SocketAddr,
     secret: String,
     tls: TlsFiles,
+    progress: &Progress,
 ) -> Result<Seeded, Option<String>> {
     // A master's link to its replica carries the stream (`redis-stream`),
     // whose small writes must not wait for the server's delayed ACK.
@@ -701,6 +734,7 @@ async fn handshake(
     let mut authenticated = false;
     loop {
         let args = read_command(&mut read).await.map_err(|_| None)?;
+        progress.reached(1);
         let name = args[0].to_ascii_uppercase();
         let reply: &[u8] = match name.as_str() {
             "PING" => b"+PONG\r\n",
@@ -710,6 +744,7 @@ async fn handshake(
                 authenticated = args.len() > 1
                     && constant_time_eq::constant_time_eq(given.as_bytes(), secret.as_bytes());
                 if authenticated {
+                    progress.reached(2);
                     b"+OK\r\n"
                 } else {
                     b"-WRONGPASS invalid password for this kvsync seed\r\n"
@@ -754,8 +789,10 @@ async fn serve_tls(
     tls: &TlsFiles,
 ) -> Result<tokio_rustls::server::TlsStream<TcpStream>, Option<String>> {
     let refused = |why: String| {
-        warn!(%from, %why, "a server connected to the agent's replication port over TLS (its tls-replication yes) and could not be answered");
-        Some(format!("it connected over TLS and {why}"))
+        warn!(%from, %why, "a connection from the server's address opened a TLS handshake on the agent's replication port, which could not be completed (a server with tls-replication yes needs the agent's [redis] tls_cert_file)");
+        Some(format!(
+            "a connection from its address came over TLS, and {why}"
+        ))
     };
     let config = crate::rpc::tls::kv_server(tls).map_err(|e| refused(e.to_string()))?;
     tokio_rustls::TlsAcceptor::from(config)
@@ -1050,9 +1087,34 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(
-            e.contains("connected over TLS") && e.contains("tls_cert_file"),
+            e.contains("came over TLS") && e.contains("tls_cert_file"),
             "{e}"
         );
+    }
+
+    /// Local processes share the server's address: a flood of
+    /// connections that stay silent, or say PING and no more, cannot keep
+    /// the server's own connection out.
+    #[tokio::test]
+    async fn a_flood_from_the_servers_address_cannot_keep_the_server_out() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let seed = listener.local_addr().unwrap();
+        let mut flood = Vec::new();
+        for i in 0..2 * MAX_HANDSHAKES {
+            let hello: &[u8] = if i % 2 == 0 { b"" } else { b"PING\r\n" };
+            flood.push(send(seed, "127.0.0.1", hello).await);
+        }
+        let server = tokio::spawn(async move {
+            // After the flood is queued: its connections come first.
+            send(seed, "127.0.0.1", b"PING\r\nAUTH s3cret\r\nPSYNC ? -1\r\n").await
+        });
+        let ip = "127.0.0.1".parse().unwrap();
+        let no_tls = TlsFiles::default();
+        // Well inside HANDSHAKE, which a flood's connection may hold.
+        let seeded = accept_seeded(&listener, (ip, "s3cret"), &no_tls, HANDSHAKE / 2)
+            .await
+            .expect("the server's connection got through");
+        assert_eq!(seeded.from, server.await.unwrap().local_addr().unwrap());
     }
 
     #[tokio::test]
