@@ -426,6 +426,118 @@ on_both_servers!(
 /// to log in and where the password came from; once
 /// the file holds the right one, the agent subscribes without a restart.
 /// No log holds either password.
+/// A Sentinel failover where every link is TLS: the servers on TLS ports
+/// asking for client certificates and replicating over TLS, three
+/// Sentinels that reach them and each other over TLS, the agents that
+/// reach both over TLS (`[redis] tls`, `[stream] sentinel_tls`). Asked to
+/// fail over, the Sentinels promote A; P's agent hears it over TLS, proves
+/// A's TLS address, and re-attaches P to A, which P reaches over TLS; A's
+/// agent follows A; nothing is synced in full.
+fn a_sentinel_failover_with_every_link_over_tls(server: Server) {
+    let root = tempfile::tempdir().unwrap();
+    let root = root.path();
+    let pki = common::pki::Pki::new(root, "kv");
+    let tls_server = |name: &str, extra: &[&str]| {
+        let (mut args, port) = pki.server_tls(name);
+        args.extend(extra.iter().map(|a| a.to_string()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        (Redis::start(server, &root.join(name), &args), port)
+    };
+    let (p, p_tls) = tls_server("p", &["--repl-ping-replica-period", "3600"]);
+    let p_at = format!("127.0.0.1:{p_tls}");
+    let sentinels: Vec<(Redis, u16)> = (0..3)
+        .map(|i| {
+            let (conf, port) = pki.sentinel_tls(&format!("sentinel-{i}"));
+            let dir = root.join(format!("sentinel-{i}"));
+            let s = start_sentinel_conf(
+                server,
+                &dir,
+                ("127.0.0.1", &p_at),
+                Duration::from_secs(1),
+                &[],
+                &conf,
+            );
+            (s, port)
+        })
+        .collect();
+    let addrs: Vec<String> = sentinels
+        .iter()
+        .map(|(_, port)| format!("127.0.0.1:{port}"))
+        .collect();
+    let redis_tls = pki.redis_tls("agent");
+    let (src_port, a_port) = (free_port(), free_port());
+    let (src_addr, a_addr) = (
+        format!("127.0.0.1:{src_port}"),
+        format!("127.0.0.1:{a_port}"),
+    );
+    let src_config = format!(
+        "[redis]\nprimary_addr = \"{p_at}\"\n{redis_tls}[stream]\ndir = \"{}\"\nfsync = \"always\"\nsentinel_tls = true\n{}",
+        root.join("src-log").display(),
+        sentinel_lines(&addrs, std::slice::from_ref(&a_addr))
+    );
+    let src = agent_at(
+        root,
+        "src",
+        &root.join("src-snaps"),
+        &src_config,
+        "127.0.0.1",
+        src_port,
+    );
+    wait_following(&src);
+    let (a, a_tls) = tls_server("a", &["--replicaof", "127.0.0.1", &p_tls.to_string()]);
+    let a_at = format!("127.0.0.1:{a_tls}");
+    let a_config = format!(
+        "[stream]\ndir = \"{}\"\nupstream = \"{src_addr}\"\nsentinel_tls = true\n{}[handoff]\nmode = \"redis-replicate\"\n[redis]\nserver_addr = \"{a_at}\"\nprimary = \"{p_at}\"\n{redis_tls}",
+        root.join("a-log").display(),
+        sentinel_lines(&addrs, std::slice::from_ref(&src_addr)),
+    );
+    let agent_a = agent_at(
+        root,
+        "a",
+        &root.join("a-snaps"),
+        &a_config,
+        "127.0.0.1",
+        a_port,
+    );
+    wait_following(&agent_a);
+    p.fill("before", 2000, "v");
+    converged(&a, &p, "A to have what P wrote");
+    wait_for(
+        "the Sentinels to know each other and A",
+        DEADLINE * 2,
+        || {
+            sentinels
+                .iter()
+                .all(|(s, _)| sentinel_ready(s, a_tls))
+                .then_some(())
+        },
+    );
+    let full = |r: &Redis| r.info("stats").num("sync_full");
+    let (p_full, a_full) = (full(&p), full(&a));
+
+    let paused: String = p.cmd(&["CLIENT", "PAUSE", "120000", "WRITE"]);
+    assert_eq!(paused, "OK");
+    converged(&a, &p, "A to catch up with the paused primary");
+    fail_over(&sentinels[1].0);
+    replicates_from(&p, a_tls, "P to replicate from A, over TLS");
+    let _: String = p.cmd(&["CLIENT", "UNPAUSE"]);
+    wait_for("P's agent to re-attach P to A", DEADLINE, || {
+        src.proc
+            .log()
+            .contains(&format!("the old primary {p_at} replicates from {a_at}"))
+            .then_some(())
+    });
+    wait_for("A's agent to follow A", DEADLINE * 2, || {
+        (stream_status(&agent_a).source == format!("primary {a_at}")).then_some(())
+    });
+    a.fill("after", 2000, "v");
+    converged(&p, &a, "P to converge with A");
+    assert_eq!(full(&p), p_full, "P never synced in full");
+    assert_eq!(full(&a), a_full, "A served no full sync");
+}
+
+on_both_servers!(a_sentinel_failover_with_every_link_over_tls);
+
 #[test]
 fn an_agent_logs_in_to_a_sentinel_as_an_acl_user_with_its_password_in_a_file() {
     let root = tempfile::tempdir().unwrap();

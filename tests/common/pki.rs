@@ -74,6 +74,18 @@ impl Pki {
         (args.to_vec(), port)
     }
 
+    /// A Sentinel's `sentinel.conf` lines for a TLS port (returned too)
+    /// beside its plain one, as [`Pki::server_tls`] gives a server: it
+    /// reaches servers and other Sentinels over TLS.
+    pub fn sentinel_tls(&self, who: &str) -> (String, u16) {
+        let (args, port) = self.server_tls(who);
+        let lines = args
+            .chunks(2)
+            .map(|kv| format!("{} {}\n", kv[0].trim_start_matches("--"), kv[1]))
+            .collect();
+        (lines, port)
+    }
+
     /// `[redis]` settings that reach the servers over TLS with this CA,
     /// and present a fresh certificate for `who` (to servers that ask for
     /// one, and on the seed and feed ports).

@@ -36,6 +36,18 @@ pub fn start_sentinel_acl(
     down_after: Duration,
     users: &[&str],
 ) -> Redis {
+    start_sentinel_conf(server, dir, (ip, primary), down_after, users, "")
+}
+
+/// [`start_sentinel_acl`] with `extra` lines in its `sentinel.conf`.
+pub fn start_sentinel_conf(
+    server: Server,
+    dir: &Path,
+    (ip, primary): (&str, &str),
+    down_after: Duration,
+    users: &[&str],
+    extra: &str,
+) -> Redis {
     std::fs::create_dir_all(dir).unwrap();
     let port = free_port();
     let conf = dir.join("sentinel.conf");
@@ -47,7 +59,7 @@ pub fn start_sentinel_acl(
     std::fs::write(
         &conf,
         format!(
-            "port {port}\nbind {bind}\ndir {}\nlogfile {}\nsentinel monitor {MASTER} {host} {primary_port} 2\nsentinel down-after-milliseconds {MASTER} {}\nsentinel failover-timeout {MASTER} 20000\n",
+            "port {port}\nbind {bind}\ndir {}\nlogfile {}\n{extra}sentinel monitor {MASTER} {host} {primary_port} 2\nsentinel down-after-milliseconds {MASTER} {}\nsentinel failover-timeout {MASTER} 20000\n",
             dir.display(),
             dir.join("sentinel.log").display(),
             down_after.as_millis(),
