@@ -1154,24 +1154,26 @@ fn a_running_replica_is_seeded_over_the_replication_protocol_without_a_restart(s
 /// Servers as production runs them with TLS: each has a TLS port, asks
 /// every client for a certificate and replicates over TLS, and the agents
 /// reach them only on their TLS ports. A running replica is seeded through
-/// the seed port, which answers it over TLS with the agent's certificate,
-/// and continues from its primary over TLS with a partial resync.
-fn a_server_that_replicates_over_tls_is_seeded_over_tls_and_continues_with_a_partial_resync(
-    server: Server,
-) {
+/// the seed port, which answers it over TLS with the agent's certificate
+/// (`redis-replicate`), or restarted on the installed RDB with its TLS
+/// port (`redis`), and continues from its primary over TLS with a partial
+/// resync.
+fn seeded_with_every_link_over_tls(server: Server, handoff: &str) {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
     let pki = common::pki::Pki::new(root, "kv");
-    let tls_server = |name: &str| {
-        let (args, port) = pki.server_tls(name);
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        (Redis::start(server, &root.join(name), &args), port)
-    };
-    let (primary, primary_tls) = tls_server("primary");
+    let (primary_args, primary_tls) = pki.server_tls("primary");
+    let primary_args: Vec<&str> = primary_args.iter().map(String::as_str).collect();
+    let primary = Redis::start(server, &root.join("primary"), &primary_args);
     primary.make_backlog(root);
     primary.fill("key", 20_000, "value-of-some-length");
     primary.bgsave();
-    let (replica_redis, replica_tls) = tls_server("replica-redis");
+    let rdir = root.join("replica-redis");
+    let pidfile = rdir.join("redis.pid").display().to_string();
+    let (mut replica_args, replica_tls) = pki.server_tls("replica-redis");
+    replica_args.extend(["--pidfile".to_string(), pidfile.clone()]);
+    let args: Vec<&str> = replica_args.iter().map(String::as_str).collect();
+    let replica_redis = Redis::start(server, &rdir, &args);
     let _: () = replica_redis.cmd(&["SET", "stale", "1"]);
     let primary_at = format!("127.0.0.1:{primary_tls}");
     let source = agent(
@@ -1184,12 +1186,47 @@ fn a_server_that_replicates_over_tls_is_seeded_over_tls_and_continues_with_a_par
         ),
         &[],
     );
+    // The `redis` handoff restarts the server as it runs now, TLS port
+    // and all.
+    let restart = match handoff {
+        "redis" => {
+            let start: Vec<String> = [
+                server.bin(),
+                "--port",
+                &replica_redis.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                "{dir}",
+                "--dbfilename",
+                "{dbfilename}",
+                "--replicaof",
+                "{primary_host}",
+                "{primary_port}",
+                "--save",
+                "",
+                "--daemonize",
+                "yes",
+            ]
+            .iter()
+            .map(|a| a.to_string())
+            .chain(replica_args.iter().cloned())
+            .map(|a| format!("\"{a}\""))
+            .collect();
+            format!(
+                "dir = \"{}\"\ndbfilename = \"dump.rdb\"\nstart = [{}]\n",
+                rdir.display(),
+                start.join(", ")
+            )
+        }
+        _ => String::new(),
+    };
     let replica = agent(
         root,
         "replica",
         &root.join("replica-agent"),
         &format!(
-            "[transport]\n{TCP}\n[handoff]\nmode = \"redis-replicate\"\ntimeout = \"60s\"\n[redis]\nserver_addr = \"127.0.0.1:{replica_tls}\"\nprimary = \"{primary_at}\"\n{}",
+            "[transport]\n{TCP}\n[handoff]\nmode = \"{handoff}\"\ntimeout = \"60s\"\n[redis]\nserver_addr = \"127.0.0.1:{replica_tls}\"\nprimary = \"{primary_at}\"\n{restart}{}",
             pki.redis_tls("replica")
         ),
         &[],
@@ -1210,6 +1247,18 @@ fn a_server_that_replicates_over_tls_is_seeded_over_tls_and_continues_with_a_par
         (replica_redis.cmd::<u64>(&["DBSIZE"]) == written).then_some(())
     });
     assert_eq!(replica_redis.cmd::<Option<String>>(&["GET", "stale"]), None);
+}
+
+fn a_server_that_replicates_over_tls_is_seeded_over_tls_and_continues_with_a_partial_resync(
+    server: Server,
+) {
+    seeded_with_every_link_over_tls(server, "redis-replicate");
+}
+
+fn a_server_on_tls_ports_is_restarted_on_the_snapshot_and_continues_with_a_partial_resync(
+    server: Server,
+) {
+    seeded_with_every_link_over_tls(server, "redis");
 }
 
 /// A server with `REPLICAOF` renamed away: `check-config --live` says the
@@ -1874,6 +1923,9 @@ on_both_servers!(
 );
 
 on_both_servers!(a_renamed_command_the_role_needs_is_named_by_the_live_check);
+on_both_servers!(
+    a_server_on_tls_ports_is_restarted_on_the_snapshot_and_continues_with_a_partial_resync
+);
 
 on_both_servers!(
     rdbs_saved_by_the_real_server_carry_the_replication_position,
