@@ -616,10 +616,13 @@ pub async fn server_ip(server: &str) -> Result<std::net::IpAddr, RedisError> {
 /// How long one connection has to authenticate and ask for the sync.
 const HANDSHAKE: Duration = Duration::from_secs(5);
 /// Connections authenticating at once, at most; a newcomer beyond that
-/// ends the one that has got least far, the oldest of those.
-const MAX_HANDSHAKES: usize = 32;
+/// ends the one that has got least far, the oldest of those. Enough that
+/// under a flood of connections a server's own (its TLS handshake
+/// included) has tens of milliseconds before it could be ended.
+const MAX_HANDSHAKES: usize = 256;
 
-/// How far a connection has got: nothing yet, a command, authenticated.
+/// How far a connection has got: nothing yet, its first byte (a command
+/// or a TLS hello), authenticated.
 #[derive(Default)]
 struct Progress(std::sync::atomic::AtomicU8);
 
@@ -726,7 +729,7 @@ async fn handshake(
     // A master's link to its replica carries the stream (`redis-stream`),
     // whose small writes must not wait for the server's delayed ACK.
     stream.set_nodelay(true).map_err(|_| None)?;
-    let (read, mut write) = match opens_tls(&stream).await {
+    let (read, mut write) = match opens_tls(&stream, progress).await {
         false => tcp_halves(stream),
         true => tls_halves(serve_tls(stream, from, &tls).await?),
     };
@@ -734,7 +737,6 @@ async fn handshake(
     let mut authenticated = false;
     loop {
         let args = read_command(&mut read).await.map_err(|_| None)?;
-        progress.reached(1);
         let name = args[0].to_ascii_uppercase();
         let reply: &[u8] = match name.as_str() {
             "PING" => b"+PONG\r\n",
@@ -775,10 +777,14 @@ async fn handshake(
 
 /// Whether the connection's first byte opens a TLS handshake (a record
 /// of type 22), as a server with `tls-replication yes` sends; a plain
-/// server opens with a command.
-async fn opens_tls(stream: &TcpStream) -> bool {
+/// server opens with a command. A first byte is progress.
+async fn opens_tls(stream: &TcpStream, progress: &Progress) -> bool {
     let mut first = [0u8; 1];
-    matches!(stream.peek(&mut first).await, Ok(1) if first[0] == 0x16)
+    let peeked = stream.peek(&mut first).await;
+    if matches!(peeked, Ok(1)) {
+        progress.reached(1);
+    }
+    matches!(peeked, Ok(1) if first[0] == 0x16)
 }
 
 /// The server's side of a TLS handshake on the seed or feed port, with
@@ -789,7 +795,7 @@ async fn serve_tls(
     tls: &TlsFiles,
 ) -> Result<tokio_rustls::server::TlsStream<TcpStream>, Option<String>> {
     let refused = |why: String| {
-        warn!(%from, %why, "a connection from the server's address opened a TLS handshake on the agent's replication port, which could not be completed (a server with tls-replication yes needs the agent's [redis] tls_cert_file)");
+        warn!(%from, %why, "a connection from the server's address opened a TLS handshake on the agent's replication port, which could not be completed");
         Some(format!(
             "a connection from its address came over TLS, and {why}"
         ))
@@ -1099,22 +1105,23 @@ mod tests {
     async fn a_flood_from_the_servers_address_cannot_keep_the_server_out() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let seed = listener.local_addr().unwrap();
+        let ip = "127.0.0.1".parse().unwrap();
+        // Well inside HANDSHAKE, which a flood's connection may hold.
+        let accepting = tokio::spawn(async move {
+            let no_tls = TlsFiles::default();
+            accept_seeded(&listener, (ip, "s3cret"), &no_tls, HANDSHAKE / 2).await
+        });
         let mut flood = Vec::new();
         for i in 0..2 * MAX_HANDSHAKES {
             let hello: &[u8] = if i % 2 == 0 { b"" } else { b"PING\r\n" };
             flood.push(send(seed, "127.0.0.1", hello).await);
         }
-        let server = tokio::spawn(async move {
-            // After the flood is queued: its connections come first.
-            send(seed, "127.0.0.1", b"PING\r\nAUTH s3cret\r\nPSYNC ? -1\r\n").await
-        });
-        let ip = "127.0.0.1".parse().unwrap();
-        let no_tls = TlsFiles::default();
-        // Well inside HANDSHAKE, which a flood's connection may hold.
-        let seeded = accept_seeded(&listener, (ip, "s3cret"), &no_tls, HANDSHAKE / 2)
+        let server = send(seed, "127.0.0.1", b"PING\r\nAUTH s3cret\r\nPSYNC ? -1\r\n").await;
+        let seeded = accepting
             .await
+            .unwrap()
             .expect("the server's connection got through");
-        assert_eq!(seeded.from, server.await.unwrap().local_addr().unwrap());
+        assert_eq!(seeded.from, server.local_addr().unwrap());
     }
 
     #[tokio::test]
