@@ -18,7 +18,7 @@
 //! continued and fed once the log has it ([`Log::continues`]). The server's
 //! `REPLCONF ACK` offsets are the log's [`Downstream::Server`]
 //! acknowledgement, which the agent passes upstream. The handshake is
-//! `kv::seed`'s.
+//! `kv::seed`'s, over TLS for a server with `tls-replication yes`.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
