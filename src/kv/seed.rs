@@ -8,8 +8,9 @@
 //! record the server's `masterauth` and master ([`RECORD`]), set a random
 //! one-time `masterauth` on it and `REPLICAOF` the seed address; answer
 //! connections from the server's address as a master would (`PING`,
-//! `AUTH`, `REPLCONF`), and the first that proved the one-time password
-//! gets its `PSYNC` answered with `+FULLRESYNC <repl-id> <M>` and the RDB
+//! `AUTH`, `REPLCONF`; over TLS when the server opens with a TLS hello,
+//! its `tls-replication yes`), and the first that proved the one-time
+//! password gets its `PSYNC` answered with `+FULLRESYNC <repl-id> <M>` and the RDB
 //! as one bulk payload; wait until the server has loaded it and reports the
 //! RDB's replication id and offset; put its `masterauth` back, `REPLICAOF`
 //! the primary and confirm the partial resync as the `redis` handoff does.
