@@ -24,10 +24,12 @@ fn source_config(primary: &Redis, transport: &str) -> String {
     )
 }
 
-/// The replica agent's config: `redis` handoff seeding the server on `port`.
-fn replica_config(primary: &Redis, port: u16, dir: &Path, transport: &str) -> String {
-    let start = [
-        primary.server.bin(),
+/// The `redis` handoff's `start` array for the server on `port` in
+/// `dir` (as Debian's packaging runs it, daemonized), with `extra`
+/// arguments.
+fn start_command(server: Server, port: u16, dir: &Path, extra: &[String]) -> String {
+    [
+        server.bin(),
         "--port",
         &port.to_string(),
         "--bind",
@@ -50,8 +52,17 @@ fn replica_config(primary: &Redis, port: u16, dir: &Path, transport: &str) -> St
         "--logfile",
         &dir.join("redis.log").display().to_string(),
     ]
+    .iter()
+    .map(|a| a.to_string())
+    .chain(extra.iter().cloned())
     .map(|a| format!("\"{a}\""))
-    .join(", ");
+    .collect::<Vec<_>>()
+    .join(", ")
+}
+
+/// The replica agent's config: `redis` handoff seeding the server on `port`.
+fn replica_config(primary: &Redis, port: u16, dir: &Path, transport: &str) -> String {
+    let start = start_command(primary.server, port, dir, &[]);
     format!(
         "[transport]\n{transport}\n[handoff]\nmode = \"redis\"\ntimeout = \"60s\"\n[redis]\nserver_addr = \"127.0.0.1:{port}\"\ndir = \"{}\"\ndbfilename = \"dump.rdb\"\nprimary = \"{}\"\nstart = [{start}]\n",
         dir.display(),
@@ -1169,10 +1180,13 @@ fn seeded_with_every_link_over_tls(server: Server, handoff: &str) {
     primary.fill("key", 20_000, "value-of-some-length");
     primary.bgsave();
     let rdir = root.join("replica-redis");
+    let (tls_args, replica_tls) = pki.server_tls("replica-redis");
     let pidfile = rdir.join("redis.pid").display().to_string();
-    let (mut replica_args, replica_tls) = pki.server_tls("replica-redis");
-    replica_args.extend(["--pidfile".to_string(), pidfile.clone()]);
-    let args: Vec<&str> = replica_args.iter().map(String::as_str).collect();
+    let args: Vec<&str> = tls_args
+        .iter()
+        .map(String::as_str)
+        .chain(["--pidfile", &pidfile])
+        .collect();
     let replica_redis = Redis::start(server, &rdir, &args);
     let _: () = replica_redis.cmd(&["SET", "stale", "1"]);
     let primary_at = format!("127.0.0.1:{primary_tls}");
@@ -1189,36 +1203,11 @@ fn seeded_with_every_link_over_tls(server: Server, handoff: &str) {
     // The `redis` handoff restarts the server as it runs now, TLS port
     // and all.
     let restart = match handoff {
-        "redis" => {
-            let start: Vec<String> = [
-                server.bin(),
-                "--port",
-                &replica_redis.port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--dir",
-                "{dir}",
-                "--dbfilename",
-                "{dbfilename}",
-                "--replicaof",
-                "{primary_host}",
-                "{primary_port}",
-                "--save",
-                "",
-                "--daemonize",
-                "yes",
-            ]
-            .iter()
-            .map(|a| a.to_string())
-            .chain(replica_args.iter().cloned())
-            .map(|a| format!("\"{a}\""))
-            .collect();
-            format!(
-                "dir = \"{}\"\ndbfilename = \"dump.rdb\"\nstart = [{}]\n",
-                rdir.display(),
-                start.join(", ")
-            )
-        }
+        "redis" => format!(
+            "dir = \"{}\"\ndbfilename = \"dump.rdb\"\nstart = [{}]\n",
+            rdir.display(),
+            start_command(server, replica_redis.port, &rdir, &tls_args)
+        ),
         _ => String::new(),
     };
     let replica = agent(

@@ -89,22 +89,7 @@ impl Page {
             .into_iter()
             .find(|l| l.starts_with("export "))
             .expect("the quick start's export line");
-        let bin = Path::new(kvsync_bin()).parent().unwrap();
-        let out = Command::new("bash")
-            .arg("-c")
-            .arg(self.here(&format!("{export}\n{line}")))
-            .env(
-                "PATH",
-                format!("{}:{}", bin.display(), std::env::var("PATH").unwrap()),
-            )
-            .output()
-            .unwrap();
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        (out.status.success(), text)
+        shell(&self.here(&format!("{export}\n{line}")), &[])
     }
 
     /// Runs `line`, which must succeed.
