@@ -24,45 +24,16 @@ fn source_config(primary: &Redis, transport: &str) -> String {
     )
 }
 
-/// The `redis` handoff's `start` array for the server on `port` in
-/// `dir` (as Debian's packaging runs it, daemonized), with `extra`
-/// arguments.
-fn start_command(server: Server, port: u16, dir: &Path, extra: &[String]) -> String {
-    [
-        server.bin(),
-        "--port",
-        &port.to_string(),
-        "--bind",
-        "127.0.0.1",
-        "--dir",
-        "{dir}",
-        "--dbfilename",
-        "{dbfilename}",
-        "--replicaof",
-        "{primary_host}",
-        "{primary_port}",
-        "--appendonly",
-        "no",
-        "--save",
-        "",
-        "--daemonize",
-        "yes",
-        "--pidfile",
-        &dir.join("redis.pid").display().to_string(),
-        "--logfile",
-        &dir.join("redis.log").display().to_string(),
-    ]
-    .iter()
-    .map(|a| a.to_string())
-    .chain(extra.iter().cloned())
-    .map(|a| format!("\"{a}\""))
-    .collect::<Vec<_>>()
-    .join(", ")
+/// `--replicaof` the primary, for the `redis` handoff's `start` array.
+fn replicaof() -> Vec<String> {
+    ["--replicaof", "{primary_host}", "{primary_port}"]
+        .map(String::from)
+        .to_vec()
 }
 
 /// The replica agent's config: `redis` handoff seeding the server on `port`.
 fn replica_config(primary: &Redis, port: u16, dir: &Path, transport: &str) -> String {
-    let start = start_command(primary.server, port, dir, &[]);
+    let start = start_command(primary.server, port, dir, &replicaof());
     format!(
         "[transport]\n{transport}\n[handoff]\nmode = \"redis\"\ntimeout = \"60s\"\n[redis]\nserver_addr = \"127.0.0.1:{port}\"\ndir = \"{}\"\ndbfilename = \"dump.rdb\"\nprimary = \"{}\"\nstart = [{start}]\n",
         dir.display(),
@@ -1206,7 +1177,12 @@ fn seeded_with_every_link_over_tls(server: Server, handoff: &str) {
         "redis" => format!(
             "dir = \"{}\"\ndbfilename = \"dump.rdb\"\nstart = [{}]\n",
             rdir.display(),
-            start_command(server, replica_redis.port, &rdir, &tls_args)
+            start_command(
+                server,
+                replica_redis.port,
+                &rdir,
+                &[replicaof(), tls_args].concat(),
+            )
         ),
         _ => String::new(),
     };

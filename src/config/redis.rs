@@ -53,6 +53,10 @@ pub struct RedisConfig {
     /// yes`). `{primary_host}`, `{primary_port}`, `{dir}`, `{dbfilename}` are
     /// replaced.
     pub start: Vec<String>,
+    /// Replica, cluster mode (`redis` handoff into a Redis Cluster or Valkey
+    /// cluster node, found from the primary's `INFO cluster`): the
+    /// server's `cluster-config-file`, relative to `dir` or absolute.
+    pub cluster_config_file: PathBuf,
     /// Replica: the command that stops the server; empty sends
     /// `SHUTDOWN NOSAVE` to `server_addr`.
     pub stop: Vec<String>,
@@ -143,6 +147,7 @@ impl Default for RedisConfig {
             dbfilename: "dump.rdb".into(),
             primary: String::new(),
             start: Vec::new(),
+            cluster_config_file: PathBuf::from("nodes.conf"),
             stop: Vec::new(),
             health_interval: Duration::from_secs(5),
             rate_window: Duration::from_secs(2),
@@ -347,6 +352,12 @@ impl Config {
             p.bad(
                 "redis.dbfilename",
                 format!("must be a file name, got {:?}", r.dbfilename),
+            );
+        }
+        if r.cluster_config_file.as_os_str().is_empty() {
+            p.bad(
+                "redis.cluster_config_file",
+                "must name the server's cluster-config-file".into(),
             );
         }
         if r.start.is_empty() {

@@ -3,7 +3,8 @@
 //! [`redis`] is the Redis/Valkey client the rest talk through; [`resp`]
 //! the bits of RESP spoken on raw replication connections.
 //! Replica side: [`handoff`] tells the KV about an installed snapshot's M,
-//! by [`restart`] (place the RDB, restart the server) or [`seed`] (the
+//! by [`restart`] (place the RDB, restart the server; into a cluster node
+//! with [`cluster`]'s `nodes.conf` and `CLUSTER MEET`) or [`seed`] (the
 //! agent as a one-shot master of a running server, sending the RDB as a
 //! [`payload`], from the installed file or as its pieces arrive). Source side:
 //! [`preflight`] checks the primary's backlog still holds M+1 and sizes
@@ -15,6 +16,7 @@
 
 pub mod backlog;
 pub mod check;
+pub mod cluster;
 pub mod handoff;
 pub mod health;
 pub mod payload;

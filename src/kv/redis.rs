@@ -45,6 +45,10 @@ pub enum RedisError {
     /// The `redis-replicate` seed failed.
     #[error("redis-replicate seed: {0}")]
     Seed(String),
+    /// The cluster handoff was refused before anything changed, or a
+    /// step of it failed.
+    #[error("cluster: {0}")]
+    Cluster(String),
     /// A wait ran out of time.
     #[error("timed out after {after:?} waiting for {what}")]
     Timeout { what: String, after: Duration },

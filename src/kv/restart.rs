@@ -1,7 +1,8 @@
 //! The `redis` handoff: seeding a replica server by restart. Stop the
 //! local server, place the verified RDB as its `dir/dbfilename` atomically,
 //! start it following the primary, and confirm the primary accepted a
-//! partial resync from M+1 (docs/ARCHITECTURE.md, "Handoff").
+//! partial resync from M+1; a cluster node is made its shard primary's
+//! replica by its `nodes.conf` and joined by `crate::kv::cluster` (docs/ARCHITECTURE.md, "Handoff").
 
 use std::path::Path;
 use std::time::Duration;
@@ -99,6 +100,8 @@ pub async fn hand_off(
     snapshot: &SnapshotInfo,
 ) -> Result<String, RedisError> {
     let before = server_info(&cfg.primary, &cfg.auth(), "stats").await?;
+    // In cluster mode, decide everything (or refuse) before stopping.
+    let cluster = crate::kv::cluster::plan(cfg).await?;
 
     // Stop the local server (it must not overwrite the file on exit).
     if cfg.stop.is_empty() {
@@ -124,10 +127,17 @@ pub async fn hand_off(
     .await?;
 
     place(rdb, &cfg.dir, &cfg.dbfilename)?;
+    if let Some(plan) = &cluster {
+        plan.write()?;
+    }
     info!(dir = %cfg.dir.display(), dbfilename = %cfg.dbfilename, seq = snapshot.seq, "RDB in place; starting the server");
     run("start", &cfg.start, cfg, timeout).await?;
-
-    confirm_partial(cfg, timeout, &before, snapshot).await
+    let Some(plan) = cluster else {
+        return confirm_partial(cfg, timeout, &before, snapshot).await;
+    };
+    let no_failover = plan.hold_failover(cfg, timeout).await?;
+    let resynced = confirm_partial(cfg, timeout, &before, snapshot).await?;
+    Ok(resynced + &plan.join(cfg, timeout, &no_failover).await?)
 }
 
 #[cfg(test)]

@@ -349,6 +349,39 @@ impl Drop for Redis {
     }
 }
 
+/// The `redis` handoff's `start` array for the server on `port` in
+/// `dir` (as Debian's packaging runs it, daemonized), with `extra`
+/// arguments (`--replicaof`, cluster mode).
+pub fn start_command(server: Server, port: u16, dir: &Path, extra: &[String]) -> String {
+    [
+        server.bin(),
+        "--port",
+        &port.to_string(),
+        "--bind",
+        "127.0.0.1",
+        "--dir",
+        "{dir}",
+        "--dbfilename",
+        "{dbfilename}",
+        "--appendonly",
+        "no",
+        "--save",
+        "",
+        "--daemonize",
+        "yes",
+        "--pidfile",
+        &dir.join("redis.pid").display().to_string(),
+        "--logfile",
+        &dir.join("redis.log").display().to_string(),
+    ]
+    .iter()
+    .map(|a| a.to_string())
+    .chain(extra.iter().cloned())
+    .map(|a| format!("\"{a}\""))
+    .collect::<Vec<_>>()
+    .join(", ")
+}
+
 /// A client thread working on a server until dropped: `step(con, i)` for
 /// i = 0, 1, 2, … (a writer, or a reader).
 pub struct Client {

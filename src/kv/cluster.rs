@@ -1,0 +1,532 @@
+//! The `redis` handoff into a Redis Cluster or Valkey cluster node
+//! (docs/REDIS.md, "Cluster mode"). A cluster node refuses `REPLICAOF`
+//! and takes its role from its `nodes.conf`, loaded before its data: a
+//! node started on its shard primary's RDB with a `nodes.conf` that says
+//! `myself,slave <primary>` continues with a partial resync, where
+//! `CLUSTER REPLICATE` would full-sync it.
+//!
+//! This module decides everything first ([`plan`]): what the primary says
+//! of its shard (its id, address, slots, config epoch, shard id), and who
+//! the local node is — its own id if it has one (the running server's, its
+//! `nodes.conf`'s, or the one the cluster's table holds at its address, for
+//! a node rebuilt after a loss), else a fresh one. It refuses a local node
+//! that owns slots, and a `[redis] primary` that is not a shard primary;
+//! nothing is stopped before that. Then [`Plan::write`] writes the
+//! `nodes.conf` (the node a slot-less replica, epoch 0), [`Plan::hold_failover`]
+//! keeps the started node from a failover, and [`Plan::join`] makes it
+//! known with `CLUSTER MEET` (never `CLUSTER REPLICATE`) and gives the
+//! failover back once it has caught up.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tracing::info;
+
+use crate::config::{HostPort, RedisConfig, ServerAuth};
+use crate::kv::redis::{connect, info as server_info, server_err, until, RedisError};
+
+/// One line of `CLUSTER NODES` (or of a `nodes.conf`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeLine {
+    pub id: String,
+    /// `ip:port@cport[,hostname[,aux…]]` as written.
+    pub address: String,
+    pub flags: Vec<String>,
+    /// The id of the node's primary, or `-`.
+    pub master: String,
+    pub config_epoch: u64,
+    /// Slot ranges owned (`0-5460`, `7`); open migrations (`[…]`) left out.
+    pub slots: Vec<String>,
+}
+
+impl NodeLine {
+    /// Parses a node line; `None` for anything else (a `vars` line).
+    pub fn parse(line: &str) -> Option<NodeLine> {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() < 8 || f[0] == "vars" || !f[1].contains('@') {
+            return None;
+        }
+        Some(NodeLine {
+            id: f[0].to_string(),
+            address: f[1].to_string(),
+            flags: f[2].split(',').map(str::to_string).collect(),
+            master: f[3].to_string(),
+            config_epoch: f[6].parse().ok()?,
+            slots: f[8..]
+                .iter()
+                .filter(|s| !s.starts_with('['))
+                .map(|s| s.to_string())
+                .collect(),
+        })
+    }
+
+    fn has(&self, flag: &str) -> bool {
+        self.flags.iter().any(|f| f == flag)
+    }
+
+    pub fn is_myself(&self) -> bool {
+        self.has("myself")
+    }
+
+    pub fn is_master(&self) -> bool {
+        self.has("master")
+    }
+
+    /// The IP and port clients reach the node at (the IP empty for a node
+    /// that never met another).
+    pub fn ip_port(&self) -> (&str, u16) {
+        let base = self.address.split(['@', ',']).next().unwrap_or("");
+        let (ip, port) = base.rsplit_once(':').unwrap_or(("", ""));
+        (ip, port.parse().unwrap_or(0))
+    }
+
+    /// The cluster bus port.
+    pub fn cport(&self) -> Option<u16> {
+        let after = self.address.split_once('@')?.1;
+        after.split(',').next()?.parse().ok()
+    }
+}
+
+/// The nodes of a `CLUSTER NODES` reply or a `nodes.conf`.
+pub fn parse_nodes(text: &str) -> Vec<NodeLine> {
+    text.lines().filter_map(NodeLine::parse).collect()
+}
+
+/// The local node's identity, and where it came from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Identity {
+    /// The running server's `CLUSTER MYID`.
+    Running(String),
+    /// The `myself` line of the server's `nodes.conf`.
+    Config(String),
+    /// The id the primary's table holds at the local server's address
+    /// (a node rebuilt after losing its files).
+    Table(String),
+    /// A fresh id: the node is new to the cluster.
+    New(String),
+}
+
+impl Identity {
+    pub fn id(&self) -> &str {
+        match self {
+            Identity::Running(id)
+            | Identity::Config(id)
+            | Identity::Table(id)
+            | Identity::New(id) => id,
+        }
+    }
+
+    fn source(&self) -> &'static str {
+        match self {
+            Identity::Running(_) => "kept from the running server",
+            Identity::Config(_) => "kept from its nodes.conf",
+            Identity::Table(_) => "kept from the cluster's table at its address",
+            Identity::New(_) => "new",
+        }
+    }
+}
+
+/// Everything the cluster handoff does, decided before it acts.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// The shard primary's own line, as it answered.
+    pub primary: NodeLine,
+    /// Its `CLUSTER MYSHARDID` (Redis 7.2+, Valkey); `None` on Redis 7.0.
+    pub shard_id: Option<String>,
+    /// Its `cluster_current_epoch`.
+    pub current_epoch: u64,
+    pub me: Identity,
+    /// The local server's port, and where its `nodes.conf` goes.
+    pub port: u16,
+    pub nodes_conf: PathBuf,
+}
+
+fn refuse(message: String) -> RedisError {
+    RedisError::Cluster(message)
+}
+
+/// A fresh node id: 40 random hex digits, as the servers make them.
+fn fresh_id() -> String {
+    use rand::Rng;
+    let bytes: [u8; 20] = rand::rng().random();
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+async fn query<T: redis::FromRedisValue>(
+    addr: &str,
+    con: &mut redis::aio::MultiplexedConnection,
+    args: &[&str],
+) -> Result<T, RedisError> {
+    redis::cmd(args[0])
+        .arg(&args[1..])
+        .query_async(con)
+        .await
+        .map_err(|e| server_err(addr, e))
+}
+
+/// Where the server's `cluster-config-file` is.
+fn nodes_conf_path(cfg: &RedisConfig) -> PathBuf {
+    cfg.dir.join(&cfg.cluster_config_file)
+}
+
+/// Decides the cluster handoff: `None` when the primary does not run in
+/// cluster mode; a refusal when acting would hurt the cluster. Reads only.
+pub async fn plan(cfg: &RedisConfig) -> Result<Option<Plan>, RedisError> {
+    let auth = cfg.auth();
+    let cluster = server_info(&cfg.primary, &auth, "cluster").await?;
+    if cluster.get("cluster_enabled") != Some("1") {
+        return Ok(None);
+    }
+    if cfg
+        .start
+        .iter()
+        .any(|a| a.contains("replicaof") || a.contains("slaveof"))
+    {
+        return Err(refuse(
+            "the primary runs in cluster mode, where a server refuses to start with replicaof: remove it from [redis] start (the node follows its primary from its nodes.conf)".into(),
+        ));
+    }
+    let addr = &cfg.primary;
+    let mut con = connect(addr, &auth).await?;
+    let nodes: String = query(addr, &mut con, &["CLUSTER", "NODES"]).await?;
+    let table = parse_nodes(&nodes);
+    let Some(primary) = table.iter().find(|n| n.is_myself()).cloned() else {
+        return Err(server_err(addr, "CLUSTER NODES has no myself line"));
+    };
+    if !primary.is_master() || primary.slots.is_empty() {
+        return Err(refuse(format!(
+            "[redis] primary {addr} is not a shard primary owning slots (flags {}): point it at the primary of the shard the node is to replicate",
+            primary.flags.join(",")
+        )));
+    }
+    let shard_id = query::<String>(addr, &mut con, &["CLUSTER", "MYSHARDID"])
+        .await
+        .ok();
+    let info: String = query(addr, &mut con, &["CLUSTER", "INFO"]).await?;
+    let current_epoch = crate::kv::redis::Info::parse(&info).num("cluster_current_epoch");
+    let port = cfg
+        .server_addr
+        .parse::<HostPort>()
+        .map(|a| a.port)
+        .map_err(|e| refuse(format!("[redis] server_addr: {e}")))?;
+    let me = identity(cfg, &auth, &mut con, &table, port).await?;
+    let owner = |id: &str| table.iter().find(|n| n.id == id).cloned();
+    if me.id() == primary.id {
+        return Err(refuse(format!(
+            "the local server is node {} itself, the shard primary: kvsync never seeds a primary",
+            primary.id
+        )));
+    }
+    if let Some(n) = owner(me.id()).filter(|n| n.is_master() && !n.slots.is_empty()) {
+        return Err(refuse(format!(
+            "the local server is node {} ({}), a primary owning slots {} in the cluster: kvsync never turns a shard primary into a replica",
+            n.id,
+            n.address,
+            n.slots.join(" ")
+        )));
+    }
+    Ok(Some(Plan {
+        primary,
+        shard_id,
+        current_epoch,
+        me,
+        port,
+        nodes_conf: nodes_conf_path(cfg),
+    }))
+}
+
+/// Who the local node is: the running server's id, its `nodes.conf`'s,
+/// the one the primary's table holds at its address, or a fresh one. A
+/// local node that says it owns slots is refused here.
+async fn identity(
+    cfg: &RedisConfig,
+    auth: &ServerAuth,
+    primary: &mut redis::aio::MultiplexedConnection,
+    table: &[NodeLine],
+    port: u16,
+) -> Result<Identity, RedisError> {
+    let owns_slots = |n: &NodeLine, said_by: &str| {
+        (n.is_master() && !n.slots.is_empty()).then(|| {
+            refuse(format!(
+                "{said_by}: the local server is node {}, a primary owning slots {}: kvsync never turns a shard primary into a replica",
+                n.id,
+                n.slots.join(" ")
+            ))
+        })
+    };
+    let local = &cfg.server_addr;
+    if let Ok(mut con) = connect(local, auth).await {
+        if let Ok(nodes) = query::<String>(local, &mut con, &["CLUSTER", "NODES"]).await {
+            if let Some(me) = parse_nodes(&nodes).into_iter().find(NodeLine::is_myself) {
+                if let Some(e) = owns_slots(&me, "the running server") {
+                    return Err(e);
+                }
+                return Ok(Identity::Running(me.id));
+            }
+        }
+    }
+    let path = nodes_conf_path(cfg);
+    match std::fs::read_to_string(&path) {
+        Ok(text) => {
+            if let Some(me) = parse_nodes(&text).into_iter().find(NodeLine::is_myself) {
+                if let Some(e) = owns_slots(&me, &path.display().to_string()) {
+                    return Err(e);
+                }
+                return Ok(Identity::Config(me.id));
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(refuse(format!("reading {}: {e}", path.display()))),
+    }
+    // The address this host has in the primary's eyes: its own view of
+    // the agent's connection, which comes from the same host.
+    let client: String = query(&cfg.primary, primary, &["CLIENT", "INFO"]).await?;
+    let ip = client
+        .split_whitespace()
+        .find_map(|f| f.strip_prefix("addr="))
+        .and_then(|a| a.rsplit_once(':'))
+        .map(|(ip, _)| ip.to_string())
+        .unwrap_or_default();
+    let at_address = table
+        .iter()
+        .find(|n| !n.is_myself() && n.ip_port() == (ip.as_str(), port));
+    Ok(match at_address {
+        Some(n) => Identity::Table(n.id.clone()),
+        None => Identity::New(fresh_id()),
+    })
+}
+
+impl Plan {
+    /// The `nodes.conf` that makes the node a slot-less replica of the
+    /// shard primary at config epoch 0 (it can claim no slot), with the
+    /// primary as the one node it knows.
+    pub fn nodes_conf_text(&self) -> String {
+        let p = &self.primary;
+        let aux = |address: String| match &self.shard_id {
+            None => address,
+            // Valkey and Redis 7.2+ write `address,hostname,aux=…`; the
+            // node and its primary must agree on the shard.
+            Some(sid) => {
+                let hostname_given = address.contains(',');
+                format!(
+                    "{address}{}shard-id={sid}",
+                    if hostname_given { "," } else { ",," }
+                )
+            }
+        };
+        let cport = u32::from(self.port) + 10000;
+        format!(
+            "{} {} myself,slave {} 0 0 0 connected\n{} {} master - 0 0 {} connected {}\nvars currentEpoch {} lastVoteEpoch 0\n",
+            self.me.id(),
+            aux(format!(":{}@{cport}", self.port)),
+            p.id,
+            p.id,
+            aux(p.address.clone()),
+            p.config_epoch,
+            p.slots.join(" "),
+            self.current_epoch,
+        )
+    }
+
+    /// Writes the node's `nodes.conf` atomically (the server is stopped).
+    pub fn write(&self) -> Result<(), RedisError> {
+        crate::store::install::write_atomic(&self.nodes_conf, self.nodes_conf_text().as_bytes())
+            .map_err(|e| refuse(format!("writing {}: {e}", self.nodes_conf.display())))
+    }
+
+    /// Keeps the started node from starting a failover until it has
+    /// caught up; returns the operator's `cluster-replica-no-failover`.
+    pub async fn hold_failover(
+        &self,
+        cfg: &RedisConfig,
+        timeout: Duration,
+    ) -> Result<String, RedisError> {
+        let (local, auth) = (cfg.server_addr.clone(), cfg.auth());
+        let mut con = until("the started server to answer", timeout, || {
+            let (local, auth) = (local.clone(), auth.clone());
+            async move { connect(&local, &auth).await.ok() }
+        })
+        .await?;
+        let pair: Vec<String> = query(
+            &local,
+            &mut con,
+            &["CONFIG", "GET", "cluster-replica-no-failover"],
+        )
+        .await?;
+        query::<()>(
+            &local,
+            &mut con,
+            &["CONFIG", "SET", "cluster-replica-no-failover", "yes"],
+        )
+        .await?;
+        Ok(pair.get(1).cloned().unwrap_or_else(|| "no".into()))
+    }
+
+    /// Makes the node known to the cluster (`CLUSTER MEET` to the primary
+    /// from the node), waits until the primary lists it as its replica and
+    /// the node's cluster state is `ok`, then until it has caught up, and
+    /// gives back the operator's `cluster-replica-no-failover`.
+    pub async fn join(
+        &self,
+        cfg: &RedisConfig,
+        timeout: Duration,
+        no_failover: &str,
+    ) -> Result<String, RedisError> {
+        let (local, auth) = (cfg.server_addr.as_str(), cfg.auth());
+        let (ip, port) = self.primary.ip_port();
+        let ip = match ip {
+            "" => cfg
+                .primary
+                .parse::<HostPort>()
+                .map(|a| a.host)
+                .unwrap_or_default(),
+            ip => ip.to_string(),
+        };
+        let mut con = connect(local, &auth).await?;
+        let port = port.to_string();
+        let mut meet = vec!["CLUSTER", "MEET", ip.as_str(), port.as_str()];
+        let cport = self.primary.cport().map(|c| c.to_string());
+        meet.extend(cport.as_deref());
+        query::<()>(local, &mut con, &meet).await?;
+        let me = self.me.id().to_string();
+        let primary_id = self.primary.id.clone();
+        until(
+            "the primary to list the node as its replica",
+            timeout,
+            || {
+                let (auth, me, primary_id) = (auth.clone(), me.clone(), primary_id.clone());
+                async move {
+                    let mut con = connect(&cfg.primary, &auth).await.ok()?;
+                    let nodes: String = query(&cfg.primary, &mut con, &["CLUSTER", "NODES"])
+                        .await
+                        .ok()?;
+                    parse_nodes(&nodes)
+                        .iter()
+                        .any(|n| n.id == me && !n.is_master() && n.master == primary_id)
+                        .then_some(())
+                }
+            },
+        )
+        .await?;
+        until("cluster_state:ok on the node", timeout, || {
+            let auth = auth.clone();
+            async move {
+                let mut con = connect(local, &auth).await.ok()?;
+                let text: String = query(local, &mut con, &["CLUSTER", "INFO"]).await.ok()?;
+                text.contains("cluster_state:ok").then_some(())
+            }
+        })
+        .await?;
+        let target = server_info(&cfg.primary, &auth, "replication")
+            .await?
+            .num("master_repl_offset");
+        until("the node to catch up with its primary", timeout, || {
+            let auth = auth.clone();
+            async move {
+                let repl = server_info(local, &auth, "replication").await.ok()?;
+                (repl.get("master_link_status") == Some("up")
+                    && repl.num("slave_repl_offset") >= target)
+                    .then_some(())
+            }
+        })
+        .await?;
+        query::<()>(
+            local,
+            &mut con,
+            &["CONFIG", "SET", "cluster-replica-no-failover", no_failover],
+        )
+        .await?;
+        info!(node = %me, primary = %primary_id, "cluster node joined as a replica");
+        Ok(format!(
+            "; cluster node {me} ({}) joined as a replica of {primary_id} by CLUSTER MEET, caught up at offset {target}",
+            self.me.source()
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const VALKEY: &str = "\
+c9d8 127.0.0.1:7001@17001,,tls-port=0,shard-id=f980 myself,master - 0 0 1 connected 0-5460 [93->-b6f2]
+7c9e 127.0.0.1:7004@17004,,tls-port=0,shard-id=f980 slave,fail c9d8 0 1796664268871 1 connected
+b6f2 10.0.0.2:7002@17002,host-b master - 0 1796664268568 2 connected 5461-10922
+vars currentEpoch 3 lastVoteEpoch 0
+";
+
+    #[test]
+    fn node_lines_are_read_with_their_addresses_flags_and_slots() {
+        let nodes = parse_nodes(VALKEY);
+        assert_eq!(nodes.len(), 3, "the vars line is not a node");
+        let me = &nodes[0];
+        assert!(me.is_myself() && me.is_master());
+        assert_eq!(
+            me.slots,
+            ["0-5460"],
+            "an open migration is not a slot owned"
+        );
+        assert_eq!(me.ip_port(), ("127.0.0.1", 7001));
+        assert_eq!(me.cport(), Some(17001));
+        assert_eq!(nodes[1].master, "c9d8");
+        assert!(!nodes[1].is_master());
+        assert_eq!(nodes[2].ip_port(), ("10.0.0.2", 7002));
+        assert_eq!(nodes[2].config_epoch, 2);
+        assert_eq!(NodeLine::parse(":7005@17005 myself"), None);
+    }
+
+    fn plan(shard_id: Option<&str>, primary: &str) -> Plan {
+        Plan {
+            primary: NodeLine::parse(primary).unwrap(),
+            shard_id: shard_id.map(str::to_string),
+            current_epoch: 3,
+            me: Identity::New("beef".into()),
+            port: 7005,
+            nodes_conf: PathBuf::from("nodes.conf"),
+        }
+    }
+
+    /// The written file makes the node a slot-less replica at epoch 0 of
+    /// the primary, in the same shard, and is read back as such.
+    #[test]
+    fn the_written_nodes_conf_makes_a_slotless_replica_of_the_shard_primary() {
+        let p = plan(
+            Some("f980"),
+            "c9d8 127.0.0.1:7001@17001 myself,master - 0 0 0 connected 0-5460 [93->-b6f2]",
+        );
+        let text = p.nodes_conf_text();
+        assert_eq!(
+            text,
+            "beef :7005@17005,,shard-id=f980 myself,slave c9d8 0 0 0 connected\n\
+             c9d8 127.0.0.1:7001@17001,,shard-id=f980 master - 0 0 0 connected 0-5460\n\
+             vars currentEpoch 3 lastVoteEpoch 0\n"
+        );
+        let back = parse_nodes(&text);
+        assert!(back[0].is_myself() && !back[0].is_master() && back[0].slots.is_empty());
+        assert_eq!(back[0].config_epoch, 0);
+        // Redis 7.0 has no shard id, and a hostname is kept.
+        let p = plan(
+            None,
+            "c9d8 10.0.0.1:7001@17001,host-a myself,master - 0 0 4 connected 0-5460",
+        );
+        assert_eq!(
+            p.nodes_conf_text().lines().nth(1),
+            Some("c9d8 10.0.0.1:7001@17001,host-a master - 0 0 4 connected 0-5460")
+        );
+        let p = plan(
+            Some("f980"),
+            "c9d8 10.0.0.1:7001@17001,host-a myself,master - 0 0 4 connected 0-5460",
+        );
+        assert!(p
+            .nodes_conf_text()
+            .contains("@17001,host-a,shard-id=f980 master"));
+    }
+
+    #[test]
+    fn a_fresh_id_is_forty_hex_digits() {
+        let (a, b) = (fresh_id(), fresh_id());
+        assert_eq!(a.len(), 40);
+        assert!(a.chars().all(|c| c.is_ascii_hexdigit()));
+        assert_ne!(a, b);
+    }
+}

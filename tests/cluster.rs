@@ -1,0 +1,441 @@
+//! Seeding replica nodes of a Redis Cluster and a Valkey cluster (real
+//! servers in cluster mode, three shards on loopback; every test on both,
+//! as `<test>::redis` and `<test>::valkey`) with the `redis` handoff: a new
+//! node and a node rebuilt under its old id continue from the shard
+//! primary's RDB with a partial resync, no fork of the primary, and join
+//! the cluster by `CLUSTER MEET`; a primary at config epoch 0 loses no
+//! slot and no key; and the inputs that would turn a shard primary into a
+//! replica are refused before anything is stopped.
+
+mod common;
+
+use std::path::Path;
+
+use common::kv::*;
+use common::node::*;
+use common::*;
+use kvsync::kv::cluster::{parse_nodes, NodeLine};
+use kvsync::rpc::pb;
+
+/// The arguments of a cluster node on `port` with its bus on `cport`
+/// (replica migration off: a test's second replica of a shard stays put).
+fn cluster_args(cport: u16) -> Vec<String> {
+    [
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        "nodes.conf",
+        "--cluster-port",
+        &cport.to_string(),
+        "--cluster-allow-replica-migration",
+        "no",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+/// A cluster node in `dir` on `port` (its pidfile lets a handoff stop it),
+/// with a backlog that holds a test's writes.
+fn cluster_node(server: Server, dir: &Path, port: u16) -> Redis {
+    let mut args = cluster_args(free_port());
+    args.extend([
+        "--pidfile".into(),
+        dir.join("redis.pid").display().to_string(),
+        "--repl-backlog-size".into(),
+        "64mb".into(),
+    ]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    Redis::start_on(server, dir, &args, None, port)
+}
+
+fn myself(node: &Redis) -> NodeLine {
+    let nodes: String = node.cmd(&["CLUSTER", "NODES"]);
+    parse_nodes(&nodes)
+        .into_iter()
+        .find(NodeLine::is_myself)
+        .unwrap()
+}
+
+fn table(node: &Redis) -> Vec<NodeLine> {
+    parse_nodes(&node.cmd::<String>(&["CLUSTER", "NODES"]))
+}
+
+fn cluster_ok(node: &Redis) -> bool {
+    node.try_cmd::<String>(&["CLUSTER", "INFO"])
+        .is_ok_and(|i| i.contains("cluster_state:ok"))
+}
+
+/// `other` meets `node` on the cluster bus.
+fn meet(other: &Redis, node: &Redis) {
+    let line = myself(node);
+    let cport = line.cport().unwrap().to_string();
+    let port = node.port.to_string();
+    let _: () = other.cmd(&["CLUSTER", "MEET", "127.0.0.1", &port, &cport]);
+}
+
+/// Three shard primaries owning a third of the slots each, at config
+/// epochs `epochs` (0 leaves a primary at epoch 0), and a replica of the
+/// first (made the cluster's way, so that it has a backlog); once every
+/// node's state is `ok`.
+struct Shards {
+    primaries: Vec<Redis>,
+    replica: Redis,
+}
+
+fn three_shards(server: Server, root: &Path, epochs: [u64; 3]) -> Shards {
+    let ranges = [("0", "5460"), ("5461", "10922"), ("10923", "16383")];
+    let primaries: Vec<Redis> = (0..3)
+        .map(|i| cluster_node(server, &root.join(format!("shard{i}")), free_port()))
+        .collect();
+    for ((p, (from, to)), epoch) in primaries.iter().zip(ranges).zip(epochs) {
+        let _: () = p.cmd(&["CLUSTER", "ADDSLOTSRANGE", from, to]);
+        if epoch > 0 {
+            let _: () = p.cmd(&["CLUSTER", "SET-CONFIG-EPOCH", &epoch.to_string()]);
+        }
+    }
+    meet(&primaries[0], &primaries[1]);
+    meet(&primaries[0], &primaries[2]);
+    let replica = cluster_node(server, &root.join("replica0"), free_port());
+    meet(&replica, &primaries[0]);
+    let a = myself(&primaries[0]).id;
+    wait_for("the replica to know the first primary", DEADLINE, || {
+        table(&replica).iter().any(|n| n.id == a).then_some(())
+    });
+    let _: () = replica.cmd(&["CLUSTER", "REPLICATE", &a]);
+    wait_for(
+        "the cluster to be ok and the replica linked",
+        DEADLINE,
+        || {
+            (primaries.iter().all(cluster_ok)
+                && cluster_ok(&replica)
+                && replica.info("replication").get("master_link_status") == Some("up"))
+            .then_some(())
+        },
+    );
+    wait_for(
+        "the first primary's replication fork to exit",
+        DEADLINE,
+        || {
+            (primaries[0]
+                .info("persistence")
+                .num("rdb_bgsave_in_progress")
+                == 0)
+                .then_some(())
+        },
+    );
+    Shards { primaries, replica }
+}
+
+/// A hash tag whose keys the first shard (slots 0–5460) owns.
+fn first_shard_tag(node: &Redis) -> String {
+    (0..100)
+        .map(|i| format!("t{i}"))
+        .find(|t| node.cmd::<u64>(&["CLUSTER", "KEYSLOT", &format!("{{{t}}}")]) <= 5460)
+        .unwrap()
+}
+
+/// Writes `n` keys `{tag}prefix:i` to `node`.
+fn fill_tagged(node: &Redis, tag: &str, prefix: &str, n: usize) {
+    node.fill(&format!("{{{tag}}}{prefix}"), n, "value-of-a-cluster-key");
+}
+
+/// A replica agent whose `redis` handoff seeds the cluster node on `port`
+/// (files in `dir`) as a replica of `primary`.
+fn replica_agent(
+    root: &Path,
+    tag: &str,
+    primary: &str,
+    server: Server,
+    port: u16,
+    dir: &Path,
+) -> Node {
+    let start = start_command(server, port, dir, &cluster_args(free_port()));
+    let config = format!(
+        "[transport]\nmode = \"tcp\"\n[handoff]\nmode = \"redis\"\ntimeout = \"60s\"\n[redis]\nserver_addr = \"127.0.0.1:{port}\"\ndir = \"{}\"\ndbfilename = \"dump.rdb\"\nprimary = \"{primary}\"\nstart = [{start}]\n",
+        dir.display()
+    );
+    agent(
+        root,
+        &format!("replica{tag}"),
+        &root.join(format!("replica-agent{tag}")),
+        &config,
+        &[],
+    )
+}
+
+/// A source agent on `primary`'s dir, once it offers the RDB just saved.
+async fn source_agent(root: &Path, primary: &Redis) -> Node {
+    let config = format!(
+        "[transport]\nmode = \"tcp\"\n[redis]\nprimary_addr = \"{}\"\n",
+        primary.addr()
+    );
+    let source = agent(root, "source", &primary.dir, &config, &[]);
+    let seq = kvsync::snapshot::verify_file(&primary.dir.join("dump.rdb"), None)
+        .unwrap()
+        .seq;
+    source.offered(seq).await;
+    source
+}
+
+/// A handle on the node a handoff started (daemonized, found by pidfile).
+fn started(server: Server, port: u16, dir: &Path) -> Redis {
+    Redis {
+        server,
+        port,
+        dir: dir.to_owned(),
+        child: None,
+        password: None,
+        user: None,
+    }
+}
+
+/// The node `node` is a replica of `primary` in `primary`'s table, owns
+/// no slot, has its failover back, sees the cluster `ok`, and holds the
+/// primary's keys once both rest at the same offset.
+fn joined_and_caught_up(node: &Redis, primary: &Redis) -> String {
+    let id = myself(node).id;
+    let p = myself(primary);
+    wait_for(
+        "the primary to list the node as its replica",
+        DEADLINE,
+        || {
+            table(primary)
+                .into_iter()
+                .find(|n| n.id == id && n.master == p.id && !n.is_master())
+                .filter(|n| {
+                    !n.flags
+                        .iter()
+                        .any(|f| f == "nofailover" || f.starts_with("fail"))
+                })
+        },
+    );
+    assert!(myself(node).slots.is_empty(), "the replica owns no slot");
+    assert!(cluster_ok(node));
+    wait_for("the node to hold the primary's keys", DEADLINE, || {
+        let (p, r) = (primary.info("replication"), node.info("replication"));
+        (p.num("master_repl_offset") == r.num("slave_repl_offset")
+            && primary.cmd::<u64>(&["DBSIZE"]) == node.cmd::<u64>(&["DBSIZE"]))
+        .then_some(())
+    });
+    id
+}
+
+/// What the primary has done for replicas: full syncs, partial ones, forks.
+fn sync_counters(primary: &Redis) -> (u64, u64, u64) {
+    let s = primary.info("stats");
+    (
+        s.num("sync_full"),
+        s.num("sync_partial_ok"),
+        s.num("total_forks"),
+    )
+}
+
+fn a_new_node_is_seeded_as_a_shard_replica_with_a_partial_resync_no_fork_and_no_slot_claimed(
+    server: Server,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    // The first primary stays at config epoch 0: a node that loaded its
+    // keys as a primary could win their slots from it.
+    let shards = three_shards(server, root, [0, 2, 3]);
+    let a = &shards.primaries[0];
+    let tag = first_shard_tag(a);
+    fill_tagged(a, &tag, "k", 20_000);
+    a.bgsave();
+    let (full, partial, forks) = sync_counters(a);
+    let slots = myself(a).slots;
+    let ids: Vec<String> = table(a).into_iter().map(|n| n.id).collect();
+
+    // About 1 MB/s: well within the backlog while the seeding runs.
+    let value = "w".repeat(512);
+    let writer = Client::start(a, move |con, i| {
+        let mut p = redis::pipe();
+        for j in 0..20 {
+            p.cmd("SET")
+                .arg(format!("{{{tag}}}during:{}", i * 20 + j))
+                .arg(&value)
+                .ignore();
+        }
+        let _: () = p.query(con).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    });
+    let ndir = root.join("new-node");
+    std::fs::create_dir_all(&ndir).unwrap();
+    let port = free_port();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let source = source_agent(root, a).await;
+        let replica = replica_agent(root, "", &a.addr(), server, port, &ndir);
+        let p = sync_ok(&replica, &source).await;
+        assert!(
+            p.handoff.contains("partial resync accepted"),
+            "{}",
+            p.handoff
+        );
+        assert!(
+            p.handoff.contains("(new) joined as a replica"),
+            "{}",
+            p.handoff
+        );
+    });
+    drop(writer);
+    let node = started(server, port, &ndir);
+    let id = joined_and_caught_up(&node, a);
+    assert!(!ids.contains(&id), "a new node gets a fresh id");
+    assert_eq!(
+        sync_counters(a),
+        (full, partial + 1, forks),
+        "one partial resync, no fork"
+    );
+    assert_eq!(myself(a).slots, slots, "the primary kept its slots");
+    assert!(
+        a.cmd::<u64>(&["DBSIZE"]) >= 20_000,
+        "the primary lost no key"
+    );
+    assert_eq!(myself(a).config_epoch, 0);
+    drop(shards);
+}
+
+fn a_replica_node_lost_with_its_files_is_rebuilt_under_its_old_id(server: Server) {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let shards = three_shards(server, root, [1, 2, 3]);
+    let a = &shards.primaries[0];
+    fill_tagged(a, &first_shard_tag(a), "k", 20_000);
+    a.bgsave();
+    let (full, partial, forks) = sync_counters(a);
+    // The replica's host loses the node: process, data and nodes.conf.
+    let Shards { primaries, replica } = shards;
+    let (old_id, port, rdir) = (myself(&replica).id, replica.port, replica.dir.clone());
+    drop(replica);
+    std::fs::remove_dir_all(&rdir).unwrap();
+    std::fs::create_dir_all(&rdir).unwrap();
+
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let source = source_agent(root, &primaries[0]).await;
+        let replica = replica_agent(root, "", &primaries[0].addr(), server, port, &rdir);
+        let p = sync_ok(&replica, &source).await;
+        assert!(
+            p.handoff
+                .contains("kept from the cluster's table at its address"),
+            "{}",
+            p.handoff
+        );
+    });
+    let node = started(server, port, &rdir);
+    assert_eq!(joined_and_caught_up(&node, &primaries[0]), old_id);
+    let at_port = table(&primaries[0])
+        .into_iter()
+        .filter(|n| n.ip_port().1 == port)
+        .count();
+    assert_eq!(at_port, 1, "no second node at the address");
+    assert_eq!(sync_counters(&primaries[0]), (full, partial + 1, forks));
+    drop(primaries);
+}
+
+/// Each lying input ends the handoff before the local server is touched:
+/// the local server is another shard's primary (running, or stopped with
+/// its `nodes.conf`), or `[redis] primary` names a replica.
+fn a_handoff_that_would_turn_a_shard_primary_into_a_replica_is_refused_before_anything_changes(
+    server: Server,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let shards = three_shards(server, root, [1, 2, 3]);
+    let a = &shards.primaries[0];
+    fill_tagged(a, &first_shard_tag(a), "k", 2_000);
+    a.bgsave();
+    let b = &shards.primaries[1];
+    let b_tag = (0..100)
+        .map(|i| format!("t{i}"))
+        .find(|t| {
+            (5461..=10922).contains(&b.cmd::<u64>(&["CLUSTER", "KEYSLOT", &format!("{{{t}}}")]))
+        })
+        .unwrap();
+    fill_tagged(b, &b_tag, "own", 500);
+    let b_before = myself(b);
+
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let source = source_agent(root, a).await;
+        let cases = [
+            (
+                "running",
+                a.addr(),
+                b.port,
+                b.dir.clone(),
+                "a primary owning slots 5461-10922",
+            ),
+            (
+                "primary",
+                shards.replica.addr(),
+                free_port(),
+                root.join("unused"),
+                "is not a shard primary",
+            ),
+        ];
+        for (tag, primary, port, ndir, says) in cases {
+            std::fs::create_dir_all(&ndir).unwrap();
+            let replica = replica_agent(root, tag, &primary, server, port, &ndir);
+            let id = start_sync(&replica, &source).await;
+            let p = wait_done(&replica, &id).await;
+            assert_eq!(p.phase, pb::Phase::Failed as i32, "{tag}: {p:?}");
+            assert!(p.error.contains(says), "{tag}: {}", p.error);
+        }
+    });
+    // B kept running as the primary it was, with its keys and slots.
+    assert_eq!(myself(b).slots, b_before.slots);
+    assert!(myself(b).is_master());
+    assert_eq!(b.cmd::<u64>(&["DBSIZE"]), 500);
+    assert!(cluster_ok(b));
+
+    // B stopped: its nodes.conf says what it was, and that is refused too.
+    let conf = std::fs::read(b.dir.join("nodes.conf")).unwrap();
+    let Shards { primaries, replica } = shards;
+    let mut primaries = primaries;
+    let b = primaries.remove(1);
+    let (b_port, b_dir) = (b.port, b.dir.clone());
+    let _: redis::RedisResult<()> = b.try_cmd(&["SHUTDOWN", "NOSAVE"]);
+    drop(b);
+    let conf_after_stop = std::fs::read(b_dir.join("nodes.conf")).unwrap();
+    let rdb = std::fs::read(b_dir.join("dump.rdb")).ok();
+    rt.block_on(async {
+        let source_root = root.join("stopped");
+        std::fs::create_dir_all(&source_root).unwrap();
+        let source = source_agent(&source_root, &primaries[0]).await;
+        let replica = replica_agent(
+            &source_root,
+            "",
+            &primaries[0].addr(),
+            server,
+            b_port,
+            &b_dir,
+        );
+        let id = start_sync(&replica, &source).await;
+        let p = wait_done(&replica, &id).await;
+        assert_eq!(p.phase, pb::Phase::Failed as i32, "{p:?}");
+        assert!(
+            p.error.contains("nodes.conf: the local server is node"),
+            "{}",
+            p.error
+        );
+    });
+    assert_eq!(
+        std::fs::read(b_dir.join("nodes.conf")).unwrap(),
+        conf_after_stop
+    );
+    assert_eq!(
+        std::fs::read(b_dir.join("dump.rdb")).ok(),
+        rdb,
+        "nothing placed"
+    );
+    assert!(!conf.is_empty());
+    drop((primaries, replica));
+}
+
+on_both_servers!(
+    a_new_node_is_seeded_as_a_shard_replica_with_a_partial_resync_no_fork_and_no_slot_claimed,
+    a_replica_node_lost_with_its_files_is_rebuilt_under_its_old_id,
+    a_handoff_that_would_turn_a_shard_primary_into_a_replica_is_refused_before_anything_changes,
+);
