@@ -146,27 +146,12 @@ for i in $(seq 100); do $cli -p $P set "after:$i" "written after the save" >/dev
 dataset_mib=$(( $(field $P memory used_memory) / 1048576 ))
 echo "dataset: used_memory $dataset_mib MiB; RDB: $(stat -c %s "$work/primary/dump.rdb") bytes; $("$bin" verify "$work/primary/dump.rdb")"
 
-agent() { # NAME CONFIG: prints the agent's gRPC address once ready
-    local name=$1
-    printf '%s\n' "$2" >"$work/$name.toml"
-    KVSYNC_LOG=warn "$bin" agent --config "$work/$name.toml" >"$work/$name.out" 2>"$work/$name.log" &
-    echo $! >>"$work/agents"
-    for _ in $(seq 200); do grep -q ready "$work/$name.out" 2>/dev/null && break; sleep 0.05; done
-    grep -o 'grpc=[^ ]*' "$work/$name.out" | cut -d= -f2
-}
-common='[grpc]
-listen = "127.0.0.1:0"
-[data]
-tcp_listen = "127.0.0.1:0"
-rdma_port = 0
-[metrics]
-listen = ""'
 src_up=$(now)
 src=$(agent source "node_id = \"source\"
 create_dirs = true
 snapshot_dir = \"$work/primary\"
 snapshot_format = \"redis-rdb\"
-$common
+$agent_listen
 [redis]
 primary_addr = \"127.0.0.1:$(kv_port $P)\"
 $redis_tls
@@ -189,7 +174,7 @@ dst=$(agent replica "node_id = \"replica\"
 create_dirs = true
 snapshot_dir = \"$work/replica-agent\"
 snapshot_format = \"redis-rdb\"
-$common
+$agent_listen
 [handoff]
 mode = \"$handoff\"
 timeout = \"1h\"
@@ -271,7 +256,7 @@ dst2=$(agent replica2 "node_id = \"replica2\"
 create_dirs = true
 snapshot_dir = \"$work/replica2-agent\"
 snapshot_format = \"redis-rdb\"
-$common
+$agent_listen
 [handoff]
 mode = \"redis-replicate\"
 timeout = \"1h\"

@@ -44,3 +44,24 @@ kv_port() { if [ -n "${SERVER_TLS:-}" ]; then echo $(($1 + 1000)); else echo "$1
 # tls_args PORT: the TLS arguments of the server on PORT (none without
 # SERVER_TLS).
 tls_args() { [ -n "${SERVER_TLS:-}" ] && printf '%s\n' "${server_tls[@]}" --tls-port "$(kv_port "$1")"; return 0; }
+
+# agent NAME CONFIG (with $work and $bin set): starts `kvsync agent` with
+# CONFIG in $work/NAME.toml (its output in $work/NAME.out and .log),
+# records its pid in $work/agents, and prints its gRPC address once it is
+# ready. agent_listen: the [grpc], [data] and [metrics] lines of an agent
+# on loopback ports the kernel picks.
+agent() {
+    local name=$1
+    printf '%s\n' "$2" >"$work/$name.toml"
+    KVSYNC_LOG=warn "$bin" agent --config "$work/$name.toml" >"$work/$name.out" 2>"$work/$name.log" &
+    echo $! >>"$work/agents"
+    for _ in $(seq 200); do grep -q ready "$work/$name.out" 2>/dev/null && break; sleep 0.05; done
+    grep -o 'grpc=[^ ]*' "$work/$name.out" | cut -d= -f2
+}
+agent_listen='[grpc]
+listen = "127.0.0.1:0"
+[data]
+tcp_listen = "127.0.0.1:0"
+rdma_port = 0
+[metrics]
+listen = ""'

@@ -126,14 +126,6 @@ fn three_shards(server: Server, root: &Path, epochs: [u64; 3]) -> Shards {
     Shards { primaries, replica }
 }
 
-/// A hash tag whose keys the first shard (slots 0–5460) owns.
-fn first_shard_tag(node: &Redis) -> String {
-    (0..100)
-        .map(|i| format!("t{i}"))
-        .find(|t| node.cmd::<u64>(&["CLUSTER", "KEYSLOT", &format!("{{{t}}}")]) <= 5460)
-        .unwrap()
-}
-
 /// Writes `n` keys `{tag}prefix:i` to `node`.
 fn fill_tagged(node: &Redis, tag: &str, prefix: &str, n: usize) {
     node.fill(&format!("{{{tag}}}{prefix}"), n, "value-of-a-cluster-key");
@@ -149,9 +141,24 @@ fn replica_agent(
     port: u16,
     dir: &Path,
 ) -> Node {
-    let start = start_command(server, port, dir, &cluster_args(free_port()));
+    replica_agent_with(root, tag, primary, server, (port, dir), (&[], ""))
+}
+
+/// [`replica_agent`], with `start_extra` arguments in its `start` and
+/// `redis_extra` lines in its `[redis]`.
+fn replica_agent_with(
+    root: &Path,
+    tag: &str,
+    primary: &str,
+    server: Server,
+    (port, dir): (u16, &Path),
+    (start_extra, redis_extra): (&[&str], &str),
+) -> Node {
+    let mut args = cluster_args(free_port());
+    args.extend(start_extra.iter().map(|a| a.to_string()));
+    let start = start_command(server, port, dir, &args);
     let config = format!(
-        "[transport]\nmode = \"tcp\"\n[handoff]\nmode = \"redis\"\ntimeout = \"60s\"\n[redis]\nserver_addr = \"127.0.0.1:{port}\"\ndir = \"{}\"\ndbfilename = \"dump.rdb\"\nprimary = \"{primary}\"\nstart = [{start}]\n",
+        "[transport]\nmode = \"tcp\"\n[handoff]\nmode = \"redis\"\ntimeout = \"60s\"\n[redis]\nserver_addr = \"127.0.0.1:{port}\"\ndir = \"{}\"\ndbfilename = \"dump.rdb\"\nprimary = \"{primary}\"\nstart = [{start}]\n{redis_extra}\n",
         dir.display()
     );
     agent(
@@ -210,7 +217,9 @@ fn joined_and_caught_up(node: &Redis, primary: &Redis) -> String {
         },
     );
     assert!(myself(node).slots.is_empty(), "the replica owns no slot");
-    assert!(cluster_ok(node));
+    wait_for("the node to see the cluster ok", DEADLINE, || {
+        cluster_ok(node).then_some(())
+    });
     wait_for("the node to hold the primary's keys", DEADLINE, || {
         let (p, r) = (primary.info("replication"), node.info("replication"));
         (p.num("master_repl_offset") == r.num("slave_repl_offset")
@@ -239,7 +248,7 @@ fn a_new_node_is_seeded_as_a_shard_replica_with_a_partial_resync_no_fork_and_no_
     // keys as a primary could win their slots from it.
     let shards = three_shards(server, root, [0, 2, 3]);
     let a = &shards.primaries[0];
-    let tag = first_shard_tag(a);
+    let tag = tag_in(a, 0..=5460);
     fill_tagged(a, &tag, "k", 20_000);
     a.bgsave();
     let (full, partial, forks) = sync_counters(a);
@@ -301,7 +310,7 @@ fn a_replica_node_lost_with_its_files_is_rebuilt_under_its_old_id(server: Server
     let root = dir.path();
     let shards = three_shards(server, root, [1, 2, 3]);
     let a = &shards.primaries[0];
-    fill_tagged(a, &first_shard_tag(a), "k", 20_000);
+    fill_tagged(a, &tag_in(a, 0..=5460), "k", 20_000);
     a.bgsave();
     let (full, partial, forks) = sync_counters(a);
     // The replica's host loses the node: process, data and nodes.conf.
@@ -334,9 +343,49 @@ fn a_replica_node_lost_with_its_files_is_rebuilt_under_its_old_id(server: Server
     drop(primaries);
 }
 
-/// Each lying input ends the handoff before the local server is touched:
-/// the local server is another shard's primary (running, or stopped with
-/// its `nodes.conf`), or `[redis] primary` names a replica.
+/// A hash tag whose keys land in `range`'s slots.
+fn tag_in(node: &Redis, range: std::ops::RangeInclusive<u64>) -> String {
+    (0..100)
+        .map(|i| format!("t{i}"))
+        .find(|t| range.contains(&node.cmd::<u64>(&["CLUSTER", "KEYSLOT", &format!("{{{t}}}")])))
+        .unwrap()
+}
+
+/// A node in `root/name` that has met the cluster through `via` and knows
+/// `other`.
+fn joined_node(server: Server, root: &Path, name: &str, via: &Redis, other: &str) -> Redis {
+    let node = cluster_node(server, &root.join(name), free_port());
+    meet(&node, via);
+    wait_for("the node to know the cluster", DEADLINE, || {
+        table(&node).iter().any(|n| n.id == other).then_some(())
+    });
+    node
+}
+
+/// A refused handoff: its tag, `[redis] primary`, the local server's
+/// port and dir, extra `start` arguments and `[redis]` lines, and what
+/// the error says.
+type Case<'a> = (
+    &'a str,
+    String,
+    (u16, std::path::PathBuf),
+    &'a [&'a str],
+    &'a str,
+    &'a str,
+);
+
+fn run_id(node: &Redis) -> String {
+    node.info("server").get("run_id").unwrap().to_string()
+}
+
+/// Every input that would make the handoff stop a node it must not touch
+/// ends it before anything is stopped or written: the local server is
+/// another shard's primary (running, or stopped: its `nodes.conf`, or its
+/// data without one), a node importing a slot, a replica of another shard,
+/// a server whose `cluster-config-file` is not the configured one; or
+/// `[redis] primary` names a replica; or `start` has `replicaof` in any
+/// spelling; or the `nodes.conf` could not be written. Each running
+/// server keeps its process (`run_id`) and its state.
 fn a_handoff_that_would_turn_a_shard_primary_into_a_replica_is_refused_before_anything_changes(
     server: Server,
 ) {
@@ -344,94 +393,140 @@ fn a_handoff_that_would_turn_a_shard_primary_into_a_replica_is_refused_before_an
     let root = dir.path();
     let shards = three_shards(server, root, [1, 2, 3]);
     let a = &shards.primaries[0];
-    fill_tagged(a, &first_shard_tag(a), "k", 2_000);
+    fill_tagged(a, &tag_in(a, 0..=5460), "k", 2_000);
     a.bgsave();
     let b = &shards.primaries[1];
-    let b_tag = (0..100)
-        .map(|i| format!("t{i}"))
-        .find(|t| {
-            (5461..=10922).contains(&b.cmd::<u64>(&["CLUSTER", "KEYSLOT", &format!("{{{t}}}")]))
-        })
-        .unwrap();
-    fill_tagged(b, &b_tag, "own", 500);
-    let b_before = myself(b);
+    let b_id = myself(b).id;
+    fill_tagged(b, &tag_in(b, 5461..=10922), "own", 500);
+    // A node importing a slot of B's, and a replica of B.
+    let importing = joined_node(server, root, "importing", a, &b_id);
+    let _: () = importing.cmd(&["CLUSTER", "SETSLOT", "6000", "IMPORTING", &b_id]);
+    let other_shard = joined_node(server, root, "other-shard", a, &b_id);
+    let _: () = other_shard.cmd(&["CLUSTER", "REPLICATE", &b_id]);
+    wait_for("the other shard's replica to link", DEADLINE, || {
+        (other_shard.info("replication").get("master_link_status") == Some("up")).then_some(())
+    });
+    let running = [b, &importing, &other_shard, &shards.replica];
+    let before: Vec<(String, NodeLine)> = running.iter().map(|n| (run_id(n), myself(n))).collect();
 
+    let fresh = |name: &str| (free_port(), root.join(name));
+    let cases: Vec<Case> = vec![
+        (
+            "primary",
+            a.addr(),
+            (b.port, b.dir.clone()),
+            &[],
+            "",
+            "a primary owning slots 5461-10922",
+        ),
+        (
+            "importing",
+            a.addr(),
+            (importing.port, importing.dir.clone()),
+            &[],
+            "",
+            "open migrations: [6000-<-",
+        ),
+        (
+            "other-shard",
+            a.addr(),
+            (other_shard.port, other_shard.dir.clone()),
+            &[],
+            "",
+            "another shard's primary",
+        ),
+        (
+            "config-file",
+            a.addr(),
+            (shards.replica.port, shards.replica.dir.clone()),
+            &[],
+            "cluster_config_file = \"wrong.conf\"",
+            "reads its node from",
+        ),
+        (
+            "not-a-primary",
+            shards.replica.addr(),
+            fresh("unused1"),
+            &[],
+            "",
+            "is not a shard primary",
+        ),
+        (
+            "replicaof",
+            a.addr(),
+            fresh("unused2"),
+            &["--REPLICAOF", "127.0.0.1", "1"],
+            "",
+            "refuses to start with replicaof",
+        ),
+        (
+            "unwritable",
+            a.addr(),
+            fresh("unused3"),
+            &[],
+            "cluster_config_file = \"missing/nodes.conf\"",
+            "cannot write in",
+        ),
+    ];
     let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(async {
-        let source = source_agent(root, a).await;
-        let cases = [
-            (
-                "running",
-                a.addr(),
-                b.port,
-                b.dir.clone(),
-                "a primary owning slots 5461-10922",
-            ),
-            (
-                "primary",
-                shards.replica.addr(),
-                free_port(),
-                root.join("unused"),
-                "is not a shard primary",
-            ),
-        ];
-        for (tag, primary, port, ndir, says) in cases {
-            std::fs::create_dir_all(&ndir).unwrap();
-            let replica = replica_agent(root, tag, &primary, server, port, &ndir);
-            let id = start_sync(&replica, &source).await;
+    let refused = |source: &Node,
+                   tag: &str,
+                   primary: &str,
+                   (port, ndir): (u16, &Path),
+                   extra: (&[&str], &str),
+                   says: &str| {
+        std::fs::create_dir_all(ndir).unwrap();
+        let replica = replica_agent_with(root, tag, primary, server, (port, ndir), extra);
+        rt.block_on(async {
+            let id = start_sync(&replica, source).await;
             let p = wait_done(&replica, &id).await;
             assert_eq!(p.phase, pb::Phase::Failed as i32, "{tag}: {p:?}");
             assert!(p.error.contains(says), "{tag}: {}", p.error);
-        }
-    });
-    // B kept running as the primary it was, with its keys and slots.
-    assert_eq!(myself(b).slots, b_before.slots);
-    assert!(myself(b).is_master());
+        });
+    };
+    let source = rt.block_on(source_agent(root, a));
+    for (tag, primary, (port, ndir), start_extra, redis_extra, says) in cases {
+        refused(
+            &source,
+            tag,
+            &primary,
+            (port, &ndir),
+            (start_extra, redis_extra),
+            says,
+        );
+    }
+    for (node, (id, line)) in running.iter().zip(&before) {
+        assert_eq!(&run_id(node), id, "{} was not restarted", node.port);
+        assert_eq!(&myself(node), line, "{} is as it was", node.port);
+    }
     assert_eq!(b.cmd::<u64>(&["DBSIZE"]), 500);
-    assert!(cluster_ok(b));
 
-    // B stopped: its nodes.conf says what it was, and that is refused too.
-    let conf = std::fs::read(b.dir.join("nodes.conf")).unwrap();
-    let Shards { primaries, replica } = shards;
-    let mut primaries = primaries;
-    let b = primaries.remove(1);
-    let (b_port, b_dir) = (b.port, b.dir.clone());
+    // B stopped: its nodes.conf says what it was; with another file
+    // named, its data without one is not taken for a new node's.
+    b.bgsave();
     let _: redis::RedisResult<()> = b.try_cmd(&["SHUTDOWN", "NOSAVE"]);
-    drop(b);
-    let conf_after_stop = std::fs::read(b_dir.join("nodes.conf")).unwrap();
-    let rdb = std::fs::read(b_dir.join("dump.rdb")).ok();
-    rt.block_on(async {
-        let source_root = root.join("stopped");
-        std::fs::create_dir_all(&source_root).unwrap();
-        let source = source_agent(&source_root, &primaries[0]).await;
-        let replica = replica_agent(
-            &source_root,
-            "",
-            &primaries[0].addr(),
-            server,
-            b_port,
-            &b_dir,
-        );
-        let id = start_sync(&replica, &source).await;
-        let p = wait_done(&replica, &id).await;
-        assert_eq!(p.phase, pb::Phase::Failed as i32, "{p:?}");
-        assert!(
-            p.error.contains("nodes.conf: the local server is node"),
-            "{}",
-            p.error
-        );
-    });
-    assert_eq!(
-        std::fs::read(b_dir.join("nodes.conf")).unwrap(),
-        conf_after_stop
+    let (b_port, b_dir) = (b.port, b.dir.clone());
+    let files = |d: &Path| ["nodes.conf", "dump.rdb"].map(|f| std::fs::read(d.join(f)).unwrap());
+    let kept = files(&b_dir);
+    refused(
+        &source,
+        "stopped",
+        &a.addr(),
+        (b_port, &b_dir),
+        (&[], ""),
+        "nodes.conf: the local server is node",
     );
-    assert_eq!(
-        std::fs::read(b_dir.join("dump.rdb")).ok(),
-        rdb,
-        "nothing placed"
+    refused(
+        &source,
+        "stopped-data",
+        &a.addr(),
+        (b_port, &b_dir),
+        (&[], "cluster_config_file = \"other.conf\""),
+        "cannot tell which node's data",
     );
-    assert!(!conf.is_empty());
-    drop((primaries, replica));
+    assert_eq!(files(&b_dir), kept, "nothing written or placed");
+    drop(source);
+    drop((importing, other_shard, shards));
 }
 
 on_both_servers!(

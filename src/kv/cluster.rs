@@ -7,15 +7,18 @@
 //!
 //! This module decides everything first ([`plan`]): what the primary says
 //! of its shard (its id, address, slots, config epoch, shard id), and who
-//! the local node is — its own id if it has one (the running server's, its
-//! `nodes.conf`'s, or the one the cluster's table holds at its address, for
-//! a node rebuilt after a loss), else a fresh one. It refuses a local node
-//! that owns slots, and a `[redis] primary` that is not a shard primary;
-//! nothing is stopped before that. Then [`Plan::write`] writes the
-//! `nodes.conf` (the node a slot-less replica, epoch 0), [`Plan::hold_failover`]
-//! keeps the started node from a failover, and [`Plan::join`] makes it
-//! known with `CLUSTER MEET` (never `CLUSTER REPLICATE`) and gives the
-//! failover back once it has caught up.
+//! the local node is. A running server says it itself, and must read the
+//! `nodes.conf` kvsync writes; a stopped one by its `nodes.conf`, else by
+//! the id the primary's table holds at its address (a node rebuilt after
+//! a loss, whose `dir` must then hold no data), else it is new. Only a
+//! node with nothing of its own to lose passes (`check_local`): no slot,
+//! no open migration, no keys as a primary, not the primary, not another
+//! shard's replica. Nothing is stopped before that. Then [`Plan::write`]
+//! writes the `nodes.conf` (the node a slot-less replica at epoch 0),
+//! [`Plan::hold_failover`] keeps the started node from a failover,
+//! [`Plan::join`] makes it known with `CLUSTER MEET` (never `CLUSTER
+//! REPLICATE`) and waits until it caught up, and
+//! [`Plan::give_failover_back`] restores the failover whatever happened.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -35,8 +38,10 @@ pub struct NodeLine {
     /// The id of the node's primary, or `-`.
     pub master: String,
     pub config_epoch: u64,
-    /// Slot ranges owned (`0-5460`, `7`); open migrations (`[…]`) left out.
+    /// Slot ranges owned (`0-5460`, `7`).
     pub slots: Vec<String>,
+    /// Open slot migrations, in or out (`[93->-<id>]`, `[93-<-<id>]`).
+    pub migrations: Vec<String>,
 }
 
 impl NodeLine {
@@ -55,6 +60,11 @@ impl NodeLine {
             slots: f[8..]
                 .iter()
                 .filter(|s| !s.starts_with('['))
+                .map(|s| s.to_string())
+                .collect(),
+            migrations: f[8..]
+                .iter()
+                .filter(|s| s.starts_with('['))
                 .map(|s| s.to_string())
                 .collect(),
         })
@@ -177,11 +187,11 @@ pub async fn plan(cfg: &RedisConfig) -> Result<Option<Plan>, RedisError> {
     if cluster.get("cluster_enabled") != Some("1") {
         return Ok(None);
     }
-    if cfg
-        .start
-        .iter()
-        .any(|a| a.contains("replicaof") || a.contains("slaveof"))
-    {
+    let spelled = |a: &String| {
+        let a = a.to_ascii_lowercase();
+        a.contains("replicaof") || a.contains("slaveof")
+    };
+    if cfg.start.iter().any(spelled) {
         return Err(refuse(
             "the primary runs in cluster mode, where a server refuses to start with replicaof: remove it from [redis] start (the node follows its primary from its nodes.conf)".into(),
         ));
@@ -209,22 +219,9 @@ pub async fn plan(cfg: &RedisConfig) -> Result<Option<Plan>, RedisError> {
         .parse::<HostPort>()
         .map(|a| a.port)
         .map_err(|e| refuse(format!("[redis] server_addr: {e}")))?;
-    let me = identity(cfg, &auth, &mut con, &table, port).await?;
-    let owner = |id: &str| table.iter().find(|n| n.id == id).cloned();
-    if me.id() == primary.id {
-        return Err(refuse(format!(
-            "the local server is node {} itself, the shard primary: kvsync never seeds a primary",
-            primary.id
-        )));
-    }
-    if let Some(n) = owner(me.id()).filter(|n| n.is_master() && !n.slots.is_empty()) {
-        return Err(refuse(format!(
-            "the local server is node {} ({}), a primary owning slots {} in the cluster: kvsync never turns a shard primary into a replica",
-            n.id,
-            n.address,
-            n.slots.join(" ")
-        )));
-    }
+    let me = identity(cfg, &auth, &mut con, (&table, &primary.id), port).await?;
+    writable(&nodes_conf_path(cfg))?;
+    writable(&cfg.dir.join(&cfg.dbfilename))?;
     Ok(Some(Plan {
         primary,
         shard_id,
@@ -235,65 +232,169 @@ pub async fn plan(cfg: &RedisConfig) -> Result<Option<Plan>, RedisError> {
     }))
 }
 
-/// Who the local node is: the running server's id, its `nodes.conf`'s,
-/// the one the primary's table holds at its address, or a fresh one. A
-/// local node that says it owns slots is refused here.
+/// Refuses a node that the handoff must not make `primary`'s replica: a
+/// primary owning slots or with a slot migration open (its keys are the
+/// cluster's only copy), the primary itself, or a replica of another
+/// shard (moving it is the operator's call; it may be that shard's last).
+fn check_local(node: &NodeLine, primary: &str, said_by: &str) -> Result<(), RedisError> {
+    let why = if node.id == primary {
+        "the shard primary itself".to_string()
+    } else if !node.slots.is_empty() || !node.migrations.is_empty() {
+        format!(
+            "a primary owning slots {} (open migrations: {})",
+            node.slots.join(" "),
+            node.migrations.join(" ")
+        )
+    } else if !node.is_master() && node.master != "-" && node.master != primary {
+        format!(
+            "a replica of {}, another shard's primary: moving it is the operator's call (CLUSTER RESET it first)",
+            node.master
+        )
+    } else {
+        return Ok(());
+    };
+    Err(refuse(format!(
+        "{said_by}: the local server is node {}, {why}; kvsync seeds only a new node, one rebuilt after a loss, or a replica of this shard",
+        node.id
+    )))
+}
+
+/// Fails unless a file can be created beside `path` (the write that
+/// would follow the server's stop).
+fn writable(path: &std::path::Path) -> Result<(), RedisError> {
+    let dir = path.parent().unwrap_or(std::path::Path::new("."));
+    tempfile::Builder::new()
+        .prefix(crate::store::install::TEMP_PREFIX)
+        .tempfile_in(dir)
+        .map(drop)
+        .map_err(|e| refuse(format!("cannot write in {}: {e}", dir.display())))
+}
+
+/// Who the local node is, or a refusal. A server that answers at the
+/// address says it itself (its `CLUSTER NODES`), and must read the
+/// `nodes.conf` kvsync would write; one that answers but cannot say is
+/// refused. A stopped server: its `nodes.conf`'s `myself`; without one,
+/// its `dir` must hold no data (kvsync cannot tell which node owned it),
+/// and the id the primary's table holds at this host's address is kept
+/// (a node rebuilt after a loss); else a fresh one.
 async fn identity(
     cfg: &RedisConfig,
     auth: &ServerAuth,
-    primary: &mut redis::aio::MultiplexedConnection,
-    table: &[NodeLine],
+    primary_con: &mut redis::aio::MultiplexedConnection,
+    (table, primary): (&[NodeLine], &str),
     port: u16,
 ) -> Result<Identity, RedisError> {
-    let owns_slots = |n: &NodeLine, said_by: &str| {
-        (n.is_master() && !n.slots.is_empty()).then(|| {
-            refuse(format!(
-                "{said_by}: the local server is node {}, a primary owning slots {}: kvsync never turns a shard primary into a replica",
-                n.id,
-                n.slots.join(" ")
-            ))
-        })
-    };
-    let local = &cfg.server_addr;
-    if let Ok(mut con) = connect(local, auth).await {
-        if let Ok(nodes) = query::<String>(local, &mut con, &["CLUSTER", "NODES"]).await {
-            if let Some(me) = parse_nodes(&nodes).into_iter().find(NodeLine::is_myself) {
-                if let Some(e) = owns_slots(&me, "the running server") {
-                    return Err(e);
-                }
-                return Ok(Identity::Running(me.id));
-            }
+    let local = cfg.server_addr.as_str();
+    if tokio::net::TcpStream::connect(local).await.is_ok() {
+        if let Some(me) = running_node(cfg, auth, primary).await? {
+            return Ok(Identity::Running(me.id));
         }
     }
     let path = nodes_conf_path(cfg);
     match std::fs::read_to_string(&path) {
-        Ok(text) => {
-            if let Some(me) = parse_nodes(&text).into_iter().find(NodeLine::is_myself) {
-                if let Some(e) = owns_slots(&me, &path.display().to_string()) {
-                    return Err(e);
-                }
+        Ok(text) => match parse_nodes(&text).into_iter().find(NodeLine::is_myself) {
+            Some(me) => {
+                check_local(&me, primary, &path.display().to_string())?;
                 return Ok(Identity::Config(me.id));
             }
-        }
+            None => return Err(refuse(format!("{} names no myself node", path.display()))),
+        },
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(refuse(format!("reading {}: {e}", path.display()))),
     }
+    for data in [cfg.dbfilename.as_str(), "appendonlydir"] {
+        if cfg.dir.join(data).exists() {
+            return Err(refuse(format!(
+                "the local server does not answer and {} holds {data} but no {}: kvsync cannot tell which node's data it is; start the server, or set [redis] cluster_config_file to its cluster-config-file",
+                cfg.dir.display(),
+                cfg.cluster_config_file.display()
+            )));
+        }
+    }
     // The address this host has in the primary's eyes: its own view of
     // the agent's connection, which comes from the same host.
-    let client: String = query(&cfg.primary, primary, &["CLIENT", "INFO"]).await?;
+    let client: String = query(&cfg.primary, primary_con, &["CLIENT", "INFO"]).await?;
     let ip = client
         .split_whitespace()
         .find_map(|f| f.strip_prefix("addr="))
         .and_then(|a| a.rsplit_once(':'))
         .map(|(ip, _)| ip.to_string())
         .unwrap_or_default();
-    let at_address = table
+    let said_by = format!("the cluster's table at {ip}:{port}");
+    let mut at_address = table
         .iter()
-        .find(|n| !n.is_myself() && n.ip_port() == (ip.as_str(), port));
-    Ok(match at_address {
-        Some(n) => Identity::Table(n.id.clone()),
-        None => Identity::New(fresh_id()),
-    })
+        .filter(|n| !n.is_myself() && n.ip_port() == (ip.as_str(), port));
+    match at_address.next() {
+        None => Ok(Identity::New(fresh_id())),
+        Some(n) => {
+            for n in std::iter::once(n).chain(at_address) {
+                check_local(n, primary, &said_by)?;
+            }
+            Ok(Identity::Table(n.id.clone()))
+        }
+    }
+}
+
+/// The running local server's own node line; `None` for a server without
+/// cluster mode that holds no key (the start command brings it up in
+/// cluster mode). A server that cannot say who it is, one whose
+/// `cluster-config-file` is not the one kvsync would write, and one that
+/// holds keys as a primary are refused.
+async fn running_node(
+    cfg: &RedisConfig,
+    auth: &ServerAuth,
+    primary: &str,
+) -> Result<Option<NodeLine>, RedisError> {
+    let local = cfg.server_addr.as_str();
+    let cannot = |e: RedisError| {
+        refuse(format!(
+            "the local server answers at {local} but cannot be asked which node it is: {e}"
+        ))
+    };
+    let mut con = connect(local, auth).await.map_err(cannot)?;
+    let keys: u64 = query(local, &mut con, &["DBSIZE"]).await.map_err(cannot)?;
+    let me = match query::<String>(local, &mut con, &["CLUSTER", "NODES"]).await {
+        Ok(nodes) => parse_nodes(&nodes).into_iter().find(NodeLine::is_myself),
+        Err(e) if e.to_string().contains("cluster support disabled") => {
+            if keys > 0 {
+                return Err(refuse(format!(
+                    "the local server at {local} runs without cluster mode and holds {keys} keys: kvsync will not replace them with a shard's data; empty or stop it first"
+                )));
+            }
+            return Ok(None);
+        }
+        Err(e) => return Err(cannot(e)),
+    };
+    let me = me.ok_or_else(|| cannot(server_err(local, "CLUSTER NODES has no myself line")))?;
+    check_local(&me, primary, "the running server")?;
+    if me.is_master() && keys > 0 {
+        return Err(refuse(format!(
+            "the running server: the local server is node {}, a primary holding {keys} keys; kvsync will not replace them with a shard's data",
+            me.id
+        )));
+    }
+    let get = |con: &mut redis::aio::MultiplexedConnection, name: &'static str| {
+        let mut con = con.clone();
+        async move {
+            let pair: Vec<String> = query(local, &mut con, &["CONFIG", "GET", name]).await?;
+            Ok::<_, RedisError>(pair.get(1).cloned().unwrap_or_default())
+        }
+    };
+    let (dir, file) = (
+        get(&mut con, "dir").await.map_err(cannot)?,
+        get(&mut con, "cluster-config-file").await.map_err(cannot)?,
+    );
+    let canonical =
+        |p: &std::path::Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+    let theirs = canonical(std::path::Path::new(&dir)).join(&file);
+    if theirs != canonical(&cfg.dir).join(&cfg.cluster_config_file) {
+        return Err(refuse(format!(
+            "the local server reads its node from {}, not {}: set [redis] dir and cluster_config_file to its dir and cluster-config-file",
+            theirs.display(),
+            nodes_conf_path(cfg).display()
+        )));
+    }
+    Ok(Some(me))
 }
 
 impl Plan {
@@ -329,9 +430,28 @@ impl Plan {
     }
 
     /// Writes the node's `nodes.conf` atomically (the server is stopped).
+    ///
+    /// The server opens the file for writing (its lock): it gets the old
+    /// file's mode and owner, else mode 0660 and, when the agent runs as
+    /// root, its directory's owner.
     pub fn write(&self) -> Result<(), RedisError> {
-        crate::store::install::write_atomic(&self.nodes_conf, self.nodes_conf_text().as_bytes())
-            .map_err(|e| refuse(format!("writing {}: {e}", self.nodes_conf.display())))
+        use std::os::unix::fs::MetadataExt;
+        let path = &self.nodes_conf;
+        let dir = path.parent().unwrap_or(std::path::Path::new("."));
+        let like = std::fs::metadata(path).ok();
+        let mode = like.as_ref().map_or(0o660, |m| m.mode() & 0o777);
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let root = unsafe { libc::geteuid() } == 0;
+        let owner = match (root, like.or_else(|| std::fs::metadata(dir).ok())) {
+            (true, Some(m)) => Some((m.uid(), m.gid())),
+            _ => None,
+        };
+        let temp = (
+            crate::store::install::TEMP_PREFIX,
+            crate::store::install::TEMP_SUFFIX,
+        );
+        crate::sys::fs::write_atomic_as(path, self.nodes_conf_text().as_bytes(), temp, mode, owner)
+            .map_err(|e| refuse(format!("writing {}: {e}", path.display())))
     }
 
     /// Keeps the started node from starting a failover until it has
@@ -363,15 +483,9 @@ impl Plan {
     }
 
     /// Makes the node known to the cluster (`CLUSTER MEET` to the primary
-    /// from the node), waits until the primary lists it as its replica and
-    /// the node's cluster state is `ok`, then until it has caught up, and
-    /// gives back the operator's `cluster-replica-no-failover`.
-    pub async fn join(
-        &self,
-        cfg: &RedisConfig,
-        timeout: Duration,
-        no_failover: &str,
-    ) -> Result<String, RedisError> {
+    /// from the node), then waits until the primary lists it as its
+    /// replica and until it holds the primary's offset.
+    pub async fn join(&self, cfg: &RedisConfig, timeout: Duration) -> Result<String, RedisError> {
         let (local, auth) = (cfg.server_addr.as_str(), cfg.auth());
         let (ip, port) = self.primary.ip_port();
         let ip = match ip {
@@ -408,15 +522,6 @@ impl Plan {
             },
         )
         .await?;
-        until("cluster_state:ok on the node", timeout, || {
-            let auth = auth.clone();
-            async move {
-                let mut con = connect(local, &auth).await.ok()?;
-                let text: String = query(local, &mut con, &["CLUSTER", "INFO"]).await.ok()?;
-                text.contains("cluster_state:ok").then_some(())
-            }
-        })
-        .await?;
         let target = server_info(&cfg.primary, &auth, "replication")
             .await?
             .num("master_repl_offset");
@@ -430,23 +535,51 @@ impl Plan {
             }
         })
         .await?;
-        query::<()>(
-            local,
-            &mut con,
-            &["CONFIG", "SET", "cluster-replica-no-failover", no_failover],
-        )
-        .await?;
         info!(node = %me, primary = %primary_id, "cluster node joined as a replica");
         Ok(format!(
             "; cluster node {me} ({}) joined as a replica of {primary_id} by CLUSTER MEET, caught up at offset {target}",
             self.me.source()
         ))
     }
+
+    /// Gives the node its own `cluster-replica-no-failover` back, whatever
+    /// `outcome` was; a failure says whether that worked.
+    pub async fn give_failover_back(
+        &self,
+        cfg: &RedisConfig,
+        no_failover: &str,
+        outcome: Result<String, RedisError>,
+    ) -> Result<String, RedisError> {
+        let local = cfg.server_addr.as_str();
+        let back = async {
+            let mut con = connect(local, &cfg.auth()).await?;
+            query::<()>(
+                local,
+                &mut con,
+                &["CONFIG", "SET", "cluster-replica-no-failover", no_failover],
+            )
+            .await
+        }
+        .await;
+        match (outcome, back) {
+            (Ok(done), Ok(())) => Ok(done),
+            (Ok(_), Err(e)) => Err(refuse(format!(
+                "the node joined, but its cluster-replica-no-failover is still yes (set it back to {no_failover}): {e}"
+            ))),
+            (Err(e), Ok(())) => Err(refuse(format!(
+                "{e} (the node's cluster-replica-no-failover is back to {no_failover})"
+            ))),
+            (Err(e), Err(back)) => Err(refuse(format!(
+                "{e} (the node's cluster-replica-no-failover is still yes, set it back to {no_failover}: {back})"
+            ))),
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
 
     const VALKEY: &str = "\
 c9d8 127.0.0.1:7001@17001,,tls-port=0,shard-id=f980 myself,master - 0 0 1 connected 0-5460 [93->-b6f2]
@@ -520,6 +653,60 @@ vars currentEpoch 3 lastVoteEpoch 0
         assert!(p
             .nodes_conf_text()
             .contains("@17001,host-a,shard-id=f980 master"));
+    }
+
+    /// Only a node with nothing of its own to lose may be made the
+    /// primary's replica: a new or empty one, or a replica of this shard.
+    #[test]
+    fn only_a_node_with_nothing_to_lose_passes_the_local_check() {
+        let node = |line: &str| NodeLine::parse(line).unwrap();
+        let passes = |line: &str| check_local(&node(line), "c9d8", "test").is_ok();
+        assert!(passes("beef :7005@17005 myself,master - 0 0 0 connected"));
+        assert!(passes("beef :7005@17005 myself,slave c9d8 0 0 1 connected"));
+        assert!(passes("beef :7005@17005 slave,fail - 0 0 0 disconnected"));
+        for refused in [
+            "c9d8 :7001@17001 myself,master - 0 0 1 connected",
+            "beef :7005@17005 myself,master - 0 0 2 connected 5461-10922",
+            "beef :7005@17005 myself,master - 0 0 0 connected [6000-<-b6f2]",
+            "beef :7005@17005 myself,slave b6f2 0 0 2 connected",
+        ] {
+            let said = check_local(&node(refused), "c9d8", "test")
+                .unwrap_err()
+                .to_string();
+            assert!(said.contains("kvsync seeds only a new node"), "{said}");
+        }
+    }
+
+    /// A rewritten `nodes.conf` keeps the mode and owner of the one it
+    /// replaces: the server, another user, opens it for writing.
+    #[test]
+    fn the_nodes_conf_keeps_the_old_files_mode_and_owner() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nodes.conf");
+        let mut p = plan(
+            None,
+            "c9d8 127.0.0.1:7001@17001 myself,master - 0 0 1 connected 0-5460",
+        );
+        p.nodes_conf = path.clone();
+        p.write().unwrap();
+        let mode = |path: &Path| std::fs::metadata(path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&path), 0o660);
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        // SAFETY: geteuid has no preconditions.
+        let root = unsafe { libc::geteuid() } == 0;
+        if root {
+            std::os::unix::fs::chown(&path, Some(65534), Some(65534)).unwrap();
+        }
+        p.write().unwrap();
+        assert_eq!(mode(&path), 0o600);
+        if root {
+            let m = std::fs::metadata(&path).unwrap();
+            assert_eq!((m.uid(), m.gid()), (65534, 65534));
+        }
+        assert!(std::fs::read_to_string(&path)
+            .unwrap()
+            .contains("myself,slave c9d8"));
     }
 
     #[test]

@@ -126,18 +126,30 @@ pub async fn hand_off(
     })
     .await?;
 
-    place(rdb, &cfg.dir, &cfg.dbfilename)?;
     if let Some(plan) = &cluster {
-        plan.write()?;
+        // Before the RDB: a node that cannot get its nodes.conf is
+        // started again as it was.
+        if let Err(e) = plan.write() {
+            let again = match run("start", &cfg.start, cfg, timeout).await {
+                Ok(()) => "started again as it was".to_string(),
+                Err(e) => format!("not started again: {e}"),
+            };
+            return Err(RedisError::Cluster(format!("{e}; the server was {again}")));
+        }
     }
+    place(rdb, &cfg.dir, &cfg.dbfilename)?;
     info!(dir = %cfg.dir.display(), dbfilename = %cfg.dbfilename, seq = snapshot.seq, "RDB in place; starting the server");
     run("start", &cfg.start, cfg, timeout).await?;
     let Some(plan) = cluster else {
         return confirm_partial(cfg, timeout, &before, snapshot).await;
     };
     let no_failover = plan.hold_failover(cfg, timeout).await?;
-    let resynced = confirm_partial(cfg, timeout, &before, snapshot).await?;
-    Ok(resynced + &plan.join(cfg, timeout, &no_failover).await?)
+    let joined = async {
+        let resynced = confirm_partial(cfg, timeout, &before, snapshot).await?;
+        Ok(resynced + &plan.join(cfg, timeout).await?)
+    }
+    .await;
+    plan.give_failover_back(cfg, &no_failover, joined).await
 }
 
 #[cfg(test)]

@@ -113,8 +113,20 @@ pub fn free_bytes(dir: &Path) -> std::io::Result<u64> {
 pub fn write_atomic(
     path: &Path,
     contents: &[u8],
+    temp: (&str, &str),
+    mode: u32,
+) -> std::io::Result<()> {
+    write_atomic_as(path, contents, temp, mode, None)
+}
+
+/// [`write_atomic`], the file given to `owner` (uid, gid) before it takes
+/// its name, when one is given.
+pub fn write_atomic_as(
+    path: &Path,
+    contents: &[u8],
     (temp_prefix, temp_suffix): (&str, &str),
     mode: u32,
+    owner: Option<(u32, u32)>,
 ) -> std::io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     let mut tmp = tempfile::Builder::new()
@@ -122,6 +134,9 @@ pub fn write_atomic(
         .suffix(temp_suffix)
         .tempfile_in(dir)?;
     tmp.write_all(contents)?;
+    if let Some((uid, gid)) = owner {
+        std::os::unix::fs::fchown(tmp.as_file(), Some(uid), Some(gid))?;
+    }
     tmp.as_file()
         .set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode))?;
     tmp.as_file().sync_all()?;
