@@ -92,7 +92,9 @@ $cli -p $P2 cluster addslotsrange 10923 16383 >/dev/null
 for i in 0 1 2; do $cli -p $((base + i)) cluster set-config-epoch $((i + 1)) >/dev/null; done
 $cli -p $P0 cluster meet 127.0.0.1 $P1 >/dev/null
 $cli -p $P0 cluster meet 127.0.0.1 $P2 >/dev/null
-node replica0 $R
+# DEBUG POPULATE blocks the primary longer than the node timeout: its
+# replica must not take over meanwhile.
+node replica0 $R --cluster-replica-no-failover yes
 $cli -p $R cluster meet 127.0.0.1 $P0 >/dev/null
 until_true "the replica to know the first shard" sh -c "$cli -p $R cluster nodes | grep -q $(id_of $P0)"
 $cli -p $R cluster replicate "$(id_of $P0)" >/dev/null
@@ -140,7 +142,10 @@ sleep 2.5 # the source's backlog guard measures the write rate over [redis] rate
 echo "== kvsync: the new node seeded from the primary's RDB (primary before: $(stats))"
 forks0=$(field $P0 stats total_forks)
 t0=$(now)
-"$bin" sync --agent "$dst" --source "$src" --wait --json | grep -o '"handoff": *"[^"]*"' || true
+if ! "$bin" sync --agent "$dst" --source "$src" --wait --json >"$work/sync.json"; then
+    echo "the kvsync seeding failed:" >&2; cat "$work/sync.json" >&2; exit 1
+fi
+grep -o '"handoff": *"[^"]*"' "$work/sync.json"
 until_true "the kvsync-seeded node to join" replica_of_primary $K
 t1=$(now)
 echo "primary after: $(stats)"

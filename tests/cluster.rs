@@ -141,7 +141,8 @@ fn replica_agent(
     port: u16,
     dir: &Path,
 ) -> Node {
-    replica_agent_with(root, tag, primary, server, (port, dir), (&[], ""))
+    let addr = format!("127.0.0.1:{port}");
+    replica_agent_with(root, tag, primary, server, (&addr, dir), (&[], ""))
 }
 
 /// [`replica_agent`], with `start_extra` arguments in its `start` and
@@ -151,14 +152,15 @@ fn replica_agent_with(
     tag: &str,
     primary: &str,
     server: Server,
-    (port, dir): (u16, &Path),
+    (addr, dir): (&str, &Path),
     (start_extra, redis_extra): (&[&str], &str),
 ) -> Node {
+    let port: u16 = addr.rsplit_once(':').unwrap().1.parse().unwrap();
     let mut args = cluster_args(free_port());
     args.extend(start_extra.iter().map(|a| a.to_string()));
     let start = start_command(server, port, dir, &args);
     let config = format!(
-        "[transport]\nmode = \"tcp\"\n[handoff]\nmode = \"redis\"\ntimeout = \"60s\"\n[redis]\nserver_addr = \"127.0.0.1:{port}\"\ndir = \"{}\"\ndbfilename = \"dump.rdb\"\nprimary = \"{primary}\"\nstart = [{start}]\n{redis_extra}\n",
+        "[transport]\nmode = \"tcp\"\n[handoff]\nmode = \"redis\"\ntimeout = \"60s\"\n[redis]\nserver_addr = \"{addr}\"\ndir = \"{}\"\ndbfilename = \"dump.rdb\"\nprimary = \"{primary}\"\nstart = [{start}]\n{redis_extra}\n",
         dir.display()
     );
     agent(
@@ -363,12 +365,12 @@ fn joined_node(server: Server, root: &Path, name: &str, via: &Redis, other: &str
 }
 
 /// A refused handoff: its tag, `[redis] primary`, the local server's
-/// port and dir, extra `start` arguments and `[redis]` lines, and what
+/// address and dir, extra `start` arguments and `[redis]` lines, and what
 /// the error says.
 type Case<'a> = (
     &'a str,
     String,
-    (u16, std::path::PathBuf),
+    (String, std::path::PathBuf),
     &'a [&'a str],
     &'a str,
     &'a str,
@@ -409,12 +411,36 @@ fn a_handoff_that_would_turn_a_shard_primary_into_a_replica_is_refused_before_an
     let running = [b, &importing, &other_shard, &shards.replica];
     let before: Vec<(String, NodeLine)> = running.iter().map(|n| (run_id(n), myself(n))).collect();
 
-    let fresh = |name: &str| (free_port(), root.join(name));
+    let fresh = |name: &str| (format!("127.0.0.1:{}", free_port()), root.join(name));
+    let at = |node: &Redis| (node.addr(), node.dir.clone());
+    // A server without cluster mode whose keys are all in database 1.
+    let standalone = Redis::standalone_replica(server, &root.join("standalone"));
+    let mut p = redis::pipe();
+    p.cmd("SELECT").arg(1).ignore();
+    for i in 0..100 {
+        p.cmd("SET").arg(format!("k{i}")).arg("v").ignore();
+    }
+    let _: () = p.query(&mut standalone.con()).unwrap();
+    let standalone_run = run_id(&standalone);
+    // Stopped nodes known only by a nodes.conf: B's id with no slot (the
+    // cluster says otherwise), and a slot-less primary with data.
+    let conf = |name: &str, id: &str, data: bool| {
+        let d = root.join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        let line = format!(
+            "{id} :1@2 myself,master - 0 0 0 connected\nvars currentEpoch 3 lastVoteEpoch 0\n"
+        );
+        std::fs::write(d.join("nodes.conf"), line).unwrap();
+        if data {
+            std::fs::write(d.join("dump.rdb"), b"REDIS0010 a primary's keys").unwrap();
+        }
+        (format!("127.0.0.1:{}", free_port()), d)
+    };
     let cases: Vec<Case> = vec![
         (
             "primary",
             a.addr(),
-            (b.port, b.dir.clone()),
+            at(b),
             &[],
             "",
             "a primary owning slots 5461-10922",
@@ -422,7 +448,7 @@ fn a_handoff_that_would_turn_a_shard_primary_into_a_replica_is_refused_before_an
         (
             "importing",
             a.addr(),
-            (importing.port, importing.dir.clone()),
+            at(&importing),
             &[],
             "",
             "open migrations: [6000-<-",
@@ -430,7 +456,7 @@ fn a_handoff_that_would_turn_a_shard_primary_into_a_replica_is_refused_before_an
         (
             "other-shard",
             a.addr(),
-            (other_shard.port, other_shard.dir.clone()),
+            at(&other_shard),
             &[],
             "",
             "another shard's primary",
@@ -438,7 +464,7 @@ fn a_handoff_that_would_turn_a_shard_primary_into_a_replica_is_refused_before_an
         (
             "config-file",
             a.addr(),
-            (shards.replica.port, shards.replica.dir.clone()),
+            at(&shards.replica),
             &[],
             "cluster_config_file = \"wrong.conf\"",
             "reads its node from",
@@ -467,16 +493,53 @@ fn a_handoff_that_would_turn_a_shard_primary_into_a_replica_is_refused_before_an
             "cluster_config_file = \"missing/nodes.conf\"",
             "cannot write in",
         ),
+        (
+            "standalone",
+            a.addr(),
+            at(&standalone),
+            &[],
+            "",
+            "runs without cluster mode and holds 100 keys",
+        ),
+        (
+            "stopped-b-id",
+            a.addr(),
+            conf("stopped-b-id", &b_id, false),
+            &[],
+            "",
+            "the cluster's table: the local server is node",
+        ),
+        (
+            "stopped-primary",
+            a.addr(),
+            conf("stopped-primary", "beef", true),
+            &[],
+            "",
+            "a primary, stopped with dump.rdb",
+        ),
+        (
+            // The table holds a live node (the replica) at this host's
+            // address and the port; the local server does not answer.
+            "alive-at-address",
+            a.addr(),
+            (
+                format!("127.0.0.2:{}", shards.replica.port),
+                root.join("unused4"),
+            ),
+            &[],
+            "",
+            "is alive, but the local server does not answer",
+        ),
     ];
     let rt = tokio::runtime::Runtime::new().unwrap();
     let refused = |source: &Node,
                    tag: &str,
                    primary: &str,
-                   (port, ndir): (u16, &Path),
+                   (addr, ndir): (&str, &Path),
                    extra: (&[&str], &str),
                    says: &str| {
         std::fs::create_dir_all(ndir).unwrap();
-        let replica = replica_agent_with(root, tag, primary, server, (port, ndir), extra);
+        let replica = replica_agent_with(root, tag, primary, server, (addr, ndir), extra);
         rt.block_on(async {
             let id = start_sync(&replica, source).await;
             let p = wait_done(&replica, &id).await;
@@ -485,12 +548,12 @@ fn a_handoff_that_would_turn_a_shard_primary_into_a_replica_is_refused_before_an
         });
     };
     let source = rt.block_on(source_agent(root, a));
-    for (tag, primary, (port, ndir), start_extra, redis_extra, says) in cases {
+    for (tag, primary, (addr, ndir), start_extra, redis_extra, says) in cases {
         refused(
             &source,
             tag,
             &primary,
-            (port, &ndir),
+            (&addr, &ndir),
             (start_extra, redis_extra),
             says,
         );
@@ -500,19 +563,20 @@ fn a_handoff_that_would_turn_a_shard_primary_into_a_replica_is_refused_before_an
         assert_eq!(&myself(node), line, "{} is as it was", node.port);
     }
     assert_eq!(b.cmd::<u64>(&["DBSIZE"]), 500);
+    assert_eq!(run_id(&standalone), standalone_run);
 
     // B stopped: its nodes.conf says what it was; with another file
     // named, its data without one is not taken for a new node's.
     b.bgsave();
     let _: redis::RedisResult<()> = b.try_cmd(&["SHUTDOWN", "NOSAVE"]);
-    let (b_port, b_dir) = (b.port, b.dir.clone());
+    let (b_addr, b_dir) = at(b);
     let files = |d: &Path| ["nodes.conf", "dump.rdb"].map(|f| std::fs::read(d.join(f)).unwrap());
     let kept = files(&b_dir);
     refused(
         &source,
         "stopped",
         &a.addr(),
-        (b_port, &b_dir),
+        (&b_addr, &b_dir),
         (&[], ""),
         "nodes.conf: the local server is node",
     );
@@ -520,7 +584,7 @@ fn a_handoff_that_would_turn_a_shard_primary_into_a_replica_is_refused_before_an
         &source,
         "stopped-data",
         &a.addr(),
-        (b_port, &b_dir),
+        (&b_addr, &b_dir),
         (&[], "cluster_config_file = \"other.conf\""),
         "cannot tell which node's data",
     );

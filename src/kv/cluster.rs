@@ -42,6 +42,8 @@ pub struct NodeLine {
     pub slots: Vec<String>,
     /// Open slot migrations, in or out (`[93->-<id>]`, `[93-<-<id>]`).
     pub migrations: Vec<String>,
+    /// The link state: `connected` or `disconnected`.
+    pub link: String,
 }
 
 impl NodeLine {
@@ -57,6 +59,7 @@ impl NodeLine {
             flags: f[2].split(',').map(str::to_string).collect(),
             master: f[3].to_string(),
             config_epoch: f[6].parse().ok()?,
+            link: f[7].to_string(),
             slots: f[8..]
                 .iter()
                 .filter(|s| !s.starts_with('['))
@@ -80,6 +83,12 @@ impl NodeLine {
 
     pub fn is_master(&self) -> bool {
         self.has("master")
+    }
+
+    /// The node is gone in the eyes of the table's owner: failed, without
+    /// an address, or its link down.
+    pub fn is_lost(&self) -> bool {
+        self.has("fail") || self.has("fail?") || self.has("noaddr") || self.link != "connected"
     }
 
     /// The IP and port clients reach the node at (the IP empty for a node
@@ -153,6 +162,14 @@ pub struct Plan {
 
 fn refuse(message: String) -> RedisError {
     RedisError::Cluster(message)
+}
+
+/// `e`'s text, without the `cluster:` its variant adds (for wrapping).
+pub fn message(e: &RedisError) -> String {
+    match e {
+        RedisError::Cluster(m) => m.clone(),
+        e => e.to_string(),
+    }
 }
 
 /// A fresh node id: 40 random hex digits, as the servers make them.
@@ -270,6 +287,44 @@ fn writable(path: &std::path::Path) -> Result<(), RedisError> {
         .map_err(|e| refuse(format!("cannot write in {}: {e}", dir.display())))
 }
 
+/// The data a server left in `dir`, if any: its RDB, or any `.rdb` or
+/// `.aof` file, at the top or one directory down (`appenddirname`).
+fn data_in(dir: &std::path::Path, dbfilename: &str) -> Option<String> {
+    if dir.join(dbfilename).exists() {
+        return Some(dbfilename.to_string());
+    }
+    let is_data = |p: &std::path::Path| p.extension().is_some_and(|e| e == "rdb" || e == "aof");
+    let entries = |d: &std::path::Path| -> Vec<std::path::PathBuf> {
+        std::fs::read_dir(d)
+            .map(|r| r.filter_map(|e| e.ok().map(|e| e.path())).collect())
+            .unwrap_or_default()
+    };
+    entries(dir)
+        .into_iter()
+        .flat_map(|p| match p.is_dir() {
+            true => entries(&p),
+            false => vec![p],
+        })
+        .find(|p| is_data(p))
+        .map(|p| p.display().to_string())
+}
+
+/// The keys in every database of an `INFO keyspace` reply.
+fn keys_in(keyspace: &str) -> u64 {
+    keyspace
+        .lines()
+        .filter_map(|l| {
+            l.split_once("keys=")?
+                .1
+                .split(',')
+                .next()?
+                .trim()
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
+}
+
 /// Who the local node is, or a refusal. A server that answers at the
 /// address says it itself (its `CLUSTER NODES`), and must read the
 /// `nodes.conf` kvsync would write; one that answers but cannot say is
@@ -285,16 +340,32 @@ async fn identity(
     port: u16,
 ) -> Result<Identity, RedisError> {
     let local = cfg.server_addr.as_str();
+    // What the cluster says of a node that says who it is.
+    let in_table = |id: &str| match table.iter().find(|n| n.id == id) {
+        Some(n) => check_local(n, primary, "the cluster's table"),
+        None => Ok(()),
+    };
     if tokio::net::TcpStream::connect(local).await.is_ok() {
         if let Some(me) = running_node(cfg, auth, primary).await? {
+            in_table(&me.id)?;
             return Ok(Identity::Running(me.id));
         }
     }
     let path = nodes_conf_path(cfg);
+    let data = data_in(&cfg.dir, &cfg.dbfilename);
     match std::fs::read_to_string(&path) {
         Ok(text) => match parse_nodes(&text).into_iter().find(NodeLine::is_myself) {
             Some(me) => {
                 check_local(&me, primary, &path.display().to_string())?;
+                in_table(&me.id)?;
+                if let Some(data) = data.filter(|_| me.is_master()) {
+                    return Err(refuse(format!(
+                        "{}: the local server is node {}, a primary, stopped with {data}: kvsync cannot count its keys; start it, or empty {}",
+                        path.display(),
+                        me.id,
+                        cfg.dir.display()
+                    )));
+                }
                 return Ok(Identity::Config(me.id));
             }
             None => return Err(refuse(format!("{} names no myself node", path.display()))),
@@ -302,14 +373,12 @@ async fn identity(
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(refuse(format!("reading {}: {e}", path.display()))),
     }
-    for data in [cfg.dbfilename.as_str(), "appendonlydir"] {
-        if cfg.dir.join(data).exists() {
-            return Err(refuse(format!(
-                "the local server does not answer and {} holds {data} but no {}: kvsync cannot tell which node's data it is; start the server, or set [redis] cluster_config_file to its cluster-config-file",
-                cfg.dir.display(),
-                cfg.cluster_config_file.display()
-            )));
-        }
+    if let Some(data) = data {
+        return Err(refuse(format!(
+            "kvsync cannot ask the local server which node it is, and {} holds {data} but no {}: kvsync cannot tell which node's data it is; start the server, or set [redis] cluster_config_file to its cluster-config-file",
+            cfg.dir.display(),
+            cfg.cluster_config_file.display()
+        )));
     }
     // The address this host has in the primary's eyes: its own view of
     // the agent's connection, which comes from the same host.
@@ -329,6 +398,12 @@ async fn identity(
         Some(n) => {
             for n in std::iter::once(n).chain(at_address) {
                 check_local(n, primary, &said_by)?;
+                if !n.is_lost() {
+                    return Err(refuse(format!(
+                        "{said_by}: node {} there is alive, but the local server does not answer: another server has this address in the cluster's eyes (a shared egress address?); kvsync will not give its id to a second node",
+                        n.id
+                    )));
+                }
             }
             Ok(Identity::Table(n.id.clone()))
         }
@@ -352,9 +427,16 @@ async fn running_node(
         ))
     };
     let mut con = connect(local, auth).await.map_err(cannot)?;
-    let keys: u64 = query(local, &mut con, &["DBSIZE"]).await.map_err(cannot)?;
-    let me = match query::<String>(local, &mut con, &["CLUSTER", "NODES"]).await {
-        Ok(nodes) => parse_nodes(&nodes).into_iter().find(NodeLine::is_myself),
+    let keyspace: String = query(local, &mut con, &["INFO", "keyspace"])
+        .await
+        .map_err(cannot)?;
+    let keys = keys_in(&keyspace);
+    let (me, its_primary) = match query::<String>(local, &mut con, &["CLUSTER", "NODES"]).await {
+        Ok(nodes) => {
+            let nodes = parse_nodes(&nodes);
+            let its_primary = nodes.iter().find(|n| n.id == primary).cloned();
+            (nodes.into_iter().find(NodeLine::is_myself), its_primary)
+        }
         Err(e) if e.to_string().contains("cluster support disabled") => {
             if keys > 0 {
                 return Err(refuse(format!(
@@ -367,22 +449,30 @@ async fn running_node(
     };
     let me = me.ok_or_else(|| cannot(server_err(local, "CLUSTER NODES has no myself line")))?;
     check_local(&me, primary, "the running server")?;
+    if let Some(p) = its_primary.filter(|p| !me.is_master() && me.master == p.id && p.is_lost()) {
+        return Err(refuse(format!(
+            "the running server: the local server is node {}, a replica of {} which it sees as {} ({}): it may be the shard's standby; kvsync will not stop it now",
+            me.id,
+            p.id,
+            p.flags.join(","),
+            p.link
+        )));
+    }
     if me.is_master() && keys > 0 {
         return Err(refuse(format!(
             "the running server: the local server is node {}, a primary holding {keys} keys; kvsync will not replace them with a shard's data",
             me.id
         )));
     }
-    let get = |con: &mut redis::aio::MultiplexedConnection, name: &'static str| {
-        let mut con = con.clone();
-        async move {
-            let pair: Vec<String> = query(local, &mut con, &["CONFIG", "GET", name]).await?;
-            Ok::<_, RedisError>(pair.get(1).cloned().unwrap_or_default())
-        }
+    let mut config_get = async |name: &str| {
+        let pair: Vec<String> = query(local, &mut con, &["CONFIG", "GET", name])
+            .await
+            .map_err(cannot)?;
+        Ok::<_, RedisError>(pair.get(1).cloned().unwrap_or_default())
     };
     let (dir, file) = (
-        get(&mut con, "dir").await.map_err(cannot)?,
-        get(&mut con, "cluster-config-file").await.map_err(cannot)?,
+        config_get("dir").await?,
+        config_get("cluster-config-file").await?,
     );
     let canonical =
         |p: &std::path::Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
@@ -434,7 +524,20 @@ impl Plan {
     /// The server opens the file for writing (its lock): it gets the old
     /// file's mode and owner, else mode 0660 and, when the agent runs as
     /// root, its directory's owner.
-    pub fn write(&self) -> Result<(), RedisError> {
+    pub fn write(&self) -> std::io::Result<()> {
+        self.write_text(self.nodes_conf_text().as_bytes())
+    }
+
+    /// Puts back the `nodes.conf` `previous` held (read before
+    /// [`Plan::write`]), or removes the one written if there was none.
+    pub fn restore(&self, previous: Option<&[u8]>) -> std::io::Result<()> {
+        match previous {
+            Some(text) => self.write_text(text),
+            None => std::fs::remove_file(&self.nodes_conf),
+        }
+    }
+
+    fn write_text(&self, text: &[u8]) -> std::io::Result<()> {
         use std::os::unix::fs::MetadataExt;
         let path = &self.nodes_conf;
         let dir = path.parent().unwrap_or(std::path::Path::new("."));
@@ -450,8 +553,7 @@ impl Plan {
             crate::store::install::TEMP_PREFIX,
             crate::store::install::TEMP_SUFFIX,
         );
-        crate::sys::fs::write_atomic_as(path, self.nodes_conf_text().as_bytes(), temp, mode, owner)
-            .map_err(|e| refuse(format!("writing {}: {e}", path.display())))
+        crate::sys::fs::write_atomic_as(path, text, temp, mode, owner)
     }
 
     /// Keeps the started node from starting a failover until it has
@@ -567,10 +669,12 @@ impl Plan {
                 "the node joined, but its cluster-replica-no-failover is still yes (set it back to {no_failover}): {e}"
             ))),
             (Err(e), Ok(())) => Err(refuse(format!(
-                "{e} (the node's cluster-replica-no-failover is back to {no_failover})"
+                "{} (the node's cluster-replica-no-failover is back to {no_failover})",
+                message(&e)
             ))),
             (Err(e), Err(back)) => Err(refuse(format!(
-                "{e} (the node's cluster-replica-no-failover is still yes, set it back to {no_failover}: {back})"
+                "{} (the node's cluster-replica-no-failover is still yes, set it back to {no_failover}: {back})",
+                message(&e)
             ))),
         }
     }
@@ -707,6 +811,66 @@ vars currentEpoch 3 lastVoteEpoch 0
         assert!(std::fs::read_to_string(&path)
             .unwrap()
             .contains("myself,slave c9d8"));
+    }
+
+    /// A server's data is found in its `dir` under any name it uses; its
+    /// log and pid file are not data.
+    #[test]
+    fn a_servers_data_is_found_under_any_name() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("redis.log"), b"log").unwrap();
+        std::fs::write(dir.path().join("redis.pid"), b"1").unwrap();
+        assert_eq!(data_in(dir.path(), "dump.rdb"), None);
+        let aof = dir.path().join("my-aof-dir");
+        std::fs::create_dir(&aof).unwrap();
+        std::fs::write(aof.join("appendonly.aof.1.incr.aof"), b"*1").unwrap();
+        assert!(data_in(dir.path(), "dump.rdb").is_some_and(|d| d.ends_with("incr.aof")));
+        std::fs::write(dir.path().join("dump.rdb"), b"REDIS").unwrap();
+        assert_eq!(data_in(dir.path(), "dump.rdb").as_deref(), Some("dump.rdb"));
+    }
+
+    #[test]
+    fn keys_are_counted_in_every_database() {
+        let keyspace = "# Keyspace\r\ndb0:keys=0,expires=0,avg_ttl=0\r\ndb1:keys=100,expires=0,avg_ttl=0\r\ndb9:keys=7,expires=1,avg_ttl=5\r\n";
+        assert_eq!(keys_in(keyspace), 107);
+        assert_eq!(keys_in("# Keyspace\r\n"), 0);
+    }
+
+    #[test]
+    fn a_node_is_lost_when_failed_addressless_or_disconnected() {
+        let lost = |line: &str| NodeLine::parse(line).unwrap().is_lost();
+        assert!(!lost(
+            "beef 127.0.0.1:7005@17005 slave c9d8 0 0 1 connected"
+        ));
+        assert!(lost(
+            "beef 127.0.0.1:7005@17005 slave,fail c9d8 0 0 1 connected"
+        ));
+        assert!(lost(
+            "beef 127.0.0.1:7005@17005 slave,fail? c9d8 0 0 1 connected"
+        ));
+        assert!(lost("beef :0@0 slave,noaddr c9d8 0 0 1 connected"));
+        assert!(lost(
+            "beef 127.0.0.1:7005@17005 slave c9d8 0 0 1 disconnected"
+        ));
+    }
+
+    /// A handoff that cannot place its RDB puts the old `nodes.conf`
+    /// back, or removes the one it wrote.
+    #[test]
+    fn the_old_nodes_conf_is_put_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut p = plan(
+            None,
+            "c9d8 127.0.0.1:7001@17001 myself,master - 0 0 1 connected 0-5460",
+        );
+        p.nodes_conf = dir.path().join("nodes.conf");
+        p.write().unwrap();
+        p.restore(None).unwrap();
+        assert!(!p.nodes_conf.exists());
+        std::fs::write(&p.nodes_conf, b"the node's own").unwrap();
+        p.write().unwrap();
+        p.restore(Some(b"the node's own")).unwrap();
+        assert_eq!(std::fs::read(&p.nodes_conf).unwrap(), b"the node's own");
     }
 
     #[test]

@@ -90,6 +90,31 @@ fn place(rdb: &Path, dir: &Path, dbfilename: &str) -> Result<(), RedisError> {
     install::sync_dir(dir).map_err(|e| RedisError::Place(e.to_string()))
 }
 
+/// Fails, before anything is stopped, unless `dir` has room for `rdb`
+/// (a copy, when it is on another file system) and a `nodes.conf`.
+fn room_for(rdb: &Path, dir: &Path) -> Result<(), RedisError> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = |p: &Path| {
+        std::fs::metadata(p).map_err(|e| RedisError::Place(format!("{}: {e}", p.display())))
+    };
+    let (file, at) = (meta(rdb)?, meta(dir)?);
+    let copy = if file.dev() == at.dev() {
+        0
+    } else {
+        file.size()
+    };
+    let need = copy + (1 << 20);
+    let free = crate::sys::fs::free_bytes(dir)
+        .map_err(|e| RedisError::Place(format!("{}: {e}", dir.display())))?;
+    if free < need {
+        return Err(RedisError::Place(format!(
+            "{} has {free} bytes free, the RDB needs {need}: nothing was stopped; free some space",
+            dir.display()
+        )));
+    }
+    Ok(())
+}
+
 /// Seeds the local server with the verified RDB `rdb` saved at `info`:
 /// stop it, place the file, start it following the primary, wait for the
 /// link, and confirm the primary accepted a partial resync.
@@ -102,6 +127,7 @@ pub async fn hand_off(
     let before = server_info(&cfg.primary, &cfg.auth(), "stats").await?;
     // In cluster mode, decide everything (or refuse) before stopping.
     let cluster = crate::kv::cluster::plan(cfg).await?;
+    room_for(rdb, &cfg.dir)?;
 
     // Stop the local server (it must not overwrite the file on exit).
     if cfg.stop.is_empty() {
@@ -126,18 +152,35 @@ pub async fn hand_off(
     })
     .await?;
 
-    if let Some(plan) = &cluster {
-        // Before the RDB: a node that cannot get its nodes.conf is
-        // started again as it was.
-        if let Err(e) = plan.write() {
-            let again = match run("start", &cfg.start, cfg, timeout).await {
-                Ok(()) => "started again as it was".to_string(),
-                Err(e) => format!("not started again: {e}"),
-            };
-            return Err(RedisError::Cluster(format!("{e}; the server was {again}")));
+    // A cluster node that cannot get its nodes.conf and its RDB is put
+    // back and started again as it was.
+    let placed = match &cluster {
+        None => place(rdb, &cfg.dir, &cfg.dbfilename),
+        Some(plan) => {
+            let previous = std::fs::read(&plan.nodes_conf).ok();
+            let written = plan.write().map_err(|e| {
+                RedisError::Cluster(format!("writing {}: {e}", plan.nodes_conf.display()))
+            });
+            match written.and_then(|()| place(rdb, &cfg.dir, &cfg.dbfilename)) {
+                Ok(()) => Ok(()),
+                Err(e) => {
+                    let back = plan.restore(previous.as_deref());
+                    let again = match (back, run("start", &cfg.start, cfg, timeout).await) {
+                        (Ok(()), Ok(())) => "started again as it was".to_string(),
+                        (Err(e), _) => {
+                            format!("not started again: its nodes.conf could not be put back: {e}")
+                        }
+                        (_, Err(e)) => format!("not started again: {e}"),
+                    };
+                    Err(RedisError::Cluster(format!(
+                        "{}; the server was {again}",
+                        crate::kv::cluster::message(&e)
+                    )))
+                }
+            }
         }
-    }
-    place(rdb, &cfg.dir, &cfg.dbfilename)?;
+    };
+    placed?;
     info!(dir = %cfg.dir.display(), dbfilename = %cfg.dbfilename, seq = snapshot.seq, "RDB in place; starting the server");
     run("start", &cfg.start, cfg, timeout).await?;
     let Some(plan) = cluster else {
