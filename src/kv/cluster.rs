@@ -533,7 +533,10 @@ impl Plan {
     pub fn restore(&self, previous: Option<&[u8]>) -> std::io::Result<()> {
         match previous {
             Some(text) => self.write_text(text),
-            None => std::fs::remove_file(&self.nodes_conf),
+            None => match std::fs::remove_file(&self.nodes_conf) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+                _ => Ok(()),
+            },
         }
     }
 
@@ -867,6 +870,7 @@ vars currentEpoch 3 lastVoteEpoch 0
         p.write().unwrap();
         p.restore(None).unwrap();
         assert!(!p.nodes_conf.exists());
+        p.restore(None).unwrap();
         std::fs::write(&p.nodes_conf, b"the node's own").unwrap();
         p.write().unwrap();
         p.restore(Some(b"the node's own")).unwrap();

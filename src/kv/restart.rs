@@ -1,8 +1,10 @@
 //! The `redis` handoff: seeding a replica server by restart. Stop the
 //! local server, place the verified RDB as its `dir/dbfilename` atomically,
 //! start it following the primary, and confirm the primary accepted a
-//! partial resync from M+1; a cluster node is made its shard primary's
-//! replica by its `nodes.conf` and joined by `crate::kv::cluster` (docs/ARCHITECTURE.md, "Handoff").
+//! partial resync from M+1 (docs/ARCHITECTURE.md, "Handoff"). A cluster
+//! node is made its shard primary's replica by its `nodes.conf` and
+//! joined by `crate::kv::cluster`; one that cannot get its `nodes.conf`
+//! and RDB is put back and started again as it was.
 
 use std::path::Path;
 use std::time::Duration;
@@ -158,19 +160,29 @@ pub async fn hand_off(
         None => place(rdb, &cfg.dir, &cfg.dbfilename),
         Some(plan) => {
             let previous = std::fs::read(&plan.nodes_conf).ok();
-            let written = plan.write().map_err(|e| {
-                RedisError::Cluster(format!("writing {}: {e}", plan.nodes_conf.display()))
-            });
-            match written.and_then(|()| place(rdb, &cfg.dir, &cfg.dbfilename)) {
+            // (what failed, whether the new nodes.conf is in place)
+            let outcome = match plan.write() {
+                Err(e) => Err((
+                    RedisError::Cluster(format!("writing {}: {e}", plan.nodes_conf.display())),
+                    false,
+                )),
+                Ok(()) => place(rdb, &cfg.dir, &cfg.dbfilename).map_err(|e| (e, true)),
+            };
+            match outcome {
                 Ok(()) => Ok(()),
-                Err(e) => {
-                    let back = plan.restore(previous.as_deref());
-                    let again = match (back, run("start", &cfg.start, cfg, timeout).await) {
-                        (Ok(()), Ok(())) => "started again as it was".to_string(),
-                        (Err(e), _) => {
+                Err((e, written)) => {
+                    let back = match written {
+                        true => plan.restore(previous.as_deref()),
+                        false => Ok(()),
+                    };
+                    let again = match back {
+                        Err(e) => {
                             format!("not started again: its nodes.conf could not be put back: {e}")
                         }
-                        (_, Err(e)) => format!("not started again: {e}"),
+                        Ok(()) => match run("start", &cfg.start, cfg, timeout).await {
+                            Ok(()) => "started again as it was".to_string(),
+                            Err(e) => format!("not started again: {e}"),
+                        },
                     };
                     Err(RedisError::Cluster(format!(
                         "{}; the server was {again}",
