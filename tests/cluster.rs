@@ -259,11 +259,12 @@ fn a_new_node_is_seeded_as_a_shard_replica_with_a_partial_resync_no_fork_and_no_
 
     // About 1 MB/s: well within the backlog while the seeding runs.
     let value = "w".repeat(512);
+    let writer_tag = tag.clone();
     let writer = Client::start(a, move |con, i| {
         let mut p = redis::pipe();
         for j in 0..20 {
             p.cmd("SET")
-                .arg(format!("{{{tag}}}during:{}", i * 20 + j))
+                .arg(format!("{{{writer_tag}}}during:{}", i * 20 + j))
                 .arg(&value)
                 .ignore();
         }
@@ -299,10 +300,8 @@ fn a_new_node_is_seeded_as_a_shard_replica_with_a_partial_resync_no_fork_and_no_
         "one partial resync, no fork"
     );
     assert_eq!(myself(a).slots, slots, "the primary kept its slots");
-    assert!(
-        a.cmd::<u64>(&["DBSIZE"]) >= 20_000,
-        "the primary lost no key"
-    );
+    let seeded: Vec<String> = a.cmd(&["KEYS", &format!("{{{tag}}}k:*")]);
+    assert_eq!(seeded.len(), 20_000, "the primary lost no key");
     assert_eq!(myself(a).config_epoch, 0);
     drop(shards);
 }
@@ -548,7 +547,11 @@ fn a_handoff_that_would_turn_a_shard_primary_into_a_replica_is_refused_before_an
         });
     };
     let source = rt.block_on(source_agent(root, a));
+    let a_counters = sync_counters(a);
+    // What each local server's dir holds before its refusal.
+    let contents = |d: &Path| ["nodes.conf", "dump.rdb"].map(|f| std::fs::read(d.join(f)).ok());
     for (tag, primary, (addr, ndir), start_extra, redis_extra, says) in cases {
+        let held = contents(&ndir);
         refused(
             &source,
             tag,
@@ -557,7 +560,9 @@ fn a_handoff_that_would_turn_a_shard_primary_into_a_replica_is_refused_before_an
             (start_extra, redis_extra),
             says,
         );
+        assert_eq!(contents(&ndir), held, "{tag}: nothing written or placed");
     }
+    assert_eq!(sync_counters(a), a_counters, "the primary served no sync");
     for (node, (id, line)) in running.iter().zip(&before) {
         assert_eq!(&run_id(node), id, "{} was not restarted", node.port);
         assert_eq!(&myself(node), line, "{} is as it was", node.port);

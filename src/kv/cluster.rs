@@ -158,6 +158,8 @@ pub struct Plan {
     /// The local server's port, and where its `nodes.conf` goes.
     pub port: u16,
     pub nodes_conf: PathBuf,
+    /// The `nodes.conf` there before the handoff, if any.
+    pub previous: Option<Vec<u8>>,
 }
 
 fn refuse(message: String) -> RedisError {
@@ -226,9 +228,18 @@ pub async fn plan(cfg: &RedisConfig) -> Result<Option<Plan>, RedisError> {
             primary.flags.join(",")
         )));
     }
-    let shard_id = query::<String>(addr, &mut con, &["CLUSTER", "MYSHARDID"])
-        .await
-        .ok();
+    let shard_id = match query::<String>(addr, &mut con, &["CLUSTER", "MYSHARDID"]).await {
+        Ok(id) => Some(id),
+        // Redis 7.0 has no shard ids.
+        Err(e)
+            if e.to_string()
+                .to_ascii_lowercase()
+                .contains("unknown subcommand") =>
+        {
+            None
+        }
+        Err(e) => return Err(e),
+    };
     let info: String = query(addr, &mut con, &["CLUSTER", "INFO"]).await?;
     let current_epoch = crate::kv::redis::Info::parse(&info).num("cluster_current_epoch");
     let port = cfg
@@ -237,15 +248,22 @@ pub async fn plan(cfg: &RedisConfig) -> Result<Option<Plan>, RedisError> {
         .map(|a| a.port)
         .map_err(|e| refuse(format!("[redis] server_addr: {e}")))?;
     let me = identity(cfg, &auth, &mut con, (&table, &primary.id), port).await?;
-    writable(&nodes_conf_path(cfg))?;
+    let nodes_conf = nodes_conf_path(cfg);
+    writable(&nodes_conf)?;
     writable(&cfg.dir.join(&cfg.dbfilename))?;
+    let previous = match std::fs::read(&nodes_conf) {
+        Ok(text) => Some(text),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(refuse(format!("reading {}: {e}", nodes_conf.display()))),
+    };
     Ok(Some(Plan {
         primary,
         shard_id,
         current_epoch,
         me,
         port,
-        nodes_conf: nodes_conf_path(cfg),
+        nodes_conf,
+        previous,
     }))
 }
 
@@ -288,25 +306,44 @@ fn writable(path: &std::path::Path) -> Result<(), RedisError> {
 }
 
 /// The data a server left in `dir`, if any: its RDB, or any `.rdb` or
-/// `.aof` file, at the top or one directory down (`appenddirname`).
-fn data_in(dir: &std::path::Path, dbfilename: &str) -> Option<String> {
-    if dir.join(dbfilename).exists() {
-        return Some(dbfilename.to_string());
-    }
-    let is_data = |p: &std::path::Path| p.extension().is_some_and(|e| e == "rdb" || e == "aof");
-    let entries = |d: &std::path::Path| -> Vec<std::path::PathBuf> {
-        std::fs::read_dir(d)
-            .map(|r| r.filter_map(|e| e.ok().map(|e| e.path())).collect())
-            .unwrap_or_default()
+/// `.aof` file, at the top or one directory down (`appenddirname`). A
+/// directory that cannot be read is a refusal, not "no data".
+fn data_in(dir: &std::path::Path, dbfilename: &str) -> Result<Option<String>, RedisError> {
+    let cannot = |p: &std::path::Path, e: std::io::Error| {
+        refuse(format!(
+            "cannot tell whether {} holds data: {e}",
+            p.display()
+        ))
     };
-    entries(dir)
-        .into_iter()
-        .flat_map(|p| match p.is_dir() {
-            true => entries(&p),
+    if dir
+        .join(dbfilename)
+        .try_exists()
+        .map_err(|e| cannot(dir, e))?
+    {
+        return Ok(Some(dbfilename.to_string()));
+    }
+    let entries = |d: &std::path::Path| -> Result<Vec<std::path::PathBuf>, RedisError> {
+        match std::fs::read_dir(d) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+            Err(e) => Err(cannot(d, e)),
+            Ok(r) => r
+                .map(|e| e.map(|e| e.path()).map_err(|e| cannot(d, e)))
+                .collect(),
+        }
+    };
+    for p in entries(dir)? {
+        let inside = match p.is_dir() {
+            true => entries(&p)?,
             false => vec![p],
-        })
-        .find(|p| is_data(p))
-        .map(|p| p.display().to_string())
+        };
+        if let Some(p) = inside
+            .into_iter()
+            .find(|p| p.extension().is_some_and(|e| e == "rdb" || e == "aof"))
+        {
+            return Ok(Some(p.display().to_string()));
+        }
+    }
+    Ok(None)
 }
 
 /// The keys in every database of an `INFO keyspace` reply.
@@ -323,6 +360,18 @@ fn keys_in(keyspace: &str) -> u64 {
                 .ok()
         })
         .sum()
+}
+
+/// Whether a server listens at `addr`: refused is "no"; an error that
+/// proves nothing either way is a refusal of the handoff.
+async fn answers(addr: &str) -> Result<bool, RedisError> {
+    match tokio::net::TcpStream::connect(addr).await {
+        Ok(_) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => Ok(false),
+        Err(e) => Err(refuse(format!(
+            "cannot tell whether the local server at {addr} is running: {e}"
+        ))),
+    }
 }
 
 /// Who the local node is, or a refusal. A server that answers at the
@@ -345,19 +394,27 @@ async fn identity(
         Some(n) => check_local(n, primary, "the cluster's table"),
         None => Ok(()),
     };
-    if tokio::net::TcpStream::connect(local).await.is_ok() {
+    if answers(local).await? {
         if let Some(me) = running_node(cfg, auth, primary).await? {
             in_table(&me.id)?;
             return Ok(Identity::Running(me.id));
         }
     }
     let path = nodes_conf_path(cfg);
-    let data = data_in(&cfg.dir, &cfg.dbfilename);
+    let data = data_in(&cfg.dir, &cfg.dbfilename)?;
     match std::fs::read_to_string(&path) {
         Ok(text) => match parse_nodes(&text).into_iter().find(NodeLine::is_myself) {
             Some(me) => {
                 check_local(&me, primary, &path.display().to_string())?;
                 in_table(&me.id)?;
+                if let Some(n) = table.iter().find(|n| n.id == me.id && !n.is_lost()) {
+                    return Err(refuse(format!(
+                        "{}: the local server is node {}, which the cluster sees alive at {}: another server has its id, or it stopped only now (retry once the cluster marks it down)",
+                        path.display(),
+                        me.id,
+                        n.address
+                    )));
+                }
                 if let Some(data) = data.filter(|_| me.is_master()) {
                     return Err(refuse(format!(
                         "{}: the local server is node {}, a primary, stopped with {data}: kvsync cannot count its keys; start it, or empty {}",
@@ -388,7 +445,12 @@ async fn identity(
         .find_map(|f| f.strip_prefix("addr="))
         .and_then(|a| a.rsplit_once(':'))
         .map(|(ip, _)| ip.to_string())
-        .unwrap_or_default();
+        .ok_or_else(|| {
+            server_err(
+                &cfg.primary,
+                format!("CLIENT INFO names no addr= kvsync can read: {client:?}"),
+            )
+        })?;
     let said_by = format!("the cluster's table at {ip}:{port}");
     let mut at_address = table
         .iter()
@@ -474,6 +536,16 @@ async fn running_node(
         config_get("dir").await?,
         config_get("cluster-config-file").await?,
     );
+    let (appendonly, dbfilename) = (
+        config_get("appendonly").await?,
+        config_get("dbfilename").await?,
+    );
+    if appendonly != "no" || dbfilename != cfg.dbfilename {
+        return Err(refuse(format!(
+            "the local server runs with appendonly {appendonly} and dbfilename {dbfilename}: it would not load the RDB kvsync places as {}; start it with appendonly no and that dbfilename",
+            cfg.dbfilename
+        )));
+    }
     let canonical =
         |p: &std::path::Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
     let theirs = canonical(std::path::Path::new(&dir)).join(&file);
@@ -528,10 +600,10 @@ impl Plan {
         self.write_text(self.nodes_conf_text().as_bytes())
     }
 
-    /// Puts back the `nodes.conf` `previous` held (read before
-    /// [`Plan::write`]), or removes the one written if there was none.
-    pub fn restore(&self, previous: Option<&[u8]>) -> std::io::Result<()> {
-        match previous {
+    /// Puts back the `nodes.conf` there was before the handoff, or
+    /// removes the one written if there was none.
+    pub fn restore(&self) -> std::io::Result<()> {
+        match self.previous.as_deref() {
             Some(text) => self.write_text(text),
             None => match std::fs::remove_file(&self.nodes_conf) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
@@ -557,6 +629,23 @@ impl Plan {
             crate::store::install::TEMP_SUFFIX,
         );
         crate::sys::fs::write_atomic_as(path, text, temp, mode, owner)
+    }
+
+    /// Whether the server was running when the plan was made.
+    pub fn was_running(&self) -> bool {
+        matches!(self.me, Identity::Running(_))
+    }
+
+    /// Refuses, right before the stop, a server that started since the
+    /// plan found it stopped: what it is now was not checked.
+    pub async fn still_as_planned(&self, cfg: &RedisConfig) -> Result<(), RedisError> {
+        if !self.was_running() && answers(&cfg.server_addr).await? {
+            return Err(refuse(format!(
+                "the local server at {} started after kvsync found it stopped: nothing was changed; try again",
+                cfg.server_addr
+            )));
+        }
+        Ok(())
     }
 
     /// Keeps the started node from starting a failover until it has
@@ -723,6 +812,7 @@ vars currentEpoch 3 lastVoteEpoch 0
             me: Identity::New("beef".into()),
             port: 7005,
             nodes_conf: PathBuf::from("nodes.conf"),
+            previous: None,
         }
     }
 
@@ -771,16 +861,31 @@ vars currentEpoch 3 lastVoteEpoch 0
         assert!(passes("beef :7005@17005 myself,master - 0 0 0 connected"));
         assert!(passes("beef :7005@17005 myself,slave c9d8 0 0 1 connected"));
         assert!(passes("beef :7005@17005 slave,fail - 0 0 0 disconnected"));
-        for refused in [
-            "c9d8 :7001@17001 myself,master - 0 0 1 connected",
-            "beef :7005@17005 myself,master - 0 0 2 connected 5461-10922",
-            "beef :7005@17005 myself,master - 0 0 0 connected [6000-<-b6f2]",
-            "beef :7005@17005 myself,slave b6f2 0 0 2 connected",
+        for (refused, why) in [
+            (
+                "c9d8 :7001@17001 myself,master - 0 0 1 connected",
+                "the shard primary itself",
+            ),
+            (
+                "beef :7005@17005 myself,master - 0 0 2 connected 5461-10922",
+                "owning slots 5461-10922",
+            ),
+            (
+                "beef :7005@17005 myself,master - 0 0 0 connected [6000-<-b6f2]",
+                "open migrations: [6000-<-b6f2]",
+            ),
+            (
+                "beef :7005@17005 myself,slave b6f2 0 0 2 connected",
+                "a replica of b6f2, another shard's primary",
+            ),
         ] {
             let said = check_local(&node(refused), "c9d8", "test")
                 .unwrap_err()
                 .to_string();
-            assert!(said.contains("kvsync seeds only a new node"), "{said}");
+            assert!(
+                said.contains(why) && said.contains("kvsync seeds only a new node"),
+                "{said}"
+            );
         }
     }
 
@@ -810,6 +915,8 @@ vars currentEpoch 3 lastVoteEpoch 0
         if root {
             let m = std::fs::metadata(&path).unwrap();
             assert_eq!((m.uid(), m.gid()), (65534, 65534));
+        } else {
+            eprintln!("not root: the owner half of this test is not run");
         }
         assert!(std::fs::read_to_string(&path)
             .unwrap()
@@ -823,13 +930,18 @@ vars currentEpoch 3 lastVoteEpoch 0
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("redis.log"), b"log").unwrap();
         std::fs::write(dir.path().join("redis.pid"), b"1").unwrap();
-        assert_eq!(data_in(dir.path(), "dump.rdb"), None);
+        assert_eq!(data_in(dir.path(), "dump.rdb").unwrap(), None);
         let aof = dir.path().join("my-aof-dir");
         std::fs::create_dir(&aof).unwrap();
         std::fs::write(aof.join("appendonly.aof.1.incr.aof"), b"*1").unwrap();
-        assert!(data_in(dir.path(), "dump.rdb").is_some_and(|d| d.ends_with("incr.aof")));
+        assert!(data_in(dir.path(), "dump.rdb")
+            .unwrap()
+            .is_some_and(|d| d.ends_with("incr.aof")));
         std::fs::write(dir.path().join("dump.rdb"), b"REDIS").unwrap();
-        assert_eq!(data_in(dir.path(), "dump.rdb").as_deref(), Some("dump.rdb"));
+        assert_eq!(
+            data_in(dir.path(), "dump.rdb").unwrap().as_deref(),
+            Some("dump.rdb")
+        );
     }
 
     #[test]
@@ -868,12 +980,12 @@ vars currentEpoch 3 lastVoteEpoch 0
         );
         p.nodes_conf = dir.path().join("nodes.conf");
         p.write().unwrap();
-        p.restore(None).unwrap();
+        p.restore().unwrap();
         assert!(!p.nodes_conf.exists());
-        p.restore(None).unwrap();
-        std::fs::write(&p.nodes_conf, b"the node's own").unwrap();
+        p.restore().unwrap();
+        p.previous = Some(b"the node's own".to_vec());
         p.write().unwrap();
-        p.restore(Some(b"the node's own")).unwrap();
+        p.restore().unwrap();
         assert_eq!(std::fs::read(&p.nodes_conf).unwrap(), b"the node's own");
     }
 

@@ -130,6 +130,9 @@ pub async fn hand_off(
     // In cluster mode, decide everything (or refuse) before stopping.
     let cluster = crate::kv::cluster::plan(cfg).await?;
     room_for(rdb, &cfg.dir)?;
+    if let Some(plan) = &cluster {
+        plan.still_as_planned(cfg).await?;
+    }
 
     // Stop the local server (it must not overwrite the file on exit).
     if cfg.stop.is_empty() {
@@ -159,7 +162,6 @@ pub async fn hand_off(
     let placed = match &cluster {
         None => place(rdb, &cfg.dir, &cfg.dbfilename),
         Some(plan) => {
-            let previous = std::fs::read(&plan.nodes_conf).ok();
             // (what failed, whether the new nodes.conf is in place)
             let outcome = match plan.write() {
                 Err(e) => Err((
@@ -172,14 +174,15 @@ pub async fn hand_off(
                 Ok(()) => Ok(()),
                 Err((e, written)) => {
                     let back = match written {
-                        true => plan.restore(previous.as_deref()),
+                        true => plan.restore(),
                         false => Ok(()),
                     };
-                    let again = match back {
-                        Err(e) => {
+                    let again = match (back, plan.was_running()) {
+                        (Err(e), _) => {
                             format!("not started again: its nodes.conf could not be put back: {e}")
                         }
-                        Ok(()) => match run("start", &cfg.start, cfg, timeout).await {
+                        (Ok(()), false) => "left stopped, as it was".to_string(),
+                        (Ok(()), true) => match run("start", &cfg.start, cfg, timeout).await {
                             Ok(()) => "started again as it was".to_string(),
                             Err(e) => format!("not started again: {e}"),
                         },
@@ -194,11 +197,20 @@ pub async fn hand_off(
     };
     placed?;
     info!(dir = %cfg.dir.display(), dbfilename = %cfg.dbfilename, seq = snapshot.seq, "RDB in place; starting the server");
-    run("start", &cfg.start, cfg, timeout).await?;
+    let started = run("start", &cfg.start, cfg, timeout).await;
     let Some(plan) = cluster else {
+        started?;
         return confirm_partial(cfg, timeout, &before, snapshot).await;
     };
-    let no_failover = plan.hold_failover(cfg, timeout).await?;
+    let changed = |e: RedisError| {
+        RedisError::Cluster(format!(
+            "kvsync wrote {} and placed the RDB, then: {}",
+            plan.nodes_conf.display(),
+            crate::kv::cluster::message(&e)
+        ))
+    };
+    started.map_err(changed)?;
+    let no_failover = plan.hold_failover(cfg, timeout).await.map_err(changed)?;
     let joined = async {
         let resynced = confirm_partial(cfg, timeout, &before, snapshot).await?;
         Ok(resynced + &plan.join(cfg, timeout).await?)
