@@ -114,7 +114,7 @@ pub fn parse_nodes(text: &str) -> Vec<NodeLine> {
 /// The local node's identity, and where it came from.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Identity {
-    /// The running server's `CLUSTER MYID`.
+    /// The running server's own `myself` line (`CLUSTER NODES`).
     Running(String),
     /// The `myself` line of the server's `nodes.conf`.
     Config(String),
