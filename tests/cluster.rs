@@ -13,6 +13,7 @@ use std::path::Path;
 
 use common::kv::*;
 use common::node::*;
+use common::stream::*;
 use common::*;
 use kvsync::kv::cluster::{parse_nodes, NodeLine};
 use kvsync::rpc::pb;
@@ -155,20 +156,30 @@ fn replica_agent_with(
     (addr, dir): (&str, &Path),
     (start_extra, redis_extra): (&[&str], &str),
 ) -> Node {
-    let port: u16 = addr.rsplit_once(':').unwrap().1.parse().unwrap();
-    let mut args = cluster_args(free_port());
-    args.extend(start_extra.iter().map(|a| a.to_string()));
-    let start = start_command(server, port, dir, &args);
-    let config = format!(
-        "[transport]\nmode = \"tcp\"\n[handoff]\nmode = \"redis\"\ntimeout = \"60s\"\n[redis]\nserver_addr = \"{addr}\"\ndir = \"{}\"\ndbfilename = \"dump.rdb\"\nprimary = \"{primary}\"\nstart = [{start}]\n{redis_extra}\n",
-        dir.display()
-    );
+    let config = replica_config(primary, server, (addr, dir), (start_extra, redis_extra));
     agent(
         root,
         &format!("replica{tag}"),
         &root.join(format!("replica-agent{tag}")),
         &config,
         &[],
+    )
+}
+
+/// The configuration of [`replica_agent_with`].
+fn replica_config(
+    primary: &str,
+    server: Server,
+    (addr, dir): (&str, &Path),
+    (start_extra, redis_extra): (&[&str], &str),
+) -> String {
+    let port: u16 = addr.rsplit_once(':').unwrap().1.parse().unwrap();
+    let mut args = cluster_args(free_port());
+    args.extend(start_extra.iter().map(|a| a.to_string()));
+    let start = start_command(server, port, dir, &args);
+    format!(
+        "[transport]\nmode = \"tcp\"\n[handoff]\nmode = \"redis\"\ntimeout = \"60s\"\n[redis]\nserver_addr = \"{addr}\"\ndir = \"{}\"\ndbfilename = \"dump.rdb\"\nprimary = \"{primary}\"\nstart = [{start}]\n{redis_extra}\n",
+        dir.display()
     )
 }
 
@@ -598,8 +609,189 @@ fn a_handoff_that_would_turn_a_shard_primary_into_a_replica_is_refused_before_an
     drop((importing, other_shard, shards));
 }
 
+/// A stream log at each node of a shard: the primary's agent follows the
+/// primary, the replica node's agent follows that agent, each names the
+/// other as a peer. A `CLUSTER FAILOVER` to the replica node moves both
+/// logs (the promoted node's agent follows its node, the old primary's
+/// follows that agent) with no full sync of any server or log, and no
+/// server is sent anything; a failover to a node no configured agent sits
+/// beside moves no log.
+fn a_cluster_failover_moves_the_shards_logs_without_a_full_sync_and_never_to_an_unproved_node(
+    server: Server,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let shards = three_shards(server, root, [1, 2, 3]);
+    let (p, r) = (&shards.primaries[0], &shards.replica);
+    let tag = tag_in(p, 0..=5460);
+    let (p_port, r_port) = (free_port(), free_port());
+    let (p_agent, r_agent) = (format!("127.0.0.1:{p_port}"), format!("127.0.0.1:{r_port}"));
+    let p_config = follower_config(p, &root.join("p-log")).replace(
+        "[stream]\n",
+        &format!("[stream]\npeers = [\"{r_agent}\"]\n"),
+    );
+    let src = agent_at(
+        root,
+        "p",
+        &root.join("p-snaps"),
+        &p_config,
+        "127.0.0.1",
+        p_port,
+    );
+    wait_following(&src);
+    let r_config = format!(
+        "{}[stream]\ndir = \"{}\"\nupstream = \"{p_agent}\"\npeers = [\"{p_agent}\"]\n",
+        replica_config(&p.addr(), server, (&r.addr(), &r.dir), (&[], "")),
+        root.join("r-log").display()
+    );
+    let follower = agent_at(
+        root,
+        "r",
+        &root.join("r-snaps"),
+        &r_config,
+        "127.0.0.1",
+        r_port,
+    );
+    wait_following(&follower);
+    fill_tagged(p, &tag, "before", 2_000);
+    let at_end = |agent: &Node, server: &Redis| {
+        stream_status(agent).end_offset == server.info("replication").num("master_repl_offset")
+    };
+    wait_for("both logs to hold the primary's writes", DEADLINE, || {
+        (at_end(&src, p) && at_end(&follower, p)).then_some(())
+    });
+    let full = |n: &Redis| n.info("stats").num("sync_full");
+    let (p_full, r_full) = (full(p), full(r));
+
+    let _: String = r.cmd(&["CLUSTER", "FAILOVER"]);
+    wait_for("the agents to follow the promoted node", DEADLINE, || {
+        (stream_status(&follower).source == format!("primary {}", r.addr())
+            && stream_status(&src).source == format!("agent {r_agent}"))
+        .then_some(())
+    });
+    assert!(
+        stream_status(&follower)
+            .cluster
+            .contains(&format!("names the shard primary {}", r.addr())),
+        "{}",
+        stream_status(&follower).cluster
+    );
+    fill_tagged(r, &tag, "after", 2_000);
+    wait_for(
+        "the old primary and both logs to hold the new primary's writes",
+        DEADLINE,
+        || {
+            (at_end(&follower, r) && at_end(&src, r) && p.cmd::<u64>(&["DBSIZE"]) == 4_000)
+                .then_some(())
+        },
+    );
+    assert_eq!(
+        (full(p), full(r)),
+        (p_full, r_full),
+        "no full sync of a server or a log"
+    );
+    assert!(
+        !src.proc.log().contains("REPLICAOF") && !src.proc.log().contains("replicates from"),
+        "nothing was sent to the old primary: the cluster re-attached it"
+    );
+
+    // A node no configured agent sits beside: the table names it, the
+    // proof does not, no log moves.
+    let other = joined_node(server, root, "other", r, &myself(r).id);
+    let _: () = other.cmd(&["CLUSTER", "REPLICATE", &myself(r).id]);
+    wait_for("the third node to be a linked replica", DEADLINE, || {
+        (other.info("replication").get("master_link_status") == Some("up")).then_some(())
+    });
+    let _: String = other.cmd(&["CLUSTER", "FAILOVER"]);
+    wait_for(
+        "the promoted node's agent to refuse the unproved node",
+        DEADLINE,
+        || {
+            follower
+                .proc
+                .log()
+                .contains(&format!(
+                    "no agent follows the primary {} yet",
+                    other.addr()
+                ))
+                .then_some(())
+        },
+    );
+    assert!(stream_status(&follower).cluster.contains(&other.addr()));
+    assert_eq!(
+        stream_status(&follower).source,
+        format!("primary {}", r.addr())
+    );
+    assert_eq!(stream_status(&src).source, format!("agent {r_agent}"));
+    drop((src, follower, other, shards));
+}
+
+/// `check-config --live` on cluster nodes also probes what the agent asks
+/// of them: the role and table it follows failovers by, and `CLUSTER
+/// MEET` on the node it seeds; without one of these, it names it, and the
+/// probe changed nothing (no node met).
+fn check_config_live_probes_the_cluster_rights(server: Server) {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let (p, r) = (
+        cluster_node(server, &root.join("p"), free_port()),
+        cluster_node(server, &root.join("r"), free_port()),
+    );
+    std::fs::write(root.join("password"), "kvsync-pw\n").unwrap();
+    let rights = [
+        (
+            "+psync +replconf +info +config|get +role +cluster|nodes",
+            &p,
+        ),
+        (
+            "+info +config|get +config|set +replicaof +role +cluster|nodes +cluster|meet",
+            &r,
+        ),
+    ];
+    for (rights, node) in rights {
+        let mut acl = vec![
+            "ACL",
+            "SETUSER",
+            "kvsync",
+            "on",
+            ">kvsync-pw",
+            "resetchannels",
+            "-@all",
+        ];
+        acl.extend(rights.split(' '));
+        let _: () = node.cmd(&acl);
+    }
+    let file = root.join("check.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "snapshot_format = \"redis-rdb\"\n[redis]\nprimary_addr = \"{}\"\nserver_addr = \"{}\"\nprimary = \"{0}\"\nuser = \"kvsync\"\npassword_file = \"{}\"\n[stream]\ndir = \"{}\"\n[handoff]\nmode = \"redis-replicate\"\n",
+            p.addr(),
+            r.addr(),
+            root.join("password").display(),
+            root.join("log").display()
+        ),
+    )
+    .unwrap();
+    let live = || cli(&["check-config", "--live", file.to_str().unwrap()]);
+    let (ok, out, err) = live();
+    assert!(ok, "every documented right is there: {out}{err}");
+    for (node, right) in [
+        (&p, "role"),
+        (&p, "cluster|nodes"),
+        (&r, "role"),
+        (&r, "cluster|nodes"),
+        (&r, "cluster|meet"),
+    ] {
+        names_missing(node, right, live);
+    }
+    assert_eq!(table(&r).len(), 1, "the MEET probe met no node");
+}
+
 on_both_servers!(
     a_new_node_is_seeded_as_a_shard_replica_with_a_partial_resync_no_fork_and_no_slot_claimed,
     a_replica_node_lost_with_its_files_is_rebuilt_under_its_old_id,
     a_handoff_that_would_turn_a_shard_primary_into_a_replica_is_refused_before_anything_changes,
+    a_cluster_failover_moves_the_shards_logs_without_a_full_sync_and_never_to_an_unproved_node,
+    check_config_live_probes_the_cluster_rights,
 );

@@ -530,19 +530,7 @@ fn acl_users_with_passwords_in_files_carry_the_stream_through_a_rotation(server:
         (&rs, "config|set"),
         (&rs, "replicaof"),
     ] {
-        let _: () = r.cmd(&["ACL", "SETUSER", "kvsync", &format!("-{right}")]);
-        let (ok, out, err) = live();
-        let _: () = r.cmd(&["ACL", "SETUSER", "kvsync", &format!("+{right}")]);
-        let line = out
-            .lines()
-            .find(|l| l.starts_with(&r.addr()))
-            .unwrap_or_else(|| panic!("no line for {}: {out}{err}", r.addr()));
-        assert!(
-            !ok && line.ends_with(&format!(
-                "missing +{right} (docs/REDIS.md gives each role's rights)"
-            )),
-            "without +{right}: {out}{err}"
-        );
+        names_missing(r, right, live);
     }
     assert_eq!(
         primary.info("stats").num("sync_full"),

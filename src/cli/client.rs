@@ -449,6 +449,9 @@ fn print_instance(i: &pb::InstanceStatus) {
         if !st.sentinels.is_empty() {
             println!("    Sentinels: {}", st.sentinels);
         }
+        if !st.cluster.is_empty() {
+            println!("    cluster: {}", st.cluster);
+        }
         println!("    integrity: {}", st.integrity);
         if !st.ack.is_empty() {
             println!(
@@ -555,6 +558,7 @@ fn stream_json(st: &pb::StreamStatus) -> serde_json::Value {
         "write_safety": st.write_safety,
         "diverged": st.diverged,
         "sentinels": st.sentinels,
+        "cluster": st.cluster,
         "integrity": st.integrity,
         "behind_seconds": st.behind_seconds,
         "set_aside": st.set_aside,

@@ -163,6 +163,7 @@ impl OrchestratorService {
                     write_safety: s.write_safety(),
                     diverged: s.diverged(),
                     sentinels: s.sentinels(),
+                    cluster: s.cluster(),
                     integrity: crate::stream::serve::integrity(i.config.tls.enabled()).into(),
                     behind_seconds: s.behind().as_secs_f64(),
                     set_aside: s.view(|l| {

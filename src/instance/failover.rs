@@ -11,7 +11,8 @@
 //! re-attaches that server as a replica of the new one, so that it takes
 //! no more writes of a history the others left (the server's own PSYNC
 //! continues it, or syncs it in full if it wrote past the promotion
-//! point: never a merge).
+//! point: never a merge); a cluster node is left to its cluster, which
+//! does that itself ([`crate::stream::shard`]).
 //!
 //! Everything is decided before anything changes: the named primary must
 //! be the local server (promoted by now) or a peer's log must follow it,
@@ -334,10 +335,11 @@ async fn identity(addr: &str, auth: &ServerAuth) -> Result<Identity, RedisError>
 }
 
 /// Makes the old primary `server` a replica of `new` (whose server is
-/// `theirs`) unless it is one already (`None`), or unless `new` was not
-/// promoted from its history: a REPLICAOF would then replace its data
-/// with another history's (a server restarted empty is Sentinel's to
-/// convert). What was done or refused, or why it could not be asked
+/// `theirs`) unless it is one already (`None`), unless it is a cluster
+/// node (the cluster re-attaches it, and refuses `REPLICAOF`), or unless
+/// `new` was not promoted from its history: a REPLICAOF would then
+/// replace its data with another history's (a server restarted empty is
+/// Sentinel's to convert). What was done or refused, or why it could not be asked
 /// (`Err`: it did not answer).
 async fn re_attach(
     server: &str,
@@ -345,9 +347,14 @@ async fn re_attach(
     new: &HostPort,
     theirs: &Identity,
 ) -> Result<Option<String>, RedisError> {
-    let info = crate::kv::redis::info(server, auth, "replication").await?;
+    let info = crate::kv::redis::infos(server, auth, &["replication", "cluster"]).await?;
     if replicates_from(&info, new) {
         return Ok(None);
+    }
+    if info.get("cluster_enabled") == Some("1") {
+        return Ok(Some(format!(
+            "the old primary {server} is a cluster node, which the cluster itself makes a replica of {new}: nothing was sent to it"
+        )));
     }
     let ours = info.get("master_replid").unwrap_or_default();
     if ours != theirs.replid && ours != theirs.replid2 {

@@ -17,7 +17,7 @@ use crate::store::catalog::Catalog;
 use crate::store::watch::DirWatcher;
 use crate::stream::pull::Reseed;
 use crate::stream::start::StreamDeps;
-use crate::stream::{sentinel, SharedLog};
+use crate::stream::{named, sentinel, shard, SharedLog};
 use crate::sys::ratelimit::RateLimiter;
 use crate::transport::probe::LocalRdma;
 
@@ -174,6 +174,8 @@ async fn start_stream(instance: &mut Instance, parts: &Parts) -> Result<(), Star
     ));
     if !config.stream.sentinels.is_empty() {
         follow_sentinels(name, &config, instance, parts, &stream);
+    } else if let Some(local) = redis.local_server(config.handoff.mode) {
+        follow_cluster(local, &config, instance, parts, &stream);
     }
     if config.handoff.mode == HandoffMode::RedisStream {
         let (listener, feed) =
@@ -304,7 +306,41 @@ fn follow_sentinels(
         report,
         instance.stop.clone(),
     ));
-    let (instances, name) = (parts.instances.clone(), name.to_string());
+    take_named("the Sentinels'", instance, parts, named);
+}
+
+/// Follows the shard primary the local cluster node at `local` names
+/// (a server not in cluster mode ends the watch): the table's word in
+/// status, and its take as `kvsync stream follow` would.
+fn follow_cluster(
+    local: &str,
+    config: &Config,
+    instance: &Instance,
+    parts: &Parts,
+    stream: &SharedLog,
+) {
+    let (primary, named) = tokio::sync::watch::channel(None);
+    let reported = stream.clone();
+    instance.spawn(shard::watch(
+        local.to_string(),
+        config.redis.auth(),
+        primary,
+        move |said| reported.set_cluster(said),
+        instance.stop.clone(),
+    ));
+    take_named("the cluster's", instance, parts, named);
+}
+
+/// Takes every primary `named` names for `instance` as `kvsync stream
+/// follow --primary` does ([`failover::follow_primary`], with the
+/// configured peers), until it is taken ([`named::apply`]).
+fn take_named(
+    voice: &'static str,
+    instance: &Instance,
+    parts: &Parts,
+    named: tokio::sync::watch::Receiver<Option<named::Known>>,
+) {
+    let (instances, name) = (parts.instances.clone(), instance.name.clone());
     let ask = failover::peer_asker(parts.dialer.clone(), instance, None);
     let follow = move |addr: String| {
         let (instances, name, ask) = (instances.clone(), name.clone(), ask.clone());
@@ -318,10 +354,10 @@ fn follow_sentinels(
                 None => followed.source.to_string(),
             };
             Ok::<_, String>(match followed.re_attach_pending {
-                true => sentinel::Taken::Pending(said),
-                false => sentinel::Taken::Done(said),
+                true => named::Taken::Pending(said),
+                false => named::Taken::Done(said),
             })
         }
     };
-    instance.spawn(sentinel::apply(named, follow, instance.stop.clone()));
+    instance.spawn(named::apply(voice, named, follow, instance.stop.clone()));
 }

@@ -142,12 +142,49 @@ async fn probe_all(login: &Login, master: &str) -> Result<Vec<String>, RedisErro
         let reply = one(&args).query_async::<Value>(&mut con).await;
         probe(right, denied(addr, reply)?);
     }
+    if in_cluster_mode(&mut con).await {
+        for (right, args) in cluster_probes(login.role) {
+            let reply = one(&args).query_async::<Value>(&mut con).await;
+            probe(right, denied(addr, reply)?);
+        }
+    }
     match login.role {
         Role::Primary { follows: true, .. } => probe("+psync", psync_denied(login).await?),
         Role::Sentinel => probe("+subscribe", subscribe_denied(login).await?),
         _ => {}
     }
     Ok(missing)
+}
+
+/// Whether the server answers `INFO cluster` with `cluster_enabled:1`
+/// (a login without `+info` is named by its own probe).
+async fn in_cluster_mode(con: &mut redis::aio::MultiplexedConnection) -> bool {
+    redis::cmd("INFO")
+        .arg("cluster")
+        .query_async::<String>(con)
+        .await
+        .is_ok_and(|i| i.lines().any(|l| l.trim() == "cluster_enabled:1"))
+}
+
+/// The further probes of a cluster node's login: the agent reads the
+/// node's role and table to follow its shard's failovers, and the seeded
+/// node is sent `CLUSTER MEET` (to a port that is not one here).
+fn cluster_probes(role: Role) -> Vec<(&'static str, Vec<&'static str>)> {
+    let watch = vec![
+        ("+role", vec!["ROLE"]),
+        ("+cluster|nodes", vec!["CLUSTER", "NODES"]),
+    ];
+    match role {
+        Role::Primary { .. } => watch,
+        Role::Replica => {
+            let meet = (
+                "+cluster|meet",
+                vec!["CLUSTER", "MEET", "kvsync-probe", "not-a-port"],
+            );
+            watch.into_iter().chain([meet]).collect()
+        }
+        Role::Sentinel => Vec::new(),
+    }
 }
 
 /// Checks every login of an instance's configuration once, as the agent

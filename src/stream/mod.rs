@@ -5,8 +5,9 @@
 //! master ([`feed`]), which can hand the server to the primary and take it
 //! back ([`hand`]). Whom the log follows, and the switch from one to the
 //! other at a failover, is [`source`]'s; a failover is taken by
-//! [`crate::instance::failover`], told by an orchestrator or by Redis
-//! Sentinel ([`sentinel`]). The agent that follows a primary
+//! [`crate::instance::failover`], told by an orchestrator, by Redis
+//! Sentinel ([`sentinel`]) or by the local node of a cluster ([`shard`]),
+//! and taken again until done ([`named`]). The agent that follows a primary
 //! also watches its write safety ([`safety`]). [`Stream`] is one instance's
 //! log as its writer and its readers share it, with what the servers fed
 //! from it acknowledged ([`Downstream`]) and a reader's check that stops
@@ -18,6 +19,7 @@ pub mod hand;
 pub mod keep;
 pub mod log;
 pub mod mend;
+pub mod named;
 pub mod policy;
 pub mod proof;
 pub mod pull;
@@ -25,6 +27,7 @@ pub mod reader;
 pub mod safety;
 pub mod sentinel;
 pub mod serve;
+pub mod shard;
 pub mod source;
 pub mod start;
 
@@ -89,6 +92,9 @@ pub struct Stream {
     diverged: Mutex<String>,
     /// With `[stream] sentinels`: their last verdict ([`sentinel::Verdict`]).
     sentinels: Mutex<String>,
+    /// Beside a cluster node: the shard primary its table names
+    /// ([`shard::watch`]).
+    cluster: Mutex<String>,
     /// A `redis-stream` server's health ([`keep`]; none: not kept).
     server: Mutex<Option<keep::Health>>,
     /// That server left the feed as a master ([`keep::Decision::Left`]):
@@ -262,6 +268,7 @@ impl Stream {
             write_safety: Mutex::default(),
             diverged: Mutex::default(),
             sentinels: Mutex::default(),
+            cluster: Mutex::default(),
             server: Mutex::default(),
             server_left: Default::default(),
             snapshot_wanted: tokio::sync::Notify::new(),
@@ -596,14 +603,11 @@ impl Stream {
         *self.write_safety.lock().expect("write safety lock") = state;
     }
 
-    /// The primary's `min-replicas-to-write` condition (empty: not
-    /// watched, the log follows an agent).
     /// Reports what a failover made the log drop.
     pub fn set_diverged(&self, what: String) {
         *self.diverged.lock().expect("diverged lock") = what;
     }
 
-    /// The last failover's divergence (empty: none).
     pub fn set_sentinels(&self, verdict: String) {
         *self.sentinels.lock().expect("sentinels lock") = verdict;
     }
@@ -612,10 +616,21 @@ impl Stream {
         self.sentinels.lock().expect("sentinels lock").clone()
     }
 
+    pub fn set_cluster(&self, named: String) {
+        *self.cluster.lock().expect("cluster lock") = named;
+    }
+
+    pub fn cluster(&self) -> String {
+        self.cluster.lock().expect("cluster lock").clone()
+    }
+
+    /// The last failover's divergence (empty: none).
     pub fn diverged(&self) -> String {
         self.diverged.lock().expect("diverged lock").clone()
     }
 
+    /// The primary's `min-replicas-to-write` condition (empty: not
+    /// watched, the log follows an agent).
     pub fn write_safety(&self) -> String {
         self.write_safety.lock().expect("write safety lock").clone()
     }

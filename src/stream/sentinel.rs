@@ -10,13 +10,9 @@
 //! configured Sentinels name ([`verdict`]); a Sentinel that names another
 //! (cut off from the others, or lying, whatever epoch it claims) is
 //! reported, never followed, and an agreed answer under an older epoch
-//! than the one followed is never taken. [`apply`] takes each address the
-//! way `kvsync stream follow --primary` does
-//! ([`crate::instance::failover::follow_primary`]), again and again until it is
-//! taken (the promoted server's agent may not have moved yet), and until
-//! the old primary is re-attached too (it may be down).
+//! than the one followed is never taken. [`super::named::apply`] takes
+//! each address.
 
-use std::future::Future;
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -25,21 +21,13 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use super::named::{supersedes, Known};
 use crate::config::ServerAuth;
 use crate::kv::redis::server_err;
 
 /// How often the Sentinels are asked even without a message, in case a
 /// subscription died silently.
 pub const RECHECK: Duration = Duration::from_secs(10);
-/// The pause before a failed take of a primary is tried again (the
-/// promoted server's agent usually moves within milliseconds).
-pub const RETRY: Duration = Duration::from_millis(200);
-/// In the first [`EAGER`] of a primary's tries, the pause is this short
-/// instead: the old primary's agent re-attaches its server only once the
-/// promoted server's agent has moved, and every moment it waits the old
-/// primary may take writes that the failover loses.
-const RETRY_EAGER: Duration = Duration::from_millis(10);
-const EAGER: Duration = Duration::from_secs(1);
 /// While the Sentinels disagree, they are asked again this soon, up to
 /// [`SETTLE_ASKS`] times in a row (Sentinels spread a switch among
 /// themselves through their hello messages, every 2 s).
@@ -59,13 +47,6 @@ pub struct Sentinels {
     pub addrs: Vec<String>,
     pub master_name: String,
     pub auth: ServerAuth,
-}
-
-/// The primary a Sentinel knows, under its configuration epoch.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Known {
-    pub epoch: u64,
-    pub addr: String,
 }
 
 /// Why a Sentinel gave no primary.
@@ -148,12 +129,6 @@ fn switched_to(message: &str) -> Option<String> {
 /// ip> <new port>`) is about `name`.
 pub fn is_switch_of(message: &str, name: &str) -> bool {
     message.split(' ').next() == Some(name)
-}
-
-/// Whether `k` replaces what is followed `now`: a change under the same
-/// or a newer epoch.
-fn supersedes(k: &Known, now: Option<&Known>) -> bool {
-    now.is_none_or(|n| k.epoch >= n.epoch && k != n)
 }
 
 /// What the configured Sentinels said at one asking.
@@ -367,65 +342,6 @@ async fn pause(stop: &CancellationToken, d: Duration) {
     }
 }
 
-/// How a try of a primary ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Taken {
-    /// Everything is done.
-    Done(String),
-    /// The log follows it, but the old primary is still to be re-attached
-    /// (it did not answer): tried again every [`RECHECK`].
-    Pending(String),
-}
-
-/// Takes every primary `primary` names with `follow(addr)`, tried again
-/// every [`RETRY`] (at first sooner) until it is taken (every [`RECHECK`] while only the old
-/// primary's re-attach is pending) or a newer one is named, until `stop`.
-pub async fn apply<F, Fut, E>(
-    mut primary: watch::Receiver<Option<Known>>,
-    follow: F,
-    stop: CancellationToken,
-) where
-    F: Fn(String) -> Fut,
-    Fut: Future<Output = Result<Taken, E>>,
-    E: std::fmt::Display,
-{
-    'next: loop {
-        let wanted = primary.borrow_and_update().clone();
-        if let Some(k) = wanted {
-            let mut said = String::new();
-            let first = Instant::now();
-            loop {
-                // Said once per reason, not at every try.
-                let (again, now) = match follow(k.addr.clone()).await {
-                    Ok(Taken::Done(done)) => {
-                        info!(primary = %k.addr, epoch = k.epoch, %done, "the stream follows the Sentinels' primary");
-                        break;
-                    }
-                    Ok(Taken::Pending(e)) => (RECHECK, e),
-                    Err(e) if first.elapsed() < EAGER => (RETRY_EAGER, e.to_string()),
-                    Err(e) => (RETRY, e.to_string()),
-                };
-                if now != said {
-                    warn!(primary = %k.addr, error = %now, "the Sentinels' primary is not wholly taken yet; trying again");
-                    said = now;
-                }
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    changed = primary.changed() => match changed {
-                        Ok(()) => continue 'next,
-                        Err(_) => return,
-                    },
-                    _ = tokio::time::sleep(again) => {}
-                }
-            }
-        }
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            changed = primary.changed() => if changed.is_err() { return },
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -473,17 +389,6 @@ mod tests {
         assert_eq!(switched_to("m 10.0.0.1"), None);
         assert!(is_switch_of("m 10.0.0.1 6379 10.0.0.2 6380", "m"));
         assert!(!is_switch_of("mm 10.0.0.1 6379 10.0.0.2 6380", "m"));
-    }
-
-    #[test]
-    fn an_older_epoch_never_replaces_a_newer_one() {
-        assert!(supersedes(&k(1, "a:1"), None));
-        assert!(supersedes(&k(2, "b:1"), Some(&k(1, "a:1"))));
-        assert!(
-            !supersedes(&k(1, "a:1"), Some(&k(2, "b:1"))),
-            "a cut-off Sentinel"
-        );
-        assert!(!supersedes(&k(2, "b:1"), Some(&k(2, "b:1"))), "nothing new");
     }
 
     fn k(epoch: u64, addr: &str) -> Known {
@@ -566,74 +471,5 @@ mod tests {
             ]),
         );
         assert!(supersedes(next.agreed.as_ref().unwrap(), v.agreed.as_ref()));
-    }
-
-    #[tokio::test]
-    async fn a_primary_not_taken_is_tried_again_until_taken_and_a_newer_one_wins() {
-        let (tx, rx) = watch::channel(None);
-        let stop = CancellationToken::new();
-        let (seen, mut tries) = tokio::sync::mpsc::unbounded_channel();
-        let follow = move |addr: String| {
-            let _ = seen.send(addr.clone());
-            async move {
-                match addr.as_str() {
-                    "a:1" => Err("the promoted server's agent has not moved yet"),
-                    _ => Ok(Taken::Done(addr)),
-                }
-            }
-        };
-        let task = tokio::spawn(apply(rx, follow, stop.clone()));
-        type Tries = tokio::sync::mpsc::UnboundedReceiver<String>;
-        async fn next(tries: &mut Tries) -> String {
-            let t = tokio::time::timeout(Duration::from_secs(10), tries.recv());
-            t.await.expect("a try within the deadline").unwrap()
-        }
-        tx.send_replace(Some(k(1, "a:1")));
-        assert_eq!(next(&mut tries).await, "a:1");
-        assert_eq!(next(&mut tries).await, "a:1", "tried again");
-        tx.send_replace(Some(k(2, "b:1")));
-        // A try of a:1 may have started before the change was seen.
-        let mut t = next(&mut tries).await;
-        while t == "a:1" {
-            t = next(&mut tries).await;
-        }
-        assert_eq!(t, "b:1");
-        stop.cancel();
-        task.await.unwrap();
-        assert!(
-            tries.try_recv().is_err(),
-            "b:1 was taken once, then nothing more"
-        );
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_pending_re_attach_is_tried_again_until_done() {
-        let (tx, rx) = watch::channel(None);
-        let stop = CancellationToken::new();
-        let tries = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let counted = tries.clone();
-        let follow = move |_addr: String| {
-            let n = counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            async move {
-                match n {
-                    // The old primary is down for two tries, then back.
-                    0 | 1 => Ok::<_, String>(Taken::Pending("the old primary is down".into())),
-                    _ => Ok(Taken::Done("re-attached".into())),
-                }
-            }
-        };
-        let task = tokio::spawn(apply(rx, follow, stop.clone()));
-        tx.send_replace(Some(k(1, "a:1")));
-        // Virtual time: three tries take two RECHECKs.
-        tokio::time::sleep(RECHECK * 2 + RETRY).await;
-        assert_eq!(tries.load(std::sync::atomic::Ordering::SeqCst), 3);
-        tokio::time::sleep(RECHECK * 3).await;
-        assert_eq!(
-            tries.load(std::sync::atomic::Ordering::SeqCst),
-            3,
-            "done: no more tries"
-        );
-        stop.cancel();
-        task.await.unwrap();
     }
 }

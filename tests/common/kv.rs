@@ -522,3 +522,22 @@ pub fn uid(user: &str) -> u32 {
 pub fn gid(user: &str) -> u32 {
     id("-g", user)
 }
+
+/// Without `right` (taken from `node`'s `kvsync` user, then given back),
+/// `live` (a `check-config --live` run) fails and names it on `node`'s
+/// line.
+pub fn names_missing(node: &Redis, right: &str, live: impl Fn() -> (bool, String, String)) {
+    let _: () = node.cmd(&["ACL", "SETUSER", "kvsync", &format!("-{right}")]);
+    let (ok, out, err) = live();
+    let _: () = node.cmd(&["ACL", "SETUSER", "kvsync", &format!("+{right}")]);
+    let line = out
+        .lines()
+        .find(|l| l.starts_with(&node.addr()))
+        .unwrap_or_else(|| panic!("no line for {}: {out}{err}", node.addr()));
+    assert!(
+        !ok && line.ends_with(&format!(
+            "missing +{right} (docs/REDIS.md gives each role's rights)"
+        )),
+        "without +{right}: {out}{err}"
+    );
+}
