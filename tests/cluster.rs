@@ -788,10 +788,57 @@ fn check_config_live_probes_the_cluster_rights(server: Server) {
     assert_eq!(table(&r).len(), 1, "the MEET probe met no node");
 }
 
+/// A running node whose RDB cannot be placed after its new `nodes.conf`
+/// was written (its `stop` leaves a directory where the RDB goes) gets
+/// its own `nodes.conf` back, byte for byte, and is started again; the
+/// handoff says so.
+fn a_node_whose_rdb_cannot_be_placed_gets_its_nodes_conf_back_and_is_started_again(server: Server) {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let shards = three_shards(server, root, [1, 2, 3]);
+    let a = &shards.primaries[0];
+    fill_tagged(a, &tag_in(a, 0..=5460), "k", 1_000);
+    a.bgsave();
+    let (ndir, port) = (root.join("node"), free_port());
+    let node = cluster_node(server, &ndir, port);
+    let conf = std::fs::read(ndir.join("nodes.conf")).unwrap();
+    let stop = format!(
+        "stop = [\"sh\", \"-c\", \"kill $(cat {0}/redis.pid) && mkdir -p {0}/dump.rdb/in-the-way\"]",
+        ndir.display()
+    );
+    let replica = replica_agent_with(
+        root,
+        "",
+        &a.addr(),
+        server,
+        (&node.addr(), &ndir),
+        (&[], &stop),
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let p = rt.block_on(async {
+        let source = source_agent(root, a).await;
+        let id = start_sync(&replica, &source).await;
+        wait_done(&replica, &id).await
+    });
+    assert_eq!(p.phase, pb::Phase::Failed as i32, "{p:?}");
+    assert!(
+        p.error.contains("dump.rdb") && p.error.contains("the server was started again as it was"),
+        "{}",
+        p.error
+    );
+    assert_eq!(
+        std::fs::read(ndir.join("nodes.conf")).unwrap(),
+        conf,
+        "its own nodes.conf, put back"
+    );
+    drop((node, shards));
+}
+
 on_both_servers!(
     a_new_node_is_seeded_as_a_shard_replica_with_a_partial_resync_no_fork_and_no_slot_claimed,
     a_replica_node_lost_with_its_files_is_rebuilt_under_its_old_id,
     a_handoff_that_would_turn_a_shard_primary_into_a_replica_is_refused_before_anything_changes,
     a_cluster_failover_moves_the_shards_logs_without_a_full_sync_and_never_to_an_unproved_node,
     check_config_live_probes_the_cluster_rights,
+    a_node_whose_rdb_cannot_be_placed_gets_its_nodes_conf_back_and_is_started_again,
 );
