@@ -38,7 +38,13 @@ fn cluster_args(cport: u16) -> Vec<String> {
 /// A cluster node in `dir` on `port` (its pidfile lets a handoff stop it),
 /// with a backlog that holds a test's writes.
 fn cluster_node(server: Server, dir: &Path, port: u16) -> Redis {
+    cluster_node_with(server, dir, port, &[])
+}
+
+/// [`cluster_node`], with `extra` arguments.
+fn cluster_node_with(server: Server, dir: &Path, port: u16, extra: &[&str]) -> Redis {
     let mut args = cluster_args(free_port());
+    args.extend(extra.iter().map(|a| a.to_string()));
     args.extend([
         "--pidfile".into(),
         dir.join("redis.pid").display().to_string(),
@@ -84,9 +90,14 @@ struct Shards {
 }
 
 fn three_shards(server: Server, root: &Path, epochs: [u64; 3]) -> Shards {
+    three_shards_with(server, root, epochs, &[])
+}
+
+/// [`three_shards`], every node started with `extra` arguments.
+fn three_shards_with(server: Server, root: &Path, epochs: [u64; 3], extra: &[&str]) -> Shards {
     let ranges = [("0", "5460"), ("5461", "10922"), ("10923", "16383")];
     let primaries: Vec<Redis> = (0..3)
-        .map(|i| cluster_node(server, &root.join(format!("shard{i}")), free_port()))
+        .map(|i| cluster_node_with(server, &root.join(format!("shard{i}")), free_port(), extra))
         .collect();
     for ((p, (from, to)), epoch) in primaries.iter().zip(ranges).zip(epochs) {
         let _: () = p.cmd(&["CLUSTER", "ADDSLOTSRANGE", from, to]);
@@ -96,7 +107,7 @@ fn three_shards(server: Server, root: &Path, epochs: [u64; 3]) -> Shards {
     }
     meet(&primaries[0], &primaries[1]);
     meet(&primaries[0], &primaries[2]);
-    let replica = cluster_node(server, &root.join("replica0"), free_port());
+    let replica = cluster_node_with(server, &root.join("replica0"), free_port(), extra);
     meet(&replica, &primaries[0]);
     let a = myself(&primaries[0]).id;
     wait_for("the replica to know the first primary", DEADLINE, || {
@@ -609,21 +620,11 @@ fn a_handoff_that_would_turn_a_shard_primary_into_a_replica_is_refused_before_an
     drop((importing, other_shard, shards));
 }
 
-/// A stream log at each node of a shard: the primary's agent follows the
-/// primary, the replica node's agent follows that agent, each names the
-/// other as a peer. A `CLUSTER FAILOVER` to the replica node moves both
-/// logs (the promoted node's agent follows its node, the old primary's
-/// follows that agent) with no full sync of any server or log, and no
-/// server is sent anything; a failover to a node no configured agent sits
-/// beside moves no log.
-fn a_cluster_failover_moves_the_shards_logs_without_a_full_sync_and_never_to_an_unproved_node(
-    server: Server,
-) {
-    let dir = tempfile::tempdir().unwrap();
-    let root = dir.path();
-    let shards = three_shards(server, root, [1, 2, 3]);
-    let (p, r) = (&shards.primaries[0], &shards.replica);
-    let tag = tag_in(p, 0..=5460);
+/// A stream log at each node of a shard, once both follow: the agent
+/// of the primary `p` follows it, the agent of the replica node `r`
+/// follows that agent, each names the other as a peer. The primary's
+/// agent, the replica's, and the replica's agent's address.
+fn shard_agents(root: &Path, server: Server, p: &Redis, r: &Redis) -> (Node, Node, String) {
     let (p_port, r_port) = (free_port(), free_port());
     let (p_agent, r_agent) = (format!("127.0.0.1:{p_port}"), format!("127.0.0.1:{r_port}"));
     let p_config = follower_config(p, &root.join("p-log")).replace(
@@ -653,6 +654,25 @@ fn a_cluster_failover_moves_the_shards_logs_without_a_full_sync_and_never_to_an_
         r_port,
     );
     wait_following(&follower);
+    (src, follower, r_agent)
+}
+
+/// A stream log at each node of a shard: the primary's agent follows the
+/// primary, the replica node's agent follows that agent, each names the
+/// other as a peer. A `CLUSTER FAILOVER` to the replica node moves both
+/// logs (the promoted node's agent follows its node, the old primary's
+/// follows that agent) with no full sync of any server or log, and no
+/// server is sent anything; a failover to a node no configured agent sits
+/// beside moves no log.
+fn a_cluster_failover_moves_the_shards_logs_without_a_full_sync_and_never_to_an_unproved_node(
+    server: Server,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let shards = three_shards(server, root, [1, 2, 3]);
+    let (p, r) = (&shards.primaries[0], &shards.replica);
+    let tag = tag_in(p, 0..=5460);
+    let (src, follower, r_agent) = shard_agents(root, server, p, r);
     fill_tagged(p, &tag, "before", 2_000);
     let at_end = |agent: &Node, server: &Redis| {
         stream_status(agent).end_offset == server.info("replication").num("master_repl_offset")
@@ -834,6 +854,60 @@ fn a_node_whose_rdb_cannot_be_placed_gets_its_nodes_conf_back_and_is_started_aga
     drop((node, shards));
 }
 
+/// The shard primary is killed and the cluster fails it over by itself
+/// (node timeout): the promoted node's agent follows its node, and its log
+/// takes the new primary's writes; the old primary's agent, whose node
+/// no longer answers, says so and moves nothing.
+fn an_automatic_failover_moves_the_promoted_nodes_log_onto_its_node(server: Server) {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let mut shards =
+        three_shards_with(server, root, [1, 2, 3], &["--cluster-node-timeout", "1000"]);
+    let tag = tag_in(&shards.primaries[0], 0..=5460);
+    let (src, follower, _) = shard_agents(root, server, &shards.primaries[0], &shards.replica);
+    fill_tagged(&shards.primaries[0], &tag, "before", 2_000);
+    let p_addr = shards.primaries[0].addr();
+    wait_for(
+        "the promoted node to hold the primary's writes",
+        DEADLINE,
+        || (shards.replica.cmd::<u64>(&["DBSIZE"]) == 2_000).then_some(()),
+    );
+    let full = shards.replica.info("stats").num("sync_full");
+    drop(shards.primaries.remove(0));
+    let r = &shards.replica;
+    wait_for(
+        "the cluster to promote the replica node and its agent to follow it",
+        DEADLINE,
+        || (stream_status(&follower).source == format!("primary {}", r.addr())).then_some(()),
+    );
+    fill_tagged(r, &tag, "after", 2_000);
+    wait_for(
+        "the promoted node's log to hold its writes",
+        DEADLINE,
+        || {
+            (stream_status(&follower).end_offset == r.info("replication").num("master_repl_offset"))
+                .then_some(())
+        },
+    );
+    assert_eq!(
+        r.info("stats").num("sync_full"),
+        full,
+        "the log continued with a partial resync"
+    );
+    wait_for(
+        "the old primary's agent to say its node is gone",
+        DEADLINE,
+        || {
+            stream_status(&src)
+                .cluster
+                .contains("did not answer")
+                .then_some(())
+        },
+    );
+    assert_eq!(stream_status(&src).source, format!("primary {p_addr}"));
+    drop((src, follower, shards));
+}
+
 on_both_servers!(
     a_new_node_is_seeded_as_a_shard_replica_with_a_partial_resync_no_fork_and_no_slot_claimed,
     a_replica_node_lost_with_its_files_is_rebuilt_under_its_old_id,
@@ -841,4 +915,5 @@ on_both_servers!(
     a_cluster_failover_moves_the_shards_logs_without_a_full_sync_and_never_to_an_unproved_node,
     check_config_live_probes_the_cluster_rights,
     a_node_whose_rdb_cannot_be_placed_gets_its_nodes_conf_back_and_is_started_again,
+    an_automatic_failover_moves_the_promoted_nodes_log_onto_its_node,
 );
