@@ -5,7 +5,7 @@
 //! ([`crate::instance::failover::follow_primary`]), again and again until
 //! it is taken (the promoted server's agent may not have moved yet), and
 //! until the old primary is re-attached too (it may be down); a newer name
-//! ([`supersedes`]: never one under an older epoch) replaces it.
+//! replaces it. Which names are newer is the voice's to say.
 
 use std::future::Future;
 use std::time::Duration;
@@ -24,6 +24,12 @@ pub const RETRY: Duration = Duration::from_millis(200);
 /// primary may take writes that the failover loses.
 const RETRY_EAGER: Duration = Duration::from_millis(10);
 const EAGER: Duration = Duration::from_secs(1);
+/// At most one name in this long gets the [`EAGER`] tries (a voice whose
+/// name flaps makes no flood of them), and the pause between tries
+/// doubles up to [`RETRY_MAX`] (a name never proved is asked about ever
+/// more rarely).
+const EAGER_GAP: Duration = Duration::from_secs(10);
+const RETRY_MAX: Duration = Duration::from_secs(2);
 /// The pause before a take whose only part left is the old primary's
 /// re-attach (it did not answer) is tried again.
 pub const PENDING: Duration = Duration::from_secs(10);
@@ -34,12 +40,6 @@ pub const PENDING: Duration = Duration::from_secs(10);
 pub struct Known {
     pub epoch: u64,
     pub addr: String,
-}
-
-/// Whether `k` replaces what is followed `now`: a change under the same
-/// or a newer epoch.
-pub fn supersedes(k: &Known, now: Option<&Known>) -> bool {
-    now.is_none_or(|n| k.epoch >= n.epoch && k != n)
 }
 
 /// How a try of a primary ended.
@@ -53,7 +53,7 @@ pub enum Taken {
 }
 
 /// Takes every primary `primary` names with `follow(addr)`, tried again
-/// every [`RETRY`] (at first sooner) until it is taken (every [`PENDING`]
+/// after [`RETRY`] (at first sooner, then ever later) until it is taken (every [`PENDING`]
 /// while only the old primary's re-attach is pending) or a newer one is
 /// named, until `stop`; `voice` names who named it in the log
 /// ("the Sentinels'", "the cluster's").
@@ -67,11 +67,17 @@ pub async fn apply<F, Fut, E>(
     Fut: Future<Output = Result<Taken, E>>,
     E: std::fmt::Display,
 {
+    let mut eager_at: Option<Instant> = None;
     'next: loop {
         let wanted = primary.borrow_and_update().clone();
         if let Some(k) = wanted {
             let mut said = String::new();
             let first = Instant::now();
+            let eager = eager_at.is_none_or(|t| t.elapsed() >= EAGER_GAP);
+            if eager {
+                eager_at = Some(first);
+            }
+            let mut retry = RETRY;
             loop {
                 // Said once per reason, not at every try.
                 let (again, now) = match follow(k.addr.clone()).await {
@@ -80,8 +86,12 @@ pub async fn apply<F, Fut, E>(
                         break;
                     }
                     Ok(Taken::Pending(e)) => (PENDING, e),
-                    Err(e) if first.elapsed() < EAGER => (RETRY_EAGER, e.to_string()),
-                    Err(e) => (RETRY, e.to_string()),
+                    Err(e) if eager && first.elapsed() < EAGER => (RETRY_EAGER, e.to_string()),
+                    Err(e) => {
+                        let pause = retry;
+                        retry = (retry * 2).min(RETRY_MAX);
+                        (pause, e.to_string())
+                    }
                 };
                 if now != said {
                     warn!(primary = %k.addr, error = %now, "{voice} primary is not wholly taken yet; trying again");
@@ -113,17 +123,6 @@ mod tests {
             epoch,
             addr: addr.into(),
         }
-    }
-
-    #[test]
-    fn an_older_epoch_never_replaces_a_newer_one() {
-        assert!(supersedes(&k(1, "a:1"), None));
-        assert!(supersedes(&k(2, "b:1"), Some(&k(1, "a:1"))));
-        assert!(
-            !supersedes(&k(1, "a:1"), Some(&k(2, "b:1"))),
-            "a cut-off voice"
-        );
-        assert!(!supersedes(&k(2, "b:1"), Some(&k(2, "b:1"))), "nothing new");
     }
 
     #[tokio::test]

@@ -21,7 +21,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::named::{supersedes, Known};
+use super::named::Known;
 use crate::config::ServerAuth;
 use crate::kv::redis::server_err;
 
@@ -129,6 +129,12 @@ fn switched_to(message: &str) -> Option<String> {
 /// ip> <new port>`) is about `name`.
 pub fn is_switch_of(message: &str, name: &str) -> bool {
     message.split(' ').next() == Some(name)
+}
+
+/// Whether `k` replaces what is followed `now`: a change under the same
+/// or a newer epoch.
+fn supersedes(k: &Known, now: Option<&Known>) -> bool {
+    now.is_none_or(|n| k.epoch >= n.epoch && k != n)
 }
 
 /// What the configured Sentinels said at one asking.
@@ -389,6 +395,17 @@ mod tests {
         assert_eq!(switched_to("m 10.0.0.1"), None);
         assert!(is_switch_of("m 10.0.0.1 6379 10.0.0.2 6380", "m"));
         assert!(!is_switch_of("mm 10.0.0.1 6379 10.0.0.2 6380", "m"));
+    }
+
+    #[test]
+    fn an_older_epoch_never_replaces_a_newer_one() {
+        assert!(supersedes(&k(1, "a:1"), None));
+        assert!(supersedes(&k(2, "b:1"), Some(&k(1, "a:1"))));
+        assert!(
+            !supersedes(&k(1, "a:1"), Some(&k(2, "b:1"))),
+            "a cut-off Sentinel"
+        );
+        assert!(!supersedes(&k(2, "b:1"), Some(&k(2, "b:1"))), "nothing new");
     }
 
     fn k(epoch: u64, addr: &str) -> Known {

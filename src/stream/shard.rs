@@ -10,11 +10,12 @@
 //! else its `server_addr`) its `ROLE` every [`POLL`], and reads its table
 //! (`CLUSTER NODES`) at start, whenever the role changes and every
 //! [`RECHECK`]. The table names the shard's primary ([`named`]): the node
-//! itself when it is a primary, else the primary its line names, once
-//! that one is in the table, reachable in the node's eyes and itself a
-//! primary, under that primary's config epoch. A name under an older
-//! epoch than the one followed is never taken. A server that is not in
-//! cluster mode ends the watch.
+//! itself (by its configured address) when it is a primary, else the
+//! primary its line names, once that one is in the table, reachable in
+//! the node's eyes and itself a primary. Each name that differs from the
+//! last is passed on, whatever config epoch the table gives it (an epoch
+//! is gossip as well). A server that is not in cluster mode is asked
+//! again every [`RECHECK`] (it may be restarted in cluster mode).
 //!
 //! The table is gossip, which any node on the cluster bus can add to, so
 //! the name proves nothing by itself: [`super::named::apply`] takes it
@@ -31,21 +32,22 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use super::named::{supersedes, Known};
+use super::named::Known;
 use crate::config::ServerAuth;
 use crate::kv::cluster::{parse_nodes, NodeLine};
 use crate::kv::redis::{server_err, RedisError};
+use crate::peer_text::escape_controls;
 
 /// How often the local node is asked its role.
 pub const POLL: Duration = Duration::from_millis(100);
-/// How often a server is asked while it has not answered yet (whether it
-/// is a cluster node at all is not known).
+/// How often a server is asked while it does not answer.
 const FIRST_POLL: Duration = Duration::from_secs(1);
 /// How often its table is read even when its role stays the same (the
 /// role names a primary by address only; the table also gives its epoch
 /// and whether the node sees it alive).
 pub const RECHECK: Duration = Duration::from_secs(5);
-/// The longest one question to the node may take.
+/// The longest one question to the node may take (the client's own
+/// reply timeout may end it sooner).
 const ASK: Duration = Duration::from_secs(5);
 
 /// Why the local node's table names no primary now.
@@ -68,36 +70,38 @@ pub enum NoPrimary {
 }
 
 /// The shard primary the table `nodes` of the node at `local` names:
-/// the node itself when it is a primary (under the address its table
-/// gives it, else `local`), else the primary its line names.
+/// the node itself when it is a primary, under its configured address
+/// `local` (the IP its own line shows is what the last node to meet it
+/// said, which anyone on the bus can be), else the primary its line names.
 pub fn named(nodes: &[NodeLine], local: &str) -> Result<Known, NoPrimary> {
     let me = nodes
         .iter()
         .find(|n| n.is_myself())
         .ok_or(NoPrimary::NoMyself)?;
     if me.is_master() {
-        let addr = address(me).unwrap_or_else(|| local.to_string());
         return Ok(Known {
             epoch: me.config_epoch,
-            addr,
+            addr: local.to_string(),
         });
     }
+    // A line is gossip: its text reaches status only escaped.
+    let text = |t: &str| escape_controls(t).into_owned();
     let primary = nodes
         .iter()
         .find(|n| n.id == me.master)
-        .ok_or_else(|| NoPrimary::Unlisted(me.master.clone()))?;
+        .ok_or_else(|| NoPrimary::Unlisted(text(&me.master)))?;
     if primary.is_lost() {
         return Err(NoPrimary::Lost {
-            id: primary.id.clone(),
-            flags: primary.flags.join(","),
-            link: primary.link.clone(),
+            id: text(&primary.id),
+            flags: text(&primary.flags.join(",")),
+            link: text(&primary.link),
         });
     }
     if !primary.is_master() {
-        return Err(NoPrimary::NotAPrimary(primary.id.clone()));
+        return Err(NoPrimary::NotAPrimary(text(&primary.id)));
     }
     let addr = address(primary).ok_or_else(|| NoPrimary::NoAddress {
-        id: primary.id.clone(),
+        id: text(&primary.id),
         address: primary.address.clone(),
     })?;
     Ok(Known {
@@ -107,8 +111,7 @@ pub fn named(nodes: &[NodeLine], local: &str) -> Result<Known, NoPrimary> {
 }
 
 /// `ip:port` of a node's line (IPv6 in brackets); `None` unless the IP is
-/// an IP address or a plain host name and the port a real one (a line is
-/// gossip: no control characters reach status or a log).
+/// an IP address or a plain host name and the port a real one.
 fn address(n: &NodeLine) -> Option<String> {
     let (ip, port) = n.ip_port();
     let plain = ip.parse::<std::net::IpAddr>().is_ok() || crate::peer_text::is_plain_name(ip);
@@ -123,28 +126,54 @@ fn address(n: &NodeLine) -> Option<String> {
 /// (`None`: the server is not in cluster mode).
 type Role = Option<String>;
 
-/// One connection to the local node, made again after any error.
+/// One connection to the local node, made again after any error; whether
+/// the server is in cluster mode is asked once per connection (a server
+/// restarted with another mode is a new connection).
 struct Node {
     addr: String,
     auth: ServerAuth,
-    con: Option<redis::aio::MultiplexedConnection>,
+    con: Option<(redis::aio::MultiplexedConnection, bool)>,
 }
 
 impl Node {
-    async fn query<T: redis::FromRedisValue>(&mut self, cmd: redis::Cmd) -> Result<T, RedisError> {
-        let addr = self.addr.clone();
-        let asked = async {
-            let con = match &mut self.con {
-                Some(con) => con,
-                None => self
-                    .con
-                    .insert(crate::kv::redis::connect(&addr, &self.auth).await?),
-            };
-            cmd.query_async(con).await.map_err(|e| server_err(&addr, e))
-        };
-        let answer = tokio::time::timeout(ASK, asked)
+    async fn query<T: redis::FromRedisValue>(
+        addr: &str,
+        con: &mut redis::aio::MultiplexedConnection,
+        cmd: &redis::Cmd,
+    ) -> Result<T, RedisError> {
+        let asked = cmd.query_async(con);
+        tokio::time::timeout(ASK, asked)
             .await
-            .unwrap_or_else(|_| Err(server_err(&addr, format!("no answer within {ASK:?}"))));
+            .map_err(|_| server_err(addr, format!("no answer within {ASK:?}")))?
+            .map_err(|e| server_err(addr, e))
+    }
+
+    /// The connection, and whether the server is in cluster mode.
+    async fn connected(
+        &mut self,
+    ) -> Result<(&mut redis::aio::MultiplexedConnection, bool), RedisError> {
+        if self.con.is_none() {
+            let mut con = crate::kv::redis::connect(&self.addr, &self.auth).await?;
+            let info: String =
+                Self::query(&self.addr, &mut con, redis::cmd("INFO").arg("cluster")).await?;
+            let cluster = info.lines().any(|l| l.trim() == "cluster_enabled:1");
+            self.con = Some((con, cluster));
+        }
+        let (con, cluster) = self.con.as_mut().expect("connected just now");
+        Ok((con, *cluster))
+    }
+
+    /// Asks `cmd`; an error drops the connection.
+    async fn ask<T: redis::FromRedisValue>(
+        &mut self,
+        cmd: &redis::Cmd,
+    ) -> Result<Option<T>, RedisError> {
+        let addr = self.addr.clone();
+        let answer = match self.connected().await {
+            Ok((_, false)) => return Ok(None),
+            Ok((con, true)) => Self::query(&addr, con, cmd).await.map(Some),
+            Err(e) => Err(e),
+        };
         if answer.is_err() {
             self.con = None;
         }
@@ -152,13 +181,9 @@ impl Node {
     }
 
     async fn role(&mut self) -> Result<Role, RedisError> {
-        let cluster: String = self
-            .query(redis::cmd("INFO").arg("cluster").clone())
-            .await?;
-        if !cluster.lines().any(|l| l.trim() == "cluster_enabled:1") {
+        let Some(role) = self.ask::<Vec<redis::Value>>(&redis::cmd("ROLE")).await? else {
             return Ok(None);
-        }
-        let role: Vec<redis::Value> = self.query(redis::cmd("ROLE")).await?;
+        };
         // A primary's role also gives its offset, which moves with every
         // write: only a replica's primary (host and port) is kept.
         let words: Vec<String> = role
@@ -173,17 +198,13 @@ impl Node {
     }
 
     async fn table(&mut self) -> Result<Vec<NodeLine>, RedisError> {
-        let text: String = self
-            .query(redis::cmd("CLUSTER").arg("NODES").clone())
-            .await?;
-        Ok(parse_nodes(&text))
+        let text: Option<String> = self.ask(redis::cmd("CLUSTER").arg("NODES")).await?;
+        Ok(parse_nodes(&text.unwrap_or_default()))
     }
 }
 
-/// Keeps `primary` at the shard primary the node at `local` names, never
-/// going back to an older epoch, until `stop` or until the server turns
-/// out not to be in cluster mode; `report` hears what the table says
-/// (status).
+/// Keeps `primary` at the shard primary the node at `local` names, until
+/// `stop`; `report` hears what the table says (status).
 pub async fn watch(
     local: String,
     auth: ServerAuth,
@@ -196,6 +217,8 @@ pub async fn watch(
         auth,
         con: None,
     };
+    // The role the table was read at; `None` until the server answered
+    // as a cluster node.
     let mut role = None::<String>;
     let mut read = Instant::now();
     let mut said = String::new();
@@ -210,18 +233,16 @@ pub async fn watch(
         }
     };
     loop {
-        match node.role().await {
+        let next = match node.role().await {
             Ok(None) => {
-                info!(server = %local, "the server is not in cluster mode: no cluster failover to follow");
-                return;
+                debug!(server = %local, "the server is not in cluster mode: no cluster failover to follow");
+                role = None;
+                RECHECK
             }
             Ok(Some(now)) => {
                 if role.as_ref() != Some(&now) || read.elapsed() >= RECHECK {
                     match node.table().await.map(|t| named(&t, &local)) {
-                        Ok(Ok(k)) => {
-                            let (text, warn) = take(k, &primary, &local);
-                            say(text, warn)
-                        }
+                        Ok(Ok(k)) => say(take(k, &primary, &local), false),
                         Ok(Err(why)) => say(
                             format!("the node {local} names no shard primary: {why}"),
                             true,
@@ -233,17 +254,18 @@ pub async fn watch(
                     role = Some(now);
                     read = Instant::now();
                 }
+                POLL
             }
             // A server not known to be a cluster node yet is the health
             // poll's to report.
             Err(e) if role.is_none() => {
-                debug!(node = %local, error = %e, "the server did not answer")
+                debug!(node = %local, error = %e, "the server did not answer");
+                FIRST_POLL
             }
-            Err(e) => say(format!("the node did not answer: {e}"), true),
-        }
-        let next = match role {
-            Some(_) => POLL,
-            None => FIRST_POLL,
+            Err(e) => {
+                say(format!("the node did not answer: {e}"), true);
+                FIRST_POLL
+            }
         };
         tokio::select! {
             _ = stop.cancelled() => return,
@@ -252,30 +274,24 @@ pub async fn watch(
     }
 }
 
-/// Passes `k` on unless it is older than the primary followed; what
-/// the table says, and whether that is a warning.
-fn take(k: Known, primary: &watch::Sender<Option<Known>>, local: &str) -> (String, bool) {
-    // Cloned on its own: no borrow is held across the send below.
-    let followed = primary.borrow().clone();
-    if let Some(f) = followed.filter(|f| *f != k && !supersedes(&k, Some(f))) {
-        let text = format!(
-            "the node {local} names {} under config epoch {}, older than the followed {}'s {}: not taken",
-            k.addr, k.epoch, f.addr, f.epoch
-        );
-        return (text, true);
-    }
+/// Passes `k` on when it names another address than the one passed on
+/// last, whatever epoch it gives: an epoch is gossip too, and one raised
+/// past every later failover would keep the agent from ever following
+/// again. What guards the take is its proof. What the table says, for
+/// status.
+fn take(k: Known, primary: &watch::Sender<Option<Known>>, local: &str) -> String {
     let text = format!(
         "the node {local} names the shard primary {} (config epoch {})",
         k.addr, k.epoch
     );
-    primary.send_if_modified(|f| match supersedes(&k, f.as_ref()) {
-        true => {
+    primary.send_if_modified(|f| {
+        let new = f.as_ref().is_none_or(|f| f.addr != k.addr);
+        if new {
             *f = Some(k);
-            true
         }
-        false => false,
+        new
     });
-    (text, false)
+    text
 }
 
 #[cfg(test)]
@@ -293,15 +309,11 @@ mod tests {
     fn a_replica_names_its_primary_and_a_primary_itself() {
         let k = named(&table(&[P, R]), "r.local:7001").unwrap();
         assert_eq!((k.addr.as_str(), k.epoch), ("10.0.0.1:7000", 3));
-        let me = "aaaa 10.0.0.1:7000@17000 myself,master - 0 0 4 connected 0-5460";
-        let k = named(&table(&[me]), "p.local:7000").unwrap();
+        // A primary is named by its configured address, whatever IP its
+        // own line shows (the last node to meet it said which).
+        let me = "aaaa 10.9.9.9:7000@17000 myself,master - 0 0 4 connected 0-5460";
+        let k = named(&table(&[me]), "10.0.0.1:7000").unwrap();
         assert_eq!((k.addr.as_str(), k.epoch), ("10.0.0.1:7000", 4));
-        // A node that never met another has no IP of its own yet.
-        let alone = "aaaa :7000@17000 myself,master - 0 0 0 connected";
-        assert_eq!(
-            named(&table(&[alone]), "p.local:7000").unwrap().addr,
-            "p.local:7000"
-        );
         // The table writes an IPv6 address without brackets.
         let v6 = "aaaa ::1:7000@17000 master - 0 0 3 connected 0-5460";
         let r6 = "bbbb ::1:7001@17001 myself,slave aaaa 0 0 3 connected";
@@ -330,7 +342,11 @@ mod tests {
             named(&table(&[replica, R]), "x"),
             Err(NoPrimary::NotAPrimary("aaaa".into()))
         );
-        // Gossip is data: an address with control characters is refused.
+        // Gossip is data: its text reaches status escaped, and an address
+        // with control characters is refused.
+        let odd = "bbbb 10.0.0.2:7001@17001 myself,slave \u{1b}]0;x\u{7} 0 0 3 connected";
+        let said = named(&table(&[odd]), "x").unwrap_err().to_string();
+        assert!(!crate::peer_text::has_control(&said), "{said}");
         let escape = "aaaa \u{1b}]0;x:7000@17000 master - 0 0 3 connected 0-5460";
         assert!(matches!(
             named(&table(&[escape, R]), "x"),
@@ -340,18 +356,20 @@ mod tests {
     }
 
     #[test]
-    fn a_name_under_an_older_epoch_is_not_passed_on() {
-        let (tx, rx) = watch::channel(None);
+    fn a_name_is_passed_on_when_its_address_changes_whatever_its_epoch() {
+        let (tx, mut rx) = watch::channel(None);
         let k = |epoch, addr: &str| Known {
             epoch,
             addr: addr.into(),
         };
-        assert!(!take(k(2, "a:1"), &tx, "n").1);
-        assert_eq!(*rx.borrow(), Some(k(2, "a:1")));
-        let (text, warn) = take(k(1, "b:1"), &tx, "n");
-        assert!(warn && text.ends_with("not taken"), "{text}");
-        assert_eq!(*rx.borrow(), Some(k(2, "a:1")));
-        assert!(!take(k(3, "b:1"), &tx, "n").1);
-        assert_eq!(*rx.borrow(), Some(k(3, "b:1")));
+        take(k(u64::MAX, "a:1"), &tx, "n");
+        assert!(rx.has_changed().unwrap());
+        assert_eq!(rx.borrow_and_update().as_ref().unwrap().addr, "a:1");
+        // A poisoned epoch stops nothing: the promoted node under a lower one.
+        take(k(7, "b:1"), &tx, "n");
+        assert_eq!(rx.borrow_and_update().as_ref().unwrap().addr, "b:1");
+        // The same address under another epoch is nothing new.
+        take(k(8, "b:1"), &tx, "n");
+        assert!(!rx.has_changed().unwrap());
     }
 }
