@@ -6,6 +6,7 @@
 //! demo live in [`client`].
 
 mod client;
+mod shards;
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -166,9 +167,17 @@ pub struct RunArgs {
 #[derive(Debug, clap::Args)]
 pub struct FanoutArgs {
     /// gRPC address of the origin agent (host:port): it runs the fan-out,
-    /// and the replicas reach it at this address.
+    /// and the replicas reach it at this address. With `--cluster`, one
+    /// per shard: the agent beside each shard primary.
+    #[arg(long = "source", required = true)]
+    pub sources: Vec<String>,
+    /// One fan-out per shard of a Redis Cluster or Valkey cluster: each
+    /// replica agent's instance is seeded from the source whose primary
+    /// (`[redis] primary_addr`) is the one it is to replicate (`[redis]
+    /// primary`); every replica is matched to a source before anything
+    /// starts.
     #[arg(long)]
-    pub source: String,
+    pub cluster: bool,
     /// gRPC address of a replica agent (host:port); repeat for each.
     #[arg(long = "replica", required = true)]
     pub replicas: Vec<String>,

@@ -196,11 +196,16 @@ fn replica_config(
 
 /// A source agent on `primary`'s dir, once it offers the RDB just saved.
 async fn source_agent(root: &Path, primary: &Redis) -> Node {
+    source_agent_named(root, "source", primary).await
+}
+
+/// [`source_agent`], named `name`.
+async fn source_agent_named(root: &Path, name: &str, primary: &Redis) -> Node {
     let config = format!(
         "[transport]\nmode = \"tcp\"\n[redis]\nprimary_addr = \"{}\"\n",
         primary.addr()
     );
-    let source = agent(root, "source", &primary.dir, &config, &[]);
+    let source = agent(root, name, &primary.dir, &config, &[]);
     let seq = kvsync::snapshot::verify_file(&primary.dir.join("dump.rdb"), None)
         .unwrap()
         .seq;
@@ -908,6 +913,91 @@ fn an_automatic_failover_moves_the_promoted_nodes_log_onto_its_node(server: Serv
     drop((src, follower, shards));
 }
 
+/// `kvsync fanout --cluster`: one command seeds a new node for every
+/// shard, each from the agent beside its shard's primary (the sources
+/// given in another order than the replicas: each replica goes to the
+/// source of the primary it names), each with a partial resync and no
+/// fork; a replica of a primary no given source sits beside refuses the
+/// whole set before anything starts.
+fn one_cluster_fanout_seeds_a_new_node_for_every_shard_from_its_primarys_agent(server: Server) {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let shards = three_shards(server, root, [1, 2, 3]);
+    let ranges = [0..=5460, 5461..=10922, 10923..=16383];
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut sources = Vec::new();
+    for (i, (p, range)) in shards.primaries.iter().zip(ranges).enumerate() {
+        // An RDB with a replication position needs a backlog.
+        p.make_backlog(&root.join(format!("backlog{i}")));
+        fill_tagged(p, &tag_in(p, range), "k", 1_000);
+        p.bgsave();
+        sources.push(rt.block_on(source_agent_named(root, &format!("source{i}"), p)));
+    }
+    let before: Vec<_> = shards.primaries.iter().map(sync_counters).collect();
+    let nodes: Vec<(u16, std::path::PathBuf)> = (0..3)
+        .map(|i| (free_port(), root.join(format!("new{i}"))))
+        .collect();
+    let replicas: Vec<Node> = shards
+        .primaries
+        .iter()
+        .zip(&nodes)
+        .enumerate()
+        .map(|(i, (p, (port, ndir)))| {
+            std::fs::create_dir_all(ndir).unwrap();
+            replica_agent(root, &i.to_string(), &p.addr(), server, *port, ndir)
+        })
+        .collect();
+
+    // A replica whose primary no given source sits beside: refused.
+    let (ok, out, err) = cli(&[
+        "fanout",
+        "--cluster",
+        "--source",
+        &sources[0].grpc(),
+        "--replica",
+        &replicas[1].grpc(),
+        "--wait",
+    ]);
+    assert!(
+        !ok && err.contains("which no --source sits beside"),
+        "{out}{err}"
+    );
+    assert_eq!(
+        shards
+            .primaries
+            .iter()
+            .map(sync_counters)
+            .collect::<Vec<_>>(),
+        before,
+        "nothing started"
+    );
+
+    let mut args = vec!["fanout".to_string(), "--cluster".into()];
+    for s in sources.iter().rev() {
+        args.extend(["--source".into(), s.grpc()]);
+    }
+    for r in &replicas {
+        args.extend(["--replica".into(), r.grpc()]);
+    }
+    args.extend(["--wait".into(), "--json".into()]);
+    let (ok, out, err) = cli(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(ok, "{out}{err}");
+    let summary: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(summary["shards"].as_array().unwrap().len(), 3, "{summary}");
+    for ((p, (port, ndir)), (full, partial, forks)) in
+        shards.primaries.iter().zip(&nodes).zip(before)
+    {
+        let node = started(server, *port, ndir);
+        joined_and_caught_up(&node, p);
+        assert_eq!(
+            sync_counters(p),
+            (full, partial + 1, forks),
+            "partial, no fork"
+        );
+    }
+    drop((sources, replicas, shards));
+}
+
 on_both_servers!(
     a_new_node_is_seeded_as_a_shard_replica_with_a_partial_resync_no_fork_and_no_slot_claimed,
     a_replica_node_lost_with_its_files_is_rebuilt_under_its_old_id,
@@ -916,4 +1006,5 @@ on_both_servers!(
     check_config_live_probes_the_cluster_rights,
     a_node_whose_rdb_cannot_be_placed_gets_its_nodes_conf_back_and_is_started_again,
     an_automatic_failover_moves_the_promoted_nodes_log_onto_its_node,
+    one_cluster_fanout_seeds_a_new_node_for_every_shard_from_its_primarys_agent,
 );

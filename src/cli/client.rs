@@ -1,4 +1,5 @@
-//! The CLI's gRPC client commands (`sync`, `fanout`, `status`, `snapshots`, `cancel`)
+//! The CLI's gRPC client commands (`sync`, `fanout`, also over a cluster's
+//! shards, `status`, `snapshots`, `cancel`)
 //! and `demo`, which runs two agents in this process and syncs between them.
 //!
 //! Owns how progress and results are shown: a progress bar with bytes, rate
@@ -232,30 +233,81 @@ fn print_summary(p: &pb::SyncProgress, as_json: bool) {
 
 /// `kvsync fanout`.
 pub async fn fanout(args: FanoutArgs) -> anyhow::Result<ExitCode> {
-    let mut c = client(&args.source).await?;
-    let started = c
-        .start_fanout(pb::StartFanoutRequest {
-            origin: args.source.clone(),
-            replicas: args.replicas.clone(),
+    let shards = match (args.cluster, args.sources.as_slice()) {
+        (true, _) => cluster_shards(&args).await?,
+        (false, [source]) => vec![(source.clone(), args.replicas.clone())],
+        (false, _) => bail!("give one --source (several only with --cluster, one per shard)"),
+    };
+    // Every fan-out is started before any is followed.
+    let mut started = Vec::new();
+    for (source, replicas) in &shards {
+        let mut c = client(source).await?;
+        let request = pb::StartFanoutRequest {
+            origin: source.clone(),
+            replicas: replicas.clone(),
             degree: args.degree,
             transport: preference(args.run.transport) as i32,
             instance: args.instance.wire(),
             stream: args.stream,
-        })
-        .await
-        .map_err(|s| status_err("fan-out refused", s))?
-        .into_inner();
+        };
+        let id = match c.start_fanout(request).await {
+            Ok(r) => r.into_inner().fanout_id,
+            Err(s) if started.is_empty() => return Err(status_err("fan-out refused", s)),
+            Err(s) => {
+                let running: Vec<String> = started
+                    .iter()
+                    .map(|(source, _, id): &(String, Client, String)| format!("{id} from {source}"))
+                    .collect();
+                return Err(status_err(
+                    &format!(
+                        "the fan-out from {source} was refused (those started run on: {})",
+                        running.join(", ")
+                    ),
+                    s,
+                ));
+            }
+        };
+        started.push((source.clone(), c, id));
+    }
     if !args.run.wait {
-        if args.run.json {
-            println!("{}", json!({ "fanout_id": started.fanout_id }));
-        } else {
-            println!("fan-out {} started", started.fanout_id);
+        for (source, _, id) in &started {
+            match args.run.json {
+                true => println!("{}", json!({ "fanout_id": id, "origin": source })),
+                false => println!("fan-out {id} started from {source}"),
+            }
         }
         return Ok(ExitCode::SUCCESS);
     }
+    let show = !args.run.json;
+    let ended = futures::future::join_all(
+        started
+            .into_iter()
+            .map(|(_, c, id)| follow_fanout(c, id, show)),
+    )
+    .await;
+    let ended = ended.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
+    match (args.run.json, args.cluster) {
+        (true, false) => println!("{}", fanout_json(&ended[0])),
+        (true, true) => println!(
+            "{}",
+            json!({ "shards": ended.iter().map(fanout_json).collect::<Vec<_>>() })
+        ),
+        (false, _) => ended.iter().for_each(print_fanout),
+    }
+    let all = ended.iter().all(|s| s.succeeded as usize == s.nodes.len());
+    Ok(if all {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// Follows fan-out `id` on its origin to its end, saying each replica's
+/// new phase on stderr (`show`).
+async fn follow_fanout(mut c: Client, id: String, show: bool) -> anyhow::Result<pb::FanoutStatus> {
     let mut stream = c
         .watch_fanout(pb::WatchFanoutRequest {
-            fanout_id: started.fanout_id.clone(),
+            fanout_id: id.clone(),
         })
         .await
         .map_err(|s| status_err("cannot watch the fan-out", s))?
@@ -264,7 +316,7 @@ pub async fn fanout(args: FanoutArgs) -> anyhow::Result<ExitCode> {
     let mut shown = std::collections::HashMap::new();
     while let Some(item) = stream.next().await {
         let s = item.map_err(|s| status_err("lost the fan-out's progress stream", s))?;
-        if !args.run.json {
+        if show {
             for n in &s.nodes {
                 let phase = n.progress.as_ref().map_or(0, |p| p.phase);
                 if shown.insert(n.replica.clone(), phase) != Some(phase) && phase != 0 {
@@ -278,18 +330,74 @@ pub async fn fanout(args: FanoutArgs) -> anyhow::Result<ExitCode> {
             break;
         }
     }
-    let last = last.context("the agent ended the fan-out's stream before it finished")?;
-    if args.run.json {
-        println!("{}", fanout_json(&last));
-    } else {
-        print_fanout(&last);
+    last.with_context(|| format!("the agent ended fan-out {id}'s stream before it finished"))
+}
+
+/// `fanout --cluster`: each source with the replicas of its shard, from
+/// what every agent's instance names ([`super::shards::pair`]).
+async fn cluster_shards(args: &FanoutArgs) -> anyhow::Result<Vec<(String, Vec<String>)>> {
+    use super::shards::{pair, resolve};
+    let wanted = args.instance.wire();
+    let sources = named_by(
+        &args.sources,
+        &wanted,
+        |i| i.primary_addr,
+        "has no [redis] primary_addr: it sits beside no shard primary",
+    )
+    .await?;
+    let replicas = named_by(
+        &args.replicas,
+        &wanted,
+        |i| i.primary,
+        "has no [redis] primary: it names no shard to replicate",
+    )
+    .await?;
+    let all = sources.iter().chain(&replicas).map(|n| n.primary.as_str());
+    let resolved = resolve(all).await;
+    Ok(pair(&sources, &replicas, &resolved)?)
+}
+
+/// Each of `agents` with the primary `primary_of` reads from its instance
+/// `instance`; one without says that it `lacks` it.
+async fn named_by(
+    agents: &[String],
+    instance: &str,
+    primary_of: fn(pb::InstanceStatus) -> String,
+    lacks: &str,
+) -> anyhow::Result<Vec<super::shards::Named>> {
+    let mut named = Vec::new();
+    for agent in agents {
+        let i = instance_of(agent, instance).await?;
+        let name = i.name.clone();
+        let primary = primary_of(i);
+        if primary.is_empty() {
+            bail!("the agent {agent}'s instance {name} {lacks}");
+        }
+        named.push(super::shards::Named {
+            agent: agent.clone(),
+            primary,
+        });
     }
-    let all = last.succeeded as usize == last.nodes.len();
-    Ok(if all {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    })
+    Ok(named)
+}
+
+/// The instance `name` of the agent at `agent` (empty: its only one).
+async fn instance_of(agent: &str, name: &str) -> anyhow::Result<pb::InstanceStatus> {
+    let mut c = client(agent).await?;
+    let s = c
+        .get_status(pb::GetStatusRequest::default())
+        .await
+        .map_err(|s| status_err(&format!("cannot ask {agent} its status"), s))?
+        .into_inner();
+    let mut found = s
+        .instances
+        .into_iter()
+        .filter(|i| name.is_empty() || i.name == name);
+    match (found.next(), found.next()) {
+        (Some(i), None) => Ok(i),
+        (None, _) => bail!("{agent} has no instance {name:?}"),
+        (Some(_), Some(_)) => bail!("{agent} serves several instances: give --instance"),
+    }
 }
 
 /// A fan-out's status as JSON: its tree, each replica's sync and the sums.

@@ -96,6 +96,8 @@ impl OrchestratorService {
         pb::InstanceStatus {
             health: health.verdict.as_str().into(),
             health_reason: health.reason,
+            primary_addr: i.config.redis.primary_addr.clone(),
+            primary: i.config.redis.primary.clone(),
             name: i.name.clone(),
             snapshot_dir: i.config.snapshot_dir.display().to_string(),
             format: i.config.snapshot_format.as_str().into(),
