@@ -998,6 +998,48 @@ fn one_cluster_fanout_seeds_a_new_node_for_every_shard_from_its_primarys_agent(s
     drop((sources, replicas, shards));
 }
 
+/// An RDB the shard primary cannot continue, one of another shard's
+/// primary, is refused before the node is stopped (one whose offset left
+/// the primary's backlog after the source offered it is refused alike:
+/// `restart::tests`). The running node keeps its process, its
+/// `nodes.conf` and its files.
+fn an_rdb_the_primary_cannot_continue_is_refused_before_the_node_is_stopped(server: Server) {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let shards = three_shards(server, root, [1, 2, 3]);
+    let (a, b) = (&shards.primaries[0], &shards.primaries[1]);
+    b.make_backlog(&root.join("backlog-b"));
+    fill_tagged(b, &tag_in(b, 5461..=10922), "k", 100);
+    b.bgsave();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let other_shard = rt.block_on(source_agent_named(root, "source-b", b));
+    let (ndir, port) = (root.join("node"), free_port());
+    let node = cluster_node(server, &ndir, port);
+    let (id, conf) = (
+        run_id(&node),
+        std::fs::read(ndir.join("nodes.conf")).unwrap(),
+    );
+    let replica = replica_agent(root, "", &a.addr(), server, port, &ndir);
+    let counters = sync_counters(a);
+    let p = rt.block_on(async {
+        let id = start_sync(&replica, &other_shard).await;
+        wait_done(&replica, &id).await
+    });
+    assert_eq!(p.phase, pb::Phase::Failed as i32, "{p:?}");
+    assert!(
+        p.error.contains("another shard's or another history's")
+            && p.error.contains("nothing was stopped"),
+        "{}",
+        p.error
+    );
+
+    assert_eq!(run_id(&node), id, "the node was not restarted");
+    assert_eq!(std::fs::read(ndir.join("nodes.conf")).unwrap(), conf);
+    assert!(!ndir.join("dump.rdb").exists(), "no RDB placed");
+    assert_eq!(sync_counters(a), counters, "the primary served no sync");
+    drop((other_shard, replica, node, shards));
+}
+
 on_both_servers!(
     a_new_node_is_seeded_as_a_shard_replica_with_a_partial_resync_no_fork_and_no_slot_claimed,
     a_replica_node_lost_with_its_files_is_rebuilt_under_its_old_id,
@@ -1007,4 +1049,5 @@ on_both_servers!(
     a_node_whose_rdb_cannot_be_placed_gets_its_nodes_conf_back_and_is_started_again,
     an_automatic_failover_moves_the_promoted_nodes_log_onto_its_node,
     one_cluster_fanout_seeds_a_new_node_for_every_shard_from_its_primarys_agent,
+    an_rdb_the_primary_cannot_continue_is_refused_before_the_node_is_stopped,
 );

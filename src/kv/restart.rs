@@ -117,6 +117,47 @@ fn room_for(rdb: &Path, dir: &Path) -> Result<(), RedisError> {
     Ok(())
 }
 
+/// That the primary can continue `snapshot` with a partial resync now
+/// ([`continues`]), asked of it before a cluster node is stopped: a node
+/// that loaded an RDB its primary cannot continue is synced in full, a
+/// fork of the primary. (The backlog may still move on before the node
+/// asks, which the confirmation then says.)
+async fn primary_continues(cfg: &RedisConfig, snapshot: &SnapshotInfo) -> Result<(), RedisError> {
+    let repl = server_info(&cfg.primary, &cfg.auth(), "replication").await?;
+    continues(&cfg.primary, &repl, snapshot).map_err(RedisError::Cluster)
+}
+
+/// Whether the primary `p` (its `INFO replication`, `repl`) continues
+/// `snapshot` from M+1: the RDB's history is the primary's (its
+/// replication id, or the one it continued from, up to where it did),
+/// and its backlog holds M+1. Why not, if not.
+fn continues(
+    p: &str,
+    repl: &crate::kv::redis::Info,
+    snapshot: &SnapshotInfo,
+) -> Result<(), String> {
+    let (id, next) = (snapshot.repl_id.as_deref().unwrap_or(""), snapshot.seq + 1);
+    let (replid, replid2) = (
+        repl.get("master_replid").unwrap_or(""),
+        repl.get("master_replid2").unwrap_or(""),
+    );
+    let second = repl.num("second_repl_offset");
+    if id != replid && (id != replid2 || next > second) {
+        return Err(format!(
+            "the primary {p} cannot continue this RDB (replication id {id:?} at offset {}): it runs under {replid} (before that {replid2} up to offset {second}), so the RDB is another shard's or another history's. Sync a snapshot of this shard's primary; nothing was stopped",
+            snapshot.seq
+        ));
+    }
+    let first = repl.num("repl_backlog_first_byte_offset");
+    let last = first + repl.num("repl_backlog_histlen");
+    if repl.get("repl_backlog_active") != Some("1") || next < first || next > last {
+        return Err(format!(
+            "the primary {p}'s backlog holds offsets {first} to {last}, not {next}: the node would be synced in full, a fork of the primary. Sync a newer snapshot, or grow the primary's repl-backlog-size; nothing was stopped"
+        ));
+    }
+    Ok(())
+}
+
 /// Seeds the local server with the verified RDB `rdb` saved at `info`:
 /// stop it, place the file, start it following the primary, wait for the
 /// link, and confirm the primary accepted a partial resync.
@@ -129,6 +170,9 @@ pub async fn hand_off(
     let before = server_info(&cfg.primary, &cfg.auth(), "stats").await?;
     // In cluster mode, decide everything (or refuse) before stopping.
     let cluster = crate::kv::cluster::plan(cfg).await?;
+    if cluster.is_some() {
+        primary_continues(cfg, snapshot).await?;
+    }
     room_for(rdb, &cfg.dir)?;
     if let Some(plan) = &cluster {
         plan.still_as_planned(cfg).await?;
@@ -222,6 +266,50 @@ pub async fn hand_off(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_rdb_is_continued_only_from_the_primarys_history_and_backlog() {
+        let repl = |text: &str| crate::kv::redis::Info::parse(&text.replace(' ', "\r\n"));
+        let primary = repl("master_replid:aaa master_replid2:bbb second_repl_offset:500 repl_backlog_active:1 repl_backlog_first_byte_offset:100 repl_backlog_histlen:1000");
+        let rdb = |id: &str, seq: u64| SnapshotInfo {
+            format: crate::snapshot::Format::RedisRdb,
+            size: 0,
+            seq,
+            checksum: 0,
+            records: 0,
+            created_ms: 0,
+            repl_id: Some(id.into()),
+        };
+        assert_eq!(
+            continues("p", &primary, &rdb("aaa", 99)),
+            Ok(()),
+            "M+1 is the backlog's first byte"
+        );
+        assert_eq!(
+            continues("p", &primary, &rdb("aaa", 1099)),
+            Ok(()),
+            "M is the primary's offset"
+        );
+        assert_eq!(
+            continues("p", &primary, &rdb("bbb", 499)),
+            Ok(()),
+            "before the promotion"
+        );
+        for (id, seq, says) in [
+            ("ccc", 200, "another shard's"),
+            ("bbb", 500, "another shard's"),
+            ("aaa", 98, "backlog holds offsets 100 to 1100, not 99"),
+            ("aaa", 1100, "not 1101"),
+        ] {
+            let e = continues("p", &primary, &rdb(id, seq)).unwrap_err();
+            assert!(
+                e.contains(says) && e.ends_with("nothing was stopped"),
+                "{id} {seq}: {e}"
+            );
+        }
+        let none = repl("master_replid:aaa repl_backlog_active:0");
+        assert!(continues("p", &none, &rdb("aaa", 0)).is_err(), "no backlog");
+    }
 
     /// Another user of the directory plants a link wherever a temp name
     /// could be, over and over, while RDBs are placed by copy (the RDB is
