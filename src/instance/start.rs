@@ -310,7 +310,7 @@ fn follow_sentinels(
 }
 
 /// Follows the shard primary the local cluster node at `local` names
-/// (a server not in cluster mode ends the watch): the table's word in
+/// (a server not in cluster mode names none): the table's word in
 /// status, and its take as `kvsync stream follow` would.
 fn follow_cluster(
     local: &str,

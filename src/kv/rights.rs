@@ -19,8 +19,9 @@ pub enum Role {
     /// (`[redis] primary_addr`); `follows`: it also follows it into the
     /// stream log; `grows`: `[redis] grow_backlog`.
     Primary { follows: bool, grows: bool },
-    /// The server a replica's agent seeds, feeds or re-attaches.
-    Replica,
+    /// The server a replica's agent seeds, feeds or re-attaches; `logs`:
+    /// the agent keeps a stream log (and so watches a cluster node's role).
+    Replica { logs: bool },
     /// A Sentinel the agent asks, for the master it names.
     Sentinel,
 }
@@ -30,7 +31,7 @@ impl std::fmt::Display for Role {
         f.write_str(match self {
             Role::Primary { follows: true, .. } => "the primary this agent follows",
             Role::Primary { .. } => "the primary this agent offers snapshots of",
-            Role::Replica => "the server this agent seeds",
+            Role::Replica { .. } => "the server this agent seeds",
             Role::Sentinel => "a Sentinel this agent asks",
         })
     }
@@ -67,7 +68,7 @@ pub fn logins(config: &Config) -> Vec<Login> {
     if seeds && !r.server_addr.is_empty() {
         logins.push(Login {
             addr: r.server_addr.clone(),
-            role: Role::Replica,
+            role: Role::Replica { logs: st.enabled() },
             auth: r.auth(),
         });
     }
@@ -126,7 +127,7 @@ async fn probe_all(login: &Login, master: &str) -> Result<Vec<String>, RedisErro
             }
             p
         }
-        Role::Replica => vec![
+        Role::Replica { .. } => vec![
             ("+info", vec!["INFO", "server"]),
             ("+config|get", vec!["CONFIG", "GET", "masterauth"]),
             ("+config|set", vec!["CONFIG", "SET", PROBE_PARAMETER, "0"]),
@@ -166,24 +167,24 @@ async fn in_cluster_mode(con: &mut redis::aio::MultiplexedConnection) -> bool {
         .is_ok_and(|i| i.lines().any(|l| l.trim() == "cluster_enabled:1"))
 }
 
-/// The further probes of a cluster node's login: the agent reads the
-/// node's role and table to follow its shard's failovers, and the seeded
-/// node is sent `CLUSTER MEET` (to a port that is not one here).
+/// The further probes of a cluster node's login: an agent with a stream
+/// log reads its node's role and table to follow the shard's failovers,
+/// and a seeded node is asked its table and sent `CLUSTER MEET` (to a
+/// port that is not one here).
 fn cluster_probes(role: Role) -> Vec<(&'static str, Vec<&'static str>)> {
-    let watch = vec![
+    let (role_probe, table, meet) = (
         ("+role", vec!["ROLE"]),
         ("+cluster|nodes", vec!["CLUSTER", "NODES"]),
-    ];
+        (
+            "+cluster|meet",
+            vec!["CLUSTER", "MEET", "kvsync-probe", "not-a-port"],
+        ),
+    );
     match role {
-        Role::Primary { .. } => watch,
-        Role::Replica => {
-            let meet = (
-                "+cluster|meet",
-                vec!["CLUSTER", "MEET", "kvsync-probe", "not-a-port"],
-            );
-            watch.into_iter().chain([meet]).collect()
-        }
-        Role::Sentinel => Vec::new(),
+        Role::Primary { follows: true, .. } => vec![role_probe, table],
+        Role::Replica { logs: true } => vec![role_probe, table, meet],
+        Role::Replica { logs: false } => vec![table, meet],
+        Role::Primary { follows: false, .. } | Role::Sentinel => Vec::new(),
     }
 }
 
@@ -303,7 +304,10 @@ mod tests {
                         grows: false
                     }
                 ),
-                ("127.0.0.1:6380".to_string(), Role::Replica),
+                (
+                    "127.0.0.1:6380".to_string(),
+                    Role::Replica { logs: follows }
+                ),
                 ("127.0.0.1:26379".to_string(), Role::Sentinel),
             ]
         );
