@@ -752,9 +752,10 @@ fn a_cluster_failover_moves_the_shards_logs_without_a_full_sync_and_never_to_an_
 }
 
 /// `check-config --live` on cluster nodes also probes what the agent asks
-/// of them: the role and table it follows failovers by, and `CLUSTER
-/// MEET` on the node it seeds; without one of these, it names it, and the
-/// probe changed nothing (no node met).
+/// of them: the role and table it follows failovers by, `CLUSTER MEET` on
+/// the node it seeds, and the shard primary's table, cluster info and
+/// client info; without one of these, it names it, and the probe changed
+/// nothing (no node met).
 fn check_config_live_probes_the_cluster_rights(server: Server) {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
@@ -763,11 +764,17 @@ fn check_config_live_probes_the_cluster_rights(server: Server) {
         cluster_node(server, &root.join("r"), free_port()),
     );
     std::fs::write(root.join("password"), "kvsync-pw\n").unwrap();
+    let p_rights = format!(
+        "+psync +replconf +info +config|get +role +cluster|nodes +cluster|info +client|info{}",
+        // Redis 7.0 has no shard ids.
+        if server == Server::Valkey {
+            " +cluster|myshardid"
+        } else {
+            ""
+        }
+    );
     let rights = [
-        (
-            "+psync +replconf +info +config|get +role +cluster|nodes",
-            &p,
-        ),
+        (p_rights.as_str(), &p),
         (
             "+info +config|get +config|set +replicaof +role +cluster|nodes +cluster|meet",
             &r,
@@ -804,6 +811,8 @@ fn check_config_live_probes_the_cluster_rights(server: Server) {
     for (node, right) in [
         (&p, "role"),
         (&p, "cluster|nodes"),
+        (&p, "cluster|info"),
+        (&p, "client|info"),
         (&r, "role"),
         (&r, "cluster|nodes"),
         (&r, "cluster|meet"),
@@ -1040,6 +1049,90 @@ fn an_rdb_the_primary_cannot_continue_is_refused_before_the_node_is_stopped(serv
     drop((other_shard, replica, node, shards));
 }
 
+/// A new node whose RDB's offset the shard primary's backlog no longer
+/// holds: its agent, whose stream log follows the primary's agent, feeds
+/// it the gap before it meets the cluster (the primary's address in its
+/// `nodes.conf` the agent's feed until then), under writes; the primary
+/// then continues it with a partial resync and never forks. The node's
+/// own `masterauth` is back. (Without such a log the handoff is refused
+/// before anything is stopped: `restart::tests`.)
+fn a_gap_beyond_the_primarys_backlog_is_filled_through_the_agent_without_a_fork(server: Server) {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let shards = three_shards(server, root, [1, 2, 3]);
+    let a = &shards.primaries[0];
+    let tag = tag_in(a, 0..=5460);
+    fill_tagged(a, &tag, "k", 5_000);
+    let s_port = free_port();
+    let src = agent_at(
+        root,
+        "p",
+        &a.dir,
+        &follower_config(a, &root.join("p-log")),
+        "127.0.0.1",
+        s_port,
+    );
+    wait_following(&src);
+    let (ndir, port) = (root.join("new-node"), free_port());
+    std::fs::create_dir_all(&ndir).unwrap();
+    let r_config = replica_config(
+        &a.addr(),
+        server,
+        (&format!("127.0.0.1:{port}"), &ndir),
+        (&[], ""),
+    ) + &puller_config(&src, &root.join("r-log"));
+    let follower = agent(root, "r", &root.join("r-snaps"), &r_config, &[]);
+    wait_following(&follower);
+    a.bgsave();
+    let seq = kvsync::snapshot::verify_file(&a.dir.join("dump.rdb"), None)
+        .unwrap()
+        .seq;
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(src.offered(seq));
+
+    // The primary's backlog (its smallest) moves on past the RDB's offset.
+    let _: () = a.cmd(&["CONFIG", "SET", "repl-backlog-size", "1mb"]);
+    a.fill(&format!("{{{tag}}}gap"), 20_000, &"g".repeat(200));
+    assert!(
+        a.info("replication").num("repl_backlog_first_byte_offset") > seq + 1,
+        "the backlog no longer holds the RDB's next offset"
+    );
+    wait_for("the node's agent's log to hold the gap", DEADLINE, || {
+        let end = a.info("replication").num("master_repl_offset");
+        (stream_status(&follower).end_offset == end).then_some(())
+    });
+    let (full, partial, forks) = sync_counters(a);
+    // About 10 kB/s while the seeding runs.
+    let writer_tag = tag.clone();
+    let writer = Client::start(a, move |con, i| {
+        let _: () = redis::cmd("SET")
+            .arg(format!("{{{writer_tag}}}during:{i}"))
+            .arg("d".repeat(100))
+            .query(con)
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    });
+    let p = rt.block_on(sync_ok(&follower, &src));
+    for says in [
+        "this agent's stream log fed the node",
+        "partial resync accepted",
+        "(new) joined as a replica",
+    ] {
+        assert!(p.handoff.contains(says), "{says}: {}", p.handoff);
+    }
+    drop(writer);
+    let node = started(server, port, &ndir);
+    joined_and_caught_up(&node, a);
+    assert_eq!(
+        sync_counters(a),
+        (full, partial + 1, forks),
+        "the primary continued the node once, with no full sync and no fork"
+    );
+    let auth: Vec<String> = node.cmd(&["CONFIG", "GET", "masterauth"]);
+    assert_eq!(auth[1], "", "the node's own masterauth is back");
+    drop((follower, src, shards));
+}
+
 on_both_servers!(
     a_new_node_is_seeded_as_a_shard_replica_with_a_partial_resync_no_fork_and_no_slot_claimed,
     a_replica_node_lost_with_its_files_is_rebuilt_under_its_old_id,
@@ -1050,4 +1143,5 @@ on_both_servers!(
     an_automatic_failover_moves_the_promoted_nodes_log_onto_its_node,
     one_cluster_fanout_seeds_a_new_node_for_every_shard_from_its_primarys_agent,
     an_rdb_the_primary_cannot_continue_is_refused_before_the_node_is_stopped,
+    a_gap_beyond_the_primarys_backlog_is_filled_through_the_agent_without_a_fork,
 );

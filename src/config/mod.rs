@@ -491,10 +491,9 @@ impl Config {
                     .then(|| i.redis.server_addr.clone())
             }),
             ("the seed port", |i| {
-                let seeds = matches!(
-                    i.handoff.mode,
-                    HandoffMode::RedisReplicate | HandoffMode::RedisStream
-                );
+                let mode = i.handoff.mode;
+                let seeds =
+                    mode == HandoffMode::RedisReplicate || mode.runs_feed(i.stream.enabled());
                 let fixed = i
                     .redis
                     .seed_listen

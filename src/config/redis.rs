@@ -199,6 +199,14 @@ impl HandoffMode {
         }
     }
 
+    /// Whether an instance in this mode, with a stream log or not
+    /// (`stream`), runs the stream feed: `redis-stream` feeds its server
+    /// from the log, and `redis` a cluster node the gap its primary's
+    /// backlog no longer holds.
+    pub fn runs_feed(self, stream: bool) -> bool {
+        self == HandoffMode::RedisStream || (self == HandoffMode::Redis && stream)
+    }
+
     /// A mode that seeds a Redis/Valkey server.
     pub fn is_redis(self) -> bool {
         matches!(
@@ -330,16 +338,15 @@ impl Config {
                 "mode \"redis-stream\" feeds the server from the stream log: set [stream] dir (and upstream)".into(),
             );
         }
-        if matches!(
-            self.handoff.mode,
-            HandoffMode::RedisReplicate | HandoffMode::RedisStream
-        ) {
-            if r.seed_listen.parse::<SocketAddr>().is_err() {
-                p.bad(
-                    "redis.seed_listen",
-                    format!("expected ip:port, got {:?}", r.seed_listen),
-                );
-            }
+        let mode = self.handoff.mode;
+        let listens = mode == HandoffMode::RedisReplicate || mode.runs_feed(self.stream.enabled());
+        if listens && r.seed_listen.parse::<SocketAddr>().is_err() {
+            p.bad(
+                "redis.seed_listen",
+                format!("expected ip:port, got {:?}", r.seed_listen),
+            );
+        }
+        if matches!(mode, HandoffMode::RedisReplicate | HandoffMode::RedisStream) {
             return;
         }
         if !r.dir.is_absolute() {

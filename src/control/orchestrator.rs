@@ -56,7 +56,8 @@ impl OrchestratorService {
     /// instance that does not feed its server from a log is refused.
     fn fed(&self, name: &str) -> Result<(Arc<Instance>, FeedHandle, SharedLog), Status> {
         let i = self.instance(name)?;
-        match (i.feed.clone(), i.stream.clone()) {
+        let fed = i.config.handoff.mode == crate::config::HandoffMode::RedisStream;
+        match (i.feed.clone().filter(|_| fed), i.stream.clone()) {
             (Some(feed), Some(stream)) => Ok((i, feed, stream)),
             _ => Err(Status::failed_precondition(format!(
                 "instance {} does not feed its server from a stream log ([handoff] mode = \"redis-stream\" with [stream] dir)",

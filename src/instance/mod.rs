@@ -36,7 +36,8 @@ pub struct Instance {
     pub backlog: Option<Arc<BacklogGuard>>,
     /// Its replication stream's log, when `[stream] dir` is set.
     pub stream: Option<SharedLog>,
-    /// Its server's feed from that log (`redis-stream`).
+    /// Its server's feed from that log (`redis-stream`; with `redis`, a
+    /// cluster node's gap its primary's backlog no longer holds).
     pub feed: Option<crate::stream::feed::FeedHandle>,
     /// Whom that log follows, a primary or agents, when it has one.
     pub upstreams: Option<Arc<crate::stream::source::Upstreams>>,

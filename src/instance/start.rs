@@ -147,8 +147,9 @@ pub async fn start(
 }
 
 /// Starts `instance`'s stream: its log and the writer that follows its
-/// source, the Sentinel majority it may follow, and the feed its server
-/// reads when the handoff is `redis-stream`.
+/// source, the Sentinel majority or cluster it may follow, and the feed
+/// its server reads when the handoff is `redis-stream` (or a cluster node
+/// its gap, `redis`).
 async fn start_stream(instance: &mut Instance, parts: &Parts) -> Result<(), StartError> {
     let (config, catalog, stop) = (
         instance.config.clone(),
@@ -177,20 +178,24 @@ async fn start_stream(instance: &mut Instance, parts: &Parts) -> Result<(), Star
     } else if let Some(local) = redis.local_server(config.handoff.mode) {
         follow_cluster(local, &config, instance, parts, &stream);
     }
-    if config.handoff.mode == HandoffMode::RedisStream {
+    let mode = config.handoff.mode;
+    if mode.runs_feed(true) {
         let (listener, feed) =
             crate::stream::feed::bind(&redis.seed_listen, &config.stream.dir).await?;
-        instance.spawn(crate::kv::seed::repoint(
-            redis.clone(),
-            feed.addr,
-            feed.secret.clone(),
-            stop.clone(),
-        ));
         instance.spawn(crate::stream::feed::run(
             listener,
             feed.clone(),
             (redis.server_addr.clone(), redis.tls_file_set()),
             stream.clone(),
+            stop.clone(),
+        ));
+        instance.feed = Some(feed);
+    }
+    if let (HandoffMode::RedisStream, Some(feed)) = (mode, instance.feed.clone()) {
+        instance.spawn(crate::kv::seed::repoint(
+            redis.clone(),
+            feed.addr,
+            feed.secret.clone(),
             stop.clone(),
         ));
         instance.spawn(crate::stream::keep::run(
@@ -202,7 +207,6 @@ async fn start_stream(instance: &mut Instance, parts: &Parts) -> Result<(), Star
             parts.metrics.clone(),
             stop.clone(),
         ));
-        instance.feed = Some(feed);
     }
     instance.stream = Some(stream);
     Ok(())

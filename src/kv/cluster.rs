@@ -27,6 +27,8 @@ use tracing::info;
 
 use crate::config::{HostPort, RedisConfig, ServerAuth};
 use crate::kv::redis::{connect, info as server_info, server_err, until, RedisError};
+use crate::kv::seed::{self, Feed};
+use crate::snapshot::SnapshotInfo;
 
 /// One line of `CLUSTER NODES` (or of a `nodes.conf`).
 #[derive(Debug, Clone, PartialEq)]
@@ -160,6 +162,10 @@ pub struct Plan {
     pub nodes_conf: PathBuf,
     /// The `nodes.conf` there before the handoff, if any.
     pub previous: Option<Vec<u8>>,
+    /// This agent's stream feed, when it fills the gap the primary's
+    /// backlog no longer holds ([`Plan::fill_gap`]): the `nodes.conf`
+    /// gives it as the primary's address until the node meets the cluster.
+    pub via: Option<std::net::SocketAddr>,
 }
 
 fn refuse(message: String) -> RedisError {
@@ -198,12 +204,17 @@ fn nodes_conf_path(cfg: &RedisConfig) -> PathBuf {
     cfg.dir.join(&cfg.cluster_config_file)
 }
 
+/// Whether the server at `addr` runs in cluster mode (`INFO cluster`).
+pub async fn enabled(addr: &str, auth: &ServerAuth) -> Result<bool, RedisError> {
+    let cluster = server_info(addr, auth, "cluster").await?;
+    Ok(cluster.get("cluster_enabled") == Some("1"))
+}
+
 /// Decides the cluster handoff: `None` when the primary does not run in
 /// cluster mode; a refusal when acting would hurt the cluster. Reads only.
 pub async fn plan(cfg: &RedisConfig) -> Result<Option<Plan>, RedisError> {
     let auth = cfg.auth();
-    let cluster = server_info(&cfg.primary, &auth, "cluster").await?;
-    if cluster.get("cluster_enabled") != Some("1") {
+    if !enabled(&cfg.primary, &auth).await? {
         return Ok(None);
     }
     let spelled = |a: &String| {
@@ -264,6 +275,7 @@ pub async fn plan(cfg: &RedisConfig) -> Result<Option<Plan>, RedisError> {
         port,
         nodes_conf,
         previous,
+        via: None,
     }))
 }
 
@@ -562,7 +574,10 @@ async fn running_node(
 impl Plan {
     /// The `nodes.conf` that makes the node a slot-less replica of the
     /// shard primary at config epoch 0 (it can claim no slot), with the
-    /// primary as the one node it knows.
+    /// primary as the one node it knows. With [`Plan::via`], the primary's
+    /// line gives the feed's address, and bus port 0: the node replicates
+    /// from the feed and reaches no node on the cluster bus until the
+    /// `CLUSTER MEET`, whose answer gives it the primary's own address.
     pub fn nodes_conf_text(&self) -> String {
         let p = &self.primary;
         let aux = |address: String| match &self.shard_id {
@@ -584,7 +599,13 @@ impl Plan {
             aux(format!(":{}@{cport}", self.port)),
             p.id,
             p.id,
-            aux(p.address.clone()),
+            aux(match self.via {
+                None => p.address.clone(),
+                Some(feed) => {
+                    let after_cport = p.address.find(',').map_or("", |i| &p.address[i..]);
+                    format!("{}:{}@0{after_cport}", feed.ip(), feed.port())
+                }
+            }),
             p.config_epoch,
             p.slots.join(" "),
             self.current_epoch,
@@ -674,6 +695,81 @@ impl Plan {
         )
         .await?;
         Ok(pair.get(1).cloned().unwrap_or_else(|| "no".into()))
+    }
+
+    /// Feeds the started node from this agent's stream `feed` (the
+    /// primary's address in its `nodes.conf`, [`Plan::via`]) until it
+    /// holds an offset the primary's backlog holds: the feed's password
+    /// as its `masterauth` (its own kept in the feed's file) until the
+    /// feed continues it past the RDB and it has caught up with where the
+    /// primary was then; its own `masterauth` back before anything else,
+    /// on failure too. The primary is never asked for the gap.
+    pub async fn fill_gap(
+        &self,
+        cfg: &RedisConfig,
+        timeout: Duration,
+        feed: &Feed,
+        snapshot: &SnapshotInfo,
+    ) -> Result<String, RedisError> {
+        let (local, auth) = (cfg.server_addr.as_str(), cfg.auth());
+        let mut con = connect(local, &auth).await?;
+        let was = server_info(local, &auth, "replication").await?;
+        let (_, own) = seed::take_auth(&mut con, local, &was, feed).await?;
+        // Left with the feed's by an earlier agent: its own is the kept one.
+        let own = match own == feed.secret {
+            false => own,
+            true => seed::own_auth(feed)?.ok_or_else(|| {
+                refuse(format!(
+                    "the node's masterauth is this agent's feed's and its own was not kept in {}: set it back yourself",
+                    feed.server_auth.display()
+                ))
+            })?,
+        };
+        let fed = async {
+            seed::config_set(&mut con, local, "masterauth", &feed.secret).await?;
+            let port = feed.addr.port();
+            let what = "the node to follow this agent's stream feed";
+            seed::following(cfg, timeout, what, port, snapshot.seq).await?;
+            let target = server_info(&cfg.primary, &auth, "replication")
+                .await?
+                .num("master_repl_offset");
+            let what = "the node to catch up with the primary through the feed";
+            let at = seed::following(cfg, timeout, what, port, target)
+                .await?
+                .num("master_repl_offset");
+            let repl = server_info(&cfg.primary, &auth, "replication").await?;
+            match repl.backlog() {
+                Some(held) if held.contains(&(at + 1)) => Ok(at),
+                _ => Err(refuse(format!(
+                    "the node caught up to offset {at} through this agent's stream log, but the primary's backlog no longer holds {}: it writes faster than its repl-backlog-size covers the hand-over. Grow it and sync again; the node was not joined",
+                    at + 1
+                ))),
+            }
+        }
+        .await;
+        let back = seed::config_set(&mut con, local, "masterauth", &own).await;
+        if back.is_ok() {
+            let _ = std::fs::remove_file(&feed.server_auth);
+        }
+        match (fed, back) {
+            (Ok(at), Ok(())) => {
+                info!(from = snapshot.seq + 1, to = at, "the node was fed the gap from the stream log");
+                Ok(format!(
+                    "the primary's backlog no longer held offset {}: this agent's stream log fed the node from there to {at}",
+                    snapshot.seq + 1
+                ))
+            }
+            (Ok(_), Err(e)) => Err(refuse(format!(
+                "the node was fed the gap, but its masterauth is still this agent's feed's (set it back yourself; it is kept in {}): {e}",
+                feed.server_auth.display()
+            ))),
+            (Err(e), Ok(())) => Err(e),
+            (Err(e), Err(back)) => Err(refuse(format!(
+                "{} (and its masterauth is still this agent's feed's: set it back yourself, it is kept in {}: {back})",
+                message(&e),
+                feed.server_auth.display()
+            ))),
+        }
     }
 
     /// Makes the node known to the cluster (`CLUSTER MEET` to the primary
@@ -813,6 +909,7 @@ vars currentEpoch 3 lastVoteEpoch 0
             port: 7005,
             nodes_conf: PathBuf::from("nodes.conf"),
             previous: None,
+            via: None,
         }
     }
 
@@ -850,6 +947,29 @@ vars currentEpoch 3 lastVoteEpoch 0
         assert!(p
             .nodes_conf_text()
             .contains("@17001,host-a,shard-id=f980 master"));
+    }
+
+    /// Filling a gap, the primary's line gives the feed's address and no
+    /// bus port, with the primary's id, hostname, shard, epoch and slots.
+    #[test]
+    fn a_gap_filled_by_the_agent_points_the_nodes_primary_at_the_feed() {
+        let mut p = plan(
+            Some("f980"),
+            "c9d8 10.0.0.1:7001@17001,host-a myself,master - 0 0 4 connected 0-5460",
+        );
+        p.via = Some("127.0.0.1:6400".parse().unwrap());
+        let text = p.nodes_conf_text();
+        assert_eq!(
+            text.lines().nth(1),
+            Some("c9d8 127.0.0.1:6400@0,host-a,shard-id=f980 master - 0 0 4 connected 0-5460"),
+            "{text}"
+        );
+        let back = parse_nodes(&text);
+        assert_eq!(
+            (back[1].ip_port(), back[1].cport()),
+            (("127.0.0.1", 6400), Some(0))
+        );
+        assert_eq!(back[0].master, "c9d8");
     }
 
     /// Only a node with nothing of its own to lose may be made the

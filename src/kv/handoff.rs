@@ -95,15 +95,16 @@ pub enum HandoffError {
     NoFeed,
 }
 
-/// Writes the record, then hands off per `config`. Returns a short
-/// description of what was done. A `redis-replicate` or `redis-stream`
+/// Writes the record, then hands off per `config` (with this agent's
+/// stream `log`, when it has one). Returns a short description of what
+/// was done. A `redis-replicate` or `redis-stream`
 /// seeding that began while the snapshot arrived (`early`) is finished;
 /// without one the installed file is served.
 pub async fn hand_off(
     config: &HandoffConfig,
     redis: &RedisConfig,
     record: &HandoffRecord,
-    feed: Option<&crate::kv::seed::Feed>,
+    log: Option<&crate::kv::restart::StreamLog>,
     early: Option<crate::kv::seed::Early>,
 ) -> Result<String, HandoffError> {
     install::write_atomic(&record.replmeta_path(), record.render().as_bytes())?;
@@ -115,7 +116,7 @@ pub async fn hand_off(
             HandoffMode::Exec => run_program(config, record).await,
             HandoffMode::Redis => {
                 Ok(
-                    crate::kv::restart::hand_off(redis, deadline, &record.path, &record.info)
+                    crate::kv::restart::hand_off(redis, deadline, &record.path, &record.info, log)
                         .await?,
                 )
             }
@@ -130,7 +131,7 @@ pub async fn hand_off(
             HandoffMode::RedisStream => Ok(match early {
                 Some(early) => early.finish(&record.info).await?,
                 None => {
-                    let feed = feed.ok_or(HandoffError::NoFeed)?;
+                    let feed = log.map(|l| &l.feed).ok_or(HandoffError::NoFeed)?;
                     crate::kv::seed::attach(redis, deadline, feed, &record.info, None).await?
                 }
             }),

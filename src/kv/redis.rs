@@ -76,6 +76,14 @@ impl Info {
     pub fn num(&self, key: &str) -> u64 {
         self.get(key).and_then(|v| v.parse().ok()).unwrap_or(0)
     }
+
+    /// Of a primary's `INFO replication`: the offsets its backlog holds
+    /// (a `PSYNC` from any of them continues), `None` without a backlog.
+    pub fn backlog(&self) -> Option<std::ops::RangeInclusive<u64>> {
+        let first = self.num("repl_backlog_first_byte_offset");
+        let last = first + self.num("repl_backlog_histlen");
+        (self.get("repl_backlog_active") == Some("1")).then_some(first..=last)
+    }
 }
 
 /// A conversation's failure; what the server said is the server's text,

@@ -117,14 +117,41 @@ fn room_for(rdb: &Path, dir: &Path) -> Result<(), RedisError> {
     Ok(())
 }
 
-/// That the primary can continue `snapshot` with a partial resync now
-/// ([`continues`]), asked of it before a cluster node is stopped: a node
-/// that loaded an RDB its primary cannot continue is synced in full, a
-/// fork of the primary. (The backlog may still move on before the node
-/// asks, which the confirmation then says.)
-async fn primary_continues(cfg: &RedisConfig, snapshot: &SnapshotInfo) -> Result<(), RedisError> {
+/// Why a shard primary cannot continue an RDB from M+1 itself.
+#[derive(Debug, PartialEq)]
+enum Cannot {
+    /// The RDB is another shard's or another history's: nothing may.
+    History(String),
+    /// Its backlog no longer holds M+1: this agent's stream log may.
+    Backlog(String),
+}
+
+/// Where a cluster node continues its RDB from, decided before it is
+/// stopped: from the shard primary itself (`None`), or first from this
+/// agent's stream feed (its address), when the primary's backlog no
+/// longer holds M+1 and the agent's log fills the gap ([`through_log`]).
+/// Refused when neither can: a node that loaded an RDB its primary cannot
+/// continue is synced in full, a fork of the primary. (The backlog may
+/// still move on before the node asks, which the confirmation then says.)
+async fn route(
+    cfg: &RedisConfig,
+    snapshot: &SnapshotInfo,
+    log: Option<&StreamLog>,
+) -> Result<Option<std::net::SocketAddr>, RedisError> {
     let repl = server_info(&cfg.primary, &cfg.auth(), "replication").await?;
-    continues(&cfg.primary, &repl, snapshot).map_err(RedisError::Cluster)
+    match continues(&cfg.primary, &repl, snapshot) {
+        Ok(()) => Ok(None),
+        Err(Cannot::History(why)) => Err(RedisError::Cluster(why)),
+        Err(Cannot::Backlog(why)) => match log {
+            Some(log) if through_log(&repl, log.end.as_ref()) => Ok(Some(log.feed.addr)),
+            Some(_) => Err(RedisError::Cluster(format!(
+                "{why}. This agent's stream log does not fill the gap either: it does not hold the RDB's offset, or it does not reach the primary's backlog"
+            ))),
+            None => Err(RedisError::Cluster(format!(
+                "{why}. A stream log on this agent following the primary's agent ([stream] dir and upstream) would fill the gap"
+            ))),
+        },
+    }
 }
 
 /// Whether the primary `p` (its `INFO replication`, `repl`) continues
@@ -135,7 +162,7 @@ fn continues(
     p: &str,
     repl: &crate::kv::redis::Info,
     snapshot: &SnapshotInfo,
-) -> Result<(), String> {
+) -> Result<(), Cannot> {
     let (id, next) = (snapshot.repl_id.as_deref().unwrap_or(""), snapshot.seq + 1);
     let (replid, replid2) = (
         repl.get("master_replid").unwrap_or(""),
@@ -143,35 +170,58 @@ fn continues(
     );
     let second = repl.num("second_repl_offset");
     if id != replid && (id != replid2 || next > second) {
-        return Err(format!(
+        return Err(Cannot::History(format!(
             "the primary {p} cannot continue this RDB (replication id {id:?} at offset {}): it runs under {replid} (before that {replid2} up to offset {second}), so the RDB is another shard's or another history's. Sync a snapshot of this shard's primary; nothing was stopped",
             snapshot.seq
-        ));
+        )));
     }
-    let first = repl.num("repl_backlog_first_byte_offset");
-    let last = first + repl.num("repl_backlog_histlen");
-    if repl.get("repl_backlog_active") != Some("1") || next < first || next > last {
-        return Err(format!(
-            "the primary {p}'s backlog holds offsets {first} to {last}, not {next}: the node would be synced in full, a fork of the primary. Sync a newer snapshot, or grow the primary's repl-backlog-size; nothing was stopped"
-        ));
+    match repl.backlog() {
+        Some(held) if held.contains(&next) => Ok(()),
+        held => Err(Cannot::Backlog(format!(
+            "the primary {p}'s backlog holds offsets {}, not {next}: the node would be synced in full, a fork of the primary. Sync a newer snapshot, or grow the primary's repl-backlog-size; nothing was stopped",
+            held.map_or("none (it has no backlog)".into(), |h| format!("{} to {}", h.start(), h.end()))
+        ))),
     }
-    Ok(())
+}
+
+/// Whether this agent's log, continuing the RDB and ending at `end` (its
+/// replication id there and its end offset), fills the gap to the
+/// primary (its `INFO replication`, `repl`): it ends in the primary's
+/// history where the backlog holds the next offset, so a node fed up to
+/// the log's end continues from the primary.
+fn through_log(repl: &crate::kv::redis::Info, end: Option<&(String, u64)>) -> bool {
+    let Some((id, end)) = end else {
+        return false;
+    };
+    let at_primary = repl.get("master_replid") == Some(id.as_str());
+    at_primary && repl.backlog().is_some_and(|held| held.contains(&(end + 1)))
+}
+
+/// This agent's stream log as a cluster handoff may use it: the feed that
+/// serves it, and where the log ends (its replication id there and its end
+/// offset) when it continues the RDB handed off (`None` when it does not).
+pub struct StreamLog {
+    pub feed: crate::kv::seed::Feed,
+    pub end: Option<(String, u64)>,
 }
 
 /// Seeds the local server with the verified RDB `rdb` saved at `info`:
 /// stop it, place the file, start it following the primary, wait for the
-/// link, and confirm the primary accepted a partial resync.
+/// link, and confirm the primary accepted a partial resync. A cluster
+/// node whose primary's backlog no longer holds M+1 is first fed up to
+/// the primary's backlog from this agent's stream `log`, when it can.
 pub async fn hand_off(
     cfg: &RedisConfig,
     timeout: Duration,
     rdb: &Path,
     snapshot: &SnapshotInfo,
+    log: Option<&StreamLog>,
 ) -> Result<String, RedisError> {
     let before = server_info(&cfg.primary, &cfg.auth(), "stats").await?;
     // In cluster mode, decide everything (or refuse) before stopping.
-    let cluster = crate::kv::cluster::plan(cfg).await?;
-    if cluster.is_some() {
-        primary_continues(cfg, snapshot).await?;
+    let mut cluster = crate::kv::cluster::plan(cfg).await?;
+    if let Some(plan) = &mut cluster {
+        plan.via = route(cfg, snapshot, log).await?;
     }
     room_for(rdb, &cfg.dir)?;
     if let Some(plan) = &cluster {
@@ -256,8 +306,19 @@ pub async fn hand_off(
     started.map_err(changed)?;
     let no_failover = plan.hold_failover(cfg, timeout).await.map_err(changed)?;
     let joined = async {
-        let resynced = confirm_partial(cfg, timeout, &before, snapshot).await?;
-        Ok(resynced + &plan.join(cfg, timeout).await?)
+        match log.filter(|_| plan.via.is_some()) {
+            None => {
+                let resynced = confirm_partial(cfg, timeout, &before, snapshot).await?;
+                Ok(resynced + &plan.join(cfg, timeout).await?)
+            }
+            // The gap first, from the feed; the primary continues after it.
+            Some(log) => {
+                let filled = plan.fill_gap(cfg, timeout, &log.feed, snapshot).await?;
+                let joined = plan.join(cfg, timeout).await?;
+                let resynced = confirm_partial(cfg, timeout, &before, snapshot).await?;
+                Ok(format!("{filled}; {resynced}{joined}"))
+            }
+        }
     }
     .await;
     plan.give_failover_back(cfg, &no_failover, joined).await
@@ -295,20 +356,64 @@ mod tests {
             Ok(()),
             "before the promotion"
         );
-        for (id, seq, says) in [
-            ("ccc", 200, "another shard's"),
-            ("bbb", 500, "another shard's"),
-            ("aaa", 98, "backlog holds offsets 100 to 1100, not 99"),
-            ("aaa", 1100, "not 1101"),
+        for (id, seq, says, history) in [
+            ("ccc", 200, "another shard's", true),
+            ("bbb", 500, "another shard's", true),
+            (
+                "aaa",
+                98,
+                "backlog holds offsets 100 to 1100, not 99",
+                false,
+            ),
+            ("aaa", 1100, "not 1101", false),
         ] {
-            let e = continues("p", &primary, &rdb(id, seq)).unwrap_err();
+            let (e, of_history) = match continues("p", &primary, &rdb(id, seq)).unwrap_err() {
+                Cannot::History(e) => (e, true),
+                Cannot::Backlog(e) => (e, false),
+            };
             assert!(
-                e.contains(says) && e.ends_with("nothing was stopped"),
+                e.contains(says) && e.ends_with("nothing was stopped") && of_history == history,
                 "{id} {seq}: {e}"
             );
         }
         let none = repl("master_replid:aaa repl_backlog_active:0");
-        assert!(continues("p", &none, &rdb("aaa", 0)).is_err(), "no backlog");
+        assert!(
+            matches!(continues("p", &none, &rdb("aaa", 0)), Err(Cannot::Backlog(e)) if e.contains("no backlog")),
+            "no backlog"
+        );
+    }
+
+    #[test]
+    fn a_log_fills_the_gap_only_up_into_the_primarys_backlog_and_history() {
+        let repl = |text: &str| crate::kv::redis::Info::parse(&text.replace(' ', "\r\n"));
+        let primary = repl("master_replid:aaa repl_backlog_active:1 repl_backlog_first_byte_offset:100 repl_backlog_histlen:1000");
+        let end = |id: &str, end: u64| Some((id.to_string(), end));
+        assert!(
+            through_log(&primary, end("aaa", 99).as_ref()),
+            "the log ends where the backlog begins"
+        );
+        assert!(
+            through_log(&primary, end("aaa", 1099).as_ref()),
+            "the log is at the primary's offset"
+        );
+        assert!(
+            !through_log(&primary, end("aaa", 98).as_ref()),
+            "it ends before the backlog"
+        );
+        assert!(
+            !through_log(&primary, end("aaa", 1100).as_ref()),
+            "past the primary: not its history"
+        );
+        assert!(
+            !through_log(&primary, end("bbb", 500).as_ref()),
+            "another history"
+        );
+        assert!(
+            !through_log(&primary, None),
+            "the log does not continue the RDB"
+        );
+        let none = repl("master_replid:aaa repl_backlog_active:0");
+        assert!(!through_log(&none, end("aaa", 0).as_ref()), "no backlog");
     }
 
     /// Another user of the directory plants a link wherever a temp name

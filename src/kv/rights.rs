@@ -22,6 +22,10 @@ pub enum Role {
     /// The server a replica's agent seeds, feeds or re-attaches; `logs`:
     /// the agent keeps a stream log (and so watches a cluster node's role).
     Replica { logs: bool },
+    /// The primary a seeded server continues from (`[redis] primary`):
+    /// its counters confirm the partial resync, and a shard primary's
+    /// table makes a cluster node its replica.
+    Continued,
     /// A Sentinel the agent asks, for the master it names.
     Sentinel,
 }
@@ -32,6 +36,7 @@ impl std::fmt::Display for Role {
             Role::Primary { follows: true, .. } => "the primary this agent follows",
             Role::Primary { .. } => "the primary this agent offers snapshots of",
             Role::Replica { .. } => "the server this agent seeds",
+            Role::Continued => "the primary the seeded server continues from",
             Role::Sentinel => "a Sentinel this agent asks",
         })
     }
@@ -69,6 +74,13 @@ pub fn logins(config: &Config) -> Vec<Login> {
         logins.push(Login {
             addr: r.server_addr.clone(),
             role: Role::Replica { logs: st.enabled() },
+            auth: r.auth(),
+        });
+    }
+    if seeds && !r.primary.is_empty() {
+        logins.push(Login {
+            addr: r.primary.clone(),
+            role: Role::Continued,
             auth: r.auth(),
         });
     }
@@ -137,6 +149,7 @@ async fn probe_all(login: &Login, master: &str) -> Result<Vec<String>, RedisErro
                 vec!["REPLICAOF", "kvsync-probe", "not-a-port"],
             ),
         ],
+        Role::Continued => vec![("+info", vec!["INFO", "server"])],
         Role::Sentinel => vec![("+sentinel|master", vec!["SENTINEL", "MASTER", master])],
     };
     for (right, args) in probes {
@@ -146,7 +159,11 @@ async fn probe_all(login: &Login, master: &str) -> Result<Vec<String>, RedisErro
     if in_cluster_mode(&mut con).await {
         for (right, args) in cluster_probes(login.role) {
             let reply = one(&args).query_async::<Value>(&mut con).await;
-            probe(right, denied(addr, reply)?);
+            match denied(addr, reply)? {
+                // Redis 7.0 has no shard ids: nothing to ask there.
+                Some(Denied::NoCommand) if right == "+cluster|myshardid" => {}
+                denied => probe(right, denied),
+            }
         }
     }
     match login.role {
@@ -169,8 +186,9 @@ async fn in_cluster_mode(con: &mut redis::aio::MultiplexedConnection) -> bool {
 
 /// The further probes of a cluster node's login: an agent with a stream
 /// log reads its node's role and table to follow the shard's failovers,
-/// and a seeded node is asked its table and sent `CLUSTER MEET` (to a
-/// port that is not one here).
+/// a seeded node is asked its table and sent `CLUSTER MEET` (to a port
+/// that is not one here), and its shard primary is asked its table, its
+/// cluster info, its shard id and who the agent's connection is.
 fn cluster_probes(role: Role) -> Vec<(&'static str, Vec<&'static str>)> {
     let (role_probe, table, meet) = (
         ("+role", vec!["ROLE"]),
@@ -184,6 +202,12 @@ fn cluster_probes(role: Role) -> Vec<(&'static str, Vec<&'static str>)> {
         Role::Primary { follows: true, .. } => vec![role_probe, table],
         Role::Replica { logs: true } => vec![role_probe, table, meet],
         Role::Replica { logs: false } => vec![table, meet],
+        Role::Continued => vec![
+            table,
+            ("+cluster|info", vec!["CLUSTER", "INFO"]),
+            ("+cluster|myshardid", vec!["CLUSTER", "MYSHARDID"]),
+            ("+client|info", vec!["CLIENT", "INFO"]),
+        ],
         Role::Primary { follows: false, .. } | Role::Sentinel => Vec::new(),
     }
 }

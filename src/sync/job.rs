@@ -20,6 +20,7 @@ use crate::blk3::Outcome;
 use crate::config::{Config, HandoffMode, RdmaProvider, TransportMode};
 use crate::kv::handoff::{self, HandoffRecord};
 use crate::kv::payload::Arriving;
+use crate::kv::restart;
 use crate::kv::seed::Early;
 use crate::metrics::{unix_now, Metrics, Running};
 use crate::rpc::dial::{ConnectError, CONNECT_TIMEOUT};
@@ -451,19 +452,28 @@ async fn hand_off(
         source: format!("{}@{}", offer.source_node, ctx.source),
     };
     let mode = config.handoff.mode.as_str();
-    // The stream feed serves this RDB to the server's full resync.
-    let feed = ctx.feed.as_ref().map(|f| {
-        if let Some(id) = &record.info.repl_id {
+    // The stream feed serves this RDB to the server's full resync; where
+    // the log continuing it ends is what it can fill of a cluster node's gap.
+    let log = ctx.feed.as_ref().map(|f| {
+        let end = record.info.repl_id.as_ref().and_then(|id| {
             f.seed_with(installed.clone(), id.clone(), record.info.seq);
+            let stream = ctx.stream.as_ref()?;
+            stream.view(|log| {
+                log.continues(id, record.info.seq).ok()?;
+                log.position()
+            })
+        });
+        restart::StreamLog {
+            feed: f.target(),
+            end,
         }
-        f.target()
     });
     let handoff = ctx
         .or_cancel(handoff::hand_off(
             &config.handoff,
             &config.redis,
             &record,
-            feed.as_ref(),
+            log.as_ref(),
             early,
         ))
         .await?;
@@ -489,6 +499,24 @@ fn fell_back(ctx: &JobContext, reason: &'static str, detail: &str) {
         .inc();
     ctx.progress
         .send_modify(|p| p.fallback_reason = format!("{reason}: {detail}"));
+}
+
+/// Whether the local server may continue the snapshot from this agent's
+/// stream log rather than from the primary's backlog, so the source checks
+/// its own log instead: fed from it (`redis-stream`), or a cluster node
+/// whose gap the log fills (`redis` with a log, the primary in cluster
+/// mode; `kv::restart` decides which at the handoff).
+async fn continues_from_log(ctx: &JobContext) -> bool {
+    let (mode, redis) = (ctx.config.handoff.mode, &ctx.config.redis);
+    match mode {
+        HandoffMode::RedisStream => true,
+        HandoffMode::Redis if ctx.feed.is_some() => {
+            crate::kv::cluster::enabled(&redis.primary, &redis.auth())
+                .await
+                .unwrap_or(false)
+        }
+        _ => false,
+    }
 }
 
 /// Asks the source for a session — TCP only, RDMA if it can, or RDMA
@@ -527,7 +555,7 @@ async fn negotiate(
         snapshot: ctx.want.map(Into::into),
         tcp_streams: ctx.config.data.tcp_streams.most(),
         piece_queue: true,
-        from_stream_log: ctx.config.handoff.mode == HandoffMode::RedisStream,
+        from_stream_log: continues_from_log(ctx).await,
     };
     let offer = ctx
         .or_cancel(peer.open_full_sync(request))
@@ -909,9 +937,8 @@ fn count_transfer(
 /// starts over at this snapshot ([`crate::stream::Stream::start_over_for_sync`]), so that
 /// the feed seeds the server from it and the stream goes on after it.
 async fn start_over_stranded(ctx: &JobContext, info: &SnapshotInfo) -> Result<(), JobError> {
-    let (Some(stream), Some(replid), true) =
-        (ctx.stream.clone(), info.repl_id.clone(), ctx.feed.is_some())
-    else {
+    let fed = ctx.feed.is_some() && ctx.config.handoff.mode == HandoffMode::RedisStream;
+    let (Some(stream), Some(replid), true) = (ctx.stream.clone(), info.repl_id.clone(), fed) else {
         return Ok(());
     };
     // Checked before anything changes: a server that left the feed keeps
