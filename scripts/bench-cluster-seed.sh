@@ -16,8 +16,15 @@
 # Prints what each cost the primary (forks, copy-on-write, full and partial
 # syncs) and a markdown row: server | dataset | kvsync | CLUSTER REPLICATE |
 # ratio | primary forks (kvsync / REPLICATE) | copy-on-write | cores.
+# With GAP=MiB, the primary writes that much after the save into a
+# backlog of 1 MiB, so that it no longer holds the RDB's offset: both
+# agents keep a stream log (the source's following the primary, started
+# before the save; the replica's following the source's), and the replica's
+# agent feeds the node the gap before the MEET. CLUSTER REPLICATE is timed
+# on the same primary afterwards.
 # Usage: scripts/bench-cluster-seed.sh [KEYS=1000000] [SIZE=100]
-#        (BENCHMARKS.md: 10000000 100; SERVER=valkey for Valkey 8)
+#        (BENCHMARKS.md: 10000000 100; SERVER=valkey for Valkey 8;
+#        GAP=200 for the gap through the agent)
 # KVSYNC_BIN=path uses that kvsync binary instead of building a release one.
 # Everything it starts (servers, agents) is stopped when it exits.
 set -euo pipefail
@@ -26,6 +33,7 @@ cd "$(dirname "$0")/.."
 keys=${1:-1000000}
 size=${2:-100}
 srv=${SERVER:-redis}
+gap_mib=${GAP:-0}
 case "$srv" in
     redis) bash scripts/deps.sh redis-server bc ;;
     valkey) bash scripts/deps.sh valkey-server/backports valkey-tools/backports bc ;;
@@ -102,6 +110,23 @@ until_true "the cluster" sh -c "$cli -p $P0 cluster info | grep -q cluster_state
 until_true "the first replica's link" sh -c "$cli -p $R info replication | grep -q master_link_status:up"
 tag=$(for t in $(seq 0 99); do [ "$($cli -p $P0 cluster keyslot "{t$t}")" -le 5460 ] && { echo "{t$t}"; break; }; done)
 $cli -p $P0 debug populate "$keys" "${tag}key" "$size" >/dev/null
+follows() { "$bin" status --agent "$1" | grep -q ": following"; }
+src_stream='' dst_stream=''
+if [ "$gap_mib" -gt 0 ]; then
+    # The source's log starts with a full resync of the primary (its one
+    # fork for the log, before the save and the timed runs).
+    src_stream="[stream]
+dir = \"$work/source-log\""
+fi
+src=$(agent source "node_id = \"source\"
+create_dirs = true
+snapshot_dir = \"$work/shard0\"
+snapshot_format = \"redis-rdb\"
+$agent_listen
+[redis]
+primary_addr = \"127.0.0.1:$P0\"
+$src_stream")
+[ "$gap_mib" -gt 0 ] && until_true "the source's log to follow the primary" follows "$src"
 for _ in $(seq 600); do
     [ "$($cli -p $P0 bgsave)" = "Background saving started" ] && break
     sleep 0.05
@@ -112,13 +137,9 @@ dataset_mib=$(( $(field $P0 memory used_memory) / 1048576 ))
 rdb_mib=$(( $(stat -c %s "$work/shard0/dump.rdb") / 1048576 ))
 echo "dataset: used_memory $dataset_mib MiB; RDB $rdb_mib MiB; $("$bin" verify "$work/shard0/dump.rdb")"
 
-src=$(agent source "node_id = \"source\"
-create_dirs = true
-snapshot_dir = \"$work/shard0\"
-snapshot_format = \"redis-rdb\"
-$agent_listen
-[redis]
-primary_addr = \"127.0.0.1:$P0\"")
+[ "$gap_mib" -gt 0 ] && dst_stream="[stream]
+dir = \"$work/replica-log\"
+upstream = \"$src\""
 mkdir -p "$work/replica-agent" "$work/kvsync-node"
 cluster_args $K "$work/kvsync-node"
 start=$(for a in $server_bin "${args[@]}"; do printf '"%s", ' "$a"; done)
@@ -135,8 +156,22 @@ server_addr = \"127.0.0.1:$K\"
 dir = \"$work/kvsync-node\"
 dbfilename = \"dump.rdb\"
 primary = \"127.0.0.1:$P0\"
-start = [${start%, }]")
+start = [${start%, }]
+$dst_stream")
 for _ in $(seq 400); do "$bin" snapshots --agent "$src" 2>/dev/null | grep -q dump.rdb && break; sleep 0.05; done
+if [ "$gap_mib" -gt 0 ]; then
+    until_true "the replica's log to follow the source's" follows "$dst"
+    $cli -p $P0 config set repl-backlog-size 1mb >/dev/null
+    echo "== the primary writes $gap_mib MiB after the save (1000-byte values, backlog 1 MiB)"
+    awk -v t="${tag}gap:" -v n=$((gap_mib * 1024)) 'BEGIN {
+        v = sprintf("%1000s", ""); gsub(/ /, "g", v)
+        for (i = 0; i < n; i++) { k = t i; printf "*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$1000\r\n%s\r\n", length(k), k, v } }' |
+        $cli -p $P0 --pipe >/dev/null
+    seq_m=$("$bin" verify "$work/shard0/dump.rdb" | grep -o '(M) [0-9]*' | cut -d' ' -f2 || true)
+    echo "primary backlog now starts at $(field $P0 replication repl_backlog_first_byte_offset) (RDB offset ${seq_m:-?})"
+    logged() { "$bin" status --agent "$dst" | grep -q "offsets [0-9]*\.\.$(field $P0 replication master_repl_offset) "; }
+    until_true "the replica's log to hold the primary's writes" logged
+fi
 sleep 2.5 # the source's backlog guard measures the write rate over [redis] rate_window (2 s)
 
 echo "== kvsync: the new node seeded from the primary's RDB (primary before: $(stats))"
@@ -167,6 +202,7 @@ full_forks=$(( $(field $P0 stats total_forks) - forks0 ))
 cow_mib=$(( $(field $P0 persistence rdb_last_cow_size) / 1048576 ))
 echo "== keys: primary $($cli -p $P0 dbsize), kvsync-seeded $($cli -p $K dbsize), CLUSTER REPLICATE $($cli -p $C dbsize); cluster_state: $(cluster_ok $K && echo ok) / $(cluster_ok $C && echo ok)"
 awk -v srv="$srv" -v s="$seed_s" -v f="$full_s" -v k="$keys" -v z="$size" -v r="$rdb_mib" -v m="$dataset_mib" \
-    -v c="$(nproc)" -v sf="$seed_forks" -v ff="$full_forks" -v cow="$cow_mib" 'BEGIN {
-    printf "| %s | %d keys x %d B (used_memory %d MiB, RDB %d MiB) | %.2f s | %.2f s | %.2f | %d / %d | 0 / %d MiB | %d cores |\n",
-        srv, k, z, m, r, s, f, s/f, sf, ff, cow, c }'
+    -v c="$(nproc)" -v sf="$seed_forks" -v ff="$full_forks" -v cow="$cow_mib" \
+    -v g="$([ "$gap_mib" -gt 0 ] && echo ", a gap of $gap_mib MiB past a 1 MiB backlog")" 'BEGIN {
+    printf "| %s | %d keys x %d B (used_memory %d MiB, RDB %d MiB)%s | %.2f s | %.2f s | %.2f | %d / %d | 0 / %d MiB | %d cores |\n",
+        srv, k, z, m, r, g, s, f, s/f, sf, ff, cow, c }'

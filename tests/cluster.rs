@@ -575,8 +575,15 @@ fn a_handoff_that_would_turn_a_shard_primary_into_a_replica_is_refused_before_an
     };
     let source = rt.block_on(source_agent(root, a));
     let a_counters = sync_counters(a);
-    // What each local server's dir holds before its refusal.
-    let contents = |d: &Path| ["nodes.conf", "dump.rdb"].map(|f| std::fs::read(d.join(f)).ok());
+    // What each local server's dir holds before its refusal: its RDB, and
+    // its own line of its nodes.conf (a running node rewrites the rest as
+    // it hears gossip).
+    let contents = |d: &Path| {
+        let own = std::fs::read_to_string(d.join("nodes.conf"))
+            .ok()
+            .map(|text| parse_nodes(&text).into_iter().find(|n| n.is_myself()));
+        (own, std::fs::read(d.join("dump.rdb")).ok())
+    };
     for (tag, primary, (addr, ndir), start_extra, redis_extra, says) in cases {
         let held = contents(&ndir);
         refused(

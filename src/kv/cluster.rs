@@ -703,14 +703,15 @@ impl Plan {
     /// as its `masterauth` (its own kept in the feed's file) until the
     /// feed continues it past the RDB and it has caught up with where the
     /// primary was then; its own `masterauth` back before anything else,
-    /// on failure too. The primary is never asked for the gap.
+    /// on failure too. The primary is never asked for the gap. Returns
+    /// the offset the node was fed to.
     pub async fn fill_gap(
         &self,
         cfg: &RedisConfig,
         timeout: Duration,
         feed: &Feed,
         snapshot: &SnapshotInfo,
-    ) -> Result<String, RedisError> {
+    ) -> Result<u64, RedisError> {
         let (local, auth) = (cfg.server_addr.as_str(), cfg.auth());
         let mut con = connect(local, &auth).await?;
         let was = server_info(local, &auth, "replication").await?;
@@ -754,10 +755,7 @@ impl Plan {
         match (fed, back) {
             (Ok(at), Ok(())) => {
                 info!(from = snapshot.seq + 1, to = at, "the node was fed the gap from the stream log");
-                Ok(format!(
-                    "the primary's backlog no longer held offset {}: this agent's stream log fed the node from there to {at}",
-                    snapshot.seq + 1
-                ))
+                Ok(at)
             }
             (Ok(_), Err(e)) => Err(refuse(format!(
                 "the node was fed the gap, but its masterauth is still this agent's feed's (set it back yourself; it is kept in {}): {e}",

@@ -313,10 +313,14 @@ pub async fn hand_off(
             }
             // The gap first, from the feed; the primary continues after it.
             Some(log) => {
-                let filled = plan.fill_gap(cfg, timeout, &log.feed, snapshot).await?;
+                let at = plan.fill_gap(cfg, timeout, &log.feed, snapshot).await?;
                 let joined = plan.join(cfg, timeout).await?;
-                let resynced = confirm_partial(cfg, timeout, &before, snapshot).await?;
-                Ok(format!("{filled}; {resynced}{joined}"))
+                confirm_partial(cfg, timeout, &before, snapshot).await?;
+                Ok(format!(
+                    "the primary's backlog no longer held offset {}: this agent's stream log fed the node from there to {at}; then the primary's partial resync accepted from offset {} on, no full sync{joined}",
+                    snapshot.seq + 1,
+                    at + 1
+                ))
             }
         }
     }
