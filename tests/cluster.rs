@@ -1060,9 +1060,10 @@ fn an_rdb_the_primary_cannot_continue_is_refused_before_the_node_is_stopped(serv
 /// holds: its agent, whose stream log follows the primary's agent, feeds
 /// it the gap before it meets the cluster (the primary's address in its
 /// `nodes.conf` the agent's feed until then), under writes; the primary
-/// then continues it with a partial resync and never forks. The node's
-/// own `masterauth` is back. (Without such a log the handoff is refused
-/// before anything is stopped: `restart::tests`.)
+/// then continues it with a partial resync and never forks. A cancel
+/// while the node is fed changes nothing: the node's own `masterauth` is
+/// back and it joins. (Without such a log the handoff is refused before
+/// anything is stopped: `restart::tests`.)
 fn a_gap_beyond_the_primarys_backlog_is_filled_through_the_agent_without_a_fork(server: Server) {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
@@ -1082,11 +1083,12 @@ fn a_gap_beyond_the_primarys_backlog_is_filled_through_the_agent_without_a_fork(
     wait_following(&src);
     let (ndir, port) = (root.join("new-node"), free_port());
     std::fs::create_dir_all(&ndir).unwrap();
+    let feed = format!("seed_listen = \"127.0.0.1:{}\"", free_port());
     let r_config = replica_config(
         &a.addr(),
         server,
         (&format!("127.0.0.1:{port}"), &ndir),
-        (&[], ""),
+        (&[], &feed),
     ) + &puller_config(&src, &root.join("r-log"));
     let follower = agent(root, "r", &root.join("r-snaps"), &r_config, &[]);
     wait_following(&follower);
@@ -1119,7 +1121,32 @@ fn a_gap_beyond_the_primarys_backlog_is_filled_through_the_agent_without_a_fork(
             .unwrap();
         std::thread::sleep(std::time::Duration::from_millis(10));
     });
-    let p = rt.block_on(sync_ok(&follower, &src));
+    // Cancelled while the node is fed the gap: the handoff, which acts on
+    // the node step by step, still runs to its end.
+    let node = started(server, port, &ndir);
+    let p = rt.block_on(async {
+        let id = start_sync(&follower, &src).await;
+        wait_for("the node to take the feed's password", DEADLINE, || {
+            let mut con = redis::Client::open(node.url())
+                .ok()?
+                .get_connection()
+                .ok()?;
+            let auth: Vec<String> = redis::cmd("CONFIG")
+                .arg("GET")
+                .arg("masterauth")
+                .query(&mut con)
+                .ok()?;
+            auth.get(1).is_some_and(|p| !p.is_empty()).then_some(())
+        });
+        let mut c = follower.client().await;
+        c.cancel_sync(pb::CancelSyncRequest {
+            sync_id: id.clone(),
+        })
+        .await
+        .unwrap();
+        wait_done(&follower, &id).await
+    });
+    assert_eq!(p.phase, pb::Phase::Succeeded as i32, "{p:?}");
     for says in [
         "this agent's stream log fed the node",
         "partial resync accepted",
@@ -1128,7 +1155,6 @@ fn a_gap_beyond_the_primarys_backlog_is_filled_through_the_agent_without_a_fork(
         assert!(p.handoff.contains(says), "{says}: {}", p.handoff);
     }
     drop(writer);
-    let node = started(server, port, &ndir);
     joined_and_caught_up(&node, a);
     assert_eq!(
         sync_counters(a),

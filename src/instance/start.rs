@@ -191,6 +191,13 @@ async fn start_stream(instance: &mut Instance, parts: &Parts) -> Result<(), Star
         ));
         instance.feed = Some(feed);
     }
+    if let (HandoffMode::Redis, Some(feed)) = (mode, &instance.feed) {
+        instance.spawn(crate::kv::cluster::left_mid_gap(
+            redis.clone(),
+            feed.target(),
+            stop.clone(),
+        ));
+    }
     if let (HandoffMode::RedisStream, Some(feed)) = (mode, instance.feed.clone()) {
         instance.spawn(crate::kv::seed::repoint(
             redis.clone(),

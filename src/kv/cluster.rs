@@ -204,6 +204,35 @@ fn nodes_conf_path(cfg: &RedisConfig) -> PathBuf {
     cfg.dir.join(&cfg.cluster_config_file)
 }
 
+/// At the start of a `redis` instance with a stream feed: a node whose
+/// `masterauth` is the feed's password was left midway through a gap fill
+/// ([`Plan::fill_gap`]) by an agent that stopped; it follows the feed,
+/// outside the cluster. Says so and what to do, once the server answers
+/// (asked every few seconds until it does, or `stop`).
+pub async fn left_mid_gap(cfg: RedisConfig, feed: Feed, stop: tokio_util::sync::CancellationToken) {
+    let server = cfg.server_addr.as_str();
+    loop {
+        let asked = async {
+            let mut con = connect(server, &cfg.auth()).await?;
+            seed::config_get(&mut con, server, "masterauth").await
+        };
+        if let Ok(auth) = asked.await {
+            if auth == feed.secret {
+                tracing::warn!(
+                    server,
+                    kept = %feed.server_auth.display(),
+                    "the local cluster node was left midway through a seeding whose gap this agent's stream log fills: it follows this agent's feed, outside the cluster, with the feed's password as its masterauth (its own is kept in the file named); sync it again to finish its seeding"
+                );
+            }
+            return;
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_secs(2)) => {}
+        }
+    }
+}
+
 /// Whether the server at `addr` runs in cluster mode (`INFO cluster`).
 pub async fn enabled(addr: &str, auth: &ServerAuth) -> Result<bool, RedisError> {
     let cluster = server_info(addr, auth, "cluster").await?;
@@ -726,18 +755,28 @@ impl Plan {
                 ))
             })?,
         };
+        // Linked to the feed's port at the feed's IP, not at another host
+        // the cluster bus gossiped meanwhile.
+        let from_feed = |what: &'static str, from: u64| async move {
+            let i = seed::following(cfg, timeout, what, feed.addr.port(), from).await?;
+            let host = i.get("master_host").unwrap_or("");
+            match host == feed.addr.ip().to_string() {
+                true => Ok(i.num("master_repl_offset")),
+                false => Err(refuse(format!(
+                    "the node follows {host}:{}, not this agent's feed {}: something on the cluster bus gave it another address for its primary; it was not joined",
+                    feed.addr.port(),
+                    feed.addr
+                ))),
+            }
+        };
         let fed = async {
             seed::config_set(&mut con, local, "masterauth", &feed.secret).await?;
-            let port = feed.addr.port();
-            let what = "the node to follow this agent's stream feed";
-            seed::following(cfg, timeout, what, port, snapshot.seq).await?;
+            from_feed("the node to follow this agent's stream feed", snapshot.seq).await?;
             let target = server_info(&cfg.primary, &auth, "replication")
                 .await?
                 .num("master_repl_offset");
             let what = "the node to catch up with the primary through the feed";
-            let at = seed::following(cfg, timeout, what, port, target)
-                .await?
-                .num("master_repl_offset");
+            let at = from_feed(what, target).await?;
             let repl = server_info(&cfg.primary, &auth, "replication").await?;
             match repl.backlog() {
                 Some(held) if held.contains(&(at + 1)) => Ok(at),

@@ -127,9 +127,10 @@ enum Cannot {
 }
 
 /// Where a cluster node continues its RDB from, decided before it is
-/// stopped: from the shard primary itself (`None`), or first from this
-/// agent's stream feed (its address), when the primary's backlog no
-/// longer holds M+1 and the agent's log fills the gap ([`through_log`]).
+/// stopped: first from this agent's stream feed (its address), whenever
+/// the agent's log continues the RDB into the primary's backlog
+/// ([`through_log`]); else from the shard primary itself (`None`), when
+/// its backlog holds M+1.
 /// Refused when neither can: a node that loaded an RDB its primary cannot
 /// continue is synced in full, a fork of the primary. (The backlog may
 /// still move on before the node asks, which the confirmation then says.)
@@ -139,18 +140,42 @@ async fn route(
     log: Option<&StreamLog>,
 ) -> Result<Option<std::net::SocketAddr>, RedisError> {
     let repl = server_info(&cfg.primary, &cfg.auth(), "replication").await?;
-    match continues(&cfg.primary, &repl, snapshot) {
-        Ok(()) => Ok(None),
-        Err(Cannot::History(why)) => Err(RedisError::Cluster(why)),
-        Err(Cannot::Backlog(why)) => match log {
-            Some(log) if through_log(&repl, log.end.as_ref()) => Ok(Some(log.feed.addr)),
-            Some(_) => Err(RedisError::Cluster(format!(
+    let seed_listen = cfg.seed_listen.as_str();
+    decide(&cfg.primary, &repl, snapshot, log, seed_listen).map_err(RedisError::Cluster)
+}
+
+/// [`route`]'s decision, of the primary `p`'s `INFO replication`
+/// (`repl`) and this agent's `log` with its feed on `seed_listen`.
+fn decide(
+    p: &str,
+    repl: &crate::kv::redis::Info,
+    snapshot: &SnapshotInfo,
+    log: Option<&StreamLog>,
+    seed_listen: &str,
+) -> Result<Option<std::net::SocketAddr>, String> {
+    // The feed whenever it can: the source did not hold the primary's
+    // backlog for this seeding, which may lose M+1 while the node loads.
+    // Only at a fixed port: a node left on it by an agent that stopped
+    // midway finds the agent's next run there, not whoever took the port.
+    let fixed = seed_listen
+        .parse::<std::net::SocketAddr>()
+        .is_ok_and(|a| a.port() != 0);
+    let through = log.filter(|log| fixed && through_log(repl, log.end.as_ref()));
+    match (continues(p, repl, snapshot), through) {
+        (Err(Cannot::History(why)), _) => Err(why),
+        (_, Some(log)) => Ok(Some(log.feed.addr)),
+        (Ok(()), None) => Ok(None),
+        (Err(Cannot::Backlog(why)), None) => Err(match log {
+            Some(_) if !fixed => format!(
+                "{why}. This agent's stream log would fill the gap from a fixed [redis] seed_listen port (not {seed_listen})"
+            ),
+            Some(_) => format!(
                 "{why}. This agent's stream log does not fill the gap either: it does not hold the RDB's offset, or it does not reach the primary's backlog"
-            ))),
-            None => Err(RedisError::Cluster(format!(
+            ),
+            None => format!(
                 "{why}. A stream log on this agent following the primary's agent ([stream] dir and upstream) would fill the gap"
-            ))),
-        },
+            ),
+        }),
     }
 }
 
@@ -332,11 +357,9 @@ pub async fn hand_off(
 mod tests {
     use super::*;
 
-    #[test]
-    fn an_rdb_is_continued_only_from_the_primarys_history_and_backlog() {
-        let repl = |text: &str| crate::kv::redis::Info::parse(&text.replace(' ', "\r\n"));
-        let primary = repl("master_replid:aaa master_replid2:bbb second_repl_offset:500 repl_backlog_active:1 repl_backlog_first_byte_offset:100 repl_backlog_histlen:1000");
-        let rdb = |id: &str, seq: u64| SnapshotInfo {
+    /// An RDB saved under `id` at offset `seq`.
+    fn rdb(id: &str, seq: u64) -> SnapshotInfo {
+        SnapshotInfo {
             format: crate::snapshot::Format::RedisRdb,
             size: 0,
             seq,
@@ -344,7 +367,13 @@ mod tests {
             records: 0,
             created_ms: 0,
             repl_id: Some(id.into()),
-        };
+        }
+    }
+
+    #[test]
+    fn an_rdb_is_continued_only_from_the_primarys_history_and_backlog() {
+        let repl = |text: &str| crate::kv::redis::Info::parse(&text.replace(' ', "\r\n"));
+        let primary = repl("master_replid:aaa master_replid2:bbb second_repl_offset:500 repl_backlog_active:1 repl_backlog_first_byte_offset:100 repl_backlog_histlen:1000");
         assert_eq!(
             continues("p", &primary, &rdb("aaa", 99)),
             Ok(()),
@@ -384,6 +413,71 @@ mod tests {
         assert!(
             matches!(continues("p", &none, &rdb("aaa", 0)), Err(Cannot::Backlog(e)) if e.contains("no backlog")),
             "no backlog"
+        );
+    }
+
+    /// The feed whenever the log reaches the backlog, even while the
+    /// backlog still holds M+1 (the source did not hold it for this
+    /// seeding), and only from a fixed port; the primary itself otherwise.
+    #[test]
+    fn a_node_is_fed_by_the_agent_whenever_its_log_reaches_the_primary() {
+        let repl = |text: &str| crate::kv::redis::Info::parse(&text.replace(' ', "\r\n"));
+        let primary = repl("master_replid:aaa repl_backlog_active:1 repl_backlog_first_byte_offset:100 repl_backlog_histlen:1000");
+        let rdb = |seq: u64| rdb("aaa", seq);
+        let log = |end: Option<u64>| StreamLog {
+            feed: crate::kv::seed::Feed {
+                addr: "127.0.0.1:6400".parse().unwrap(),
+                secret: String::new(),
+                server_auth: "kept".into(),
+            },
+            end: end.map(|e| ("aaa".to_string(), e)),
+        };
+        let feed = Ok(Some("127.0.0.1:6400".parse().unwrap()));
+        let fixed = "127.0.0.1:6400";
+        let reaching = log(Some(1099));
+        assert_eq!(
+            decide("p", &primary, &rdb(500), Some(&reaching), fixed),
+            feed,
+            "M+1 still held"
+        );
+        assert_eq!(
+            decide("p", &primary, &rdb(50), Some(&reaching), fixed),
+            feed,
+            "the gap"
+        );
+        assert_eq!(
+            decide("p", &primary, &rdb(500), None, fixed),
+            Ok(None),
+            "no log"
+        );
+        let short = log(None);
+        assert_eq!(
+            decide("p", &primary, &rdb(500), Some(&short), fixed),
+            Ok(None)
+        );
+        for (log, listen, says) in [
+            (None, fixed, "A stream log on this agent"),
+            (Some(&short), fixed, "does not fill the gap either"),
+            (
+                Some(&reaching),
+                "127.0.0.1:0",
+                "from a fixed [redis] seed_listen port",
+            ),
+        ] {
+            let e = decide("p", &primary, &rdb(50), log, listen).unwrap_err();
+            assert!(
+                e.contains("backlog holds offsets 100 to 1100, not 51") && e.contains(says),
+                "{e}"
+            );
+        }
+        let other = SnapshotInfo {
+            repl_id: Some("zzz".into()),
+            ..rdb(500)
+        };
+        let e = decide("p", &primary, &other, Some(&reaching), fixed).unwrap_err();
+        assert!(
+            e.contains("another history's"),
+            "never another history: {e}"
         );
     }
 

@@ -468,15 +468,14 @@ async fn hand_off(
             end,
         }
     });
-    let handoff = ctx
-        .or_cancel(handoff::hand_off(
-            &config.handoff,
-            &config.redis,
-            &record,
-            log.as_ref(),
-            early,
-        ))
-        .await?;
+    let work = handoff::hand_off(&config.handoff, &config.redis, &record, log.as_ref(), early);
+    // A restart acts on the server step by step and puts back what a
+    // failed step leaves: once begun it runs to its end (within its
+    // deadline), cancelled or not.
+    let handoff = match config.handoff.mode {
+        HandoffMode::Redis => work.await,
+        _ => ctx.or_cancel(work).await?,
+    };
     let result = if handoff.is_ok() { "ok" } else { "failed" };
     ctx.metrics
         .handoff_total
