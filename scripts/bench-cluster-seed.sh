@@ -58,7 +58,7 @@ trap cleanup EXIT
 # Ports below the ephemeral range; each node's bus port is its port + 10000.
 low=$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range)
 base=$((10000 + RANDOM % (low - 20010)))
-P0=$base P1=$((base + 1)) P2=$((base + 2)) R=$((base + 3)) K=$((base + 4)) C=$((base + 5))
+P0=$base P1=$((base + 1)) P2=$((base + 2)) R=$((base + 3)) K=$((base + 4)) C=$((base + 5)) F=$((base + 6))
 cluster_args() { # PORT DIR: sets args to a cluster node's arguments
     args=(--port "$1" --bind 127.0.0.1 --dir "$2" --dbfilename dump.rdb --save "" --appendonly no
         --cluster-enabled yes --cluster-config-file nodes.conf --cluster-allow-replica-migration no
@@ -137,7 +137,9 @@ dataset_mib=$(( $(field $P0 memory used_memory) / 1048576 ))
 rdb_mib=$(( $(stat -c %s "$work/shard0/dump.rdb") / 1048576 ))
 echo "dataset: used_memory $dataset_mib MiB; RDB $rdb_mib MiB; $("$bin" verify "$work/shard0/dump.rdb")"
 
-[ "$gap_mib" -gt 0 ] && dst_stream="[stream]
+# The replica agent's feed, at a fixed port (the gap path needs one).
+[ "$gap_mib" -gt 0 ] && dst_stream="seed_listen = \"127.0.0.1:$F\"
+[stream]
 dir = \"$work/replica-log\"
 upstream = \"$src\""
 mkdir -p "$work/replica-agent" "$work/kvsync-node"
