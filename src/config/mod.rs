@@ -37,7 +37,7 @@ pub use data::{
     AUTO_TCP_STREAMS, MAX_SERVED_STREAMS, MAX_TCP_STREAMS,
 };
 pub use grpc::{AuthConfig, GrpcConfig, TlsConfig};
-pub use redis::{HandoffConfig, HandoffMode, RedisConfig};
+pub use redis::{fixed_port, HandoffConfig, HandoffMode, RedisConfig};
 pub use server_auth::{AuthError, Credentials, ServerAuth, TlsFiles};
 pub use stream::{Fsync, StreamAck, StreamConfig, MAX_STREAM_SESSIONS};
 
@@ -494,11 +494,7 @@ impl Config {
                 let mode = i.handoff.mode;
                 let seeds =
                     mode == HandoffMode::RedisReplicate || mode.runs_feed(i.stream.enabled());
-                let fixed = i
-                    .redis
-                    .seed_listen
-                    .parse::<SocketAddr>()
-                    .is_ok_and(|a| a.port() != 0);
+                let fixed = fixed_port(&i.redis.seed_listen);
                 (seeds && fixed).then(|| i.redis.seed_listen.clone())
             }),
         ];

@@ -186,6 +186,12 @@ pub enum HandoffMode {
     RedisStream,
 }
 
+/// Whether `listen` (an `ip:port`, as `[redis] seed_listen`) names a
+/// fixed port, one the next run listens on again.
+pub fn fixed_port(listen: &str) -> bool {
+    listen.parse::<SocketAddr>().is_ok_and(|a| a.port() != 0)
+}
+
 impl HandoffMode {
     /// The name in the configuration and the `mode` metric label.
     pub fn as_str(self) -> &'static str {

@@ -157,9 +157,7 @@ fn decide(
     // backlog for this seeding, which may lose M+1 while the node loads.
     // Only at a fixed port: a node left on it by an agent that stopped
     // midway finds the agent's next run there, not whoever took the port.
-    let fixed = seed_listen
-        .parse::<std::net::SocketAddr>()
-        .is_ok_and(|a| a.port() != 0);
+    let fixed = crate::config::fixed_port(seed_listen);
     let through = log.filter(|log| fixed && through_log(repl, log.end.as_ref()));
     match (continues(p, repl, snapshot), through) {
         (Err(Cannot::History(why)), _) => Err(why),

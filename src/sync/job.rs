@@ -503,13 +503,16 @@ fn fell_back(ctx: &JobContext, reason: &'static str, detail: &str) {
 /// Whether the local server may continue the snapshot from this agent's
 /// stream log rather than from the primary's backlog, so the source checks
 /// its own log instead: fed from it (`redis-stream`), or a cluster node
-/// whose gap the log fills (`redis` with a log, the primary in cluster
-/// mode; `kv::restart` decides which at the handoff).
+/// whose gap the log fills (`redis` with a log and its feed on a fixed
+/// port, the primary in cluster mode; `kv::restart` decides which at the
+/// handoff).
 async fn continues_from_log(ctx: &JobContext) -> bool {
     let (mode, redis) = (ctx.config.handoff.mode, &ctx.config.redis);
     match mode {
         HandoffMode::RedisStream => true,
-        HandoffMode::Redis if ctx.feed.is_some() => {
+        HandoffMode::Redis
+            if ctx.feed.is_some() && crate::config::fixed_port(&redis.seed_listen) =>
+        {
             crate::kv::cluster::enabled(&redis.primary, &redis.auth())
                 .await
                 .unwrap_or(false)
