@@ -1102,9 +1102,11 @@ fn a_gap_beyond_the_primarys_backlog_is_filled_through_the_agent_without_a_fork(
     // The primary's backlog (its smallest) moves on past the RDB's offset.
     let _: () = a.cmd(&["CONFIG", "SET", "repl-backlog-size", "1mb"]);
     a.fill(&format!("{{{tag}}}gap"), 20_000, &"g".repeat(200));
-    assert!(
-        a.info("replication").num("repl_backlog_first_byte_offset") > seq + 1,
-        "the backlog no longer holds the RDB's next offset"
+    // (The server trims its backlog a little at a time, in its cron.)
+    wait_for(
+        "the backlog to no longer hold the RDB's next offset",
+        DEADLINE,
+        || (a.info("replication").num("repl_backlog_first_byte_offset") > seq + 1).then_some(()),
     );
     wait_for("the node's agent's log to hold the gap", DEADLINE, || {
         let end = a.info("replication").num("master_repl_offset");

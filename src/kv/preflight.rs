@@ -55,10 +55,7 @@ impl Foresight {
 pub fn check_backlog(repl: &Info, repl_id: &str, seq: u64) -> Result<Preflight, RedisError> {
     let next = seq + 1;
     let current = repl.get("master_replid").unwrap_or("");
-    let second = repl.get("master_replid2").unwrap_or("");
-    let same_history =
-        current == repl_id || (second == repl_id && next <= repl.num("second_repl_offset"));
-    if !same_history {
+    if !repl.holds_history(repl_id, next) {
         return Err(RedisError::Precondition(format!(
             "the primary's replication id is {current}, the RDB was saved under {repl_id}: the primary restarted or failed over since; save a fresh RDB on the primary"
         )));

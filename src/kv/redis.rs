@@ -77,6 +77,14 @@ impl Info {
         self.get(key).and_then(|v| v.parse().ok()).unwrap_or(0)
     }
 
+    /// Of a primary's `INFO replication`: whether offset `next` under the
+    /// replication id `id` is in its history (its id, or the one it
+    /// continued from, up to where it did).
+    pub fn holds_history(&self, id: &str, next: u64) -> bool {
+        self.get("master_replid") == Some(id)
+            || (self.get("master_replid2") == Some(id) && next <= self.num("second_repl_offset"))
+    }
+
     /// Of a primary's `INFO replication`: the offsets its backlog holds
     /// (a `PSYNC` from any of them continues), `None` without a backlog.
     pub fn backlog(&self) -> Option<std::ops::RangeInclusive<u64>> {

@@ -192,7 +192,7 @@ fn continues(
         repl.get("master_replid2").unwrap_or(""),
     );
     let second = repl.num("second_repl_offset");
-    if id != replid && (id != replid2 || next > second) {
+    if !repl.holds_history(id, next) {
         return Err(Cannot::History(format!(
             "the primary {p} cannot continue this RDB (replication id {id:?} at offset {}): it runs under {replid} (before that {replid2} up to offset {second}), so the RDB is another shard's or another history's. Sync a snapshot of this shard's primary; nothing was stopped",
             snapshot.seq
@@ -340,7 +340,7 @@ pub async fn hand_off(
                 let joined = plan.join(cfg, timeout).await?;
                 confirm_partial(cfg, timeout, &before, snapshot).await?;
                 Ok(format!(
-                    "the primary's backlog no longer held offset {}: this agent's stream log fed the node from there to {at}; then the primary's partial resync accepted from offset {} on, no full sync{joined}",
+                    "this agent's stream log fed the node from offset {} to {at}; then the primary's partial resync accepted from offset {} on, no full sync{joined}",
                     snapshot.seq + 1,
                     at + 1
                 ))
